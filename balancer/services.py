@@ -1,0 +1,101 @@
+"""Connected clients built from :class:`~balancer.settings.Settings`.
+
+The one place that resolves "URL unset" to the embedded stack and turns
+connection failures into one-line errors naming the masked URL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import redis
+from sqlalchemy.engine import Engine
+
+from balancer.admission import AdmissionCore, LeaseSeed
+from balancer.errors import ServiceUnavailable
+from balancer.quota import Quota
+from balancer.settings import Settings, mask_url
+from balancer.storage.db import cached_engine
+from balancer.storage.quotas import QuotaStore
+from balancer.storage.tasks import in_flight_leases
+
+
+def resolve(settings: Settings) -> Settings:
+    """Fill unset Redis/database URLs with the persistent embedded stack."""
+    if settings.redis_url and settings.database_url:
+        return settings
+    from balancer.embedded import ensure_stack
+
+    redis_url, database_url = ensure_stack(settings.home)
+    return replace(
+        settings,
+        redis_url=settings.redis_url or redis_url,
+        database_url=settings.database_url or database_url,
+    )
+
+
+def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:
+    """Delete a namespace's keys: admission state ``{ns}*`` and broker keys ``ns:*``.
+
+    Only for namespaces the caller created (tests, the demo); never anything else.
+    """
+    deleted = 0
+    for pattern in ("{" + namespace + "}*", namespace + ":*"):
+        batch = []
+        for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                deleted += client.delete(*batch)
+                batch = []
+        if batch:
+            deleted += client.delete(*batch)
+    return deleted
+
+
+def redis_client(url: str, *, check: bool = True) -> redis.Redis:
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, health_check_interval=30)
+        if check:
+            client.ping()
+    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:
+        raise ServiceUnavailable(
+            f"cannot reach Redis at {mask_url(url)} (BALANCER_REDIS_URL): {str(exc).splitlines()[0]}"
+        ) from None
+    except redis.ResponseError as exc:
+        raise ServiceUnavailable(f"Redis at {mask_url(url)} refused us (BALANCER_REDIS_URL): {exc}") from None
+    return client
+
+
+@dataclass
+class Services:
+    """The handles a command or task needs, made once per process."""
+
+    settings: Settings
+    redis: redis.Redis
+    engine: Engine
+    core: AdmissionCore
+    quotas: QuotaStore
+
+    @classmethod
+    def connect(cls, settings: Settings, *, check: bool = True) -> Services:
+        settings = resolve(settings)
+        assert settings.redis_url and settings.database_url
+        client = redis_client(settings.redis_url, check=check)
+        engine = cached_engine(settings.database_url)
+        core = AdmissionCore(
+            client,
+            settings.namespace,
+            lease_ms=settings.lease_seconds * 1000,
+            base_quantum=settings.base_quantum,
+        )
+        store = QuotaStore(engine, live=core)
+        services = cls(settings, client, engine, core, store)
+        core.restore_source = services.restore_source
+        return services
+
+    def restore_source(self) -> tuple[list[Quota], list[LeaseSeed]]:
+        """What Redis gets back after losing its data: PostgreSQL's quotas and in-flight leases."""
+        return self.quotas.all(), self.in_flight_leases()
+
+    def in_flight_leases(self) -> list[LeaseSeed]:
+        return in_flight_leases(self.engine, self.settings.lease_seconds * 1000)
