@@ -1,0 +1,53 @@
+-- renew.lua: re-assert a slot when a worker starts (or restarts) a call.
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- ARGV[1] now in ms, or '' for Redis TIME
+-- ARGV[2] lease length in ms
+-- ARGV[3] admission id
+-- ARGV[4] model
+-- ARGV[5] estimated tokens
+-- Returns {'NOSTATE'}, or one decision as in admit.lua. If the model was
+-- disabled since admission, the lease is dropped (refunded if never started)
+-- and the answer is 'W' with no time: the call must not start. A live lease is
+-- extended and marked started. An expired one is re-acquired on the same model
+-- (slot, tokens, request, outside WDRR) if there is room, else 'W': the caller
+-- must not call the backend.
+
+if not loaded() then return {'NOSTATE'} end
+local now = clock(ARGV[1])
+local lease_ms, lid, model, est = tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
+local m = load_model(model)
+if not m then return {'R', 'unknown', ''} end
+refill(m, now)
+purge(m, now)
+local raw = redis.call('HGET', LEASES, lid)
+if raw and m.enabled ~= 1 then
+  -- Disabled since admission: this call must not start.
+  local lease = cjson.decode(raw)
+  redis.call('ZREM', inflight_key(lease.m), lid)
+  redis.call('HDEL', LEASES, lid)
+  if lease.s == 0 then refund(m, lease.e) end
+  save_model(m)
+  return {'W', '', fmt(now)}
+end
+if raw then
+  local lease = cjson.decode(raw)
+  redis.call('ZADD', inflight_key(lease.m), fmt(now + lease_ms), lid)
+  lease.s = 1
+  redis.call('HSET', LEASES, lid, cjson.encode(lease))
+  save_model(m)
+  return {'A', lease.m, lid}
+end
+local result
+if est > m.burst then
+  result = {'R', 'toolarge', fmt(m.burst)}
+elseif m.enabled ~= 1 then
+  result = {'W', '', fmt(now)}
+elseif not has_capacity(m, est) then
+  result = {'W', fmt(now + wait_ms(m, est, now)), fmt(now)}
+else
+  charge(m, est)
+  put_lease(lid, model, est, now + lease_ms, 1)
+  result = {'A', model, lid}
+end
+save_model(m)
+return result

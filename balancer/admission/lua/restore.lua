@@ -1,0 +1,37 @@
+-- restore.lua: rebuild the live state after Redis lost it, from PostgreSQL's copy.
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- ARGV[1] now in ms, or '' for Redis TIME
+-- ARGV[2] number of quotas Q, then Q groups of 7:
+--         name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0)
+-- then the number of in-flight leases L, then L groups of 4:
+--         admission id, model, estimated tokens, deadline ms
+-- Returns 1 if it restored, 0 if the state was already there (another process won).
+-- Buckets start empty, not full: the provider may have just seen a burst.
+-- Leases are re-seeded as started, so the calls still running count against the caps.
+
+if loaded() then return 0 end
+local now = clock(ARGV[1])
+for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
+  redis.call('DEL', model_key(name), inflight_key(name))
+end
+redis.call('DEL', MODELS, LEASES)
+redis.call('HSET', META, 'loaded', '1', 'epoch', fmt(now), 'seq', '0', 'rr', '')
+local q = tonumber(ARGV[2])
+local i = 3
+for _ = 1, q do
+  local m = {name = ARGV[i], weight = tonumber(ARGV[i + 1]), cap = tonumber(ARGV[i + 2]),
+             tpm = tonumber(ARGV[i + 3]), rpm = tonumber(ARGV[i + 4]), burst = tonumber(ARGV[i + 5]),
+             enabled = tonumber(ARGV[i + 6]), tokens = 0, requests = 0, refilled_at = now, deficit = 0}
+  save_model(m)
+  redis.call('ZADD', MODELS, 0, m.name)
+  i = i + 7
+end
+local l = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, l do
+  if redis.call('ZSCORE', MODELS, ARGV[i + 1]) then
+    put_lease(ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), 1)
+  end
+  i = i + 4
+end
+return 1

@@ -1,0 +1,66 @@
+"""Plumbing of the admission core: script loading, keys, clock."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow
+from balancer.admission.core import _SCRIPTS
+from balancer.quota import Quota
+from tests.twin import delete_keys
+
+
+@pytest.fixture
+def core(redis_client: redis.Redis, namespace: str) -> AdmissionCore:
+    core = AdmissionCore(redis_client, namespace, lease_ms=60_000)
+    core.restore([])
+    core.set_quota(Quota("a", 2, 60_000))
+    return core
+
+
+@pytest.mark.smoke
+def test_admits_with_redis_clock(core: AdmissionCore, redis_client: redis.Redis) -> None:
+    first, second, third = core.admit([Candidate(100)] * 3)
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    assert isinstance(third, NotNow)
+    seconds, micros = redis_client.time()
+    redis_now = seconds * 1000 + micros // 1000
+    assert abs(third.now_ms - redis_now) < 2_000  # the script read Redis TIME
+    assert third.retry_at_ms == third.now_ms + 60_000  # the earliest lease deadline frees a slot
+
+
+def test_every_key_shares_the_hash_tag(core: AdmissionCore, redis_client: redis.Redis, namespace: str) -> None:
+    core.admit([Candidate(100)])
+    keys = [k.decode() for k in redis_client.scan_iter(match=f"*{namespace}*")]
+    assert len(keys) >= 5  # meta, models, leases, model:a, inflight:a
+    assert all(k.startswith("{" + namespace + "}:") for k in keys)
+
+
+def test_noscript_falls_back_to_reload(redis_client: redis.Redis, namespace: str) -> None:
+    """A server that never saw the script (or flushed it) gets it loaded on demand.
+    We use a uniquely-commented copy so nothing shared is flushed."""
+    core = AdmissionCore(redis_client, namespace)
+    marker = f"-- {uuid.uuid4()}\n"
+    script = redis_client.register_script(marker + _SCRIPTS["restore"])
+    assert redis_client.script_exists(script.sha) == [False]
+    core._scripts["restore"] = script
+    assert core.restore([Quota("a", 1, 5)]) is True
+    assert redis_client.script_exists(script.sha) == [True]
+
+
+def test_two_deployments_share_one_redis(redis_client: redis.Redis) -> None:
+    one, two = "n" + uuid.uuid4().hex[:10], "n" + uuid.uuid4().hex[:10]
+    try:
+        a = AdmissionCore(redis_client, one)
+        b = AdmissionCore(redis_client, two)
+        a.restore([]), b.restore([])
+        a.set_quota(Quota("m", 1, 60_000))
+        b.set_quota(Quota("m", 1, 60_000))
+        assert isinstance(a.admit([Candidate(1)])[0], Admitted)
+        assert isinstance(b.admit([Candidate(1)])[0], Admitted)  # separate slots
+    finally:
+        delete_keys(redis_client, one)
+        delete_keys(redis_client, two)

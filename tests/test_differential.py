@@ -1,0 +1,113 @@
+"""The Lua scripts and the Python reference make identical decisions.
+
+Hypothesis generates random sequences of admit batches, releases, renewals,
+reconciles, quota changes, removals, lease expiries, clock advances and
+Redis data loss; ``Twin`` applies each to both and compares every result and
+the whole state after every step.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from balancer.admission import Admitted, Candidate
+from balancer.quota import Quota
+from tests.twin import LEASE_MS, Twin, delete_keys
+
+NAMES = ["m-a", "m-b", "m-c", "m-d"]
+
+quotas = st.builds(
+    Quota,
+    name=st.sampled_from(NAMES),
+    max_concurrent_requests=st.integers(1, 4),
+    max_tokens_per_minute=st.integers(1, 20_000) | st.integers(2_000, 20_000),
+    weight=st.integers(1, 5),
+    max_requests_per_minute=st.none() | st.integers(1, 30),
+    burst_tokens=st.none() | st.integers(1, 30_000) | st.integers(3_000, 30_000),
+    enabled=st.booleans() | st.just(True),
+)
+candidates = st.builds(
+    Candidate,
+    estimated_tokens=st.integers(1, 1_500) | st.integers(1, 1_500) | st.integers(1, 8_000),
+    allowed=st.none() | st.none() | st.lists(st.sampled_from(NAMES + ["nope"]), max_size=3).map(tuple),
+)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.lists(candidates, min_size=1, max_size=6)),
+        st.tuples(st.just("admit"), st.lists(candidates, min_size=1, max_size=6)),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("renew"), st.integers(0, 50)),
+        st.tuples(st.just("renew_unknown"), st.sampled_from(NAMES + ["nope"]), st.integers(1, 8_000)),
+        st.tuples(st.just("reconcile"), st.integers(0, 50), st.integers(0, 9_000)),
+        st.tuples(st.just("advance"), st.integers(0, 70_000)),
+        st.tuples(st.just("advance"), st.integers(0, 3_000)),
+        st.tuples(st.just("expire"),),
+        st.tuples(st.just("set"), quotas),
+        st.tuples(st.just("remove"), st.sampled_from(NAMES)),
+        st.tuples(st.just("lose"),),
+    ),
+    max_size=40,
+)
+
+
+def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
+    namespace = "d" + uuid.uuid4().hex[:12]
+    twin = Twin(client, namespace)
+    issued: list[tuple[str, str, int]] = []  # (admission id, model, estimate)
+    try:
+        for quota in initial:
+            twin.set_quota(quota)
+        twin.check_same_state()
+        for op in ops:
+            kind = op[0]
+            if kind == "admit":
+                for cand, decision in zip(op[1], twin.admit(op[1])):
+                    if isinstance(decision, Admitted):
+                        issued.append((decision.admission_id, decision.model, cand.estimated_tokens))
+            elif kind == "release" and issued:
+                twin.release(issued[op[1] % len(issued)][0])
+            elif kind == "renew" and issued:
+                twin.renew(*issued[op[1] % len(issued)])
+            elif kind == "renew_unknown":
+                twin.renew(f"x-{len(issued)}", op[1], op[2])
+            elif kind == "reconcile" and issued:
+                twin.reconcile(issued[op[1] % len(issued)][0], op[2])
+            elif kind == "advance":
+                twin.advance(op[1])
+            elif kind == "expire":
+                twin.advance(LEASE_MS + 1)
+            elif kind == "set":
+                twin.set_quota(op[1])
+            elif kind == "remove":
+                twin.remove_quota(op[1])
+            elif kind == "lose":
+                twin.lose_redis_data()
+            twin.check_same_state()
+    finally:
+        delete_keys(client, namespace)
+
+
+@pytest.mark.smoke
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(initial=st.lists(quotas, min_size=1, max_size=4, unique_by=lambda q: q.name), ops=operations)
+def test_lua_and_reference_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
+    run_sequence(redis_client, initial, ops)
+
+
+def test_twin_detects_a_divergence(redis_client: redis.Redis) -> None:
+    """The harness itself can fail: tamper with Redis and the state comparison trips."""
+    namespace = "d" + uuid.uuid4().hex[:12]
+    twin = Twin(redis_client, namespace)
+    try:
+        twin.set_quota(Quota("m-a", 2, 6000))
+        twin.admit([Candidate(100)])
+        redis_client.hset("{" + namespace + "}:model:m-a", "deficit", "7")
+        with pytest.raises(AssertionError):
+            twin.check_same_state()
+    finally:
+        delete_keys(redis_client, namespace)

@@ -1,0 +1,138 @@
+"""Run the Lua core and the pure-Python reference side by side.
+
+Both get the same operations and the same injected clock; every result and
+the whole state after every step must be identical. Used by the differential
+and property tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import redis
+
+from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReferenceCore
+from balancer.quota import Quota
+from balancer.services import delete_namespace_keys
+
+LEASE_MS = 5_000  # short, so refunds of expired leases are not hidden by refill
+QUANTUM = 1000
+T0 = 1_700_000_000_000
+
+
+def delete_keys(client: redis.Redis, namespace: str) -> None:
+    """Delete this namespace's keys (admission and broker), and nothing else."""
+    delete_namespace_keys(client, namespace)
+
+
+def canonical_lua(core: AdmissionCore) -> dict:
+    raw = core.raw_state()
+    meta = raw["meta"]
+    return {
+        "loaded": meta.get("loaded") == "1",
+        "epoch": int(meta.get("epoch", 0)),
+        "seq": int(meta.get("seq", 0)),
+        "rr": meta.get("rr", ""),
+        "models": {
+            name: (
+                m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
+                m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["inflight"],
+            )
+            for name, m in raw["models"].items()
+        },
+        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["r"] == 1) for lid, v in raw["leases"].items()},
+    }
+
+
+def canonical_ref(ref: ReferenceCore) -> dict:
+    return {
+        "loaded": ref.loaded,
+        "epoch": ref.epoch,
+        "seq": ref.seq,
+        "rr": ref.rr,
+        "models": {
+            name: (
+                s.quota.weight, s.quota.max_concurrent_requests, s.quota.max_tokens_per_minute,
+                s.quota.max_requests_per_minute or 0, s.quota.burst, int(s.quota.enabled),
+                s.tokens, s.requests, s.refilled_at, s.deficit, ref._inflight(name),
+            )
+            for name, s in ref.models.items()
+        },
+        "leases": {
+            lid: (l.model, l.estimated_tokens, l.started, l.reconciled) for lid, l in ref.leases.items()
+        },
+    }
+
+
+@dataclass
+class Twin:
+    """A Lua core and a reference core, plus the "PostgreSQL" quotas they restore from."""
+
+    client: redis.Redis
+    namespace: str
+    now: int = T0
+    stored: dict[str, Quota] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.core = AdmissionCore(
+            self.client,
+            self.namespace,
+            restore=lambda: (list(self.stored.values()), []),
+            lease_ms=LEASE_MS,
+            base_quantum=QUANTUM,
+            clock=lambda: self.now,
+        )
+        self.ref = ReferenceCore()
+
+    def _ref(self, op: Callable[[], object]) -> object:
+        try:
+            return op()
+        except NoState:
+            self.ref.restore(sorted(self.stored.values(), key=lambda q: q.name), [], self.now)
+            return op()
+
+    def check_same_state(self) -> None:
+        assert canonical_lua(self.core) == canonical_ref(self.ref)
+
+    # -- operations, each applied to both sides ---------------------------------
+    def admit(self, candidates: list[Candidate]) -> list[Decision]:
+        lua = self.core.admit(candidates)
+        ref = self._ref(lambda: self.ref.admit(candidates, self.now, LEASE_MS, QUANTUM)) if candidates else []
+        assert lua == ref
+        return lua
+
+    def renew(self, lid: str, model: str, est: int) -> Decision:
+        lua = self.core.renew(lid, model, est)
+        ref = self._ref(lambda: self.ref.renew(lid, model, est, self.now, LEASE_MS))
+        assert lua == ref
+        return lua
+
+    def release(self, lid: str) -> bool:
+        lua = self.core.release(lid)
+        assert lua == self.ref.release(lid)
+        return lua
+
+    def reconcile(self, lid: str, actual: int) -> bool:
+        lua = self.core.reconcile(lid, actual)
+        assert lua == self.ref.reconcile(lid, actual, self.now)
+        return lua
+
+    # Like QuotaStore: push to the live state first, "commit" to PostgreSQL after,
+    # so a restore triggered by the push sees the old stored set.
+    def set_quota(self, quota: Quota) -> None:
+        self.core.set_quota(quota)
+        self._ref(lambda: self.ref.set_quota(quota, self.now))
+        self.stored[quota.name] = quota
+
+    def remove_quota(self, name: str) -> None:
+        lua = self.core.remove_quota(name)
+        assert lua == self._ref(lambda: self.ref.remove_quota(name))
+        self.stored.pop(name, None)
+
+    def lose_redis_data(self) -> None:
+        delete_keys(self.client, self.namespace)
+        self.ref.forget()
+
+    def advance(self, ms: int) -> None:
+        self.now += ms
