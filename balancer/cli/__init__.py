@@ -1,0 +1,84 @@
+"""The ``balancer`` command.
+
+Every user mistake (bad flag, bad value, unreachable service, unmigrated
+database) ends as one line on stderr and exit code 2; tracebacks are kept for
+bugs. Subcommands live one group per module.
+"""
+
+from __future__ import annotations
+
+import click
+import redis
+import sqlalchemy.exc
+
+from balancer.errors import BalancerError
+from balancer.settings import Settings
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Quota-aware dispatch of an LLM prompt backlog through the Models Backend."""
+
+
+def settings() -> Settings:
+    return Settings.from_env()
+
+
+def services():  # noqa: ANN201 - imported lazily to keep `balancer --help` fast
+    from balancer.services import Services
+
+    return Services.connect(settings())
+
+
+def _register() -> None:
+    from balancer.cli import db, quota
+
+    cli.add_command(db.db)
+    cli.add_command(quota.quota)
+    cli.add_command(db.embedded)
+    from balancer.cli import pipeline
+
+    for command in pipeline.COMMANDS:
+        cli.add_command(command)
+
+
+_register()
+
+
+def _one_line(message: str) -> str:
+    return " ".join(str(message).split())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI, mapping user errors to one line + exit 2."""
+    try:
+        result = cli.main(args=argv, prog_name="balancer", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as exc:  # `balancer` alone: show help
+        click.echo(exc.ctx.get_help() if exc.ctx else "")
+        return 0
+    except click.ClickException as exc:
+        click.echo(f"error: {_one_line(exc.format_message())}", err=True)
+        return 2
+    except SystemExit as exc:  # a command choosing its exit code (e.g. submit's 3)
+        return exc.code if isinstance(exc.code, int) else 1
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 130
+    except BalancerError as exc:
+        click.echo(f"error: {_one_line(str(exc))}", err=True)
+        return 2
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        from balancer.settings import mask_url
+
+        url = Settings.from_env().redis_url or "(embedded)"
+        click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(str(exc))}", err=True)
+        return 2
+    except sqlalchemy.exc.OperationalError as exc:
+        from balancer.storage.db import describe_connect_error
+
+        url = Settings.from_env().database_url or "(embedded)"
+        click.echo(f"error: {_one_line(str(describe_connect_error(url, exc)))}", err=True)
+        return 2
+    if isinstance(result, int):
+        return result
+    return 0

@@ -1,0 +1,195 @@
+"""Pipeline commands: submit, worker, dispatcher, beat, sim, demo, status."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from balancer.cli import services, settings
+from balancer.errors import BalancerError, QuotaError
+
+
+def _migrated():  # noqa: ANN202
+    from balancer.storage.migrate import require_migrated
+
+    svc = services()
+    require_migrated(svc.engine)
+    return svc
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--strict", is_flag=True, help="Accept nothing if any line is bad.")
+@click.option("--source", default="submit", show_default=True, help="Source recorded on tasks without one.")
+def submit(file: Path, strict: bool, source: str) -> None:
+    """Insert the tasks in FILE (JSONL, one {"prompt": ...} per line).
+
+    Exit 0: every line accepted. Exit 3: valid lines accepted, bad ones
+    listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
+    """
+    from balancer.intake import parse_tasks
+    from balancer.storage.tasks import insert_tasks
+
+    try:
+        text = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BalancerError(f"cannot read {file}: {exc}") from None
+    svc = _migrated()
+    models = {q.name: q.burst for q in svc.quotas.all()}
+    if not models:
+        raise QuotaError("no models are configured: add quotas first (`balancer quota import FILE`)")
+    rows, errors = parse_tasks(
+        text, models=models, default_max_tokens=svc.settings.expected_output_tokens, default_source=source
+    )
+    for error in errors:
+        click.echo(f"{file}:{error}", err=True)
+    if errors and strict:
+        raise BalancerError(f"{len(errors)} bad line(s); --strict: nothing accepted")
+    if not rows:
+        raise BalancerError(f"no valid tasks in {file}" + (f" ({len(errors)} bad line(s))" if errors else ""))
+    with svc.engine.begin() as conn:
+        ids = insert_tasks(conn, rows)
+    click.echo(f"accepted {len(ids)} task(s)" + (f", rejected {len(errors)} line(s)" if errors else ""))
+    if errors:
+        raise SystemExit(3)
+
+
+def _celery_worker(argv: list[str], pool: str) -> None:
+    from balancer.pipeline.app import app
+    import balancer.pipeline.tasks  # noqa: F401 - registers tasks and the quota watcher
+
+    # A class path is accepted by the worker_pool setting, not by `-P` (a fixed choice list).
+    app.conf.worker_pool = pool
+    app.worker_main(argv)
+
+
+@click.command()
+@click.option("--model", "models", multiple=True, help="Model whose queue model.<name> to consume (repeatable).")
+@click.option("--all-models", is_flag=True, help="Consume every configured model's queue in one process.")
+@click.option("--loglevel", default="INFO", show_default=True)
+def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
+    """A worker pool for one or more models, sized to their max_concurrent_requests."""
+    svc = _migrated()
+    known = {q.name: q for q in svc.quotas.all()}
+    chosen = sorted(known) if all_models else list(models)
+    if not chosen:
+        raise BalancerError("give --model NAME (repeatable) or --all-models")
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise QuotaError(f"unknown model(s): {', '.join(unknown)}")
+    concurrency = sum(known[m].max_concurrent_requests for m in chosen)
+    queues = ",".join(f"model.{m}" for m in chosen)
+    name = "models" if all_models else "+".join(chosen)
+    # The pid keeps node names unique when several processes share a host
+    # (RabbitMQ's exclusive pidbox queue refuses a second node of the same name).
+    _celery_worker([
+        "worker", "-Q", queues, "-c", str(concurrency),
+        "-n", f"{name[:50]}-{os.getpid()}@%h", "--without-gossip", "--without-mingle", "-l", loglevel,
+    ], pool="balancer.pipeline.pool:ResizableThreadPool")
+
+
+@click.command()
+@click.option("--loglevel", default="INFO", show_default=True)
+def dispatcher(loglevel: str) -> None:
+    """The dispatcher: consumes the control queue (dispatch, ingest, reconcile)."""
+    _migrated()
+    _celery_worker([
+        "worker", "-Q", "control", "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",
+        "--without-gossip", "--without-mingle", "-l", loglevel,
+    ], pool="threads")
+
+
+@click.command()
+@click.option("--loglevel", default="INFO", show_default=True)
+def beat(loglevel: str) -> None:
+    """Celery beat: periodic dispatch, reconcile and ingest ticks."""
+    from balancer.pipeline.app import app
+
+    home = Path(settings().home)
+    home.mkdir(parents=True, exist_ok=True)
+    app.Beat(loglevel=loglevel, schedule=str(home / "celerybeat-schedule")).run()
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8900, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--models", "count", default=10, show_default=True, type=click.IntRange(1, 100), help="How many default models.")
+@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0001), help="Multiplies latencies and per-minute windows.")
+@click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--seed", default=0, show_default=True)
+@click.option("--grace", default=0.5, show_default=True, type=click.FloatRange(min=0), help="Seconds of refill tolerated above burst.")
+@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), help="Append every call to this JSONL file.")
+@click.option("--scenario", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Take models and time scale from a scenario TOML.")
+def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, seed: int, grace: float,
+        log_path: Path | None, scenario: Path | None) -> None:
+    """Run the simulated Models Backend."""
+    import dataclasses
+
+    import uvicorn
+
+    from balancer.sim.config import default_models
+    from balancer.sim.server import Simulator, create_app
+
+    if scenario is not None:
+        from balancer.scenario import parse_scenario
+
+        spec = parse_scenario(scenario.read_text(), scenario.name)
+        models, time_scale, count = list(spec.models), spec.time_scale, len(spec.models)
+    else:
+        models = [dataclasses.replace(m, error_rate=error_rate) for m in default_models(count)]
+    simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path)
+    click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
+    uvicorn.run(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+def status(as_json: bool) -> None:
+    """Task counts by status."""
+    from balancer.storage.tasks import status_counts
+
+    counts = status_counts(_migrated().engine)
+    click.echo(json.dumps(counts) if as_json else "  ".join(f"{k}: {v}" for k, v in counts.items()))
+
+
+@click.command()
+@click.option("--tasks", "count", default=500, show_default=True, type=click.IntRange(1, 1_000_000))
+@click.option("--models", default=10, show_default=True, type=click.IntRange(1, 100))
+@click.option("--time-scale", default=0.1, show_default=True, type=click.FloatRange(min=0.001), help="Latencies and per-minute windows x this.")
+@click.option("--seed", default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
+def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -> None:
+    """The main job: solve a backlog through the simulator, live, within every quota."""
+    from balancer.demo import run_demo
+
+    summary = run_demo(tasks=count, model_count=models, time_scale=time_scale, seed=seed, quiet=as_json)
+    if as_json:
+        click.echo(json.dumps(summary))
+
+
+@click.command()
+@click.argument("scenario", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out"), show_default=True)
+@click.option("--only", type=click.Choice(["pipeline", "baseline"]), help="Run just one side.")
+def bench(scenario: Path, out: Path, only: str | None) -> None:
+    """Benchmark SCENARIO: the pipeline against today's Airflow pattern and the capacity bound."""
+    import importlib.util
+
+    import balancer
+
+    runner = Path(balancer.__file__).resolve().parent.parent / "bench" / "run.py"
+    if not runner.exists():
+        raise BalancerError(f"balancer bench needs the source checkout (no {runner})")
+    if not scenario.exists():
+        raise BalancerError(f"no such scenario file: {scenario}")
+    spec = importlib.util.spec_from_file_location("balancer_bench_run", runner)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    module.main(scenario, out, only)
+
+
+COMMANDS = [submit, worker, dispatcher, beat, sim, status, demo, bench]

@@ -1,0 +1,174 @@
+"""``balancer quota ...``: change per-model limits at runtime.
+
+A change lands in PostgreSQL (with an audit row) and in the live Redis copy
+in one step, and applies to the very next admission; no restart.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from balancer.cli import services
+from balancer.errors import QuotaError
+from balancer.quotafile import format_quota_file, parse_quota_file
+
+POSITIVE = click.IntRange(min=1)
+
+
+def _migrated_services():  # noqa: ANN202
+    from balancer.storage.migrate import require_migrated
+
+    svc = services()
+    require_migrated(svc.engine)
+    return svc
+
+
+@click.group()
+def quota() -> None:
+    """Show and change per-model quotas."""
+
+
+@quota.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def quota_list(as_json: bool) -> None:
+    """Limits from PostgreSQL with the live state from Redis."""
+    svc = _migrated_services()
+    stored = svc.quotas.all()
+    live = svc.core.live() if svc.core.is_loaded() else {}
+    rows = []
+    for q in stored:
+        state = live.get(q.name)
+        rows.append(
+            {
+                **q.as_dict(),
+                "burst_tokens": q.burst,
+                "live": None
+                if state is None
+                else {
+                    "in_flight": state.in_flight,
+                    "tokens_available": round(state.tokens_available, 1),
+                    "requests_available": None
+                    if state.requests_available is None
+                    else round(state.requests_available, 2),
+                    "deficit": state.deficit,
+                },
+            }
+        )
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
+    table.add_column("model", no_wrap=True)
+    for col in ("on", "weight", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        lv = row["live"] or {}
+        table.add_row(
+            row["name"],
+            "yes" if row["enabled"] else "no",
+            str(row["weight"]),
+            f"{lv.get('in_flight', '-')}/{row['max_concurrent_requests']}",
+            f"{row['max_tokens_per_minute']:,}",
+            f"{lv['tokens_available']:,.0f}/{row['burst_tokens']:,}" if lv else f"-/{row['burst_tokens']:,}",
+            f"{row['max_requests_per_minute']:,}" if row["max_requests_per_minute"] else "-",
+            "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
+            str(lv.get("deficit", "-")),
+        )
+    Console(width=max(Console().width, 120)).print(table)
+
+
+@quota.command("set")
+@click.argument("model")
+@click.option("--tpm", type=POSITIVE, help="max_tokens_per_minute")
+@click.option("--rpm", type=POSITIVE, help="max_requests_per_minute")
+@click.option("--concurrency", type=POSITIVE, help="max_concurrent_requests")
+@click.option("--weight", type=POSITIVE, help="WDRR weight (share when models compete)")
+@click.option("--burst", type=POSITIVE, help="burst_tokens (token bucket capacity)")
+@click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
+@click.option("--create", is_flag=True, help="Add the model if it does not exist.")
+@click.option("--by", help="Who made the change (default: the OS user).")
+def quota_set(
+    model: str,
+    tpm: int | None,
+    rpm: int | None,
+    concurrency: int | None,
+    weight: int | None,
+    burst: int | None,
+    enabled: bool | None,
+    create: bool,
+    by: str | None,
+) -> None:
+    """Change one model's limits (or add it with --create)."""
+    changes = {
+        "max_tokens_per_minute": tpm,
+        "max_requests_per_minute": rpm,
+        "max_concurrent_requests": concurrency,
+        "weight": weight,
+        "burst_tokens": burst,
+        "enabled": enabled,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if not changes and not create:
+        raise QuotaError("nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --enable/--disable")
+    from balancer.quota import check_model_name
+
+    check_model_name(model)
+    svc = _migrated_services()
+    old, new = svc.quotas.set(model, changes, create=create, by=by)
+    if old == new:
+        click.echo(f"{model}: unchanged")
+    else:
+        verb = "created" if old is None else "updated"
+        click.echo(f"{model}: {verb} " + json.dumps({k: v for k, v in new.as_dict().items() if k != "name"}))
+
+
+@quota.command("remove")
+@click.argument("model")
+@click.option("--by", help="Who made the change (default: the OS user).")
+def quota_remove(model: str, by: str | None) -> None:
+    """Delete one model's quota."""
+    svc = _migrated_services()
+    svc.quotas.remove(model, by=by)
+    click.echo(f"{model}: removed")
+
+
+@quota.command("import")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--by", help="Who made the change (default: the OS user).")
+def quota_import(file: Path, by: str | None) -> None:
+    """Replace the whole quota set with FILE (TOML; see `quota export`)."""
+    try:
+        text = file.read_text() if str(file) != "-" else sys.stdin.read()
+    except OSError as exc:
+        raise QuotaError(f"cannot read {file}: {exc.strerror}") from None
+    try:
+        quotas = parse_quota_file(text)
+    except QuotaError as exc:
+        raise QuotaError(f"{file}: {exc}") from None
+    svc = _migrated_services()
+    summary = svc.quotas.replace_all(quotas, by=by)
+    click.echo(
+        f"imported {len(quotas)} model(s): {len(summary.created)} created, {len(summary.updated)} updated, "
+        f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged"
+    )
+
+
+@quota.command("export")
+@click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+def quota_export(file: Path | None) -> None:
+    """Write the whole quota set as TOML to FILE (default: stdout)."""
+    svc = _migrated_services()
+    text = format_quota_file(svc.quotas.all())
+    if file is None or str(file) == "-":
+        click.echo(text, nl=False)
+    else:
+        tmp = file.with_name(file.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(file)
+        click.echo(f"wrote {file}")

@@ -1,0 +1,106 @@
+"""One model's quota: the limits the admission core enforces.
+
+Pure values and validation only; storing them is :mod:`balancer.storage.quotas`,
+enforcing them is :mod:`balancer.admission`.
+
+>>> q = Quota("gpt-a", max_concurrent_requests=8, max_tokens_per_minute=60_000)
+>>> q.burst
+60000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from balancer.errors import QuotaError
+
+#: Model names become Celery queue names (``model.<name>``) and Redis key parts,
+#: and travel comma-separated inside the admission script, so keep them plain.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+#: Upper bound on any numeric limit. Keeps bucket arithmetic (tokens x 60,000
+#: units) exact in Lua's doubles, which are exact below 2**53.
+MAX_LIMIT = 1_000_000_000
+
+INT_FIELDS = (
+    "weight",
+    "max_concurrent_requests",
+    "max_tokens_per_minute",
+    "max_requests_per_minute",
+    "burst_tokens",
+)
+
+
+def check_model_name(name: str) -> str:
+    if not isinstance(name, str) or not MODEL_NAME.match(name):
+        raise QuotaError(
+            f"invalid model name {name!r}: use letters, digits, '.', '_' or '-' (max 64)"
+        )
+    return name
+
+
+def check_limit(field: str, value: Any, *, optional: bool = False) -> int | None:
+    """Validate one numeric limit: a whole number from 1 to MAX_LIMIT."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise QuotaError(f"{field} must be a whole number, got {value!r}")
+    if value < 1:
+        raise QuotaError(f"{field} must be >= 1, got {value}")
+    if value > MAX_LIMIT:
+        raise QuotaError(f"{field} must be <= {MAX_LIMIT}, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class Quota:
+    """Limits for one model.
+
+    ``burst_tokens`` is the token bucket's capacity; ``None`` means one minute
+    of TPM, as in the seed design. The request bucket's capacity is one minute
+    of RPM.
+    """
+
+    name: str
+    max_concurrent_requests: int
+    max_tokens_per_minute: int
+    weight: int = 1
+    max_requests_per_minute: int | None = None
+    burst_tokens: int | None = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        check_model_name(self.name)
+        check_limit("weight", self.weight)
+        check_limit("max_concurrent_requests", self.max_concurrent_requests)
+        check_limit("max_tokens_per_minute", self.max_tokens_per_minute)
+        check_limit("max_requests_per_minute", self.max_requests_per_minute, optional=True)
+        check_limit("burst_tokens", self.burst_tokens, optional=True)
+        if not isinstance(self.enabled, bool):
+            raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
+
+    @property
+    def burst(self) -> int:
+        """Token bucket capacity, defaulting to one minute of TPM."""
+        return self.burst_tokens if self.burst_tokens is not None else self.max_tokens_per_minute
+
+    def replace(self, **changes: Any) -> Quota:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict, for JSON, TOML and the audit table."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Quota:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise QuotaError(f"unknown quota field(s): {', '.join(sorted(unknown))}")
+        missing = {"name", "max_concurrent_requests", "max_tokens_per_minute"} - set(data)
+        if missing:
+            raise QuotaError(f"missing quota field(s): {', '.join(sorted(missing))}")
+        return cls(**data)

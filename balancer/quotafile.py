@@ -1,0 +1,100 @@
+"""The quota file: a whole quota set as TOML, for ``balancer quota import/export``.
+
+Format::
+
+    [models.gpt-a]
+    weight = 2
+    max_concurrent_requests = 8
+    max_tokens_per_minute = 120000
+    max_requests_per_minute = 600   # optional
+    burst_tokens = 120000           # optional, default one minute of TPM
+    enabled = true                  # optional, default true
+
+Parsing is pure and reports the line of the first problem, so a user can fix
+the file without guessing.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from typing import Any
+
+import tomli_w
+
+from balancer.errors import QuotaError
+from balancer.quota import Quota, check_model_name
+
+_LINE = re.compile(r"\(at line (\d+), column \d+\)")
+
+
+def _line_of(text: str, model: str, key: str | None = None) -> int | None:
+    """Best-effort line number of ``[models.<model>]`` or of ``key`` inside it."""
+    header = re.compile(
+        r"^\s*\[\s*models\s*\.\s*(\"?)" + re.escape(model) + r"\1\s*\]\s*(#.*)?$"
+    )
+    in_section = False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if header.match(line):
+            if key is None:
+                return number
+            in_section = True
+            continue
+        if in_section:
+            if line.lstrip().startswith("["):
+                break
+            if re.match(r"^\s*\"?" + re.escape(key) + r"\"?\s*=", line):
+                return number
+    return None
+
+
+def parse_quota_file(text: str) -> list[Quota]:
+    """Parse a quota file into quotas, sorted by name.
+
+    Raises :class:`QuotaError` whose message starts with ``line N:`` when the
+    line is known.
+
+    >>> [q.name for q in parse_quota_file("[models.a]\\nmax_concurrent_requests=1\\nmax_tokens_per_minute=5\\n")]
+    ['a']
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        match = _LINE.search(str(exc))
+        where = f"line {match.group(1)}: " if match else ""
+        message = _LINE.sub("", str(exc)).strip()
+        raise QuotaError(f"{where}invalid TOML: {message}") from None
+    unknown_top = set(data) - {"models"}
+    if unknown_top:
+        raise QuotaError(f"unknown top-level key(s): {', '.join(sorted(unknown_top))}; expected [models.NAME] tables")
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise QuotaError("'models' must be a table of [models.NAME] sections")
+    quotas = []
+    for name, fields in models.items():
+        where = _line_of(text, name)
+        prefix = f"line {where}: " if where else ""
+        try:
+            check_model_name(name)
+        except QuotaError as exc:
+            raise QuotaError(f"{prefix}{exc}") from None
+        if not isinstance(fields, dict):
+            raise QuotaError(f"{prefix}models.{name} must be a table")
+        try:
+            quotas.append(Quota.from_dict({"name": name, **fields}))
+        except (QuotaError, TypeError) as exc:
+            bad_key = next((k for k in fields if k in str(exc)), None)
+            line = _line_of(text, name, bad_key) if bad_key else where
+            prefix = f"line {line}: " if line else ""
+            raise QuotaError(f"{prefix}models.{name}: {exc}") from None
+    return sorted(quotas, key=lambda q: q.name)
+
+
+def format_quota_file(quotas: list[Quota]) -> str:
+    """Render quotas as TOML that :func:`parse_quota_file` reads back identically."""
+    models: dict[str, Any] = {}
+    for quota in sorted(quotas, key=lambda q: q.name):
+        fields = quota.as_dict()
+        del fields["name"]
+        models[quota.name] = {k: v for k, v in fields.items() if v is not None}
+    return tomli_w.dumps({"models": models})

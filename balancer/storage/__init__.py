@@ -1,0 +1,1 @@
+"""Persistence in PostgreSQL: schema, migrations, quota and task stores."""

@@ -1,0 +1,68 @@
+"""Engine creation and the "is this database migrated?" check."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError, ProgrammingError
+
+from balancer.errors import ConfigError, ServiceUnavailable
+from balancer.settings import mask_url, normalize_database_url
+
+
+def make_engine(url: str, **kwargs: object) -> Engine:
+    """An engine for ``url`` (plain ``postgresql://`` accepted), using psycopg2."""
+    url = normalize_database_url(url)
+    try:
+        # Worker processes run many threads; each holds a connection only briefly.
+        options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, **kwargs}
+        return sa.create_engine(url, **options)  # type: ignore[arg-type]
+    except (sa.exc.ArgumentError, ValueError) as exc:
+        raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {exc}") from None
+
+
+_ENGINES: dict[str, Engine] = {}
+
+
+def cached_engine(url: str) -> Engine:
+    """One engine (one connection pool) per URL per process."""
+    if url not in _ENGINES:
+        _ENGINES[url] = make_engine(url)
+    return _ENGINES[url]
+
+
+def dispose_engines() -> None:
+    """Close every cached pool (tests, and workers after fork)."""
+    while _ENGINES:
+        _ENGINES.popitem()[1].dispose()
+
+
+def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
+    """Turn a driver error into one line that names the masked URL, never the password."""
+    detail = str(getattr(exc, "orig", exc)).strip().splitlines()
+    first = detail[0] if detail else type(exc).__name__
+    first = first.replace(url, mask_url(url))
+    try:
+        password = sa.engine.make_url(url).password
+    except Exception:
+        password = None
+    if password:
+        first = first.replace(str(password), "***")
+    return ServiceUnavailable(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
+
+
+def check_reachable(engine: Engine) -> None:
+    url = engine.url.render_as_string(hide_password=False)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+    except OperationalError as exc:
+        raise describe_connect_error(url, exc) from None
+
+
+def current_revision(engine: Engine) -> str | None:
+    try:
+        with engine.connect() as conn:
+            return conn.execute(sa.text("select version_num from alembic_version")).scalar()
+    except ProgrammingError:
+        return None

@@ -1,0 +1,85 @@
+"""Table definitions (SQLAlchemy Core). Alembic migrations create them; this
+module is what the code queries through.
+
+Tables live in the connection's ``search_path``, which is how tests give each
+test its own schema.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+
+metadata = MetaData()
+
+quotas = Table(
+    "quotas",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("weight", Integer, nullable=False, server_default="1"),
+    Column("max_concurrent_requests", Integer, nullable=False),
+    Column("max_tokens_per_minute", Integer, nullable=False),
+    Column("max_requests_per_minute", Integer, nullable=True),
+    Column("burst_tokens", Integer, nullable=True),
+    Column("enabled", Boolean, nullable=False, server_default="true"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+quota_changes = Table(
+    "quota_changes",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("model", Text, nullable=False),
+    Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("changed_by", Text, nullable=False),
+    Column("action", Text, nullable=False),  # create | update | remove
+    Column("old_value", JSONB, nullable=True),
+    Column("new_value", JSONB, nullable=True),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("source", Text, nullable=False, server_default="submit"),
+    Column("prompt", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default="pending"),
+    Column("priority", Integer, nullable=False, server_default="0"),
+    Column("allowed_models", ARRAY(Text), nullable=True),
+    Column("max_tokens", Integer, nullable=False),
+    Column("model", Text, nullable=True),
+    Column("admission_id", Text, nullable=True),
+    Column("estimated_tokens", Integer, nullable=False),
+    Column("prompt_tokens", Integer, nullable=True),
+    Column("completion_tokens", Integer, nullable=True),
+    Column("answer", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("rate_limited", Integer, nullable=False, server_default="0"),
+    Column("not_before", DateTime(timezone=True), nullable=True),
+    Column("deadline", DateTime(timezone=True), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("queued_at", DateTime(timezone=True), nullable=True),
+    Column("started_at", DateTime(timezone=True), nullable=True),
+    Column("solved_at", DateTime(timezone=True), nullable=True),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+ingested_files = Table(
+    "ingested_files",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("sha256", Text, primary_key=True),
+    Column("tasks", Integer, nullable=False),
+    Column("ingested_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)

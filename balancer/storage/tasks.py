@@ -1,0 +1,253 @@
+"""The task backlog in PostgreSQL: every status change the pipeline makes.
+
+Status flow::
+
+    pending --dispatch--> queued --worker starts--> running --> solved
+       ^                    |                          |   \\--> failed (max attempts / impossible)
+       +----- 429, 5xx, timeout (with backoff), lease expired, stale -----+
+
+Every update that follows a message is guarded by the task's current
+``admission_id``, so a late or duplicate message can never overwrite what a
+newer dispatch did, and a solved task is never written twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from balancer.admission import LeaseSeed
+from balancer.intake import TaskRow
+from balancer.storage.schema import tasks
+
+
+@dataclass(frozen=True)
+class PendingTask:
+    id: int
+    estimated_tokens: int
+    allowed_models: tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class SolveContext:
+    id: int
+    status: str
+    prompt: str
+    max_tokens: int
+    admission_id: str | None
+    attempts: int
+    rate_limited: int
+
+
+def insert_tasks(conn: Connection, rows: Sequence[TaskRow]) -> list[int]:
+    """Insert pending tasks; returns their ids."""
+    if not rows:
+        return []
+    result = conn.execute(
+        sa.insert(tasks).returning(tasks.c.id),
+        [
+            {
+                "source": r.source,
+                "prompt": r.prompt,
+                "priority": r.priority,
+                "allowed_models": list(r.allowed_models) if r.allowed_models else None,
+                "max_tokens": r.max_tokens,
+                "estimated_tokens": r.estimated_tokens,
+            }
+            for r in rows
+        ],
+    )
+    return [row.id for row in result]
+
+
+def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
+    """Lock up to ``limit`` pending tasks, priority then age, that an open model could take.
+
+    ``FOR UPDATE SKIP LOCKED`` lets two dispatchers work side by side without
+    seeing the same task. Tasks pinned only to saturated models are skipped
+    here, so they cannot fill the window and block tasks that could go
+    elsewhere (no head-of-line blocking).
+    """
+    rows = conn.execute(
+        sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models)
+        .where(tasks.c.status == "pending")
+        .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
+        .where(
+            sa.or_(
+                tasks.c.allowed_models.is_(None),
+                tasks.c.allowed_models.overlap(sa.cast(list(open_models), tasks.c.allowed_models.type)),
+            )
+        )
+        .order_by(tasks.c.priority.desc(), tasks.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    ).all()
+    return [
+        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None) for r in rows
+    ]
+
+
+def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], lease_seconds: int) -> None:
+    """(task id, model, admission id) for each admitted task."""
+    if not assignments:
+        return
+    ids, models, admissions = zip(*assignments)
+    conn.execute(
+        sa.text(
+            """
+            UPDATE tasks AS t
+               SET status = 'queued', model = v.model, admission_id = v.admission_id,
+                   queued_at = now(), updated_at = now(), error = NULL,
+                   deadline = now() + make_interval(secs => :lease)
+              FROM unnest(CAST(:ids AS bigint[]), CAST(:models AS text[]), CAST(:admissions AS text[]))
+                   AS v(id, model, admission_id)
+             WHERE t.id = v.id AND t.status = 'pending'
+            """
+        ),
+        {"ids": list(ids), "models": list(models), "admissions": list(admissions), "lease": lease_seconds},
+    )
+
+
+def fail_pending(conn: Connection, failures: Sequence[tuple[int, str]]) -> None:
+    """Mark tasks that can never be admitted as failed, with the reason."""
+    for task_id, reason in failures:
+        conn.execute(
+            sa.update(tasks)
+            .where(tasks.c.id == task_id, tasks.c.status == "pending")
+            .values(status="failed", error=reason, updated_at=sa.func.now())
+        )
+
+
+def _guard(task_id: int, admission_id: str):  # noqa: ANN202
+    return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("queued", "running")))
+
+
+def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: int) -> SolveContext | None:
+    """Mark the task running and read what the call needs, in one statement.
+
+    None if the message is stale: the task was solved, failed, or dispatched
+    again under another admission since this message was sent.
+    """
+    with engine.begin() as conn:
+        row = conn.execute(
+            sa.update(tasks)
+            .where(_guard(task_id, admission_id))
+            .values(
+                status="running",
+                started_at=sa.func.now(),
+                updated_at=sa.func.now(),
+                attempts=tasks.c.attempts + 1,
+                deadline=sa.func.now() + timedelta(seconds=lease_seconds),
+            )
+            .returning(
+                tasks.c.id,
+                tasks.c.status,
+                tasks.c.prompt,
+                tasks.c.max_tokens,
+                tasks.c.admission_id,
+                tasks.c.attempts,
+                tasks.c.rate_limited,
+            )
+        ).first()
+    return SolveContext(*row) if row else None
+
+
+def _guarded_update(engine: Engine, task_id: int, admission: str, /, **values: object) -> bool:
+    """Apply ``values`` (column names) only if the task is still queued/running under this admission."""
+    with engine.begin() as conn:
+        result = conn.execute(
+            sa.update(tasks).where(_guard(task_id, admission)).values(updated_at=sa.func.now(), **values)
+        )
+    return result.rowcount == 1
+
+
+def mark_solved(
+    engine: Engine, task_id: int, admission_id: str, answer: str, prompt_tokens: int, completion_tokens: int
+) -> bool:
+    """Write the answer once. False if someone else already finished it (a duplicate)."""
+    return _guarded_update(
+        engine,
+        task_id,
+        admission_id,
+        status="solved",
+        answer=answer,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        solved_at=sa.func.now(),
+        error=None,
+        deadline=None,
+    )
+
+
+def back_to_pending(
+    engine: Engine,
+    task_id: int,
+    admission_id: str,
+    *,
+    error: str | None,
+    delay_seconds: float = 0.0,
+    rate_limited: bool = False,
+    uncount_attempt: bool = False,
+) -> bool:
+    """Hand the task back to the dispatcher, which may choose another model."""
+    values: dict = {
+        "status": "pending",
+        "model": None,
+        "admission_id": None,
+        "deadline": None,
+        "error": error,
+        "not_before": sa.func.now() + timedelta(seconds=delay_seconds) if delay_seconds > 0 else None,
+    }
+    if rate_limited:
+        values["rate_limited"] = tasks.c.rate_limited + 1
+    if uncount_attempt:  # no call was made after all
+        values["attempts"] = tasks.c.attempts - 1
+    return _guarded_update(engine, task_id, admission_id, **values)
+
+
+def mark_failed(engine: Engine, task_id: int, admission_id: str, error: str) -> bool:
+    return _guarded_update(engine, task_id, admission_id, status="failed", error=error, deadline=None)
+
+
+def return_expired(engine: Engine) -> int:
+    """Queued/running tasks past their deadline go back to pending (lost message, dead worker)."""
+    with engine.begin() as conn:
+        result = conn.execute(
+            sa.update(tasks)
+            .where(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+            .values(
+                status="pending",
+                model=None,
+                admission_id=None,
+                deadline=None,
+                updated_at=sa.func.now(),
+                error="returned to pending: deadline passed while " + tasks.c.status,
+            )
+        )
+    return result.rowcount
+
+
+def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
+    """Calls PostgreSQL believes are in flight, to re-seed a restored Redis."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(
+                tasks.c.admission_id,
+                tasks.c.model,
+                tasks.c.estimated_tokens,
+                (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now())) * 1000).label("deadline_ms"),
+            ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None))
+        ).all()
+    return [LeaseSeed(r.admission_id, r.model, r.estimated_tokens, int(r.deadline_ms)) for r in rows]
+
+
+def status_counts(engine: Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(tasks.c.status, sa.func.count()).group_by(tasks.c.status)).all()
+    counts = dict.fromkeys(("pending", "queued", "running", "solved", "failed"), 0)
+    counts.update({status: n for status, n in rows})
+    return counts

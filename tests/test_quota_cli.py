@@ -1,0 +1,210 @@
+"""``balancer quota ...`` against real Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from balancer.admission import Admitted, Candidate, NotNow
+from balancer.cli import main
+from balancer.quota import Quota
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.storage.quotas import QuotaStore
+
+pytestmark = pytest.mark.usefixtures("migrated")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def services() -> Services:
+    return Services.connect(Settings.from_env())
+
+
+@pytest.mark.smoke
+def test_set_list_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "quota", "set", "gpt-a", "--create", "--tpm", "6000", "--concurrency", "2", "--by", "alice")
+    assert code == 0, err
+    code, out, err = run(capsys, "quota", "set", "gpt-a", "--weight", "3", "--rpm", "60")
+    assert code == 0, err
+    code, out, _ = run(capsys, "quota", "list", "--json")
+    rows = json.loads(out)
+    assert rows[0]["name"] == "gpt-a" and rows[0]["weight"] == 3 and rows[0]["max_requests_per_minute"] == 60
+    assert rows[0]["burst_tokens"] == 6000
+    assert rows[0]["live"]["in_flight"] == 0
+    history = services().quotas.history("gpt-a")
+    assert [h["action"] for h in history] == ["create", "update"]
+    assert history[0]["changed_by"] == "alice"
+    assert history[1]["changed_by"]  # the OS user
+    assert history[1]["old_value"]["weight"] == 1 and history[1]["new_value"]["weight"] == 3
+    code, out, _ = run(capsys, "quota", "list")
+    assert "gpt-a" in out and "0/2" in out
+
+
+@pytest.mark.smoke
+def test_live_change_applies_to_the_very_next_admission(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "2")[0] == 0
+    core = services().core
+    assert isinstance(core.admit([Candidate(10)])[0], Admitted)
+    assert run(capsys, "quota", "set", "m", "--concurrency", "1")[0] == 0
+    assert isinstance(core.admit([Candidate(10)])[0], NotNow)
+    assert run(capsys, "quota", "set", "m", "--concurrency", "5")[0] == 0
+    assert isinstance(core.admit([Candidate(10)])[0], Admitted)
+    assert run(capsys, "quota", "set", "m", "--disable")[0] == 0
+    decision = core.admit([Candidate(10)])[0]
+    assert isinstance(decision, NotNow) and decision.retry_at_ms is None
+    assert run(capsys, "quota", "set", "m", "--enable", "--tpm", "60", "--burst", "5")[0] == 0
+    decision = core.admit([Candidate(10)])[0]
+    assert "burst_tokens (5)" in decision.reason  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["quota", "set", "ghost", "--tpm", "5"], "unknown model 'ghost'"),
+        (["quota", "set", "m", "--tpm", "0"], "--tpm"),
+        (["quota", "set", "m", "--tpm", "-3"], "--tpm"),
+        (["quota", "set", "m", "--concurrency", "2.5"], "--concurrency"),
+        (["quota", "set", "m", "--burst", "0"], "--burst"),
+        (["quota", "set", "m", "--weight", "x"], "--weight"),
+        (["quota", "set", "m"], "nothing to change"),
+        (["quota", "set", "new", "--create", "--tpm", "5"], "needs --concurrency"),
+        (["quota", "set", "bad name!", "--create", "--tpm", "5", "--concurrency", "1"], "invalid model name"),
+        (["quota", "remove", "ghost"], "unknown model 'ghost'"),
+        (["quota", "nope"], "No such command"),
+    ],
+)
+def test_bad_input_one_line_exit_2_nothing_changed(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert run(capsys, "quota", "set", "m", "--create", "--tpm", "100", "--concurrency", "1")[0] == 0
+    before = services().quotas.all(), len(services().quotas.history())
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert "Traceback" not in err
+    assert (services().quotas.all(), len(services().quotas.history())) == before
+
+
+@pytest.mark.smoke
+def test_export_import_round_trip(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    source = tmp_path / "in.toml"
+    source.write_text(
+        '[models."gpt.4o-mini"]\nmax_concurrent_requests = 8\nmax_tokens_per_minute = 120000\nweight = 2\n'
+        "max_requests_per_minute = 600\nburst_tokens = 30000\n\n"
+        "[models.small]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\nenabled = false\n"
+    )
+    assert run(capsys, "quota", "set", "stale", "--create", "--tpm", "1", "--concurrency", "1")[0] == 0
+    code, out, err = run(capsys, "quota", "import", str(source))
+    assert code == 0, err
+    assert "2 created" in out and "1 removed" in out
+    exported = tmp_path / "out.toml"
+    assert run(capsys, "quota", "export", str(exported))[0] == 0
+    assert run(capsys, "quota", "import", str(exported))[0] == 0
+    code, again, _ = run(capsys, "quota", "export")
+    assert again == exported.read_text()
+    names = [q.name for q in services().quotas.all()]
+    assert names == ["gpt.4o-mini", "small"]
+    live = services().core.live()
+    assert set(live) == {"gpt.4o-mini", "small"} and live["small"].quota.enabled is False
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = \n", "line 3"),
+        ("[models.a]\nmax_concurrent_requests = 0\nmax_tokens_per_minute = 5\n", "line 2"),
+        ("[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\nburst_tokens = 0\n", "line 4"),
+        ("[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\ncolour = 'red'\n", "colour"),
+        ("[models.a]\nmax_tokens_per_minute = 5\n", "max_concurrent_requests"),
+        ('[models."a b"]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\n', "line 1"),
+    ],
+)
+def test_malformed_import_changes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, message: str
+) -> None:
+    assert run(capsys, "quota", "set", "keep", "--create", "--tpm", "9", "--concurrency", "1")[0] == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    code, _, err = run(capsys, "quota", "import", str(bad))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert [q.name for q in services().quotas.all()] == ["keep"]
+
+
+def test_unreachable_services_name_masked_url(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, migrated: dict[str, str]
+) -> None:
+    monkeypatch.setenv("BALANCER_REDIS_URL", "redis://:hunter2@127.0.0.1:1/0")
+    code, _, err = run(capsys, "quota", "list")
+    assert code == 2 and "redis://:***@127.0.0.1:1/0" in err and "hunter2" not in err
+    # Put Redis back (not monkeypatch.undo(): that would also drop the test's own
+    # URLs and send the CLI to the persistent embedded stack).
+    monkeypatch.setenv("BALANCER_REDIS_URL", migrated["BALANCER_REDIS_URL"])
+    monkeypatch.setenv("BALANCER_DATABASE_URL", "postgresql://bob:hunter2@127.0.0.1:1/x")
+    code, _, err = run(capsys, "quota", "list")
+    assert code == 2 and "bob:***@127.0.0.1:1" in err and "hunter2" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_unmigrated_database_is_one_line(capsys: pytest.CaptureFixture[str], database_url: str) -> None:
+    import sqlalchemy as sa
+
+    with sa.create_engine(database_url).begin() as conn:
+        conn.execute(sa.text("DELETE FROM alembic_version"))
+    code, _, err = run(capsys, "quota", "list")
+    assert code == 2 and "balancer db upgrade" in err
+
+
+def test_push_failure_rolls_back(database_url: str) -> None:
+    """Redis refusing the change leaves PostgreSQL untouched: nothing half-written."""
+    from balancer.storage.db import cached_engine
+
+    class BrokenLive:
+        def set_quota(self, quota: Quota) -> None:
+            raise ConnectionError("redis went away")
+
+        def remove_quota(self, name: str) -> bool:
+            raise ConnectionError("redis went away")
+
+    store = QuotaStore(cached_engine(database_url), live=BrokenLive())
+    with pytest.raises(ConnectionError):
+        store.set("m", {"max_concurrent_requests": 1, "max_tokens_per_minute": 5}, create=True)
+    assert store.all() == [] and store.history() == []
+
+
+@pytest.mark.smoke
+def test_redis_data_loss_restores_from_postgres(capsys: pytest.CaptureFixture[str], redis_client, namespace: str) -> None:
+    from tests.twin import delete_keys
+
+    assert run(capsys, "quota", "set", "m", "--create", "--tpm", "60000", "--concurrency", "3", "--weight", "2")[0] == 0
+    core = services().core
+    assert isinstance(core.admit([Candidate(10)])[0], Admitted)
+    delete_keys(redis_client, namespace)  # Redis restarted without persistence
+    assert not core.is_loaded()
+    decision = core.admit([Candidate(10)])[0]  # no manual step
+    assert core.is_loaded()
+    live = core.live()["m"]
+    assert live.quota == Quota("m", 3, 60000, weight=2, burst_tokens=60000)
+    # Buckets restart empty (conservative), so the first admission waits for refill.
+    assert isinstance(decision, NotNow) and decision.wait_ms is not None and decision.wait_ms <= 10
+
+
+@pytest.mark.smoke
+def test_console_script_runs(migrated: dict[str, str]) -> None:
+    """The installed `balancer` entry point, as a user runs it."""
+    env = {**os.environ, **migrated}
+    proc = subprocess.run(
+        [sys.executable, "-m", "balancer", "quota", "set", "m", "--tpm", "1"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: unknown model 'm': add it with --create"
