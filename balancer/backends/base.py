@@ -1,0 +1,47 @@
+"""What every backend client returns or raises.
+
+The worker's retry policy depends only on these types, not on any HTTP detail:
+``RateLimited`` goes back to the dispatcher after Retry-After; ``Transient``
+(5xx, timeouts, refused connections, malformed replies) backs off and
+retries; ``Permanent`` (4xx other than 429) fails the task at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Completion:
+    answer: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class BackendError(Exception):
+    """Base of every backend failure; the message never contains the API key."""
+
+
+class RateLimited(BackendError):
+    def __init__(self, message: str, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Transient(BackendError):
+    """Worth retrying after a back-off."""
+
+
+class Permanent(BackendError):
+    """Retrying will not help (bad request, unknown model)."""
+
+
+class Backend(Protocol):
+    def complete(self, model: str, prompt: str, max_tokens: int) -> Completion: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,128 @@
+"""Parse JSONL task files (``balancer submit`` and the inbox), without I/O.
+
+One task per line::
+
+    {"prompt": "Summarise ...", "priority": 5, "model": "gpt-a", "max_tokens": 300, "source": "crm"}
+
+``model`` pins one model, ``models`` allows a list; neither means any model.
+Every bad line is reported with its number, so a user can fix the file.
+
+>>> rows, errors = parse_tasks('{"prompt": "hi"}\\n{"prompt": 3}\\n', models={"m": 1000})
+>>> [r.prompt for r in rows], [e.line for e in errors]
+(['hi'], [2])
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from balancer.tokens import estimate_task_tokens
+
+MAX_PRIORITY = 1_000_000
+KNOWN_FIELDS = {"prompt", "priority", "model", "models", "max_tokens", "source"}
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    prompt: str
+    priority: int
+    allowed_models: tuple[str, ...] | None
+    max_tokens: int
+    estimated_tokens: int
+    source: str
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+def _int_field(data: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{key} must be between {low} and {high}, got {value}")
+    return value
+
+
+def parse_line(
+    text: str, *, models: Mapping[str, int], default_max_tokens: int, default_source: str
+) -> TaskRow:
+    """One JSONL line to a task. ``models`` maps each known model to its burst_tokens."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError("each line must be a JSON object")
+    unknown = set(data) - KNOWN_FIELDS
+    if unknown:
+        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    prompt = data.get("prompt")
+    if prompt is None:
+        raise ValueError("missing prompt")
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise ValueError("empty prompt")
+    if "\x00" in prompt:
+        raise ValueError("prompt contains a NUL character")
+    priority = _int_field(data, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
+    max_tokens = _int_field(data, "max_tokens", default_max_tokens, 1, 1_000_000)
+    if "model" in data and "models" in data:
+        raise ValueError("give either model or models, not both")
+    allowed: tuple[str, ...] | None = None
+    if "model" in data:
+        if not isinstance(data["model"], str):
+            raise ValueError("model must be a string")
+        allowed = (data["model"],)
+    elif "models" in data:
+        if not isinstance(data["models"], list) or not all(isinstance(m, str) for m in data["models"]) or not data["models"]:
+            raise ValueError("models must be a non-empty list of strings")
+        allowed = tuple(dict.fromkeys(data["models"]))
+    if allowed is not None:
+        unknown_models = [m for m in allowed if m not in models]
+        if unknown_models:
+            raise ValueError(f"unknown model(s): {', '.join(unknown_models)}")
+    source = data.get("source", default_source)
+    if not isinstance(source, str) or not source:
+        raise ValueError("source must be a non-empty string")
+    estimated = estimate_task_tokens(prompt, max_tokens)
+    candidates = allowed if allowed is not None else tuple(models)
+    if not candidates:
+        raise ValueError("no models are configured")
+    largest = max(models[m] for m in candidates)
+    if estimated > largest:
+        raise ValueError(
+            f"needs ~{estimated} tokens, more than the largest burst_tokens ({largest}) of its allowed models"
+        )
+    return TaskRow(prompt, priority, allowed, max_tokens, estimated, source)
+
+
+def parse_tasks(
+    text: str,
+    *,
+    models: Mapping[str, int],
+    default_max_tokens: int = 256,
+    default_source: str = "submit",
+) -> tuple[list[TaskRow], list[LineError]]:
+    """All valid rows and all errors; blank lines are skipped."""
+    rows: list[TaskRow] = []
+    errors: list[LineError] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(
+                parse_line(line, models=models, default_max_tokens=default_max_tokens, default_source=default_source)
+            )
+        except ValueError as exc:
+            errors.append(LineError(number, str(exc)))
+    return rows, errors

@@ -1,0 +1,99 @@
+"""Simulated models: provider limits, latency, errors."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from balancer.quota import Quota
+
+#: z-score of the 99th percentile of a standard normal.
+Z99 = 2.3263
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Lognormal with the given median and p99 (seconds), clipped to [low, high]."""
+
+    median: float = 8.0
+    p99: float = 90.0
+    low: float = 1.0
+    high: float = 120.0
+
+    def sample(self, rng: random.Random) -> float:
+        sigma = math.log(self.p99 / self.median) / Z99 if self.p99 > self.median else 0.0
+        return min(self.high, max(self.low, self.median * math.exp(sigma * rng.gauss(0.0, 1.0))))
+
+    def mean(self, samples: int = 20_000, seed: int = 0) -> float:
+        """E[L] of the clipped distribution (Monte Carlo; used by the capacity bound)."""
+        rng = random.Random(seed)
+        return sum(self.sample(rng) for _ in range(samples)) / samples
+
+
+@dataclass(frozen=True)
+class SimModel:
+    name: str
+    max_concurrent_requests: int
+    max_tokens_per_minute: int
+    max_requests_per_minute: int | None = None
+    burst_tokens: int | None = None
+    latency: Latency = Latency()
+    error_rate: float = 0.0
+    weight: int = 1
+
+    @property
+    def burst(self) -> int:
+        return self.burst_tokens or self.max_tokens_per_minute
+
+    def quota(self, *, time_scale: float = 1.0) -> Quota:
+        """The balancer quota that matches this provider model.
+
+        Per-minute limits are in *scenario* minutes; with ``time_scale`` s a
+        scenario minute lasts 60·s real seconds, so real-time rates are
+        divided by s.
+        """
+        return Quota(
+            name=self.name,
+            max_concurrent_requests=self.max_concurrent_requests,
+            max_tokens_per_minute=max(1, round(self.max_tokens_per_minute / time_scale)),
+            max_requests_per_minute=None
+            if self.max_requests_per_minute is None
+            else max(1, round(self.max_requests_per_minute / time_scale)),
+            burst_tokens=self.burst,
+            weight=self.weight,
+        )
+
+
+def default_models(count: int = 10) -> list[SimModel]:
+    """Ten models with mixed limits: some concurrency-bound, some TPM-bound."""
+    # Demand at full concurrency is cap / E[latency] calls/s of ~800 tokens each
+    # (demo prompts), so the TPM-bound ones are those whose TPM is below that.
+    shapes = [
+        # cap, TPM, RPM, burst, median s, p99 s        bound by
+        (8, 40_000, None, 10_000, 4.0, 30.0),       # TPM
+        (16, 600_000, 600, None, 6.0, 60.0),        # concurrency
+        (4, 8_000, 60, 4_000, 10.0, 110.0),         # TPM
+        (12, 150_000, None, None, 3.0, 20.0),       # concurrency
+        (6, 15_000, 120, 5_000, 8.0, 90.0),         # TPM
+        (20, 1_000_000, None, None, 5.0, 45.0),     # concurrency
+        (10, 80_000, None, 20_000, 2.0, 15.0),      # TPM
+        (3, 200_000, 30, None, 20.0, 120.0),        # concurrency
+        (24, 300_000, 900, None, 6.0, 70.0),        # concurrency
+        (8, 30_000, 200, 8_000, 4.0, 40.0),         # TPM
+    ]
+    models = []
+    for i in range(count):
+        cap, tpm, rpm, burst, median, p99 = shapes[i % len(shapes)]
+        models.append(
+            SimModel(
+                name=f"model-{i}",
+                max_concurrent_requests=cap,
+                max_tokens_per_minute=tpm,
+                max_requests_per_minute=rpm,
+                burst_tokens=burst,
+                latency=Latency(median=median, p99=p99),
+                error_rate=0.0,
+            )
+        )
+    return models

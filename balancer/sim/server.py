@@ -1,0 +1,232 @@
+"""The simulated Models Backend: FastAPI app serving both APIs.
+
+* ``POST /single``, ``POST /batch`` (the Models Backend API)
+* ``POST /v1/chat/completions`` (OpenAI-compatible)
+* ``GET /models``; ``GET /log`` (every accepted and rejected call)
+* ``POST /admin/limits`` (change a model's provider limits), ``POST /admin/faults``
+
+``/batch`` without a model spreads prompts round-robin over all models,
+unaware of quotas, as the users' backend does; it answers only after every
+prompt has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from balancer.sim.config import SimModel
+from balancer.sim.limiter import ModelLimiter
+from balancer.tokens import heuristic_prompt_tokens
+
+DEFAULT_MAX_TOKENS = 256
+
+
+@dataclass
+class Faults:
+    """Injected misbehaviour, per model ('*' = all)."""
+
+    status: dict[str, int] = field(default_factory=dict)  # always answer this status
+    hang: dict[str, float] = field(default_factory=dict)  # sleep this long (s), then answer
+    malformed: dict[str, bool] = field(default_factory=dict)
+    no_usage: dict[str, bool] = field(default_factory=dict)
+    retry_after: dict[str, float | None] = field(default_factory=dict)  # with status 429
+
+    def get(self, table: dict, model: str) -> Any:
+        return table.get(model, table.get("*"))
+
+
+class Simulator:
+    def __init__(
+        self,
+        models: list[SimModel],
+        *,
+        time_scale: float = 1.0,
+        seed: int = 0,
+        grace: float = 0.5,
+        log_path: Path | None = None,
+    ) -> None:
+        self.models = {m.name: m for m in models}
+        self.time_scale = time_scale
+        self.rng = random.Random(seed)
+        now = time.time()
+        self.limiters = {
+            m.name: ModelLimiter(
+                cap=m.max_concurrent_requests,
+                tpm=m.max_tokens_per_minute / time_scale,
+                rpm=None if m.max_requests_per_minute is None else m.max_requests_per_minute / time_scale,
+                burst=m.burst,
+                grace=grace,
+                now=now,
+            )
+            for m in models
+        }
+        self.grace = grace
+        self.log: list[dict[str, Any]] = []
+        self.log_path = log_path
+        self._lock = threading.Lock()
+        self._round_robin = itertools.cycle(sorted(self.models))
+        self.faults = Faults()
+
+    def record(self, entry: dict[str, Any]) -> None:
+        with self._lock:
+            self.log.append(entry)
+            if self.log_path is not None:
+                with self.log_path.open("a") as fh:
+                    fh.write(json.dumps(entry) + "\n")
+
+    async def call(self, model: str, prompt: str, max_tokens: int, endpoint: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """One model call: (status, body, headers)."""
+        spec = self.models.get(model)
+        if spec is None:
+            return 404, {"error": f"unknown model {model}"}, {}
+        limiter = self.limiters[model]
+        prompt_tokens = heuristic_prompt_tokens(prompt)
+        charge = prompt_tokens + max_tokens
+        start = time.time()
+        forced = self.faults.get(self.faults.status, model)
+        if forced == 429:
+            retry_after = self.faults.get(self.faults.retry_after, model)
+            self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint, "injected": True})
+            return 429, {"error": "rate limited (injected)"}, {} if retry_after is None else {"Retry-After": f"{retry_after:.3f}"}
+        with self._lock:
+            accepted, retry_after = limiter.try_start(start, charge)
+        if not accepted:
+            self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint,
+                         "prompt_tokens": prompt_tokens, "charge": charge})
+            return 429, {"error": "rate limited"}, {"Retry-After": f"{retry_after:.3f}"}
+        completion_tokens = max(1, int(max_tokens * self.rng.uniform(0.3, 1.0)))
+        status, body = 200, {}
+        try:
+            hang = self.faults.get(self.faults.hang, model)
+            latency = hang if hang is not None else spec.latency.sample(self.rng) * self.time_scale
+            await asyncio.sleep(latency)
+            if forced:
+                status, body = forced, {"error": "injected failure"}
+            elif self.rng.random() < spec.error_rate:
+                status, body = 500, {"error": "simulated server error"}
+            else:
+                body = {
+                    "answer": f"[{model}] answer to: {prompt[:40]}",
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                }
+                if self.faults.get(self.faults.no_usage, model):
+                    del body["usage"]
+        finally:
+            end = time.time()
+            used = prompt_tokens + (completion_tokens if status == 200 else 0)
+            with self._lock:
+                limiter.finish(end, charge - used)
+            self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,
+                         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status == 200 else 0,
+                         "charge": charge})
+        return status, body, {}
+
+    def next_model(self) -> str:
+        with self._lock:
+            return next(self._round_robin)
+
+
+def create_app(sim: Simulator) -> FastAPI:
+    app = FastAPI(title="balancer simulated Models Backend")
+
+    def reply(status: int, body: dict[str, Any], headers: dict[str, str], model: str) -> Response:
+        if status == 200 and sim.faults.get(sim.faults.malformed, model):
+            return Response(content=b'{"answer": "trunc', status_code=200, media_type="application/json")
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.post("/single")
+    async def single(payload: dict[str, Any]) -> JSONResponse:
+        model, prompt = payload.get("model"), payload.get("prompt")
+        if not isinstance(model, str) or not isinstance(prompt, str):
+            return JSONResponse({"error": "model and prompt are required"}, status_code=400)
+        status, body, headers = await sim.call(model, prompt, int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS), "single")
+        return reply(status, body, headers, model)
+
+    @app.post("/batch")
+    async def batch(payload: dict[str, Any]) -> JSONResponse:
+        prompts = payload.get("prompts")
+        if not isinstance(prompts, list):
+            return JSONResponse({"error": "prompts must be a list"}, status_code=400)
+        model = payload.get("model")
+        max_tokens = int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        targets = [model or sim.next_model() for _ in prompts]
+        results = await asyncio.gather(*(sim.call(m, str(p), max_tokens, "batch") for m, p in zip(targets, prompts)))
+        out = []
+        for m, (status, body, headers) in zip(targets, results):
+            item = {"model": m, "status": status, **body}
+            if "Retry-After" in headers:
+                item["retry_after"] = float(headers["Retry-After"])
+            out.append(item)
+        return JSONResponse({"results": out})
+
+    @app.post("/v1/chat/completions")
+    async def chat(payload: dict[str, Any]) -> JSONResponse:
+        model = payload.get("model")
+        messages = payload.get("messages") or []
+        prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+        if not isinstance(model, str):
+            return JSONResponse({"error": {"message": "model is required"}}, status_code=400)
+        status, body, headers = await sim.call(model, prompt, int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS), "openai")
+        if status == 200 and "answer" in body:
+            body = {
+                "object": "chat.completion",
+                "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": body["answer"]}, "finish_reason": "stop"}],
+                **({"usage": {**body["usage"], "total_tokens": sum(body["usage"].values())}} if "usage" in body else {}),
+            }
+        return reply(status, body, headers, model)
+
+    @app.get("/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "models": [
+                {**asdict(m), "latency": asdict(m.latency), "time_scale": sim.time_scale} for m in sim.models.values()
+            ],
+            "grace": sim.grace,
+        }
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        with sim._lock:
+            return {"in_flight": {name: lim.in_flight for name, lim in sim.limiters.items()}, "calls": len(sim.log)}
+
+    @app.get("/log")
+    async def log(since: int = 0) -> dict[str, Any]:
+        with sim._lock:
+            return {"entries": sim.log[since:], "next": len(sim.log)}
+
+    @app.post("/admin/limits")
+    async def set_limits(payload: dict[str, Any]) -> dict[str, Any]:
+        name = payload["model"]
+        lim = sim.limiters[name]
+        with sim._lock:
+            lim.update(
+                time.time(),
+                cap=int(payload.get("cap", lim.cap)),
+                tpm=float(payload.get("tpm", lim.tpm)),
+                rpm=payload.get("rpm", lim.rpm),
+                burst=float(payload.get("burst", lim.burst)),
+            )
+        return {"ok": True}
+
+    @app.post("/admin/faults")
+    async def set_faults(request: Request) -> dict[str, Any]:
+        payload = await request.json()
+        faults = Faults()
+        for key, value in payload.items():
+            setattr(faults, key, dict(value))
+        sim.faults = faults
+        return {"ok": True}
+
+    return app

@@ -1,0 +1,102 @@
+"""Config errors and secrets: one line naming the setting, passwords masked, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.faults
+
+ROOT = Path(__file__).parent.parent
+
+
+def balancer(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "balancer", *argv], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_malformed_database_url(env: dict[str, str]) -> None:
+    proc = balancer({"BALANCER_DATABASE_URL": "mysql://root:hunter2@db/x"}, "quota", "list")
+    assert_one_line(proc, "BALANCER_DATABASE_URL", "***")
+    assert "hunter2" not in proc.stderr
+    proc = balancer({"BALANCER_DATABASE_URL": "postgresql://bob:hunter2@127.0.0.1:notaport/x"}, "quota", "list")
+    assert_one_line(proc, "BALANCER_DATABASE_URL")
+    assert "hunter2" not in proc.stderr
+
+
+def test_malformed_redis_url_and_unknown_backend_kind(env: dict[str, str]) -> None:
+    assert_one_line(balancer({"BALANCER_REDIS_URL": "http://x"}, "quota", "list"), "BALANCER_REDIS_URL")
+    assert_one_line(balancer({"BALANCER_BACKEND_KIND": "carrier-pigeon"}, "quota", "list"), "BALANCER_BACKEND_KIND")
+    assert_one_line(balancer({"BALANCER_LEASE_SECONDS": "soon"}, "quota", "list"), "BALANCER_LEASE_SECONDS")
+
+
+def test_wrong_redis_password(env: dict[str, str], tmp_path: Path) -> None:
+    from balancer.embedded import free_port, redis_server_binary
+
+    port = free_port()
+    server = subprocess.Popen([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                               "--requirepass", "right-one", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        import time
+
+        time.sleep(0.5)
+        proc = balancer({"BALANCER_REDIS_URL": f"redis://:wrong-one@127.0.0.1:{port}/0"}, "quota", "list")
+        assert_one_line(proc, "BALANCER_REDIS_URL", "redis://:***@127.0.0.1")
+        assert "wrong-one" not in proc.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_missing_migration(env: dict[str, str]) -> None:
+    assert_one_line(balancer({}, "quota", "list"), "balancer db upgrade")
+    assert_one_line(balancer({}, "status"), "balancer db upgrade")
+
+
+def test_database_password_never_in_json_output(migrated: dict[str, str]) -> None:
+    """Trust auth here accepts any password, so a canary password travels the whole way."""
+    import sqlalchemy as sa
+
+    canary = "pw-CANARY-51d2"
+    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).set(password=canary)
+    env = {"BALANCER_DATABASE_URL": url.render_as_string(hide_password=False)}
+    assert balancer(env, "quota", "set", "m", "--create", "--tpm", "10", "--concurrency", "1").returncode == 0
+    for argv in (("quota", "list", "--json"), ("status", "--json"), ("quota", "export")):
+        proc = balancer(env, *argv)
+        assert proc.returncode == 0, proc.stderr
+        assert canary not in proc.stdout + proc.stderr
+
+
+def test_servers_bind_to_loopback_by_default() -> None:
+    from balancer.cli.pipeline import sim
+
+    host = next(p for p in sim.params if p.name == "host")
+    assert host.default == "127.0.0.1"
+    embedded = (ROOT / "balancer" / "embedded.py").read_text()
+    assert '"--bind", "127.0.0.1"' in embedded
+
+
+def test_sql_is_built_by_sqlalchemy_with_bound_parameters() -> None:
+    """No SQL assembled from Python strings: no f-strings or % formatting inside text()."""
+    offenders = []
+    for path in (ROOT / "balancer").rglob("*.py"):
+        source = path.read_text()
+        for match in re.finditer(r"text\(\s*(f[\"']|[\"'][^\"']*[\"']\s*%|[\"'][^\"']*[\"']\s*\.format)", source):
+            offenders.append(f"{path.relative_to(ROOT)}:{source[:match.start()].count(chr(10)) + 1}")
+        if "cursor()" in source or ".raw_connection(" in source:
+            offenders.append(f"{path.relative_to(ROOT)}: raw DB-API cursor")
+    assert offenders == []

@@ -1,0 +1,136 @@
+"""``balancer submit`` and the JSONL parser behind it (and behind the inbox)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from balancer.cli import main
+from balancer.intake import parse_tasks
+from balancer.quota import Quota
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.storage.tasks import status_counts
+
+MODELS = {"a": 2_000, "b": 50_000}
+
+
+def test_parser_reports_each_bad_line_with_its_number() -> None:
+    text = "\n".join([
+        '{"prompt": "fine"}',
+        "{not json",
+        '{"priority": 1}',
+        '{"prompt": ""}',
+        '{"prompt": 7}',
+        '{"prompt": "x", "model": "ghost"}',
+        '{"prompt": "x", "priority": "high"}',
+        '{"prompt": "x", "priority": 1.5}',
+        '{"prompt": "' + "w" * 400_000 + '"}',
+        '{"prompt": "x", "model": "a", "max_tokens": 3000}',
+        "",
+        '{"prompt": "ok too", "models": ["a", "b"], "priority": -3, "source": "crm"}',
+        "[1, 2]",
+    ])
+    rows, errors = parse_tasks(text, models=MODELS)
+    assert [r.prompt for r in rows] == ["fine", "ok too"]
+    assert rows[1].allowed_models == ("a", "b") and rows[1].priority == -3 and rows[1].source == "crm"
+    messages = {e.line: e.message for e in errors}
+    assert sorted(messages) == [2, 3, 4, 5, 6, 7, 8, 9, 10, 13]
+    assert "invalid JSON" in messages[2] and messages[3] == "missing prompt" and messages[4] == "empty prompt"
+    assert "string" in messages[5] and "ghost" in messages[6] and "integer" in messages[7] and "integer" in messages[8]
+    assert "burst_tokens (50000)" in messages[9] and "burst_tokens (2000)" in messages[10]
+
+
+@given(st.text(max_size=500))
+def test_parser_never_raises(text: str) -> None:
+    """Any text parses into rows and line errors; numbers point at real lines."""
+    rows, errors = parse_tasks(text, models=MODELS)
+    lines = text.splitlines()
+    assert all(1 <= e.line <= len(lines) and lines[e.line - 1].strip() for e in errors)
+    assert len(rows) + len(errors) == sum(1 for line in lines if line.strip())
+
+
+@given(st.lists(st.fixed_dictionaries({}, optional={
+    "prompt": st.one_of(st.text(max_size=30), st.integers(), st.none()),
+    "priority": st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=3), st.booleans()),
+    "model": st.one_of(st.sampled_from(["a", "b", "zz"]), st.integers()),
+    "max_tokens": st.one_of(st.integers(-5, 3000), st.text(max_size=3)),
+}), max_size=20))
+def test_parser_fuzz_structured(lines: list[dict]) -> None:
+    rows, errors = parse_tasks("\n".join(json.dumps(x) for x in lines), models=MODELS)
+    assert len(rows) + len(errors) == len(lines)
+    for row in rows:
+        assert row.prompt.strip() and row.estimated_tokens <= max(MODELS.values())
+
+
+@pytest.fixture
+def quotas(migrated) -> Services:
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("a", 2, 2_000), Quota("b", 2, 50_000)])
+    return svc
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.smoke
+def test_submit_exit_codes_and_atomicity(quotas: Services, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "one"}\n{"prompt": "two", "model": "b"}\n')
+    assert run(capsys, "submit", str(good))[0] == 0
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"prompt": "three"}\n{"prompt": 3}\n{"prompt": "x", "model": "nope"}\n')
+    code, out, err = run(capsys, "submit", str(mixed), "--strict")
+    assert code == 2 and "mixed.jsonl:line 2" in err and "mixed.jsonl:line 3" in err and "nothing accepted" in err
+    assert status_counts(quotas.engine)["pending"] == 2  # --strict wrote nothing
+    code, out, err = run(capsys, "submit", str(mixed))
+    assert code == 3 and "accepted 1 task(s), rejected 2 line(s)" in out
+    assert status_counts(quotas.engine)["pending"] == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("nonsense\n")
+    code, _, err = run(capsys, "submit", str(bad))
+    assert code == 2 and "no valid tasks" in err
+    code, _, err = run(capsys, "submit", str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "cannot read" in err and len(err.strip().splitlines()) == 1
+
+
+def test_inbox_file_is_ingested_once_even_with_two_ingesters(quotas: Services, tmp_path: Path) -> None:
+    from balancer.pipeline.ingest import ingest_inbox
+
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "batch1.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(25)) + "oops\n")
+    past = time.time() - 10
+    import os
+
+    os.utime(inbox / "batch1.jsonl", (past, past))
+    results: list = []
+    barrier = threading.Barrier(2)
+
+    def ingest() -> None:
+        svc = Services.connect(Settings.from_env())
+        barrier.wait()
+        results.extend(ingest_inbox(svc, inbox))
+
+    threads = [threading.Thread(target=ingest) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert status_counts(quotas.engine)["pending"] == 25
+    assert sum(r.tasks for r in results) == 25
+    assert (inbox / "done" / "batch1.jsonl").exists() and "line 26" in (inbox / "done" / "batch1.jsonl.errors").read_text()
+    # The same file dropped again is recognised and not ingested twice.
+    (inbox / "done" / "batch1.jsonl").rename(inbox / "batch1.jsonl")
+    os.utime(inbox / "batch1.jsonl", (past, past))
+    again = ingest_inbox(Services.connect(Settings.from_env()), inbox)
+    assert again[0].duplicate and status_counts(quotas.engine)["pending"] == 25

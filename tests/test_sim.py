@@ -1,0 +1,89 @@
+"""The simulated Models Backend enforces limits like a provider, and its audit catches breaches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from balancer.sim.audit import Call, Limits, audit, peaks
+from balancer.sim.config import Latency, SimModel, default_models
+from balancer.sim.limiter import ModelLimiter
+from balancer.sim.server import Simulator, create_app
+
+FAST = Latency(0.05, 0.05, 0.05, 0.05)
+
+
+def client_for(sim: Simulator) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(sim)), base_url="http://sim")
+
+
+def test_concurrency_and_tpm_are_enforced_with_retry_after() -> None:
+    sim = Simulator([SimModel("m", 2, 60_000, burst_tokens=700, latency=FAST)], grace=0.0)
+
+    async def go() -> list[httpx.Response]:
+        async with client_for(sim) as client:
+            calls = [client.post("/single", json={"model": "m", "prompt": "x" * 40, "max_tokens": 100}) for _ in range(4)]
+            return await asyncio.gather(*calls)
+
+    replies = asyncio.run(go())
+    codes = sorted(r.status_code for r in replies)
+    assert codes == [200, 200, 429, 429]  # cap 2
+    limited = [r for r in replies if r.status_code == 429]
+    assert all(float(r.headers["Retry-After"]) > 0 for r in limited)
+    assert [e["status"] for e in sim.log].count(429) == 2
+
+
+def test_token_bucket_429_says_when() -> None:
+    lim = ModelLimiter(cap=10, tpm=6_000, rpm=None, burst=1_000, grace=0.0, now=0.0)
+    assert lim.try_start(0.0, 1_000) == (True, 0.0)
+    ok, retry_after = lim.try_start(0.0, 500)
+    assert not ok and retry_after == pytest.approx(5.0)  # 500 tokens at 100/s
+    assert lim.try_start(5.0, 500)[0]
+
+
+def test_rpm_enforced() -> None:
+    lim = ModelLimiter(cap=1000, tpm=10**9, rpm=60, burst=10**9, grace=0.0, now=0.0)
+    assert all(lim.try_start(0.0, 1)[0] for _ in range(60))
+    ok, retry_after = lim.try_start(0.0, 1)
+    assert not ok and retry_after == pytest.approx(1.0)
+
+
+def test_batch_spreads_round_robin_and_waits_for_all() -> None:
+    models = [SimModel(f"m{i}", 10, 10**6, latency=Latency(0.01 * (i + 1), 0.01 * (i + 1), 0.0, 1.0)) for i in range(3)]
+    sim = Simulator(models)
+
+    async def go() -> httpx.Response:
+        async with client_for(sim) as client:
+            return await client.post("/batch", json={"prompts": [f"p{i}" for i in range(6)]})
+
+    reply = asyncio.run(go())
+    results = reply.json()["results"]
+    assert [r["model"] for r in results] == ["m0", "m1", "m2", "m0", "m1", "m2"]
+    assert all(r["status"] == 200 and r["answer"] for r in results)
+
+
+def test_latency_is_heavy_tailed_and_clipped() -> None:
+    import random
+
+    lat = default_models()[2].latency
+    rng = random.Random(1)
+    samples = sorted(lat.sample(rng) for _ in range(5_000))
+    assert samples[0] >= 1.0 and samples[-1] <= 120.0
+    assert samples[2_500] == pytest.approx(lat.median, rel=0.15)
+    assert lat.mean() > lat.median * 1.3  # a long right tail
+
+
+def test_audit_flags_each_kind_of_breach() -> None:
+    limits = {"m": Limits(cap=2, tpm=600, rpm=6, burst=100)}
+    assert audit([Call(0, 1, "m", 50), Call(0.5, 1.5, "m", 50)], limits) == []
+    over_cap = [Call(0, 2, "m", 1)] * 3
+    assert {v.kind for v in audit(over_cap, limits)} == {"concurrency"}
+    burst = [Call(t, t + 0.1, "m", 60) for t in (0.0, 0.2)]  # 120 tokens at once > 100 + 10/s x 0.2 s
+    assert {v.kind for v in audit(burst, limits)} == {"tokens"}
+    spaced = [Call(t, t + 0.1, "m", 60) for t in (0.0, 10.0)]  # 10 s later the bucket has refilled
+    assert audit(spaced, limits) == []
+    rapid = [Call(i * 0.2, i * 0.2 + 0.1, "m", 1) for i in range(8)]
+    assert {v.kind for v in audit(rapid, limits)} == {"requests"}
+    assert peaks(spaced, window=60.0)["m"].tokens_per_60s == 120
