@@ -1,0 +1,11 @@
+"""The pipeline: beat → dispatch → model.<name> queues → worker pools → backend → PostgreSQL.
+
+* ``app`` — the Celery app (config: top-level ``celeryconfig.py``)
+* ``tasks`` — the Celery task entry points, thin wrappers over:
+* ``dispatcher`` — pending tasks → admission core → ``solve`` messages
+* ``solver`` — one backend call, its retries and its idempotent write
+* ``ingest`` — inbox JSONL files → tasks, each file once
+* ``trigger`` — coalesced "dispatch now" requests (a slot just freed)
+* ``pool`` — the resizable thread pool that follows each model's concurrency
+* ``runtime`` — per-process handles (services, backend client)
+"""

@@ -1,0 +1,93 @@
+"""Celery task entry points. Each is a thin wrapper over a plain function."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from celery.signals import worker_process_init
+
+from balancer.pipeline import runtime
+from balancer.pipeline.app import app
+from balancer.pipeline.dispatcher import Assignment, dispatch
+from balancer.pipeline.pool import QuotaWatcher
+from balancer.pipeline.solver import SolveMessage, solve
+from balancer.pipeline.trigger import clear_requests, request_dispatch
+from balancer.storage.tasks import return_expired
+
+log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
+app.steps["consumer"].add(QuotaWatcher)
+
+
+@worker_process_init.connect
+def _fresh_handles_after_fork(**_: object) -> None:
+    runtime.reset()
+
+
+def publish(assignments: Sequence[Assignment]) -> None:
+    """Send one ``solve`` message per admitted task to ``model.<name>``."""
+    if not assignments:
+        return
+    with app.producer_or_acquire() as producer:
+        for a in assignments:
+            solve_task.apply_async(
+                args=[a.task_id, a.admission_id, a.model, a.estimated_tokens],
+                queue=f"model.{a.model}",
+                producer=producer,
+            )
+
+
+def trigger_dispatch(delay_ms: int = 0) -> bool:
+    svc = runtime.services()
+    return request_dispatch(
+        svc.redis,
+        svc.settings.namespace,
+        lambda countdown: dispatch_task.apply_async(countdown=countdown or None),
+        delay_ms=delay_ms,
+        max_delay_ms=int(svc.settings.dispatch_tick * 1000),
+    )
+
+
+@app.task(name="balancer.dispatch")
+def dispatch_task() -> dict:
+    svc = runtime.services()
+    clear_requests(svc.redis, svc.settings.namespace)
+    report = dispatch(svc, publish)
+    if report.retry_in_ms is not None and report.retry_in_ms < svc.settings.dispatch_tick * 1000:
+        trigger_dispatch(delay_ms=max(report.retry_in_ms, 10))
+    if report.admitted or report.failed:
+        log.info("dispatched %d, failed %d, by model %s", report.admitted, report.failed, report.by_model)
+    return {"admitted": report.admitted, "failed": report.failed}
+
+
+@app.task(name="balancer.solve")
+def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int) -> str:
+    outcome = solve(runtime.services(), runtime.backend(), SolveMessage(task_id, admission_id, model, estimated_tokens))
+    trigger_dispatch()  # a slot just freed: refill it now, not at the next tick
+    return outcome
+
+
+@app.task(name="balancer.reconcile")
+def reconcile_task() -> int:
+    returned = return_expired(runtime.services().engine)
+    if returned:
+        log.warning("returned %d task(s) past their deadline to pending", returned)
+        trigger_dispatch()
+    return returned
+
+
+@app.task(name="balancer.ingest")
+def ingest_task() -> int:
+    from balancer.pipeline.ingest import ingest_inbox
+
+    svc = runtime.services()
+    if not svc.settings.inbox:
+        return 0
+    files = ingest_inbox(svc, Path(svc.settings.inbox))
+    created = sum(f.tasks for f in files)
+    if created:
+        log.info("ingested %d task(s) from %d file(s)", created, len(files))
+        trigger_dispatch()
+    return created

@@ -1,0 +1,46 @@
+"""Ask for a dispatch run without flooding the control queue.
+
+Every completion frees a slot and wants a dispatch *now*. A Redis
+``SET NX PX`` flag coalesces them: only the first request in a burst sends a
+message, and the dispatch run clears the flag when it starts, so a slot that
+frees during a run triggers the next one. The flag expires by itself, so a
+lost message cannot block triggers for long.
+
+Delayed requests ("a model's tokens refill in 300 ms") use a second flag and
+a countdown that is never longer than one dispatch tick, far below the broker
+visibility timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import redis
+
+FLAG_TTL_MS = 2_000
+
+
+def flag_keys(namespace: str) -> tuple[str, str]:
+    tag = "{" + namespace + "}"
+    return f"{tag}:dispatch:requested", f"{tag}:dispatch:timer"
+
+
+def request_dispatch(
+    client: redis.Redis, namespace: str, send: Callable[[float], None], *, delay_ms: int = 0, max_delay_ms: int = 1_000
+) -> bool:
+    """Send a dispatch request unless one is already on its way. Returns True if sent."""
+    now_key, timer_key = flag_keys(namespace)
+    if delay_ms <= 0:
+        if client.set(now_key, "1", nx=True, px=FLAG_TTL_MS):
+            send(0.0)
+            return True
+        return False
+    delay_ms = min(delay_ms, max_delay_ms)
+    if client.set(timer_key, "1", nx=True, px=max(delay_ms, 1)):
+        send(delay_ms / 1000.0)
+        return True
+    return False
+
+
+def clear_requests(client: redis.Redis, namespace: str) -> None:
+    client.delete(flag_keys(namespace)[0])

@@ -1,0 +1,205 @@
+"""Run the whole pipeline on one machine, isolated: shared by the demo and the benchmark.
+
+:class:`IsolatedServices` uses the configured Redis/PostgreSQL (or starts an
+embedded stack) inside a schema and a Redis namespace of its own, and drops
+both on exit. :func:`run_pipeline` starts the simulator, the dispatcher, one
+worker process holding every model's pool, and beat; submits a backlog;
+watches it drain; and returns the simulator's call log and the tasks' timings.
+Every process it starts is stopped on exit, including on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+import sqlalchemy as sa
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from balancer.embedded import TemporaryStack, free_port
+from balancer.intake import parse_tasks
+from balancer.quota import Quota
+from balancer.services import Services, delete_namespace_keys
+from balancer.settings import Settings, normalize_database_url
+from balancer.storage.schema import tasks as tasks_table
+from balancer.supervisor import Supervisor, wait_for_http
+
+
+class IsolatedServices:
+    """Redis + PostgreSQL for one run, in a namespace and schema of its own."""
+
+    def __init__(self, console: Console, label: str = "run") -> None:
+        self.console = console
+        self.label = label
+        self._stack = ExitStack()
+
+    def __enter__(self) -> IsolatedServices:
+        base = Settings.from_env()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"balancer-{self.label}-"))
+        if base.redis_url and base.database_url:
+            self.redis_url, self.database_url = base.redis_url, base.database_url
+            self.console.print("using the services in BALANCER_REDIS_URL / BALANCER_DATABASE_URL")
+        else:
+            self.console.print("starting embedded Redis and PostgreSQL ...")
+            stack = self._stack.enter_context(TemporaryStack(self.workdir / "stack"))
+            self.redis_url, self.database_url = stack.redis_url, stack.database_url
+        run_id = uuid.uuid4().hex[:8]
+        self.namespace, self.schema = f"{self.label}-{run_id}", f"balancer_{self.label}_{run_id}"
+        self._admin = sa.create_engine(normalize_database_url(self.database_url))
+        with self._admin.begin() as conn:
+            conn.execute(sa.schema.CreateSchema(self.schema))
+        self._stack.callback(self._drop_own_state)
+        url = sa.engine.make_url(normalize_database_url(self.database_url))
+        url = url.update_query_dict({"options": f"-csearch_path={self.schema}"})
+        self.env = {
+            "BALANCER_REDIS_URL": self.redis_url,
+            "BALANCER_DATABASE_URL": url.render_as_string(hide_password=False),
+            "BALANCER_NAMESPACE": self.namespace,
+            "BALANCER_DISPATCH_TICK": "0.5",
+            "BALANCER_RECONCILE_TICK": "5",
+        }
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        self._stack.callback(lambda: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                                      for k, v in saved.items()])
+        from balancer.storage.migrate import upgrade
+
+        self.services = Services.connect(Settings.from_env())
+        upgrade(self.services.engine)
+        return self
+
+    def _drop_own_state(self) -> None:
+        import redis
+
+        from balancer.storage.db import dispose_engines
+
+        dispose_engines()
+        with self._admin.begin() as conn:
+            conn.execute(sa.schema.DropSchema(self.schema, cascade=True, if_exists=True))
+        self._admin.dispose()
+        delete_namespace_keys(redis.Redis.from_url(self.redis_url), self.namespace)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def supervisor(self) -> Supervisor:
+        return self._stack.enter_context(Supervisor(self.workdir / "logs", env={**os.environ}))
+
+    def start_sim(self, supervisor: Supervisor, sim_args: Sequence[str]) -> str:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        child = supervisor.start(f"sim-{port}", ["sim", "--port", str(port), *sim_args])
+        wait_for_http(f"{url}/models", child=child)
+        os.environ["BALANCER_BACKEND_URL"] = url
+        supervisor.env["BALANCER_BACKEND_URL"] = url
+        return url
+
+    def insert(self, jsonl: str) -> int:
+        rows, errors = parse_tasks(jsonl, models={q.name: q.burst for q in self.services.quotas.all()})
+        if errors:
+            raise ValueError(f"workload has bad lines: {errors[:3]}")
+        from balancer.storage.tasks import insert_tasks
+
+        with self.services.engine.begin() as conn:
+            insert_tasks(conn, rows)
+        return len(rows)
+
+    def task_rows(self) -> list[Any]:
+        with self.services.engine.connect() as conn:
+            return conn.execute(sa.select(tasks_table).order_by(tasks_table.c.id)).all()
+
+
+def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
+    reply = httpx.get(f"{backend_url}/log", params={"since": since}, timeout=30).json()
+    return reply["entries"], reply["next"]
+
+
+@dataclass
+class RunResult:
+    entries: list[dict[str, Any]]
+    started: float
+    finished: float
+    counts: dict[str, int]
+    rows: list[Any]
+
+    @property
+    def makespan(self) -> float:
+        return self.finished - self.started
+
+
+TableMaker = Callable[[dict, dict[str, int]], Table]
+
+
+def recent_tokens(entries: list[dict[str, Any]], now: float, window: float = 60.0) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in reversed(entries):
+        if e["start"] < now - window:
+            break
+        if e["status"] != 429:
+            out[e["model"]] = out.get(e["model"], 0) + e.get("prompt_tokens", 0) + e.get("completion_tokens", 0)
+    return out
+
+
+def run_pipeline(
+    iso: IsolatedServices,
+    *,
+    quotas: Sequence[Quota],
+    sim_args: Sequence[str],
+    backlog_jsonl: str,
+    console: Console,
+    table: TableMaker | None = None,
+    timeout: float = 1800.0,
+) -> RunResult:
+    """Start everything, submit the backlog, wait until every task is solved or failed."""
+    from balancer.storage.tasks import status_counts
+
+    svc = iso.services
+    svc.quotas.replace_all(list(quotas), by="runner")
+    supervisor = iso.supervisor()
+    console.print(f"starting the simulator, dispatcher, workers and beat (logs in {iso.workdir / 'logs'}) ...")
+    backend_url = iso.start_sim(supervisor, sim_args)
+    supervisor.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
+    supervisor.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])
+    supervisor.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
+    started = time.time()
+    total = iso.insert(backlog_jsonl)
+    console.print(f"submitted {total} prompts; draining ...")
+    entries: list[dict[str, Any]] = []
+    cursor = 0
+    progress = Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                        TimeElapsedColumn(), console=console)
+    bar = progress.add_task("solve", total=total, info="")
+    with Live(Group(progress), console=console, refresh_per_second=4, transient=False) as live:
+        while True:
+            supervisor.check_alive()
+            new, cursor = fetch_log(backend_url, cursor)
+            entries.extend(new)
+            counts = status_counts(svc.engine)
+            done = counts["solved"] + counts["failed"]
+            rejected = sum(1 for e in entries if e["status"] == 429)
+            progress.update(bar, completed=done, info=f"failed {counts['failed']}  429s {rejected}")
+            parts = [progress]
+            if table is not None:
+                parts.append(table(svc.core.live(), recent_tokens(entries, time.time())))
+            live.update(Group(*parts))
+            if done >= total:
+                finished = time.time()
+                break
+            if time.time() - started > timeout:
+                raise RuntimeError(f"not finished within {timeout:.0f}s: {counts}")
+            time.sleep(0.5)
+    time.sleep(0.2)
+    entries.extend(fetch_log(backend_url, cursor)[0])
+    result = RunResult(entries, started, finished, status_counts(svc.engine), iso.task_rows())
+    supervisor.stop_all()
+    return result

@@ -1,0 +1,148 @@
+"""Run the real pipeline for a test: simulator, dispatcher, workers, beat.
+
+Real subprocesses, real broker, the test's own Redis namespace and
+PostgreSQL schema. Quotas are the simulator's default models at the test's
+time scale.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+from balancer.embedded import free_port
+from balancer.intake import parse_tasks
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.sim.audit import Call, Limits, audit
+from balancer.sim.config import SimModel, default_models
+from balancer.storage.schema import tasks
+from balancer.storage.tasks import insert_tasks, status_counts
+from balancer.supervisor import Supervisor, wait_for_http
+
+
+@dataclass
+class Pipeline:
+    log_dir: Path
+    time_scale: float = 0.02
+    model_count: int = 10
+    broker_url: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    grace: float = 0.5
+
+    def __post_init__(self) -> None:
+        self.port = free_port()
+        self.backend_url = f"http://127.0.0.1:{self.port}"
+        self.models: list[SimModel] = default_models(self.model_count)
+        env = {"BALANCER_BACKEND_URL": self.backend_url, "BALANCER_DISPATCH_TICK": "0.5", **self.extra_env}
+        if self.broker_url:
+            env["BALANCER_BROKER_URL"] = self.broker_url
+        self._saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        self.env = {**os.environ}
+        self.supervisor = Supervisor(self.log_dir, env=self.env).__enter__()
+        self.services = Services.connect(Settings.from_env())
+
+    def start(self, *, workers: list[list[str]] | None = None, beat: bool = True) -> Pipeline:
+        self.services.quotas.replace_all([m.quota(time_scale=self.time_scale) for m in self.models], by="test")
+        self.sim = self.supervisor.start(
+            "sim", ["sim", "--port", str(self.port), "--models", str(self.model_count),
+                    "--time-scale", str(self.time_scale), "--grace", str(self.grace)],
+        )
+        wait_for_http(f"{self.backend_url}/models", child=self.sim)
+        self.supervisor.start("dispatcher", ["dispatcher", "--loglevel", "INFO"])
+        for i, argv in enumerate(workers or [["--all-models"]]):
+            self.supervisor.start(f"worker-{i}", ["worker", *argv, "--loglevel", "INFO"])
+        if beat:
+            self.supervisor.start("beat", ["beat", "--loglevel", "INFO"], {"BALANCER_HOME": str(self.log_dir)})
+        return self
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+        for key, value in self._saved_env.items():  # later tests must not inherit this run's broker etc.
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+    def control_app(self):  # noqa: ANN201
+        """A Celery app configured from *this* pipeline's environment (the
+        module-level app keeps whatever environment it was first imported in)."""
+        import importlib
+
+        from celery import Celery
+
+        import celeryconfig
+
+        app = Celery("balancer-test-control")
+        app.config_from_object(importlib.reload(celeryconfig))
+        return app
+
+    # -- work ------------------------------------------------------------------------
+    def submit(self, lines: list[dict[str, Any]]) -> list[int]:
+        import json
+
+        text = "\n".join(json.dumps(line) for line in lines)
+        rows, errors = parse_tasks(text, models={q.name: q.burst for q in self.services.quotas.all()})
+        assert not errors, errors
+        with self.services.engine.begin() as conn:
+            return insert_tasks(conn, rows)
+
+    def counts(self) -> dict[str, int]:
+        return status_counts(self.services.engine)
+
+    def wait_done(self, total: int, timeout: float = 120.0) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.supervisor.check_alive()
+            counts = self.counts()
+            if counts["solved"] + counts["failed"] >= total:
+                return counts
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout}s: {counts}; logs in {self.log_dir}")
+            time.sleep(0.25)
+
+    def rows(self) -> list[Any]:
+        with self.services.engine.connect() as conn:
+            return conn.execute(sa.select(tasks).order_by(tasks.c.id)).all()
+
+    # -- the simulator's view ----------------------------------------------------------
+    def sim_log(self) -> list[dict[str, Any]]:
+        return httpx.get(f"{self.backend_url}/log", timeout=10).json()["entries"]
+
+    def limits(self) -> dict[str, Limits]:
+        out = {}
+        for m in self.models:
+            q = m.quota(time_scale=self.time_scale)
+            out[m.name] = Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, self.grace)
+        return out
+
+    @staticmethod
+    def calls(entries: list[dict[str, Any]]) -> list[Call]:
+        return [
+            Call(e["start"], e["end"], e["model"], e.get("prompt_tokens", 0) + e.get("completion_tokens", 0))
+            for e in entries
+            if e["status"] != 429
+        ]
+
+    def violations(self) -> list:
+        return audit(self.calls(self.sim_log()), self.limits())
+
+
+def prompt_lines(count: int, models: list[str], pinned_every: int = 10, seed: int = 3) -> list[dict[str, Any]]:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for i in range(count):
+        line: dict[str, Any] = {"prompt": f"task-{i} " + "word " * rng.randint(20, 400), "max_tokens": rng.choice([64, 128, 256])}
+        if pinned_every and i % pinned_every == 0:
+            line["model"] = models[i % len(models)]
+        lines.append(line)
+    return lines

@@ -1,0 +1,32 @@
+"""The Celery settings the pipeline's guarantees depend on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from balancer.errors import ConfigError
+from balancer.settings import Settings
+
+
+def test_delivery_settings(env: dict[str, str]) -> None:
+    from balancer.pipeline.app import app
+
+    conf = app.conf
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost and conf.worker_prefetch_multiplier == 1
+    assert conf.task_ignore_result and conf.result_backend is None
+    assert conf.task_serializer == "json" and list(conf.accept_content) == ["json"]
+    visibility = conf.broker_transport_options["visibility_timeout"]
+    assert conf.task_time_limit < visibility
+    settings = Settings.from_env()
+    assert settings.backend_timeout < conf.task_time_limit < settings.lease_seconds < visibility
+    assert max(e["schedule"] for e in conf.beat_schedule.values()) < visibility
+    assert set(conf.beat_schedule) == {"dispatch", "reconcile", "ingest"}
+
+
+@pytest.mark.parametrize("change", [{"visibility_timeout": 100}, {"lease_seconds": 100}])
+def test_timing_that_could_redeliver_a_running_call_is_refused(change: dict) -> None:
+    settings = dataclasses.replace(Settings.from_env(), **change)
+    with pytest.raises(ConfigError, match="hard time limit"):
+        settings.check_timing()

@@ -1,0 +1,97 @@
+"""``balancer demo`` as a user runs it: a subprocess, JSON summary, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from balancer.settings import normalize_database_url
+
+pytestmark = pytest.mark.e2e
+
+KEYS = {"tasks", "solved", "failed", "makespan_s", "rate_limited", "violations", "models"}
+
+
+def pipeline_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "--", r"-m balancer (sim|dispatcher|worker|beat)"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def demo_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BALANCER_")}
+    return {**env, **extra}
+
+
+def check_summary(stdout: str, tasks: int) -> dict:
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert KEYS <= set(summary)
+    assert summary["tasks"] == summary["solved"] == tasks and summary["failed"] == 0
+    assert summary["violations"] == 0 and summary["rate_limited"] == 0
+    assert len(summary["models"]) == 10
+    for model in summary["models"].values():
+        assert {"peak_in_flight", "max_concurrent_requests", "peak_tokens_60s", "limit_tokens_60s"} <= set(model)
+        assert model["peak_in_flight"] <= model["max_concurrent_requests"]
+        assert model["peak_tokens_60s"] <= model["limit_tokens_60s"]
+    return summary
+
+
+@pytest.mark.smoke
+def test_demo_on_embedded_services() -> None:
+    """The README's main command on a machine with no services configured."""
+    before = pipeline_pids()
+    proc = subprocess.run([sys.executable, "-m", "balancer", "demo", "--tasks", "60", "--json"],
+                          env=demo_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_summary(proc.stdout, 60)
+    assert pipeline_pids() <= before
+
+
+def test_demo_on_existing_services_cleans_up(service_urls: tuple[str, str]) -> None:
+    redis_url, database_url = service_urls
+    before = pipeline_pids()
+    proc = subprocess.run([sys.executable, "-m", "balancer", "demo", "--tasks", "80", "--json"],
+                          env=demo_env(BALANCER_REDIS_URL=redis_url, BALANCER_DATABASE_URL=database_url),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_summary(proc.stdout, 80)
+    assert pipeline_pids() <= before
+    engine = sa.create_engine(normalize_database_url(database_url))
+    with engine.connect() as conn:
+        schemas = conn.execute(sa.text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'balancer_demo_%'")).all()
+    engine.dispose()
+    assert schemas == []
+    client = redis.Redis.from_url(redis_url)
+    assert list(client.scan_iter(match="{demo-*")) == [] and list(client.scan_iter(match="demo-*")) == []
+
+
+def test_ctrl_c_stops_everything(service_urls: tuple[str, str]) -> None:
+    redis_url, database_url = service_urls
+    before = pipeline_pids()
+    proc = subprocess.Popen([sys.executable, "-m", "balancer", "demo", "--tasks", "5000", "--time-scale", "1"],
+                            env=demo_env(BALANCER_REDIS_URL=redis_url, BALANCER_DATABASE_URL=database_url),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(pipeline_pids() - before) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, "demo never started its processes"
+            time.sleep(0.5)
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "Traceback" not in out
+    deadline = time.monotonic() + 20
+    while pipeline_pids() - before:
+        assert time.monotonic() < deadline, f"left running: {pipeline_pids() - before}"
+        time.sleep(0.5)

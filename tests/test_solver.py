@@ -1,0 +1,242 @@
+"""One solve at a time, against the real simulator over HTTP (in a thread), real Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from balancer.backends import make_backend
+from balancer.embedded import free_port
+from balancer.intake import parse_tasks
+from balancer.storage.tasks import insert_tasks
+from balancer.pipeline.dispatcher import Assignment, dispatch
+from balancer.pipeline.solver import SolveMessage, solve
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.sim.config import Latency, SimModel
+from balancer.sim.server import Simulator, create_app
+
+pytestmark = pytest.mark.usefixtures("migrated")
+
+MODEL = SimModel("m", 4, 600_000, latency=Latency(0.01, 0.02, 0.0, 0.05))
+
+
+@pytest.fixture
+def sim() -> Iterator[tuple[str, Simulator]]:
+    simulator = Simulator([MODEL, SimModel("n", 4, 600_000, latency=MODEL.latency)], time_scale=1.0)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(simulator), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    yield url, simulator
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def svc(sim, monkeypatch: pytest.MonkeyPatch) -> Services:
+    monkeypatch.setenv("BALANCER_BACKEND_URL", sim[0])
+    monkeypatch.setenv("BALANCER_BACKEND_TIMEOUT", "2")
+    monkeypatch.setenv("BALANCER_LEASE_SECONDS", "60")
+    monkeypatch.setenv("BALANCER_MAX_ATTEMPTS", "3")
+    services = Services.connect(Settings.from_env())
+    services.quotas.replace_all([MODEL.quota(), SimModel("n", 4, 600_000).quota()])
+    return services
+
+
+def dispatch_one(svc: Services, line: dict) -> Assignment:
+    """Insert one task and dispatch it, collecting the message instead of sending it."""
+    rows, errors = parse_tasks(json.dumps(line), models={q.name: q.burst for q in svc.quotas.all()})
+    assert not errors
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert len(sent) == 1
+    return sent[0]
+
+
+def message(a: Assignment) -> SolveMessage:
+    return SolveMessage(a.task_id, a.admission_id, a.model, a.estimated_tokens)
+
+
+def task_row(svc: Services, task_id: int):  # noqa: ANN201
+    import sqlalchemy as sa
+
+    from balancer.storage.schema import tasks
+
+    with svc.engine.connect() as conn:
+        return conn.execute(sa.select(tasks).where(tasks.c.id == task_id)).one()
+
+
+def faults(url: str, **table: dict) -> None:
+    httpx.post(f"{url}/admin/faults", json=table, timeout=5).raise_for_status()
+
+
+@pytest.mark.faults
+def test_solved_once_then_duplicates_do_not_call_again(svc: Services, sim) -> None:
+    url, simulator = sim
+    a = dispatch_one(svc, {"prompt": "hello world", "model": "m", "max_tokens": 100})
+    backend = make_backend(svc.settings)
+    assert solve(svc, backend, message(a)) == "solved"
+    row = task_row(svc, a.task_id)
+    assert row.status == "solved" and row.answer and row.completion_tokens <= 100 and row.attempts == 1
+    assert svc.core.live()["m"].in_flight == 0  # slot released
+    live_tokens = svc.core.live()["m"].tokens_available
+    # The same message again (redelivery, duplicate publish): no call, no second write, no double count.
+    assert solve(svc, backend, message(a)) == "stale"
+    assert len([e for e in simulator.log if e["status"] == 200]) == 1
+    assert task_row(svc, a.task_id).answer == row.answer
+    assert svc.core.live()["m"].tokens_available >= live_tokens - 1
+
+
+def test_usage_is_reconciled(svc: Services, sim) -> None:
+    a = dispatch_one(svc, {"prompt": "x" * 400, "model": "m", "max_tokens": 1000})
+    before = svc.core.live()["m"].tokens_available  # estimate (100 + 1000) already charged
+    solve(svc, make_backend(svc.settings), message(a))
+    row = task_row(svc, a.task_id)
+    credit = a.estimated_tokens - (row.prompt_tokens + row.completion_tokens)
+    assert credit > 0
+    assert svc.core.live()["m"].tokens_available >= before + credit - 1
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    "fault, expect_error",
+    [
+        ({"status": {"m": 500}}, "500"),
+        ({"malformed": {"m": True}}, "malformed JSON"),
+        ({"no_usage": {"m": True}}, "missing usage"),
+    ],
+)
+def test_transient_failures_back_off_then_fail_after_max_attempts(
+    svc: Services, sim, fault: dict, expect_error: str, reliability
+) -> None:
+    url, _ = sim
+    faults(url, **fault)
+    a = dispatch_one(svc, {"prompt": "boom", "model": "m"})
+    backend = make_backend(svc.settings)
+    assert solve(svc, backend, message(a)) == "retry"
+    row = task_row(svc, a.task_id)
+    assert row.status == "pending" and expect_error in row.error and row.not_before is not None
+    assert svc.core.live()["m"].in_flight == 0
+    import sqlalchemy as sa
+
+    from balancer.storage.schema import tasks
+
+    for attempt in (2, 3):
+        with svc.engine.begin() as conn:  # skip the back-off wait
+            conn.execute(sa.update(tasks).where(tasks.c.id == a.task_id).values(not_before=None))
+        sent: list[Assignment] = []
+        dispatch(svc, sent.extend)
+        outcome = solve(svc, backend, message(sent[0]))
+    assert outcome == "failed"
+    row = task_row(svc, a.task_id)
+    assert row.status == "failed" and row.attempts == 3 and expect_error in row.error
+    assert svc.core.live()["m"].in_flight == 0
+    reliability({
+        "fault": f"backend: {expect_error}", "injected": f"simulator fault {fault}",
+        "tasks": 1, "lost": 0, "double_written": 0, "repeated_calls": "2 (retries)",
+        "bound": "max_attempts - 1, with back-off; then `failed` with the error", "recovery_s": "-",
+    })
+
+
+@pytest.mark.faults
+def test_connection_refused_and_timeout_are_transient(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch, reliability
+) -> None:
+    url, _ = sim
+    a = dispatch_one(svc, {"prompt": "p", "model": "m"})
+    refused = dataclasses.replace(Settings.from_env(), backend_url=f"http://127.0.0.1:{free_port()}")
+    assert solve(svc, make_backend(refused), message(a)) == "retry"
+    assert "cannot reach backend" in task_row(svc, a.task_id).error
+    faults(url, hang={"n": 5.0})
+    b = dispatch_one(svc, {"prompt": "q", "model": "n"})
+    started = time.monotonic()
+    assert solve(svc, make_backend(svc.settings), message(b)) == "retry"
+    assert time.monotonic() - started < 4  # the 2 s client timeout, not the 5 s hang
+    assert "timeout" in task_row(svc, b.task_id).error
+    assert svc.core.live()["n"].in_flight == 0 and svc.core.live()["m"].in_flight == 0
+    for fault in ("backend: connection refused", "backend: hangs past the call's time limit"):
+        reliability({
+            "fault": fault, "injected": "no server on the port" if "refused" in fault else "simulator hangs 5 s, timeout 2 s",
+            "tasks": 1, "lost": 0, "double_written": 0, "repeated_calls": "retried with back-off",
+            "bound": "max_attempts - 1; no slot held", "recovery_s": "-",
+        })
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("retry_after", [3.0, None])
+def test_429_goes_back_to_the_dispatcher_and_pauses_the_model(
+    svc: Services, sim, retry_after: float | None, reliability
+) -> None:
+    url, _ = sim
+    faults(url, status={"m": 429}, retry_after={"m": retry_after})
+    a = dispatch_one(svc, {"prompt": "r", "models": ["m"], "max_tokens": 10})
+    started = time.monotonic()
+    before = svc.core.live()["m"].tokens_available
+    assert solve(svc, make_backend(svc.settings), message(a)) == "rate_limited"
+    after = svc.core.live()["m"].tokens_available
+    refilled = 10_000 * (time.monotonic() - started)  # 600k TPM refills 10k tokens/s meanwhile
+    row = task_row(svc, a.task_id)
+    assert row.status == "pending" and row.rate_limited == 1 and row.not_before is None and row.attempts == 1
+    paused = (retry_after or 1.0) * 600_000 / 60  # Retry-After seconds of TPM
+    assert after <= before - paused + refilled + 50
+    assert svc.core.live()["m"].in_flight == 0
+    reliability({
+        "fault": f"backend: 429 {'with' if retry_after else 'without'} Retry-After",
+        "injected": "simulator answers 429 to every call",
+        "tasks": 1, "lost": 0, "double_written": 0, "repeated_calls": "re-dispatched",
+        "bound": "model paused for Retry-After (default 1 s); task `failed` after 50 429s", "recovery_s": "-",
+    })
+
+
+def test_disabled_model_does_not_start_admitted_call(svc: Services, sim) -> None:
+    url, simulator = sim
+    a = dispatch_one(svc, {"prompt": "late", "model": "m"})
+    svc.quotas.set("m", {"enabled": False})
+    assert solve(svc, make_backend(svc.settings), message(a)) == "no_room"
+    row = task_row(svc, a.task_id)
+    assert row.status == "pending" and row.attempts == 0
+    assert simulator.log == []
+    assert svc.core.live()["m"].in_flight == 0
+
+
+def test_openai_compatible_backend(svc: Services, sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BALANCER_BACKEND_KIND", "openai")
+    settings = Settings.from_env()
+    a = dispatch_one(svc, {"prompt": "chat please", "model": "n", "max_tokens": 50})
+    assert solve(svc, make_backend(settings), message(a)) == "solved"
+    row = task_row(svc, a.task_id)
+    assert row.answer.startswith("[n]") and row.completion_tokens <= 50
+    assert sim[1].log[-1]["endpoint"] == "openai"
+
+
+@pytest.mark.faults
+def test_api_key_never_appears_in_errors_or_logs(svc: Services, sim, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    canary = "sk-CANARY-7f3a9b"
+    monkeypatch.setenv("BALANCER_BACKEND_API_KEY", canary)
+    settings = Settings.from_env()
+    assert canary not in repr(settings)
+    caplog.set_level("DEBUG")
+    faults(sim[0], status={"m": 500})
+    a = dispatch_one(svc, {"prompt": "secret test", "model": "m"})
+    assert solve(svc, make_backend(settings), message(a)) == "retry"
+    refused = dataclasses.replace(settings, backend_url=f"http://127.0.0.1:{free_port()}")
+    b = dispatch_one(svc, {"prompt": "secret test 2", "model": "n"})
+    solve(svc, make_backend(refused), message(b))
+    errors = [task_row(svc, a.task_id).error, task_row(svc, b.task_id).error]
+    assert all(errors) and not any(canary in e for e in errors)
+    assert canary not in caplog.text
