@@ -1,0 +1,81 @@
+"""The capacity bound: the smallest makespan any scheduler could reach (pure).
+
+Each model m can complete at most, by time T (scenario seconds)::
+
+    cap_m(T) = min( C_m · T / E[L_m],                 # concurrency: C calls, each E[L] long
+                    RPM_m · T / 60 + RPM_m,           # requests: refill + one minute's burst
+                    (TPM_m · T / 60 + B_m) / E[t] )   # tokens: refill + burst, E[t] per task
+
+tasks, where E[t] is the expected prompt + completion tokens per task. Tasks
+pinned to one model must fit in that model's own capacity; the rest can go
+anywhere. The bound is the least T with
+
+    pinned_m <= cap_m(T)  for every m,   and   Σ_m cap_m(T) >= N.
+
+That is the feasibility condition of the transportation LP
+(x_{g,m} >= 0, Σ_m x_{g,m} = N_g, Σ_g x_{g,m} <= cap_m(T)) when every group
+is either "any model" or "exactly one model", so no LP solver is needed. cap_m
+is increasing in T, so bisection finds the least T. It is a fluid bound: it
+ignores that the last call still takes its full latency, so real schedules sit
+above it, which is why utilization = bound / makespan is at most 1.
+
+>>> m = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0, rpm=None)
+>>> round(makespan_bound([m], tokens_per_task=100, any_model=100, pinned={}), 3)   # 10 calls / 2 s = 5 tasks/s
+20.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+
+@dataclass(frozen=True)
+class ModelCapacity:
+    concurrency: int
+    mean_latency: float  # seconds
+    tpm: float | None  # tokens per minute (None: unlimited)
+    burst: float  # tokens available at t = 0
+    rpm: float | None = None
+
+    def tasks_by(self, t: float, tokens_per_task: float) -> float:
+        limits = [self.concurrency * t / self.mean_latency]
+        if self.rpm:
+            limits.append(self.rpm * t / 60 + self.rpm)
+        if self.tpm:
+            limits.append((self.tpm * t / 60 + self.burst) / tokens_per_task)
+        return min(limits)
+
+    def rate(self, tokens_per_task: float) -> float:
+        """Steady-state tasks per second: min(C/E[L], RPM/60, TPM/(60·E[t]))."""
+        rates = [self.concurrency / self.mean_latency]
+        if self.rpm:
+            rates.append(self.rpm / 60)
+        if self.tpm:
+            rates.append(self.tpm / 60 / tokens_per_task)
+        return min(rates)
+
+
+def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, int]) -> bool:
+    caps = [m.tasks_by(t, tokens_per_task) for m in models]
+    if any(pinned.get(i, 0) > caps[i] + 1e-9 for i in range(len(models))):
+        return False
+    return sum(caps) + 1e-9 >= any_model + sum(pinned.values())
+
+
+def makespan_bound(
+    models: Sequence[ModelCapacity], *, tokens_per_task: float, any_model: int, pinned: Mapping[int, int]
+) -> float:
+    """Least T (seconds) at which all tasks could be done; see the module docstring."""
+    low, high = 0.0, 1.0
+    while not feasible(models, high, tokens_per_task, any_model, pinned):
+        high *= 2
+        if high > 1e12:
+            raise ValueError("no finite makespan: some pinned tasks have no capacity")
+    for _ in range(100):
+        mid = (low + high) / 2
+        if feasible(models, mid, tokens_per_task, any_model, pinned):
+            high = mid
+        else:
+            low = mid
+    return high

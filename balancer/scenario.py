@@ -1,0 +1,183 @@
+"""Benchmark scenarios: simulated models and a workload, as TOML (pure, no I/O).
+
+The format is a public interface; docs/scenarios.md documents it. Example::
+
+    name = "short"
+    seed = 7
+    time_scale = 0.02          # multiplies every latency and every per-minute window
+
+    [workload]
+    tasks = 300
+    prompt_tokens = { median = 400, p99 = 2000, min = 20, max = 4000 }
+    output_tokens = { median = 150, p99 = 600, min = 16, max = 1024 }
+    pinned_fraction = 0.1
+    priorities = [0, 1, 2]
+    sources = ["crm", "web"]
+
+    [[models]]
+    name = "model-0"
+    max_concurrent_requests = 8
+    max_tokens_per_minute = 40000
+    max_requests_per_minute = 600          # optional
+    burst_tokens = 10000                   # optional, default one minute of TPM
+    weight = 1                             # optional
+    latency = { median = 4.0, p99 = 30.0, min = 1.0, max = 120.0 }
+    error_rate = 0.0                       # optional
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tomllib
+from dataclasses import dataclass, field
+
+from balancer.errors import BalancerError
+from balancer.quota import Quota
+from balancer.sim.config import Z99, Latency, SimModel
+
+
+class ScenarioError(BalancerError):
+    """A scenario file is malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Lognormal by median and p99, clipped to [min, max], as whole numbers."""
+
+    median: float
+    p99: float
+    min: float
+    max: float
+
+    def sample(self, rng: random.Random) -> int:
+        sigma = math.log(self.p99 / self.median) / Z99 if self.p99 > self.median else 0.0
+        return int(round(min(self.max, max(self.min, self.median * math.exp(sigma * rng.gauss(0.0, 1.0))))))
+
+
+@dataclass(frozen=True)
+class Workload:
+    tasks: int
+    prompt_tokens: Distribution
+    output_tokens: Distribution
+    pinned_fraction: float = 0.0
+    priorities: tuple[int, ...] = (0,)
+    sources: tuple[str, ...] = ("bench",)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    models: tuple[SimModel, ...]
+    workload: Workload
+    time_scale: float = 1.0
+    seed: int = 0
+    kind: str = "makespan"  # makespan | overhead | backlog
+    extra: dict = field(default_factory=dict)
+
+    def quotas(self) -> list[Quota]:
+        return [m.quota(time_scale=self.time_scale) for m in self.models]
+
+    def task_lines(self) -> list[dict]:
+        """The workload as JSONL-ready dicts, reproducible from ``seed``.
+
+        A prompt of n tokens is n*4 characters (the simulator and the estimator
+        both count ~4 characters per token); its index leads it so every
+        prompt is distinct.
+        """
+        rng = random.Random(self.seed)
+        names = [m.name for m in self.models]
+        lines = []
+        for i in range(self.workload.tasks):
+            prompt_tokens = self.workload.prompt_tokens.sample(rng)
+            line: dict = {
+                "prompt": (f"#{i} " + "lorem ipsum dolor sit amet " * (prompt_tokens * 4 // 27 + 1))[: prompt_tokens * 4],
+                "max_tokens": max(1, self.workload.output_tokens.sample(rng)),
+                "priority": rng.choice(self.workload.priorities),
+                "source": rng.choice(self.workload.sources),
+            }
+            if rng.random() < self.workload.pinned_fraction:
+                line["model"] = rng.choice(names)
+            lines.append(line)
+        return lines
+
+    def backlog_jsonl(self) -> str:
+        return "".join(json.dumps(line) + "\n" for line in self.task_lines())
+
+
+def _require(table: dict, key: str, kind: type | tuple, where: str):  # noqa: ANN202
+    if key not in table:
+        raise ScenarioError(f"{where}: missing {key}")
+    value = table[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ScenarioError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _distribution(table: dict, where: str) -> Distribution:
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{where}: expected a table {{median, p99, min, max}}")
+    values = {k: _require(table, k, (int, float), where) for k in ("median", "p99", "min", "max")}
+    if not 0 < values["min"] <= values["median"] <= values["max"] or values["p99"] < values["median"]:
+        raise ScenarioError(f"{where}: need 0 < min <= median <= max and p99 >= median")
+    return Distribution(**{k: float(v) for k, v in values.items()})
+
+
+def parse_scenario(text: str, name: str = "scenario") -> Scenario:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{name}: invalid TOML: {exc}") from None
+    time_scale = float(data.get("time_scale", 1.0))
+    if time_scale <= 0:
+        raise ScenarioError("time_scale must be > 0")
+    models = []
+    for i, m in enumerate(data.get("models", [])):
+        where = f"models[{i}]"
+        latency = _distribution(m.get("latency", {"median": 8, "p99": 90, "min": 1, "max": 120}), f"{where}.latency")
+        try:
+            model = SimModel(
+                name=_require(m, "name", str, where),
+                max_concurrent_requests=_require(m, "max_concurrent_requests", int, where),
+                max_tokens_per_minute=_require(m, "max_tokens_per_minute", int, where),
+                max_requests_per_minute=m.get("max_requests_per_minute"),
+                burst_tokens=m.get("burst_tokens"),
+                weight=m.get("weight", 1),
+                latency=Latency(latency.median, latency.p99, latency.min, latency.max),
+                error_rate=float(m.get("error_rate", 0.0)),
+            )
+            model.quota(time_scale=time_scale)  # validates every limit
+        except BalancerError as exc:
+            raise ScenarioError(f"{where}: {exc}") from None
+        if not 0 <= model.error_rate < 1:
+            raise ScenarioError(f"{where}.error_rate must be in [0, 1)")
+        models.append(model)
+    if not models:
+        raise ScenarioError("a scenario needs at least one [[models]] table")
+    if len({m.name for m in models}) != len(models):
+        raise ScenarioError("model names must be unique")
+    wl = data.get("workload", {})
+    workload = Workload(
+        tasks=_require(wl, "tasks", int, "workload"),
+        prompt_tokens=_distribution(_require(wl, "prompt_tokens", dict, "workload"), "workload.prompt_tokens"),
+        output_tokens=_distribution(_require(wl, "output_tokens", dict, "workload"), "workload.output_tokens"),
+        pinned_fraction=float(wl.get("pinned_fraction", 0.0)),
+        priorities=tuple(wl.get("priorities", [0])),
+        sources=tuple(wl.get("sources", ["bench"])),
+    )
+    if workload.tasks < 1 or not 0 <= workload.pinned_fraction <= 1:
+        raise ScenarioError("workload.tasks must be >= 1 and pinned_fraction in [0, 1]")
+    kind = data.get("kind", "makespan")
+    if kind not in ("makespan", "overhead", "backlog"):
+        raise ScenarioError(f"kind must be makespan, overhead or backlog, got {kind!r}")
+    known = {"name", "seed", "time_scale", "kind", "models", "workload"}
+    return Scenario(
+        name=str(data.get("name", name)),
+        models=tuple(models),
+        workload=workload,
+        time_scale=time_scale,
+        seed=int(data.get("seed", 0)),
+        kind=kind,
+        extra={k: v for k, v in data.items() if k not in known},
+    )
