@@ -320,6 +320,30 @@ def test_quota_change_applies_to_next_admission(twin: Twin) -> None:
     assert twin.admit([Candidate(1)])[0] == NotNow(None, twin.now)
 
 
+def test_lowered_quota_is_not_refilled_by_calls_charged_before_it(twin: Twin) -> None:
+    """Calls in flight when TPM drops finish later with a surplus (estimate above
+    actual), or never start. Crediting either to the new, small bucket would let
+    traffic after the change exceed the new quota, so both are forfeited."""
+    twin.set_quota(Quota("a", 4, 600_000, burst_tokens=10_000))
+    started, unstarted = (twin.admit([Candidate(4_000)])[0] for _ in range(2))
+    twin.renew(started.admission_id, "a", 4_000)
+    twin.set_quota(Quota("a", 4, 600, burst_tokens=1_000))  # 10 tokens/s, bucket clipped to 1,000
+    spend = twin.admit([Candidate(1_000)])[0]
+    assert isinstance(spend, Admitted)  # the new bucket is now empty
+    twin.renew(spend.admission_id, "a", 1_000)
+    assert twin.reconcile(started.admission_id, 100) is True  # surplus 3,900: forfeited
+    assert isinstance(twin.admit([Candidate(500)])[0], NotNow)
+    twin.advance(5_001)  # the unstarted lease expires: its 4,000 are forfeited too
+    assert isinstance(twin.admit([Candidate(500)])[0], NotNow)  # only 50 tokens of refill
+    # Within one generation, surpluses are still credited.
+    small = twin.admit([Candidate(40)])[0]
+    assert isinstance(small, Admitted)
+    level = twin.core.live(twin.now)["a"].tokens_available
+    assert twin.reconcile(small.admission_id, 0) is True
+    assert twin.core.live(twin.now)["a"].tokens_available == level + 40
+    assert unstarted.admission_id not in twin.core.raw_state()["leases"]
+
+
 # -- safe under concurrency ----------------------------------------------------------
 
 

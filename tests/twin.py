@@ -37,11 +37,11 @@ def canonical_lua(core: AdmissionCore) -> dict:
         "models": {
             name: (
                 m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
-                m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["inflight"],
+                m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["gen"], m["inflight"],
             )
             for name, m in raw["models"].items()
         },
-        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["r"] == 1) for lid, v in raw["leases"].items()},
+        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["r"] == 1, v["g"]) for lid, v in raw["leases"].items()},
     }
 
 
@@ -55,12 +55,12 @@ def canonical_ref(ref: ReferenceCore) -> dict:
             name: (
                 s.quota.weight, s.quota.max_concurrent_requests, s.quota.max_tokens_per_minute,
                 s.quota.max_requests_per_minute or 0, s.quota.burst, int(s.quota.enabled),
-                s.tokens, s.requests, s.refilled_at, s.deficit, ref._inflight(name),
+                s.tokens, s.requests, s.refilled_at, s.deficit, s.generation, ref._inflight(name),
             )
             for name, s in ref.models.items()
         },
         "leases": {
-            lid: (l.model, l.estimated_tokens, l.started, l.reconciled) for lid, l in ref.leases.items()
+            lid: (l.model, l.estimated_tokens, l.started, l.reconciled, l.generation) for lid, l in ref.leases.items()
         },
     }
 

@@ -104,6 +104,7 @@ class ModelState:
     requests: int  # units; 0 when the model has no RPM limit
     refilled_at: int  # ms
     deficit: int  # tokens
+    generation: int = 0  # bumped when the rate or bucket size changes
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Lease:
     deadline: int
     started: bool = False
     reconciled: bool = False
+    generation: int = 0  # the model's quota generation when it was charged
 
 
 @dataclass(frozen=True)
@@ -174,13 +176,24 @@ class ReferenceCore:
                 break
             lease = self.leases.pop(lid)
             if not lease.started:
-                self._refund(name, lease.estimated_tokens)
+                self._refund(name, lease)
 
-    def _refund(self, name: str, est: int) -> None:
+    def _same_generation(self, lease: Lease) -> bool:
+        """Whether ``lease`` was charged under the model's current quota.
+
+        Credits go back only to the generation that paid for them: after the
+        rate or burst is lowered, an old call's surplus must not refill the new,
+        smaller bucket (traffic would then exceed the new quota).
+        """
+        return lease.generation == self.models[lease.model].generation
+
+    def _refund(self, name: str, lease: Lease) -> None:
         """Give back what an admission charged, for a call that never happened."""
+        if not self._same_generation(lease):
+            return
         state = self.models[name]
         quota = state.quota
-        state.tokens = min(quota.burst * UNITS, state.tokens + est * UNITS)
+        state.tokens = min(quota.burst * UNITS, state.tokens + lease.estimated_tokens * UNITS)
         if quota.max_requests_per_minute:
             state.requests = min(quota.max_requests_per_minute * UNITS, state.requests + UNITS)
 
@@ -218,7 +231,7 @@ class ReferenceCore:
     def _new_lease(self, name: str, est: int, deadline: int, started: bool) -> str:
         self.seq += 1
         lid = f"{self.epoch}-{self.seq}"
-        self.leases[lid] = Lease(name, est, deadline, started=started)
+        self.leases[lid] = Lease(name, est, deadline, started=started, generation=self.models[name].generation)
         return lid
 
     def _require_state(self) -> None:
@@ -312,7 +325,7 @@ class ReferenceCore:
             # back, and the tokens too if no call was ever made under it.
             del self.leases[admission_id]
             if not lease.started:
-                self._refund(model, lease.estimated_tokens)
+                self._refund(model, lease)
             return NotNow(None, now)
         if lease is not None:
             lease.deadline = now + lease_ms
@@ -325,7 +338,9 @@ class ReferenceCore:
         if not self._has_capacity(model, est):
             return NotNow(now + self._wait(model, est, now), now)
         self._charge(model, est)
-        self.leases[admission_id] = Lease(model, est, now + lease_ms, started=True)
+        self.leases[admission_id] = Lease(
+            model, est, now + lease_ms, started=True, generation=self.models[model].generation
+        )
         return Admitted(model, admission_id)
 
     def release(self, admission_id: str) -> bool:
@@ -333,14 +348,16 @@ class ReferenceCore:
         return self.leases.pop(admission_id, None) is not None
 
     def reconcile(self, admission_id: str, actual_tokens: int, now: int) -> bool:
-        """Debit (or credit) ``actual - estimated`` tokens once per lease."""
+        """Debit ``actual - estimated`` tokens once per lease; a surplus is
+        credited only within the quota generation that charged it."""
         lease = self.leases.get(admission_id)
         if lease is None or lease.reconciled or lease.model not in self.models:
             return False
         self._refill(lease.model, now)
         state = self.models[lease.model]
-        delta = actual_tokens - lease.estimated_tokens
-        state.tokens = min(state.quota.burst * UNITS, state.tokens - delta * UNITS)
+        surplus = lease.estimated_tokens - actual_tokens
+        if surplus < 0 or self._same_generation(lease):
+            state.tokens = min(state.quota.burst * UNITS, state.tokens + surplus * UNITS)
         lease.reconciled = True
         return True
 
@@ -353,7 +370,12 @@ class ReferenceCore:
             self.models[quota.name] = ModelState(quota, quota.burst * UNITS, rpm * UNITS, now, 0)
             return
         self._refill(quota.name, now)
-        had_rpm = bool(state.quota.max_requests_per_minute)
+        old = state.quota
+        had_rpm = bool(old.max_requests_per_minute)
+        if (old.max_tokens_per_minute, old.max_requests_per_minute or 0, old.burst) != (
+            quota.max_tokens_per_minute, quota.max_requests_per_minute or 0, quota.burst
+        ):
+            state.generation += 1
         state.quota = quota
         state.tokens = min(state.tokens, quota.burst * UNITS)
         rpm = quota.max_requests_per_minute or 0

@@ -101,7 +101,7 @@ for c = 0, n - 1 do
       charge(chosen, est)
       seq = seq + 1
       local lid = epoch .. '-' .. fmt(seq)
-      put_lease(lid, chosen.name, est, now + lease_ms, 0)
+      put_lease(lid, chosen, est, now + lease_ms, 0)
       rr = chosen.name
       out[#out + 1] = 'A'; out[#out + 1] = chosen.name; out[#out + 1] = lid
     end

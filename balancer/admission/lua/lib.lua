@@ -4,9 +4,10 @@
 --
 -- KEYS[1]  <tag>:meta     hash   loaded, epoch, seq, rr (last model chosen)
 -- KEYS[2]  <tag>:models   zset   model names, all score 0 (lexicographic order)
--- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started, r=reconciled}
+-- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started, r=reconciled,
+--                                 g=the model's quota generation at admission}
 -- Derived from the same hash tag, so every key lands in one Cluster slot:
---   <tag>:model:<name>     hash   weight cap tpm rpm burst enabled tokens requests refilled_at deficit
+--   <tag>:model:<name>     hash   weight cap tpm rpm burst enabled tokens requests refilled_at deficit gen
 --   <tag>:inflight:<name>  zset   admission id -> lease deadline (ms)
 --
 -- Units: time in integer ms; buckets in units of 1/60000 token (or request),
@@ -32,13 +33,14 @@ end
 local function loaded() return redis.call('HGET', META, 'loaded') == '1' end
 
 local FIELDS = {'weight', 'cap', 'tpm', 'rpm', 'burst', 'enabled',
-                'tokens', 'requests', 'refilled_at', 'deficit'}
+                'tokens', 'requests', 'refilled_at', 'deficit', 'gen'}
 
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
   if not raw[1] then return nil end
   local m = {name = name}
   for i, f in ipairs(FIELDS) do m[f] = tonumber(raw[i]) end
+  m.gen = m.gen or 0
   return m
 end
 
@@ -46,7 +48,8 @@ local function save_model(m)
   redis.call('HSET', model_key(m.name),
     'weight', fmt(m.weight), 'cap', fmt(m.cap), 'tpm', fmt(m.tpm), 'rpm', fmt(m.rpm),
     'burst', fmt(m.burst), 'enabled', fmt(m.enabled), 'tokens', fmt(m.tokens),
-    'requests', fmt(m.requests), 'refilled_at', fmt(m.refilled_at), 'deficit', fmt(m.deficit))
+    'requests', fmt(m.requests), 'refilled_at', fmt(m.refilled_at), 'deficit', fmt(m.deficit),
+    'gen', fmt(m.gen))
 end
 
 local function refill(m, now)
@@ -57,8 +60,15 @@ local function refill(m, now)
   if now > m.refilled_at then m.refilled_at = now end
 end
 
+-- Credits (refunds, reconcile surpluses) go back only to the quota generation
+-- that charged them: after a rate or burst change, tokens charged under the
+-- old quota must not inflate the new, possibly much smaller, bucket.
+local function same_generation(m, lease) return (lease.g or 0) == m.gen end
+
 -- Give back what an admission charged, for a call that never happened.
-local function refund(m, est)
+local function refund(m, lease)
+  if not same_generation(m, lease) then return end
+  local est = lease.e
   m.tokens = math.min(m.burst * UNITS, m.tokens + est * UNITS)
   if m.rpm > 0 then m.requests = math.min(m.rpm * UNITS, m.requests + UNITS) end
 end
@@ -72,7 +82,7 @@ local function purge(m, now)
     local raw = redis.call('HGET', LEASES, lid)
     if raw then
       local lease = cjson.decode(raw)
-      if lease.s == 0 then refund(m, lease.e) end
+      if lease.s == 0 then refund(m, lease) end
       redis.call('HDEL', LEASES, lid)
     end
   end
@@ -106,8 +116,8 @@ local function charge(m, est)
   if m.rpm > 0 then m.requests = m.requests - UNITS end
 end
 
-local function put_lease(lid, model, est, deadline, started)
-  redis.call('ZADD', inflight_key(model), fmt(deadline), lid)
-  redis.call('HSET', LEASES, lid, cjson.encode({m = model, e = est, s = started, r = 0}))
+local function put_lease(lid, m, est, deadline, started)
+  redis.call('ZADD', inflight_key(m.name), fmt(deadline), lid)
+  redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, r = 0, g = m.gen}))
 end
 -- end of lib.lua

@@ -25,7 +25,7 @@ if raw and m.enabled ~= 1 then
   local lease = cjson.decode(raw)
   redis.call('ZREM', inflight_key(lease.m), lid)
   redis.call('HDEL', LEASES, lid)
-  if lease.s == 0 then refund(m, lease.e) end
+  if lease.s == 0 then refund(m, lease) end
   save_model(m)
   return {'W', '', fmt(now)}
 end
@@ -46,7 +46,7 @@ elseif not has_capacity(m, est) then
   result = {'W', fmt(now + wait_ms(m, est, now)), fmt(now)}
 else
   charge(m, est)
-  put_lease(lid, model, est, now + lease_ms, 1)
+  put_lease(lid, m, est, now + lease_ms, 1)
   result = {'A', model, lid}
 end
 save_model(m)

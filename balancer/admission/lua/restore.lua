@@ -21,7 +21,7 @@ local i = 3
 for _ = 1, q do
   local m = {name = ARGV[i], weight = tonumber(ARGV[i + 1]), cap = tonumber(ARGV[i + 2]),
              tpm = tonumber(ARGV[i + 3]), rpm = tonumber(ARGV[i + 4]), burst = tonumber(ARGV[i + 5]),
-             enabled = tonumber(ARGV[i + 6]), tokens = 0, requests = 0, refilled_at = now, deficit = 0}
+             enabled = tonumber(ARGV[i + 6]), tokens = 0, requests = 0, refilled_at = now, deficit = 0, gen = 0}
   save_model(m)
   redis.call('ZADD', MODELS, 0, m.name)
   i = i + 7
@@ -30,7 +30,7 @@ local l = tonumber(ARGV[i])
 i = i + 1
 for _ = 1, l do
   if redis.call('ZSCORE', MODELS, ARGV[i + 1]) then
-    put_lease(ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), 1)
+    put_lease(ARGV[i], {name = ARGV[i + 1], gen = 0}, tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), 1)
   end
   i = i + 4
 end
