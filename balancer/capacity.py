@@ -79,3 +79,25 @@ def makespan_bound(
         else:
             low = mid
     return high
+
+
+def pinned_work_floor(pinned_latencies: Mapping[str, Sequence[float]], concurrency: Mapping[str, int]) -> float:
+    """A lower bound on the makespan from the work pinned to each model, for one
+    *realized* workload (latencies known, as the simulator makes them).
+
+    Model m must run every task pinned to it on its C_m slots, so it is busy
+    for at least ``sum(latencies) / C_m``, and at least as long as its longest
+    task. Unlike :func:`makespan_bound`, which uses *expected* latencies, this
+    holds for the actual draw, so it shows how much of a gap to the fluid bound
+    no scheduler could close.
+
+    >>> pinned_work_floor({"slow": [30, 10, 20, 40]}, {"slow": 2})
+    50.0
+    >>> pinned_work_floor({"slow": [90, 10]}, {"slow": 4})
+    90.0
+    """
+    floor = 0.0
+    for name, latencies in pinned_latencies.items():
+        if latencies:
+            floor = max(floor, sum(latencies) / concurrency[name], max(latencies))
+    return float(floor)

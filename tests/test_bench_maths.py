@@ -13,7 +13,7 @@ import pytest
 
 import balancer.capacity
 import balancer.report
-from balancer.capacity import ModelCapacity, makespan_bound
+from balancer.capacity import ModelCapacity, makespan_bound, pinned_work_floor
 from balancer.report import estimate_accuracy, percentile, refill_gaps, rolling_series
 from balancer.scenario import ScenarioError, parse_scenario
 
@@ -62,6 +62,13 @@ def test_pinned_tasks_by_hand() -> None:
     fast = ModelCapacity(9, 1.0, **UNLIMITED)
     assert bound([slow, fast], 100, pinned={0: 50}) == pytest.approx(50.0, rel=1e-6)
     assert bound([slow, fast], 100, pinned={1: 50}) == pytest.approx(10.0, rel=1e-6)
+
+
+def test_pinned_work_floor_by_hand() -> None:
+    # 3 slots, pinned latencies summing to 90 s: at least 30 s; a single 40 s task: at least 40 s.
+    assert pinned_work_floor({"m": [10, 20, 30, 30]}, {"m": 3}) == pytest.approx(30.0)
+    assert pinned_work_floor({"m": [10, 20, 30, 30], "n": [40]}, {"m": 3, "n": 8}) == pytest.approx(40.0)
+    assert pinned_work_floor({}, {"m": 3}) == 0.0
 
 
 def test_scenarios_parse_and_generate_reproducibly() -> None:
@@ -119,9 +126,11 @@ def test_bench_short_end_to_end(tmp_path: Path, service_urls: tuple[str, str]) -
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert {"makespan_s", "speedup", "utilization", "rate_limited", "violations"} <= set(report)
-    assert set(report["makespan_s"]) == {"pipeline", "baseline", "bound"}
+    assert set(report["makespan_s"]) == {"pipeline", "baseline", "bound", "pinned_floor"}
     assert report["violations"] == 0 and report["rate_limited"] == 0
-    assert 0 < report["utilization"] <= 1
+    assert 0 < report["utilization"] <= report["utilization_vs_floor"] <= 1
+    # No run can beat the realized floor: it is what the simulator will charge the pinned tasks.
+    assert report["makespan_s"]["pipeline"] >= report["makespan_s"]["pinned_floor"]
     assert report["pipeline"]["counts"]["solved"] == report["tasks"]
     assert report["baseline"]["counts"]["unsolved"] == 0
     for name in ("tokens.png", "requests.png", "in_flight.png"):

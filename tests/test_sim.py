@@ -64,6 +64,34 @@ def test_batch_spreads_round_robin_and_waits_for_all() -> None:
     assert all(r["status"] == 200 and r["answer"] for r in results)
 
 
+def test_a_task_costs_the_same_on_a_model_in_every_run() -> None:
+    """Common random numbers: the pipeline and the baseline (two simulators with
+    the scenario's seed) see the same latency and answer length for a task on a
+    given model, whatever order the calls arrive in."""
+    lat = Latency(0.01, 0.2, 0.001, 0.3)
+    models = [SimModel("a", 50, 10**7, latency=lat), SimModel("b", 50, 10**7, latency=lat)]
+
+    def run(order: list[str], seed: int = 7) -> dict[tuple[str, str], tuple[float, int]]:
+        sim = Simulator(models, seed=seed)
+        sent = [(model, prompt) for prompt in order for model in ("a", "b")]
+
+        async def go() -> None:
+            async with client_for(sim) as client:
+                for model, prompt in sent:
+                    await client.post("/single", json={"model": model, "prompt": prompt, "max_tokens": 500})
+
+        asyncio.run(go())
+        return {key: (e["end"] - e["start"], e["completion_tokens"]) for key, e in zip(sent, sim.log)}
+
+    prompts = [f"prompt {i}" for i in range(12)]
+    first, reordered, other_seed = run(prompts), run(prompts[::-1]), run(prompts, seed=8)
+    assert {k: v[1] for k, v in first.items()} == {k: v[1] for k, v in reordered.items()}
+    assert all(abs(first[k][0] - reordered[k][0]) < 0.03 for k in first)  # sleep jitter only
+    latencies = [v[0] for v in first.values()]
+    assert max(latencies) - min(latencies) > 0.05  # still random across tasks and models
+    assert {k: v[1] for k, v in other_seed.items()} != {k: v[1] for k, v in first.items()}  # the seed matters
+
+
 def test_latency_is_heavy_tailed_and_clipped() -> None:
     import random
 

@@ -13,6 +13,7 @@ prompt has finished.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import random
@@ -58,7 +59,8 @@ class Simulator:
     ) -> None:
         self.models = {m.name: m for m in models}
         self.time_scale = time_scale
-        self.rng = random.Random(seed)
+        self.seed = seed
+        self.rng = random.Random(seed)  # error draws
         now = time.time()
         self.limiters = {
             m.name: ModelLimiter(
@@ -85,6 +87,26 @@ class Simulator:
                 with self.log_path.open("a") as fh:
                     fh.write(json.dumps(entry) + "\n")
 
+    def call_rng(self, model: str, prompt: str) -> random.Random:
+        """The random stream for one (model, prompt): common random numbers.
+
+        Latency and answer length depend on the prompt and the model, not on the
+        order calls arrive in. So a task costs the same on a given model in the
+        pipeline run and in the baseline run, and in every run of a scenario,
+        and the difference between two runs is the scheduling, not the dice.
+        """
+        key = hashlib.blake2b(f"{self.seed}\0{model}\0{prompt}".encode(), digest_size=8).digest()
+        return random.Random(int.from_bytes(key, "big"))
+
+    def draw(self, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+        """(latency in seconds, completion tokens) of a call, before any fault.
+
+        The benchmark reads this too, to know what a workload will cost.
+        """
+        dice = self.call_rng(model, prompt)
+        completion_tokens = max(1, int(max_tokens * dice.uniform(0.3, 1.0)))
+        return self.models[model].latency.sample(dice) * self.time_scale, completion_tokens
+
     async def call(self, model: str, prompt: str, max_tokens: int, endpoint: str) -> tuple[int, dict[str, Any], dict[str, str]]:
         """One model call: (status, body, headers)."""
         spec = self.models.get(model)
@@ -105,11 +127,11 @@ class Simulator:
             self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint,
                          "prompt_tokens": prompt_tokens, "charge": charge})
             return 429, {"error": "rate limited"}, {"Retry-After": f"{retry_after:.3f}"}
-        completion_tokens = max(1, int(max_tokens * self.rng.uniform(0.3, 1.0)))
+        drawn_latency, completion_tokens = self.draw(model, prompt, max_tokens)
         status, body = 200, {}
         try:
             hang = self.faults.get(self.faults.hang, model)
-            latency = hang if hang is not None else spec.latency.sample(self.rng) * self.time_scale
+            latency = hang if hang is not None else drawn_latency
             await asyncio.sleep(latency)
             if forced:
                 status, body = forced, {"error": "injected failure"}
