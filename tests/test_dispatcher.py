@@ -58,6 +58,34 @@ def test_pinned_to_saturated_model_does_not_block_others(svc: Services) -> None:
     assert len(got & set(pinned)) == 1  # busy took exactly its one slot
 
 
+def test_pinned_tasks_get_first_claim_on_their_model(svc: Services) -> None:
+    """A slow model's few slots go to the tasks only it can take, even when they
+    are newer and of lower priority than a deep backlog of flexible work."""
+    svc.quotas.replace_all([Quota("slow", 2, 10**6), Quota("fast", 4, 10**6)])
+    flexible = add(svc, [{"prompt": f"a{i}", "priority": 3} for i in range(40)])
+    pinned = add(svc, [{"prompt": f"p{i}", "model": "slow"} for i in range(3)])
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend, window=10)  # the pinned ones are far outside the window
+    on_slow = [a.task_id for a in sent if a.model == "slow"]
+    assert on_slow == pinned[:2]  # both slots, oldest pinned first
+    assert [a.task_id for a in sent if a.model == "fast"] == flexible[:4]  # priority, then age, elsewhere
+
+
+def test_flexible_work_stays_off_a_model_whose_pinned_tasks_another_dispatcher_holds(svc: Services) -> None:
+    svc.quotas.replace_all([Quota("slow", 2, 10**6), Quota("fast", 3, 10**6)])
+    flexible = add(svc, [{"prompt": f"a{i}"} for i in range(10)])
+    pinned = add(svc, [{"prompt": "p", "model": "slow"}])
+    with svc.engine.connect() as other:  # a second dispatcher, mid-round, holding the pinned task
+        other.execute(sa.select(tasks.c.id).where(tasks.c.id == pinned[0]).with_for_update())
+        sent: list[Assignment] = []
+        dispatch(svc, sent.extend)
+        other.rollback()
+    assert [a.task_id for a in sent] == flexible[:3]  # fast only
+    assert {a.model for a in sent} == {"fast"}
+    dispatch(svc, sent.extend)  # once the pinned task is free, it goes to slow; flexible work follows
+    assert [(a.task_id, a.model) for a in sent[3:]] == [(pinned[0], "slow"), (flexible[3], "slow")]
+
+
 def test_queues_never_hold_more_than_free_capacity(svc: Services) -> None:
     svc.quotas.replace_all([Quota("a", 3, 10**6), Quota("b", 2, 10**6)])
     add(svc, [{"prompt": f"t{i}"} for i in range(50)])

@@ -5,8 +5,15 @@ only when that model has room *now*, so model queues never hold more than
 free capacity. A quota change, a slow model or a disabled model cannot strand
 work in a queue.
 
-Each round locks a window of pending tasks (priority, then age, skipping rows
-another dispatcher holds), admits them in one atomic call, marks the admitted
+Each round locks two sets of pending tasks, skipping rows another dispatcher
+holds: the *pinned lane* (for each model with free slots, up to that many tasks
+pinned to it alone) and a window of the rest by priority, then age. Pinned
+tasks have nowhere else to go, so they get first claim on their model: they
+go first in the batch, and while a model still has pinned tasks pending
+(counting those another dispatcher holds) it takes no flexible work. So a slow
+model's own tasks never queue behind flexible work it took on, which is what
+set the tail of ``bench/scenarios/default.toml`` (docs/benchmarks.md). It
+admits the batch in one atomic call, marks the admitted
 ones ``queued`` and commits, and only then publishes their messages. A
 dispatcher that dies between commit and publish leaves leases that were never
 started: they expire and refund their tokens, and the reconcile tick returns
@@ -16,11 +23,18 @@ the tasks to pending.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.services import Services
-from balancer.storage.tasks import claim_window, fail_pending, mark_queued
+from balancer.storage.tasks import (
+    PendingTask,
+    claim_pinned,
+    claim_window,
+    fail_pending,
+    mark_queued,
+    models_with_pinned_backlog,
+)
 
 
 @dataclass(frozen=True)
@@ -51,19 +65,22 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     window = window or services.settings.dispatch_window
     report = DispatchReport()
     for _ in range(max_rounds):
-        open_models = core.open_models()
-        if not open_models and not core.is_loaded():
+        open_slots = core.open_slots()
+        if not open_slots and not core.is_loaded():
             # Redis lost its data: restore now (the admit call would too, but an
             # empty live view means it would never be reached).
             core.restore()
-            open_models = core.open_models()
-        if not open_models:
+            open_slots = core.open_slots()
+        if not open_slots:
             break
         with services.engine.begin() as conn:
-            pending = claim_window(conn, window, open_models)
-            if not pending:
+            pinned = claim_pinned(conn, {m: min(free, window) for m, free in open_slots.items()})
+            reserved = models_with_pinned_backlog(conn, open_slots, exclude=[t.id for t in pinned])
+            batch = plan_batch(pinned, claim_window(conn, window, open_slots), list(open_slots), reserved)
+            if not batch:
                 break
-            decisions = core.admit([Candidate(p.estimated_tokens, p.allowed_models) for p in pending])
+            pending = [task for task, _ in batch]
+            decisions = core.admit([candidate for _, candidate in batch])
             admitted: list[Assignment] = []
             failed: list[tuple[int, str]] = []
             for task, decision in zip(pending, decisions):
@@ -87,3 +104,42 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not admitted and not failed:
             break
     return report
+
+
+def plan_batch(
+    pinned: Sequence[PendingTask],
+    window: Sequence[PendingTask],
+    open_models: Sequence[str],
+    reserved: Collection[str],
+) -> list[tuple[PendingTask, Candidate]]:
+    """The admission batch: the pinned lane first, then the window, each task once.
+
+    Flexible tasks (any model, or several) may not use a ``reserved`` model,
+    one that still has pinned tasks waiting; a flexible task whose open models
+    are all reserved sits this round out and stays pending. The window can
+    repeat pinned tasks (our own locks do not skip them); they keep their place
+    in the lane.
+
+    >>> fast, slow = "fast", "slow"
+    >>> lane = [PendingTask(9, 10, (slow,))]
+    >>> window = [PendingTask(1, 10, None), PendingTask(9, 10, (slow,)), PendingTask(2, 10, (slow, fast))]
+    >>> [(t.id, c.allowed) for t, c in plan_batch(lane, window, [fast, slow], {slow})]
+    [(9, ('slow',)), (1, ('fast',)), (2, ('fast',))]
+    >>> plan_batch([], [PendingTask(3, 10, (slow,)), PendingTask(4, 10, None)], [slow], {slow})[1:]
+    []
+    """
+    seen: set[int] = set()
+    batch: list[tuple[PendingTask, Candidate]] = []
+    for task in [*pinned, *window]:
+        if task.id in seen:
+            continue
+        seen.add(task.id)
+        allowed = task.allowed_models
+        if allowed is None or len(allowed) > 1:
+            usable = tuple(m for m in (allowed or open_models) if m not in reserved)
+            if not usable:
+                continue
+            if allowed is not None or len(usable) < len(open_models):
+                allowed = usable
+        batch.append((task, Candidate(task.estimated_tokens, allowed)))
+    return batch

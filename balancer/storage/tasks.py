@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -62,6 +62,71 @@ def insert_tasks(conn: Connection, rows: Sequence[TaskRow]) -> list[int]:
         ],
     )
     return [row.id for row in result]
+
+
+def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
+    """Lock, for each model, up to ``free_slots[model]`` pending tasks pinned to it alone.
+
+    This is the dispatcher's *pinned lane*. Such a task has nowhere else to go,
+    so it gets first claim on its model's free slots, ahead of tasks that any
+    model could take; otherwise a slow model spends its few slots on flexible
+    work and its own tasks form the tail of the run. One index range scan per
+    model (``tasks_pending_pinned``), so the cost does not grow with the backlog.
+
+    >>> claim_pinned(conn, {"model-7": 2})   # doctest: +SKIP
+    [PendingTask(id=41, estimated_tokens=900, allowed_models=('model-7',)), ...]
+    """
+    wanted = {name: n for name, n in free_slots.items() if n > 0}
+    if not wanted:
+        return []
+    rows = conn.execute(
+        sa.text(
+            """
+            SELECT t.id, t.estimated_tokens, t.allowed_models
+              FROM unnest(CAST(:models AS text[]), CAST(:limits AS int[])) AS o(model, k)
+             CROSS JOIN LATERAL (
+                   SELECT id, estimated_tokens, allowed_models, priority
+                     FROM tasks
+                    WHERE status = 'pending' AND allowed_models IS NOT NULL
+                      AND allowed_models = ARRAY[o.model]
+                      AND (not_before IS NULL OR not_before <= now())
+                    ORDER BY allowed_models, priority DESC, id
+                    LIMIT o.k
+                      FOR UPDATE SKIP LOCKED) AS t
+             ORDER BY t.priority DESC, t.id
+            """
+        ),
+        {"models": list(wanted), "limits": list(wanted.values())},
+    ).all()
+    return [PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models)) for r in rows]
+
+
+def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
+    """Which of ``models`` still have pending tasks pinned to them alone.
+
+    Tasks in ``exclude`` (what this dispatcher just claimed) do not count;
+    tasks another dispatcher holds do. The dispatcher keeps flexible work off
+    these models. One index probe per model.
+    """
+    names = list(models)
+    if not names:
+        return set()
+    rows = conn.execute(
+        sa.text(
+            """
+            SELECT o.model
+              FROM unnest(CAST(:models AS text[])) AS o(model)
+             WHERE EXISTS (
+                   SELECT 1 FROM tasks
+                    WHERE status = 'pending' AND allowed_models IS NOT NULL
+                      AND allowed_models = ARRAY[o.model]
+                      AND (not_before IS NULL OR not_before <= now())
+                      AND NOT (id = ANY(CAST(:exclude AS bigint[]))))
+            """
+        ),
+        {"models": names, "exclude": list(exclude)},
+    ).all()
+    return {r.model for r in rows}
 
 
 def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
