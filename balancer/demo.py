@@ -8,36 +8,26 @@ simulator's own call log.
 
 from __future__ import annotations
 
-import json
-import random
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from balancer.runner import IsolatedServices, run_pipeline
+from balancer.scenario import Distribution, Scenario, Workload
 from balancer.sim.audit import Call, Limits, audit, peaks
 from balancer.sim.config import SimModel, default_models
 
-WORDS = "the of quota model token prompt answer queue worker latency backlog dispatch limit minute burst".split()
+#: The demo's backlog, generated like a benchmark scenario's (balancer/scenario.py).
+DEMO_PROMPT_TOKENS = Distribution(median=400, p99=1500, min=40, max=2000)
+DEMO_OUTPUT_TOKENS = Distribution(median=200, p99=512, min=64, max=512)
 
 
-def make_prompts(count: int, models: list[str], seed: int) -> str:
-    """A JSONL backlog: varied prompt lengths and output budgets, 10 % pinned, a few priorities."""
-    rng = random.Random(seed)
-    lines = []
-    for i in range(count):
-        words = rng.randint(30, 700)
-        task: dict[str, Any] = {
-            "prompt": f"#{i} " + " ".join(rng.choice(WORDS) for _ in range(words)),
-            "max_tokens": rng.choice([64, 128, 256, 512]),
-            "priority": rng.choice([0, 0, 0, 1, 2]),
-            "source": "demo",
-        }
-        if rng.random() < 0.1:
-            task["model"] = rng.choice(models)
-        lines.append(json.dumps(task))
-    return "\n".join(lines) + "\n"
+def demo_scenario(tasks: int, models: list[SimModel], time_scale: float, seed: int) -> Scenario:
+    """The demo as a scenario: the default models, 10 % of tasks pinned, a few priorities."""
+    workload = Workload(tasks, DEMO_PROMPT_TOKENS, DEMO_OUTPUT_TOKENS, pinned_fraction=0.1,
+                        priorities=(0, 0, 0, 1, 2), sources=("demo",))
+    return Scenario("demo", tuple(models), workload, time_scale=time_scale, seed=seed)
 
 
 def limits_for(models: list[SimModel], time_scale: float, grace: float) -> dict[str, Limits]:
@@ -102,12 +92,13 @@ def run_demo(*, tasks: int = 500, model_count: int = 10, time_scale: float = 0.1
     models = default_models(model_count)
     grace = 0.5
     limits = limits_for(models, time_scale, grace)
+    scenario = demo_scenario(tasks, models, time_scale, seed)
     with IsolatedServices(console, "demo") as iso:
         result = run_pipeline(
             iso,
-            quotas=[m.quota(time_scale=time_scale) for m in models],
+            quotas=scenario.quotas(),
             sim_args=["--models", str(model_count), "--time-scale", str(time_scale), "--seed", str(seed), "--grace", str(grace)],
-            backlog_jsonl=make_prompts(tasks, [m.name for m in models], seed),
+            backlog_jsonl=scenario.backlog_jsonl(),
             console=console,
             table=live_table(limits),
             timeout=timeout,

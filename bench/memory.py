@@ -18,27 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import threading
 import time
-import uuid
-from contextlib import ExitStack
 from pathlib import Path
 
-import sqlalchemy as sa
 import uvicorn
 from rich.console import Console
 from rich.table import Table
 
-from balancer.embedded import TemporaryStack, free_port
-from balancer.intake import parse_tasks
-from balancer.services import Services, delete_namespace_keys
-from balancer.settings import Settings, normalize_database_url
+from balancer.embedded import free_port
+from balancer.runner import IsolatedServices
 from balancer.sim.config import Latency, SimModel
 from balancer.sim.server import Simulator, create_app
-from balancer.storage.migrate import upgrade
-from balancer.storage.tasks import insert_tasks
-from balancer.supervisor import Supervisor
 
 LATENCY = Latency(median=40.0, p99=40.0, low=40.0, high=40.0)
 
@@ -62,13 +53,8 @@ def rss_mb(pid: int) -> float:
     return total
 
 
-def run_layout(layout: str, in_flight: int, redis_url: str, database_url: str, console: Console) -> dict:
-    run_id = uuid.uuid4().hex[:8]
-    namespace, schema = f"benchmem-{run_id}", f"benchmem_{run_id}"
-    admin = sa.create_engine(normalize_database_url(database_url))
-    with admin.begin() as conn:
-        conn.execute(sa.schema.CreateSchema(schema))
-    url = sa.engine.make_url(normalize_database_url(database_url)).update_query_dict({"options": f"-csearch_path={schema}"})
+def run_layout(layout: str, in_flight: int, console: Console) -> dict:
+    """One layout in its own schema and namespace (balancer.runner.IsolatedServices)."""
     per_model = in_flight // 10
     models = [SimModel(f"mem-{i}", per_model, 10**8, latency=LATENCY) for i in range(10)]
     simulator = Simulator(models, time_scale=1.0)
@@ -76,39 +62,26 @@ def run_layout(layout: str, in_flight: int, redis_url: str, database_url: str, c
     server = uvicorn.Server(uvicorn.Config(create_app(simulator), host="127.0.0.1", port=port, log_level="warning", backlog=4096))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    env = {
-        "BALANCER_REDIS_URL": redis_url,
-        "BALANCER_DATABASE_URL": url.render_as_string(hide_password=False),
-        "BALANCER_NAMESPACE": namespace,
-        "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}",
-        "BALANCER_DISPATCH_TICK": "0.5",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     result: dict = {"layout": layout}
+    saved_backend = os.environ.get("BALANCER_BACKEND_URL")
     try:
-        svc = Services.connect(Settings.from_env())
-        upgrade(svc.engine)
-        svc.quotas.replace_all([m.quota() for m in models], by="bench")
-        workdir = Path(tempfile.mkdtemp(prefix="bench-mem-"))
-        with Supervisor(workdir, env={**os.environ}) as sup:
+        with IsolatedServices(console, "benchmem") as iso:
+            os.environ["BALANCER_BACKEND_URL"] = f"http://127.0.0.1:{port}"  # before the supervisor copies the env
+            svc = iso.services
+            svc.quotas.replace_all([m.quota() for m in models], by="bench")
+            sup = iso.supervisor()
             sup.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
-            sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(workdir)})
+            sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
             if layout == "one":
                 sup.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])
             else:
                 for m in models:
                     sup.start(f"worker-{m.name}", ["worker", "--model", m.name, "--loglevel", "WARNING"])
-            lines = "\n".join(json.dumps({"prompt": f"m{i} " + "w " * 200, "max_tokens": 64}) for i in range(in_flight + 100))
-            rows, _ = parse_tasks(lines, models={q.name: q.burst for q in svc.quotas.all()})
-            with svc.engine.begin() as conn:
-                insert_tasks(conn, rows)
+            iso.insert("\n".join(json.dumps({"prompt": f"m{i} " + "w " * 200, "max_tokens": 64}) for i in range(in_flight + 100)))
             deadline = time.monotonic() + 35
-            open_calls = 0
             while time.monotonic() < deadline:
                 sup.check_alive()
-                open_calls = sum(lim.in_flight for lim in simulator.limiters.values())
-                if open_calls >= in_flight:
+                if sum(lim.in_flight for lim in simulator.limiters.values()) >= in_flight:
                     break
                 time.sleep(0.5)
             time.sleep(1.0)
@@ -117,21 +90,12 @@ def run_layout(layout: str, in_flight: int, redis_url: str, database_url: str, c
             result["total_mb"] = round(sum(result["processes"].values()), 1)
             console.print(f"{layout}: {result['in_flight_at_backend']} calls open at the backend, {result['total_mb']} MB RSS")
     finally:
+        if saved_backend is None:
+            os.environ.pop("BALANCER_BACKEND_URL", None)
+        else:
+            os.environ["BALANCER_BACKEND_URL"] = saved_backend
         server.should_exit = True
         thread.join(timeout=10)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        from balancer.storage.db import dispose_engines
-        import redis
-
-        dispose_engines()
-        with admin.begin() as conn:
-            conn.execute(sa.schema.DropSchema(schema, cascade=True))
-        admin.dispose()
-        delete_namespace_keys(redis.Redis.from_url(redis_url), namespace)
     return result
 
 
@@ -141,15 +105,8 @@ def main() -> None:
     parser.add_argument("--layout", choices=["one", "per-model", "both"], default="both")
     args = parser.parse_args()
     console = Console()
-    base = Settings.from_env()
-    with ExitStack() as stack:
-        if base.redis_url and base.database_url:
-            redis_url, database_url = base.redis_url, base.database_url
-        else:
-            embedded = stack.enter_context(TemporaryStack())
-            redis_url, database_url = embedded.redis_url, embedded.database_url
-        layouts = ["one", "per-model"] if args.layout == "both" else [args.layout]
-        results = [run_layout(layout, args.in_flight, redis_url, database_url, console) for layout in layouts]
+    layouts = ["one", "per-model"] if args.layout == "both" else [args.layout]
+    results = [run_layout(layout, args.in_flight, console) for layout in layouts]
     table = Table(title=f"RSS with {args.in_flight} requests in flight (target < 2,048 MB)")
     for col in ("layout", "calls open at backend", "processes", "total MB", "MB per call", "verdict"):
         table.add_column(col, justify="right")

@@ -86,6 +86,29 @@ def test_flexible_work_stays_off_a_model_whose_pinned_tasks_another_dispatcher_h
     assert [(a.task_id, a.model) for a in sent[3:]] == [(pinned[0], "slow"), (flexible[3], "slow")]
 
 
+def test_slot_freeing_mid_round_still_goes_to_the_pinned_task(svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live read says the slow model is full; its slot frees before the admit
+    call. Flexible work must not slip into it while a pinned task waits."""
+    svc.quotas.replace_all([Quota("slow", 1, 10**6), Quota("fast", 2, 10**6)])
+    first = add(svc, [{"prompt": "p0", "model": "slow"}])
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert [(a.task_id, a.model) for a in sent] == [(first[0], "slow")]
+    waiting = add(svc, [{"prompt": "p1", "model": "slow"}])
+    flexible = add(svc, [{"prompt": f"a{i}"} for i in range(6)])
+    real_live = svc.core.live
+
+    def live_then_slot_frees(*args, **kwargs):
+        view = real_live(*args, **kwargs)
+        svc.core.release(sent[0].admission_id)  # the call on slow finishes right after the read
+        return view
+
+    monkeypatch.setattr(svc.core, "live", live_then_slot_frees)
+    dispatch(svc, sent.extend)
+    assert [a.task_id for a in sent[1:] if a.model == "slow"] == waiting
+    assert {a.task_id for a in sent[1:] if a.model == "fast"} <= set(flexible)
+
+
 def test_queues_never_hold_more_than_free_capacity(svc: Services) -> None:
     svc.quotas.replace_all([Quota("a", 3, 10**6), Quota("b", 2, 10**6)])
     add(svc, [{"prompt": f"t{i}"} for i in range(50)])

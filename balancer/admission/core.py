@@ -266,18 +266,19 @@ class AdmissionCore:
         return view
 
     def open_slots(self) -> dict[str, int]:
-        """Free slots of the models that could admit *something* right now:
-        enabled, a free slot, tokens above zero and (with RPM) a request. The
-        dispatcher reads only tasks that one of these could take."""
-        return {
-            name: m.quota.max_concurrent_requests - m.in_flight
-            for name, m in self.live().items()
-            if m.quota.enabled
-            and m.in_flight < m.quota.max_concurrent_requests
-            and m.tokens_available >= 1
-            and (m.requests_available is None or m.requests_available >= 1)
-        }
+        """Free slots of the models that could admit something now; see :func:`open_slots`."""
+        return open_slots(self.live())
 
-    def open_models(self) -> list[str]:
-        """The names in :meth:`open_slots`."""
-        return list(self.open_slots())
+
+def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
+    """Free slots of the models that could admit *something* right now:
+    enabled, a free slot, tokens above zero and (with RPM) a request. The
+    dispatcher reads only tasks that one of these could take."""
+    return {
+        name: m.quota.max_concurrent_requests - m.in_flight
+        for name, m in view.items()
+        if m.quota.enabled
+        and m.in_flight < m.quota.max_concurrent_requests
+        and m.tokens_available >= 1
+        and (m.requests_available is None or m.requests_available >= 1)
+    }

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
+from balancer.admission.core import open_slots
 from balancer.services import Services
 from balancer.storage.tasks import (
     PendingTask,
@@ -65,18 +66,21 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     window = window or services.settings.dispatch_window
     report = DispatchReport()
     for _ in range(max_rounds):
-        open_slots = core.open_slots()
-        if not open_slots and not core.is_loaded():
+        view = core.live()
+        if not view and not core.is_loaded():
             # Redis lost its data: restore now (the admit call would too, but an
             # empty live view means it would never be reached).
             core.restore()
-            open_slots = core.open_slots()
-        if not open_slots:
+            view = core.live()
+        free = open_slots(view)
+        if not free:
             break
         with services.engine.begin() as conn:
-            pinned = claim_pinned(conn, {m: min(free, window) for m, free in open_slots.items()})
-            reserved = models_with_pinned_backlog(conn, open_slots, exclude=[t.id for t in pinned])
-            batch = plan_batch(pinned, claim_window(conn, window, open_slots), list(open_slots), reserved)
+            pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()})
+            # Every model, not only the open ones: a full model's slot can free
+            # between the live read and the admit call.
+            reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned])
+            batch = plan_batch(pinned, claim_window(conn, window, free), list(view), reserved)
             if not batch:
                 break
             pending = [task for task, _ in batch]
@@ -109,13 +113,13 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
 def plan_batch(
     pinned: Sequence[PendingTask],
     window: Sequence[PendingTask],
-    open_models: Sequence[str],
+    models: Sequence[str],
     reserved: Collection[str],
 ) -> list[tuple[PendingTask, Candidate]]:
     """The admission batch: the pinned lane first, then the window, each task once.
 
     Flexible tasks (any model, or several) may not use a ``reserved`` model,
-    one that still has pinned tasks waiting; a flexible task whose open models
+    one that still has pinned tasks waiting; a flexible task whose models
     are all reserved sits this round out and stays pending. The window can
     repeat pinned tasks (our own locks do not skip them); they keep their place
     in the lane.
@@ -136,10 +140,10 @@ def plan_batch(
         seen.add(task.id)
         allowed = task.allowed_models
         if allowed is None or len(allowed) > 1:
-            usable = tuple(m for m in (allowed or open_models) if m not in reserved)
+            usable = tuple(m for m in (allowed or models) if m not in reserved)
             if not usable:
                 continue
-            if allowed is not None or len(usable) < len(open_models):
+            if allowed is not None or len(usable) < len(models):
                 allowed = usable
         batch.append((task, Candidate(task.estimated_tokens, allowed)))
     return batch
