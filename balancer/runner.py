@@ -119,6 +119,27 @@ class IsolatedServices:
             return conn.execute(sa.select(tasks_table).order_by(tasks_table.c.id)).all()
 
 
+def wait_until_consuming(supervisor: Supervisor, nodes: int, timeout: float = 120.0) -> None:
+    """Block until ``nodes`` Celery workers (this run's dispatcher and worker
+    processes) answer a ping, so a timed run does not count their start-up."""
+    import importlib
+
+    from celery import Celery
+
+    import celeryconfig
+
+    app = Celery("balancer-runner-control")
+    app.config_from_object(importlib.reload(celeryconfig))  # this run's broker and namespace
+    deadline = time.monotonic() + timeout
+    try:
+        while len(app.control.ping(timeout=0.5) or []) < nodes:
+            supervisor.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the pipeline's {nodes} Celery processes did not answer within {timeout:.0f}s")
+    finally:
+        app.close()
+
+
 def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
     reply = httpx.get(f"{backend_url}/log", params={"since": since}, timeout=30).json()
     return reply["entries"], reply["next"]
@@ -159,8 +180,14 @@ def run_pipeline(
     console: Console,
     table: TableMaker | None = None,
     timeout: float = 1800.0,
+    worker_layout: str = "one",
 ) -> RunResult:
-    """Start everything, submit the backlog, wait until every task is solved or failed."""
+    """Start everything, submit the backlog, wait until every task is solved or failed.
+
+    ``worker_layout`` is "one" (a single worker process holds every model's
+    pool) or "per-model" (one process per model). The clock starts once the
+    Celery processes answer a ping and stops at the last task's final write.
+    """
     from balancer.storage.tasks import status_counts
 
     svc = iso.services
@@ -169,8 +196,15 @@ def run_pipeline(
     console.print(f"starting the simulator, dispatcher, workers and beat (logs in {iso.workdir / 'logs'}) ...")
     backend_url = iso.start_sim(supervisor, sim_args)
     supervisor.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
-    supervisor.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])
+    if worker_layout == "per-model":  # as docker-compose.yml deploys: one process (one GIL) per model
+        for q in quotas:
+            supervisor.start(f"worker-{q.name}", ["worker", "--model", q.name, "--loglevel", "WARNING"])
+        nodes = 1 + len(quotas)
+    else:
+        supervisor.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])
+        nodes = 2
     supervisor.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
+    wait_until_consuming(supervisor, nodes=nodes)  # the clock measures the run, not process start-up
     started = time.time()
     total = iso.insert(backlog_jsonl)
     console.print(f"submitted {total} prompts; draining ...")
@@ -200,6 +234,9 @@ def run_pipeline(
             time.sleep(0.5)
     time.sleep(0.2)
     entries.extend(fetch_log(backend_url, cursor)[0])
-    result = RunResult(entries, started, finished, status_counts(svc.engine), iso.task_rows())
+    rows = iso.task_rows()
+    # The last write, not when this loop noticed it (it polls every 0.5 s).
+    finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))
+    result = RunResult(entries, started, finished, status_counts(svc.engine), rows)
     supervisor.stop_all()
     return result

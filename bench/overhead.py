@@ -23,7 +23,7 @@ import redis
 from rich.console import Console
 
 from balancer.runner import IsolatedServices, run_pipeline
-from balancer.scenario import Scenario
+from balancer.scenario import Scenario, ScenarioError
 
 HERE = Path(__file__).resolve().parent
 
@@ -71,8 +71,11 @@ def main(scenario: Scenario, path: Path, out: Path, console: Console) -> dict[st
     out.mkdir(parents=True, exist_ok=True)
     concurrency = sum(m.max_concurrent_requests for m in scenario.models)
     with IsolatedServices(console, "overhead") as iso:
+        layout = str(scenario.extra.get("worker_layout", "one"))
+        if layout not in ("one", "per-model"):
+            raise ScenarioError(f"{path}: worker_layout must be \"one\" or \"per-model\", not {layout!r}")
         result = run_pipeline(iso, quotas=scenario.quotas(), sim_args=["--scenario", str(path)],
-                              backlog_jsonl=scenario.backlog_jsonl(), console=console)
+                              backlog_jsonl=scenario.backlog_jsonl(), console=console, worker_layout=layout)
         pipeline = scenario.workload.tasks / result.makespan
         console.print(f"pipeline: {scenario.workload.tasks} tasks in {result.makespan:.2f} s")
         noop = noop_rate(iso.redis_url, int(scenario.extra.get("noop_tasks", 3000)), concurrency, console)
@@ -84,6 +87,7 @@ def main(scenario: Scenario, path: Path, out: Path, console: Console) -> dict[st
         "target": 0.5,
         "met": pipeline / noop >= 0.5,
         "pool_threads": concurrency,
+        "worker_layout": layout,
     }
     (out / "overhead.json").write_text(json.dumps(report, indent=2))
     verdict = "met" if report["met"] else "MISSED"
