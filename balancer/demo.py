@@ -15,7 +15,7 @@ from rich.table import Table
 
 from balancer.runner import IsolatedServices, run_pipeline
 from balancer.scenario import Distribution, Scenario, Workload
-from balancer.sim.audit import Call, Limits, audit, peaks
+from balancer.sim.audit import Call, Limits, audit, limits_for, peaks
 from balancer.sim.config import SimModel, default_models
 
 #: The demo's backlog, generated like a benchmark scenario's (balancer/scenario.py).
@@ -30,19 +30,11 @@ def demo_scenario(tasks: int, models: list[SimModel], time_scale: float, seed: i
     return Scenario("demo", tuple(models), workload, time_scale=time_scale, seed=seed)
 
 
-def limits_for(models: list[SimModel], time_scale: float, grace: float) -> dict[str, Limits]:
-    out = {}
-    for m in models:
-        q = m.quota(time_scale=time_scale)
-        out[m.name] = Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, grace)
-    return out
-
-
 def summarize(entries: list[dict[str, Any]], models: list[SimModel], time_scale: float, grace: float,
               counts: dict[str, int], tasks: int, makespan: float) -> dict[str, Any]:
     calls = [Call(e["start"], e["end"], e["model"], e.get("prompt_tokens", 0) + e.get("completion_tokens", 0))
              for e in entries if e["status"] != 429]
-    limits = limits_for(models, time_scale, grace)
+    limits = limits_for((m.quota(time_scale=time_scale) for m in models), grace)
     violations = audit(calls, limits)
     model_peaks = peaks(calls, window=60.0)
     per_model = {}
@@ -91,7 +83,7 @@ def run_demo(*, tasks: int = 500, model_count: int = 10, time_scale: float = 0.1
     console = Console(stderr=quiet, quiet=quiet)
     models = default_models(model_count)
     grace = 0.5
-    limits = limits_for(models, time_scale, grace)
+    limits = limits_for((m.quota(time_scale=time_scale) for m in models), grace)
     scenario = demo_scenario(tasks, models, time_scale, seed)
     with IsolatedServices(console, "demo") as iso:
         result = run_pipeline(

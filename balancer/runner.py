@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 import sqlalchemy as sa
+from celery import Celery
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -119,17 +120,23 @@ class IsolatedServices:
             return conn.execute(sa.select(tasks_table).order_by(tasks_table.c.id)).all()
 
 
-def wait_until_consuming(supervisor: Supervisor, nodes: int, timeout: float = 120.0) -> None:
-    """Block until ``nodes`` Celery workers (this run's dispatcher and worker
-    processes) answer a ping, so a timed run does not count their start-up."""
+def control_app(name: str = "balancer-control") -> Celery:
+    """A Celery app configured from the *current* environment (this run's broker
+    and namespace); the module-level app keeps the environment it was first
+    imported in."""
     import importlib
-
-    from celery import Celery
 
     import celeryconfig
 
-    app = Celery("balancer-runner-control")
-    app.config_from_object(importlib.reload(celeryconfig))  # this run's broker and namespace
+    app = Celery(name)
+    app.config_from_object(importlib.reload(celeryconfig))
+    return app
+
+
+def wait_until_consuming(supervisor: Supervisor, nodes: int, timeout: float = 120.0) -> None:
+    """Block until ``nodes`` Celery workers (this run's dispatcher and worker
+    processes) answer a ping, so a timed run does not count their start-up."""
+    app = control_app("balancer-runner-control")
     deadline = time.monotonic() + timeout
     try:
         while len(app.control.ping(timeout=0.5) or []) < nodes:

@@ -25,7 +25,7 @@ from balancer.capacity import ModelCapacity, makespan_bound, pinned_work_floor
 from balancer.report import estimate_accuracy, percentile, refill_gaps, rolling_series
 from balancer.runner import IsolatedServices, RunResult, run_pipeline
 from balancer.scenario import Scenario, parse_scenario
-from balancer.sim.audit import Call, Limits, audit
+from balancer.sim.audit import Call, Limits, audit, limits_for
 
 HERE = Path(__file__).resolve().parent
 GRACE = 0.5
@@ -77,10 +77,7 @@ def pinned_floor(scenario: Scenario) -> float:
 
 
 def limits(scenario: Scenario) -> dict[str, Limits]:
-    out = {}
-    for q in scenario.quotas():
-        out[q.name] = Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, GRACE)
-    return out
+    return limits_for(scenario.quotas(), GRACE)
 
 
 def calls(entries: list[dict[str, Any]]) -> list[Call]:

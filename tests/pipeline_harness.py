@@ -17,10 +17,11 @@ import httpx
 import sqlalchemy as sa
 
 from balancer.embedded import free_port
+from balancer.runner import control_app
 from balancer.intake import parse_tasks
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.sim.audit import Call, Limits, audit
+from balancer.sim.audit import Call, Limits, audit, limits_for
 from balancer.sim.config import SimModel, default_models
 from balancer.storage.schema import tasks
 from balancer.storage.tasks import insert_tasks, status_counts
@@ -72,17 +73,8 @@ class Pipeline:
                 os.environ[key] = value
 
     def control_app(self):  # noqa: ANN201
-        """A Celery app configured from *this* pipeline's environment (the
-        module-level app keeps whatever environment it was first imported in)."""
-        import importlib
-
-        from celery import Celery
-
-        import celeryconfig
-
-        app = Celery("balancer-test-control")
-        app.config_from_object(importlib.reload(celeryconfig))
-        return app
+        """A Celery app configured from *this* pipeline's environment."""
+        return control_app("balancer-test-control")
 
     # -- work ------------------------------------------------------------------------
     def submit(self, lines: list[dict[str, Any]]) -> list[int]:
@@ -117,11 +109,7 @@ class Pipeline:
         return httpx.get(f"{self.backend_url}/log", timeout=10).json()["entries"]
 
     def limits(self) -> dict[str, Limits]:
-        out = {}
-        for m in self.models:
-            q = m.quota(time_scale=self.time_scale)
-            out[m.name] = Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, self.grace)
-        return out
+        return limits_for((m.quota(time_scale=self.time_scale) for m in self.models), self.grace)
 
     @staticmethod
     def calls(entries: list[dict[str, Any]]) -> list[Call]:

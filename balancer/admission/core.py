@@ -265,10 +265,6 @@ class AdmissionCore:
             view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"])
         return view
 
-    def open_slots(self) -> dict[str, int]:
-        """Free slots of the models that could admit something now; see :func:`open_slots`."""
-        return open_slots(self.live())
-
 
 def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
     """Free slots of the models that could admit *something* right now:

@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from balancer.quota import Quota
+
 
 @dataclass(frozen=True)
 class Call:
@@ -34,6 +36,14 @@ class Limits:
     rpm: float | None
     burst: float
     grace: float = 0.0
+
+
+def limits_for(quotas: Iterable[Quota], grace: float = 0.0) -> dict[str, Limits]:
+    """The audit's limits for these quotas, by model name."""
+    return {
+        q.name: Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, grace)
+        for q in quotas
+    }
 
 
 @dataclass(frozen=True)
