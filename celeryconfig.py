@@ -1,7 +1,10 @@
 """Celery configuration for balancer, driven by BALANCER_* environment variables.
 
 Installed as a top-level module too, so ``celery -A balancer.pipeline.app``
-finds it from any directory. Why each setting:
+finds it from any directory. Importing it has no side effects: it reads the
+environment and nothing else. It never starts the embedded stack or opens a
+connection; the ``balancer`` commands that need services resolve them first and
+export the URLs (see ``balancer.cli.resolved_settings``). Why each setting:
 
 * acks_late + prefetch 1 + reject_on_worker_lost: a message is acknowledged
   only after its answer is in PostgreSQL; a worker that dies mid-call leaves
@@ -9,50 +12,62 @@ finds it from any directory. Why each setting:
   for messages (the admission core's leases are for *quota*, not delivery).
 * hard time limit < lease < visibility timeout: a long call is never
   redelivered while it still runs, and its quota slot never expires under it
-  (checked at import: see Settings.check_timing).
+  (see Settings.check_timing).
 * No result backend: results go to PostgreSQL.
 * JSON only. No ETA/countdown longer than a dispatch tick (well under the
   visibility timeout; see balancer.pipeline.trigger).
+
+>>> conf = from_settings(Settings(redis_url="redis://h:6379/0", database_url=None, broker_url=None))
+>>> conf["broker_url"], conf["task_acks_late"], conf["broker_transport_options"]["global_keyprefix"]
+('redis://h:6379/0', True, 'balancer:')
 """
 
-from balancer.services import resolve
+from __future__ import annotations
+
+from typing import Any
+
+from balancer.admission import keys
 from balancer.settings import Settings
 
-_settings = resolve(Settings.from_env())
-_settings.check_timing()
 
-broker_url = _settings.broker_url or _settings.redis_url
-broker_connection_retry_on_startup = True
-broker_transport_options = {"visibility_timeout": _settings.visibility_timeout}
-if broker_url.startswith(("redis://", "rediss://", "unix://")):
-    # Queues are model.<name> in every deployment; prefixing the broker's keys
-    # with the namespace lets several deployments (or test runs) share a Redis
-    # without consuming each other's messages. (On RabbitMQ, use a vhost each.)
-    broker_transport_options["global_keyprefix"] = f"{_settings.namespace}:"
+def from_settings(settings: Settings) -> dict[str, Any]:
+    """Every Celery setting, derived from one :class:`Settings` snapshot."""
+    settings.check_timing()
+    broker_url = settings.broker_url or settings.redis_url
+    transport: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    if broker_url and broker_url.startswith(("redis://", "rediss://", "unix://")):
+        # Queues are model.<name> in every deployment; prefixing the broker's keys
+        # with the namespace lets several deployments (or test runs) share a Redis
+        # without consuming each other's messages. (On RabbitMQ, use a vhost each.)
+        transport["global_keyprefix"] = keys.broker_prefix(settings.namespace)
+    return {
+        "broker_url": broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": transport,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_time_limit": settings.hard_time_limit,
+        "task_soft_time_limit": settings.backend_timeout + settings.write_grace / 2,
+        "task_ignore_result": True,
+        "result_backend": None,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        # Control tasks (dispatch, ingest, reconcile) go to `control`; solve messages
+        # are published by the dispatcher straight to `model.<name>`.
+        "task_default_queue": "control",
+        "task_create_missing_queues": True,
+        # Task events cost three broker messages per task; Flower switches them on
+        # (enable_events) while it runs, and lists workers and queues without them.
+        "worker_send_task_events": False,
+        "task_send_sent_event": False,
+        "beat_schedule": {
+            "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "options": {"expires": 10}},
+            "reconcile": {"task": "balancer.reconcile", "schedule": settings.reconcile_tick, "options": {"expires": 60}},
+            "ingest": {"task": "balancer.ingest", "schedule": settings.ingest_tick, "options": {"expires": 60}},
+        },
+    }
 
-task_acks_late = True
-task_reject_on_worker_lost = True
-worker_prefetch_multiplier = 1
-task_time_limit = _settings.hard_time_limit
-task_soft_time_limit = _settings.backend_timeout + _settings.write_grace / 2
 
-task_ignore_result = True
-result_backend = None
-task_serializer = "json"
-accept_content = ["json"]
-result_accept_content = ["json"]
-
-# Control tasks (dispatch, ingest, reconcile) go to `control`; solve messages
-# are published by the dispatcher straight to `model.<name>`.
-task_default_queue = "control"
-task_create_missing_queues = True
-# Task events cost three broker messages per task; Flower switches them on
-# (enable_events) while it runs, and lists workers and queues without them.
-worker_send_task_events = False
-task_send_sent_event = False
-
-beat_schedule = {
-    "dispatch": {"task": "balancer.dispatch", "schedule": _settings.dispatch_tick, "options": {"expires": 10}},
-    "reconcile": {"task": "balancer.reconcile", "schedule": _settings.reconcile_tick, "options": {"expires": 60}},
-    "ingest": {"task": "balancer.ingest", "schedule": _settings.ingest_tick, "options": {"expires": 60}},
-}
+globals().update(from_settings(Settings.from_env()))

@@ -1,37 +1,24 @@
 """Connected clients built from :class:`~balancer.settings.Settings`.
 
-The one place that resolves "URL unset" to the embedded stack and turns
-connection failures into one-line errors naming the masked URL.
+The one place that turns connection failures into one-line errors naming the
+masked URL. It needs both URLs set: filling unset ones with the embedded stack
+is the CLI's job (:func:`balancer.cli.resolved_settings`), never production's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import redis
 from sqlalchemy.engine import Engine
 
-from balancer.admission import AdmissionCore, LeaseSeed
-from balancer.errors import ServiceUnavailable
-from balancer.quota import Quota
+from balancer.admission import AdmissionCore, LeaseSeed, keys
+from balancer.domain.quota import Quota
+from balancer.errors import ConfigError, ServiceUnavailable
 from balancer.settings import Settings, mask_url
 from balancer.storage.db import cached_engine
 from balancer.storage.quotas import QuotaStore
 from balancer.storage.tasks import in_flight_leases
-
-
-def resolve(settings: Settings) -> Settings:
-    """Fill unset Redis/database URLs with the persistent embedded stack."""
-    if settings.redis_url and settings.database_url:
-        return settings
-    from balancer.embedded import ensure_stack
-
-    redis_url, database_url = ensure_stack(settings.home)
-    return replace(
-        settings,
-        redis_url=settings.redis_url or redis_url,
-        database_url=settings.database_url or database_url,
-    )
 
 
 def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:
@@ -40,7 +27,7 @@ def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:
     Only for namespaces the caller created (tests, the demo); never anything else.
     """
     deleted = 0
-    for pattern in ("{" + namespace + "}*", namespace + ":*"):
+    for pattern in keys.namespace_patterns(namespace):
         batch = []
         for key in client.scan_iter(match=pattern, count=1000):
             batch.append(key)
@@ -77,11 +64,12 @@ class Services:
     quotas: QuotaStore
 
     @classmethod
-    def connect(cls, settings: Settings, *, check: bool = True) -> Services:
-        settings = resolve(settings)
-        assert settings.redis_url and settings.database_url
+    def connect(cls, settings: Settings, *, check: bool = True, pre_ping: bool = True) -> Services:
+        if not settings.redis_url or not settings.database_url:
+            missing = "BALANCER_REDIS_URL" if not settings.redis_url else "BALANCER_DATABASE_URL"
+            raise ConfigError(f"{missing} is not set")
         client = redis_client(settings.redis_url, check=check)
-        engine = cached_engine(settings.database_url)
+        engine = cached_engine(settings.database_url, pre_ping=pre_ping)
         core = AdmissionCore(
             client,
             settings.namespace,

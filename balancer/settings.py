@@ -5,7 +5,7 @@ demo and docker-compose. Nothing else in the package reads ``os.environ``
 for configuration, which is what lets a test check that docker-compose sets
 only variables that exist (see ``ENVIRONMENT``).
 
-URLs left unset mean "use the embedded stack" (see :mod:`balancer.embedded`).
+URLs left unset mean "use the embedded stack" (see :mod:`balancer.devtools.embedded`).
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis
 import sqlalchemy as sa
 
-from balancer.embedded import TemporaryStack
+from balancer.devtools.embedded import TemporaryStack
 from balancer.storage.db import dispose_engines
 from tests.twin import delete_keys
 

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import sqlalchemy as sa
 
-from balancer.embedded import free_port
-from balancer.runner import control_app
-from balancer.intake import parse_tasks
+from balancer.devtools.embedded import free_port
+from balancer.devtools.runner import control_app
+from balancer.devtools.sim.audit import Call, Limits, audit, calls_from_log, limits_for
+from balancer.devtools.sim.config import SimModel, default_models
+from balancer.devtools.supervisor import Supervisor, wait_for_http
+from balancer.domain.intake import parse_tasks
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.sim.audit import Call, Limits, audit, limits_for
-from balancer.sim.config import SimModel, default_models
 from balancer.storage.schema import tasks
 from balancer.storage.tasks import insert_tasks, status_counts
-from balancer.supervisor import Supervisor, wait_for_http
 
 
 @dataclass
@@ -35,12 +35,14 @@ class Pipeline:
     model_count: int = 10
     broker_url: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-    grace: float = 0.5
+    grace: float = 0.0
+    accounting: str = "reserve"  # how the simulated provider counts; the quotas match it
 
     def __post_init__(self) -> None:
         self.port = free_port()
         self.backend_url = f"http://127.0.0.1:{self.port}"
-        self.models: list[SimModel] = default_models(self.model_count)
+        self.models: list[SimModel] = [replace(m, accounting=self.accounting)
+                                       for m in default_models(self.model_count)]
         env = {"BALANCER_BACKEND_URL": self.backend_url, "BALANCER_DISPATCH_TICK": "0.5", **self.extra_env}
         if self.broker_url:
             env["BALANCER_BROKER_URL"] = self.broker_url
@@ -54,7 +56,7 @@ class Pipeline:
         self.services.quotas.replace_all([m.quota(time_scale=self.time_scale) for m in self.models], by="test")
         self.sim = self.supervisor.start(
             "sim", ["sim", "--port", str(self.port), "--models", str(self.model_count),
-                    "--time-scale", str(self.time_scale), "--grace", str(self.grace)],
+                    "--time-scale", str(self.time_scale), "--grace", str(self.grace), "--accounting", self.accounting],
         )
         wait_for_http(f"{self.backend_url}/models", child=self.sim)
         self.supervisor.start("dispatcher", ["dispatcher", "--loglevel", "INFO"])
@@ -113,11 +115,7 @@ class Pipeline:
 
     @staticmethod
     def calls(entries: list[dict[str, Any]]) -> list[Call]:
-        return [
-            Call(e["start"], e["end"], e["model"], e.get("prompt_tokens", 0) + e.get("completion_tokens", 0))
-            for e in entries
-            if e["status"] != 429
-        ]
+        return calls_from_log(entries)
 
     def violations(self) -> list:
         return audit(self.calls(self.sim_log()), self.limits())

@@ -25,7 +25,7 @@ def render(rows: list[dict], *, passed: bool) -> str:
         "",
         "    BALANCER_RELIABILITY_REPORT=docs/reliability.md pytest -m faults",
         "",
-        f"Run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {platform.node() or 'this machine'}"
+        f"Run: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} on {platform.node() or 'this machine'}"
         f" ({'all fault tests passed' if passed else 'SOME TESTS FAILED'}).",
         "Every row used real processes (Celery workers, dispatcher, beat, the simulator) and real Redis and PostgreSQL.",
         "*Lost*: tasks not solved at the end. *Written twice*: transitions into `solved` seen by a PostgreSQL",

@@ -11,8 +11,8 @@ import click
 import yaml
 
 from balancer.cli import cli
+from balancer.devtools.sim.config import default_models
 from balancer.settings import ENVIRONMENT
-from balancer.sim.config import default_models
 
 COMPOSE = yaml.safe_load((Path(__file__).parent.parent / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -89,7 +89,7 @@ def test_every_consumed_queue_is_produced(env: dict[str, str]) -> None:
 
     produced = {app.conf.task_default_queue} | {f"model.{m.name}" for m in default_models()}
     consumed = set()
-    for name, service in SERVICES.items():
+    for _name, service in SERVICES.items():
         argv = argv_of(service) or []
         if argv[:2] == ["balancer", "worker"]:
             model = service["environment"]["MODEL"].split(":-")[-1].rstrip("}")

@@ -8,8 +8,9 @@ import pytest
 import redis
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow
+from balancer.admission import keys as keys_module
 from balancer.admission.core import _SCRIPTS
-from balancer.quota import Quota
+from balancer.domain.quota import Quota
 from tests.twin import delete_keys
 
 
@@ -36,7 +37,7 @@ def test_every_key_shares_the_hash_tag(core: AdmissionCore, redis_client: redis.
     core.admit([Candidate(100)])
     keys = [k.decode() for k in redis_client.scan_iter(match=f"*{namespace}*")]
     assert len(keys) >= 5  # meta, models, leases, model:a, inflight:a
-    assert all(k.startswith("{" + namespace + "}:") for k in keys)
+    assert all(k.startswith(keys_module.tag(namespace) + ":") for k in keys)
 
 
 def test_noscript_falls_back_to_reload(redis_client: redis.Redis, namespace: str) -> None:

@@ -15,8 +15,8 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from balancer.admission import Admitted, Candidate
-from balancer.quota import Quota
+from balancer.admission import Admitted, Candidate, Settlement, keys
+from balancer.domain.quota import Quota
 from tests.twin import LEASE_MS, Twin, delete_keys
 
 NAMES = ["m-a", "m-b", "m-c", "m-d"]
@@ -30,11 +30,22 @@ quotas = st.builds(
     max_requests_per_minute=st.none() | st.integers(1, 30),
     burst_tokens=st.none() | st.integers(1, 30_000) | st.integers(3_000, 30_000),
     enabled=st.booleans() | st.just(True),
+    token_accounting=st.sampled_from(["reserve", "settle"]),
+    burst_requests=st.none() | st.integers(1, 40),
 )
 candidates = st.builds(
     Candidate,
     estimated_tokens=st.integers(1, 1_500) | st.integers(1, 1_500) | st.integers(1, 8_000),
     allowed=st.none() | st.none() | st.lists(st.sampled_from(NAMES + ["nope"]), max_size=3).map(tuple),
+    avoid=st.none() | st.sampled_from(NAMES),
+)
+maybe_tokens = st.none() | st.integers(0, 9_000)
+settlements = st.builds(
+    Settlement,
+    used_tokens=maybe_tokens,
+    reserved_tokens=maybe_tokens,
+    remaining_tokens=st.none() | st.none() | st.integers(0, 30_000),
+    remaining_requests=st.none() | st.none() | st.integers(0, 40),
 )
 operations = st.lists(
     st.one_of(
@@ -44,6 +55,10 @@ operations = st.lists(
         st.tuples(st.just("renew"), st.integers(0, 50)),
         st.tuples(st.just("renew_unknown"), st.sampled_from(NAMES + ["nope"]), st.integers(1, 8_000)),
         st.tuples(st.just("reconcile"), st.integers(0, 50), st.integers(0, 9_000)),
+        st.tuples(st.just("reconcile"), st.integers(0, 50), settlements),
+        st.tuples(st.just("finish"), st.integers(0, 50), settlements),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
+                  st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40)),
         st.tuples(st.just("advance"), st.integers(0, 70_000)),
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
         st.tuples(st.just("expire"),),
@@ -77,6 +92,10 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.renew(f"x-{len(issued)}", op[1], op[2])
             elif kind == "reconcile" and issued:
                 twin.reconcile(issued[op[1] % len(issued)][0], op[2])
+            elif kind == "finish" and issued:
+                twin.finish(issued[op[1] % len(issued)][0], op[2])
+            elif kind == "penalize":
+                twin.penalize(op[1], op[2], op[3], op[4])
             elif kind == "advance":
                 twin.advance(op[1])
             elif kind == "expire":
@@ -93,7 +112,8 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
 
 
 @pytest.mark.smoke
-@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=st.lists(quotas, min_size=1, max_size=4, unique_by=lambda q: q.name), ops=operations)
 def test_lua_and_reference_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
     run_sequence(redis_client, initial, ops)
@@ -106,7 +126,7 @@ def test_twin_detects_a_divergence(redis_client: redis.Redis) -> None:
     try:
         twin.set_quota(Quota("m-a", 2, 6000))
         twin.admit([Candidate(100)])
-        redis_client.hset("{" + namespace + "}:model:m-a", "deficit", "7")
+        redis_client.hset(keys.model(namespace, "m-a"), "deficit", "7")
         with pytest.raises(AssertionError):
             twin.check_same_state()
     finally:

@@ -8,9 +8,9 @@ import threading
 import pytest
 import sqlalchemy as sa
 
-from balancer.intake import parse_tasks
+from balancer.domain.intake import parse_tasks
+from balancer.domain.quota import Quota
 from balancer.pipeline.dispatcher import Assignment, dispatch
-from balancer.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.schema import tasks
@@ -33,7 +33,8 @@ def add(svc: Services, lines: list[dict]) -> list[int]:
 
 def statuses(svc: Services) -> dict[int, tuple[str, str | None, str | None]]:
     with svc.engine.connect() as conn:
-        return {r.id: (r.status, r.model, r.error) for r in conn.execute(sa.select(tasks.c.id, tasks.c.status, tasks.c.model, tasks.c.error))}
+        rows = conn.execute(sa.select(tasks.c.id, tasks.c.status, tasks.c.model, tasks.c.error))
+        return {r.id: (r.status, r.model, r.error) for r in rows}
 
 
 def test_priority_then_age_and_queued_marking(svc: Services) -> None:

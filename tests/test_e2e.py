@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from balancer.cli import main
-from balancer.embedded import free_port
-from balancer.sim.audit import Limits, audit
-from balancer.supervisor import wait_for_http
+from balancer.devtools.embedded import free_port
+from balancer.devtools.sim.audit import Limits, audit
+from balancer.devtools.supervisor import wait_for_http
 from tests.pipeline_harness import Pipeline, prompt_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("migrated")]
@@ -40,6 +40,21 @@ def assert_solved_exactly_once(p: Pipeline, total: int) -> None:
     assert all(r.status == "solved" and r.answer for r in rows), Counter(r.status for r in rows)
     ok_calls = [e for e in p.sim_log() if e["status"] == 200]
     assert len(ok_calls) == total  # one successful backend call per task, none repeated
+
+
+@pytest.mark.parametrize("accounting", ["reserve", "settle"])
+def test_each_accounting_mode_draws_no_429_at_full_load(pipeline, accounting: str) -> None:
+    """Against a strict provider of each kind (no grace; `reserve` keeps prompt +
+    max_tokens, `settle` refunds the unused part), with quotas set to exactly its
+    limits and the matching token_accounting: every model saturated, no 429."""
+    p = pipeline(accounting=accounting).start()
+    assert {q.token_accounting for q in p.services.quotas.all()} == {accounting}
+    ids = p.submit(prompt_lines(400, [m.name for m in p.models], pinned_every=0))
+    counts = p.wait_done(len(ids), timeout=180)
+    assert counts["solved"] == len(ids) and counts["failed"] == 0
+    entries = p.sim_log()
+    assert [e for e in entries if e["status"] == 429] == []
+    assert p.violations() == []
 
 
 @pytest.mark.smoke

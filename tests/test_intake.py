@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from balancer.cli import main
-from balancer.intake import parse_tasks
-from balancer.quota import Quota
+from balancer.domain.intake import parse_tasks
+from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.tasks import status_counts

@@ -8,16 +8,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import balancer.quota
-import balancer.quotafile
+import balancer.domain.quota
+import balancer.domain.quotafile
 import balancer.settings
+from balancer.domain.quota import MAX_LIMIT, Quota
+from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import ConfigError, QuotaError
-from balancer.quota import MAX_LIMIT, Quota
-from balancer.quotafile import format_quota_file, parse_quota_file
 from balancer.settings import Settings, mask_url, normalize_database_url
 
 
-@pytest.mark.parametrize("module", [balancer.settings, balancer.quota, balancer.quotafile])
+@pytest.mark.parametrize("module", [balancer.settings, balancer.domain.quota, balancer.domain.quotafile])
 def test_doctests(module: object) -> None:
     assert doctest.testmod(module).failed == 0  # type: ignore[arg-type]
 

@@ -12,7 +12,7 @@ import pytest
 
 from balancer.admission import Admitted, Candidate, NotNow
 from balancer.cli import main
-from balancer.quota import Quota
+from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.quotas import QuotaStore

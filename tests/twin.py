@@ -7,13 +7,13 @@ and property tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import redis
 
-from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReferenceCore
-from balancer.quota import Quota
+from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReferenceCore, Settlement
+from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 
 LEASE_MS = 5_000  # short, so refunds of expired leases are not hidden by refill
@@ -38,6 +38,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
             name: (
                 m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
                 m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["gen"], m["inflight"],
+                m["settle"], m["rburst"], m["paused"], m["tat"], m["ext"], m["synced_at"], m["ptokens"], m["prefilled_at"],
             )
             for name, m in raw["models"].items()
         },
@@ -56,6 +57,8 @@ def canonical_ref(ref: ReferenceCore) -> dict:
                 s.quota.weight, s.quota.max_concurrent_requests, s.quota.max_tokens_per_minute,
                 s.quota.max_requests_per_minute or 0, s.quota.burst, int(s.quota.enabled),
                 s.tokens, s.requests, s.refilled_at, s.deficit, s.generation, ref._inflight(name),
+                int(s.quota.settles), s.quota.request_burst, s.paused_until, s.tat, s.external, s.synced_at,
+                s.started_tokens, s.started_refilled_at,
             )
             for name, s in ref.models.items()
         },
@@ -110,12 +113,27 @@ class Twin:
 
     def release(self, lid: str) -> bool:
         lua = self.core.release(lid)
-        assert lua == self.ref.release(lid)
+        assert lua == self.ref.release(lid, self.now)
         return lua
 
-    def reconcile(self, lid: str, actual: int) -> bool:
-        lua = self.core.reconcile(lid, actual)
-        assert lua == self.ref.reconcile(lid, actual, self.now)
+    def finish(self, lid: str, settlement: Settlement) -> tuple[bool, bool]:
+        lua = self.core.finish(lid, settlement)
+        assert lua == self.ref.finish(lid, settlement, self.now)
+        return lua
+
+    def reconcile(self, lid: str, settlement: Settlement | int) -> bool:
+        """Settle a call; a bare int means usage reported with no headers (reserved = usage)."""
+        if isinstance(settlement, int):
+            settlement = Settlement(used_tokens=settlement, reserved_tokens=settlement)
+        lua = self.core.reconcile(lid, settlement)
+        assert lua == self.ref.reconcile(lid, settlement, self.now)
+        return lua
+
+    def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
+                 remaining_requests: int | None = None) -> bool:
+        lua = self.core.penalize(model, retry_after_ms, remaining_tokens, remaining_requests)
+        ref = self._ref(lambda: self.ref.penalize(model, max(1, retry_after_ms), self.now, remaining_tokens, remaining_requests))
+        assert lua == ref
         return lua
 
     # Like QuotaStore: push to the live state first, "commit" to PostgreSQL after,

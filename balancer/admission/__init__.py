@@ -15,6 +15,7 @@ from balancer.admission.model import (
     NotNow,
     ReferenceCore,
     Rejected,
+    Settlement,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "NotNow",
     "ReferenceCore",
     "Rejected",
+    "Settlement",
 ]

@@ -13,12 +13,14 @@ state from PostgreSQL when Redis has lost it (it runs without persistence).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Callable, Sequence
+from typing import Any
 
 import redis
 
+from balancer.admission import keys
 from balancer.admission.model import (
     UNITS,
     Admitted,
@@ -27,9 +29,11 @@ from balancer.admission.model import (
     LeaseSeed,
     NotNow,
     Rejected,
+    Settlement,
     rejection_reason,
+    token_cap,
 )
-from balancer.quota import Quota
+from balancer.domain.quota import Quota
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
 RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
@@ -37,20 +41,14 @@ RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
 
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("balancer.admission") / "lua"
-    lib = (folder / "lib.lua").read_text()
+    lib = keys.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
-        for name in ("admit", "renew", "release", "reconcile", "set_quota", "remove_quota", "restore")
+        for name in ("admit", "renew", "finish", "penalize", "set_quota", "remove_quota", "restore")
     }
 
 
 _SCRIPTS = _load_scripts()
-
-
-def keys_for(namespace: str) -> list[str]:
-    """KEYS[1..3] of every script. The braces make ``namespace`` the hash tag."""
-    tag = "{" + namespace + "}"
-    return [f"{tag}:meta", f"{tag}:models", f"{tag}:leases"]
 
 
 def quota_args(quota: Quota) -> list[str | int]:
@@ -62,6 +60,8 @@ def quota_args(quota: Quota) -> list[str | int]:
         quota.max_requests_per_minute or 0,
         quota.burst,
         int(quota.enabled),
+        int(quota.settles),
+        quota.request_burst,
     ]
 
 
@@ -74,6 +74,8 @@ class ModelLive:
     tokens_available: float
     requests_available: float | None
     deficit: int
+    paused_ms: int = 0  # how much longer a 429 holds the model
+    external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
 
 
 class AdmissionCore:
@@ -97,7 +99,7 @@ class AdmissionCore:
     ) -> None:
         self.redis = client
         self.namespace = namespace
-        self.keys = keys_for(namespace)
+        self.keys = keys.script_keys(namespace)
         self.restore_source = restore
         self.lease_ms = lease_ms
         self.base_quantum = base_quantum
@@ -108,7 +110,7 @@ class AdmissionCore:
     def _now(self) -> str:
         return "" if self.clock is None else str(int(self.clock()))
 
-    def _run(self, name: str, args: Sequence[object]) -> object:
+    def _run(self, name: str, args: Sequence[Any]) -> Any:
         return self._scripts[name](keys=self.keys, args=list(args))
 
     def _run_with_state(self, name: str, args: Callable[[], Sequence[object]]) -> list:
@@ -119,7 +121,7 @@ class AdmissionCore:
             reply = self._run(name, args())
             if isinstance(reply, list) and reply[:1] == [b"NOSTATE"]:
                 raise RuntimeError("admission state still missing after restore")
-        return reply  # type: ignore[return-value]
+        return reply
 
     def restore(self, quotas: Sequence[Quota] | None = None, leases: Sequence[LeaseSeed] = ()) -> bool:
         """Rebuild the live copy if it is missing. Returns True if this call rebuilt it."""
@@ -142,8 +144,7 @@ class AdmissionCore:
             return Admitted(a.decode(), b.decode())
         if kind == b"W":
             return NotNow(int(a) if a else None, int(b))
-        if a == b"toolarge":
-            assert candidate is not None
+        if a == b"toolarge" and candidate is not None:
             return Rejected(rejection_reason(candidate.estimated_tokens, int(b)))
         wanted = ",".join(sorted(candidate.allowed)) if candidate and candidate.allowed else ""
         return Rejected(f"no such model: {wanted}" if wanted else "no models configured")
@@ -159,6 +160,7 @@ class AdmissionCore:
             for cand in candidates:
                 flat.append(cand.estimated_tokens)
                 flat.append(",".join(cand.allowed) if cand.allowed else "")
+                flat.append(cand.avoid or "")
             return flat
 
         reply = self._run_with_state("admit", args)
@@ -168,32 +170,49 @@ class AdmissionCore:
         ]
 
     def renew(self, admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None) -> Decision:
-        """Re-assert a slot before calling the backend; only call on :class:`Admitted`."""
+        """Re-assert a slot before calling the backend; only call on :class:`Admitted`,
+        and only after its ``start_delay_ms`` (the RPM start gate)."""
         reply = self._run_with_state(
             "renew",
             lambda: [self._now(), lease_ms or self.lease_ms, admission_id, model, estimated_tokens],
         )
-        return self._decode(reply[0], reply[1], reply[2], Candidate(estimated_tokens, (model,)))
+        decision = self._decode(reply[0], reply[1], reply[2], Candidate(estimated_tokens, (model,)))
+        if isinstance(decision, Admitted) and len(reply) > 3:
+            return Admitted(decision.model, decision.admission_id, int(reply[3]))
+        return decision
+
+    def finish(self, admission_id: str, settlement: Settlement | None = None, *, release: bool = True) -> tuple[bool, bool]:
+        """Everything a finished call tells the core, in one script and one round
+        trip: settle its tokens (once) as the model's accounting says, sync the
+        buckets to the provider's headers, and free the slot. Idempotent.
+        Returns (settled, released).
+        """
+        s = settlement or Settlement()
+
+        def opt(value: int | None) -> object:
+            return "" if value is None else value
+
+        reply = self._run("finish", [
+            self._now(), admission_id, opt(s.used_tokens), opt(s.reserved_tokens),
+            opt(s.remaining_tokens), opt(s.remaining_requests), "1" if release else "0",
+        ])
+        return reply[0] == 1, reply[1] == 1
 
     def release(self, admission_id: str) -> bool:
-        return self._run("release", [admission_id]) == 1
+        """Free the slot; releasing twice, or an unknown id, is harmless."""
+        return self.finish(admission_id)[1]
 
-    def reconcile(self, admission_id: str, actual_tokens: int) -> bool:
-        return self._run("reconcile", [self._now(), admission_id, actual_tokens]) == 1
+    def reconcile(self, admission_id: str, settlement: Settlement) -> bool:
+        """Settle a finished call's tokens (once) and sync to the provider's headers; keep the slot."""
+        return self.finish(admission_id, settlement, release=False)[0]
 
-    def finish(self, admission_id: str, actual_tokens: int | None) -> tuple[bool, bool]:
-        """Reconcile (if ``actual_tokens`` is given) and release, in one round trip.
-
-        Each is still its own atomic script; pipelining only saves the wait.
-        Returns (reconciled, released).
-        """
-        pipe = self.redis.pipeline(transaction=False)
-        if actual_tokens is not None:
-            self._scripts["reconcile"](keys=self.keys, args=[self._now(), admission_id, actual_tokens], client=pipe)
-        self._scripts["release"](keys=self.keys, args=[admission_id], client=pipe)
-        replies = pipe.execute()
-        reconciled = actual_tokens is not None and replies[0] == 1
-        return reconciled, replies[-1] == 1
+    def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
+                 remaining_requests: int | None = None) -> bool:
+        """Pause ``model`` for a 429's Retry-After and sync its buckets to the 429's
+        headers; True if this started the pause (a 429 during a running pause adds none)."""
+        args = [self._now(), model, max(1, int(retry_after_ms)),
+                "" if remaining_tokens is None else remaining_tokens, "" if remaining_requests is None else remaining_requests]
+        return self._run("penalize", args) == 1
 
     def set_quota(self, quota: Quota) -> None:
         self._run_with_state("set_quota", lambda: [self._now(), *quota_args(quota)])
@@ -209,18 +228,18 @@ class AdmissionCore:
     def raw_state(self) -> dict:
         """Everything in Redis for this namespace, decoded (the differential tests compare it)."""
         meta_key, models_key, leases_key = self.keys
-        prefix = meta_key[: -len(":meta")]
-        meta = {k.decode(): v.decode() for k, v in self.redis.hgetall(meta_key).items()}
+        r: Any = self.redis  # redis-py's reply types are unions of every RESP shape
+        meta = {k.decode(): v.decode() for k, v in r.hgetall(meta_key).items()}
         models = {}
-        for raw_name in self.redis.zrange(models_key, 0, -1):
+        for raw_name in r.zrange(models_key, 0, -1):
             name = raw_name.decode()
-            fields = {k.decode(): int(v) for k, v in self.redis.hgetall(f"{prefix}:model:{name}").items()}
+            fields = {k.decode(): int(v) for k, v in r.hgetall(keys.model(self.namespace, name)).items()}
             inflight = [
                 (int(score), member.decode())
-                for member, score in self.redis.zrange(f"{prefix}:inflight:{name}", 0, -1, withscores=True)
+                for member, score in r.zrange(keys.inflight(self.namespace, name), 0, -1, withscores=True)
             ]
             models[name] = {**fields, "inflight": inflight}
-        leases = {k.decode(): json.loads(v) for k, v in self.redis.hgetall(leases_key).items()}
+        leases = {k.decode(): json.loads(v) for k, v in r.hgetall(leases_key).items()}
         return {"meta": meta, "models": models, "leases": leases}
 
     def live(self, now_ms: int | None = None) -> dict[str, ModelLive]:
@@ -230,8 +249,7 @@ class AdmissionCore:
         names, one for every model's hash and live-lease count (ZCOUNT, so the cost does not grow
         with the number of calls in flight). The dispatcher calls it every round.
         """
-        meta_key, models_key, _ = self.keys
-        prefix = meta_key[: -len(":meta")]
+        _, models_key, _ = self.keys
         first = self.redis.pipeline(transaction=False)
         first.time()
         first.zrange(models_key, 0, -1)
@@ -241,8 +259,8 @@ class AdmissionCore:
         names = [n.decode() for n in raw_names]
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
-            pipe.hgetall(f"{prefix}:model:{name}")
-            pipe.zcount(f"{prefix}:inflight:{name}", f"({now_ms}", "+inf")
+            pipe.hgetall(keys.model(self.namespace, name))
+            pipe.zcount(keys.inflight(self.namespace, name), f"({now_ms}", "+inf")
         replies = pipe.execute()
         view = {}
         for i, name in enumerate(names):
@@ -250,6 +268,7 @@ class AdmissionCore:
             if not raw:
                 continue  # removed between the two reads
             m = {k.decode(): int(v) for k, v in raw.items()}
+            rburst = m.get("rburst", m["rpm"])
             quota = Quota(
                 name=name,
                 weight=m["weight"],
@@ -258,22 +277,27 @@ class AdmissionCore:
                 max_requests_per_minute=m["rpm"] or None,
                 burst_tokens=m["burst"],
                 enabled=bool(m["enabled"]),
+                token_accounting="settle" if m.get("settle") else "reserve",
+                burst_requests=rburst or None,
             )
             dt = max(0, now_ms - m["refilled_at"])
-            tokens = min(m["burst"] * UNITS, m["tokens"] + dt * m["tpm"]) / UNITS
-            requests = min(m["rpm"] * UNITS, m["requests"] + dt * m["rpm"]) / UNITS if m["rpm"] else None
-            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"])
+            tokens = min(token_cap(quota), m["tokens"] + dt * (m["tpm"] - m.get("ext", 0))) / UNITS
+            requests = min(rburst * UNITS, m["requests"] + dt * m["rpm"]) / UNITS if m["rpm"] else None
+            paused_ms = max(0, m.get("paused", 0) - now_ms)
+            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"], paused_ms, m.get("ext", 0))
         return view
 
 
 def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
     """Free slots of the models that could admit *something* right now:
-    enabled, a free slot, tokens above zero and (with RPM) a request. The
+    enabled, not paused by a 429, a free slot, tokens above zero and (with
+    RPM) a request. The
     dispatcher reads only tasks that one of these could take."""
     return {
         name: m.quota.max_concurrent_requests - m.in_flight
         for name, m in view.items()
         if m.quota.enabled
+        and m.paused_ms == 0
         and m.in_flight < m.quota.max_concurrent_requests
         and m.tokens_available >= 1
         and (m.requests_available is None or m.requests_available >= 1)

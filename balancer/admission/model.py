@@ -22,7 +22,10 @@ given, which the dispatcher makes priority-then-age):
    if unrestricted). If the estimate exceeds every one's ``burst``, it can
    never run: **rejected**, with the reason.
 3. *Eligible* models are enabled, fit the estimate, are not held (step 5), and
-   have a free slot, enough tokens and (if RPM is set) a request.
+   have a free slot, enough tokens and (if RPM is set) a request, and are not
+   paused by a 429 (``penalize``). A candidate may name a model to *avoid*
+   (its last call there failed transiently): that model is passed over when
+   another model is eligible.
 4. WDRR. Each model has a quantum of ``weight * base_quantum`` tokens. If no
    eligible model's deficit covers the estimate, every *eligible* model (only
    those: idle or blocked models do not accrue) gains the smallest whole number
@@ -43,10 +46,11 @@ given, which the dispatcher makes priority-then-age):
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from balancer.quota import Quota
+from balancer.domain.quota import Quota
 
 #: Bucket units per token (and per request): refill per ms == per-minute rate.
 UNITS = 60_000
@@ -62,6 +66,7 @@ class Candidate:
 
     estimated_tokens: int
     allowed: tuple[str, ...] | None = None
+    avoid: str | None = None  # a model to pass over if another is eligible (retry placement)
 
     def __post_init__(self) -> None:
         if self.allowed is not None:
@@ -73,6 +78,7 @@ class Candidate:
 class Admitted:
     model: str
     admission_id: str
+    start_delay_ms: int = 0  # from renew: wait this long before calling (the RPM start gate)
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,25 @@ class Rejected:
 Decision = Admitted | NotNow | Rejected
 
 
+@dataclass(frozen=True)
+class Settlement:
+    """What a finished call tells the core (``None`` = not known).
+
+    ``used_tokens`` is prompt + completion as the provider reported them;
+    ``reserved_tokens`` is prompt + max_tokens, what a ``reserve`` provider
+    kept; ``remaining_*`` are the provider's ``x-ratelimit-remaining-*``
+    headers, which lower the buckets (never raise them).
+
+    >>> Settlement(used_tokens=900, reserved_tokens=1_300).remaining_tokens is None
+    True
+    """
+
+    used_tokens: int | None = None
+    reserved_tokens: int | None = None
+    remaining_tokens: int | None = None
+    remaining_requests: int | None = None
+
+
 @dataclass
 class ModelState:
     quota: Quota
@@ -105,6 +130,21 @@ class ModelState:
     refilled_at: int  # ms
     deficit: int  # tokens
     generation: int = 0  # bumped when the rate or bucket size changes
+    paused_until: int = 0  # ms: a 429 holds the model until then
+    tat: int = 0  # ms: the start gate's theoretical arrival time of the next call start
+    external: int = 0  # tokens per minute others use of this quota, learned from headers
+    synced_at: int = 0  # ms of the last x-ratelimit-remaining-tokens sync
+    #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
+    started_tokens: int = field(init=False)
+    started_refilled_at: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started_tokens, self.started_refilled_at = self.tokens, self.refilled_at
+
+    @property
+    def refill_rate(self) -> int:
+        """Units per ms (= tokens per minute) the bucket refills at: TPM less what others use."""
+        return self.quota.max_tokens_per_minute - self.external
 
 
 @dataclass
@@ -129,6 +169,31 @@ class LeaseSeed:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+#: A call reaches the provider up to this long after its admission charged our bucket.
+TRANSIT_MS = 250
+#: Of the start gate's burst tolerance, up to this much is kept for the last hop's jitter.
+GATE_HOP_MS = 20
+
+
+def token_cap(quota: Quota) -> int:
+    """The token bucket's capacity in units: the burst less the transit allowance.
+
+    While the provider's bucket sits full it wastes refill that ours, charged
+    up to ``TRANSIT_MS`` earlier, keeps; a bucket as large as the provider's
+    would run ahead of it by that much refill. Never less than half the burst.
+
+    >>> token_cap(Quota("m", 1, 60_000, burst_tokens=10_000)) / UNITS   # 250 ms of 1,000 tokens/s
+    9750.0
+    """
+    burst = quota.burst * UNITS
+    return burst - min(quota.max_tokens_per_minute * TRANSIT_MS, burst // 2)
+
+
+def tokens_needed(quota: Quota, est: int) -> int:
+    """Units a task needs in the bucket: its estimate, or a full bucket if larger."""
+    return min(est * UNITS, token_cap(quota))
 
 
 def rejection_reason(estimated: int, largest_burst: int) -> str:
@@ -164,10 +229,10 @@ class ReferenceCore:
         state = self.models[name]
         quota = state.quota
         dt = max(0, now - state.refilled_at)
-        state.tokens = min(quota.burst * UNITS, state.tokens + dt * quota.max_tokens_per_minute)
+        state.tokens = min(token_cap(quota), state.tokens + dt * state.refill_rate)
         if quota.max_requests_per_minute:
             rpm = quota.max_requests_per_minute
-            state.requests = min(rpm * UNITS, state.requests + dt * rpm)
+            state.requests = min(quota.request_burst * UNITS, state.requests + dt * rpm)
         state.refilled_at = max(state.refilled_at, now)
 
     def _purge(self, name: str, now: int) -> None:
@@ -193,26 +258,28 @@ class ReferenceCore:
             return
         state = self.models[name]
         quota = state.quota
-        state.tokens = min(quota.burst * UNITS, state.tokens + lease.estimated_tokens * UNITS)
+        state.tokens = min(token_cap(quota), state.tokens + lease.estimated_tokens * UNITS)
         if quota.max_requests_per_minute:
-            state.requests = min(quota.max_requests_per_minute * UNITS, state.requests + UNITS)
+            state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
 
-    def _has_capacity(self, name: str, est: int) -> bool:
+    def _has_capacity(self, name: str, est: int, now: int) -> bool:
         state = self.models[name]
         quota = state.quota
         return (
-            len(self._inflight(name)) < quota.max_concurrent_requests
-            and state.tokens >= est * UNITS
+            state.paused_until <= now
+            and len(self._inflight(name)) < quota.max_concurrent_requests
+            and state.tokens >= tokens_needed(quota, est)
             and (not quota.max_requests_per_minute or state.requests >= UNITS)
         )
 
     def _wait(self, name: str, est: int, now: int) -> int:
-        """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``."""
+        """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``, and no pause."""
         state = self.models[name]
         quota = state.quota
         token_wait = 0
-        if state.tokens < est * UNITS:
-            token_wait = ceil_div(est * UNITS - state.tokens, quota.max_tokens_per_minute)
+        need = tokens_needed(quota, est)
+        if state.tokens < need:
+            token_wait = ceil_div(need - state.tokens, state.refill_rate)
         request_wait = 0
         if quota.max_requests_per_minute and state.requests < UNITS:
             request_wait = ceil_div(UNITS - state.requests, quota.max_requests_per_minute)
@@ -220,7 +287,51 @@ class ReferenceCore:
         inflight = self._inflight(name)
         if len(inflight) >= quota.max_concurrent_requests:
             slot_wait = inflight[len(inflight) - quota.max_concurrent_requests][0] - now
-        return max(token_wait, request_wait, slot_wait)
+        return max(token_wait, request_wait, slot_wait, state.paused_until - now)
+
+    @staticmethod
+    def _refill_started(state: ModelState, now: int) -> None:
+        dt = max(0, now - state.started_refilled_at)
+        state.started_tokens = min(token_cap(state.quota), state.started_tokens + dt * state.refill_rate)
+        state.started_refilled_at = max(state.started_refilled_at, now)
+
+    def _token_gate(self, state: ModelState, est: int, now: int) -> int:
+        """Milliseconds until the provider, charging on arrival, has the tokens for
+        a call starting now; then charge them (the bucket may go negative).
+
+        Admission charges the first bucket early; calls that then wait in the
+        broker or a busy worker would start in bunches the provider refuses.
+        This second bucket refills, settles and syncs like the first.
+        """
+        self._refill_started(state, now)
+        need = tokens_needed(state.quota, est)
+        wait = ceil_div(need - state.started_tokens, state.refill_rate) if state.started_tokens < need else 0
+        state.started_tokens -= est * UNITS
+        return wait
+
+    def _start_delay(self, name: str, est: int, first_start: bool, now: int) -> int:
+        """Both gates for a call about to start; a restart was charged at the token gate already."""
+        wait = self._token_gate(self.models[name], est, now) if first_start else 0
+        return wait + self._start_gate(name, now + wait)
+
+    def _start_gate(self, name: str, now: int) -> int:
+        """Milliseconds to wait before the call starts (GCRA on call starts).
+
+        Calls start at most RPM per minute with at most ``request_burst`` at once,
+        timed at renew, just before the HTTP call. Admission already paces the
+        request bucket, but the hops between admission and the call (broker,
+        queue, worker) bunch calls up, and a provider checking RPM over 1 s sees
+        those bunches. Without an RPM limit the gate is open.
+        """
+        state = self.models[name]
+        rpm = state.quota.max_requests_per_minute
+        if not rpm:
+            return 0
+        interval = ceil_div(60_000, rpm)
+        tolerance = max(0, (state.quota.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
+        start = max(now, state.tat - tolerance)
+        state.tat = max(state.tat, start) + interval
+        return start - now
 
     def _charge(self, name: str, est: int) -> None:
         state = self.models[name]
@@ -264,7 +375,9 @@ class ReferenceCore:
             if not fits:
                 decisions.append(NotNow(None, now))
                 continue
-            eligible = [n for n in fits if n not in held and self._has_capacity(n, est)]
+            eligible = [n for n in fits if n not in held and self._has_capacity(n, est, now)]
+            if cand.avoid in eligible and len(eligible) > 1:
+                eligible.remove(cand.avoid)
             if not eligible:
                 earliest: int | None = None
                 starved: str | None = None
@@ -275,7 +388,7 @@ class ReferenceCore:
                         earliest = at
                     if (
                         n not in held
-                        and self.models[n].tokens < est * UNITS
+                        and self.models[n].tokens < tokens_needed(self.models[n].quota, est)
                         and (starved_at is None or at < starved_at)
                     ):
                         starved, starved_at = n, at
@@ -329,58 +442,134 @@ class ReferenceCore:
             return NotNow(None, now)
         if lease is not None:
             lease.deadline = now + lease_ms
+            delay = self._start_delay(model, lease.estimated_tokens, not lease.started, now)
             lease.started = True
-            return Admitted(lease.model, admission_id)
+            return Admitted(lease.model, admission_id, delay)
         if est > quota.burst:
             return Rejected(rejection_reason(est, quota.burst))
         if not quota.enabled:
             return NotNow(None, now)
-        if not self._has_capacity(model, est):
+        if not self._has_capacity(model, est, now):
             return NotNow(now + self._wait(model, est, now), now)
         self._charge(model, est)
         self.leases[admission_id] = Lease(
             model, est, now + lease_ms, started=True, generation=self.models[model].generation
         )
-        return Admitted(model, admission_id)
+        return Admitted(model, admission_id, self._start_delay(model, est, True, now))
 
-    def release(self, admission_id: str) -> bool:
+    def release(self, admission_id: str, now: int) -> bool:
         """Free the slot. Releasing twice, or an unknown id, is harmless."""
-        return self.leases.pop(admission_id, None) is not None
+        return self.finish(admission_id, Settlement(), now)[1]
 
-    def reconcile(self, admission_id: str, actual_tokens: int, now: int) -> bool:
-        """Debit ``actual - estimated`` tokens once per lease; a surplus is
-        credited only within the quota generation that charged it."""
+    def finish(self, admission_id: str, settlement: Settlement, now: int, release: bool = True) -> tuple[bool, bool]:
+        """Settle (once), sync to the headers, and free the slot unless ``release``
+        is False: what ``finish.lua`` does in one round trip. Returns (settled, released)."""
+        settled = self.reconcile(admission_id, settlement, now)
+        released = release and self.leases.pop(admission_id, None) is not None
+        return settled, released
+
+    def reconcile(self, admission_id: str, settlement: Settlement, now: int) -> bool:
+        """Settle a finished call once per lease, then sync to the provider's headers.
+
+        The provider's charge is the usage (``settle``) or the reservation
+        (``reserve``). A charge above the estimate is always debited; one below
+        it is credited only by a ``settle`` model within the generation that
+        charged it. A ``reserve`` provider keeps what it reserved, and so does
+        this core: crediting it back is what drew 429s from strict providers.
+        The remaining counts from the headers lower the buckets, never raise
+        them. Returns True if the tokens were settled by this call.
+        """
         lease = self.leases.get(admission_id)
-        if lease is None or lease.reconciled or lease.model not in self.models:
+        if lease is None or lease.model not in self.models:
             return False
         self._refill(lease.model, now)
         state = self.models[lease.model]
-        surplus = lease.estimated_tokens - actual_tokens
-        if surplus < 0 or self._same_generation(lease):
-            state.tokens = min(state.quota.burst * UNITS, state.tokens + surplus * UNITS)
-        lease.reconciled = True
-        return True
+        self._refill_started(state, now)
+        settled = False
+        if not lease.reconciled and settlement.used_tokens is not None:
+            charged = settlement.used_tokens
+            if not state.quota.settles:
+                charged = settlement.reserved_tokens if settlement.reserved_tokens is not None else lease.estimated_tokens
+            surplus = lease.estimated_tokens - charged
+            if surplus < 0 or (state.quota.settles and self._same_generation(lease)):
+                state.tokens = min(token_cap(state.quota), state.tokens + surplus * UNITS)
+                state.started_tokens = min(token_cap(state.quota), state.started_tokens + surplus * UNITS)
+            lease.reconciled = settled = True
+        self._sync_to_headers(state, now, settlement.remaining_tokens, settlement.remaining_requests)
+        return settled
+
+    @staticmethod
+    def _sync_to_headers(state: ModelState, now: int, remaining_tokens: int | None, remaining_requests: int | None) -> None:
+        """Lower the buckets to the provider's ``x-ratelimit-remaining-*``; never raise them.
+
+        The token gap between two syncs is what others used of the quota
+        meanwhile: its rate moves ``external``, and the bucket refills at TPM
+        less that (never below a tenth of TPM). So a steady outside user is
+        expected instead of met as a 429 after every sync. Biased to the safe
+        side: an outside user shows as a positive gap and moves the estimate up
+        by 1/4 of it; calls we charged that have not reached the provider yet
+        show as a negative gap, so down moves take only 1/32. Float division
+        then floor, exactly as the Lua does it.
+        """
+        if remaining_tokens is not None:
+            remaining = remaining_tokens * UNITS
+            if state.synced_at > 0 and now > state.synced_at:
+                gap = state.tokens - remaining
+                error_rate = math.floor(gap / ((4 if gap >= 0 else 32) * (now - state.synced_at)))
+                ceiling = math.floor(state.quota.max_tokens_per_minute * 9 / 10)
+                state.external = max(0, min(ceiling, state.external + error_rate))
+            state.synced_at = now
+            state.tokens = min(state.tokens, remaining)
+            ReferenceCore._refill_started(state, now)
+            state.started_tokens = min(state.started_tokens, remaining)
+        if remaining_requests is not None and state.quota.max_requests_per_minute:
+            state.requests = min(state.requests, remaining_requests * UNITS)
+
+    def penalize(
+        self, model: str, retry_after_ms: int, now: int,
+        remaining_tokens: int | None = None, remaining_requests: int | None = None,
+    ) -> bool:
+        """A 429: pause ``model`` until now + Retry-After, unless a pause is running,
+        and lower its buckets to the provider's remaining counts.
+
+        One penalty per window: N concurrent 429s pause the model once, not N
+        times as long. The pause holds the model whichever limit (tokens,
+        requests, concurrency) the provider applied. The header sync applies to
+        every 429: it is the surest sign that someone else uses the quota.
+        Returns True if it started a pause.
+        """
+        state = self.models.get(model)
+        if state is None:
+            return False
+        self._refill(model, now)
+        started = state.paused_until <= now
+        if started:
+            state.paused_until = now + retry_after_ms
+        self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
+        return started
 
     def set_quota(self, quota: Quota, now: int) -> None:
         """Create or change a model. Applies to the very next admission."""
         self._require_state()
         state = self.models.get(quota.name)
         if state is None:
-            rpm = quota.max_requests_per_minute or 0
-            self.models[quota.name] = ModelState(quota, quota.burst * UNITS, rpm * UNITS, now, 0)
+            self.models[quota.name] = ModelState(quota, token_cap(quota), quota.request_burst * UNITS, now, 0)
             return
         self._refill(quota.name, now)
+        self._refill_started(state, now)
         old = state.quota
         had_rpm = bool(old.max_requests_per_minute)
-        if (old.max_tokens_per_minute, old.max_requests_per_minute or 0, old.burst) != (
-            quota.max_tokens_per_minute, quota.max_requests_per_minute or 0, quota.burst
+        if (old.max_tokens_per_minute, old.max_requests_per_minute or 0, old.burst, old.request_burst) != (
+            quota.max_tokens_per_minute, quota.max_requests_per_minute or 0, quota.burst, quota.request_burst
         ):
             state.generation += 1
         state.quota = quota
-        state.tokens = min(state.tokens, quota.burst * UNITS)
-        rpm = quota.max_requests_per_minute or 0
-        state.requests = min(state.requests, rpm * UNITS) if had_rpm else rpm * UNITS
+        state.tokens = min(state.tokens, token_cap(quota))
+        state.started_tokens = min(state.started_tokens, token_cap(quota))
+        rburst = quota.request_burst
+        state.requests = min(state.requests, rburst * UNITS) if had_rpm else rburst * UNITS
         state.deficit = min(state.deficit, quota.burst)
+        state.external = min(state.external, math.floor(quota.max_tokens_per_minute * 9 / 10))
 
     def remove_quota(self, name: str) -> bool:
         self._require_state()

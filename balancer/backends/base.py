@@ -13,10 +13,19 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class Remaining:
+    """What the provider says is left of its quota (``x-ratelimit-remaining-*``; None = not sent)."""
+
+    tokens: int | None = None
+    requests: int | None = None
+
+
+@dataclass(frozen=True)
 class Completion:
     answer: str
     prompt_tokens: int
     completion_tokens: int
+    remaining: Remaining = Remaining()
 
     @property
     def total_tokens(self) -> int:
@@ -28,9 +37,10 @@ class BackendError(Exception):
 
 
 class RateLimited(BackendError):
-    def __init__(self, message: str, retry_after: float | None) -> None:
+    def __init__(self, message: str, retry_after: float | None, remaining: Remaining = Remaining()) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.remaining = remaining
 
 
 class Transient(BackendError):

@@ -4,26 +4,46 @@ process, status-code mapping, and key-free error messages."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import httpx
 
-from balancer.backends.base import Permanent, RateLimited, Transient
+from balancer.backends.base import Permanent, RateLimited, Remaining, Transient
 
 
-def parse_retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds form), None if absent or unparseable.
-
-    >>> parse_retry_after("2.5"), parse_retry_after(None), parse_retry_after("soon")
-    (2.5, None, None)
-    """
+def _number(value: str | None) -> float | None:
     if value is None:
         return None
     try:
-        seconds = float(value)
+        number = float(value)
     except ValueError:
         return None
-    return max(0.0, seconds)
+    return max(0.0, number) if math.isfinite(number) else None
+
+
+def parse_retry_after(value: str | None, value_ms: str | None = None) -> float | None:
+    """Seconds from ``retry-after-ms`` (Azure) or else ``Retry-After`` (delta-seconds
+    form); None if absent or unparseable.
+
+    >>> parse_retry_after("2.5"), parse_retry_after(None), parse_retry_after("soon")
+    (2.5, None, None)
+    >>> parse_retry_after("3", "250")
+    0.25
+    """
+    ms = _number(value_ms)
+    return ms / 1000 if ms is not None else _number(value)
+
+
+def parse_remaining(headers: httpx.Headers) -> Remaining:
+    """The provider's ``x-ratelimit-remaining-tokens`` / ``-requests``, when sent.
+
+    >>> parse_remaining(httpx.Headers({"x-ratelimit-remaining-tokens": "8000"}))
+    Remaining(tokens=8000, requests=None)
+    """
+    tokens = _number(headers.get("x-ratelimit-remaining-tokens"))
+    requests = _number(headers.get("x-ratelimit-remaining-requests"))
+    return Remaining(None if tokens is None else int(tokens), None if requests is None else int(requests))
 
 
 class HttpBackend:
@@ -38,7 +58,8 @@ class HttpBackend:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
-    def post_json(self, path: str, payload: dict[str, Any]) -> Any:
+    def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Remaining]:
+        """The reply's JSON and the provider's remaining quota from its headers."""
         try:
             response = self._client.post(path, json=payload)
         except httpx.TimeoutException as exc:
@@ -46,13 +67,14 @@ class HttpBackend:
         except httpx.TransportError as exc:
             raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}") from None
         if response.status_code == 429:
-            raise RateLimited(f"429 from {path}", parse_retry_after(response.headers.get("Retry-After")))
+            retry_after = parse_retry_after(response.headers.get("Retry-After"), response.headers.get("retry-after-ms"))
+            raise RateLimited(f"429 from {path}", retry_after, parse_remaining(response.headers))
         if response.status_code >= 500:
             raise Transient(f"{response.status_code} from {path}: {response.text[:200]}")
         if response.status_code >= 400:
             raise Permanent(f"{response.status_code} from {path}: {response.text[:200]}")
         try:
-            return response.json()
+            return response.json(), parse_remaining(response.headers)
         except json.JSONDecodeError:
             raise Transient(f"malformed JSON from {path}: {response.text[:100]!r}") from None
 

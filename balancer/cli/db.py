@@ -31,7 +31,7 @@ def embedded() -> None:
 @embedded.command("stop")
 def embedded_stop() -> None:
     """Stop the embedded servers under BALANCER_HOME."""
-    from balancer.embedded import stop_stack
+    from balancer.devtools.embedded import stop_stack
 
     stopped = stop_stack(settings().home)
     click.echo("stopped " + (", ".join(stopped) if stopped else "nothing (not running)"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from balancer.cli import services, settings
+from balancer.cli import resolved_settings, services
 from balancer.errors import BalancerError, QuotaError
 
 
@@ -31,7 +31,7 @@ def submit(file: Path, strict: bool, source: str) -> None:
     Exit 0: every line accepted. Exit 3: valid lines accepted, bad ones
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
-    from balancer.intake import parse_tasks
+    from balancer.domain.intake import parse_tasks
     from balancer.storage.tasks import insert_tasks
 
     try:
@@ -59,8 +59,8 @@ def submit(file: Path, strict: bool, source: str) -> None:
 
 
 def _celery_worker(argv: list[str], pool: str) -> None:
-    from balancer.pipeline.app import app
     import balancer.pipeline.tasks  # noqa: F401 - registers tasks and the quota watcher
+    from balancer.pipeline.app import app
 
     # A class path is accepted by the worker_pool setting, not by `-P` (a fixed choice list).
     app.conf.worker_pool = pool
@@ -107,9 +107,9 @@ def dispatcher(loglevel: str) -> None:
 @click.option("--loglevel", default="INFO", show_default=True)
 def beat(loglevel: str) -> None:
     """Celery beat: periodic dispatch, reconcile and ingest ticks."""
+    home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
     from balancer.pipeline.app import app
 
-    home = Path(settings().home)
     home.mkdir(parents=True, exist_ok=True)
     app.Beat(loglevel=loglevel, schedule=str(home / "celerybeat-schedule")).run()
 
@@ -118,29 +118,35 @@ def beat(loglevel: str) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8900, show_default=True, type=click.IntRange(1, 65535))
 @click.option("--models", "count", default=10, show_default=True, type=click.IntRange(1, 100), help="How many default models.")
-@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0001), help="Multiplies latencies and per-minute windows.")
+@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0001),
+              help="Multiplies latencies and per-minute windows.")
 @click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--accounting", type=click.Choice(["reserve", "settle"]), default="reserve", show_default=True,
+              help="How the default models count tokens: reserve (kept, strict) or settle (unused part refunded).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--grace", default=0.5, show_default=True, type=click.FloatRange(min=0), help="Seconds of refill tolerated above burst.")
+@click.option("--grace", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds of refill tolerated above the buckets (0: strict, as providers are).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), help="Append every call to this JSONL file.")
-@click.option("--scenario", type=click.Path(dir_okay=False, exists=True, path_type=Path), help="Take models and time scale from a scenario TOML.")
-def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, seed: int, grace: float,
-        log_path: Path | None, scenario: Path | None) -> None:
+@click.option("--scenario", help="Take models and time scale from a scenario (bundled name or TOML file).")
+def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, accounting: str, seed: int, grace: float,
+        log_path: Path | None, scenario: str | None) -> None:
     """Run the simulated Models Backend."""
     import dataclasses
 
     import uvicorn
 
-    from balancer.sim.config import default_models
-    from balancer.sim.server import Simulator, create_app
+    from balancer.devtools.sim.config import default_models
+    from balancer.devtools.sim.server import Simulator, create_app
 
     if scenario is not None:
-        from balancer.scenario import parse_scenario
+        from balancer.bench.scenarios import locate
+        from balancer.devtools.scenario import parse_scenario
 
-        spec = parse_scenario(scenario.read_text(), scenario.name)
+        file_name, text = locate(scenario)
+        spec = parse_scenario(text, file_name)
         models, time_scale, count = list(spec.models), spec.time_scale, len(spec.models)
     else:
-        models = [dataclasses.replace(m, error_rate=error_rate) for m in default_models(count)]
+        models = [dataclasses.replace(m, error_rate=error_rate, accounting=accounting) for m in default_models(count)]
     simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path)
     click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
     uvicorn.run(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
@@ -159,12 +165,13 @@ def status(as_json: bool) -> None:
 @click.command()
 @click.option("--tasks", "count", default=500, show_default=True, type=click.IntRange(1, 1_000_000))
 @click.option("--models", default=10, show_default=True, type=click.IntRange(1, 100))
-@click.option("--time-scale", default=0.1, show_default=True, type=click.FloatRange(min=0.001), help="Latencies and per-minute windows x this.")
+@click.option("--time-scale", default=0.1, show_default=True, type=click.FloatRange(min=0.001),
+              help="Latencies and per-minute windows x this.")
 @click.option("--seed", default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
 def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -> None:
     """The main job: solve a backlog through the simulator, live, within every quota."""
-    from balancer.demo import run_demo
+    from balancer.devtools.demo import run_demo
 
     summary = run_demo(tasks=count, model_count=models, time_scale=time_scale, seed=seed, quiet=as_json)
     if as_json:
@@ -172,24 +179,27 @@ def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -
 
 
 @click.command()
-@click.argument("scenario", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench/out"), show_default=True)
+@click.argument("scenario")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Report directory [default: ./bench-out/<scenario>-<time>].")
 @click.option("--only", type=click.Choice(["pipeline", "baseline"]), help="Run just one side.")
-def bench(scenario: Path, out: Path, only: str | None) -> None:
-    """Benchmark SCENARIO: the pipeline against today's Airflow pattern and the capacity bound."""
-    import importlib.util
+@click.option("--quota-accounting", type=click.Choice(["reserve", "settle"]),
+              help="Ablation: give every balancer quota this token_accounting, whatever the simulated provider does.")
+@click.option("--worker-layout", type=click.Choice(["one", "per-model"]),
+              help="Pipeline workers: every pool in one process (default), or one process per model.")
+def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: str | None, worker_layout: str | None) -> None:
+    """Benchmark SCENARIO (a bundled name such as `short`, or a TOML file):
+    the pipeline against today's Airflow pattern and the capacity bound."""
+    import time
 
-    import balancer
+    from balancer.bench.run import main as run_bench
+    from balancer.bench.scenarios import locate
 
-    runner = Path(balancer.__file__).resolve().parent.parent / "bench" / "run.py"
-    if not runner.exists():
-        raise BalancerError(f"balancer bench needs the source checkout (no {runner})")
-    if not scenario.exists():
-        raise BalancerError(f"no such scenario file: {scenario}")
-    spec = importlib.util.spec_from_file_location("balancer_bench_run", runner)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    module.main(scenario, out, only)
+    name, _ = locate(scenario)  # a bad name fails here, in one line, before anything starts
+    if out is None:
+        out = Path("bench-out") / f"{name.removesuffix('.toml')}-{time.strftime('%Y%m%d-%H%M%S')}"
+    click.echo(f"writing the report to {out.resolve()}", err=True)
+    run_bench(scenario, out, only, quota_accounting, worker_layout)
 
 
 COMMANDS = [submit, worker, dispatcher, beat, sim, status, demo, bench]

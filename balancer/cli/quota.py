@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from balancer.cli import services
+from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError
-from balancer.quotafile import format_quota_file, parse_quota_file
 
 POSITIVE = click.IntRange(min=1)
 
@@ -65,7 +65,7 @@ def quota_list(as_json: bool) -> None:
         return
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
     table.add_column("model", no_wrap=True)
-    for col in ("on", "weight", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit"):
+    for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit"):
         table.add_column(col, justify="right")
     for row in rows:
         lv = row["live"] or {}
@@ -73,6 +73,7 @@ def quota_list(as_json: bool) -> None:
             row["name"],
             "yes" if row["enabled"] else "no",
             str(row["weight"]),
+            row["token_accounting"],
             f"{lv.get('in_flight', '-')}/{row['max_concurrent_requests']}",
             f"{row['max_tokens_per_minute']:,}",
             f"{lv['tokens_available']:,.0f}/{row['burst_tokens']:,}" if lv else f"-/{row['burst_tokens']:,}",
@@ -90,6 +91,9 @@ def quota_list(as_json: bool) -> None:
 @click.option("--concurrency", type=POSITIVE, help="max_concurrent_requests")
 @click.option("--weight", type=POSITIVE, help="WDRR weight (share when models compete)")
 @click.option("--burst", type=POSITIVE, help="burst_tokens (token bucket capacity)")
+@click.option("--burst-requests", type=POSITIVE, help="burst_requests (request bucket capacity; RPM x window / 60 for 1 s or 10 s windows)")
+@click.option("--accounting", type=click.Choice(["reserve", "settle"]),
+              help="token_accounting: reserve (prompt + max_tokens, no refund) or settle (to actual usage)")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
@@ -100,6 +104,8 @@ def quota_set(
     concurrency: int | None,
     weight: int | None,
     burst: int | None,
+    burst_requests: int | None,
+    accounting: str | None,
     enabled: bool | None,
     create: bool,
     by: str | None,
@@ -111,12 +117,17 @@ def quota_set(
         "max_concurrent_requests": concurrency,
         "weight": weight,
         "burst_tokens": burst,
+        "burst_requests": burst_requests,
+        "token_accounting": accounting,
         "enabled": enabled,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
-        raise QuotaError("nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --enable/--disable")
-    from balancer.quota import check_model_name
+        raise QuotaError(
+            "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
+            "--accounting --enable/--disable"
+        )
+    from balancer.domain.quota import check_model_name
 
     check_model_name(model)
     svc = _migrated_services()

@@ -22,8 +22,8 @@ the tasks to pending.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Sequence
 
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import open_slots
@@ -60,8 +60,16 @@ class DispatchReport:
 Publisher = Callable[[Sequence[Assignment]], None]
 
 
-def dispatch(services: Services, publish: Publisher, *, window: int | None = None, max_rounds: int = 20) -> DispatchReport:
-    """Admit and publish until nothing more fits (or ``max_rounds``)."""
+def dispatch(
+    services: Services, publish: Publisher, *, window: int | None = None, max_rounds: int = 20,
+    models: Collection[str] | None = None,
+) -> DispatchReport:
+    """Admit and publish until nothing more fits (or ``max_rounds``).
+
+    ``models`` limits the round to tasks those models could take (the admission
+    may still place a task on any model it allows): a worker refilling the slot
+    it just freed looks only at its own model.
+    """
     core = services.core
     window = window or services.settings.dispatch_window
     report = DispatchReport()
@@ -73,6 +81,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             core.restore()
             view = core.live()
         free = open_slots(view)
+        if models is not None:
+            free = {m: n for m, n in free.items() if m in models}
         if not free:
             break
         with services.engine.begin() as conn:
@@ -87,7 +97,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             decisions = core.admit([candidate for _, candidate in batch])
             admitted: list[Assignment] = []
             failed: list[tuple[int, str]] = []
-            for task, decision in zip(pending, decisions):
+            for task, decision in zip(pending, decisions, strict=True):
                 if isinstance(decision, Admitted):
                     admitted.append(Assignment(task.id, decision.model, decision.admission_id, task.estimated_tokens))
                 elif isinstance(decision, Rejected):
@@ -145,5 +155,5 @@ def plan_batch(
                 continue
             if allowed is not None or len(usable) < len(models):
                 allowed = usable
-        batch.append((task, Candidate(task.estimated_tokens, allowed)))
+        batch.append((task, Candidate(task.estimated_tokens, allowed, task.avoid_model)))
     return batch

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from balancer.intake import parse_tasks
+from balancer.domain.intake import parse_tasks
 from balancer.services import Services
 from balancer.storage.schema import ingested_files
 from balancer.storage.tasks import insert_tasks

@@ -30,6 +30,8 @@ WATCH_INTERVAL = 1.0
 
 
 class ResizableThreadPool(TaskPool):
+    limit: int
+
     def grow(self, n: int = 1) -> None:
         self.limit += n
         self.executor._max_workers = self.limit  # ThreadPoolExecutor adds threads on demand

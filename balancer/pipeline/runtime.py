@@ -16,7 +16,9 @@ def services() -> Services:
     global _services
     with _lock:
         if _services is None:
-            _services = Services.connect(Settings.from_env(), check=False)
+            # No pre-ping: a dead pooled connection fails the statement, and every
+            # write on the solve path is retried (solver.with_db_retry).
+            _services = Services.connect(Settings.from_env(), check=False, pre_ping=False)
         return _services
 
 

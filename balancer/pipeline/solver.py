@@ -7,20 +7,27 @@ stale / duplicate     message for a task already solved, failed or re-dispatched
                       under another admission: release this admission, no call
 no room               the lease expired and its slot is taken (redelivery after
                       a crash), or the model was disabled: back to pending, no call
-solved                answer, usage and ``solved`` in one guarded UPDATE; then
-                      reconcile actual tokens, release the slot
-rate_limited (429)    the model's bucket is debited for Retry-After seconds of
-                      TPM, so *every* dispatcher pauses that model; the task goes
-                      back to pending at once and may be sent to another model
+solved                as soon as the backend answers: settle the tokens as the
+                      model's accounting says, lower the buckets to the
+                      provider's remaining-quota headers and release the slot
+                      (one round trip); then answer, usage and ``solved`` in
+                      one guarded UPDATE
+rate_limited (429)    the model is paused for Retry-After, once per window
+                      (atomically in Lua), so *every* dispatcher holds it,
+                      whichever limit caused the 429; the task goes back to
+                      pending at once, the call is not counted as an attempt,
+                      and the task is ``failed`` after ``MAX_RATE_LIMITED`` 429s
 transient             5xx, timeout, refused connection, malformed reply: back to
-                      pending with exponential back-off; ``failed`` after
+                      pending with exponential back-off, preferring another
+                      allowed model for the retry; ``failed`` after
                       ``max_attempts`` calls
 permanent             4xx: ``failed`` with the error
 ====================  ==========================================================
 
-The slot is released in every case (``finally``), so nothing leaks even on an
-unexpected exception. The answer write is retried while PostgreSQL is down:
-a worker that has an answer never calls the backend again for it.
+The slot is released as soon as the call ends, before any database write, and
+in every case (``finally``), so nothing leaks even on an unexpected exception.
+The answer write is retried while PostgreSQL is down: a worker that has an
+answer never calls the backend again for it.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from balancer.admission import Admitted
+from balancer.admission import Admitted, Settlement
 from balancer.backends import Backend, Permanent, RateLimited, Transient
 from balancer.services import Services
 from balancer.storage import tasks as store
@@ -82,12 +90,21 @@ def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, s
 def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
     """Process one ``solve`` message; returns the outcome name (for logs and tests)."""
     core, engine, settings = services.core, services.engine, services.settings
-    actual_tokens: int | None = None  # reconciled against the estimate when known
+    finished = False
+
+    def finish(settlement: Settlement | None = None) -> None:
+        """Free the slot (settling what the call tells) once, in one round trip."""
+        nonlocal finished
+        if not finished:
+            finished = True
+            core.finish(msg.admission_id, settlement)
+
     try:
         ctx = with_db_retry(lambda: store.start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds))
         if ctx is None:
             return "stale"
-        if not isinstance(core.renew(msg.admission_id, msg.model, msg.estimated_tokens), Admitted):
+        renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+        if not isinstance(renewed, Admitted):
             with_db_retry(
                 lambda: store.back_to_pending(
                     engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
@@ -95,23 +112,29 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
             )
             return "no_room"
         attempt = ctx.attempts
+        if renewed.start_delay_ms > 0:  # the RPM start gate: the provider paces call starts
+            time.sleep(renewed.start_delay_ms / 1000)
         try:
             completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
         except RateLimited as exc:
             retry_after = exc.retry_after if exc.retry_after is not None else 1.0
-            tpm = core.live().get(msg.model)
-            penalty = math.ceil(retry_after * tpm.quota.max_tokens_per_minute / 60) if tpm else 0
-            actual_tokens = msg.estimated_tokens + penalty
+            core.penalize(msg.model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
+            finish()
             error = str(exc)
             if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
                 reason = f"rate limited {MAX_RATE_LIMITED} times: {error}"
-                with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason))
+                with_db_retry(
+                    lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason, uncount_attempt=True)
+                )
                 return "failed"
-            with_db_retry(
-                lambda: store.back_to_pending(engine, msg.task_id, msg.admission_id, error=error, rate_limited=True)
+            with_db_retry(  # a 429 is the quota's doing, not the task's: it does not use up an attempt
+                lambda: store.back_to_pending(
+                    engine, msg.task_id, msg.admission_id, error=error, rate_limited=True, uncount_attempt=True
+                )
             )
             return "rate_limited"
         except Transient as exc:
+            finish()
             error = str(exc)
             if attempt >= settings.max_attempts:
                 reason = f"after {attempt} attempts: {error}"
@@ -119,23 +142,31 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
                 return "failed"
             with_db_retry(
                 lambda: store.back_to_pending(
-                    engine, msg.task_id, msg.admission_id, error=error, delay_seconds=backoff_seconds(attempt)
+                    engine, msg.task_id, msg.admission_id, error=error, delay_seconds=backoff_seconds(attempt),
+                    avoid_model=msg.model,
                 )
             )
             return "retry"
         except Permanent as exc:
+            finish()
             error = str(exc)
             with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
             return "failed"
+        # The provider's slot is free the moment it answered, so ours is freed now,
+        # before the write: the write needs no slot, and keeps its retry and its
+        # exactly-once guard. The next call can be on the wire while this one is stored.
+        finish(Settlement(
+            used_tokens=completion.total_tokens,
+            reserved_tokens=completion.prompt_tokens + ctx.max_tokens,
+            remaining_tokens=completion.remaining.tokens,
+            remaining_requests=completion.remaining.requests,
+        ))
         written = with_db_retry(
             lambda: store.mark_solved(
                 engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens, completion.completion_tokens
             )
         )
-        if not written:
-            return "duplicate"
-        actual_tokens = completion.total_tokens
-        return "solved"
+        return "solved" if written else "duplicate"
     finally:
-        core.finish(msg.admission_id, actual_tokens)
+        finish()  # every path frees the slot, even an unexpected exception
 

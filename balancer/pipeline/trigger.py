@@ -13,23 +13,20 @@ visibility timeout.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import redis
 
+from balancer.admission import keys
+
 FLAG_TTL_MS = 2_000
-
-
-def flag_keys(namespace: str) -> tuple[str, str]:
-    tag = "{" + namespace + "}"
-    return f"{tag}:dispatch:requested", f"{tag}:dispatch:timer"
 
 
 def request_dispatch(
     client: redis.Redis, namespace: str, send: Callable[[float], None], *, delay_ms: int = 0, max_delay_ms: int = 1_000
 ) -> bool:
     """Send a dispatch request unless one is already on its way. Returns True if sent."""
-    now_key, timer_key = flag_keys(namespace)
+    now_key, timer_key = keys.dispatch_flags(namespace)
     if delay_ms <= 0:
         if client.set(now_key, "1", nx=True, px=FLAG_TTL_MS):
             send(0.0)
@@ -43,4 +40,4 @@ def request_dispatch(
 
 
 def clear_requests(client: redis.Redis, namespace: str) -> None:
-    client.delete(flag_keys(namespace)[0])
+    client.delete(keys.dispatch_flags(namespace)[0])

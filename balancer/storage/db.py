@@ -16,7 +16,7 @@ def make_engine(url: str, **kwargs: object) -> Engine:
     try:
         # Worker processes run many threads; each holds a connection only briefly.
         options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, **kwargs}
-        return sa.create_engine(url, **options)  # type: ignore[arg-type]
+        return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
         raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {exc}") from None
 
@@ -24,11 +24,17 @@ def make_engine(url: str, **kwargs: object) -> Engine:
 _ENGINES: dict[str, Engine] = {}
 
 
-def cached_engine(url: str) -> Engine:
-    """One engine (one connection pool) per URL per process."""
-    if url not in _ENGINES:
-        _ENGINES[url] = make_engine(url)
-    return _ENGINES[url]
+def cached_engine(url: str, *, pre_ping: bool = True) -> Engine:
+    """One engine (one connection pool) per URL per process.
+
+    ``pre_ping=False`` saves a round trip per checkout; for callers that retry
+    a write when a pooled connection turns out dead (the solver), not for the
+    one-shot CLI commands.
+    """
+    key = f"{url}#ping={pre_ping}"
+    if key not in _ENGINES:
+        _ENGINES[key] = make_engine(url, pool_pre_ping=pre_ping)
+    return _ENGINES[key]
 
 
 def dispose_engines() -> None:

@@ -9,14 +9,15 @@ back: nothing half-written.
 from __future__ import annotations
 
 import getpass
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
-from balancer.quota import Quota
 from balancer.storage.schema import quota_changes, quotas
 
 
@@ -44,6 +45,8 @@ def _row_to_quota(row: Any) -> Quota:
         max_requests_per_minute=row.max_requests_per_minute,
         burst_tokens=row.burst_tokens,
         enabled=row.enabled,
+        token_accounting=row.token_accounting,
+        burst_requests=row.burst_requests,
     )
 
 
@@ -81,7 +84,8 @@ class QuotaStore:
     # -- writes ----------------------------------------------------------------
     def _write(self, conn: Connection, old: Quota | None, new: Quota | None, by: str) -> None:
         if new is None:
-            assert old is not None
+            if old is None:
+                return  # nothing to remove, nothing to audit
             conn.execute(sa.delete(quotas).where(quotas.c.name == old.name))
             action = "remove"
         else:

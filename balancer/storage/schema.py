@@ -32,6 +32,8 @@ quotas = Table(
     Column("max_requests_per_minute", Integer, nullable=True),
     Column("burst_tokens", Integer, nullable=True),
     Column("enabled", Boolean, nullable=False, server_default="true"),
+    Column("token_accounting", Text, nullable=False, server_default="reserve"),
+    Column("burst_requests", Integer, nullable=True),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
@@ -66,6 +68,7 @@ tasks = Table(
     Column("error", Text, nullable=True),
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("rate_limited", Integer, nullable=False, server_default="0"),
+    Column("avoid_model", Text, nullable=True),  # the model whose transient failure sent it back
     Column("not_before", DateTime(timezone=True), nullable=True),
     Column("deadline", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),

@@ -13,15 +13,15 @@ newer dispatch did, and a solved task is never written twice.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Mapping, Sequence
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.admission import LeaseSeed
-from balancer.intake import TaskRow
+from balancer.domain.intake import TaskRow
 from balancer.storage.schema import tasks
 
 
@@ -30,6 +30,7 @@ class PendingTask:
     id: int
     estimated_tokens: int
     allowed_models: tuple[str, ...] | None
+    avoid_model: str | None = None  # its last call failed there: retry elsewhere if another model has room
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> li
     elsewhere (no head-of-line blocking).
     """
     rows = conn.execute(
-        sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models)
+        sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model)
         .where(tasks.c.status == "pending")
         .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
         .where(
@@ -152,7 +153,8 @@ def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> li
         .with_for_update(skip_locked=True)
     ).all()
     return [
-        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None) for r in rows
+        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
+        for r in rows
     ]
 
 
@@ -160,7 +162,7 @@ def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], l
     """(task id, model, admission id) for each admitted task."""
     if not assignments:
         return
-    ids, models, admissions = zip(*assignments)
+    ids, models, admissions = zip(*assignments, strict=True)
     conn.execute(
         sa.text(
             """
@@ -257,8 +259,10 @@ def back_to_pending(
     delay_seconds: float = 0.0,
     rate_limited: bool = False,
     uncount_attempt: bool = False,
+    avoid_model: str | None = None,
 ) -> bool:
-    """Hand the task back to the dispatcher, which may choose another model."""
+    """Hand the task back to the dispatcher, which may choose another model
+    (and passes over ``avoid_model`` when another allowed model has room)."""
     values: dict = {
         "status": "pending",
         "model": None,
@@ -266,6 +270,7 @@ def back_to_pending(
         "deadline": None,
         "error": error,
         "not_before": sa.func.now() + timedelta(seconds=delay_seconds) if delay_seconds > 0 else None,
+        "avoid_model": avoid_model,
     }
     if rate_limited:
         values["rate_limited"] = tasks.c.rate_limited + 1
@@ -274,8 +279,12 @@ def back_to_pending(
     return _guarded_update(engine, task_id, admission_id, **values)
 
 
-def mark_failed(engine: Engine, task_id: int, admission_id: str, error: str) -> bool:
-    return _guarded_update(engine, task_id, admission_id, status="failed", error=error, deadline=None)
+def mark_failed(engine: Engine, task_id: int, admission_id: str, error: str, *, uncount_attempt: bool = False) -> bool:
+    """``failed`` for good; ``uncount_attempt`` when the last call does not count (a 429)."""
+    values: dict = {"status": "failed", "error": error, "deadline": None}
+    if uncount_attempt:
+        values["attempts"] = tasks.c.attempts - 1
+    return _guarded_update(engine, task_id, admission_id, **values)
 
 
 def return_expired(engine: Engine) -> int:

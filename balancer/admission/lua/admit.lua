@@ -3,8 +3,10 @@
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] lease length in ms
 -- ARGV[3] base quantum in tokens (a model's quantum is weight * base quantum)
--- ARGV[4] number of candidates N, then N pairs:
---         estimated tokens, allowed models ('' = any, else comma-separated names)
+-- ARGV[4] number of candidates N, then N triples:
+--         estimated tokens, allowed models ('' = any, else comma-separated names),
+--         model to avoid ('' = none: else a model whose call for it just failed;
+--         it is passed over when another model is eligible)
 -- Returns {'NOSTATE'} if the live state is missing, else 3 strings per candidate:
 --   'A', model, admission id        admitted
 --   'W', retry_at_ms or '', now_ms  not now ('' = no known time: models disabled)
@@ -29,7 +31,7 @@ local epoch, seq, rr = meta[1], tonumber(meta[2]), meta[3] or ''
 local held = {}
 local out = {}
 for c = 0, n - 1 do
-  local est, spec = tonumber(ARGV[5 + 2 * c]), ARGV[6 + 2 * c]
+  local est, spec, avoid = tonumber(ARGV[5 + 3 * c]), ARGV[6 + 3 * c], ARGV[7 + 3 * c]
   local allowed = nil
   if spec ~= '' then
     allowed = {}
@@ -50,11 +52,20 @@ for c = 0, n - 1 do
     for _, m in ipairs(pool) do
       if m.enabled == 1 and est <= m.burst then
         fits[#fits + 1] = m
-        if not held[m.name] and has_capacity(m, est) then
+        if not held[m.name] and has_capacity(m, est, now) then
           eligible[#eligible + 1] = m
           is_eligible[m.name] = true
         end
       end
+    end
+    -- Retry placement: after a transient failure on a model, another eligible model goes first.
+    if avoid ~= '' and is_eligible[avoid] and #eligible > 1 then
+      local others = {}
+      for _, m in ipairs(eligible) do
+        if m.name ~= avoid then others[#others + 1] = m end
+      end
+      eligible = others
+      is_eligible[avoid] = nil
     end
     if #fits == 0 then
       out[#out + 1] = 'W'; out[#out + 1] = ''; out[#out + 1] = fmt(now)
@@ -63,7 +74,7 @@ for c = 0, n - 1 do
       for _, m in ipairs(fits) do
         local at = now + wait_ms(m, est, now)
         if earliest == nil or at < earliest then earliest = at end
-        if not held[m.name] and m.tokens < est * UNITS and (starved_at == nil or at < starved_at) then
+        if not held[m.name] and m.tokens < tokens_needed(m, est) and (starved_at == nil or at < starved_at) then
           starved, starved_at = m.name, at
         end
       end

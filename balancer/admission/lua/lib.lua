@@ -1,13 +1,24 @@
 -- lib.lua: helpers shared by every admission script. The loader prepends this
 -- file to each script body (Redis Lua has no `require`), so KEYS below are the
--- calling script's KEYS.
+-- calling script's KEYS. Before it, the loader puts the key infixes
+-- (META_SUFFIX, MODEL_INFIX, INFLIGHT_INFIX) from balancer/admission/keys.py,
+-- the one module that names keys.
 --
 -- KEYS[1]  <tag>:meta     hash   loaded, epoch, seq, rr (last model chosen)
 -- KEYS[2]  <tag>:models   zset   model names, all score 0 (lexicographic order)
 -- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started, r=reconciled,
 --                                 g=the model's quota generation at admission}
--- Derived from the same hash tag, so every key lands in one Cluster slot:
+-- Derived inside the scripts, not passed in KEYS: admit.lua visits every model
+-- and finish learns the model from the lease, so the caller cannot
+-- name these keys in advance. They share the hash tag of KEYS[1], so every key
+-- a script touches lands in one Cluster slot:
 --   <tag>:model:<name>     hash   weight cap tpm rpm burst enabled tokens requests refilled_at deficit gen
+--                                 settle (1: settle to actual usage, 0: reserve) rburst (request bucket
+--                                 capacity) paused (ms until which a 429 holds the model)
+--                                 tat (start gate: theoretical arrival time of the next call start, ms)
+--                                 ext (tokens per minute others use of this quota, learned from headers)
+--                                 synced_at (ms of the last x-ratelimit-remaining-tokens sync)
+--                                 ptokens prefilled_at (the token bucket as call starts see it: the token gate)
 --   <tag>:inflight:<name>  zset   admission id -> lease deadline (ms)
 --
 -- Units: time in integer ms; buckets in units of 1/60000 token (or request),
@@ -17,11 +28,11 @@
 
 local UNITS = 60000
 local META, MODELS, LEASES = KEYS[1], KEYS[2], KEYS[3]
-local PREFIX = string.sub(KEYS[1], 1, -6) -- strip ':meta'
+local PREFIX = string.sub(KEYS[1], 1, -(#META_SUFFIX + 1)) -- the hash tag
 
 local function fmt(n) return string.format('%d', n) end
-local function model_key(name) return PREFIX .. ':model:' .. name end
-local function inflight_key(name) return PREFIX .. ':inflight:' .. name end
+local function model_key(name) return PREFIX .. MODEL_INFIX .. name end
+local function inflight_key(name) return PREFIX .. INFLIGHT_INFIX .. name end
 
 -- The clock is Redis TIME unless a test injects one.
 local function clock(arg)
@@ -33,14 +44,24 @@ end
 local function loaded() return redis.call('HGET', META, 'loaded') == '1' end
 
 local FIELDS = {'weight', 'cap', 'tpm', 'rpm', 'burst', 'enabled',
-                'tokens', 'requests', 'refilled_at', 'deficit', 'gen'}
+                'tokens', 'requests', 'refilled_at', 'deficit', 'gen', 'settle', 'rburst', 'paused', 'tat',
+                'ext', 'synced_at', 'ptokens', 'prefilled_at'}
 
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
   if not raw[1] then return nil end
   local m = {name = name}
   for i, f in ipairs(FIELDS) do m[f] = tonumber(raw[i]) end
+  -- State written before these fields existed reads as: reserve, one minute of RPM, no pause.
   m.gen = m.gen or 0
+  m.settle = m.settle or 0
+  m.rburst = m.rburst or m.rpm
+  m.paused = m.paused or 0
+  m.tat = m.tat or 0
+  m.ext = m.ext or 0
+  m.synced_at = m.synced_at or 0
+  m.ptokens = m.ptokens or m.tokens
+  m.prefilled_at = m.prefilled_at or m.refilled_at
   return m
 end
 
@@ -49,14 +70,26 @@ local function save_model(m)
     'weight', fmt(m.weight), 'cap', fmt(m.cap), 'tpm', fmt(m.tpm), 'rpm', fmt(m.rpm),
     'burst', fmt(m.burst), 'enabled', fmt(m.enabled), 'tokens', fmt(m.tokens),
     'requests', fmt(m.requests), 'refilled_at', fmt(m.refilled_at), 'deficit', fmt(m.deficit),
-    'gen', fmt(m.gen))
+    'gen', fmt(m.gen), 'settle', fmt(m.settle), 'rburst', fmt(m.rburst), 'paused', fmt(m.paused),
+    'tat', fmt(m.tat), 'ext', fmt(m.ext), 'synced_at', fmt(m.synced_at),
+    'ptokens', fmt(m.ptokens), 'prefilled_at', fmt(m.prefilled_at))
 end
+
+-- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
+-- admission charged our bucket. While the provider's bucket sits full it
+-- wastes refill that ours, charged earlier, keeps, so a bucket as large as the
+-- provider's runs ahead of it by up to TRANSIT_MS of refill. Ours is capped
+-- that much lower (never by more than half the burst); a task larger than the
+-- cap needs a full bucket.
+local TRANSIT_MS = 250
+local function token_cap(m) return m.burst * UNITS - math.min(m.tpm * TRANSIT_MS, math.floor(m.burst * UNITS / 2)) end
+local function tokens_needed(m, est) return math.min(est * UNITS, token_cap(m)) end
 
 local function refill(m, now)
   local dt = now - m.refilled_at
   if dt < 0 then dt = 0 end
-  m.tokens = math.min(m.burst * UNITS, m.tokens + dt * m.tpm)
-  if m.rpm > 0 then m.requests = math.min(m.rpm * UNITS, m.requests + dt * m.rpm) end
+  m.tokens = math.min(token_cap(m), m.tokens + dt * (m.tpm - m.ext))
+  if m.rpm > 0 then m.requests = math.min(m.rburst * UNITS, m.requests + dt * m.rpm) end
   if now > m.refilled_at then m.refilled_at = now end
 end
 
@@ -69,8 +102,8 @@ local function same_generation(m, lease) return (lease.g or 0) == m.gen end
 local function refund(m, lease)
   if not same_generation(m, lease) then return end
   local est = lease.e
-  m.tokens = math.min(m.burst * UNITS, m.tokens + est * UNITS)
-  if m.rpm > 0 then m.requests = math.min(m.rpm * UNITS, m.requests + UNITS) end
+  m.tokens = math.min(token_cap(m), m.tokens + est * UNITS)
+  if m.rpm > 0 then m.requests = math.min(m.rburst * UNITS, m.requests + UNITS) end
 end
 
 -- Drop expired leases. One never started (no worker renewed it) made no call,
@@ -89,16 +122,19 @@ local function purge(m, now)
   if #expired > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now)) end
 end
 
-local function has_capacity(m, est)
-  return redis.call('ZCARD', inflight_key(m.name)) < m.cap
-     and m.tokens >= est * UNITS
+-- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
+local function has_capacity(m, est, now)
+  return m.paused <= now
+     and redis.call('ZCARD', inflight_key(m.name)) < m.cap
+     and m.tokens >= tokens_needed(m, est)
      and (m.rpm == 0 or m.requests >= UNITS)
 end
 
--- ms until m has a slot, the tokens and a request for est.
+-- ms until m has a slot, the tokens and a request for est, and no pause.
 local function wait_ms(m, est, now)
-  local w = 0
-  if m.tokens < est * UNITS then w = math.ceil((est * UNITS - m.tokens) / m.tpm) end
+  local w = math.max(0, m.paused - now)
+  local need = tokens_needed(m, est)
+  if m.tokens < need then w = math.max(w, math.ceil((need - m.tokens) / (m.tpm - m.ext))) end
   if m.rpm > 0 and m.requests < UNITS then
     w = math.max(w, math.ceil((UNITS - m.requests) / m.rpm))
   end
@@ -114,6 +150,78 @@ end
 local function charge(m, est)
   m.tokens = m.tokens - est * UNITS
   if m.rpm > 0 then m.requests = m.requests - UNITS end
+end
+
+-- The start gate (GCRA): calls *start* at most RPM per minute with at most
+-- rburst at once, timed at renew, just before the HTTP call. Admission already
+-- paces the request bucket, but the hops between admission and the call
+-- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
+-- those bunches. Returns ms the caller must wait before calling (0 = now).
+-- The token gate: a second token bucket, charged when a call *starts* (renew),
+-- as the provider charges it on arrival. Admission charges the first bucket
+-- early; calls that then wait in the broker or a busy worker start in bunches
+-- that the provider would refuse. This one refills, settles and syncs like the
+-- first, and delays a start until the provider has the tokens for it.
+local function refill_started(m, now)
+  local dt = now - m.prefilled_at
+  if dt < 0 then dt = 0 end
+  m.ptokens = math.min(token_cap(m), m.ptokens + dt * (m.tpm - m.ext))
+  if now > m.prefilled_at then m.prefilled_at = now end
+end
+
+local function token_gate(m, est, now)
+  refill_started(m, now)
+  local need = tokens_needed(m, est)
+  local wait = 0
+  if m.ptokens < need then wait = math.ceil((need - m.ptokens) / (m.tpm - m.ext)) end
+  m.ptokens = m.ptokens - est * UNITS
+  return wait
+end
+
+local function start_gate(m, now)
+  if m.rpm <= 0 then return 0 end
+  local interval = math.ceil(60000 / m.rpm)
+  -- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
+  local tolerance = math.max(0, (m.rburst - 1) * interval - math.min(math.ceil(interval / 2), 20))
+  local start = math.max(now, m.tat - tolerance)
+  m.tat = math.max(m.tat, start) + interval
+  return start - now
+end
+
+-- Both gates for a call about to start: ms to wait before calling. A first start
+-- passes the token gate; a restart (redelivery) was charged there already.
+local function start_delay(m, est, first_start, now)
+  local wait = 0
+  if first_start then wait = token_gate(m, est, now) end
+  return wait + start_gate(m, now + wait)
+end
+
+-- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent); never raise them.
+-- The token gap between two syncs is what others used of the quota meanwhile:
+-- its rate moves `ext`, and the bucket refills at tpm - ext (never below a
+-- tenth of tpm), so a steady outside user is expected, not met as a 429 after
+-- every sync. Biased to the safe side: an outside user shows as a positive gap
+-- and moves ext up by 1/4 of it; calls we charged that have not reached the
+-- provider yet show as a negative gap, so down moves take only 1/32.
+-- m must be refilled to now first.
+local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
+  if remaining_tokens ~= '' then
+    local remaining = tonumber(remaining_tokens) * UNITS
+    if m.synced_at > 0 and now > m.synced_at then
+      local gap = m.tokens - remaining
+      local gain = 4
+      if gap < 0 then gain = 32 end
+      local error_rate = math.floor(gap / (gain * (now - m.synced_at)))
+      m.ext = math.max(0, math.min(math.floor(m.tpm * 9 / 10), m.ext + error_rate))
+    end
+    m.synced_at = now
+    m.tokens = math.min(m.tokens, remaining)
+    refill_started(m, now)
+    m.ptokens = math.min(m.ptokens, remaining)
+  end
+  if remaining_requests ~= '' and m.rpm > 0 then
+    m.requests = math.min(m.requests, tonumber(remaining_requests) * UNITS)
+  end
 end
 
 local function put_lease(lid, m, est, deadline, started)

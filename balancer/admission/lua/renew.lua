@@ -10,7 +10,8 @@
 -- and the answer is 'W' with no time: the call must not start. A live lease is
 -- extended and marked started. An expired one is re-acquired on the same model
 -- (slot, tokens, request, outside WDRR) if there is room, else 'W': the caller
--- must not call the backend.
+-- must not call the backend. An 'A' answer carries a fourth value: ms to wait
+-- before calling, from the start gate (see start_gate in lib.lua).
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
@@ -32,22 +33,23 @@ end
 if raw then
   local lease = cjson.decode(raw)
   redis.call('ZADD', inflight_key(lease.m), fmt(now + lease_ms), lid)
+  local delay = start_delay(m, lease.e, lease.s == 0, now)
   lease.s = 1
   redis.call('HSET', LEASES, lid, cjson.encode(lease))
   save_model(m)
-  return {'A', lease.m, lid}
+  return {'A', lease.m, lid, fmt(delay)}
 end
 local result
 if est > m.burst then
   result = {'R', 'toolarge', fmt(m.burst)}
 elseif m.enabled ~= 1 then
   result = {'W', '', fmt(now)}
-elseif not has_capacity(m, est) then
+elseif not has_capacity(m, est, now) then
   result = {'W', fmt(now + wait_ms(m, est, now)), fmt(now)}
 else
   charge(m, est)
   put_lease(lid, m, est, now + lease_ms, 1)
-  result = {'A', model, lid}
+  result = {'A', model, lid, fmt(start_delay(m, est, true, now))}
 end
 save_model(m)
 return result

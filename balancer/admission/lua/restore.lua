@@ -1,8 +1,9 @@
 -- restore.lua: rebuild the live state after Redis lost it, from PostgreSQL's copy.
 -- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
--- ARGV[2] number of quotas Q, then Q groups of 7:
---         name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0)
+-- ARGV[2] number of quotas Q, then Q groups of 9:
+--         name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0),
+--         settle (1/0), request burst
 -- then the number of in-flight leases L, then L groups of 4:
 --         admission id, model, estimated tokens, deadline ms
 -- Returns 1 if it restored, 0 if the state was already there (another process won).
@@ -21,10 +22,12 @@ local i = 3
 for _ = 1, q do
   local m = {name = ARGV[i], weight = tonumber(ARGV[i + 1]), cap = tonumber(ARGV[i + 2]),
              tpm = tonumber(ARGV[i + 3]), rpm = tonumber(ARGV[i + 4]), burst = tonumber(ARGV[i + 5]),
-             enabled = tonumber(ARGV[i + 6]), tokens = 0, requests = 0, refilled_at = now, deficit = 0, gen = 0}
+             enabled = tonumber(ARGV[i + 6]), settle = tonumber(ARGV[i + 7]), rburst = tonumber(ARGV[i + 8]),
+             tokens = 0, requests = 0, refilled_at = now, deficit = 0, gen = 0, paused = 0, tat = 0,
+             ext = 0, synced_at = 0, ptokens = 0, prefilled_at = now}
   save_model(m)
   redis.call('ZADD', MODELS, 0, m.name)
-  i = i + 7
+  i = i + 9
 end
 local l = tonumber(ARGV[i])
 i = i + 1

@@ -15,10 +15,10 @@ so a running minimum of ``P_{i−1} − r·t_i`` finds the worst interval.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
-from balancer.quota import Quota
+from balancer.domain.quota import Quota
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,12 @@ class Call:
     start: float  # seconds
     end: float
     model: str
-    tokens: int  # prompt + completion actually used
+    tokens: int  # what the provider counted against TPM: the reservation, or the usage if it settles
+
+
+def calls_from_log(entries: Iterable[Mapping]) -> list[Call]:
+    """The calls the provider accepted (429s excluded), from the simulator's log."""
+    return [Call(e["start"], e["end"], e["model"], e.get("counted", 0)) for e in entries if e["status"] != 429]
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,14 @@ class Limits:
     rpm: float | None
     burst: float
     grace: float = 0.0
+    request_burst: float | None = None  # None: one minute of RPM
 
 
 def limits_for(quotas: Iterable[Quota], grace: float = 0.0) -> dict[str, Limits]:
     """The audit's limits for these quotas, by model name."""
     return {
-        q.name: Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, grace)
+        q.name: Limits(q.max_concurrent_requests, q.max_tokens_per_minute, q.max_requests_per_minute, q.burst, grace,
+                       q.request_burst or None)
         for q in quotas
     }
 
@@ -124,7 +131,7 @@ def audit(calls: Iterable[Call], limits: Mapping[str, Limits]) -> list[Violation
         if lim.rpm:
             rrate = lim.rpm / 60
             excess, at = worst_interval([(t, 1.0) for t, _ in starts], rrate)
-            allowed = lim.rpm + rrate * lim.grace
+            allowed = (lim.request_burst or lim.rpm) + rrate * lim.grace
             if excess > allowed + 1e-6:
                 violations.append(Violation(model, "requests", at, excess, allowed))
     return violations

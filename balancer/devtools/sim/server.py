@@ -5,6 +5,12 @@
 * ``GET /models``; ``GET /log`` (every accepted and rejected call)
 * ``POST /admin/limits`` (change a model's provider limits), ``POST /admin/faults``
 
+As strict as the providers it stands in for, by default: tokens reserved
+(prompt + max_tokens) on arrival and kept, no grace above the buckets, RPM
+paced over each model's window, 429 with ``Retry-After`` and ``retry-after-ms``,
+and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply. Models
+with a ``foreign_share`` lose that share of their quota to another client.
+
 ``/batch`` without a model spreads prompts round-robin over all models,
 unaware of quotas, as the users' backend does; it answers only after every
 prompt has finished.
@@ -13,12 +19,15 @@ prompt has finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
+import math
 import random
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +35,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from balancer.sim.config import SimModel
-from balancer.sim.limiter import ModelLimiter
-from balancer.tokens import heuristic_prompt_tokens
+from balancer.devtools.sim.config import SimModel
+from balancer.devtools.sim.limiter import ModelLimiter
+from balancer.domain.tokens import heuristic_prompt_tokens
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -54,7 +63,7 @@ class Simulator:
         *,
         time_scale: float = 1.0,
         seed: int = 0,
-        grace: float = 0.5,
+        grace: float = 0.0,
         log_path: Path | None = None,
     ) -> None:
         self.models = {m.name: m for m in models}
@@ -70,6 +79,8 @@ class Simulator:
                 burst=m.burst,
                 grace=grace,
                 now=now,
+                request_burst=m.request_burst,
+                settle=m.accounting == "settle",
             )
             for m in models
         }
@@ -79,6 +90,33 @@ class Simulator:
         self._lock = threading.Lock()
         self._round_robin = itertools.cycle(sorted(self.models))
         self.faults = Faults()
+        self.foreign_taken: dict[str, float] = {name: 0.0 for name, m in self.models.items() if m.foreign_share > 0}
+
+    async def run_foreign_traffic(self, tick: float = 0.05) -> None:
+        """Another client on the same quota: every ``tick`` seconds it takes its share
+        of each model's refill (tokens and requests), as far as the buckets allow."""
+        while self.foreign_taken:
+            await asyncio.sleep(tick)
+            now = time.time()
+            with self._lock:
+                for name in self.foreign_taken:
+                    limiter, share = self.limiters[name], self.models[name].foreign_share
+                    requests = share * (limiter.rpm or 0) / 60 * tick
+                    took, _ = limiter.take_foreign(now, share * limiter.tpm / 60 * tick, requests)
+                    self.foreign_taken[name] += took
+
+    def rate_limit_headers(self, model: str, now: float) -> dict[str, str]:
+        """OpenAI-style ``x-ratelimit-*`` headers, if this model sends them."""
+        if not self.models[model].headers:
+            return {}
+        limiter = self.limiters[model]
+        with self._lock:
+            tokens, requests = limiter.remaining(now)
+        headers = {"x-ratelimit-limit-tokens": str(int(limiter.tpm)), "x-ratelimit-remaining-tokens": str(tokens)}
+        if requests is not None:
+            headers["x-ratelimit-limit-requests"] = str(int(limiter.rpm or 0))
+            headers["x-ratelimit-remaining-requests"] = str(requests)
+        return headers
 
     def record(self, entry: dict[str, Any]) -> None:
         with self._lock:
@@ -125,10 +163,12 @@ class Simulator:
             accepted, retry_after = limiter.try_start(start, charge)
         if not accepted:
             self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint,
-                         "prompt_tokens": prompt_tokens, "charge": charge})
-            return 429, {"error": "rate limited"}, {"Retry-After": f"{retry_after:.3f}"}
+                         "prompt_tokens": prompt_tokens, "charge": charge, "counted": 0, "limit": limiter.refused_by,
+                         "available_tokens": round(limiter.tokens, 1), "in_flight": limiter.in_flight})
+            headers = {"Retry-After": f"{retry_after:.3f}", "retry-after-ms": str(math.ceil(retry_after * 1000))}
+            return 429, {"error": "rate limited"}, {**headers, **self.rate_limit_headers(model, start)}
         drawn_latency, completion_tokens = self.draw(model, prompt, max_tokens)
-        status, body = 200, {}
+        status, body = 200, dict[str, Any]()
         try:
             hang = self.faults.get(self.faults.hang, model)
             latency = hang if hang is not None else drawn_latency
@@ -149,10 +189,12 @@ class Simulator:
             used = prompt_tokens + (completion_tokens if status == 200 else 0)
             with self._lock:
                 limiter.finish(end, charge - used)
+            # What the provider counted against TPM: the reservation, or the usage if it settles.
+            counted = used if spec.accounting == "settle" else charge
             self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,
                          "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status == 200 else 0,
-                         "charge": charge})
-        return status, body, {}
+                         "charge": charge, "counted": counted})
+        return status, body, self.rate_limit_headers(model, end)
 
     def next_model(self) -> str:
         with self._lock:
@@ -160,15 +202,21 @@ class Simulator:
 
 
 def create_app(sim: Simulator) -> FastAPI:
-    app = FastAPI(title="balancer simulated Models Backend")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        foreign = asyncio.create_task(sim.run_foreign_traffic())
+        yield
+        foreign.cancel()
+
+    app = FastAPI(title="balancer simulated Models Backend", lifespan=lifespan)
 
     def reply(status: int, body: dict[str, Any], headers: dict[str, str], model: str) -> Response:
         if status == 200 and sim.faults.get(sim.faults.malformed, model):
-            return Response(content=b'{"answer": "trunc', status_code=200, media_type="application/json")
+            return Response(content=b'{"answer": "trunc', status_code=200, media_type="application/json", headers=headers)
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.post("/single")
-    async def single(payload: dict[str, Any]) -> JSONResponse:
+    async def single(payload: dict[str, Any]) -> Response:
         model, prompt = payload.get("model"), payload.get("prompt")
         if not isinstance(model, str) or not isinstance(prompt, str):
             return JSONResponse({"error": "model and prompt are required"}, status_code=400)
@@ -183,9 +231,9 @@ def create_app(sim: Simulator) -> FastAPI:
         model = payload.get("model")
         max_tokens = int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS)
         targets = [model or sim.next_model() for _ in prompts]
-        results = await asyncio.gather(*(sim.call(m, str(p), max_tokens, "batch") for m, p in zip(targets, prompts)))
+        results = await asyncio.gather(*(sim.call(m, str(p), max_tokens, "batch") for m, p in zip(targets, prompts, strict=True)))
         out = []
-        for m, (status, body, headers) in zip(targets, results):
+        for m, (status, body, headers) in zip(targets, results, strict=True):
             item = {"model": m, "status": status, **body}
             if "Retry-After" in headers:
                 item["retry_after"] = float(headers["Retry-After"])
@@ -193,7 +241,7 @@ def create_app(sim: Simulator) -> FastAPI:
         return JSONResponse({"results": out})
 
     @app.post("/v1/chat/completions")
-    async def chat(payload: dict[str, Any]) -> JSONResponse:
+    async def chat(payload: dict[str, Any]) -> Response:
         model = payload.get("model")
         messages = payload.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
@@ -221,7 +269,8 @@ def create_app(sim: Simulator) -> FastAPI:
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         with sim._lock:
-            return {"in_flight": {name: lim.in_flight for name, lim in sim.limiters.items()}, "calls": len(sim.log)}
+            return {"in_flight": {name: lim.in_flight for name, lim in sim.limiters.items()}, "calls": len(sim.log),
+                    "foreign_tokens": dict(sim.foreign_taken)}
 
     @app.get("/log")
     async def log(since: int = 0) -> dict[str, Any]:

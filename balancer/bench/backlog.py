@@ -15,6 +15,7 @@ import io
 import json
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ import sqlalchemy as sa
 from rich.console import Console
 from rich.progress import Progress
 
+from balancer.admission import keys
+from balancer.devtools.runner import IsolatedServices
+from balancer.devtools.scenario import Scenario
 from balancer.pipeline.dispatcher import dispatch
-from balancer.runner import IsolatedServices
-from balancer.scenario import Scenario
 
 
 def rss_mb() -> float:
@@ -54,7 +56,7 @@ def copy_load(engine: sa.engine.Engine, scenario: Scenario, start: int, count: i
             buf.seek(0)
             raw = engine.raw_connection()
             try:
-                with raw.cursor() as cur:
+                with raw.cursor() as cur:  # type: ignore[attr-defined]  # psycopg2's cursor is a context manager
                     cur.copy_expert(
                         "COPY tasks (source, prompt, status, priority, allowed_models, max_tokens, estimated_tokens) FROM STDIN",
                         buf,
@@ -73,7 +75,7 @@ def dispatch_rate(iso: IsolatedServices, seconds: float, limit: int) -> tuple[fl
     backlog is never drained, which would count idle rounds)."""
     sent = 0
 
-    def count(assignments: list) -> None:
+    def count(assignments: Sequence[Any]) -> None:
         nonlocal sent
         sent += len(assignments)
 
@@ -107,8 +109,8 @@ def main(scenario: Scenario, path: Path, out: Path, console: Console) -> dict[st
             # Leases of the tasks just dispatched are in-flight state, not backlog: free them
             # so both phases start from the same admission state.
             for name in [m.name for m in scenario.models]:
-                client.delete("{" + iso.namespace + "}:inflight:" + name)
-            client.delete("{" + iso.namespace + "}:leases")
+                client.delete(keys.inflight(iso.namespace, name))
+            client.delete(keys.script_keys(iso.namespace)[2])
             phases.append({
                 "phase": label, "pending": pending, "dispatched": sent, "dispatch_per_s": round(rate),
                 "rss_mb_before": round(before[0], 1), "rss_mb_after": round(after[0], 1),

@@ -23,6 +23,10 @@ The format is a public interface; docs/scenarios.md documents it. Example::
     weight = 1                             # optional
     latency = { median = 4.0, p99 = 30.0, min = 1.0, max = 120.0 }
     error_rate = 0.0                       # optional
+    accounting = "reserve"                 # optional: reserve (default, strict) | settle
+    rpm_window = 60                        # optional: seconds RPM is checked over (60, 10 or 1)
+    headers = true                         # optional: send x-ratelimit-* headers
+    foreign_share = 0.0                    # optional: share of the quota another client uses
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ import random
 import tomllib
 from dataclasses import dataclass, field
 
+from balancer.devtools.sim.config import Z99, Latency, SimModel
+from balancer.domain.quota import Quota
 from balancer.errors import BalancerError
-from balancer.quota import Quota
-from balancer.sim.config import Z99, Latency, SimModel
 
 
 class ScenarioError(BalancerError):
@@ -146,12 +150,20 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
                 weight=m.get("weight", 1),
                 latency=Latency(latency.median, latency.p99, latency.min, latency.max),
                 error_rate=float(m.get("error_rate", 0.0)),
+                accounting=m.get("accounting", "reserve"),
+                rpm_window=float(m.get("rpm_window", 60)),
+                headers=bool(m.get("headers", True)),
+                foreign_share=float(m.get("foreign_share", 0.0)),
             )
             model.quota(time_scale=time_scale)  # validates every limit
         except BalancerError as exc:
             raise ScenarioError(f"{where}: {exc}") from None
         if not 0 <= model.error_rate < 1:
             raise ScenarioError(f"{where}.error_rate must be in [0, 1)")
+        if model.rpm_window not in (1, 10, 60):
+            raise ScenarioError(f"{where}.rpm_window must be 1, 10 or 60 (seconds)")
+        if not 0 <= model.foreign_share < 1:
+            raise ScenarioError(f"{where}.foreign_share must be in [0, 1)")
         models.append(model)
     if not models:
         raise ScenarioError("a scenario needs at least one [[models]] table")

@@ -14,9 +14,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 import httpx
 
@@ -27,8 +27,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    except (OSError, AttributeError):  # not Linux: the supervisor's own cleanup still runs
+        return
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Any
 
 import tomli_w
 
+from balancer.domain.quota import Quota, check_model_name
 from balancer.errors import QuotaError
-from balancer.quota import Quota, check_model_name
 
 _LINE = re.compile(r"\(at line (\d+), column \d+\)")
 
@@ -40,7 +40,7 @@ def _line_of(text: str, model: str, key: str | None = None) -> int | None:
                 return number
             in_section = True
             continue
-        if in_section:
+        if in_section and key is not None:
             if line.lstrip().startswith("["):
                 break
             if re.match(r"^\s*\"?" + re.escape(key) + r"\"?\s*=", line):
@@ -72,8 +72,8 @@ def parse_quota_file(text: str) -> list[Quota]:
         raise QuotaError("'models' must be a table of [models.NAME] sections")
     quotas = []
     for name, fields in models.items():
-        where = _line_of(text, name)
-        prefix = f"line {where}: " if where else ""
+        at_header = _line_of(text, name)
+        prefix = f"line {at_header}: " if at_header else ""
         try:
             check_model_name(name)
         except QuotaError as exc:
@@ -84,8 +84,8 @@ def parse_quota_file(text: str) -> list[Quota]:
             quotas.append(Quota.from_dict({"name": name, **fields}))
         except (QuotaError, TypeError) as exc:
             bad_key = next((k for k in fields if k in str(exc)), None)
-            line = _line_of(text, name, bad_key) if bad_key else where
-            prefix = f"line {line}: " if line else ""
+            at = _line_of(text, name, bad_key) if bad_key else at_header
+            prefix = f"line {at}: " if at else ""
             raise QuotaError(f"{prefix}models.{name}: {exc}") from None
     return sorted(quotas, key=lambda q: q.name)
 

@@ -1,47 +1,42 @@
 """``balancer bench SCENARIO``: the pipeline vs today's Airflow pattern vs the capacity bound.
 
 Runs, in one go and against the same simulator settings and services:
-(a) the pipeline, (b) the baseline (bench/baseline.py), (c) the capacity
-bound (balancer/capacity.py). Each run gets a fresh simulator (fresh limits,
+(a) the pipeline, (b) the baseline (:mod:`balancer.bench.baseline`), (c) the
+capacity bound (:mod:`balancer.domain.capacity`). Each run gets a fresh simulator (fresh limits,
 fresh log) and its own schema and namespace. Writes report.json, report.md
 and PNG plots under --out.
 
-Scenarios of kind "overhead" and "backlog" go to bench/overhead.py and
-bench/backlog.py.
+Scenarios of kind "overhead" and "backlog" go to :mod:`balancer.bench.overhead`
+and :mod:`balancer.bench.backlog`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from balancer.capacity import ModelCapacity, makespan_bound, pinned_work_floor
-from balancer.report import estimate_accuracy, percentile, refill_gaps, rolling_series
-from balancer.runner import IsolatedServices, RunResult, run_pipeline
-from balancer.scenario import Scenario, parse_scenario
-from balancer.sim.audit import Call, Limits, audit, limits_for
+from balancer.bench.report import backlog_out, calls_by_model, estimate_accuracy, limit_utilization, percentile, refill_gaps, rolling_series
+from balancer.bench.scenarios import locate
+from balancer.devtools.runner import IsolatedServices, RunResult, run_pipeline
+from balancer.devtools.scenario import Scenario, parse_scenario
+from balancer.devtools.sim.audit import Limits, audit, calls_from_log, limits_for
+from balancer.domain.capacity import ModelCapacity, makespan_bound, pinned_work_floor
 
-HERE = Path(__file__).resolve().parent
-GRACE = 0.5
-
-
-def load_sibling(name: str):  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+GRACE = 0.0  # the simulator is as strict as the providers: no refill above the buckets
 
 
 def capacity_bound(scenario: Scenario) -> float:
     """The bound in real seconds for this scenario's generated workload."""
     lines = scenario.task_lines()
+    # What a provider counts per task: the expected usage if it settles (the
+    # simulator answers with 30-100 % of max_tokens, 65 % on average), the
+    # reservation prompt + max_tokens if it reserves.
     mean_tokens = sum(len(x["prompt"]) / 4 + 0.65 * x["max_tokens"] for x in lines) / len(lines)
+    mean_reserved = sum(len(x["prompt"]) / 4 + x["max_tokens"] for x in lines) / len(lines)
     names = [m.name for m in scenario.models]
     pinned: dict[int, int] = {}
     for line in lines:
@@ -53,9 +48,11 @@ def capacity_bound(scenario: Scenario) -> float:
         ModelCapacity(
             concurrency=m.max_concurrent_requests,
             mean_latency=m.latency.mean(seed=scenario.seed),
-            tpm=m.max_tokens_per_minute,
+            tpm=m.max_tokens_per_minute * (1 - m.foreign_share),  # another client's share is not ours
             burst=m.burst,
-            rpm=m.max_requests_per_minute,
+            rpm=None if m.max_requests_per_minute is None else m.max_requests_per_minute * (1 - m.foreign_share),
+            request_burst=m.request_burst,
+            tokens_per_task=mean_tokens if m.accounting == "settle" else mean_reserved,
         )
         for m in scenario.models
     ]
@@ -65,7 +62,7 @@ def capacity_bound(scenario: Scenario) -> float:
 def pinned_floor(scenario: Scenario) -> float:
     """The realized pinned-work floor (balancer/capacity.py) for this scenario's
     workload, with the latencies the simulator will draw for it."""
-    from balancer.sim.server import Simulator
+    from balancer.devtools.sim.server import Simulator
 
     sim = Simulator(list(scenario.models), time_scale=scenario.time_scale, seed=scenario.seed)
     latencies: dict[str, list[float]] = {}
@@ -80,22 +77,27 @@ def limits(scenario: Scenario) -> dict[str, Limits]:
     return limits_for(scenario.quotas(), GRACE)
 
 
-def calls(entries: list[dict[str, Any]]) -> list[Call]:
-    return [Call(e["start"], e["end"], e["model"], e.get("prompt_tokens", 0) + e.get("completion_tokens", 0))
-            for e in entries if e["status"] != 429]
-
-
-def run_side_pipeline(scenario: Scenario, path: Path, console: Console) -> RunResult:
+def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_accounting: str | None = None,
+                      worker_layout: str | None = None) -> RunResult:
+    """The pipeline against the scenario's simulator. ``quota_accounting`` overrides
+    every balancer quota's token_accounting (not the simulator's): the ablation
+    that shows what crediting back usage costs against a provider that reserves.
+    ``worker_layout`` is "one" (every pool in one worker process, the default)
+    or "per-model" (one process per model, as docker-compose.yml deploys)."""
+    quotas = scenario.quotas()
+    if quota_accounting is not None:
+        quotas = [q.replace(token_accounting=quota_accounting) for q in quotas]
     with IsolatedServices(console, "bench") as iso:
-        return run_pipeline(iso, quotas=scenario.quotas(), sim_args=["--scenario", str(path), "--seed", str(scenario.seed),
-                            "--grace", str(GRACE)], backlog_jsonl=scenario.backlog_jsonl(), console=console)
+        return run_pipeline(iso, quotas=quotas, sim_args=["--scenario", str(path), "--seed", str(scenario.seed),
+                            "--grace", str(GRACE)], backlog_jsonl=scenario.backlog_jsonl(), console=console,
+                            worker_layout=worker_layout or scenario.extra.get("worker_layout", "one"))
 
 
 def run_side_baseline(scenario: Scenario, path: Path, console: Console) -> RunResult:
-    from balancer.runner import fetch_log
+    from balancer.bench import baseline
+    from balancer.devtools.runner import fetch_log
     from balancer.storage.tasks import status_counts
 
-    baseline = load_sibling("baseline")
     with IsolatedServices(console, "baseline") as iso:
         iso.services.quotas.replace_all(scenario.quotas(), by="bench")
         total = iso.insert(scenario.backlog_jsonl())
@@ -116,20 +118,31 @@ def run_side_baseline(scenario: Scenario, path: Path, console: Console) -> RunRe
 
 def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
     lim = limits(scenario)
-    caps = {name: l.cap for name, l in lim.items()}
-    gaps = refill_gaps(result.entries, caps)
+    caps = {name: limit.cap for name, limit in lim.items()}
     delays = [(r.started_at - r.created_at).total_seconds() for r in result.rows if r.started_at and r.created_at]
-    violations = audit(calls(result.entries), lim)
+    violations = audit(calls_from_log(result.entries), lim)
+    out_at = backlog_out(result.entries)
+    bulk_s = (out_at - result.started) if out_at is not None else result.makespan
+    gaps = refill_gaps(result.entries, caps, until=out_at)
+    # How much of what each provider allows the run used while it still had work for every model.
+    use = limit_utilization(result.entries, lim, result.started, result.started + bulk_s) if bulk_s > 0 else {}
     return {
         "makespan_s": round(result.makespan, 2),
         "counts": result.counts,
         "calls": sum(1 for e in result.entries if e["status"] != 429),
         "rate_limited": sum(1 for e in result.entries if e["status"] == 429),
+        "by_model": calls_by_model(result.entries),
         "violations": len(violations),
         "violation_details": [str(v) for v in violations[:10]],
         "queueing_delay_s": {"p50": percentile(delays, 50), "p99": percentile(delays, 99)},
-        "refill_gap_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99), "samples": len(gaps)},
+        "refill_gap_s": {"p50": percentile(gaps, 50), "p90": percentile(gaps, 90), "p99": percentile(gaps, 99),
+                         "samples": len(gaps)},
+        "completions_per_s_bulk": round(sum(1 for e in result.entries if e["status"] == 200 and e["end"] <= result.started
+                                            + bulk_s) / bulk_s, 1) if bulk_s > 0 else None,
         "tokens": estimate_accuracy(result.rows),
+        "backlog_out_s": round(bulk_s, 2),
+        "tail_s": round(result.makespan - bulk_s, 2),
+        "limit_utilization_bulk": {"mean": round(sum(use.values()) / len(use), 3) if use else None, "by_model": use},
     }
 
 
@@ -144,9 +157,9 @@ def plot(results: dict[str, RunResult], scenario: Scenario, out: Path) -> list[s
     window = 60 * scenario.time_scale  # one scenario minute
     files = []
     for metric, label, limit_of in (
-        ("tokens", "tokens per (scaled) minute", lambda l: l.tpm * scenario.time_scale),
-        ("requests", "requests per (scaled) minute", lambda l: (l.rpm or 0) * scenario.time_scale),
-        ("in_flight", "calls in flight", lambda l: l.cap),
+        ("tokens", "tokens per (scaled) minute", lambda limit: limit.tpm * scenario.time_scale),
+        ("requests", "requests per (scaled) minute", lambda limit: (limit.rpm or 0) * scenario.time_scale),
+        ("in_flight", "calls in flight", lambda limit: limit.cap),
     ):
         fig, axes = plt.subplots(len(names), len(results), figsize=(6 * len(results), 1.6 * len(names)), squeeze=False, sharex="col")
         for col, (side, result) in enumerate(results.items()):
@@ -155,6 +168,9 @@ def plot(results: dict[str, RunResult], scenario: Scenario, out: Path) -> list[s
                                         window=window)
                 ax = axes[row][col]
                 ax.plot(series["t"], series[metric], lw=1)
+                out_at = backlog_out(result.entries)
+                if metric == "in_flight" and out_at is not None:  # the backlog ran out: the tail starts
+                    ax.axvline(out_at - result.started, color="grey", lw=0.8, ls=":")
                 cap = limit_of(lim[name])
                 if cap:
                     ax.axhline(cap, color="red", lw=0.8, ls="--")
@@ -176,7 +192,8 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     lines = [
         f"# Benchmark: {report['scenario']}",
         "",
-        f"Command: `balancer bench {report['scenario_file']}` ({report['tasks']} tasks, {len(report['models'])} models, time scale {report['time_scale']})",
+        f"Command: `balancer bench {report['scenario_file']}` ({report['tasks']} tasks, "
+        f"{len(report['models'])} models, time scale {report['time_scale']})",
         "",
         "| | pipeline | baseline (Airflow pattern) | capacity bound |",
         "|---|---:|---:|---:|",
@@ -194,8 +211,19 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     if p:
         lines += [
             f"Pipeline queueing delay (submitted → started): p50 {p['queueing_delay_s']['p50']} s, p99 {p['queueing_delay_s']['p99']} s.",
-            f"Refill gap (slot freed at a saturated model → next call sent): p50 {p['refill_gap_s']['p50']} s, "
-            f"p99 {p['refill_gap_s']['p99']} s over {p['refill_gap_s']['samples']} samples.",
+            f"Refill gap at the backend (a call's end on a model at its cap → the next call's arrival there, while "
+            f"tasks were pending): p50 {p['refill_gap_s']['p50']} s, p90 {p['refill_gap_s']['p90']} s, "
+            f"p99 {p['refill_gap_s']['p99']} s over {p['refill_gap_s']['samples']} samples, at "
+            f"{p['completions_per_s_bulk']} completions/s.",
+            "",
+            f"The backlog ran out (last call started) at {p['backlog_out_s']} s; the tail (calls still running) took "
+            f"{p['tail_s']} s more (grey dotted line in in_flight.png). While the backlog lasted, each model used this "
+            f"share of what its provider allows, at its binding limit (mean **{p['limit_utilization_bulk']['mean']}**):",
+            "",
+            "| model | accepted calls | 429s | limit utilization (bulk) |",
+            "|---|---:|---:|---:|",
+            *[f"| {name} | {c['calls']} | {c['rate_limited']} | {p['limit_utilization_bulk']['by_model'].get(name)} |"
+              for name, c in p["by_model"].items()],
             "",
             "| model | tasks | tokens estimated | tokens used | used / estimated |",
             "|---|---:|---:|---:|---:|",
@@ -206,30 +234,48 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
-def main(path: Path, out: Path, only: str | None) -> dict[str, Any]:
+def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = None,
+         worker_layout: str | None = None) -> dict[str, Any]:
+    """Run the scenario named (bundled) or given as a path by ``spec``; write the report under ``out``.
+
+    The scenario's TOML is copied into ``out`` first: the simulator reads it
+    from there, and the report stays reproducible after the package changes.
+    """
     console = Console()
-    scenario = parse_scenario(path.read_text(), path.name)
+    name, text = locate(spec)
+    scenario = parse_scenario(text, name)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(text, encoding="utf-8")
     if scenario.kind in ("overhead", "backlog"):
-        return load_sibling(scenario.kind).main(scenario, path, out, console)
+        from balancer.bench import backlog, overhead
+
+        runner = overhead if scenario.kind == "overhead" else backlog
+        return runner.main(scenario, path, out, console)
     out.mkdir(parents=True, exist_ok=True)
     bound, floor = capacity_bound(scenario), pinned_floor(scenario)
     console.print(f"[bold]{scenario.name}[/bold]: {scenario.workload.tasks} tasks, {len(scenario.models)} models, "
                   f"time scale {scenario.time_scale}; capacity bound {bound:.1f} s; pinned-work floor {floor:.1f} s")
     results: dict[str, RunResult] = {}
     if only != "baseline":
-        results["pipeline"] = run_side_pipeline(scenario, path, console)
+        results["pipeline"] = run_side_pipeline(scenario, path, console, quota_accounting, worker_layout)
     if only != "pipeline":
         results["baseline"] = run_side_baseline(scenario, path, console)
     report: dict[str, Any] = {
         "scenario": scenario.name,
-        "scenario_file": str(path),
+        "scenario_file": spec,
         "tasks": scenario.workload.tasks,
         "time_scale": scenario.time_scale,
         "models": [m.name for m in scenario.models],
+        "quota_accounting_override": quota_accounting,
+        "worker_layout": worker_layout or scenario.extra.get("worker_layout", "one"),
         "makespan_s": {"bound": round(bound, 2), "pinned_floor": round(floor, 2)},
     }
     for side, result in results.items():
         report[side] = side_stats(result, scenario)
+        # The simulator's whole call log, for any question the report does not answer.
+        with (out / f"{side}-calls.jsonl").open("w") as fh:
+            fh.writelines(json.dumps(e) + "\n" for e in result.entries)
         report["makespan_s"][side] = report[side]["makespan_s"]
     if "pipeline" in results:
         report["rate_limited"] = report["pipeline"]["rate_limited"]
@@ -246,6 +292,3 @@ def main(path: Path, out: Path, only: str | None) -> dict[str, Any]:
     console.print(f"report: {out / 'report.md'}")
     return report
 
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2] if len(sys.argv) > 2 else "bench/out"), None)

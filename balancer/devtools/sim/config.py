@@ -1,4 +1,10 @@
-"""Simulated models: provider limits, latency, errors."""
+"""Simulated models: provider limits, how the provider counts, latency, errors.
+
+The defaults are the strictest provider behaviour the project knows of
+(docs/admission.md, "How providers count"): tokens are *reserved*
+(prompt + max_tokens, never refunded, as OpenAI and Azure OpenAI do), no grace
+above the bucket, and rate-limit headers on every reply.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from balancer.quota import Quota
+from balancer.domain.quota import Quota
 
 #: z-score of the 99th percentile of a standard normal.
 Z99 = 2.3263
@@ -41,10 +47,27 @@ class SimModel:
     latency: Latency = Latency()
     error_rate: float = 0.0
     weight: int = 1
+    #: "reserve": prompt + max_tokens charged on arrival, never refunded (OpenAI, Azure);
+    #: "settle": the unused part credited back when the call ends (Anthropic, self-hosted).
+    accounting: str = "reserve"
+    #: Seconds over which RPM is checked: 60, 10 or 1 (Azure checks over 1 s or 10 s).
+    #: The request bucket then holds one window's share, RPM x window / 60.
+    rpm_window: float = 60.0
+    #: Send x-ratelimit-remaining-tokens / -requests (and limits) with every reply.
+    headers: bool = True
+    #: Share of TPM and RPM consumed by another client of the same provider quota.
+    foreign_share: float = 0.0
 
     @property
     def burst(self) -> int:
         return self.burst_tokens or self.max_tokens_per_minute
+
+    @property
+    def request_burst(self) -> int | None:
+        """The provider's request bucket: one RPM window's share (at least one request)."""
+        if self.max_requests_per_minute is None:
+            return None
+        return max(1, int(self.max_requests_per_minute * self.rpm_window // 60))
 
     def quota(self, *, time_scale: float = 1.0) -> Quota:
         """The balancer quota that matches this provider model.
@@ -62,6 +85,9 @@ class SimModel:
             else max(1, round(self.max_requests_per_minute / time_scale)),
             burst_tokens=self.burst,
             weight=self.weight,
+            token_accounting=self.accounting,
+            # Bucket sizes are in scenario units at every time scale, as burst_tokens is.
+            burst_requests=self.request_burst,
         )
 
 

@@ -1,6 +1,6 @@
 """``balancer demo``: the whole pipeline on one machine, watched live.
 
-Submits N prompts to the pipeline (see :mod:`balancer.runner`) against the
+Submits N prompts to the pipeline (see :mod:`balancer.devtools.runner`) against the
 simulated Models Backend with its ten default models, shows progress and
 per-model usage against the limits, and prints a summary read from the
 simulator's own call log.
@@ -13,10 +13,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from balancer.runner import IsolatedServices, run_pipeline
-from balancer.scenario import Distribution, Scenario, Workload
-from balancer.sim.audit import Call, Limits, audit, limits_for, peaks
-from balancer.sim.config import SimModel, default_models
+from balancer.devtools.runner import IsolatedServices, run_pipeline
+from balancer.devtools.scenario import Distribution, Scenario, Workload
+from balancer.devtools.sim.audit import Limits, audit, calls_from_log, limits_for, peaks
+from balancer.devtools.sim.config import SimModel, default_models
 
 #: The demo's backlog, generated like a benchmark scenario's (balancer/scenario.py).
 DEMO_PROMPT_TOKENS = Distribution(median=400, p99=1500, min=40, max=2000)
@@ -32,8 +32,7 @@ def demo_scenario(tasks: int, models: list[SimModel], time_scale: float, seed: i
 
 def summarize(entries: list[dict[str, Any]], models: list[SimModel], time_scale: float, grace: float,
               counts: dict[str, int], tasks: int, makespan: float) -> dict[str, Any]:
-    calls = [Call(e["start"], e["end"], e["model"], e.get("prompt_tokens", 0) + e.get("completion_tokens", 0))
-             for e in entries if e["status"] != 429]
+    calls = calls_from_log(entries)
     limits = limits_for((m.quota(time_scale=time_scale) for m in models), grace)
     violations = audit(calls, limits)
     model_peaks = peaks(calls, window=60.0)
@@ -82,7 +81,7 @@ def run_demo(*, tasks: int = 500, model_count: int = 10, time_scale: float = 0.1
              timeout: float = 1800.0) -> dict[str, Any]:
     console = Console(stderr=quiet, quiet=quiet)
     models = default_models(model_count)
-    grace = 0.5
+    grace = 0.0
     limits = limits_for((m.quota(time_scale=time_scale) for m in models), grace)
     scenario = demo_scenario(tasks, models, time_scale, seed)
     with IsolatedServices(console, "demo") as iso:

@@ -1,6 +1,6 @@
 """Admissions per second of the admission core, against a bare INCR loop.
 
-    python bench/admission.py [--redis-url URL] [--seconds 3] [--models 10]
+    python -m balancer.bench.admission_rate [--redis-url URL] [--seconds 3] [--models 10]
 
 Runs, in one go and on the same Redis: a plain ``INCR`` loop (one round trip
 per call: the ceiling for anything that talks to Redis once per operation),
@@ -24,8 +24,9 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from balancer.admission import AdmissionCore, Admitted, Candidate
-from balancer.quota import Quota
+from balancer.admission import AdmissionCore, Admitted, Candidate, keys
+from balancer.domain.quota import Quota
+from balancer.services import delete_namespace_keys
 
 
 def incr_loop(url: str, key: str, seconds: float) -> float:
@@ -86,7 +87,7 @@ def main() -> None:
             import tempfile
             from pathlib import Path
 
-            from balancer.embedded import start_redis
+            from balancer.devtools.embedded import start_redis
 
             proc = start_redis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
             stack.callback(proc.stop)
@@ -95,14 +96,12 @@ def main() -> None:
         client = redis.Redis.from_url(url)
 
         def cleanup() -> None:
-            keys = list(client.scan_iter(match="{" + namespace + "}*", count=1000))
-            for i in range(0, len(keys), 1000):
-                client.delete(*keys[i : i + 1000])
+            delete_namespace_keys(client, namespace)
 
         stack.callback(cleanup)
         version = client.info("server")["redis_version"]
         console.print(f"Redis {version} at {url.split('@')[-1]}, {args.models} models, {args.seconds:.0f} s per run")
-        incr = incr_loop(url, "{" + namespace + "}:incr", args.seconds)
+        incr = incr_loop(url, keys.tag(namespace) + ":incr-bench", args.seconds)
         rows = []
         for processes in (1, 4):
             for batch in (1, 100):

@@ -22,10 +22,8 @@ from typing import Any
 import redis
 from rich.console import Console
 
-from balancer.runner import IsolatedServices, run_pipeline
-from balancer.scenario import Scenario, ScenarioError
-
-HERE = Path(__file__).resolve().parent
+from balancer.devtools.runner import IsolatedServices, run_pipeline
+from balancer.devtools.scenario import Scenario, ScenarioError
 
 
 def noop_rate(redis_url: str, tasks: int, concurrency: int, console: Console) -> float:
@@ -33,16 +31,15 @@ def noop_rate(redis_url: str, tasks: int, concurrency: int, console: Console) ->
     env = {**os.environ, "NOOP_BROKER_URL": redis_url, "NOOP_COUNTER_URL": redis_url,
            "NOOP_QUEUE": f"noop-{run}", "NOOP_PREFIX": f"noop-{run}:"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "--workdir", str(HERE), "-A", "noop_app", "worker", "-P", "threads",
+        [sys.executable, "-m", "celery", "-A", "balancer.bench.noop_app", "worker", "-P", "threads",
          "-c", str(concurrency), "-n", f"noop-{run}@%h", "--without-gossip", "--without-mingle", "-l", "WARNING"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     client = redis.Redis.from_url(redis_url)
     key = f"noop-{run}:count"
     try:
-        sys.path.insert(0, str(HERE))
         os.environ.update({k: env[k] for k in ("NOOP_BROKER_URL", "NOOP_COUNTER_URL", "NOOP_QUEUE", "NOOP_PREFIX")})
-        import noop_app
+        from balancer.bench import noop_app
 
         noop_app.noop.delay(key)  # warm-up: wait until the worker is consuming
         deadline = time.time() + 60

@@ -15,10 +15,11 @@ Every bad line is reported with its number, so a user can fix the file.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from balancer.tokens import estimate_task_tokens
+from balancer.domain.tokens import estimate_task_tokens
 
 MAX_PRIORITY = 1_000_000
 KNOWN_FIELDS = {"prompt", "priority", "model", "models", "max_tokens", "source"}

@@ -3,10 +3,13 @@
 Each model m can complete at most, by time T (scenario seconds)::
 
     cap_m(T) = min( C_m · T / E[L_m],                 # concurrency: C calls, each E[L] long
-                    RPM_m · T / 60 + RPM_m,           # requests: refill + one minute's burst
-                    (TPM_m · T / 60 + B_m) / E[t] )   # tokens: refill + burst, E[t] per task
+                    RPM_m · T / 60 + R_m,             # requests: refill + the request burst
+                    (TPM_m · T / 60 + B_m) / E[t_m] ) # tokens: refill + burst, E[t_m] per task
 
-tasks, where E[t] is the expected prompt + completion tokens per task. Tasks
+tasks, where E[t_m] is what model m's provider counts per task: prompt +
+max_tokens for ``reserve`` accounting (the reservation is kept), the expected
+prompt + completion for ``settle``. R_m is the request burst (one minute of
+RPM unless the provider checks a shorter window). Tasks
 pinned to one model must fit in that model's own capacity; the rest can go
 anywhere. The bound is the least T with
 
@@ -26,8 +29,8 @@ above it, which is why utilization = bound / makespan is at most 1.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -37,22 +40,28 @@ class ModelCapacity:
     tpm: float | None  # tokens per minute (None: unlimited)
     burst: float  # tokens available at t = 0
     rpm: float | None = None
+    request_burst: float | None = None  # requests available at t = 0 (None: one minute of RPM)
+    tokens_per_task: float | None = None  # what this provider counts per task (None: the workload's figure)
 
     def tasks_by(self, t: float, tokens_per_task: float) -> float:
         limits = [self.concurrency * t / self.mean_latency]
         if self.rpm:
-            limits.append(self.rpm * t / 60 + self.rpm)
+            limits.append(self.rpm * t / 60 + (self.request_burst if self.request_burst is not None else self.rpm))
         if self.tpm:
-            limits.append((self.tpm * t / 60 + self.burst) / tokens_per_task)
+            limits.append((self.tpm * t / 60 + self.burst) / (self.tokens_per_task or tokens_per_task))
         return min(limits)
 
     def rate(self, tokens_per_task: float) -> float:
-        """Steady-state tasks per second: min(C/E[L], RPM/60, TPM/(60·E[t]))."""
+        """Steady-state tasks per second: min(C/E[L], RPM/60, TPM/(60·E[t])).
+
+        >>> ModelCapacity(4, 2.0, tpm=60_000, burst=0, tokens_per_task=2_000).rate(500)   # reserve: 2,000 a task
+        0.5
+        """
         rates = [self.concurrency / self.mean_latency]
         if self.rpm:
             rates.append(self.rpm / 60)
         if self.tpm:
-            rates.append(self.tpm / 60 / tokens_per_task)
+            rates.append(self.tpm / 60 / (self.tokens_per_task or tokens_per_task))
         return min(rates)
 
 

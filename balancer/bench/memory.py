@@ -1,6 +1,6 @@
 """RSS of the pipeline with 1,000 requests in flight across 10 models.
 
-    python bench/memory.py [--in-flight 1000] [--layout one|per-model|both]
+    python -m balancer.bench.memory [--in-flight 1000] [--layout one|per-model|both]
 
 Ten models with max_concurrent_requests summing to --in-flight; the
 simulated backend (run in this process, not counted) holds every call for
@@ -26,10 +26,10 @@ import uvicorn
 from rich.console import Console
 from rich.table import Table
 
-from balancer.embedded import free_port
-from balancer.runner import IsolatedServices
-from balancer.sim.config import Latency, SimModel
-from balancer.sim.server import Simulator, create_app
+from balancer.devtools.embedded import free_port
+from balancer.devtools.runner import IsolatedServices
+from balancer.devtools.sim.config import Latency, SimModel
+from balancer.devtools.sim.server import Simulator, create_app
 
 LATENCY = Latency(median=40.0, p99=40.0, low=40.0, high=40.0)
 
@@ -54,7 +54,7 @@ def rss_mb(pid: int) -> float:
 
 
 def run_layout(layout: str, in_flight: int, console: Console) -> dict:
-    """One layout in its own schema and namespace (balancer.runner.IsolatedServices)."""
+    """One layout in its own schema and namespace (balancer.devtools.runner.IsolatedServices)."""
     per_model = in_flight // 10
     models = [SimModel(f"mem-{i}", per_model, 10**8, latency=LATENCY) for i in range(10)]
     simulator = Simulator(models, time_scale=1.0)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import sqlalchemy as sa
@@ -33,9 +34,9 @@ TIMEOUT_MINUTES = 30
 
 def unsolved(engine: Engine) -> list[Any]:
     with engine.connect() as conn:
-        return conn.execute(
+        return list(conn.execute(
             sa.select(tasks.c.id, tasks.c.prompt).where(tasks.c.status != "solved").order_by(tasks.c.id)
-        ).all()
+        ).all())
 
 
 def write_answers(engine: Engine, done: list[tuple[int, dict[str, Any]]]) -> None:
@@ -68,7 +69,7 @@ def run_worker(engine: Engine, backend_url: str, part: list[Any], deadline: floa
                 continue  # the whole batch stays unsolved until a later DAG run
             if time.time() >= deadline:
                 return  # timed out while waiting: the answers are abandoned
-            write_answers(engine, [(row.id, r) for row, r in zip(chunk, results) if r.get("status") == 200])
+            write_answers(engine, [(row.id, r) for row, r in zip(chunk, results, strict=True) if r.get("status") == 200])
 
 
 def run_baseline(

@@ -31,7 +31,14 @@ INT_FIELDS = (
     "max_tokens_per_minute",
     "max_requests_per_minute",
     "burst_tokens",
+    "burst_requests",
 )
+
+#: How a provider counts a call against TPM (see README, "Token accounting"):
+#: ``reserve`` charges prompt + max_tokens when the call arrives and never
+#: refunds (OpenAI, Azure OpenAI); ``settle`` charges the estimate, then
+#: settles to actual usage (Anthropic, self-hosted backends).
+TOKEN_ACCOUNTING = ("reserve", "settle")
 
 
 def check_model_name(name: str) -> str:
@@ -60,8 +67,12 @@ class Quota:
     """Limits for one model.
 
     ``burst_tokens`` is the token bucket's capacity; ``None`` means one minute
-    of TPM, as in the seed design. The request bucket's capacity is one minute
-    of RPM.
+    of TPM, as in the seed design. ``burst_requests`` is the request bucket's
+    capacity; ``None`` means one minute of RPM. Set it to RPM x window / 60 to
+    match a provider that checks RPM over a 1 s or 10 s window (Azure).
+    ``token_accounting`` says how the provider counts tokens; the default,
+    ``reserve``, is the one that never draws a 429 from a provider that keeps
+    what it reserved.
     """
 
     name: str
@@ -71,6 +82,8 @@ class Quota:
     max_requests_per_minute: int | None = None
     burst_tokens: int | None = None
     enabled: bool = True
+    token_accounting: str = "reserve"  # noqa: S105 - an accounting mode, not a credential
+    burst_requests: int | None = None
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -79,6 +92,9 @@ class Quota:
         check_limit("max_tokens_per_minute", self.max_tokens_per_minute)
         check_limit("max_requests_per_minute", self.max_requests_per_minute, optional=True)
         check_limit("burst_tokens", self.burst_tokens, optional=True)
+        check_limit("burst_requests", self.burst_requests, optional=True)
+        if self.token_accounting not in TOKEN_ACCOUNTING:
+            raise QuotaError(f"token_accounting must be one of {', '.join(TOKEN_ACCOUNTING)}, got {self.token_accounting!r}")
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
 
@@ -86,6 +102,18 @@ class Quota:
     def burst(self) -> int:
         """Token bucket capacity, defaulting to one minute of TPM."""
         return self.burst_tokens if self.burst_tokens is not None else self.max_tokens_per_minute
+
+    @property
+    def request_burst(self) -> int:
+        """Request bucket capacity (0 without an RPM limit), defaulting to one minute of RPM."""
+        if not self.max_requests_per_minute:
+            return 0
+        return self.burst_requests if self.burst_requests is not None else self.max_requests_per_minute
+
+    @property
+    def settles(self) -> bool:
+        """Whether the provider settles a call to its actual usage (``settle``)."""
+        return self.token_accounting == "settle"  # noqa: S105 - an accounting mode, not a credential
 
     def replace(self, **changes: Any) -> Quota:
         return dataclasses.replace(self, **changes)

@@ -1,0 +1,76 @@
+"""Every Redis key name balancer uses, in one module (as arq's ``constants.py``).
+
+All admission keys start with the hash tag ``{namespace}``, so they land in one
+Redis Cluster slot and one Lua script may touch any of them. The broker's keys
+(Celery's queues and unacked sets) use the plain prefix ``namespace:`` instead,
+set through kombu's ``global_keyprefix``.
+
+>>> script_keys("prod")
+['{prod}:meta', '{prod}:models', '{prod}:leases']
+>>> model("prod", "gpt-a"), inflight("prod", "gpt-a")
+('{prod}:model:gpt-a', '{prod}:inflight:gpt-a')
+>>> namespace_patterns("prod")
+('{prod}*', 'prod:*')
+
+The Lua scripts build per-model keys from the same infixes; the loader
+prepends :data:`LUA_PRELUDE`, so these strings are spelled nowhere else.
+"""
+
+from __future__ import annotations
+
+META = ":meta"
+MODELS = ":models"
+LEASES = ":leases"
+MODEL_INFIX = ":model:"
+INFLIGHT_INFIX = ":inflight:"
+DISPATCH_REQUESTED = ":dispatch:requested"
+DISPATCH_TIMER = ":dispatch:timer"
+
+
+def tag(namespace: str) -> str:
+    """The hash tag every admission key starts with."""
+    return "{" + namespace + "}"
+
+
+def script_keys(namespace: str) -> list[str]:
+    """KEYS[1..3] of every admission script: meta, models, leases."""
+    t = tag(namespace)
+    return [t + META, t + MODELS, t + LEASES]
+
+
+def model(namespace: str, name: str) -> str:
+    """A model's hash: limits, buckets, deficit, quota generation."""
+    return tag(namespace) + MODEL_INFIX + name
+
+
+def inflight(namespace: str, name: str) -> str:
+    """A model's zset of live leases: admission id -> lease deadline (ms)."""
+    return tag(namespace) + INFLIGHT_INFIX + name
+
+
+def dispatch_flags(namespace: str) -> tuple[str, str]:
+    """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.pipeline.trigger`."""
+    t = tag(namespace)
+    return t + DISPATCH_REQUESTED, t + DISPATCH_TIMER
+
+
+def broker_prefix(namespace: str) -> str:
+    """kombu's ``global_keyprefix`` for this namespace's broker keys."""
+    return namespace + ":"
+
+
+def namespace_patterns(namespace: str) -> tuple[str, str]:
+    """SCAN patterns matching every key of one namespace: admission state, broker."""
+    return tag(namespace) + "*", broker_prefix(namespace) + "*"
+
+
+#: Lua lines the script loader puts before lib.lua: the key layout, from this module.
+LUA_PRELUDE = "\n".join(
+    [
+        "-- generated from balancer/admission/keys.py",
+        f"local META_SUFFIX = '{META}'",
+        f"local MODEL_INFIX = '{MODEL_INFIX}'",
+        f"local INFLIGHT_INFIX = '{INFLIGHT_INFIX}'",
+        "",
+    ]
+)

@@ -1,0 +1,53 @@
+-- finish.lua: everything a finished call tells the core, in one round trip:
+-- settle its tokens once, sync the buckets to the provider's headers, and
+-- (unless ARGV[7] is '0') free its slot.
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- ARGV[1] now in ms, or '' for Redis TIME
+-- ARGV[2] admission id
+-- ARGV[3] tokens used (prompt + completion), or '' if unknown (no usage, or no answer)
+-- ARGV[4] tokens a `reserve` provider kept (prompt + max_tokens), or ''
+-- ARGV[5] x-ratelimit-remaining-tokens, or '' if absent
+-- ARGV[6] x-ratelimit-remaining-requests, or '' if absent
+-- ARGV[7] '1' to release the slot, '0' to keep it (settle only)
+-- Settling: the provider's charge is the usage (settle) or the reservation
+-- (reserve). A charge above the estimate is always debited. A charge below it
+-- is credited only by a `settle` model, and only within the quota generation
+-- that charged it; a `reserve` model keeps it, as the provider does.
+-- Header sync: see sync_to_headers in lib.lua (lowers, never raises, and
+-- learns the rate others use of the quota).
+-- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
+-- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
+-- already released). Releasing is idempotent.
+
+local lid = ARGV[2]
+local raw = redis.call('HGET', LEASES, lid)
+if not raw then return {0, 0} end
+local lease = cjson.decode(raw)
+local settled, released = 0, 0
+local m = load_model(lease.m)
+if m then
+  local now = clock(ARGV[1])
+  refill(m, now)
+  refill_started(m, now)
+  if lease.r == 0 and ARGV[3] ~= '' then
+    local charged = tonumber(ARGV[3])
+    if m.settle == 0 then charged = tonumber(ARGV[4]) or lease.e end
+    local surplus = lease.e - charged
+    if surplus < 0 or (m.settle == 1 and same_generation(m, lease)) then
+      m.tokens = math.min(token_cap(m), m.tokens + surplus * UNITS)
+      m.ptokens = math.min(token_cap(m), m.ptokens + surplus * UNITS)
+    end
+    lease.r = 1
+    settled = 1
+  end
+  sync_to_headers(m, now, ARGV[5], ARGV[6])
+  save_model(m)
+end
+if ARGV[7] == '0' then
+  if settled == 1 then redis.call('HSET', LEASES, lid, cjson.encode(lease)) end
+else
+  redis.call('ZREM', inflight_key(lease.m), lid)
+  redis.call('HDEL', LEASES, lid)
+  released = 1
+end
+return {settled, released}

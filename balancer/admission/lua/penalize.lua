@@ -1,0 +1,28 @@
+-- penalize.lua: a 429 pauses its model for Retry-After, once per window, and
+-- lowers its buckets to what the provider says is left.
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- ARGV[1] now in ms, or '' for Redis TIME
+-- ARGV[2] model
+-- ARGV[3] Retry-After in ms
+-- ARGV[4] x-ratelimit-remaining-tokens, or '' if absent
+-- ARGV[5] x-ratelimit-remaining-requests, or '' if absent
+-- The pause holds the model whatever limit the provider applied (tokens,
+-- requests or concurrency): admit and renew take nothing from it until it
+-- ends. A 429 that arrives while the model is already paused adds no pause,
+-- so N concurrent 429s pause it once, not N times as long. The header sync
+-- applies to every 429: a 429 is the surest sign that someone else is using
+-- the quota, and without it the bucket would still be too full after the pause.
+-- Returns 1 if this call started a pause, 0 if one was running (or no model).
+
+local m = load_model(ARGV[2])
+if not m then return 0 end
+local now = clock(ARGV[1])
+refill(m, now)
+local started = 0  -- (sync_to_headers refills the token gate's bucket itself)
+if m.paused <= now then
+  m.paused = now + tonumber(ARGV[3])
+  started = 1
+end
+sync_to_headers(m, now, ARGV[4], ARGV[5])
+save_model(m)
+return started

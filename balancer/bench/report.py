@@ -1,0 +1,144 @@
+"""Benchmark report maths (pure): percentiles, refill gaps, usage series.
+
+Everything here works on plain lists from the simulator's call log (dicts
+with start, end, model, status, prompt_tokens, completion_tokens) and from
+task rows, so it is tested without servers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from balancer.devtools.sim.audit import Limits
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile, q in [0, 100].
+
+    >>> percentile([1, 2, 3, 4], 50), percentile([1, 2, 3, 4], 99), percentile([], 50)
+    (2, 4, None)
+    """
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def accepted(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in entries if e["status"] != 429]
+
+
+def refill_gaps(entries: Iterable[dict[str, Any]], caps: dict[str, int], until: float | None = None) -> list[float]:
+    """Seconds from a call ending at a *saturated* model to that model's next call
+    arriving, both as the backend logged them.
+
+    That is the pipeline's whole overhead as the provider sees it: its slot
+    freed, then the next request on the wire. Only ends that found the model at
+    its cap count, and (with ``until``, the moment the backlog ran out) only
+    while tasks were pending, so idle time is not mistaken for overhead.
+
+    >>> log = [dict(start=0, end=1, model="m", status=200), dict(start=0, end=2, model="m", status=200),
+    ...        dict(start=1.01, end=3, model="m", status=200)]
+    >>> [round(g, 3) for g in refill_gaps(log, {"m": 2})]
+    [0.01]
+    """
+    by_model: dict[str, list[dict[str, Any]]] = {}
+    for e in accepted(entries):
+        by_model.setdefault(e["model"], []).append(e)
+    gaps = []
+    for model, calls in by_model.items():
+        cap = caps.get(model)
+        if cap is None:
+            continue
+        events = sorted([(c["start"], 1) for c in calls] + [(c["end"], -1) for c in calls], key=lambda x: (x[0], x[1]))
+        starts = sorted(c["start"] for c in calls)
+        level = 0
+        cursor = 0
+        for time, delta in events:
+            if delta == -1 and level == cap and (until is None or time < until):
+                while cursor < len(starts) and starts[cursor] < time:
+                    cursor += 1
+                if cursor < len(starts):
+                    gaps.append(starts[cursor] - time)
+            level += delta
+    return gaps
+
+
+def rolling_series(entries: Iterable[dict[str, Any]], model: str, *, t0: float, t1: float, window: float,
+                   points: int = 200) -> dict[str, list[float]]:
+    """Tokens and requests started in the trailing ``window``, and calls in flight, sampled over [t0, t1]."""
+    calls = [e for e in accepted(entries) if e["model"] == model]
+    times = [t0 + (t1 - t0) * i / (points - 1) for i in range(points)] if points > 1 else [t0]
+    tokens, requests, in_flight = [], [], []
+    for t in times:
+        recent = [c for c in calls if t - window < c["start"] <= t]
+        tokens.append(float(sum(c.get("counted", 0) for c in recent)))
+        requests.append(float(len(recent)))
+        in_flight.append(float(sum(1 for c in calls if c["start"] <= t < c["end"])))
+    return {"t": [t - t0 for t in times], "tokens": tokens, "requests": requests, "in_flight": in_flight}
+
+
+def estimate_accuracy(rows: Iterable[Any]) -> dict[str, dict[str, int]]:
+    """Per model: tokens estimated at admission against tokens actually used."""
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        if row.model is None or row.prompt_tokens is None:
+            continue
+        m = out.setdefault(row.model, {"tasks": 0, "estimated": 0, "actual": 0})
+        m["tasks"] += 1
+        m["estimated"] += row.estimated_tokens
+        m["actual"] += row.prompt_tokens + row.completion_tokens
+    return out
+
+
+def calls_by_model(entries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per model: calls the provider accepted, and 429s.
+
+    >>> calls_by_model([{"model": "a", "status": 200}, {"model": "a", "status": 429}, {"model": "b", "status": 500}])
+    {'a': {'calls': 1, 'rate_limited': 1}, 'b': {'calls': 1, 'rate_limited': 0}}
+    """
+    out: dict[str, dict[str, int]] = {}
+    for e in entries:
+        row = out.setdefault(e["model"], {"calls": 0, "rate_limited": 0})
+        row["rate_limited" if e["status"] == 429 else "calls"] += 1
+    return dict(sorted(out.items()))
+
+
+def backlog_out(entries: Iterable[dict[str, Any]]) -> float | None:
+    """When the backlog ran out, as the backend saw it: the start of the last call.
+
+    After it no task waits for a model: what remains is the tail, calls still running.
+
+    >>> backlog_out([dict(start=1.0, end=9.0, model="m", status=200), dict(start=4.0, end=5.0, model="m", status=429)])
+    4.0
+    """
+    starts = [e["start"] for e in entries]
+    return max(starts) if starts else None
+
+
+def limit_utilization(entries: Iterable[dict[str, Any]], limits: Mapping[str, Limits], t0: float, t1: float) -> dict[str, float]:
+    """Per model, how much of what the provider allows it used in [t0, t1]:
+    the largest of tokens counted / (burst + TPM·T), requests / (request burst
+    + RPM·T) and mean calls in flight / cap. A model kept at its binding limit
+    scores 1.0, whichever limit binds.
+
+    >>> log = [dict(start=0.0, end=1.0, model="m", status=200, counted=50), dict(start=1.0, end=2.0, model="m", status=200, counted=50)]
+    >>> limit_utilization(log, {"m": Limits(cap=1, tpm=6_000, rpm=None, burst=100)}, 0.0, 2.0)
+    {'m': 1.0}
+    """
+    span = t1 - t0
+    out: dict[str, float] = {}
+    calls = accepted(entries)
+    for model, lim in sorted(limits.items()):
+        mine = [c for c in calls if c["model"] == model]
+        started = [c for c in mine if t0 <= c["start"] <= t1]
+        ratios = [sum(max(0.0, min(c["end"], t1) - max(c["start"], t0)) for c in mine) / span / lim.cap]
+        if lim.tpm:
+            ratios.append(sum(c.get("counted", 0) for c in started) / (lim.burst + lim.tpm / 60 * span))
+        if lim.rpm:
+            ratios.append(len(started) / ((lim.request_burst or lim.rpm) + lim.rpm / 60 * span))
+        out[model] = round(max(ratios), 3)
+    return out

@@ -1,0 +1,225 @@
+"""Token accounting as providers count it, header sync, and 429 pauses.
+
+Each test runs on both the Lua core and the reference model (``Twin``), on an
+injected clock, with hand-made numbers.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from balancer.admission import Admitted, Candidate, NotNow, Settlement
+from balancer.domain.quota import Quota
+from balancer.errors import QuotaError
+from tests.twin import Twin, delete_keys
+
+
+@pytest.fixture
+def twin(redis_client: redis.Redis) -> Iterator[Twin]:
+    namespace = "a" + uuid.uuid4().hex[:12]
+    t = Twin(redis_client, namespace)
+    yield t
+    delete_keys(redis_client, namespace)
+
+
+def tokens(twin: Twin, model: str = "a") -> float:
+    return twin.core.live(twin.now)[model].tokens_available
+
+
+def test_reserve_is_the_default_and_a_bad_mode_is_refused() -> None:
+    assert Quota("a", 1, 100).token_accounting == "reserve"
+    with pytest.raises(QuotaError, match="token_accounting must be one of reserve, settle"):
+        Quota("a", 1, 100, token_accounting="refund")
+
+
+def test_reserve_keeps_what_it_charged(twin: Twin) -> None:
+    """A `reserve` provider (OpenAI, Azure) keeps prompt + max_tokens: no credit back."""
+    twin.set_quota(Quota("a", 2, 60, burst_tokens=6_000))  # 1 token/s: refill is negligible
+    full = tokens(twin)
+    lease = twin.admit([Candidate(1_000)])[0]
+    assert isinstance(lease, Admitted) and tokens(twin) == full - 1_000
+    assert twin.reconcile(lease.admission_id, Settlement(used_tokens=300, reserved_tokens=1_000)) is True
+    assert tokens(twin) == full - 1_000  # the 700 unused tokens stay spent, as at the provider
+
+
+def test_reserve_debits_a_reservation_above_the_estimate(twin: Twin) -> None:
+    """The provider counted more prompt tokens than our estimate: the difference is debited."""
+    twin.set_quota(Quota("a", 2, 60, burst_tokens=6_000))
+    full = tokens(twin)
+    lease = twin.admit([Candidate(1_000)])[0]
+    twin.reconcile(lease.admission_id, Settlement(used_tokens=900, reserved_tokens=1_250))
+    assert tokens(twin) == full - 1_250
+
+
+def test_settle_credits_the_surplus(twin: Twin) -> None:
+    """A `settle` provider (Anthropic, self-hosted) corrects to actual use."""
+    twin.set_quota(Quota("a", 2, 60, burst_tokens=6_000, token_accounting="settle"))
+    full = tokens(twin)
+    lease = twin.admit([Candidate(1_000)])[0]
+    assert twin.reconcile(lease.admission_id, Settlement(used_tokens=300, reserved_tokens=1_000)) is True
+    assert tokens(twin) == full - 300
+    assert twin.reconcile(lease.admission_id, Settlement(used_tokens=300)) is False  # once per lease
+    assert tokens(twin) == full - 300
+
+
+def test_header_sync_lowers_a_bucket_and_never_raises_it(twin: Twin) -> None:
+    twin.set_quota(Quota("a", 3, 60, burst_tokens=6_000, max_requests_per_minute=60))
+    first, second = twin.admit([Candidate(1_000), Candidate(1_000)])
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    # Another application used the same key: the provider says 2,500 tokens and 3 requests are left.
+    twin.reconcile(first.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
+                                                  remaining_tokens=2_500, remaining_requests=3))
+    live = twin.core.live(twin.now)["a"]
+    assert live.tokens_available == 2_500 and live.requests_available == 3
+    # A header that says more is left than we think never raises the bucket.
+    twin.reconcile(second.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
+                                                   remaining_tokens=5_900, remaining_requests=59))
+    live = twin.core.live(twin.now)["a"]
+    assert live.tokens_available == 2_500 and live.requests_available == 3
+
+
+def test_concurrent_429s_pause_the_model_once(twin: Twin) -> None:
+    """N 429s inside one Retry-After window pause the model once, not N times as long."""
+    twin.set_quota(Quota("a", 8, 600_000))
+    assert twin.penalize("a", 2_000) is True
+    for _ in range(7):
+        twin.advance(100)
+        assert twin.penalize("a", 2_000) is False  # already paused: no extension
+    decision = twin.admit([Candidate(10)])[0]
+    assert isinstance(decision, NotNow) and decision.wait_ms == 2_000 - 700
+    twin.advance(1_300)
+    assert isinstance(twin.admit([Candidate(10)])[0], Admitted)
+    assert twin.penalize("a", 2_000) is True  # a 429 after the window starts a new pause
+
+
+def test_a_pause_holds_a_model_whatever_limit_caused_it(twin: Twin) -> None:
+    """A 429 from an RPM or concurrency limit pauses the model too: no token debit
+    that an RPM-bound model would not notice."""
+    twin.set_quota(Quota("a", 8, 1_000_000, max_requests_per_minute=600))
+    twin.penalize("a", 1_000)
+    assert isinstance(twin.admit([Candidate(1)])[0], NotNow)
+    assert twin.core.live(twin.now)["a"].paused_ms == 1_000
+
+
+def test_request_burst_paces_below_a_minute(twin: Twin) -> None:
+    """600 RPM checked over 1 s (Azure): burst_requests = 10 admits 10 at once, then 10 per second."""
+    twin.set_quota(Quota("a", 100, 10_000_000, max_requests_per_minute=600, burst_requests=10))
+    decisions = twin.admit([Candidate(1) for _ in range(12)])
+    assert sum(isinstance(d, Admitted) for d in decisions) == 10
+    twin.advance(100)  # 600 RPM = one request per 100 ms
+    assert sum(isinstance(d, Admitted) for d in twin.admit([Candidate(1) for _ in range(3)])) == 1
+
+
+def test_a_retry_avoids_the_model_that_just_failed(twin: Twin) -> None:
+    twin.set_quota(Quota("a", 4, 600_000))
+    twin.set_quota(Quota("b", 4, 600_000))
+    for _ in range(4):
+        decision = twin.admit([Candidate(100, avoid="a")])[0]
+        assert isinstance(decision, Admitted) and decision.model == "b"
+    # b is full: the avoided model is still better than waiting.
+    decision = twin.admit([Candidate(100, avoid="a")])[0]
+    assert isinstance(decision, Admitted) and decision.model == "a"
+
+
+def test_the_start_gate_spaces_call_starts_at_the_provider_rate(twin: Twin) -> None:
+    """Calls admitted together may reach the worker together; renew, just before
+    the call, spaces their starts: one per 60,000 / RPM ms, with burst_requests
+    of tolerance less 20 ms kept for the last hop's jitter."""
+    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=600, burst_requests=2))
+    admitted = twin.admit([Candidate(1), Candidate(1)])
+    twin.advance(200)  # the bucket refills 2 requests while the messages travel
+    admitted += twin.admit([Candidate(1), Candidate(1)])
+    assert all(isinstance(d, Admitted) for d in admitted)
+    delays = [twin.renew(d.admission_id, "a", 1).start_delay_ms for d in admitted]  # all four arrive at once
+    assert delays == [0, 20, 120, 220]
+
+
+def test_the_start_gate_is_open_without_an_rpm_limit(twin: Twin) -> None:
+    twin.set_quota(Quota("a", 10, 10_000_000))
+    admitted = twin.admit([Candidate(1) for _ in range(5)])
+    assert [twin.renew(d.admission_id, "a", 1).start_delay_ms for d in admitted] == [0] * 5
+
+
+def test_the_bucket_keeps_a_transit_allowance_below_the_providers_burst(twin: Twin) -> None:
+    """A call reaches the provider up to 250 ms after admission; while the provider's
+    bucket is full it wastes that refill, so ours holds 250 ms of refill less."""
+    twin.set_quota(Quota("a", 10, 60_000, burst_tokens=10_000))  # 1,000 tokens/s
+    assert tokens(twin) == 9_750
+    twin.advance(60_000)
+    assert tokens(twin) == 9_750  # refill never fills past it
+    # A task as large as the burst is not starved: it needs a full (capped) bucket.
+    assert isinstance(twin.admit([Candidate(10_000)])[0], Admitted)
+
+
+def test_a_429_lowers_the_buckets_to_its_headers(twin: Twin) -> None:
+    """Another client spent the quota: the 429's remaining counts lower ours, or the
+    model would draw the same 429 again as soon as the pause ends."""
+    twin.set_quota(Quota("a", 8, 600, burst_tokens=6_000, max_requests_per_minute=60))
+    assert twin.penalize("a", 1_000, remaining_tokens=120, remaining_requests=2) is True
+    live = twin.core.live(twin.now)["a"]
+    assert live.tokens_available == 120 and live.requests_available == 2
+    # A second 429 inside the window adds no pause, but its headers still count.
+    assert twin.penalize("a", 1_000, remaining_tokens=50) is False
+    assert twin.core.live(twin.now)["a"].tokens_available == 50
+
+
+def share_with_an_outsider(twin: Twin, outside_per_s: list[int]) -> None:
+    """On a 60,000 TPM quota (1,000 tokens/s), every 250 ms: the outsider takes its
+    share of the refill, we make a 100-token call, and the reply's header says
+    what the provider has left. One entry of ``outside_per_s`` per step."""
+    twin.set_quota(Quota("a", 8, 60_000, burst_tokens=1_000_000))
+    drain = twin.admit([Candidate(900_000)])[0]  # far from full, so neither bucket is capped
+    twin.release(drain.admission_id)
+    provider = tokens(twin)
+    for outside in outside_per_s:
+        twin.advance(250)
+        provider = min(provider + 250 * (1_000 - outside) / 1_000, 1_000_000)
+        lease = twin.admit([Candidate(100)])[0]
+        provider -= 100
+        twin.reconcile(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=int(provider)))
+        twin.release(lease.admission_id)
+
+
+def test_a_steady_outside_user_is_learned_from_the_headers(twin: Twin) -> None:
+    """Another client takes 20 % of the quota (200 tokens/s). Each sync shows the
+    gap; the learned outside rate converges to it, and our bucket then refills
+    at the 80 % that is left, instead of running into 429s."""
+    share_with_an_outsider(twin, [200] * 80)
+    learned = twin.core.live(twin.now)["a"].external_tpm
+    assert 11_000 <= learned <= 13_000  # 12,000 tokens per minute, within the integer rounding
+    before = tokens(twin)
+    twin.advance(1_000)
+    assert tokens(twin) - before == pytest.approx(800, abs=40)  # refills at what is left for us
+
+
+def test_the_outside_rate_decays_when_the_outsider_stops(twin: Twin) -> None:
+    share_with_an_outsider(twin, [200] * 80 + [0] * 80)
+    # The provider's bucket is ahead of ours after the outsider stops (we never raise ours),
+    # so the error turns negative and the learned rate falls back.
+    assert twin.core.live(twin.now)["a"].external_tpm < 3_000
+
+
+def test_the_token_gate_holds_back_calls_that_start_in_a_bunch(twin: Twin) -> None:
+    """Admitted one by one as the bucket refilled, but started together (they waited
+    in the broker): the provider, charging on arrival, would refuse the bunch. The
+    token gate at renew spaces the starts so the provider has the tokens for each."""
+    twin.set_quota(Quota("a", 10, 60_000, burst_tokens=1_250))  # 1,000 tokens/s; bucket 1,000 after transit
+    admitted = [twin.admit([Candidate(1_000)])[0]]
+    for _ in range(2):
+        twin.advance(1_000)  # the admission bucket refills: one more 1,000-token call each second
+        admitted.append(twin.admit([Candidate(1_000)])[0])
+    assert all(isinstance(d, Admitted) for d in admitted)
+    # All three messages reach workers only now, at once.
+    delays = [twin.renew(d.admission_id, "a", 1_000).start_delay_ms for d in admitted]
+    assert delays == [0, 1_000, 2_000]
+
+
+def test_a_redelivered_call_is_not_charged_twice_at_the_token_gate(twin: Twin) -> None:
+    twin.set_quota(Quota("a", 10, 60_000, burst_tokens=1_250))
+    lease = twin.admit([Candidate(1_000)])[0]
+    assert twin.renew(lease.admission_id, "a", 1_000).start_delay_ms == 0
+    assert twin.renew(lease.admission_id, "a", 1_000).start_delay_ms == 0  # the same call, renewed again

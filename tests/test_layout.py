@@ -1,0 +1,106 @@
+"""The layout rules of docs/architecture.md, enforced: key names live in one
+module, and each package imports only what the architecture allows."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "balancer"
+
+#: What each part of the package may import from balancer (docs/architecture.md).
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "settings": {"errors"},
+    "domain": {"errors"},
+    "admission": {"domain", "errors"},
+    "storage": {"domain", "errors", "admission", "settings"},
+    "backends": {"errors", "settings"},
+    "services": {"admission", "storage", "domain", "errors", "settings"},
+    "pipeline": {"admission", "storage", "backends", "domain", "errors", "settings", "services"},
+    "devtools": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline"},
+    "bench": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline", "devtools"},
+    "cli": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline",
+            "devtools", "bench"},
+}
+
+
+def part_of(path: Path) -> str:
+    rel = path.relative_to(PACKAGE).parts
+    return rel[0].removesuffix(".py") if rel[0] not in ("__init__.py", "__main__.py") else "cli"
+
+
+def imported_parts(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    parts = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            bits = name.split(".")
+            if bits[0] == "balancer" and len(bits) > 1:
+                parts.add(bits[1])
+    return parts
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_package_imports_only_what_the_architecture_allows(path: Path) -> None:
+    part = part_of(path)
+    allowed = ALLOWED[part] | {part}
+    wrong = {p for p in imported_parts(path) if p in ALLOWED and p not in allowed}
+    assert not wrong, f"{path.relative_to(ROOT)} ({part}) imports {sorted(wrong)}"
+
+
+KEY_SPELLINGS = re.compile(r"""["'](:meta|:models|:leases|:model:|:inflight:|:dispatch:)|"\{" \+ [\w.]*namespace""")
+
+
+def test_no_key_name_is_spelled_outside_the_keys_module() -> None:
+    offenders = []
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.lua"), ROOT / "celeryconfig.py", *ROOT.glob("tests/*.py")]:
+        if path.name == "keys.py" or path == Path(__file__):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if KEY_SPELLINGS.search(line) and not line.lstrip().startswith("--"):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_importing_celeryconfig_starts_nothing_and_connects_nowhere(tmp_path: Path) -> None:
+    """With no BALANCER_* set, `import celeryconfig` must not start the embedded
+    stack (a child process) nor open a socket. The child checks itself."""
+    probe = r"""
+import os, socket, sys
+opened = []
+real_connect = socket.socket.connect
+def connect(self, *a, **k):
+    opened.append(a)
+    return real_connect(self, *a, **k)
+socket.socket.connect = connect
+import subprocess
+started = []
+real_popen_init = subprocess.Popen.__init__
+def popen_init(self, *a, **k):
+    started.append(a)
+    return real_popen_init(self, *a, **k)
+subprocess.Popen.__init__ = popen_init
+import celeryconfig
+from balancer.pipeline.app import app
+assert not opened, opened
+assert not started, started
+assert not os.path.exists(".balancer"), "embedded stack directory created"
+print("broker", app.conf.broker_url)
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("BALANCER_")}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "broker" in proc.stdout
