@@ -115,6 +115,30 @@ def _float(name: str, default: float) -> float:
     return value
 
 
+def _share(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number from 0 to 1, got {raw!r}") from None
+    if not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be a number from 0 to 1, got {raw!r}")
+    return value
+
+
+def _switch(name: str, default: bool) -> bool:
+    raw = (os.environ.get(name) or "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ConfigError(f"{name} must be on or off, got {raw!r}")
+
+
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 BACKEND_KINDS = ("models-backend", "openai")
 
@@ -140,6 +164,14 @@ class Settings:
     dispatch_window: int = 200
     max_attempts: int = 5
     expected_output_tokens: int = 256
+    #: The latency prior (median, seconds) of a model with no measured calls and no expected_latency_s.
+    expected_latency_s: float = 30.0
+    #: Finish-time-aware dispatch of the last tasks (balancer.domain.endgame); off: greedy to the end.
+    end_game: bool = True
+    #: Hedge tokens may reach this share of the run's tokens (0: no hedging).
+    hedge_budget: float = 0.05
+    #: Hedges per task at most.
+    max_hedges: int = 1
     dispatch_tick: float = 1.0
     reconcile_tick: float = 10.0
     ingest_tick: float = 5.0
@@ -199,6 +231,10 @@ class Settings:
             dispatch_window=_int("BALANCER_DISPATCH_WINDOW", 200),
             max_attempts=_int("BALANCER_MAX_ATTEMPTS", 5),
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),
+            expected_latency_s=_float("BALANCER_EXPECTED_LATENCY_S", 30.0),
+            end_game=_switch("BALANCER_END_GAME", True),
+            hedge_budget=_share("BALANCER_HEDGE_BUDGET", 0.05),
+            max_hedges=_int("BALANCER_MAX_HEDGES", 1, minimum=0),
             dispatch_tick=_float("BALANCER_DISPATCH_TICK", 1.0),
             reconcile_tick=_float("BALANCER_RECONCILE_TICK", 10.0),
             ingest_tick=_float("BALANCER_INGEST_TICK", 5.0),

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from balancer.devtools.embedded import free_port
 from balancer.devtools.runner import control_app
+from balancer.devtools.scenario import parse_scenario
 from balancer.devtools.sim.audit import Call, Limits, audit, calls_from_log, limits_for
 from balancer.devtools.sim.config import SimModel, default_models
 from balancer.devtools.supervisor import Supervisor, wait_for_http
@@ -37,12 +38,17 @@ class Pipeline:
     extra_env: dict[str, str] = field(default_factory=dict)
     grace: float = 0.0
     accounting: str = "reserve"  # how the simulated provider counts; the quotas match it
+    #: A scenario TOML file: its models and time scale replace the default models.
+    scenario: Path | None = None
 
     def __post_init__(self) -> None:
         self.port = free_port()
         self.backend_url = f"http://127.0.0.1:{self.port}"
         self.models: list[SimModel] = [replace(m, accounting=self.accounting)
                                        for m in default_models(self.model_count)]
+        if self.scenario is not None:
+            spec = parse_scenario(self.scenario.read_text(), self.scenario.name)
+            self.models, self.time_scale = list(spec.models), spec.time_scale
         env = {"BALANCER_BACKEND_URL": self.backend_url, "BALANCER_DISPATCH_TICK": "0.5", **self.extra_env}
         if self.broker_url:
             env["BALANCER_BROKER_URL"] = self.broker_url
@@ -54,10 +60,9 @@ class Pipeline:
 
     def start(self, *, workers: list[list[str]] | None = None, beat: bool = True) -> Pipeline:
         self.services.quotas.replace_all([m.quota(time_scale=self.time_scale) for m in self.models], by="test")
-        self.sim = self.supervisor.start(
-            "sim", ["sim", "--port", str(self.port), "--models", str(self.model_count),
-                    "--time-scale", str(self.time_scale), "--grace", str(self.grace), "--accounting", self.accounting],
-        )
+        source = ["--scenario", str(self.scenario)] if self.scenario else [
+            "--models", str(self.model_count), "--time-scale", str(self.time_scale), "--accounting", self.accounting]
+        self.sim = self.supervisor.start("sim", ["sim", "--port", str(self.port), "--grace", str(self.grace), *source])
         wait_for_http(f"{self.backend_url}/models", child=self.sim)
         self.supervisor.start("dispatcher", ["dispatcher", "--loglevel", "INFO"])
         for i, argv in enumerate(workers or [["--all-models"]]):

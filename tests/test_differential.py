@@ -32,6 +32,7 @@ quotas = st.builds(
     enabled=st.booleans() | st.just(True),
     token_accounting=st.sampled_from(["reserve", "settle"]),
     burst_requests=st.none() | st.integers(1, 40),
+    expected_latency_s=st.none() | st.floats(0.01, 3600.0),
 )
 candidates = st.builds(
     Candidate,
@@ -46,6 +47,8 @@ settlements = st.builds(
     reserved_tokens=maybe_tokens,
     remaining_tokens=st.none() | st.none() | st.integers(0, 30_000),
     remaining_requests=st.none() | st.none() | st.integers(0, 40),
+    latency_ms=st.none() | st.integers(0, 400_000),
+    completion_tokens=st.none() | st.integers(0, 9_000),
 )
 operations = st.lists(
     st.one_of(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from balancer.admission import Admitted, Candidate, NotNow
+from balancer.admission import Admitted, Candidate, NotNow, Settlement
 from balancer.cli import main
 from balancer.domain.quota import Quota
 from balancer.services import Services
@@ -48,6 +48,26 @@ def test_set_list_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert history[1]["old_value"]["weight"] == 1 and history[1]["new_value"]["weight"] == 3
     code, out, _ = run(capsys, "quota", "list")
     assert "gpt-a" in out and "0/2" in out
+
+
+def test_latency_prior_then_learned_latency_in_quota_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "2",
+               "--expected-latency", "4")[0] == 0
+    rows = json.loads(run(capsys, "quota", "list", "--json")[1])
+    assert rows[0]["expected_latency_s"] == 4.0
+    assert rows[0]["latency_s"] == {"p50": 4.0, "p90": 7.6, "p99": 12.8, "samples": 0}  # the prior
+    core = services().core
+    for _ in range(8):
+        admitted = core.admit([Candidate(10)])[0]
+        assert isinstance(admitted, Admitted)
+        core.finish(admitted.admission_id, Settlement(used_tokens=10, latency_ms=900, completion_tokens=5))
+    rows = json.loads(run(capsys, "quota", "list", "--json")[1])
+    learned = rows[0]["latency_s"]
+    assert 0.9 <= learned["p50"] <= learned["p99"] < 1.1 and learned["samples"] > 7
+    out = run(capsys, "quota", "list")[1]
+    assert "prior" not in out and f"{learned['p50']:g} / {learned['p90']:g}" in out
+    code, _, err = run(capsys, "quota", "set", "m", "--expected-latency", "nan")
+    assert code == 2 and "expected_latency_s must be a number of seconds" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.smoke

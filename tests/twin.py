@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReferenceCore, Settlement
+from balancer.admission.core import prior_ms
 from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 
@@ -39,6 +40,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
                 m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
                 m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["gen"], m["inflight"],
                 m["settle"], m["rburst"], m["paused"], m["tat"], m["ext"], m["synced_at"], m["ptokens"], m["prefilled_at"],
+                m["prior"], m["latency"],
             )
             for name, m in raw["models"].items()
         },
@@ -59,6 +61,7 @@ def canonical_ref(ref: ReferenceCore) -> dict:
                 s.tokens, s.requests, s.refilled_at, s.deficit, s.generation, ref._inflight(name),
                 int(s.quota.settles), s.quota.request_burst, s.paused_until, s.tat, s.external, s.synced_at,
                 s.started_tokens, s.started_refilled_at,
+                prior_ms(s.quota), ref.latency.get(name, {}),
             )
             for name, s in ref.models.items()
         },

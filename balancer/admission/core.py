@@ -33,6 +33,7 @@ from balancer.admission.model import (
     rejection_reason,
     token_cap,
 )
+from balancer.domain.latency import LatencySketch, bucket_of
 from balancer.domain.quota import Quota
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
@@ -62,7 +63,13 @@ def quota_args(quota: Quota) -> list[str | int]:
         int(quota.enabled),
         int(quota.settles),
         quota.request_burst,
+        prior_ms(quota),
     ]
+
+
+def prior_ms(quota: Quota) -> int:
+    """The latency prior as the model hash stores it: whole ms, 0 for the global default."""
+    return round((quota.expected_latency_s or 0) * 1000)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,7 @@ class ModelLive:
     deficit: int
     paused_ms: int = 0  # how much longer a 429 holds the model
     external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
+    latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
 
 
 class AdmissionCore:
@@ -192,9 +200,14 @@ class AdmissionCore:
         def opt(value: int | None) -> object:
             return "" if value is None else value
 
+        sample: list[object] = ["", "", "", ""]
+        if s.latency_ms is not None:
+            completion = s.completion_tokens or 0
+            prompt = max(0, (s.used_tokens or 0) - completion)
+            sample = [bucket_of(s.latency_ms), s.latency_ms, prompt, completion]
         reply = self._run("finish", [
             self._now(), admission_id, opt(s.used_tokens), opt(s.reserved_tokens),
-            opt(s.remaining_tokens), opt(s.remaining_requests), "1" if release else "0",
+            opt(s.remaining_tokens), opt(s.remaining_requests), "1" if release else "0", *sample,
         ])
         return reply[0] == 1, reply[1] == 1
 
@@ -238,7 +251,8 @@ class AdmissionCore:
                 (int(score), member.decode())
                 for member, score in r.zrange(keys.inflight(self.namespace, name), 0, -1, withscores=True)
             ]
-            models[name] = {**fields, "inflight": inflight}
+            latency = {k.decode(): int(v) for k, v in r.hgetall(keys.latency(self.namespace, name)).items()}
+            models[name] = {**fields, "inflight": inflight, "latency": latency}
         leases = {k.decode(): json.loads(v) for k, v in r.hgetall(leases_key).items()}
         return {"meta": meta, "models": models, "leases": leases}
 
@@ -246,8 +260,8 @@ class AdmissionCore:
         """Per-model live view, bucket levels refilled to ``now`` (Redis TIME by default).
 
         Read-only and pipelined: one round trip for the clock and the model
-        names, one for every model's hash and live-lease count (ZCOUNT, so the cost does not grow
-        with the number of calls in flight). The dispatcher calls it every round.
+        names, one for every model's hash, live-lease count (ZCOUNT, so the cost does not grow
+        with the number of calls in flight) and latency sketch. The dispatcher calls it every round.
         """
         _, models_key, _ = self.keys
         first = self.redis.pipeline(transaction=False)
@@ -261,10 +275,11 @@ class AdmissionCore:
         for name in names:
             pipe.hgetall(keys.model(self.namespace, name))
             pipe.zcount(keys.inflight(self.namespace, name), f"({now_ms}", "+inf")
+            pipe.hgetall(keys.latency(self.namespace, name))
         replies = pipe.execute()
         view = {}
         for i, name in enumerate(names):
-            raw, in_flight = replies[2 * i], replies[2 * i + 1]
+            raw, in_flight, sketch = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
             if not raw:
                 continue  # removed between the two reads
             m = {k.decode(): int(v) for k, v in raw.items()}
@@ -279,12 +294,14 @@ class AdmissionCore:
                 enabled=bool(m["enabled"]),
                 token_accounting="settle" if m.get("settle") else "reserve",
                 burst_requests=rburst or None,
+                expected_latency_s=m["prior"] / 1000 if m.get("prior") else None,
             )
             dt = max(0, now_ms - m["refilled_at"])
             tokens = min(token_cap(quota), m["tokens"] + dt * (m["tpm"] - m.get("ext", 0))) / UNITS
             requests = min(rburst * UNITS, m["requests"] + dt * m["rpm"]) / UNITS if m["rpm"] else None
             paused_ms = max(0, m.get("paused", 0) - now_ms)
-            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"], paused_ms, m.get("ext", 0))
+            latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
+            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"], paused_ms, m.get("ext", 0), latency)
         return view
 
 

@@ -7,8 +7,8 @@ set through kombu's ``global_keyprefix``.
 
 >>> script_keys("prod")
 ['{prod}:meta', '{prod}:models', '{prod}:leases']
->>> model("prod", "gpt-a"), inflight("prod", "gpt-a")
-('{prod}:model:gpt-a', '{prod}:inflight:gpt-a')
+>>> model("prod", "gpt-a"), inflight("prod", "gpt-a"), latency("prod", "gpt-a")
+('{prod}:model:gpt-a', '{prod}:inflight:gpt-a', '{prod}:latency:gpt-a')
 >>> namespace_patterns("prod")
 ('{prod}*', 'prod:*')
 
@@ -23,6 +23,7 @@ MODELS = ":models"
 LEASES = ":leases"
 MODEL_INFIX = ":model:"
 INFLIGHT_INFIX = ":inflight:"
+LATENCY_INFIX = ":latency:"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 
@@ -48,6 +49,11 @@ def inflight(namespace: str, name: str) -> str:
     return tag(namespace) + INFLIGHT_INFIX + name
 
 
+def latency(namespace: str, name: str) -> str:
+    """A model's latency sketch (balancer.domain.latency): bucket counts and token sums."""
+    return tag(namespace) + LATENCY_INFIX + name
+
+
 def dispatch_flags(namespace: str) -> tuple[str, str]:
     """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.pipeline.trigger`."""
     t = tag(namespace)
@@ -71,6 +77,7 @@ LUA_PRELUDE = "\n".join(
         f"local META_SUFFIX = '{META}'",
         f"local MODEL_INFIX = '{MODEL_INFIX}'",
         f"local INFLIGHT_INFIX = '{INFLIGHT_INFIX}'",
+        f"local LATENCY_INFIX = '{LATENCY_INFIX}'",
         "",
     ]
 )

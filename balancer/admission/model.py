@@ -50,6 +50,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from balancer.domain import latency
 from balancer.domain.quota import Quota
 
 #: Bucket units per token (and per request): refill per ms == per-minute rate.
@@ -120,6 +121,9 @@ class Settlement:
     reserved_tokens: int | None = None
     remaining_tokens: int | None = None
     remaining_requests: int | None = None
+    #: An answered call's latency and completion tokens: a sample for the model's latency sketch.
+    latency_ms: int | None = None
+    completion_tokens: int | None = None
 
 
 @dataclass
@@ -209,6 +213,8 @@ class ReferenceCore:
 
     models: dict[str, ModelState] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
+    #: Per model, the latency sketch's fields (balancer.domain.latency.record).
+    latency: dict[str, dict[str, int]] = field(default_factory=dict)
     loaded: bool = False
     epoch: int = 0
     seq: int = 0
@@ -464,11 +470,22 @@ class ReferenceCore:
     def finish(self, admission_id: str, settlement: Settlement, now: int, release: bool = True) -> tuple[bool, bool]:
         """Settle (once), sync to the headers, and free the slot unless ``release``
         is False: what ``finish.lua`` does in one round trip. Returns (settled, released)."""
-        settled = self.reconcile(admission_id, settlement, now)
+        settled = self._settle(admission_id, settlement, now)
+        lease = self.leases.get(admission_id)
+        if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
+            completion = settlement.completion_tokens or 0
+            latency.record(
+                self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
+                settlement.latency_ms, max(0, (settlement.used_tokens or 0) - completion), completion,
+            )
         released = release and self.leases.pop(admission_id, None) is not None
         return settled, released
 
     def reconcile(self, admission_id: str, settlement: Settlement, now: int) -> bool:
+        """:meth:`finish` without freeing the slot. Returns True if the tokens were settled now."""
+        return self.finish(admission_id, settlement, now, release=False)[0]
+
+    def _settle(self, admission_id: str, settlement: Settlement, now: int) -> bool:
         """Settle a finished call once per lease, then sync to the provider's headers.
 
         The provider's charge is the usage (``settle``) or the reservation
@@ -575,6 +592,7 @@ class ReferenceCore:
         self._require_state()
         if self.models.pop(name, None) is None:
             return False
+        self.latency.pop(name, None)
         for lid in [lid for lid, lease in self.leases.items() if lease.model == name]:
             del self.leases[lid]
         return True
@@ -588,6 +606,7 @@ class ReferenceCore:
             return False
         self.loaded = True
         self.epoch, self.seq, self.rr = now, 0, ""
+        self.latency.clear()
         for quota in quotas:
             self.models[quota.name] = ModelState(quota, 0, 0, now, 0)
         for seed in leases:
@@ -601,6 +620,7 @@ class ReferenceCore:
         """Simulate Redis losing all data."""
         self.models.clear()
         self.leases.clear()
+        self.latency.clear()
         self.loaded = False
         self.epoch = self.seq = 0
         self.rr = ""

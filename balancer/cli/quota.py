@@ -44,6 +44,7 @@ def quota_list(as_json: bool) -> None:
     rows = []
     for q in stored:
         state = live.get(q.name)
+        latency = None if state is None else state.latency.estimate(q.expected_latency_s or svc.settings.expected_latency_s)
         rows.append(
             {
                 **q.as_dict(),
@@ -57,6 +58,17 @@ def quota_list(as_json: bool) -> None:
                     if state.requests_available is None
                     else round(state.requests_available, 2),
                     "deficit": state.deficit,
+                    "paused_ms": state.paused_ms,
+                    "external_tpm": state.external_tpm,
+                },
+                # p50/p90/p99 in seconds, learned from finished calls; "samples": 0 means the prior.
+                "latency_s": None
+                if latency is None
+                else {
+                    "p50": round(latency.p50_ms / 1000, 2),
+                    "p90": round(latency.p90_ms / 1000, 2),
+                    "p99": round(latency.p99_ms / 1000, 2),
+                    "samples": round(latency.samples, 1),
                 },
             }
         )
@@ -65,7 +77,8 @@ def quota_list(as_json: bool) -> None:
         return
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
     table.add_column("model", no_wrap=True)
-    for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit"):
+    for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",
+                "p50 / p90 / p99 s"):
         table.add_column(col, justify="right")
     for row in rows:
         lv = row["live"] or {}
@@ -80,8 +93,21 @@ def quota_list(as_json: bool) -> None:
             f"{row['max_requests_per_minute']:,}" if row["max_requests_per_minute"] else "-",
             "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
             str(lv.get("deficit", "-")),
+            latency_cell(row["latency_s"]),
         )
     Console(width=max(Console().width, 120)).print(table)
+
+
+def latency_cell(latency: dict | None) -> str:
+    """``1.2 / 3.4 / 9.1`` from the learned sketch, or the prior marked as such.
+
+    >>> latency_cell({"p50": 1.2, "p90": 3.4, "p99": 9.1, "samples": 0})
+    '1.2 / 3.4 / 9.1 (prior)'
+    """
+    if latency is None:
+        return "-"
+    text = f"{latency['p50']:g} / {latency['p90']:g} / {latency['p99']:g}"
+    return text + (" (prior)" if not latency["samples"] else "")
 
 
 @quota.command("set")
@@ -94,6 +120,8 @@ def quota_list(as_json: bool) -> None:
 @click.option("--burst-requests", type=POSITIVE, help="burst_requests (request bucket capacity; RPM x window / 60 for 1 s or 10 s windows)")
 @click.option("--accounting", type=click.Choice(["reserve", "settle"]),
               help="token_accounting: reserve (prompt + max_tokens, no refund) or settle (to actual usage)")
+@click.option("--expected-latency", type=float, metavar="SECONDS",
+              help="expected_latency_s: the latency prior (median) until the model's own calls are measured")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
@@ -106,6 +134,7 @@ def quota_set(
     burst: int | None,
     burst_requests: int | None,
     accounting: str | None,
+    expected_latency: float | None,
     enabled: bool | None,
     create: bool,
     by: str | None,
@@ -119,13 +148,14 @@ def quota_set(
         "burst_tokens": burst,
         "burst_requests": burst_requests,
         "token_accounting": accounting,
+        "expected_latency_s": expected_latency,
         "enabled": enabled,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --enable/--disable"
+            "--accounting --expected-latency --enable/--disable"
         )
     from balancer.domain.quota import check_model_name
 

@@ -62,6 +62,19 @@ def check_limit(field: str, value: Any, *, optional: bool = False) -> int | None
     return value
 
 
+#: Bounds on a latency prior, in seconds.
+LATENCY_RANGE = (0.01, 3600.0)
+
+
+def check_latency(field: str, value: Any) -> None:
+    """A latency prior: None, or a finite number of seconds within ``LATENCY_RANGE``."""
+    if value is None:
+        return
+    low, high = LATENCY_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise QuotaError(f"{field} must be a number of seconds from {low} to {high:g}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Quota:
     """Limits for one model.
@@ -84,6 +97,9 @@ class Quota:
     enabled: bool = True
     token_accounting: str = "reserve"  # noqa: S105 - an accounting mode, not a credential
     burst_requests: int | None = None
+    #: The latency prior (median, seconds) until the model's own calls have taught
+    #: the dispatcher better (balancer.domain.latency); None: the global default.
+    expected_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -95,6 +111,7 @@ class Quota:
         check_limit("burst_requests", self.burst_requests, optional=True)
         if self.token_accounting not in TOKEN_ACCOUNTING:
             raise QuotaError(f"token_accounting must be one of {', '.join(TOKEN_ACCOUNTING)}, got {self.token_accounting!r}")
+        check_latency("expected_latency_s", self.expected_latency_s)
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
 

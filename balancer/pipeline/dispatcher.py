@@ -18,24 +18,44 @@ ones ``queued`` and commits, and only then publishes their messages. A
 dispatcher that dies between commit and publish leaves leases that were never
 started: they expire and refund their tokens, and the reconcile tick returns
 the tasks to pending.
+
+The end of the backlog is different: a task handed to a slow model in the
+last minute can end long after every other model has gone idle. When the
+backlog would drain before a call started now on the slowest open model
+would end, each task goes to the model that would finish it soonest, by the
+models' learned latencies, and may wait for a busy fast model rather than take
+an idle slow one (:func:`finish_time_aware`, :mod:`balancer.domain.endgame`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from sqlalchemy.engine import Connection
+
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
-from balancer.admission.core import open_slots
+from balancer.admission.core import ModelLive, open_slots
+from balancer.domain import endgame
 from balancer.services import Services
 from balancer.storage.tasks import (
     PendingTask,
     claim_pinned,
     claim_window,
     fail_pending,
+    hedge_budget,
+    mark_hedged,
     mark_queued,
     models_with_pinned_backlog,
+    pending_backlog,
+    stragglers,
 )
+
+#: The end game plans at most this many tasks beyond the claimed window (as
+#: stand-ins of average size): enough to see where the backlog will go.
+MAX_UNCLAIMED_PLANNED = 5_000
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class Assignment:
     model: str
     admission_id: str
     estimated_tokens: int
+    hedge: bool = False  # a second call for a straggling running task
 
 
 @dataclass
@@ -51,6 +72,9 @@ class DispatchReport:
     admitted: int = 0
     failed: int = 0
     waiting: int = 0
+    #: tasks the end game kept pending for a model that will finish them sooner
+    held_for_faster: int = 0
+    hedges: int = 0
     rounds: int = 0
     #: ms until the earliest refused task could be admitted (None: unknown or nothing waits)
     retry_in_ms: int | None = None
@@ -73,6 +97,7 @@ def dispatch(
     core = services.core
     window = window or services.settings.dispatch_window
     report = DispatchReport()
+    idle = False  # the last round found nothing pending that a free slot could take
     for _ in range(max_rounds):
         view = core.live()
         if not view and not core.is_loaded():
@@ -90,8 +115,17 @@ def dispatch(
             # Every model, not only the open ones: a full model's slot can free
             # between the live read and the admit call.
             reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned])
-            batch = plan_batch(pinned, claim_window(conn, window, free), list(view), reserved)
+            claimed = claim_window(conn, window, free)
+            batch = plan_batch(pinned, claimed, list(view), reserved)
+            if services.settings.end_game and batch:
+                kept = finish_time_aware(
+                    conn, batch, view, window_full=len(claimed) >= window,
+                    prior_s=services.settings.expected_latency_s,
+                )
+                report.held_for_faster += len(batch) - len(kept)
+                batch = kept
             if not batch:
+                idle = True
                 break
             pending = [task for task, _ in batch]
             decisions = core.admit([candidate for _, candidate in batch])
@@ -117,6 +151,8 @@ def dispatch(
             report.by_model[a.model] = report.by_model.get(a.model, 0) + 1
         if not admitted and not failed:
             break
+    if idle and services.settings.hedge_budget > 0 and services.settings.max_hedges > 0:
+        report.hedges = hedge_stragglers(services, publish)
     return report
 
 
@@ -157,3 +193,94 @@ def plan_batch(
                 allowed = usable
         batch.append((task, Candidate(task.estimated_tokens, allowed, task.avoid_model)))
     return batch
+
+
+def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOutlook]:
+    """Each enabled model's outlook for the end-game plan, from the live view."""
+    free = open_slots(view)
+    out = []
+    for name, m in view.items():
+        q = m.quota
+        if not q.enabled:
+            continue
+        rpm = q.max_requests_per_minute
+        out.append(endgame.ModelOutlook(
+            name,
+            cap=q.max_concurrent_requests,
+            free_slots=free.get(name, 0),
+            in_flight=m.in_flight,
+            latency=m.latency.estimate(q.expected_latency_s or prior_s),
+            tokens_available=m.tokens_available,
+            tokens_per_ms=(q.max_tokens_per_minute - m.external_tpm) / 60_000,
+            requests_available=math.inf if m.requests_available is None else m.requests_available,
+            requests_per_ms=rpm / 60_000 if rpm else math.inf,
+            paused_ms=m.paused_ms,
+        ))
+    return out
+
+
+def finish_time_aware(
+    conn: Connection, batch: list[tuple[PendingTask, Candidate]], view: dict[str, ModelLive], *,
+    window_full: bool, prior_s: float,
+) -> list[tuple[PendingTask, Candidate]]:
+    """The batch as the end game would bind it (see :mod:`balancer.domain.endgame`).
+
+    In the bulk of the run it is returned unchanged. In the end game each task
+    is bound to the model that would finish it soonest, or left pending if
+    that model has no free slot now. A full window means more is pending than
+    was claimed: the backlog's size and mean estimate then come from one count
+    query, and the unclaimed rest is planned as stand-ins of average size.
+    """
+    models = outlooks(view, prior_s)
+    pending = len(batch)
+    mean_tokens = sum(c.estimated_tokens for _, c in batch) / len(batch)
+    if not endgame.in_end_game(pending, mean_tokens, models):
+        return batch  # a larger backlog drains later still: the bulk of the run, no count needed
+    if window_full:
+        pending, mean_tokens = pending_backlog(conn)
+        if not endgame.in_end_game(pending, mean_tokens, models):
+            return batch
+    jobs = [endgame.Job(t.id, c.estimated_tokens, c.allowed, c.avoid) for t, c in batch]
+    unclaimed = min(MAX_UNCLAIMED_PLANNED, max(0, pending - len(jobs)))
+    placed = endgame.plan(jobs, models, [endgame.Job(-1 - i, round(mean_tokens)) for i in range(unclaimed)])
+    return [
+        (task, dataclasses.replace(candidate, allowed=(model,)))
+        for (task, candidate), model in zip(batch, placed, strict=True)
+        if model is not None
+    ]
+
+
+def hedge_stragglers(services: Services, publish: Publisher) -> int:
+    """Send hedges for straggling calls to free slots that no pending task can use.
+
+    Which calls and where is :func:`balancer.domain.endgame.pick_hedges`; each
+    hedge is admitted like any call (so it never breaks a quota), recorded on
+    its task (at most ``max_hedges`` per task, within ``hedge_budget`` of the
+    run's tokens) and published as a ``solve`` message marked as a hedge.
+    """
+    core, settings = services.core, services.settings
+    view = core.live()
+    models = outlooks(view, settings.expected_latency_s)
+    if not any(m.free_slots for m in models) or not any(m.in_flight for m in models):
+        return 0
+    sent: list[Assignment] = []
+    with services.engine.begin() as conn:
+        calls = {c.id: c for c in stragglers(conn, settings.max_hedges)}
+        if not calls:
+            return 0
+        spent, run_tokens = hedge_budget(conn)
+        running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
+        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent)
+        if not picks:
+            return 0
+        decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks])
+        for (key, _), decision in zip(picks, decisions, strict=True):
+            if not isinstance(decision, Admitted):
+                continue
+            call = calls[key]
+            if mark_hedged(conn, key, call.admission_id, decision.admission_id, decision.model, call.estimated_tokens):
+                sent.append(Assignment(key, decision.model, decision.admission_id, call.estimated_tokens, hedge=True))
+            else:  # the first call ended meanwhile
+                core.release(decision.admission_id)
+    publish(sent)
+    return len(sent)

@@ -9,9 +9,10 @@ no room               the lease expired and its slot is taken (redelivery after
                       a crash), or the model was disabled: back to pending, no call
 solved                as soon as the backend answers: settle the tokens as the
                       model's accounting says, lower the buckets to the
-                      provider's remaining-quota headers and release the slot
-                      (one round trip); then answer, usage and ``solved`` in
-                      one guarded UPDATE
+                      provider's remaining-quota headers, add the latency to
+                      the model's sketch and release the slot (one round
+                      trip); then answer, usage and ``solved`` in one
+                      guarded UPDATE
 rate_limited (429)    the model is paused for Retry-After, once per window
                       (atomically in Lua), so *every* dispatcher holds it,
                       whichever limit caused the 429; the task goes back to
@@ -23,6 +24,16 @@ transient             5xx, timeout, refused connection, malformed reply: back to
                       ``max_attempts`` calls
 permanent             4xx: ``failed`` with the error
 ====================  ==========================================================
+
+A *hedge* (``SolveMessage.hedge``) is a second call for a task whose first
+call straggles, on another model (see the dispatcher). The first answer of the
+two is written; the other is a duplicate. A hedge that gets no answer (429,
+transient, permanent) only frees its slot and leaves the task to its first
+call; while a hedge is in flight, a failure of the first call does not send
+the task back, so the hedge's answer still counts. The losing call is not cut
+off: a provider that got a non-streamed request keeps working and charging for
+it after a disconnect, so its slot stays held until the call ends, exactly as
+if it had been allowed to finish, and its answer is dropped as a duplicate.
 
 The slot is released as soon as the call ends, before any database write, and
 in every case (``finally``), so nothing leaks even on an unexpected exception.
@@ -42,7 +53,7 @@ from typing import TypeVar
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from balancer.admission import Admitted, Settlement
-from balancer.backends import Backend, Permanent, RateLimited, Transient
+from balancer.backends import Backend, Completion, Permanent, RateLimited, Transient
 from balancer.services import Services
 from balancer.storage import tasks as store
 
@@ -59,6 +70,7 @@ class SolveMessage:
     admission_id: str
     model: str
     estimated_tokens: int
+    hedge: bool = False
 
 
 def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float:
@@ -99,6 +111,12 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
             finished = True
             core.finish(msg.admission_id, settlement)
 
+    if msg.hedge:
+        try:
+            return _solve_hedge(services, backend, msg)
+        finally:
+            finish()
+
     try:
         ctx = with_db_retry(lambda: store.start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds))
         if ctx is None:
@@ -115,7 +133,7 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
         if renewed.start_delay_ms > 0:  # the RPM start gate: the provider paces call starts
             time.sleep(renewed.start_delay_ms / 1000)
         try:
-            completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
+            completion, latency_ms = _call(backend, msg, ctx)
         except RateLimited as exc:
             retry_after = exc.retry_after if exc.retry_after is not None else 1.0
             core.penalize(msg.model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
@@ -155,12 +173,7 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
         # The provider's slot is free the moment it answered, so ours is freed now,
         # before the write: the write needs no slot, and keeps its retry and its
         # exactly-once guard. The next call can be on the wire while this one is stored.
-        finish(Settlement(
-            used_tokens=completion.total_tokens,
-            reserved_tokens=completion.prompt_tokens + ctx.max_tokens,
-            remaining_tokens=completion.remaining.tokens,
-            remaining_requests=completion.remaining.requests,
-        ))
+        finish(answered(completion, ctx, latency_ms))
         written = with_db_retry(
             lambda: store.mark_solved(
                 engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens, completion.completion_tokens
@@ -170,3 +183,56 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
     finally:
         finish()  # every path frees the slot, even an unexpected exception
 
+
+
+def _call(backend: Backend, msg: SolveMessage, ctx: store.SolveContext) -> tuple[Completion, int]:
+    """The backend call, and how long it took in ms (a sample for the model's latency sketch)."""
+    called_at = time.monotonic()
+    completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
+    return completion, round((time.monotonic() - called_at) * 1000)
+
+
+def answered(completion: Completion, ctx: store.SolveContext, latency_ms: int) -> Settlement:
+    """What an answered call tells the admission core (usage, headers, latency)."""
+    return Settlement(
+        used_tokens=completion.total_tokens,
+        reserved_tokens=completion.prompt_tokens + ctx.max_tokens,
+        remaining_tokens=completion.remaining.tokens,
+        remaining_requests=completion.remaining.requests,
+        latency_ms=latency_ms,
+        completion_tokens=completion.completion_tokens,
+    )
+
+
+def _solve_hedge(services: Services, backend: Backend, msg: SolveMessage) -> str:
+    """One hedge call: write its answer if it comes first; otherwise only free its slot."""
+    core, engine = services.core, services.engine
+    ctx = with_db_retry(lambda: store.start_hedge(engine, msg.task_id, msg.admission_id))
+    if ctx is None:
+        return "stale"  # the first call answered before the hedge started
+    renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+    if not isinstance(renewed, Admitted):
+        with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
+        return "no_room"
+    if renewed.start_delay_ms > 0:
+        time.sleep(renewed.start_delay_ms / 1000)
+    try:
+        completion, latency_ms = _call(backend, msg, ctx)
+    except RateLimited as exc:
+        retry_after = exc.retry_after if exc.retry_after is not None else 1.0
+        core.penalize(msg.model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
+        core.finish(msg.admission_id)
+        with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
+        return "hedge_failed"
+    except (Transient, Permanent):
+        core.finish(msg.admission_id)
+        with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
+        return "hedge_failed"
+    core.finish(msg.admission_id, answered(completion, ctx, latency_ms))
+    written = with_db_retry(
+        lambda: store.mark_solved(
+            engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
+            completion.completion_tokens, hedge_model=msg.model,
+        )
+    )
+    return "hedge_won" if written else "duplicate"

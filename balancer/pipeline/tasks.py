@@ -33,7 +33,7 @@ def publish(assignments: Sequence[Assignment]) -> None:
     with app.producer_or_acquire() as producer:
         for a in assignments:
             solve_task.apply_async(
-                args=[a.task_id, a.admission_id, a.model, a.estimated_tokens],
+                args=[a.task_id, a.admission_id, a.model, a.estimated_tokens, a.hedge],
                 queue=f"model.{a.model}",
                 producer=producer,
             )
@@ -63,8 +63,8 @@ def dispatch_task() -> dict:
 
 
 @app.task(name="balancer.solve")
-def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int) -> str:
-    outcome = solve(runtime.services(), runtime.backend(), SolveMessage(task_id, admission_id, model, estimated_tokens))
+def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int, hedge: bool = False) -> str:
+    outcome = solve(runtime.services(), runtime.backend(), SolveMessage(task_id, admission_id, model, estimated_tokens, hedge))
     trigger_dispatch()  # a slot just freed: refill it now, not at the next tick
     return outcome
 

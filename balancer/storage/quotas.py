@@ -47,6 +47,7 @@ def _row_to_quota(row: Any) -> Quota:
         enabled=row.enabled,
         token_accounting=row.token_accounting,
         burst_requests=row.burst_requests,
+        expected_latency_s=row.expected_latency_s,
     )
 
 

@@ -12,6 +12,7 @@ from sqlalchemy import (
     Boolean,
     Column,
     DateTime,
+    Float,
     Integer,
     MetaData,
     Table,
@@ -34,6 +35,7 @@ quotas = Table(
     Column("enabled", Boolean, nullable=False, server_default="true"),
     Column("token_accounting", Text, nullable=False, server_default="reserve"),
     Column("burst_requests", Integer, nullable=True),
+    Column("expected_latency_s", Float, nullable=True),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
@@ -69,6 +71,11 @@ tasks = Table(
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("rate_limited", Integer, nullable=False, server_default="0"),
     Column("avoid_model", Text, nullable=True),  # the model whose transient failure sent it back
+    # A hedge: a second call on another model for a straggling running task (pipeline.dispatcher).
+    Column("hedge_admission_id", Text, nullable=True),  # the hedge in flight; cleared on return to pending
+    Column("hedge_model", Text, nullable=True),
+    Column("hedges", Integer, nullable=False, server_default="0"),
+    Column("hedge_tokens", Integer, nullable=False, server_default="0"),  # estimated tokens hedges were admitted with
     Column("not_before", DateTime(timezone=True), nullable=True),
     Column("deadline", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),

@@ -102,6 +102,15 @@ def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[Pendin
     return [PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models)) for r in rows]
 
 
+def pending_backlog(conn: Connection) -> tuple[int, float]:
+    """(number of pending tasks, their mean token estimate): what the end-game switch weighs."""
+    row = conn.execute(
+        sa.select(sa.func.count(), sa.func.coalesce(sa.func.avg(tasks.c.estimated_tokens), 0))
+        .where(tasks.c.status == "pending")
+    ).one()
+    return int(row[0]), float(row[1])
+
+
 def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
     """Which of ``models`` still have pending tasks pinned to them alone.
 
@@ -193,6 +202,10 @@ def _guard(task_id: int, admission_id: str):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("queued", "running")))
 
 
+def _hedge_guard(task_id: int, hedge_admission_id: str):  # noqa: ANN202
+    return sa.and_(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id, tasks.c.status == "running")
+
+
 def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: int) -> SolveContext | None:
     """Mark the task running and read what the call needs, in one statement.
 
@@ -223,19 +236,51 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
     return SolveContext(*row) if row else None
 
 
-def _guarded_update(engine: Engine, task_id: int, admission: str, /, **values: object) -> bool:
-    """Apply ``values`` (column names) only if the task is still queued/running under this admission."""
+def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveContext | None:
+    """What a hedge's call needs; None if the task is no longer running with this hedge.
+
+    It changes nothing: the task stays ``running`` under its first call, and
+    a hedge does not count as an attempt.
+    """
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
+                      tasks.c.attempts, tasks.c.rate_limited)
+            .where(_hedge_guard(task_id, hedge_admission_id))
+        ).first()
+    return SolveContext(*row) if row else None
+
+
+def _guarded_update(engine: Engine, task_id: int, admission: str, /, *, unhedged: bool = False, **values: object) -> bool:
+    """Apply ``values`` (column names) only if the task is still queued/running under this admission
+    (and, with ``unhedged``, has no hedge in flight: then the hedge's answer decides)."""
+    guard = _guard(task_id, admission)
+    if unhedged:
+        guard = sa.and_(guard, tasks.c.hedge_admission_id.is_(None))
     with engine.begin() as conn:
-        result = conn.execute(
-            sa.update(tasks).where(_guard(task_id, admission)).values(updated_at=sa.func.now(), **values)
-        )
+        result = conn.execute(sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values))
     return result.rowcount == 1
 
 
 def mark_solved(
-    engine: Engine, task_id: int, admission_id: str, answer: str, prompt_tokens: int, completion_tokens: int
+    engine: Engine, task_id: int, admission_id: str, answer: str, prompt_tokens: int, completion_tokens: int,
+    *, hedge_model: str | None = None,
 ) -> bool:
-    """Write the answer once. False if someone else already finished it (a duplicate)."""
+    """Write the answer once. False if someone else already finished it (a duplicate).
+
+    With ``hedge_model``, ``admission_id`` is the hedge's: the first answer
+    of the two calls wins, and the task records the model that gave it.
+    """
+    values: dict[str, object] = dict(
+        status="solved", answer=answer, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        solved_at=sa.func.now(), error=None, deadline=None, updated_at=sa.func.now(),
+    )
+    if hedge_model is not None:
+        with engine.begin() as conn:
+            result = conn.execute(
+                sa.update(tasks).where(_hedge_guard(task_id, admission_id)).values(model=hedge_model, **values)
+            )
+        return result.rowcount == 1
     return _guarded_update(
         engine,
         task_id,
@@ -276,7 +321,7 @@ def back_to_pending(
         values["rate_limited"] = tasks.c.rate_limited + 1
     if uncount_attempt:  # no call was made after all
         values["attempts"] = tasks.c.attempts - 1
-    return _guarded_update(engine, task_id, admission_id, **values)
+    return _guarded_update(engine, task_id, admission_id, unhedged=True, **values)
 
 
 def mark_failed(engine: Engine, task_id: int, admission_id: str, error: str, *, uncount_attempt: bool = False) -> bool:
@@ -284,7 +329,7 @@ def mark_failed(engine: Engine, task_id: int, admission_id: str, error: str, *, 
     values: dict = {"status": "failed", "error": error, "deadline": None}
     if uncount_attempt:
         values["attempts"] = tasks.c.attempts - 1
-    return _guarded_update(engine, task_id, admission_id, **values)
+    return _guarded_update(engine, task_id, admission_id, unhedged=True, **values)
 
 
 def return_expired(engine: Engine) -> int:
@@ -297,6 +342,8 @@ def return_expired(engine: Engine) -> int:
                 status="pending",
                 model=None,
                 admission_id=None,
+                hedge_admission_id=None,
+                hedge_model=None,
                 deadline=None,
                 updated_at=sa.func.now(),
                 error="returned to pending: deadline passed while " + tasks.c.status,
@@ -316,7 +363,13 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
                 (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now())) * 1000).label("deadline_ms"),
             ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None))
         ).all()
-    return [LeaseSeed(r.admission_id, r.model, r.estimated_tokens, int(r.deadline_ms)) for r in rows]
+        hedges = conn.execute(
+            sa.select(
+                tasks.c.hedge_admission_id, tasks.c.hedge_model, tasks.c.estimated_tokens,
+                (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now())) * 1000).label("deadline_ms"),
+            ).where(tasks.c.status == "running", tasks.c.hedge_admission_id.is_not(None))
+        ).all()
+    return [LeaseSeed(r[0], r[1], r.estimated_tokens, int(r.deadline_ms)) for r in [*rows, *hedges]]
 
 
 def status_counts(engine: Engine) -> dict[str, int]:
@@ -325,3 +378,73 @@ def status_counts(engine: Engine) -> dict[str, int]:
     counts = dict.fromkeys(("pending", "queued", "running", "solved", "failed"), 0)
     counts.update({status: n for status, n in rows})
     return counts
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A running call that a hedge might overtake."""
+
+    id: int
+    model: str
+    admission_id: str
+    estimated_tokens: int
+    allowed_models: tuple[str, ...] | None
+    elapsed_ms: float
+
+
+def stragglers(conn: Connection, max_hedges: int, limit: int = 50) -> list[Straggler]:
+    """Running tasks with no hedge in flight and fewer than ``max_hedges`` so far, longest-running first."""
+    rows = conn.execute(
+        sa.select(
+            tasks.c.id, tasks.c.model, tasks.c.admission_id, tasks.c.estimated_tokens, tasks.c.allowed_models,
+            (sa.extract("epoch", sa.func.now() - tasks.c.started_at) * 1000).label("elapsed_ms"),
+        )
+        .where(tasks.c.status == "running", tasks.c.hedge_admission_id.is_(None), tasks.c.hedges < max_hedges,
+               tasks.c.started_at.is_not(None))
+        .order_by(tasks.c.started_at)
+        .limit(limit)
+    ).all()
+    return [
+        Straggler(r.id, r.model, r.admission_id, r.estimated_tokens,
+                  tuple(r.allowed_models) if r.allowed_models else None, float(r.elapsed_ms))
+        for r in rows
+    ]
+
+
+def hedge_budget(conn: Connection) -> tuple[int, int]:
+    """(tokens hedges were admitted with, tokens of the run) over the current run:
+    the tasks created since the oldest one still unfinished."""
+    oldest = (
+        sa.select(sa.func.min(tasks.c.created_at))
+        .where(tasks.c.status.in_(("pending", "queued", "running")))
+        .scalar_subquery()
+    )
+    row = conn.execute(
+        sa.select(sa.func.coalesce(sa.func.sum(tasks.c.hedge_tokens), 0),
+                  sa.func.coalesce(sa.func.sum(tasks.c.estimated_tokens), 0))
+        .where(tasks.c.created_at >= oldest)
+    ).one()
+    return int(row[0]), int(row[1])
+
+
+def mark_hedged(conn: Connection, task_id: int, admission_id: str, hedge_admission_id: str, model: str, tokens: int) -> bool:
+    """Record a hedge, if the task still runs under ``admission_id`` with none in flight."""
+    result = conn.execute(
+        sa.update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.status == "running", tasks.c.admission_id == admission_id,
+               tasks.c.hedge_admission_id.is_(None))
+        .values(hedge_admission_id=hedge_admission_id, hedge_model=model, hedges=tasks.c.hedges + 1,
+                hedge_tokens=tasks.c.hedge_tokens + tokens, updated_at=sa.func.now())
+    )
+    return result.rowcount == 1
+
+
+def clear_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> bool:
+    """A hedge that got no answer: the task is again decided by its first call alone."""
+    with engine.begin() as conn:
+        result = conn.execute(
+            sa.update(tasks)
+            .where(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id)
+            .values(hedge_admission_id=None, hedge_model=None, updated_at=sa.func.now())
+        )
+    return result.rowcount == 1

@@ -9,12 +9,15 @@
 -- ARGV[5] x-ratelimit-remaining-tokens, or '' if absent
 -- ARGV[6] x-ratelimit-remaining-requests, or '' if absent
 -- ARGV[7] '1' to release the slot, '0' to keep it (settle only)
+-- ARGV[8] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
+-- ARGV[9] its latency in ms, ARGV[10] prompt tokens, ARGV[11] completion tokens (with ARGV[8])
 -- Settling: the provider's charge is the usage (settle) or the reservation
 -- (reserve). A charge above the estimate is always debited. A charge below it
 -- is credited only by a `settle` model, and only within the quota generation
 -- that charged it; a `reserve` model keeps it, as the provider does.
 -- Header sync: see sync_to_headers in lib.lua (lowers, never raises, and
 -- learns the rate others use of the quota).
+-- Latency: an answered call adds its latency and tokens to the model's sketch.
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
 -- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
 -- already released). Releasing is idempotent.
@@ -42,6 +45,9 @@ if m then
   end
   sync_to_headers(m, now, ARGV[5], ARGV[6])
   save_model(m)
+  if ARGV[8] ~= '' then
+    record_latency(lease.m, tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]))
+  end
 end
 if ARGV[7] == '0' then
   if settled == 1 then redis.call('HSET', LEASES, lid, cjson.encode(lease)) end

@@ -19,7 +19,10 @@
 --                                 ext (tokens per minute others use of this quota, learned from headers)
 --                                 synced_at (ms of the last x-ratelimit-remaining-tokens sync)
 --                                 ptokens prefilled_at (the token bucket as call starts see it: the token gate)
+--                                 prior (the latency prior's median in ms; 0: the global default)
 --   <tag>:inflight:<name>  zset   admission id -> lease deadline (ms)
+--   <tag>:latency:<name>   hash   the latency sketch: b<i> (decayed count of calls in bucket i),
+--                                 ms, pt, ct (decayed sums of latency, prompt and completion tokens)
 --
 -- Units: time in integer ms; buckets in units of 1/60000 token (or request),
 -- so refilling at tpm tokens/min is exactly tpm units per ms. All numbers stay
@@ -33,6 +36,7 @@ local PREFIX = string.sub(KEYS[1], 1, -(#META_SUFFIX + 1)) -- the hash tag
 local function fmt(n) return string.format('%d', n) end
 local function model_key(name) return PREFIX .. MODEL_INFIX .. name end
 local function inflight_key(name) return PREFIX .. INFLIGHT_INFIX .. name end
+local function latency_key(name) return PREFIX .. LATENCY_INFIX .. name end
 
 -- The clock is Redis TIME unless a test injects one.
 local function clock(arg)
@@ -45,7 +49,7 @@ local function loaded() return redis.call('HGET', META, 'loaded') == '1' end
 
 local FIELDS = {'weight', 'cap', 'tpm', 'rpm', 'burst', 'enabled',
                 'tokens', 'requests', 'refilled_at', 'deficit', 'gen', 'settle', 'rburst', 'paused', 'tat',
-                'ext', 'synced_at', 'ptokens', 'prefilled_at'}
+                'ext', 'synced_at', 'ptokens', 'prefilled_at', 'prior'}
 
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
@@ -62,6 +66,7 @@ local function load_model(name)
   m.synced_at = m.synced_at or 0
   m.ptokens = m.ptokens or m.tokens
   m.prefilled_at = m.prefilled_at or m.refilled_at
+  m.prior = m.prior or 0
   return m
 end
 
@@ -72,7 +77,7 @@ local function save_model(m)
     'requests', fmt(m.requests), 'refilled_at', fmt(m.refilled_at), 'deficit', fmt(m.deficit),
     'gen', fmt(m.gen), 'settle', fmt(m.settle), 'rburst', fmt(m.rburst), 'paused', fmt(m.paused),
     'tat', fmt(m.tat), 'ext', fmt(m.ext), 'synced_at', fmt(m.synced_at),
-    'ptokens', fmt(m.ptokens), 'prefilled_at', fmt(m.prefilled_at))
+    'ptokens', fmt(m.ptokens), 'prefilled_at', fmt(m.prefilled_at), 'prior', fmt(m.prior))
 end
 
 -- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
@@ -229,3 +234,26 @@ local function put_lease(lid, m, est, deadline, started)
   redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, r = 0, g = m.gen}))
 end
 -- end of lib.lua
+
+-- Add one finished call to its model's latency sketch: decay every field by
+-- 1/64 (integer floor), then add the sample. The bucket index comes from the
+-- caller (balancer.domain.latency.bucket_of), so this is integer arithmetic
+-- only, exactly as balancer.domain.latency.record does it.
+local SAMPLE_WEIGHT, DECAY = 1000, 64
+local function record_latency(name, bucket, latency_ms, prompt_tokens, completion_tokens)
+  local key = latency_key(name)
+  local raw = redis.call('HGETALL', key)
+  local fields = {}
+  for i = 1, #raw, 2 do
+    local v = tonumber(raw[i + 1])
+    fields[raw[i]] = v - math.floor(v / DECAY)
+  end
+  local b = 'b' .. bucket
+  fields[b] = (fields[b] or 0) + SAMPLE_WEIGHT
+  fields.ms = (fields.ms or 0) + latency_ms
+  fields.pt = (fields.pt or 0) + prompt_tokens
+  fields.ct = (fields.ct or 0) + completion_tokens
+  local flat = {}
+  for k, v in pairs(fields) do flat[#flat + 1] = k; flat[#flat + 1] = fmt(v) end
+  redis.call('HSET', key, unpack(flat))
+end

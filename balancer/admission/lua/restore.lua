@@ -1,9 +1,9 @@
 -- restore.lua: rebuild the live state after Redis lost it, from PostgreSQL's copy.
 -- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
--- ARGV[2] number of quotas Q, then Q groups of 9:
+-- ARGV[2] number of quotas Q, then Q groups of 10:
 --         name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0),
---         settle (1/0), request burst
+--         settle (1/0), request burst, latency prior in ms (0 = the global default)
 -- then the number of in-flight leases L, then L groups of 4:
 --         admission id, model, estimated tokens, deadline ms
 -- Returns 1 if it restored, 0 if the state was already there (another process won).
@@ -13,7 +13,7 @@
 if loaded() then return 0 end
 local now = clock(ARGV[1])
 for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
-  redis.call('DEL', model_key(name), inflight_key(name))
+  redis.call('DEL', model_key(name), inflight_key(name), latency_key(name))
 end
 redis.call('DEL', MODELS, LEASES)
 redis.call('HSET', META, 'loaded', '1', 'epoch', fmt(now), 'seq', '0', 'rr', '')
@@ -24,10 +24,10 @@ for _ = 1, q do
              tpm = tonumber(ARGV[i + 3]), rpm = tonumber(ARGV[i + 4]), burst = tonumber(ARGV[i + 5]),
              enabled = tonumber(ARGV[i + 6]), settle = tonumber(ARGV[i + 7]), rburst = tonumber(ARGV[i + 8]),
              tokens = 0, requests = 0, refilled_at = now, deficit = 0, gen = 0, paused = 0, tat = 0,
-             ext = 0, synced_at = 0, ptokens = 0, prefilled_at = now}
+             ext = 0, synced_at = 0, ptokens = 0, prefilled_at = now, prior = tonumber(ARGV[i + 9])}
   save_model(m)
   redis.call('ZADD', MODELS, 0, m.name)
-  i = i + 9
+  i = i + 10
 end
 local l = tonumber(ARGV[i])
 i = i + 1

@@ -3,6 +3,7 @@
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2..10] name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0),
 --             settle (1: settle to actual usage, 0: reserve), request burst (0 without rpm)
+-- ARGV[11] the latency prior's median in ms (0: the global default)
 -- Returns {'NOSTATE'} if the live state is missing, else {'OK'}.
 -- A new model starts with full buckets (the initial burst). A changed one is
 -- refilled at its old rates up to now, then its buckets and deficit are
@@ -38,5 +39,6 @@ end
 if had_rpm then m.requests = math.min(m.requests, rburst * UNITS) else m.requests = rburst * UNITS end
 m.deficit = math.min(m.deficit, burst)
 m.ext = math.min(m.ext, math.floor(tpm * 9 / 10))
+m.prior = tonumber(ARGV[11])
 save_model(m)
 return {'OK'}
