@@ -107,6 +107,89 @@ def calls_by_model(entries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, 
     return dict(sorted(out.items()))
 
 
+def observed_latency(entries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per model, p50/p90/p99 of answered calls' latency (s) as the backend logged them:
+    what the learned sketch is checked against.
+
+    >>> observed_latency([dict(model="m", status=200, start=0.0, end=float(i)) for i in range(1, 101)])["m"]["p90"]
+    90.0
+    """
+    by_model: dict[str, list[float]] = {}
+    for e in entries:
+        if e["status"] == 200:
+            by_model.setdefault(e["model"], []).append(e["end"] - e["start"])
+    return {
+        name: {f"p{q}": percentile(values, q) for q in (50, 90, 99)} for name, values in sorted(by_model.items())
+    }
+
+
+def rank_correlation(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (ties broken by order): does y grow with x at all?
+
+    >>> rank_correlation([1, 2, 3, 4], [10, 20, 30, 40]), rank_correlation([1, 2, 3, 4], [4, 3, 2, 1])
+    (1.0, -1.0)
+    """
+    n = len(xs)
+    if n < 3:
+        return None
+
+    def ranks(values: Sequence[float]) -> list[int]:
+        out = [0] * n
+        for rank, i in enumerate(sorted(range(n), key=lambda i: values[i])):
+            out[i] = rank
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mean = (n - 1) / 2
+    cov = sum((a - mean) * (b - mean) for a, b in zip(rx, ry, strict=True))
+    var = sum((a - mean) ** 2 for a in rx)
+    return round(cov / var, 3)
+
+
+def size_dependence(entries: Iterable[Mapping[str, Any]]) -> dict[str, float | None]:
+    """Per model, the rank correlation of an answered call's latency with its
+    completion tokens: the check behind the latency sketch not conditioning on
+    size (docs/endgame.md). Near 0: size does not predict latency here."""
+    by_model: dict[str, tuple[list[float], list[float]]] = {}
+    for e in entries:
+        if e["status"] == 200 and e.get("completion_tokens") is not None:
+            tokens, latency = by_model.setdefault(e["model"], ([], []))
+            tokens.append(e["completion_tokens"])
+            latency.append(e["end"] - e["start"])
+    return {name: rank_correlation(t, lat) for name, (t, lat) in sorted(by_model.items())}
+
+
+def hedge_figures(rows: Iterable[Any]) -> dict[str, Any]:
+    """Hedges sent and won, and the tokens they were admitted with, against the run's.
+
+    >>> from types import SimpleNamespace as Row
+    >>> hedge_figures([Row(hedges=1, hedge_model="b", model="b", hedge_tokens=50, estimated_tokens=50),
+    ...                Row(hedges=0, hedge_model=None, model="a", hedge_tokens=0, estimated_tokens=950)])
+    {'sent': 1, 'won': 1, 'tokens': 50, 'token_share': 0.05}
+    """
+    sent = won = tokens = total = 0
+    for r in rows:
+        sent += r.hedges
+        won += int(r.hedges > 0 and r.hedge_model == r.model)
+        tokens += r.hedge_tokens
+        total += r.estimated_tokens
+    return {"sent": sent, "won": won, "tokens": tokens, "token_share": round(tokens / total, 4) if total else 0.0}
+
+
+def last_task_start(rows: Iterable[Any]) -> float | None:
+    """When the backlog ran out: the last time a task's call started (epoch s).
+
+    Hedges do not count: they start late by design, on tasks already running.
+
+    >>> from datetime import datetime, timezone
+    >>> from types import SimpleNamespace as Row
+    >>> last_task_start([Row(started_at=datetime(2026, 1, 1, tzinfo=timezone.utc)), Row(started_at=None)])
+    1767225600.0
+    """
+    starts = [r.started_at.timestamp() for r in rows if r.started_at is not None]
+    return max(starts) if starts else None
+
+
 def backlog_out(entries: Iterable[dict[str, Any]]) -> float | None:
     """When the backlog ran out, as the backend saw it: the start of the last call.
 

@@ -12,14 +12,29 @@ and :mod:`balancer.bench.backlog`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from balancer.bench.report import backlog_out, calls_by_model, estimate_accuracy, limit_utilization, percentile, refill_gaps, rolling_series
+from balancer.bench.report import (
+    backlog_out,
+    calls_by_model,
+    estimate_accuracy,
+    hedge_figures,
+    last_task_start,
+    limit_utilization,
+    observed_latency,
+    percentile,
+    refill_gaps,
+    rolling_series,
+    size_dependence,
+)
 from balancer.bench.scenarios import locate
 from balancer.devtools.runner import IsolatedServices, RunResult, run_pipeline
 from balancer.devtools.scenario import Scenario, parse_scenario
@@ -77,8 +92,27 @@ def limits(scenario: Scenario) -> dict[str, Limits]:
     return limits_for(scenario.quotas(), GRACE)
 
 
+#: The pipeline as it was before the end game: greedy to the last task, no hedges.
+GREEDY_ENV = {"BALANCER_END_GAME": "off", "BALANCER_HEDGE_BUDGET": "0"}
+
+
+@contextlib.contextmanager
+def environment(overrides: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the processes started inside, then restore them."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_accounting: str | None = None,
-                      worker_layout: str | None = None) -> RunResult:
+                      worker_layout: str | None = None, env: dict[str, str] | None = None) -> RunResult:
     """The pipeline against the scenario's simulator. ``quota_accounting`` overrides
     every balancer quota's token_accounting (not the simulator's): the ablation
     that shows what crediting back usage costs against a provider that reserves.
@@ -87,7 +121,7 @@ def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_ac
     quotas = scenario.quotas()
     if quota_accounting is not None:
         quotas = [q.replace(token_accounting=quota_accounting) for q in quotas]
-    with IsolatedServices(console, "bench") as iso:
+    with environment(env or {}), IsolatedServices(console, "bench") as iso:
         return run_pipeline(iso, quotas=quotas, sim_args=["--scenario", str(path), "--seed", str(scenario.seed),
                             "--grace", str(GRACE)], backlog_jsonl=scenario.backlog_jsonl(), console=console,
                             worker_layout=worker_layout or scenario.extra.get("worker_layout", "one"))
@@ -121,7 +155,7 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
     caps = {name: limit.cap for name, limit in lim.items()}
     delays = [(r.started_at - r.created_at).total_seconds() for r in result.rows if r.started_at and r.created_at]
     violations = audit(calls_from_log(result.entries), lim)
-    out_at = backlog_out(result.entries)
+    out_at = last_task_start(result.rows) or backlog_out(result.entries)
     bulk_s = (out_at - result.started) if out_at is not None else result.makespan
     gaps = refill_gaps(result.entries, caps, until=out_at)
     # How much of what each provider allows the run used while it still had work for every model.
@@ -143,7 +177,26 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "backlog_out_s": round(bulk_s, 2),
         "tail_s": round(result.makespan - bulk_s, 2),
         "limit_utilization_bulk": {"mean": round(sum(use.values()) / len(use), 3) if use else None, "by_model": use},
+        "latency_s": latency_table(result),
+        "hedges": hedge_figures(result.rows),
     }
+
+
+def latency_table(result: RunResult) -> dict[str, Any]:
+    """Per model: the p50/p90/p99 the pipeline learned (its Redis sketch, read at
+    the end) beside those the backend logged."""
+    observed = observed_latency(result.entries)
+    by_size = size_dependence(result.entries)
+    out: dict[str, Any] = {}
+    for name in sorted(set(observed) | set(result.learned_latency)):
+        sketch = result.learned_latency.get(name)
+        learned = None
+        if sketch is not None and sketch.samples > 0:
+            learned = {f"p{q}": round(sketch.quantile_ms(q / 100) / 1000, 2) for q in (50, 90, 99)}
+            learned["samples"] = round(sketch.samples, 1)
+        out[name] = {"learned": learned, "observed": observed.get(name),
+                     "rank_correlation_with_completion_tokens": by_size.get(name)}
+    return out
 
 
 def plot(results: dict[str, RunResult], scenario: Scenario, out: Path) -> list[str]:
@@ -168,7 +221,7 @@ def plot(results: dict[str, RunResult], scenario: Scenario, out: Path) -> list[s
                                         window=window)
                 ax = axes[row][col]
                 ax.plot(series["t"], series[metric], lw=1)
-                out_at = backlog_out(result.entries)
+                out_at = last_task_start(result.rows) or backlog_out(result.entries)
                 if metric == "in_flight" and out_at is not None:  # the backlog ran out: the tail starts
                     ax.axvline(out_at - result.started, color="grey", lw=0.8, ls=":")
                 cap = limit_of(lim[name])
@@ -207,9 +260,28 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
         f"sooner; see docs/scenarios.md). Against max(bound, floor), utilization is **{report.get('utilization_vs_floor')}**.",
         "",
     ]
-    p = report.get("pipeline")
+    g, p = report.get("greedy"), report.get("pipeline")
+    if g and p:
+        lines += [
+            "Before and after the end game, same seed, one run (the greedy side runs with BALANCER_END_GAME=off "
+            "and BALANCER_HEDGE_BUDGET=0):",
+            "",
+            "| | greedy (before) | end game + hedging (after) |",
+            "|---|---:|---:|",
+            f"| makespan (s) | {g['makespan_s']} | {p['makespan_s']} |",
+            f"| utilization (bound / makespan) | {report['utilization_greedy']} | {report['utilization']} |",
+            f"| backlog ran out at (s) | {g['backlog_out_s']} | {p['backlog_out_s']} |",
+            f"| tail (s) | {g['tail_s']} | {p['tail_s']} |",
+            f"| hedges sent / won | - | {p['hedges']['sent']} / {p['hedges']['won']} |",
+            f"| hedge tokens (share of the run's) | - | {p['hedges']['tokens']:,} ({p['hedges']['token_share']:.1%}) |",
+            f"| 429s | {g['rate_limited']} | {p['rate_limited']} |",
+            f"| limit violations | {g['violations']} | {p['violations']} |",
+            "",
+        ]
     if p:
         lines += [
+            f"Hedges: {p['hedges']['sent']} sent, {p['hedges']['won']} won, {p['hedges']['tokens']:,} tokens "
+            f"({p['hedges']['token_share']:.1%} of the run's).",
             f"Pipeline queueing delay (submitted → started): p50 {p['queueing_delay_s']['p50']} s, p99 {p['queueing_delay_s']['p99']} s.",
             f"Refill gap at the backend (a call's end on a model at its cap → the next call's arrival there, while "
             f"tasks were pending): p50 {p['refill_gap_s']['p50']} s, p90 {p['refill_gap_s']['p90']} s, "
@@ -230,12 +302,26 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
         ]
         for name, t in sorted(p["tokens"].items()):
             lines.append(f"| {name} | {t['tasks']} | {t['estimated']:,} | {t['actual']:,} | {t['actual'] / max(1, t['estimated']):.2f} |")
+        lines += [
+            "",
+            "Latency per model, learned by the pipeline (its decayed sketch; recent calls weigh most) "
+            "and logged by the backend (every call), in seconds:",
+            "",
+            "| model | learned p50 | p90 | p99 | logged p50 | p90 | p99 | rank corr. latency ~ completion tokens |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, lat in p.get("latency_s", {}).items():
+            learned, logged = lat["learned"] or {}, lat["observed"] or {}
+            cells = [learned.get(k, "-") for k in ("p50", "p90", "p99")] + [
+                "-" if logged.get(k) is None else round(logged[k], 2) for k in ("p50", "p90", "p99")] + [
+                lat.get("rank_correlation_with_completion_tokens")]
+            lines.append(f"| {name} | " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", *[f"![{f}]({f})" for f in report.get("plots", [])], ""]
     (out / "report.md").write_text("\n".join(lines))
 
 
 def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = None,
-         worker_layout: str | None = None) -> dict[str, Any]:
+         worker_layout: str | None = None, compare_greedy: bool = False) -> dict[str, Any]:
     """Run the scenario named (bundled) or given as a path by ``spec``; write the report under ``out``.
 
     The scenario's TOML is copied into ``out`` first: the simulator reads it
@@ -257,6 +343,9 @@ def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = 
     console.print(f"[bold]{scenario.name}[/bold]: {scenario.workload.tasks} tasks, {len(scenario.models)} models, "
                   f"time scale {scenario.time_scale}; capacity bound {bound:.1f} s; pinned-work floor {floor:.1f} s")
     results: dict[str, RunResult] = {}
+    if compare_greedy and only != "baseline":
+        console.print("greedy side: the pipeline with the end game and hedging off (BALANCER_END_GAME=off, BALANCER_HEDGE_BUDGET=0)")
+        results["greedy"] = run_side_pipeline(scenario, path, console, quota_accounting, worker_layout, GREEDY_ENV)
     if only != "baseline":
         results["pipeline"] = run_side_pipeline(scenario, path, console, quota_accounting, worker_layout)
     if only != "pipeline":
@@ -282,13 +371,23 @@ def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = 
         report["violations"] = report["pipeline"]["violations"]
         report["utilization"] = round(bound / report["makespan_s"]["pipeline"], 3)
         report["utilization_vs_floor"] = round(max(bound, floor) / report["makespan_s"]["pipeline"], 3)
-    if len(results) == 2:
+    if "greedy" in results:
+        report["utilization_greedy"] = round(bound / report["makespan_s"]["greedy"], 3)
+        report["utilization_vs_floor_greedy"] = round(max(bound, floor) / report["makespan_s"]["greedy"], 3)
+    if "baseline" in results and "pipeline" in results:
         report["speedup"] = round(report["makespan_s"]["baseline"] / report["makespan_s"]["pipeline"], 2)
     report["plots"] = plot(results, scenario, out)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     write_markdown(report, out)
     console.print(f"makespan: {report['makespan_s']}  speedup: {report.get('speedup')}  utilization: "
                   f"{report.get('utilization')}  429s: {report.get('rate_limited')}  violations: {report.get('violations')}")
+    if "greedy" in report:
+        g, p = report["greedy"], report["pipeline"]
+        console.print(f"greedy → end game: utilization {report['utilization_greedy']} → {report['utilization']}; "
+                      f"backlog out {g['backlog_out_s']} → {p['backlog_out_s']} s; tail {g['tail_s']} → {p['tail_s']} s; "
+                      f"hedges {p['hedges']['sent']} sent, {p['hedges']['won']} won, "
+                      f"{p['hedges']['token_share']:.1%} of the run's tokens; 429s {g['rate_limited']} / {p['rate_limited']}; "
+                      f"violations {g['violations']} / {p['violations']}")
     console.print(f"report: {out / 'report.md'}")
     return report
 

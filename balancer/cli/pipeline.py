@@ -187,7 +187,10 @@ def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -
               help="Ablation: give every balancer quota this token_accounting, whatever the simulated provider does.")
 @click.option("--worker-layout", type=click.Choice(["one", "per-model"]),
               help="Pipeline workers: every pool in one process (default), or one process per model.")
-def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: str | None, worker_layout: str | None) -> None:
+@click.option("--compare-greedy", is_flag=True,
+              help="Also run the pipeline with the end game and hedging off, same seed: before and after in one run.")
+def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: str | None, worker_layout: str | None,
+          compare_greedy: bool) -> None:
     """Benchmark SCENARIO (a bundled name such as `short`, or a TOML file):
     the pipeline against today's Airflow pattern and the capacity bound."""
     import time
@@ -199,7 +202,7 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     if out is None:
         out = Path("bench-out") / f"{name.removesuffix('.toml')}-{time.strftime('%Y%m%d-%H%M%S')}"
     click.echo(f"writing the report to {out.resolve()}", err=True)
-    run_bench(scenario, out, only, quota_accounting, worker_layout)
+    run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
 
 COMMANDS = [submit, worker, dispatcher, beat, sim, status, demo, bench]

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,8 @@ class RunResult:
     finished: float
     counts: dict[str, int]
     rows: list[Any]
+    #: Per model, the latency the pipeline learned (balancer.domain.latency), read at the end of the run.
+    learned_latency: dict[str, Any] = field(default_factory=dict)
 
     @property
     def makespan(self) -> float:
@@ -254,6 +256,7 @@ def run_pipeline(
     rows = iso.task_rows()
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))
-    result = RunResult(entries, started, finished, status_counts(svc.engine), rows)
+    learned = {name: m.latency for name, m in svc.core.live().items()}
+    result = RunResult(entries, started, finished, status_counts(svc.engine), rows, learned)
     supervisor.stop_all()
     return result
