@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, Settlement
-from balancer.domain.endgame import Job, ModelOutlook, in_end_game, plan
+from balancer.domain.endgame import CAUTIOUS, HEDGED, Job, ModelOutlook, in_end_game, plan
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of, record
 from balancer.domain.quota import Quota
 
@@ -53,6 +53,19 @@ def test_the_switch_follows_the_estimate_not_a_constant() -> None:
     medium = outlook("slow", LatencyEstimate(2_000, 4_000, 6_000, 100), cap=2)
     assert not in_end_game(40, 100, [fast, medium])
     assert in_end_game(30, 100, [fast, medium])
+
+
+def test_with_hedging_a_slow_model_takes_work_its_mean_can_finish_in_time() -> None:
+    """Without hedges a placement must fear the slow model's tail (p90 20 s);
+    with them, a straggler is overtaken, so its mean (3.4 s) is what counts."""
+    fast = outlook("fast", FAST, cap=1)
+    slow = outlook("slow", LatencyEstimate(3_000, 20_000, 40_000, 100), cap=1)
+    jobs = [Job(i, 100) for i in range(4)]
+    assert "slow" not in plan(jobs, [fast, slow], finish=CAUTIOUS)
+    assert "slow" in plan(jobs, [fast, slow], finish=HEDGED)
+    # The switch moves the same way: 8 tasks drain in about 6.8 s, the end game
+    # against a 20 s p90 but not against a 3.4 s mean.
+    assert in_end_game(8, 100, [fast, slow], CAUTIOUS) and not in_end_game(8, 100, [fast, slow], HEDGED)
 
 
 def test_no_end_game_when_no_model_has_a_free_slot() -> None:

@@ -37,8 +37,12 @@ from dataclasses import dataclass
 
 from balancer.domain.latency import LatencyEstimate
 
-#: Which quantile a task's own finish is planned at: the end of a run is set by its slowest calls.
-FINISH_QUANTILE = "p90_ms"
+#: What a task's own finish is planned at. Without hedging, the end of a run
+#: is set by its slowest calls, so a high quantile (p90). With hedging, a call
+#: that overruns is overtaken by a hedge, so the expected latency (mean) is
+#: what a placement should minimize, and slow models keep taking work longer.
+CAUTIOUS = "p90_ms"
+HEDGED = "mean_ms"
 
 
 @dataclass(frozen=True)
@@ -86,13 +90,13 @@ def drain_ms(pending: int, mean_tokens: float, models: Sequence[ModelOutlook]) -
     return math.inf if rate <= 0 else pending / rate
 
 
-def in_end_game(pending: int, mean_tokens: float, models: Sequence[ModelOutlook]) -> bool:
+def in_end_game(pending: int, mean_tokens: float, models: Sequence[ModelOutlook], finish: str = CAUTIOUS) -> bool:
     """True when the backlog would run out before a call started now on the
-    slowest model with a free slot would end (at its p90)."""
+    slowest model with a free slot would end (at its p90, or its mean with ``finish=HEDGED``)."""
     open_models = [m for m in models if m.free_slots > 0]
     if not open_models or pending <= 0:
         return False
-    horizon = max(getattr(m.latency, FINISH_QUANTILE) for m in open_models)
+    horizon = max(getattr(m.latency, finish) for m in open_models)
     return drain_ms(pending, mean_tokens, models) < horizon
 
 
@@ -135,12 +139,14 @@ class _Timeline:
         self.requests_used += 1
 
 
-def plan(jobs: Sequence[Job], models: Sequence[ModelOutlook], unclaimed: Sequence[Job] = ()) -> list[str | None]:
+def plan(
+    jobs: Sequence[Job], models: Sequence[ModelOutlook], unclaimed: Sequence[Job] = (), finish: str = CAUTIOUS,
+) -> list[str | None]:
     """For each job, in order, the model to bind it to now, or None to keep it pending.
 
     First the whole backlog, ``jobs`` then the ``unclaimed`` rest, is placed
     by minimum completion time: each in turn goes to the allowed model where
-    it would *finish* soonest (start + p90), seeing the slots, tokens and
+    it would *finish* soonest (start + p90, or + mean with ``finish=HEDGED``), seeing the slots, tokens and
     requests the earlier ones took. That says how many calls each model
     should start *now*: a slow model's free slot is worth filling only if
     the plan puts some of the backlog there at once. Then ``jobs``, in
@@ -162,9 +168,9 @@ def plan(jobs: Sequence[Job], models: Sequence[ModelOutlook], unclaimed: Sequenc
         for name in _usable(job, timelines):
             line = timelines[name]
             start = line.start_at(job.estimated_tokens)
-            finish = start + getattr(line.outlook.latency, FINISH_QUANTILE)
-            if best is None or (finish, start, name) < best:
-                best = (finish, start, name)
+            ends = start + getattr(line.outlook.latency, finish)
+            if best is None or (ends, start, name) < best:
+                best = (ends, start, name)
         if best is None or not math.isfinite(best[0]):
             continue
         _, start, name = best
@@ -178,7 +184,7 @@ def plan(jobs: Sequence[Job], models: Sequence[ModelOutlook], unclaimed: Sequenc
         if not usable:
             out.append(None)
             continue
-        name = min(usable, key=lambda n: (getattr(timelines[n].outlook.latency, FINISH_QUANTILE), n))
+        name = min(usable, key=lambda n: (getattr(timelines[n].outlook.latency, finish), n))
         starts_now[name] -= 1
         out.append(name)
     return out

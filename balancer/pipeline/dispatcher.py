@@ -40,6 +40,7 @@ from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import ModelLive, open_slots
 from balancer.domain import endgame
 from balancer.services import Services
+from balancer.settings import Settings
 from balancer.storage.tasks import (
     PendingTask,
     claim_pinned,
@@ -120,7 +121,7 @@ def dispatch(
             if services.settings.end_game and batch:
                 kept = finish_time_aware(
                     conn, batch, view, window_full=len(claimed) >= window,
-                    prior_s=services.settings.expected_latency_s,
+                    prior_s=services.settings.expected_latency_s, finish=finish_estimate(services.settings),
                 )
                 report.held_for_faster += len(batch) - len(kept)
                 batch = kept
@@ -219,9 +220,14 @@ def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOu
     return out
 
 
+def finish_estimate(settings: Settings) -> str:
+    """Plan finishes at the mean latency when hedges can overtake stragglers, else at p90."""
+    return endgame.HEDGED if settings.hedge_budget > 0 and settings.max_hedges > 0 else endgame.CAUTIOUS
+
+
 def finish_time_aware(
     conn: Connection, batch: list[tuple[PendingTask, Candidate]], view: dict[str, ModelLive], *,
-    window_full: bool, prior_s: float,
+    window_full: bool, prior_s: float, finish: str = endgame.CAUTIOUS,
 ) -> list[tuple[PendingTask, Candidate]]:
     """The batch as the end game would bind it (see :mod:`balancer.domain.endgame`).
 
@@ -234,15 +240,15 @@ def finish_time_aware(
     models = outlooks(view, prior_s)
     pending = len(batch)
     mean_tokens = sum(c.estimated_tokens for _, c in batch) / len(batch)
-    if not endgame.in_end_game(pending, mean_tokens, models):
+    if not endgame.in_end_game(pending, mean_tokens, models, finish):
         return batch  # a larger backlog drains later still: the bulk of the run, no count needed
     if window_full:
         pending, mean_tokens = pending_backlog(conn)
-        if not endgame.in_end_game(pending, mean_tokens, models):
+        if not endgame.in_end_game(pending, mean_tokens, models, finish):
             return batch
     jobs = [endgame.Job(t.id, c.estimated_tokens, c.allowed, c.avoid) for t, c in batch]
     unclaimed = min(MAX_UNCLAIMED_PLANNED, max(0, pending - len(jobs)))
-    placed = endgame.plan(jobs, models, [endgame.Job(-1 - i, round(mean_tokens)) for i in range(unclaimed)])
+    placed = endgame.plan(jobs, models, [endgame.Job(-1 - i, round(mean_tokens)) for i in range(unclaimed)], finish)
     return [
         (task, dataclasses.replace(candidate, allowed=(model,)))
         for (task, candidate), model in zip(batch, placed, strict=True)
