@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -20,14 +22,31 @@ pytestmark = pytest.mark.e2e
 KEYS = {"tasks", "solved", "failed", "makespan_s", "rate_limited", "violations", "models"}
 
 
+#: Every process a demo in this test run starts inherits this variable; the
+#: tests look for it, not at the machine's process list.
+MARK = f"BALANCER_TEST_RUN={uuid.uuid4().hex}".encode()
+
+
 def pipeline_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "--", r"-m balancer (sim|dispatcher|worker|beat)"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+    """Live processes started by this test run's demos (the demo itself included)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone, or not ours to read
+            continue
+        if state != "Z" and MARK in environ.split(b"\0"):
+            pids.add(int(entry.name))
+    return pids
 
 
 def demo_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BALANCER_")}
-    return {**env, **extra}
+    name, value = MARK.decode().split("=", 1)
+    return {**env, name: value, **extra}
 
 
 def check_summary(stdout: str, tasks: int) -> dict:
@@ -80,7 +99,7 @@ def test_ctrl_c_stops_everything(service_urls: tuple[str, str]) -> None:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while len(pipeline_pids() - before) < 4:
+        while len(pipeline_pids() - before - {proc.pid}) < 4:  # sim, dispatcher, worker, beat
             assert time.monotonic() < deadline and proc.poll() is None, "demo never started its processes"
             time.sleep(0.5)
         time.sleep(2)
