@@ -41,7 +41,9 @@ def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:
 
 def redis_client(url: str, *, check: bool = True) -> redis.Redis:
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=3, health_check_interval=30)
+        # Timeouts on connect and on every reply: a Redis that accepts but never
+        # answers must fail a call, not hang a worker thread for ever.
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, health_check_interval=30)
         if check:
             client.ping()
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:

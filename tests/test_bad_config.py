@@ -62,6 +62,25 @@ def test_wrong_redis_password(env: dict[str, str], tmp_path: Path) -> None:
         server.wait(timeout=10)
 
 
+@pytest.mark.parametrize("setting", ["BALANCER_DATABASE_URL", "BALANCER_REDIS_URL"])
+def test_a_server_that_accepts_but_never_answers_fails_in_seconds(env: dict[str, str], setting: str) -> None:
+    """Connect and reply timeouts: one line and exit 2, not a hang."""
+    import socket
+    import time
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # the kernel completes the handshake; nothing ever answers
+        port = listener.getsockname()[1]
+        url = (f"postgresql://bob:hunter2@127.0.0.1:{port}/x" if setting == "BALANCER_DATABASE_URL"
+               else f"redis://:hunter2@127.0.0.1:{port}/0")
+        started = time.monotonic()
+        proc = balancer({setting: url}, "quota", "list")
+        assert time.monotonic() - started < 30
+    assert_one_line(proc, setting)
+    assert "hunter2" not in proc.stderr
+
+
 def test_missing_migration(env: dict[str, str]) -> None:
     assert_one_line(balancer({}, "quota", "list"), "balancer db upgrade")
     assert_one_line(balancer({}, "status"), "balancer db upgrade")

@@ -15,7 +15,9 @@ def make_engine(url: str, **kwargs: object) -> Engine:
     url = normalize_database_url(url)
     try:
         # Worker processes run many threads; each holds a connection only briefly.
-        options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, **kwargs}
+        # connect_timeout: a server that accepts but never answers fails in 5 s, not never.
+        options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20,
+                   "connect_args": {"connect_timeout": 5}, **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
         raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {exc}") from None
