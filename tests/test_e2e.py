@@ -216,3 +216,18 @@ def test_flower_lists_model_queues_and_workers(pipeline, tmp_path: Path) -> None
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=10)
+
+
+def test_submit_dispatches_at_once_without_beat(pipeline, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With beat down, nothing ticks: `submit` itself asks for a dispatch, and
+    every freed slot asks for the next one, so the whole file is solved."""
+    import json
+
+    p = pipeline().start(beat=False)
+    lines = prompt_lines(40, [m.name for m in p.models], pinned_every=0)
+    file = tmp_path / "tasks.jsonl"
+    file.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["submit", str(file)]) == 0
+    assert "accepted 40 task(s)" in capsys.readouterr().out
+    counts = p.wait_done(40, timeout=120)
+    assert counts["solved"] == 40

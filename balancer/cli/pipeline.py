@@ -54,8 +54,22 @@ def submit(file: Path, strict: bool, source: str) -> None:
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
     click.echo(f"accepted {len(ids)} task(s)" + (f", rejected {len(errors)} line(s)" if errors else ""))
+    _ask_for_dispatch()
     if errors:
         raise SystemExit(3)
+
+
+def _ask_for_dispatch() -> None:
+    """Ask the dispatcher to run now rather than at beat's next tick (or never,
+    if beat is down). The tasks are already stored, so failing to ask is only
+    a warning: any later tick or freed slot dispatches them."""
+    from balancer.pipeline.tasks import trigger_dispatch
+
+    try:
+        trigger_dispatch()
+    except Exception as exc:  # noqa: BLE001 - the tasks are stored; this is best effort
+        click.echo(f"warning: could not ask for a dispatch now ({type(exc).__name__}); "
+                   "the dispatcher's next tick will take the tasks", err=True)
 
 
 def _celery_worker(argv: list[str], pool: str) -> None:
