@@ -34,6 +34,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from balancer.domain.latency import LatencyEstimate
 
@@ -208,24 +209,43 @@ class Running:
     allowed: tuple[str, ...] | None = None
 
 
-def worth_hedging(elapsed_ms: float, running: LatencyEstimate, fresh: LatencyEstimate) -> bool:
-    """Whether a fresh call (at its p90) would likely beat a call that has run ``elapsed_ms``.
+def remaining_ms(elapsed_ms: float, latency: LatencyEstimate) -> float:
+    """The median time a call that has run ``elapsed_ms`` still has to run.
 
-    Either the call has run past its model's p90 and a fresh call's p90 is
-    shorter than what it has already run (past its p90, a heavy-tailed call
-    is expected to run at least about as long again), or even its model's
-    median leaves more to run than a fresh call's p90 takes.
+    Latency is read as a lognormal through the model's p50 and p90; given that
+    the call has lasted ``elapsed_ms``, it ends at the median of what is left
+    of that distribution. For a heavy tail that is far from zero even past the
+    model's p50: the longer a call has run, the longer it is likely to run.
+
+    >>> est = LatencyEstimate(10_000, 30_000, 90_000, 50)
+    >>> round(remaining_ms(0, est)), round(remaining_ms(10_000, est)), round(remaining_ms(30_000, est))
+    (10000, 7828, 10962)
+    """
+    if latency.p90_ms <= latency.p50_ms or latency.p50_ms <= 0:
+        return max(0.0, latency.p50_ms - elapsed_ms)
+    sigma = math.log(latency.p90_ms / latency.p50_ms) / _Z90
+    survived = 1.0 if elapsed_ms <= 0 else 1.0 - _NORMAL.cdf(math.log(elapsed_ms / latency.p50_ms) / sigma)
+    z = _NORMAL.inv_cdf(min(1.0 - 1e-12, 1.0 - survived / 2))
+    return max(0.0, latency.p50_ms * math.exp(sigma * z) - elapsed_ms)
+
+
+_NORMAL = NormalDist()
+_Z90 = _NORMAL.inv_cdf(0.9)
+
+
+def worth_hedging(elapsed_ms: float, running: LatencyEstimate, fresh: LatencyEstimate) -> bool:
+    """Whether a fresh call (at its p90) would likely beat a call that has run ``elapsed_ms``:
+    what the call still has to run (:func:`remaining_ms`) exceeds a fresh call's p90.
 
     >>> slow, fast = LatencyEstimate(10_000, 30_000, 90_000, 50), LatencyEstimate(1_000, 2_000, 4_000, 50)
     >>> worth_hedging(5_000, slow, fast), worth_hedging(20_000, slow, slow), worth_hedging(40_000, slow, fast)
     (True, False, True)
     """
-    past_p90 = elapsed_ms > running.p90_ms and fresh.p90_ms < elapsed_ms
-    return past_p90 or running.p50_ms - elapsed_ms > fresh.p90_ms
+    return remaining_ms(elapsed_ms, running) > fresh.p90_ms
 
 
 def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float) -> list[tuple[int, str]]:
-    """(call key, model) for each hedge to send now, longest-running calls first.
+    """(call key, model) for each hedge to send now, the calls expected to end last first.
 
     A hedge goes to another allowed model with a free slot where a fresh call
     is :func:`worth_hedging`, the one with the shortest p90; the hedges' token
@@ -241,7 +261,11 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     by_name = {m.name: m for m in models}
     free = {m.name: m.free_slots for m in models}
     out: list[tuple[int, str]] = []
-    for call in sorted(calls, key=lambda c: -c.elapsed_ms):
+    def expected_end(call: Running) -> float:
+        running = by_name.get(call.model)
+        return -math.inf if running is None else remaining_ms(call.elapsed_ms, running.latency)
+
+    for call in sorted(calls, key=lambda c: -expected_end(c)):
         running = by_name.get(call.model)
         if running is None or call.estimated_tokens > budget_tokens:
             continue
