@@ -234,14 +234,23 @@ _Z90 = _NORMAL.inv_cdf(0.9)
 
 
 def worth_hedging(elapsed_ms: float, running: LatencyEstimate, fresh: LatencyEstimate) -> bool:
-    """Whether a fresh call (at its p90) would likely beat a call that has run ``elapsed_ms``:
-    what the call still has to run (:func:`remaining_ms`) exceeds a fresh call's p90.
+    """Whether a fresh call (at its p90) would likely beat a call that has run ``elapsed_ms``.
+
+    Either what the call still has to run (:func:`remaining_ms`) exceeds a
+    fresh call's p90, or the call has run past its model's p90 and longer than
+    a fresh call's p90: the model's own distribution no longer describes it
+    (a hung call, a backend that slowed down), so what it has already run is
+    the best guess of what it still has to.
 
     >>> slow, fast = LatencyEstimate(10_000, 30_000, 90_000, 50), LatencyEstimate(1_000, 2_000, 4_000, 50)
     >>> worth_hedging(5_000, slow, fast), worth_hedging(20_000, slow, slow), worth_hedging(40_000, slow, fast)
     (True, False, True)
+    >>> light = LatencyEstimate(100, 190, 320, 50)   # 2 s is 20x its median: hung, not "about to end"
+    >>> worth_hedging(2_500, light, fast), worth_hedging(1_000, light, fast)
+    (True, False)
     """
-    return remaining_ms(elapsed_ms, running) > fresh.p90_ms
+    overrun = elapsed_ms > running.p90_ms and elapsed_ms > fresh.p90_ms
+    return overrun or remaining_ms(elapsed_ms, running) > fresh.p90_ms
 
 
 def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float) -> list[tuple[int, str]]:
