@@ -39,7 +39,11 @@ def assert_solved_exactly_once(p: Pipeline, total: int) -> None:
     assert len(rows) == total
     assert all(r.status == "solved" and r.answer for r in rows), Counter(r.status for r in rows)
     ok_calls = [e for e in p.sim_log() if e["status"] == 200]
-    assert len(ok_calls) == total  # one successful backend call per task, none repeated
+    # One successful backend call per task, none repeated, except deliberate hedges
+    # (a second call on another model for a straggler; the answer is still written once).
+    hedges = sum(r.hedges for r in rows)
+    assert total <= len(ok_calls) <= total + hedges
+    assert all(r.hedges == 0 or r.hedge_model != r.model or r.hedges == 1 for r in rows)
 
 
 @pytest.mark.parametrize("accounting", ["reserve", "settle"])
@@ -218,7 +222,7 @@ def test_flower_lists_model_queues_and_workers(pipeline, tmp_path: Path) -> None
         proc.wait(timeout=10)
 
 
-def test_submit_dispatches_at_once_without_beat(pipeline, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_submit_dispatches_at_once_without_beat(pipeline, tmp_path: Path) -> None:
     """With beat down, nothing ticks: `submit` itself asks for a dispatch, and
     every freed slot asks for the next one, so the whole file is solved."""
     import json
@@ -227,7 +231,11 @@ def test_submit_dispatches_at_once_without_beat(pipeline, tmp_path: Path, capsys
     lines = prompt_lines(40, [m.name for m in p.models], pinned_every=0)
     file = tmp_path / "tasks.jsonl"
     file.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    assert main(["submit", str(file)]) == 0
-    assert "accepted 40 task(s)" in capsys.readouterr().out
+    # A process of its own, as a user runs it (this test process's Celery app keeps
+    # the broker of the environment it was first imported in).
+    proc = subprocess.run([sys.executable, "-m", "balancer", "submit", str(file)], env=p.env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "accepted 40 task(s)" in proc.stdout and "warning" not in proc.stderr
     counts = p.wait_done(40, timeout=120)
     assert counts["solved"] == 40
