@@ -70,6 +70,25 @@ def test_latency_prior_then_learned_latency_in_quota_list(capsys: pytest.Capture
     assert code == 2 and "expected_latency_s must be a number of seconds" in err and len(err.strip().splitlines()) == 1
 
 
+def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from balancer.domain.intake import parse_tasks
+    from balancer.storage.tasks import insert_tasks
+
+    for name in ("a", "b"):
+        assert run(capsys, "quota", "set", name, "--create", "--tpm", "60000", "--concurrency", "2")[0] == 0
+    lines = [{"prompt": "x", "model": "b"}, {"prompt": "y", "models": ["a", "b"]}, {"prompt": "z"}]
+    rows, errors = parse_tasks("\n".join(json.dumps(line) for line in lines), models={"a": 60_000, "b": 60_000})
+    assert not errors
+    with services().engine.begin() as conn:
+        insert_tasks(conn, rows)
+    code, out, err = run(capsys, "quota", "remove", "b")
+    assert code == 0 and "b: removed" in out
+    assert "warning: 1 pending task(s) may only run on models that no longer exist" in err  # the one pinned to b
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = run(capsys, "quota", "remove", "a")
+    assert code == 0 and "warning: 2 pending task(s)" in err  # and now the one allowed on a or b
+
+
 @pytest.mark.smoke
 def test_live_change_applies_to_the_very_next_admission(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "2")[0] == 0

@@ -17,6 +17,7 @@ from rich.table import Table
 from balancer.cli import services
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError
+from balancer.services import Services
 
 POSITIVE = click.IntRange(min=1)
 
@@ -169,6 +170,17 @@ def quota_set(
         click.echo(f"{model}: {verb} " + json.dumps({k: v for k, v in new.as_dict().items() if k != "name"}))
 
 
+def _warn_stranded(svc: Services) -> None:
+    """Say so when removing models left pending tasks that no model may take:
+    they wait, untouched, until one of their models is added again."""
+    from balancer.storage.tasks import stranded_pending
+
+    stranded = stranded_pending(svc.engine, [q.name for q in svc.quotas.all()])
+    if stranded:
+        click.echo(f"warning: {stranded} pending task(s) may only run on models that no longer exist; "
+                   "they wait until one of those models is added again", err=True)
+
+
 @quota.command("remove")
 @click.argument("model")
 @click.option("--by", help="Who made the change (default: the OS user).")
@@ -177,6 +189,7 @@ def quota_remove(model: str, by: str | None) -> None:
     svc = _migrated_services()
     svc.quotas.remove(model, by=by)
     click.echo(f"{model}: removed")
+    _warn_stranded(svc)
 
 
 @quota.command("import")
@@ -198,6 +211,8 @@ def quota_import(file: Path, by: str | None) -> None:
         f"imported {len(quotas)} model(s): {len(summary.created)} created, {len(summary.updated)} updated, "
         f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged"
     )
+    if summary.removed:
+        _warn_stranded(svc)
 
 
 @quota.command("export")

@@ -448,3 +448,13 @@ def clear_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> bool:
             .values(hedge_admission_id=None, hedge_model=None, updated_at=sa.func.now())
         )
     return result.rowcount == 1
+
+
+def stranded_pending(engine: Engine, models: Sequence[str]) -> int:
+    """Pending tasks that none of ``models`` may take (they were pinned to models since removed)."""
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(sa.func.count())
+            .where(tasks.c.status == "pending", tasks.c.allowed_models.is_not(None),
+                   sa.not_(tasks.c.allowed_models.overlap(sa.cast(list(models), tasks.c.allowed_models.type))))
+        ).scalar_one()
