@@ -6,5 +6,10 @@ ARG EXTRAS=""
 COPY pyproject.toml README.md celeryconfig.py ./
 COPY balancer ./balancer
 RUN pip install --no-cache-dir ".${EXTRAS}"
-RUN useradd --create-home balancer
+# The directories compose mounts named volumes on: a new volume takes the
+# ownership of the image's directory, so the app user can write the inbox
+# (ingest moves files to done/ and rejected/) and beat its schedule.
+RUN useradd --create-home balancer \
+    && mkdir -p /inbox /var/lib/balancer \
+    && chown balancer:balancer /inbox /var/lib/balancer
 USER balancer
