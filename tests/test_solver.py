@@ -385,3 +385,33 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
         assert solve(svc, backend, message(sent[0])) == "solved"
         assert counts.reset() == (2, 4)
     runtime.reset()
+
+
+def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> None:
+    """Every pooled connection busy: the write waits (pool checkout timeouts are
+    retried) instead of raising and dropping the answer."""
+    import threading
+
+    import sqlalchemy as sa
+
+    from balancer.pipeline.solver import with_db_retry
+    from balancer.storage.db import make_engine
+
+    engine = make_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.1)
+    held = engine.connect()
+    releaser = threading.Timer(0.6, held.close)  # the only connection comes back after 0.6 s
+    releaser.start()
+    attempts = []
+
+    def write() -> int:
+        attempts.append(1)
+        with engine.connect() as conn:
+            return conn.execute(sa.text("SELECT 1")).scalar_one()
+
+    try:
+        assert with_db_retry(write) == 1
+        assert len(attempts) >= 2  # the first checkout timed out and was retried
+    finally:
+        releaser.cancel()
+        held.close()
+        engine.dispose()

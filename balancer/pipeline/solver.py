@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from balancer.admission import Admitted, Settlement
 from balancer.backends import Backend, Completion, Permanent, RateLimited, Transient
@@ -83,14 +84,19 @@ def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float
 
 
 def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run a database write, retrying while PostgreSQL is unreachable."""
+    """Run a database write, retrying while PostgreSQL is unreachable, or while
+    every pooled connection is busy (a pool checkout timeout): an answer in
+    hand is never dropped for want of a connection."""
     deadline = time.monotonic() + give_up_after
     delay = 0.2
     while True:
         try:
             return operation()
-        except DBAPIError as exc:
-            if not (isinstance(exc, OperationalError) or exc.connection_invalidated):
+        except (DBAPIError, PoolTimeout) as exc:
+            transient = isinstance(exc, (OperationalError, PoolTimeout)) or (
+                isinstance(exc, DBAPIError) and exc.connection_invalidated
+            )
+            if not transient:
                 raise
             if time.monotonic() > deadline:
                 raise
