@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -102,30 +103,25 @@ def _int(name: str, default: int, minimum: int = 1) -> int:
     return value
 
 
-def _float(name: str, default: float) -> float:
+def _number(name: str, default: float, valid: Callable[[float], bool], expected: str) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
+        raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
+    if not valid(value):
+        raise ConfigError(f"{name} must be {expected}, got {value}")
     return value
+
+
+def _float(name: str, default: float) -> float:
+    return _number(name, default, lambda v: v > 0, "a number > 0")
 
 
 def _share(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name} must be a number from 0 to 1, got {raw!r}") from None
-    if not 0 <= value <= 1:
-        raise ConfigError(f"{name} must be a number from 0 to 1, got {raw!r}")
-    return value
+    return _number(name, default, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 
 
 def _switch(name: str, default: bool) -> bool:
@@ -175,6 +171,11 @@ class Settings:
     dispatch_tick: float = 1.0
     reconcile_tick: float = 10.0
     ingest_tick: float = 5.0
+
+    @property
+    def hedging(self) -> bool:
+        """Whether stragglers may be hedged (a budget and at least one hedge per task)."""
+        return self.hedge_budget > 0 and self.max_hedges > 0
 
     @property
     def hard_time_limit(self) -> float:

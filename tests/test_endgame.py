@@ -152,25 +152,28 @@ def test_finish_records_the_latency_in_the_same_call(redis_client, namespace: st
 
 # -- end to end ------------------------------------------------------------------------
 
-SCENARIO = """
-name = "one-slow"
+def two_models(slow: tuple[str, int, float], fast: tuple[str, int, float]) -> str:
+    """A scenario TOML with two models of constant latency: (name, cap, seconds) each."""
+    models = "".join(
+        f"""
+[[models]]
+name = "{name}"
+max_concurrent_requests = {cap}
+max_tokens_per_minute = 2000000
+latency = {{ median = {s}, p99 = {s}, min = {s}, max = {s} }}
+"""
+        for name, cap, s in (slow, fast)
+    )
+    return """
+name = "two-models"
 seed = 1
 time_scale = 1.0
 [workload]
 tasks = 1
 prompt_tokens = { median = 50, p99 = 50, min = 50, max = 50 }
 output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
-[[models]]
-name = "fast"
-max_concurrent_requests = 3
-max_tokens_per_minute = 2000000
-latency = { median = 0.2, p99 = 0.2, min = 0.2, max = 0.2 }
-[[models]]
-name = "slow"
-max_concurrent_requests = 3
-max_tokens_per_minute = 2000000
-latency = { median = 6.0, p99 = 6.0, min = 6.0, max = 6.0 }
-"""
+""" + models
+
 
 
 @pytest.mark.e2e
@@ -182,7 +185,7 @@ def test_with_one_very_slow_model_the_last_tasks_go_to_the_fast_one(tmp_path: Pa
     three tasks at once and the run lasts 6 s: the contrast shows the test can fail."""
     from tests.pipeline_harness import Pipeline, prompt_lines
 
-    (tmp_path / "one-slow.toml").write_text(SCENARIO)
+    (tmp_path / "one-slow.toml").write_text(two_models(("slow", 3, 6.0), ("fast", 3, 0.2)))
     p = Pipeline(tmp_path / "logs", scenario=tmp_path / "one-slow.toml", extra_env={"BALANCER_END_GAME": end_game})
     try:
         p.start()
@@ -203,27 +206,6 @@ def test_with_one_very_slow_model_the_last_tasks_go_to_the_fast_one(tmp_path: Pa
         p.stop()
 
 
-HUNG = """
-name = "hung"
-seed = 1
-time_scale = 1.0
-[workload]
-tasks = 1
-prompt_tokens = { median = 50, p99 = 50, min = 50, max = 50 }
-output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
-[[models]]
-name = "stuck"
-max_concurrent_requests = 1
-max_tokens_per_minute = 2000000
-latency = { median = 60.0, p99 = 60.0, min = 60.0, max = 60.0 }
-[[models]]
-name = "fast"
-max_concurrent_requests = 1
-max_tokens_per_minute = 2000000
-latency = { median = 0.2, p99 = 0.2, min = 0.2, max = 0.2 }
-"""
-
-
 @pytest.mark.e2e
 @pytest.mark.usefixtures("migrated")
 def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path) -> None:
@@ -237,7 +219,7 @@ def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path) -> 
 
     from tests.pipeline_harness import Pipeline
 
-    (tmp_path / "hung.toml").write_text(HUNG)
+    (tmp_path / "hung.toml").write_text(two_models(("stuck", 1, 60.0), ("fast", 1, 0.2)))
     env = {"BALANCER_BACKEND_TIMEOUT": "5", "BALANCER_HEDGE_BUDGET": "1"}  # 5 % of one task's tokens buys no hedge
     p = Pipeline(tmp_path / "logs", scenario=tmp_path / "hung.toml", extra_env=env)
     try:

@@ -46,7 +46,7 @@ from balancer.storage.tasks import (
     claim_pinned,
     claim_window,
     fail_pending,
-    hedge_budget,
+    hedge_spending,
     mark_hedged,
     mark_queued,
     models_with_pinned_backlog,
@@ -152,8 +152,8 @@ def dispatch(
             report.by_model[a.model] = report.by_model.get(a.model, 0) + 1
         if not admitted and not failed:
             break
-    if idle and services.settings.hedge_budget > 0 and services.settings.max_hedges > 0:
-        report.hedges = hedge_stragglers(services, publish)
+    if idle and services.settings.hedging:
+        report.hedges = hedge_stragglers(services, publish, view)  # the view of the round that found nothing
     return report
 
 
@@ -222,7 +222,7 @@ def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOu
 
 def finish_estimate(settings: Settings) -> str:
     """Plan finishes at the mean latency when hedges can overtake stragglers, else at p90."""
-    return endgame.HEDGED if settings.hedge_budget > 0 and settings.max_hedges > 0 else endgame.CAUTIOUS
+    return endgame.HEDGED if settings.hedging else endgame.CAUTIOUS
 
 
 def finish_time_aware(
@@ -256,7 +256,7 @@ def finish_time_aware(
     ]
 
 
-def hedge_stragglers(services: Services, publish: Publisher) -> int:
+def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, ModelLive]) -> int:
     """Send hedges for straggling calls to free slots that no pending task can use.
 
     Which calls and where is :func:`balancer.domain.endgame.pick_hedges`; each
@@ -265,7 +265,6 @@ def hedge_stragglers(services: Services, publish: Publisher) -> int:
     run's tokens) and published as a ``solve`` message marked as a hedge.
     """
     core, settings = services.core, services.settings
-    view = core.live()
     models = outlooks(view, settings.expected_latency_s)
     if not any(m.free_slots for m in models) or not any(m.in_flight for m in models):
         return 0
@@ -274,7 +273,7 @@ def hedge_stragglers(services: Services, publish: Publisher) -> int:
         calls = {c.id: c for c in stragglers(conn, settings.max_hedges)}
         if not calls:
             return 0
-        spent, run_tokens = hedge_budget(conn)
+        spent, run_tokens = hedge_spending(conn)
         running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
         picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent)
         if not picks:

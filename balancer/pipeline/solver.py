@@ -53,7 +53,7 @@ from typing import TypeVar
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from balancer.admission import Admitted, Settlement
+from balancer.admission import AdmissionCore, Admitted, Settlement
 from balancer.backends import Backend, Completion, Permanent, RateLimited, Transient
 from balancer.services import Services
 from balancer.storage import tasks as store
@@ -141,8 +141,7 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
         try:
             completion, latency_ms = _call(backend, msg, ctx)
         except RateLimited as exc:
-            retry_after = exc.retry_after if exc.retry_after is not None else 1.0
-            core.penalize(msg.model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
+            pause_for(core, msg.model, exc)
             finish()
             error = str(exc)
             if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
@@ -191,6 +190,12 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
 
 
 
+def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
+    """Pause the model for the 429's Retry-After (1 s if absent) and sync to its headers."""
+    retry_after = exc.retry_after if exc.retry_after is not None else 1.0
+    core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
+
+
 def _call(backend: Backend, msg: SolveMessage, ctx: store.SolveContext) -> tuple[Completion, int]:
     """The backend call, and how long it took in ms (a sample for the model's latency sketch)."""
     called_at = time.monotonic()
@@ -224,13 +229,9 @@ def _solve_hedge(services: Services, backend: Backend, msg: SolveMessage) -> str
         time.sleep(renewed.start_delay_ms / 1000)
     try:
         completion, latency_ms = _call(backend, msg, ctx)
-    except RateLimited as exc:
-        retry_after = exc.retry_after if exc.retry_after is not None else 1.0
-        core.penalize(msg.model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
-        core.finish(msg.admission_id)
-        with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
-        return "hedge_failed"
-    except (Transient, Permanent):
+    except (RateLimited, Transient, Permanent) as exc:
+        if isinstance(exc, RateLimited):
+            pause_for(core, msg.model, exc)
         core.finish(msg.admission_id)
         with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
         return "hedge_failed"

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -202,6 +203,11 @@ def _guard(task_id: int, admission_id: str):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("queued", "running")))
 
 
+#: What a call needs, in :class:`SolveContext` order.
+_CONTEXT_COLUMNS = (tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
+                    tasks.c.attempts, tasks.c.rate_limited)
+
+
 def _hedge_guard(task_id: int, hedge_admission_id: str):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id, tasks.c.status == "running")
 
@@ -223,15 +229,7 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
                 attempts=tasks.c.attempts + 1,
                 deadline=sa.func.now() + timedelta(seconds=lease_seconds),
             )
-            .returning(
-                tasks.c.id,
-                tasks.c.status,
-                tasks.c.prompt,
-                tasks.c.max_tokens,
-                tasks.c.admission_id,
-                tasks.c.attempts,
-                tasks.c.rate_limited,
-            )
+            .returning(*_CONTEXT_COLUMNS)
         ).first()
     return SolveContext(*row) if row else None
 
@@ -243,23 +241,24 @@ def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveC
     a hedge does not count as an attempt.
     """
     with engine.connect() as conn:
-        row = conn.execute(
-            sa.select(tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
-                      tasks.c.attempts, tasks.c.rate_limited)
-            .where(_hedge_guard(task_id, hedge_admission_id))
-        ).first()
+        row = conn.execute(sa.select(*_CONTEXT_COLUMNS).where(_hedge_guard(task_id, hedge_admission_id))).first()
     return SolveContext(*row) if row else None
 
 
+def _update_where(engine: Engine, guard: Any, /, **values: object) -> bool:
+    """Apply ``values`` (column names) to the one task ``guard`` matches; False if none does."""
+    with engine.begin() as conn:
+        result = conn.execute(sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values))
+    return result.rowcount == 1
+
+
 def _guarded_update(engine: Engine, task_id: int, admission: str, /, *, unhedged: bool = False, **values: object) -> bool:
-    """Apply ``values`` (column names) only if the task is still queued/running under this admission
+    """Apply ``values`` only if the task is still queued/running under this admission
     (and, with ``unhedged``, has no hedge in flight: then the hedge's answer decides)."""
     guard = _guard(task_id, admission)
     if unhedged:
         guard = sa.and_(guard, tasks.c.hedge_admission_id.is_(None))
-    with engine.begin() as conn:
-        result = conn.execute(sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values))
-    return result.rowcount == 1
+    return _update_where(engine, guard, **values)
 
 
 def mark_solved(
@@ -271,28 +270,13 @@ def mark_solved(
     With ``hedge_model``, ``admission_id`` is the hedge's: the first answer
     of the two calls wins, and the task records the model that gave it.
     """
-    values: dict[str, object] = dict(
+    values: dict[str, Any] = dict(
         status="solved", answer=answer, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        solved_at=sa.func.now(), error=None, deadline=None, updated_at=sa.func.now(),
+        solved_at=sa.func.now(), error=None, deadline=None,
     )
     if hedge_model is not None:
-        with engine.begin() as conn:
-            result = conn.execute(
-                sa.update(tasks).where(_hedge_guard(task_id, admission_id)).values(model=hedge_model, **values)
-            )
-        return result.rowcount == 1
-    return _guarded_update(
-        engine,
-        task_id,
-        admission_id,
-        status="solved",
-        answer=answer,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        solved_at=sa.func.now(),
-        error=None,
-        deadline=None,
-    )
+        return _update_where(engine, _hedge_guard(task_id, admission_id), model=hedge_model, **values)
+    return _guarded_update(engine, task_id, admission_id, **values)
 
 
 def back_to_pending(
@@ -411,7 +395,7 @@ def stragglers(conn: Connection, max_hedges: int, limit: int = 50) -> list[Strag
     ]
 
 
-def hedge_budget(conn: Connection) -> tuple[int, int]:
+def hedge_spending(conn: Connection) -> tuple[int, int]:
     """(tokens hedges were admitted with, tokens of the run) over the current run:
     the tasks created since the oldest one still unfinished."""
     oldest = (
@@ -441,13 +425,8 @@ def mark_hedged(conn: Connection, task_id: int, admission_id: str, hedge_admissi
 
 def clear_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> bool:
     """A hedge that got no answer: the task is again decided by its first call alone."""
-    with engine.begin() as conn:
-        result = conn.execute(
-            sa.update(tasks)
-            .where(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id)
-            .values(hedge_admission_id=None, hedge_model=None, updated_at=sa.func.now())
-        )
-    return result.rowcount == 1
+    return _update_where(engine, sa.and_(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id),
+                         hedge_admission_id=None, hedge_model=None)
 
 
 def stranded_pending(engine: Engine, models: Sequence[str]) -> int:
