@@ -124,6 +124,11 @@ class Twin:
         assert lua == self.ref.finish(lid, settlement, self.now)
         return lua
 
+    def hold(self, lid: str, hold_ms: int) -> bool:
+        lua = self.core.hold(lid, hold_ms)
+        assert lua == self.ref.hold(lid, hold_ms, self.now)
+        return lua
+
     def reconcile(self, lid: str, settlement: Settlement | int) -> bool:
         """Settle a call; a bare int means usage reported with no headers (reserved = usage)."""
         if isinstance(settlement, int):

@@ -45,7 +45,7 @@ def _load_scripts() -> dict[str, str]:
     lib = keys.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
-        for name in ("admit", "renew", "finish", "penalize", "set_quota", "remove_quota", "restore")
+        for name in ("admit", "renew", "finish", "hold", "penalize", "set_quota", "remove_quota", "restore")
     }
 
 
@@ -218,6 +218,12 @@ class AdmissionCore:
     def reconcile(self, admission_id: str, settlement: Settlement) -> bool:
         """Settle a finished call's tokens (once) and sync to the provider's headers; keep the slot."""
         return self.finish(admission_id, settlement, release=False)[0]
+
+    def hold(self, admission_id: str, hold_ms: int) -> bool:
+        """Keep a cancelled call's slot ``hold_ms`` longer (never past its lease),
+        its reservation charged, for a provider that finishes the call anyway.
+        True if a live lease is now held; it is freed when it expires."""
+        return self._run("hold", [self._now(), admission_id, max(0, int(hold_ms))]) == 1
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
                  remaining_requests: int | None = None) -> bool:

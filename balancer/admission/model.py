@@ -485,6 +485,21 @@ class ReferenceCore:
         """:meth:`finish` without freeing the slot. Returns True if the tokens were settled now."""
         return self.finish(admission_id, settlement, now, release=False)[0]
 
+    def hold(self, admission_id: str, hold_ms: int, now: int) -> bool:
+        """Keep a cancelled call's slot for ``hold_ms`` more (never past its
+        deadline), its reservation charged: what ``hold.lua`` does.
+
+        A provider that finishes a non-streamed request after the client
+        disconnects keeps its slot busy and charges the call in full, so the
+        lease is neither settled nor released; the next purge frees it.
+        Returns True if a live lease is now held.
+        """
+        lease = self.leases.get(admission_id)
+        if lease is None or lease.deadline <= now:
+            return False
+        lease.deadline = min(lease.deadline, now + hold_ms)
+        return True
+
     def _settle(self, admission_id: str, settlement: Settlement, now: int) -> bool:
         """Settle a finished call once per lease, then sync to the provider's headers.
 
