@@ -208,22 +208,30 @@ def test_with_one_very_slow_model_the_last_tasks_go_to_the_fast_one(tmp_path: Pa
 
 @pytest.mark.e2e
 @pytest.mark.usefixtures("migrated")
-def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_disconnect", ["finish", "stop"])
+def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path, on_disconnect: str) -> None:
     """The prior says "stuck" answers in 0.1 s, so the end game sends the task
     there; the call hangs (60 s). Once it has run past stuck's p90 and longer
     than a fresh call on "fast" would take, the dispatcher hedges it to
-    "fast". The hedge's answer is written once; the hung call is abandoned
-    at the backend timeout (5 s here), its slot freed and its late answer, if
-    any, never written."""
+    "fast". The hedge's answer is written once, and the hung call is cancelled
+    (its HTTP request closed) seconds before the 10 s backend timeout would
+    have ended it. Its slot then follows the backend's on_disconnect: with
+    "finish" (the default) the simulated provider keeps running it, so the slot
+    is held until the backend timeout and freed then; with "stop" the provider
+    ends it at once (status 499) and the slot is freed at once."""
     import time
 
     from tests.pipeline_harness import Pipeline
 
-    (tmp_path / "hung.toml").write_text(two_models(("stuck", 1, 60.0), ("fast", 1, 0.2)))
-    env = {"BALANCER_BACKEND_TIMEOUT": "5", "BALANCER_HEDGE_BUDGET": "1"}  # 5 % of one task's tokens buys no hedge
+    scenario = two_models(("stuck", 1, 60.0), ("fast", 1, 0.2))
+    scenario = scenario.replace('name = "stuck"', f'name = "stuck"\non_disconnect = "{on_disconnect}"')
+    (tmp_path / "hung.toml").write_text(scenario)
+    timeout_s = 10
+    env = {"BALANCER_BACKEND_TIMEOUT": str(timeout_s), "BALANCER_HEDGE_BUDGET": "1"}  # 5 % of one task buys no hedge
     p = Pipeline(tmp_path / "logs", scenario=tmp_path / "hung.toml", extra_env=env)
     try:
         p.start()
+        assert p.services.quotas.get("stuck").on_disconnect == on_disconnect
         p.services.quotas.set("stuck", {"expected_latency_s": 0.1}, by="test")
         p.services.quotas.set("fast", {"expected_latency_s": 1.0}, by="test")
         [task_id] = p.submit([{"prompt": "hello " * 40, "max_tokens": 20, "models": ["stuck", "fast"]}])
@@ -233,8 +241,26 @@ def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path) -> 
         assert (row.id, row.model, row.hedges, row.hedge_model) == (task_id, "fast", 1, "fast")
         answered = [e for e in p.sim_log() if e["status"] == 200]
         assert [e["model"] for e in answered] == ["fast"]  # written once, from the hedge
-        # The hung call's slot is freed (at the backend timeout), and nothing exceeded a quota.
+
+        def stuck_lease_ms_left() -> int | None:
+            inflight = p.services.core.raw_state()["models"]["stuck"]["inflight"]
+            seconds, micros = p.services.redis.time()
+            return None if not inflight else int(inflight[0][0]) - (seconds * 1000 + micros // 1000)
+
         deadline = time.monotonic() + 30
+        if on_disconnect == "stop":
+            # The provider stopped the call when its client went: a 499, well before the timeout.
+            while not [e for e in p.sim_log() if e["status"] == 499] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            [cut] = [e for e in p.sim_log() if e["model"] == "stuck"]
+            assert cut["status"] == 499 and cut["client_gone"] and cut["end"] - cut["start"] < timeout_s - 2
+        else:
+            # The cancelled call's slot is held to the backend timeout, not the 300 s lease.
+            while (stuck_lease_ms_left() or 0) > timeout_s * 1000 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            left = stuck_lease_ms_left()
+            assert left is not None and left <= timeout_s * 1000
+            assert [e for e in p.sim_log() if e["model"] == "stuck"] == []  # the provider is still running it
         while p.services.core.live()["stuck"].in_flight and time.monotonic() < deadline:
             time.sleep(0.2)
         assert p.services.core.live()["stuck"].in_flight == 0

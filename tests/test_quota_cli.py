@@ -70,6 +70,15 @@ def test_latency_prior_then_learned_latency_in_quota_list(capsys: pytest.Capture
     assert code == 2 and "expected_latency_s must be a number of seconds" in err and len(err.strip().splitlines()) == 1
 
 
+def test_on_disconnect_defaults_to_finish_and_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "2")[0] == 0
+    assert json.loads(run(capsys, "quota", "list", "--json")[1])[0]["on_disconnect"] == "finish"
+    assert run(capsys, "quota", "set", "m", "--on-disconnect", "stop")[0] == 0
+    assert services().quotas.get("m").on_disconnect == "stop"
+    code, _, err = run(capsys, "quota", "set", "m", "--on-disconnect", "sometimes")
+    assert code == 2 and "sometimes" in err
+
+
 def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixture[str]) -> None:
     from balancer.domain.intake import parse_tasks
     from balancer.storage.tasks import insert_tasks

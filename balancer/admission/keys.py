@@ -26,6 +26,7 @@ INFLIGHT_INFIX = ":inflight:"
 LATENCY_INFIX = ":latency:"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
+CANCEL_CHANNEL = ":cancel"
 
 
 def tag(namespace: str) -> str:
@@ -58,6 +59,11 @@ def dispatch_flags(namespace: str) -> tuple[str, str]:
     """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.pipeline.trigger`."""
     t = tag(namespace)
     return t + DISPATCH_REQUESTED, t + DISPATCH_TIMER
+
+
+def cancel_channel(namespace: str) -> str:
+    """Pub/sub channel of calls to cut off: admission ids (see :mod:`balancer.pipeline.cancellation`)."""
+    return tag(namespace) + CANCEL_CHANNEL
 
 
 def broker_prefix(namespace: str) -> str:

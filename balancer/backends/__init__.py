@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from balancer.backends.base import Backend, BackendError, Completion, Permanent, RateLimited, Transient
+from balancer.backends.base import Backend, BackendError, Cancelled, Completion, Permanent, RateLimited, Transient
 from balancer.settings import Settings
 
 _lock = threading.Lock()
@@ -30,4 +30,4 @@ def shared_backend(settings: Settings) -> Backend:
         return _shared[key]
 
 
-__all__ = ["Backend", "BackendError", "Completion", "Permanent", "RateLimited", "Transient", "make_backend", "shared_backend"]
+__all__ = ["Backend", "BackendError", "Cancelled", "Completion", "Permanent", "RateLimited", "Transient", "make_backend", "shared_backend"]

@@ -3,7 +3,8 @@
 The worker's retry policy depends only on these types, not on any HTTP detail:
 ``RateLimited`` goes back to the dispatcher after Retry-After; ``Transient``
 (5xx, timeouts, refused connections, malformed replies) backs off and
-retries; ``Permanent`` (4xx other than 429) fails the task at once.
+retries; ``Permanent`` (4xx other than 429) fails the task at once;
+``Cancelled`` ends a call its task no longer needs (see ``cancel.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class Transient(BackendError):
 
 class Permanent(BackendError):
     """Retrying will not help (bad request, unknown model)."""
+
+
+class Cancelled(BackendError):
+    """The call was cut off on purpose (its task was answered by a hedge): no answer, nothing to retry."""
 
 
 class Backend(Protocol):

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 
-from balancer.backends.base import Permanent, RateLimited, Remaining, Transient
+from balancer.backends.base import Cancelled, Permanent, RateLimited, Remaining, Transient
+from balancer.backends.cancel import current, make_cancellable
 
 
 def _number(value: str | None) -> float | None:
@@ -51,11 +52,12 @@ class HttpBackend:
 
     def __init__(self, base_url: str, *, timeout: float, api_key: str | None = None, max_connections: int = 1000) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        transport = httpx.HTTPTransport(
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        )
+        make_cancellable(transport._pool)  # a call made inside cancel.cancellable() can be cut off
         self._client = httpx.Client(
-            base_url=base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), transport=transport
         )
 
     def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Remaining]:
@@ -65,6 +67,9 @@ class HttpBackend:
         except httpx.TimeoutException as exc:
             raise Transient(f"timeout calling {path}: {type(exc).__name__}") from None
         except httpx.TransportError as exc:
+            handle = current()
+            if handle is not None and handle.cancelled:
+                raise Cancelled(f"call to {path} cancelled: the task was answered by its other call") from None
             raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}") from None
         if response.status_code == 429:
             retry_after = parse_retry_after(response.headers.get("Retry-After"), response.headers.get("retry-after-ms"))

@@ -123,6 +123,9 @@ def latency_cell(latency: dict | None) -> str:
               help="token_accounting: reserve (prompt + max_tokens, no refund) or settle (to actual usage)")
 @click.option("--expected-latency", type=float, metavar="SECONDS",
               help="expected_latency_s: the latency prior (median) until the model's own calls are measured")
+@click.option("--on-disconnect", type=click.Choice(["finish", "stop"]),
+              help="on_disconnect: what the backend does with a cancelled call: finish it and charge it "
+                   "(its slot stays held) or stop (its slot is freed at once)")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
@@ -136,6 +139,7 @@ def quota_set(
     burst_requests: int | None,
     accounting: str | None,
     expected_latency: float | None,
+    on_disconnect: str | None,
     enabled: bool | None,
     create: bool,
     by: str | None,
@@ -150,13 +154,14 @@ def quota_set(
         "burst_requests": burst_requests,
         "token_accounting": accounting,
         "expected_latency_s": expected_latency,
+        "on_disconnect": on_disconnect,
         "enabled": enabled,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --expected-latency --enable/--disable"
+            "--accounting --expected-latency --on-disconnect --enable/--disable"
         )
     from balancer.domain.quota import check_model_name
 

@@ -39,6 +39,8 @@ INT_FIELDS = (
 #: refunds (OpenAI, Azure OpenAI); ``settle`` charges the estimate, then
 #: settles to actual usage (Anthropic, self-hosted backends).
 TOKEN_ACCOUNTING = ("reserve", "settle")
+#: What the provider does with a call whose client disconnected: finish it (and charge it) or stop.
+ON_DISCONNECT = ("finish", "stop")
 
 
 def check_model_name(name: str) -> str:
@@ -100,6 +102,11 @@ class Quota:
     #: The latency prior (median, seconds) until the model's own calls have taught
     #: the dispatcher better (balancer.domain.latency); None: the global default.
     expected_latency_s: float | None = None
+    #: What the provider does when balancer cuts off a hedged task's losing call:
+    #: ``finish`` (the default, and the strict case) keeps working on a
+    #: non-streamed request and charges it, so the call's slot stays held until it
+    #: would have ended; ``stop`` frees it at once.
+    on_disconnect: str = "finish"
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -112,6 +119,8 @@ class Quota:
         if self.token_accounting not in TOKEN_ACCOUNTING:
             raise QuotaError(f"token_accounting must be one of {', '.join(TOKEN_ACCOUNTING)}, got {self.token_accounting!r}")
         check_latency("expected_latency_s", self.expected_latency_s)
+        if self.on_disconnect not in ON_DISCONNECT:
+            raise QuotaError(f"on_disconnect must be one of {', '.join(ON_DISCONNECT)}, got {self.on_disconnect!r}")
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
 

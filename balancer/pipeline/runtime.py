@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 
 from balancer.backends import Backend, shared_backend
+from balancer.pipeline.cancellation import CancelListener
 from balancer.services import Services
 from balancer.settings import Settings
 
 _lock = threading.Lock()
 _services: Services | None = None
+_listener: CancelListener | None = None
 
 
 def services() -> Services:
@@ -26,11 +28,25 @@ def backend() -> Backend:
     return shared_backend(services().settings)
 
 
+def cancel_listener() -> CancelListener | None:
+    """This process's listener for calls to cut off; None when hedging is off (no call is ever cancelled)."""
+    global _listener
+    svc = services()
+    if not svc.settings.hedging:
+        return None
+    with _lock:
+        if _listener is None:
+            _listener = CancelListener(svc.redis, svc.settings.namespace)
+        return _listener
+
+
 def reset() -> None:
     """Forget handles (after fork, or in tests that change the environment)."""
-    global _services
+    global _services, _listener
     from balancer.storage.db import dispose_engines
 
     with _lock:
-        _services = None
+        if _listener is not None:
+            _listener.close()
+        _services, _listener = None, None
         dispose_engines()

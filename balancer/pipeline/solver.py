@@ -27,13 +27,21 @@ permanent             4xx: ``failed`` with the error
 
 A *hedge* (``SolveMessage.hedge``) is a second call for a task whose first
 call straggles, on another model (see the dispatcher). The first answer of the
-two is written; the other is a duplicate. A hedge that gets no answer (429,
-transient, permanent) only frees its slot and leaves the task to its first
-call; while a hedge is in flight, a failure of the first call does not send
-the task back, so the hedge's answer still counts. The losing call is not cut
-off: a provider that got a non-streamed request keeps working and charging for
-it after a disconnect, so its slot stays held until the call ends, exactly as
-if it had been allowed to finish, and its answer is dropped as a duplicate.
+two is written. A hedge that gets no answer (429, transient, permanent) only
+frees its slot and leaves the task to its first call; while a hedge is in
+flight, a failure of the first call does not send the task back, so the
+hedge's answer still counts.
+
+The winner cancels the loser (:mod:`balancer.pipeline.cancellation`): its
+HTTP request is closed and its worker thread is free at once (outcome
+``cancelled``). What happens to its slot follows the model's
+``on_disconnect``. ``finish`` (the default): a provider that got a
+non-streamed request keeps working on it and charging it after the client
+goes, so the slot is held (:meth:`AdmissionCore.hold`), its reservation
+charged, until the call would have hit the backend timeout, the longest it
+could have run under balancer. ``stop``: the slot is freed at once. Either
+way the reservation (prompt + max_tokens) stays charged: nothing tells what
+the provider counted.
 
 The slot is released as soon as the call ends, before any database write, and
 in every case (``finally``), so nothing leaks even on an unexpected exception.
@@ -43,6 +51,7 @@ answer never calls the backend again for it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -54,7 +63,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from balancer.admission import AdmissionCore, Admitted, Settlement
-from balancer.backends import Backend, Completion, Permanent, RateLimited, Transient
+from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
+from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.services import Services
 from balancer.storage import tasks as store
 
@@ -105,21 +115,43 @@ def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, s
             delay = min(delay * 2, 5.0)
 
 
-def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
-    """Process one ``solve`` message; returns the outcome name (for logs and tests)."""
-    core, engine, settings = services.core, services.engine, services.settings
-    finished = False
+class Slot:
+    """The call's admission: freed once, in one round trip, on every path, unless
+    a cancelled call hands it over to a hold."""
 
-    def finish(settlement: Settlement | None = None) -> None:
-        """Free the slot (settling what the call tells) once, in one round trip."""
-        nonlocal finished
-        if not finished:
-            finished = True
-            core.finish(msg.admission_id, settlement)
+    def __init__(self, core: AdmissionCore, admission_id: str) -> None:
+        self.core, self.admission_id, self.done = core, admission_id, False
+
+    def free(self, settlement: Settlement | None = None) -> None:
+        """Free the slot, settling what the call tells."""
+        if not self.done:
+            self.done = True
+            self.core.finish(self.admission_id, settlement)
+
+    def let_go(self, services: Services, model: str, ran_s: float) -> None:
+        """A cancelled call: its slot as the provider sees it (see the module docstring)."""
+        if self.done:
+            return
+        self.done = True
+        quota = services.quotas.get(model)
+        if quota is not None and quota.on_disconnect == "stop":
+            self.core.finish(self.admission_id)
+        else:
+            self.core.hold(self.admission_id, round(max(0.0, services.settings.backend_timeout - ran_s) * 1000))
+
+
+def solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None) -> str:
+    """Process one ``solve`` message; returns the outcome name (for logs and tests).
+
+    With a ``listener`` (when hedging is on), the call can be cancelled by the
+    task's other call."""
+    core, engine, settings = services.core, services.engine, services.settings
+    slot = Slot(core, msg.admission_id)
+    finish = slot.free
 
     if msg.hedge:
         try:
-            return _solve_hedge(services, backend, msg)
+            return _solve_hedge(services, backend, msg, slot, listener)
         finally:
             finish()
 
@@ -139,7 +171,9 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
         if renewed.start_delay_ms > 0:  # the RPM start gate: the provider paces call starts
             time.sleep(renewed.start_delay_ms / 1000)
         try:
-            completion, latency_ms = _call(backend, msg, ctx)
+            completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
+        except Cancelled:
+            return "cancelled"  # the task's hedge answered it
         except RateLimited as exc:
             pause_for(core, msg.model, exc)
             finish()
@@ -184,7 +218,7 @@ def solve(services: Services, backend: Backend, msg: SolveMessage) -> str:
                 engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens, completion.completion_tokens
             )
         )
-        return "solved" if written else "duplicate"
+        return _won("solved", services, written)
     finally:
         finish()  # every path frees the slot, even an unexpected exception
 
@@ -196,11 +230,31 @@ def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
     core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
 
 
-def _call(backend: Backend, msg: SolveMessage, ctx: store.SolveContext) -> tuple[Completion, int]:
-    """The backend call, and how long it took in ms (a sample for the model's latency sketch)."""
+def _call(
+    services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
+    listener: CancelListener | None,
+) -> tuple[Completion, int]:
+    """The backend call, and how long it took in ms (a sample for the model's latency sketch).
+
+    Cancellable under its admission id when a listener is given; a cancelled
+    call has let its slot go (:meth:`Slot.let_go`) before ``Cancelled`` is raised."""
     called_at = time.monotonic()
-    completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
+    try:
+        with listener.watch(msg.admission_id) if listener is not None else contextlib.nullcontext():
+            completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
+    except Cancelled:
+        slot.let_go(services, msg.model, time.monotonic() - called_at)
+        raise
     return completion, round((time.monotonic() - called_at) * 1000)
+
+
+def _won(outcome: str, services: Services, written: store.Written | None) -> str:
+    """After a write: cut off the task's other call if it had one; the outcome name."""
+    if written is None:
+        return "duplicate"
+    if written.other_call is not None:
+        cancel_call(services.redis, services.settings.namespace, written.other_call)
+    return outcome
 
 
 def answered(completion: Completion, ctx: store.SolveContext, latency_ms: int) -> Settlement:
@@ -215,7 +269,9 @@ def answered(completion: Completion, ctx: store.SolveContext, latency_ms: int) -
     )
 
 
-def _solve_hedge(services: Services, backend: Backend, msg: SolveMessage) -> str:
+def _solve_hedge(
+    services: Services, backend: Backend, msg: SolveMessage, slot: Slot, listener: CancelListener | None
+) -> str:
     """One hedge call: write its answer if it comes first; otherwise only free its slot."""
     core, engine = services.core, services.engine
     ctx = with_db_retry(lambda: store.start_hedge(engine, msg.task_id, msg.admission_id))
@@ -228,18 +284,20 @@ def _solve_hedge(services: Services, backend: Backend, msg: SolveMessage) -> str
     if renewed.start_delay_ms > 0:
         time.sleep(renewed.start_delay_ms / 1000)
     try:
-        completion, latency_ms = _call(backend, msg, ctx)
+        completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
+    except Cancelled:
+        return "cancelled"  # the first call answered
     except (RateLimited, Transient, Permanent) as exc:
         if isinstance(exc, RateLimited):
             pause_for(core, msg.model, exc)
-        core.finish(msg.admission_id)
+        slot.free()
         with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
         return "hedge_failed"
-    core.finish(msg.admission_id, answered(completion, ctx, latency_ms))
+    slot.free(answered(completion, ctx, latency_ms))
     written = with_db_retry(
         lambda: store.mark_solved(
             engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
             completion.completion_tokens, hedge_model=msg.model,
         )
     )
-    return "hedge_won" if written else "duplicate"
+    return _won("hedge_won", services, written)

@@ -48,6 +48,7 @@ def _row_to_quota(row: Any) -> Quota:
         token_accounting=row.token_accounting,
         burst_requests=row.burst_requests,
         expected_latency_s=row.expected_latency_s,
+        on_disconnect=row.on_disconnect,
     )
 
 

@@ -247,9 +247,15 @@ def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveC
 
 def _update_where(engine: Engine, guard: Any, /, **values: object) -> bool:
     """Apply ``values`` (column names) to the one task ``guard`` matches; False if none does."""
+    return _update_returning(engine, guard, tasks.c.id, **values) is not None
+
+
+def _update_returning(engine: Engine, guard: Any, /, *columns: Any, **values: object) -> Any:
+    """:func:`_update_where`, returning ``columns`` of the updated task (None if none matched)."""
     with engine.begin() as conn:
-        result = conn.execute(sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values))
-    return result.rowcount == 1
+        return conn.execute(
+            sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values).returning(*columns)
+        ).first()
 
 
 def _guarded_update(engine: Engine, task_id: int, admission: str, /, *, unhedged: bool = False, **values: object) -> bool:
@@ -261,11 +267,19 @@ def _guarded_update(engine: Engine, task_id: int, admission: str, /, *, unhedged
     return _update_where(engine, guard, **values)
 
 
+@dataclass(frozen=True)
+class Written:
+    """An answer stored. ``other_call``: the admission id of the task's other call
+    when it was hedged, the loser of the race, to be cancelled; else None."""
+
+    other_call: str | None = None
+
+
 def mark_solved(
     engine: Engine, task_id: int, admission_id: str, answer: str, prompt_tokens: int, completion_tokens: int,
     *, hedge_model: str | None = None,
-) -> bool:
-    """Write the answer once. False if someone else already finished it (a duplicate).
+) -> Written | None:
+    """Write the answer once. None if someone else already finished it (a duplicate).
 
     With ``hedge_model``, ``admission_id`` is the hedge's: the first answer
     of the two calls wins, and the task records the model that gave it.
@@ -275,8 +289,10 @@ def mark_solved(
         solved_at=sa.func.now(), error=None, deadline=None,
     )
     if hedge_model is not None:
-        return _update_where(engine, _hedge_guard(task_id, admission_id), model=hedge_model, **values)
-    return _guarded_update(engine, task_id, admission_id, **values)
+        row = _update_returning(engine, _hedge_guard(task_id, admission_id), tasks.c.admission_id, model=hedge_model, **values)
+    else:
+        row = _update_returning(engine, _guard(task_id, admission_id), tasks.c.hedge_admission_id, **values)
+    return None if row is None else Written(row[0])
 
 
 def back_to_pending(

@@ -10,6 +10,11 @@ As strict as the providers it stands in for, by default: tokens reserved
 paced over each model's window, 429 with ``Retry-After`` and ``retry-after-ms``,
 and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply. Models
 with a ``foreign_share`` lose that share of their quota to another client.
+A call whose client disconnects runs to its end, holding its slot and charged
+in full (``on_disconnect = "finish"``, the default, as providers treat
+non-streamed requests; its log entry says ``client_gone``), or, for a model
+with ``on_disconnect = "stop"``, ends at once with status 499, its slot free
+and only the prompt and the tokens generated so far counted.
 
 ``/batch`` without a model spreads prompts round-robin over all models,
 unaware of quotas, as the users' backend does; it answers only after every
@@ -27,7 +32,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,8 +150,10 @@ class Simulator:
         completion_tokens = max(1, int(max_tokens * dice.uniform(0.3, 1.0)))
         return self.models[model].latency.sample(dice) * self.time_scale, completion_tokens
 
-    async def call(self, model: str, prompt: str, max_tokens: int, endpoint: str) -> tuple[int, dict[str, Any], dict[str, str]]:
-        """One model call: (status, body, headers)."""
+    async def call(
+        self, model: str, prompt: str, max_tokens: int, endpoint: str, gone: Callable[[], Awaitable[None]] | None = None
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """One model call: (status, body, headers). ``gone`` returns when the client disconnects."""
         spec = self.models.get(model)
         if spec is None:
             return 404, {"error": f"unknown model {model}"}, {}
@@ -169,11 +176,15 @@ class Simulator:
             return 429, {"error": "rate limited"}, {**headers, **self.rate_limit_headers(model, start)}
         drawn_latency, completion_tokens = self.draw(model, prompt, max_tokens)
         status, body = 200, dict[str, Any]()
+        watcher = asyncio.ensure_future(gone()) if gone is not None else None
+        latency, cut = drawn_latency, False
         try:
             hang = self.faults.get(self.faults.hang, model)
             latency = hang if hang is not None else drawn_latency
-            await asyncio.sleep(latency)
-            if forced:
+            cut = await run_for(latency, watcher if spec.on_disconnect == "stop" else None)
+            if cut:
+                status, body = 499, {"error": "client closed request"}
+            elif forced:
                 status, body = forced, {"error": "injected failure"}
             elif self.rng.random() < spec.error_rate:
                 status, body = 500, {"error": "simulated server error"}
@@ -186,19 +197,47 @@ class Simulator:
                     del body["usage"]
         finally:
             end = time.time()
-            used = prompt_tokens + (completion_tokens if status == 200 else 0)
+            client_gone = watcher is not None and watcher.done() and not watcher.cancelled()
+            if watcher is not None:
+                watcher.cancel()
+            if cut:  # what was generated before the client went
+                completion_tokens = int(completion_tokens * min(1.0, (end - start) / latency)) if latency > 0 else 0
+            used = prompt_tokens + (completion_tokens if status in (200, 499) else 0)
             with self._lock:
                 limiter.finish(end, charge - used)
             # What the provider counted against TPM: the reservation, or the usage if it settles.
             counted = used if spec.accounting == "settle" else charge
             self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,
-                         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status == 200 else 0,
-                         "charge": charge, "counted": counted})
+                         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status in (200, 499) else 0,
+                         "charge": charge, "counted": counted, "client_gone": client_gone})
         return status, body, self.rate_limit_headers(model, end)
 
     def next_model(self) -> str:
         with self._lock:
             return next(self._round_robin)
+
+
+async def run_for(seconds: float, gone: asyncio.Future | None) -> bool:
+    """Work on a call for ``seconds``; True if ``gone`` (the client's disconnect) cut it short."""
+    working = asyncio.ensure_future(asyncio.sleep(seconds))
+    if gone is None:
+        await working
+        return False
+    await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if working.done():
+        return False
+    working.cancel()
+    return True
+
+
+def disconnect_of(request: Request) -> Callable[[], Awaitable[None]]:
+    """A coroutine function that returns when the client of ``request`` disconnects."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
 
 
 def create_app(sim: Simulator) -> FastAPI:
@@ -216,11 +255,12 @@ def create_app(sim: Simulator) -> FastAPI:
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.post("/single")
-    async def single(payload: dict[str, Any]) -> Response:
+    async def single(payload: dict[str, Any], request: Request) -> Response:
         model, prompt = payload.get("model"), payload.get("prompt")
         if not isinstance(model, str) or not isinstance(prompt, str):
             return JSONResponse({"error": "model and prompt are required"}, status_code=400)
-        status, body, headers = await sim.call(model, prompt, int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS), "single")
+        max_tokens = int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        status, body, headers = await sim.call(model, prompt, max_tokens, "single", disconnect_of(request))
         return reply(status, body, headers, model)
 
     @app.post("/batch")
@@ -241,13 +281,14 @@ def create_app(sim: Simulator) -> FastAPI:
         return JSONResponse({"results": out})
 
     @app.post("/v1/chat/completions")
-    async def chat(payload: dict[str, Any]) -> Response:
+    async def chat(payload: dict[str, Any], request: Request) -> Response:
         model = payload.get("model")
         messages = payload.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
         if not isinstance(model, str):
             return JSONResponse({"error": {"message": "model is required"}}, status_code=400)
-        status, body, headers = await sim.call(model, prompt, int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS), "openai")
+        max_tokens = int(payload.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        status, body, headers = await sim.call(model, prompt, max_tokens, "openai", disconnect_of(request))
         if status == 200 and "answer" in body:
             body = {
                 "object": "chat.completion",
