@@ -176,6 +176,17 @@ def hedge_figures(rows: Iterable[Any]) -> dict[str, Any]:
     return {"sent": sent, "won": won, "tokens": tokens, "token_share": round(tokens / total, 4) if total else 0.0}
 
 
+def calls_cut_off(entries: Iterable[Mapping[str, Any]]) -> int:
+    """Calls whose client went before the answer (cancelled losers, or calls
+    abandoned at the backend timeout), as far as the backend has logged them:
+    one that runs on after the disconnect is logged only when it ends.
+
+    >>> calls_cut_off([{"client_gone": True}, {"client_gone": False}, {}])
+    1
+    """
+    return sum(1 for e in entries if e.get("client_gone"))
+
+
 def last_task_start(rows: Iterable[Any]) -> float | None:
     """When the backlog ran out: the last time a task's call started (epoch s).
 

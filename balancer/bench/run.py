@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from balancer.bench.report import (
     backlog_out,
     calls_by_model,
+    calls_cut_off,
     estimate_accuracy,
     hedge_figures,
     last_task_start,
@@ -178,7 +179,7 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "tail_s": round(result.makespan - bulk_s, 2),
         "limit_utilization_bulk": {"mean": round(sum(use.values()) / len(use), 3) if use else None, "by_model": use},
         "latency_s": latency_table(result),
-        "hedges": hedge_figures(result.rows),
+        "hedges": {**hedge_figures(result.rows), "cut_off": calls_cut_off(result.entries)},
     }
 
 
@@ -281,7 +282,8 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     if p:
         lines += [
             f"Hedges: {p['hedges']['sent']} sent, {p['hedges']['won']} won, {p['hedges']['tokens']:,} tokens "
-            f"({p['hedges']['token_share']:.1%} of the run's).",
+            f"({p['hedges']['token_share']:.1%} of the run's); {p['hedges']['cut_off']} calls cut off (the backend "
+            "saw the client go: cancelled losers, or calls past the backend timeout; logged when they ended).",
             f"Pipeline queueing delay (submitted → started): p50 {p['queueing_delay_s']['p50']} s, p99 {p['queueing_delay_s']['p99']} s.",
             f"Refill gap at the backend (a call's end on a model at its cap → the next call's arrival there, while "
             f"tasks were pending): p50 {p['refill_gap_s']['p50']} s, p90 {p['refill_gap_s']['p90']} s, "
