@@ -19,3 +19,22 @@ class QuotaError(BalancerError):
 
 class ServiceUnavailable(BalancerError):
     """Redis or PostgreSQL could not be reached; the message names the masked URL."""
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """User-supplied text made safe to echo in a terminal: control characters
+    (C0, C1, DEL) and bidi overrides escaped, and long text shortened.
+
+    >>> printable("gpt\\x1b[31m-a"), printable("a\\u202eb"), printable("x" * 5, limit=3)
+    ('gpt\\\\x1b[31m-a', 'a\\\\u202eb', 'xxx…')
+    """
+    out = []
+    for char in text[:limit]:
+        code = ord(char)
+        if code < 0x20 or 0x7F <= code < 0xA0:
+            out.append(f"\\x{code:02x}")
+        elif 0x202A <= code <= 0x202E or 0x2066 <= code <= 0x2069 or code in (0x2028, 0x2029):
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(char)
+    return "".join(out) + ("…" if len(text) > limit else "")

@@ -134,3 +134,70 @@ def test_inbox_file_is_ingested_once_even_with_two_ingesters(quotas: Services, t
     os.utime(inbox / "batch1.jsonl", (past, past))
     again = ingest_inbox(Services.connect(Settings.from_env()), inbox)
     assert again[0].duplicate and status_counts(quotas.engine)["pending"] == 25
+
+
+HOSTILE_LINES = [  # (line, what the error says)
+    ('{"prompt": "x", "source": "crm\\u0000"}', "source contains a NUL"),
+    ('{"prompt": "half \\ud800 a pair"}', "prompt is not valid UTF-8"),
+    ('{"prompt": "x", "models": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper"),
+    ('{"prompt": "' + "w" * (4 * 1024 * 1024) + '"}', "line longer than"),
+    ('{"prompt": "bad byte \udcff here"}', "prompt is not valid UTF-8"),  # 0xff read with surrogateescape
+    ('{"prompt": "x", "model": "gpt\x1b[31m-red"}', "unknown model(s): gpt\\x1b[31m-red"),
+]
+
+
+def test_hostile_lines_are_errors_of_their_own_lines_and_cost_no_good_line() -> None:
+    """Each hostile line is reported with its number and reason; the good lines
+    around it (with raw U+2028, U+2029 and U+0085 inside their strings, CRLF
+    endings and a BOM) are all accepted, and numbered right."""
+    good = ['{"prompt": "para\u2028graph"}', '{"prompt": "next\u2029line"}', '{"prompt": "nel\x85here"}']
+    lines = [good[0], *(line for line, _ in HOSTILE_LINES), good[1], good[2]]
+    rows, errors = parse_tasks("\ufeff" + "\r\n".join(lines) + "\r\n", models=MODELS)
+    assert [r.prompt for r in rows] == ["para\u2028graph", "next\u2029line", "nel\x85here"]
+    assert [e.line for e in errors] == list(range(2, 2 + len(HOSTILE_LINES)))
+    for error, (_, reason) in zip(errors, HOSTILE_LINES, strict=True):
+        assert reason in error.message and "\x1b" not in error.message
+
+
+def test_submit_accepts_the_good_lines_of_a_hostile_file(
+    quotas: Services, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hostile = tmp_path / "hostile.jsonl"
+    body = "\n".join(['{"prompt": "good one"}', *(line for line, _ in HOSTILE_LINES), '{"prompt": "good two"}'])
+    hostile.write_bytes(b"\xef\xbb\xbf" + body.encode("utf-8", "surrogateescape") + b"\n")
+    code, out, err = run(capsys, "submit", str(hostile))
+    assert code == 3, err
+    assert f"accepted 2 task(s), rejected {len(HOSTILE_LINES)} line(s)" in out
+    assert "Traceback" not in err and "\x1b" not in err
+    assert status_counts(quotas.engine)["pending"] == 2
+
+
+def test_a_poison_inbox_file_is_quarantined_and_never_blocks_the_others(quotas: Services, tmp_path: Path) -> None:
+    """"a.jsonl" cannot be read at all (it is a directory), "b.jsonl" is all
+    hostile lines but two, "c.jsonl" is fine: b and c are ingested, a is moved to
+    rejected/ with its report, and a file of the same name already in done/ is
+    never overwritten."""
+    import os
+
+    from balancer.pipeline.ingest import ingest_inbox
+
+    inbox = tmp_path / "inbox"
+    (inbox / "a.jsonl").mkdir(parents=True)
+    hostile = "\n".join(['{"prompt": "b1"}', *(line for line, _ in HOSTILE_LINES), '{"prompt": "b2"}'])
+    (inbox / "b.jsonl").write_bytes(hostile.encode("utf-8", "surrogateescape"))
+    (inbox / "c.jsonl").write_text('{"prompt": "c1"}\n')
+    (inbox / "done").mkdir()
+    (inbox / "done" / "c.jsonl").write_text("an older file of the same name\n")
+    past = time.time() - 10
+    for name in ("a.jsonl", "b.jsonl", "c.jsonl"):
+        os.utime(inbox / name, (past, past))
+    results = {r.name: r for r in ingest_inbox(Services.connect(Settings.from_env()), inbox)}
+    assert results["a.jsonl"].rejected and not results["b.jsonl"].rejected
+    assert (results["b.jsonl"].tasks, results["b.jsonl"].errors, results["c.jsonl"].tasks) == (2, len(HOSTILE_LINES), 1)
+    assert status_counts(quotas.engine)["pending"] == 3
+    assert (inbox / "rejected" / "a.jsonl").is_dir() and "cannot read" in (inbox / "rejected" / "a.jsonl.errors").read_text()
+    report = (inbox / "done" / "b.jsonl.errors").read_text()
+    assert [line.split(":")[0] for line in report.splitlines()] == [f"line {n}" for n in range(2, 2 + len(HOSTILE_LINES))]
+    assert (inbox / "done" / "c.jsonl").read_text() == "an older file of the same name\n"
+    assert (inbox / "done" / "c.jsonl.1").read_text() == '{"prompt": "c1"}\n'
+    assert sorted(p.name for p in inbox.glob("*.jsonl")) == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from balancer.cli import resolved_settings, services
-from balancer.errors import BalancerError, QuotaError
+from balancer.errors import BalancerError, QuotaError, printable
 
 
 def _migrated():  # noqa: ANN202
@@ -35,9 +35,10 @@ def submit(file: Path, strict: bool, source: str) -> None:
     from balancer.storage.tasks import insert_tasks
 
     try:
-        text = sys.stdin.read() if str(file) == "-" else file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BalancerError(f"cannot read {file}: {exc}") from None
+        data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+    except OSError as exc:
+        raise BalancerError(f"cannot read {printable(str(file))}: {exc.strerror or exc}") from None
+    text = data.decode("utf-8", errors="surrogateescape")  # a bad byte fails its line, not the file
     svc = _migrated()
     models = {q.name: q.burst for q in svc.quotas.all()}
     if not models:
@@ -46,11 +47,11 @@ def submit(file: Path, strict: bool, source: str) -> None:
         text, models=models, default_max_tokens=svc.settings.expected_output_tokens, default_source=source
     )
     for error in errors:
-        click.echo(f"{file}:{error}", err=True)
+        click.echo(f"{printable(str(file))}:{error}", err=True)
     if errors and strict:
         raise BalancerError(f"{len(errors)} bad line(s); --strict: nothing accepted")
     if not rows:
-        raise BalancerError(f"no valid tasks in {file}" + (f" ({len(errors)} bad line(s))" if errors else ""))
+        raise BalancerError(f"no valid tasks in {printable(str(file))}" + (f" ({len(errors)} bad line(s))" if errors else ""))
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
     click.echo(f"accepted {len(ids)} task(s)" + (f", rejected {len(errors)} line(s)" if errors else ""))

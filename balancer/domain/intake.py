@@ -5,7 +5,14 @@ One task per line::
     {"prompt": "Summarise ...", "priority": 5, "model": "gpt-a", "max_tokens": 300, "source": "crm"}
 
 ``model`` pins one model, ``models`` allows a list; neither means any model.
-Every bad line is reported with its number, so a user can fix the file.
+Every bad line is reported with its number, so a user can fix the file, and
+a bad line never costs the good ones. Lines are split as JSONL says: on
+``\\n`` only (a U+2028 inside a JSON string is text, not a line break), with
+``\\r\\n`` endings and a leading UTF-8 BOM accepted. Bytes that are not UTF-8
+(decoded with ``surrogateescape``), NUL characters, lone surrogates,
+nesting deeper than ``MAX_DEPTH`` and lines over ``MAX_LINE_BYTES`` are
+per-line errors: PostgreSQL could not store the first three, and the last
+two are how a hostile file exhausts a parser.
 
 >>> rows, errors = parse_tasks('{"prompt": "hi"}\\n{"prompt": 3}\\n', models={"m": 1000})
 >>> [r.prompt for r in rows], [e.line for e in errors]
@@ -20,9 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from balancer.domain.tokens import estimate_task_tokens
+from balancer.errors import printable
 
 MAX_PRIORITY = 1_000_000
 KNOWN_FIELDS = {"prompt", "priority", "model", "models", "max_tokens", "source"}
+#: The longest line accepted, in UTF-8 bytes (a prompt of about 1 M tokens' worth of text would not fit a model).
+MAX_LINE_BYTES = 4 * 1024 * 1024
+#: How deeply a line's JSON may nest (a task needs 2: the object and the models list).
+MAX_DEPTH = 32
+BOM = "\ufeff"
 
 
 @dataclass(frozen=True)
@@ -53,19 +66,62 @@ def _int_field(data: dict[str, Any], key: str, default: int, low: int, high: int
     return value
 
 
+def nesting_depth(text: str) -> int:
+    """How deeply the brackets outside JSON strings nest (checked before parsing,
+    so a hostile line cannot exhaust the parser's recursion).
+
+    >>> nesting_depth('{"a": [[1], "]]]["]}'), nesting_depth("[" * 50)
+    (3, 50)
+    """
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_text(field: str, value: str) -> None:
+    """Text PostgreSQL can store: no NUL, no lone surrogate (an invalid byte, or a ``\\ud800`` escape)."""
+    if "\x00" in value:
+        raise ValueError(f"{field} contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field} is not valid UTF-8 (an invalid byte or a lone surrogate)") from None
+
+
 def parse_line(
     text: str, *, models: Mapping[str, int], default_max_tokens: int, default_source: str
 ) -> TaskRow:
     """One JSONL line to a task. ``models`` maps each known model to its burst_tokens."""
+    if len(text) > MAX_LINE_BYTES or len(text.encode("utf-8", "surrogateescape")) > MAX_LINE_BYTES:
+        raise ValueError(f"line longer than {MAX_LINE_BYTES:,} bytes")
+    if nesting_depth(text) > MAX_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise ValueError("each line must be a JSON object")
     unknown = set(data) - KNOWN_FIELDS
     if unknown:
-        raise ValueError(f"unknown field(s): {', '.join(sorted(unknown))}")
+        raise ValueError(f"unknown field(s): {', '.join(printable(k) for k in sorted(unknown))}")
     prompt = data.get("prompt")
     if prompt is None:
         raise ValueError("missing prompt")
@@ -73,8 +129,7 @@ def parse_line(
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise ValueError("empty prompt")
-    if "\x00" in prompt:
-        raise ValueError("prompt contains a NUL character")
+    _check_text("prompt", prompt)
     priority = _int_field(data, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
     max_tokens = _int_field(data, "max_tokens", default_max_tokens, 1, 1_000_000)
     if "model" in data and "models" in data:
@@ -91,10 +146,11 @@ def parse_line(
     if allowed is not None:
         unknown_models = [m for m in allowed if m not in models]
         if unknown_models:
-            raise ValueError(f"unknown model(s): {', '.join(unknown_models)}")
+            raise ValueError(f"unknown model(s): {', '.join(printable(m) for m in unknown_models)}")
     source = data.get("source", default_source)
     if not isinstance(source, str) or not source:
         raise ValueError("source must be a non-empty string")
+    _check_text("source", source)
     estimated = estimate_task_tokens(prompt, max_tokens)
     candidates = allowed if allowed is not None else tuple(models)
     if not candidates:
@@ -107,6 +163,21 @@ def parse_line(
     return TaskRow(prompt, priority, allowed, max_tokens, estimated, source)
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """Lines as JSONL defines them: split on ``\\n`` only, a ``\\r`` before it and a
+    leading BOM dropped.
+
+    >>> jsonl_lines('\\ufeffa\\r\\nb\\u2028c\\n')
+    ['a', 'b\\u2028c']
+    """
+    if text.startswith(BOM):
+        text = text[len(BOM):]
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def parse_tasks(
     text: str,
     *,
@@ -114,10 +185,15 @@ def parse_tasks(
     default_max_tokens: int = 256,
     default_source: str = "submit",
 ) -> tuple[list[TaskRow], list[LineError]]:
-    """All valid rows and all errors; blank lines are skipped."""
+    """All valid rows and all errors; blank lines are skipped.
+
+    >>> rows, errors = parse_tasks('\\ufeff{"prompt": "a\\u2028b"}\\r\\n{"prompt": "c\u2028d"}\\n', models={"m": 1000})
+    >>> [r.prompt for r in rows], errors
+    (['a\\u2028b', 'c\\u2028d'], [])
+    """
     rows: list[TaskRow] = []
     errors: list[LineError] = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         try:
