@@ -15,7 +15,7 @@ from sqlalchemy.engine import Engine
 from balancer.admission import AdmissionCore, LeaseSeed, keys
 from balancer.domain.quota import Quota
 from balancer.errors import ConfigError, ServiceUnavailable
-from balancer.settings import Settings, mask_url
+from balancer.settings import Settings, mask_url, scrub
 from balancer.storage.db import cached_engine
 from balancer.storage.quotas import QuotaStore
 from balancer.storage.tasks import in_flight_leases
@@ -48,10 +48,10 @@ def redis_client(url: str, *, check: bool = True) -> redis.Redis:
             client.ping()
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:
         raise ServiceUnavailable(
-            f"cannot reach Redis at {mask_url(url)} (BALANCER_REDIS_URL): {str(exc).splitlines()[0]}"
+            f"cannot reach Redis at {mask_url(url)} (BALANCER_REDIS_URL): {scrub((str(exc).splitlines() or [''])[0], url)}"
         ) from None
     except redis.ResponseError as exc:
-        raise ServiceUnavailable(f"Redis at {mask_url(url)} refused us (BALANCER_REDIS_URL): {exc}") from None
+        raise ServiceUnavailable(f"Redis at {mask_url(url)} refused us (BALANCER_REDIS_URL): {scrub(str(exc), url)}") from None
     return client
 
 

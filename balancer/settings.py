@@ -10,13 +10,16 @@ URLs left unset mean "use the embedded stack" (see :mod:`balancer.devtools.embed
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
-from balancer.errors import ConfigError
+from balancer.errors import ConfigError, printable
+
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,31}$")
 
 #: Every environment variable the package reads, with a one-line meaning.
 ENVIRONMENT: dict[str, str] = {
@@ -65,41 +68,95 @@ def normalize_database_url(url: str) -> str:
 
 
 def mask_url(url: str) -> str:
-    """Hide the password in a URL so it can go into an error message.
+    """A URL reduced to what an error may show: scheme, host, port and database.
+
+    Never the user name or password, however they are written: the
+    credentials end at the *last* ``@`` (a host has none), so a password with
+    an unencoded ``#``, ``?``, ``/`` or ``@`` is hidden too; query and fragment
+    are dropped (they can carry a password as well).
 
     >>> mask_url("redis://:hunter2@localhost:6379/0")
-    'redis://:***@localhost:6379/0'
-    >>> mask_url("postgresql://bob:pw@db/x")
-    'postgresql://bob:***@db/x'
+    'redis://***@localhost:6379/0'
+    >>> mask_url("postgresql://bob:p#w?/@x@db:5432/prod?password=pw")
+    'postgresql://***@db:5432/prod'
+    >>> mask_url("no-scheme-at-all")
+    '<not a URL>'
     """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    try:
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        port = ""
-    netloc = f"{user}:***@{host}{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    scheme, sep, rest = url.partition("://")
+    if not sep or not _SCHEME.match(scheme):
+        return "<not a URL>"
+    userinfo, at, hostpart = rest.rpartition("@")
+    cut = min([i for i in (hostpart.find(c) for c in "/?#") if i >= 0], default=len(hostpart))
+    host, path = hostpart[:cut], hostpart[cut:]
+    database = re.split(r"[/?#]", path[1:])[0] if path.startswith("/") else ""
+    return printable(f"{scheme}://{'***@' if at else ''}{host}{'/' + database if database else ''}")
 
 
-def _int(name: str, default: int, minimum: int = 1) -> int:
+def scrub(message: str, url: str) -> str:
+    """``message`` (a client library's error) without any piece of ``url``'s
+    credentials, raw or percent-decoded: libraries quote what they could not
+    parse ("port could not be cast", "could not translate host name").
+
+    >>> scrub('could not translate host name "s3cr3t" to address', "postgresql://u:s3cr3t#x@h/db")
+    'could not translate host name "***" to address'
+    """
+    userinfo = url.partition("://")[2].rpartition("@")[0]
+    pieces = {userinfo, unquote(userinfo), *re.split(r"[:/?#@]", userinfo), *re.split(r"[:/?#@]", unquote(userinfo))}
+    for piece in sorted((p for p in pieces if len(p) >= 3), key=len, reverse=True):
+        message = message.replace(piece, "***")
+    return message.replace(url, mask_url(url))
+
+
+def check_url(setting: str, url: str, schemes: tuple[str, ...]) -> str:
+    """Refuse a URL its client library would misread, in one line naming the setting.
+
+    >>> check_url("BALANCER_REDIS_URL", "redis://:pw@h:6379/0", ("redis",))
+    'redis://:pw@h:6379/0'
+    >>> check_url("BALANCER_REDIS_URL", "redis://:p#w@h/0", ("redis",))
+    Traceback (most recent call last):
+    balancer.errors.ConfigError: BALANCER_REDIS_URL: percent-encode the user name and password (they contain / ? # or @): redis://***@h/0
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in schemes:
+        expected = " or ".join(f"{s}://" for s in schemes)
+        raise ConfigError(f"{setting} must be a {expected} URL, got {mask_url(url)!r}")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if at and any(c in userinfo for c in "/?#@"):
+        raise ConfigError(f"{setting}: percent-encode the user name and password (they contain / ? # or @): {mask_url(url)}")
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
+        raise ConfigError(f"{setting} contains spaces or control characters: {mask_url(url)}")
+    return url
+
+
+#: The largest value any integer setting takes (a week of seconds, or a count far past any real use).
+MAX_INT_SETTING = 7 * 86_400
+
+
+def check_redis_url(setting: str, url: str) -> None:
+    """A Redis URL redis-py reads as meant: its database, if given, a number.
+
+    >>> check_redis_url("BALANCER_REDIS_URL", "redis://h:6379/abc")
+    Traceback (most recent call last):
+    balancer.errors.ConfigError: BALANCER_REDIS_URL: the database must be a number (redis://host:6379/0), got 'abc'
+    """
+    check_url(setting, url, ("redis", "rediss", "unix"))
+    if url.lower().startswith("unix"):
+        return
+    database = urlsplit(url).path.strip("/")
+    if database and not database.isdigit():
+        raise ConfigError(f"{setting}: the database must be a number (redis://host:6379/0), got {printable(database)!r}")
+
+
+def _int(name: str, default: int, minimum: int = 1, maximum: int = MAX_INT_SETTING) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+        raise ConfigError(f"{name} must be an integer, got {printable(raw)!r}") from None
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{name} must be from {minimum} to {maximum}, got {value}")
     return value
 
 
@@ -110,14 +167,15 @@ def _number(name: str, default: float, valid: Callable[[float], bool], expected:
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name} must be {expected}, got {raw!r}") from None
-    if not valid(value):
+        raise ConfigError(f"{name} must be {expected}, got {printable(raw)!r}") from None
+    if not math.isfinite(value) or not valid(value):
         raise ConfigError(f"{name} must be {expected}, got {value}")
     return value
 
 
-def _float(name: str, default: float) -> float:
-    return _number(name, default, lambda v: v > 0, "a number > 0")
+def _seconds(name: str, default: float, low: float, high: float) -> float:
+    """A duration setting, refused unless finite and within [low, high]."""
+    return _number(name, default, lambda v: low <= v <= high, f"a number of seconds from {low:g} to {high:g}")
 
 
 def _share(name: str, default: float) -> float:
@@ -132,7 +190,7 @@ def _switch(name: str, default: bool) -> bool:
         return True
     if raw in ("0", "off", "false", "no"):
         return False
-    raise ConfigError(f"{name} must be on or off, got {raw!r}")
+    raise ConfigError(f"{name} must be on or off, got {printable(raw)!r}")
 
 
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -200,29 +258,36 @@ class Settings:
         env = os.environ
         database_url = env.get("BALANCER_DATABASE_URL") or None
         if database_url:
-            database_url = normalize_database_url(database_url)
+            database_url = normalize_database_url(check_url("BALANCER_DATABASE_URL", database_url, _SCHEMES_PG))
         redis_url = env.get("BALANCER_REDIS_URL") or None
-        if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(
-                f"BALANCER_REDIS_URL must be a redis:// URL, got {mask_url(redis_url)!r}"
-            )
+        if redis_url:
+            check_redis_url("BALANCER_REDIS_URL", redis_url)
+        broker_url = env.get("BALANCER_BROKER_URL") or None
+        if broker_url:
+            check_url("BALANCER_BROKER_URL", broker_url, ("redis", "rediss", "amqp", "amqps", "pyamqp"))
+            if broker_url.lower().startswith("redis"):
+                check_redis_url("BALANCER_BROKER_URL", broker_url)
+        backend_url = env.get("BALANCER_BACKEND_URL") or "http://127.0.0.1:8900"
+        check_url("BALANCER_BACKEND_URL", backend_url, ("http", "https"))
+        if not urlsplit(backend_url).hostname:
+            raise ConfigError(f"BALANCER_BACKEND_URL has no host: {mask_url(backend_url)}")
         kind = env.get("BALANCER_BACKEND_KIND") or "models-backend"
         if kind not in BACKEND_KINDS:
             raise ConfigError(
-                f"BALANCER_BACKEND_KIND must be one of {', '.join(BACKEND_KINDS)}, got {kind!r}"
+                f"BALANCER_BACKEND_KIND must be one of {', '.join(BACKEND_KINDS)}, got {printable(kind)!r}"
             )
         namespace = env.get("BALANCER_NAMESPACE") or "balancer"
         if not _NAMESPACE.match(namespace):
-            raise ConfigError(f"BALANCER_NAMESPACE must match {_NAMESPACE.pattern}, got {namespace!r}")
+            raise ConfigError(f"BALANCER_NAMESPACE must match {_NAMESPACE.pattern}, got {printable(namespace)!r}")
         settings = cls(
             redis_url=redis_url,
             database_url=database_url,
-            broker_url=env.get("BALANCER_BROKER_URL") or None,
-            backend_url=env.get("BALANCER_BACKEND_URL") or "http://127.0.0.1:8900",
+            broker_url=broker_url,
+            backend_url=backend_url,
             backend_kind=kind,
             backend_api_key=env.get("BALANCER_BACKEND_API_KEY") or None,
-            backend_timeout=_float("BALANCER_BACKEND_TIMEOUT", 150.0),
-            write_grace=_float("BALANCER_WRITE_GRACE", 30.0),
+            backend_timeout=_seconds("BALANCER_BACKEND_TIMEOUT", 150.0, 0.1, 3600),
+            write_grace=_seconds("BALANCER_WRITE_GRACE", 30.0, 1, 3600),
             namespace=namespace,
             home=env.get("BALANCER_HOME") or ".balancer",
             lease_seconds=_int("BALANCER_LEASE_SECONDS", 300),
@@ -232,12 +297,12 @@ class Settings:
             dispatch_window=_int("BALANCER_DISPATCH_WINDOW", 200),
             max_attempts=_int("BALANCER_MAX_ATTEMPTS", 5),
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),
-            expected_latency_s=_float("BALANCER_EXPECTED_LATENCY_S", 30.0),
+            expected_latency_s=_seconds("BALANCER_EXPECTED_LATENCY_S", 30.0, 0.01, 3600),
             end_game=_switch("BALANCER_END_GAME", True),
             hedge_budget=_share("BALANCER_HEDGE_BUDGET", 0.05),
             max_hedges=_int("BALANCER_MAX_HEDGES", 1, minimum=0),
-            dispatch_tick=_float("BALANCER_DISPATCH_TICK", 1.0),
-            reconcile_tick=_float("BALANCER_RECONCILE_TICK", 10.0),
-            ingest_tick=_float("BALANCER_INGEST_TICK", 5.0),
+            dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),
+            reconcile_tick=_seconds("BALANCER_RECONCILE_TICK", 10.0, 0.1, 86_400),
+            ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
         )
         return settings

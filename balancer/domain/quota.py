@@ -24,6 +24,10 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 #: Upper bound on any numeric limit. Keeps bucket arithmetic (tokens x 60,000
 #: units) exact in Lua's doubles, which are exact below 2**53.
 MAX_LIMIT = 1_000_000_000
+#: Upper bound on max_concurrent_requests: a worker runs one thread per
+#: concurrent call, so a typo must not size a pool to a billion threads.
+#: (bench/scenarios/backlog.toml holds 28,000 admissions on two models.)
+MAX_CONCURRENCY = 100_000
 
 INT_FIELDS = (
     "weight",
@@ -51,16 +55,16 @@ def check_model_name(name: str) -> str:
     return name
 
 
-def check_limit(field: str, value: Any, *, optional: bool = False) -> int | None:
-    """Validate one numeric limit: a whole number from 1 to MAX_LIMIT."""
+def check_limit(field: str, value: Any, *, optional: bool = False, maximum: int = MAX_LIMIT) -> int | None:
+    """Validate one numeric limit: a whole number from 1 to ``maximum``."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise QuotaError(f"{field} must be a whole number, got {value!r}")
     if value < 1:
         raise QuotaError(f"{field} must be >= 1, got {value}")
-    if value > MAX_LIMIT:
-        raise QuotaError(f"{field} must be <= {MAX_LIMIT}, got {value}")
+    if value > maximum:
+        raise QuotaError(f"{field} must be <= {maximum}, got {value}")
     return value
 
 
@@ -111,7 +115,7 @@ class Quota:
     def __post_init__(self) -> None:
         check_model_name(self.name)
         check_limit("weight", self.weight)
-        check_limit("max_concurrent_requests", self.max_concurrent_requests)
+        check_limit("max_concurrent_requests", self.max_concurrent_requests, maximum=MAX_CONCURRENCY)
         check_limit("max_tokens_per_minute", self.max_tokens_per_minute)
         check_limit("max_requests_per_minute", self.max_requests_per_minute, optional=True)
         check_limit("burst_tokens", self.burst_tokens, optional=True)

@@ -7,7 +7,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from balancer.errors import ConfigError, ServiceUnavailable
-from balancer.settings import mask_url, normalize_database_url
+from balancer.settings import mask_url, normalize_database_url, scrub
 
 
 def make_engine(url: str, **kwargs: object) -> Engine:
@@ -20,7 +20,7 @@ def make_engine(url: str, **kwargs: object) -> Engine:
                    "connect_args": {"connect_timeout": 5}, **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
-        raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {exc}") from None
+        raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {scrub(str(exc), url)}") from None
 
 
 _ENGINES: dict[str, Engine] = {}
@@ -48,14 +48,7 @@ def dispose_engines() -> None:
 def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
     """Turn a driver error into one line that names the masked URL, never the password."""
     detail = str(getattr(exc, "orig", exc)).strip().splitlines()
-    first = detail[0] if detail else type(exc).__name__
-    first = first.replace(url, mask_url(url))
-    try:
-        password = sa.engine.make_url(url).password
-    except Exception:
-        password = None
-    if password:
-        first = first.replace(str(password), "***")
+    first = scrub(detail[0] if detail else type(exc).__name__, url)
     return ServiceUnavailable(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
 
 
