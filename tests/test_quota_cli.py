@@ -122,6 +122,8 @@ def test_live_change_applies_to_the_very_next_admission(capsys: pytest.CaptureFi
         (["quota", "set", "m", "--tpm", "0"], "--tpm"),
         (["quota", "set", "m", "--tpm", "-3"], "--tpm"),
         (["quota", "set", "m", "--concurrency", "2.5"], "--concurrency"),
+        (["quota", "set", "m", "--concurrency", "1000000000"], "max_concurrent_requests must be <= 100000"),
+        (["quota", "set", "gpt\x1b[31m", "--tpm", "5"], "invalid model name"),
         (["quota", "set", "m", "--burst", "0"], "--burst"),
         (["quota", "set", "m", "--weight", "x"], "--weight"),
         (["quota", "set", "m"], "nothing to change"),
@@ -153,7 +155,13 @@ def test_export_import_round_trip(capsys: pytest.CaptureFixture[str], tmp_path: 
         "[models.small]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\nenabled = false\n"
     )
     assert run(capsys, "quota", "set", "stale", "--create", "--tpm", "1", "--concurrency", "1")[0] == 0
-    code, out, err = run(capsys, "quota", "import", str(source))
+    code, _, err = run(capsys, "quota", "import", str(source))
+    assert code == 2 and "would remove 1 model(s) (stale)" in err and "--replace" in err
+    assert [q.name for q in services().quotas.all()] == ["stale"]  # refused: nothing changed
+    code, out, _ = run(capsys, "quota", "import", str(source), "--dry-run")
+    assert code == 0 and "would remove stale" in out and "would create small" in out and "nothing changed" in out
+    assert [q.name for q in services().quotas.all()] == ["stale"]
+    code, out, err = run(capsys, "quota", "import", str(source), "--replace")
     assert code == 0, err
     assert "2 created" in out and "1 removed" in out
     exported = tmp_path / "out.toml"
@@ -187,6 +195,21 @@ def test_malformed_import_changes_nothing(
     code, _, err = run(capsys, "quota", "import", str(bad))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert [q.name for q in services().quotas.all()] == ["keep"]
+
+
+@pytest.mark.parametrize("content", [b"", b"[models]\n", b"# nothing\n", b"\xff\xfe[models.a]\n"])
+def test_an_empty_or_unreadable_import_changes_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes
+) -> None:
+    assert run(capsys, "quota", "set", "keep", "--create", "--tpm", "9", "--concurrency", "1")[0] == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(content)
+    for argv in (["quota", "import", str(bad)], ["quota", "import", str(bad), "--replace"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert [q.name for q in services().quotas.all()] == ["keep"]
+    code, _, err = run(capsys, "quota", "export", str(tmp_path / "missing" / "out.toml"))
+    assert code == 2 and "cannot write" in err
 
 
 def test_unreachable_services_name_masked_url(

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from balancer.cli import services
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
-from balancer.errors import QuotaError
+from balancer.errors import QuotaError, printable
 from balancer.services import Services
 
 POSITIVE = click.IntRange(min=1)
@@ -199,23 +199,38 @@ def quota_remove(model: str, by: str | None) -> None:
 
 @quota.command("import")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--replace", "--yes", "replace", is_flag=True,
+              help="Allow the import to remove the models FILE does not list.")
+@click.option("--dry-run", is_flag=True, help="Print what the import would change, and change nothing.")
 @click.option("--by", help="Who made the change (default: the OS user).")
-def quota_import(file: Path, by: str | None) -> None:
-    """Replace the whole quota set with FILE (TOML; see `quota export`)."""
+def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
+    """Make the quota set equal to FILE (TOML; see `quota export`).
+
+    Removing models needs --replace; an empty FILE is refused."""
+    name = printable(str(file))
     try:
-        text = file.read_text() if str(file) != "-" else sys.stdin.read()
+        text = sys.stdin.read() if str(file) == "-" else file.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise QuotaError(f"cannot read {file}: {exc.strerror}") from None
+        raise QuotaError(f"cannot read {name}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise QuotaError(f"{name}: not UTF-8 text (byte {exc.start})") from None
     try:
         quotas = parse_quota_file(text)
     except QuotaError as exc:
-        raise QuotaError(f"{file}: {exc}") from None
+        raise QuotaError(f"{name}: {exc}") from None
+    if not quotas:
+        raise QuotaError(f"{name} lists no models: refusing to remove every model (use `quota remove MODEL`)")
     svc = _migrated_services()
-    summary = svc.quotas.replace_all(quotas, by=by)
-    click.echo(
-        f"imported {len(quotas)} model(s): {len(summary.created)} created, {len(summary.updated)} updated, "
-        f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged"
-    )
+    summary = svc.quotas.replace_all(quotas, by=by, allow_removal=replace, dry_run=dry_run)
+    counts = (f"{len(summary.created)} created, {len(summary.updated)} updated, "
+              f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged")
+    if dry_run:
+        for verb, names in (("create", summary.created), ("update", summary.updated), ("remove", summary.removed)):
+            for model in names:
+                click.echo(f"would {verb} {model}")
+        click.echo(f"dry run, nothing changed: {len(quotas)} model(s) in {name}: {counts}")
+        return
+    click.echo(f"imported {len(quotas)} model(s): {counts}")
     if summary.removed:
         _warn_stranded(svc)
 
@@ -230,6 +245,9 @@ def quota_export(file: Path | None) -> None:
         click.echo(text, nl=False)
     else:
         tmp = file.with_name(file.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(file)
-        click.echo(f"wrote {file}")
+        try:
+            tmp.write_text(text)
+            tmp.replace(file)
+        except OSError as exc:
+            raise QuotaError(f"cannot write {printable(str(file))}: {exc.strerror or exc}") from None
+        click.echo(f"wrote {printable(str(file))}")

@@ -9,7 +9,7 @@ back: nothing half-written.
 from __future__ import annotations
 
 import getpass
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,6 +58,23 @@ class ImportSummary:
     updated: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+
+
+def import_diff(current: Mapping[str, Quota], wanted: Mapping[str, Quota]) -> ImportSummary:
+    """What replacing ``current`` with ``wanted`` does, model by model (pure).
+
+    >>> a, b = Quota("a", 1, 10), Quota("b", 1, 10)
+    >>> import_diff({"a": a, "b": b}, {"a": a.replace(weight=2), "c": Quota("c", 1, 10)})
+    ImportSummary(created=['c'], updated=['a'], removed=['b'], unchanged=[])
+    """
+    summary = ImportSummary(removed=sorted(current.keys() - wanted.keys()))
+    for name in sorted(wanted):
+        old = current.get(name)
+        if old == wanted[name]:
+            summary.unchanged.append(name)
+        else:
+            (summary.updated if old else summary.created).append(name)
+    return summary
 
 
 class QuotaStore:
@@ -148,22 +165,30 @@ class QuotaStore:
             self._write(conn, old, None, by or default_actor())
         return old
 
-    def replace_all(self, new_set: Sequence[Quota], *, by: str | None = None) -> ImportSummary:
-        """Make the stored set equal to ``new_set`` (import), in one transaction."""
+    def replace_all(
+        self, new_set: Sequence[Quota], *, by: str | None = None, allow_removal: bool = True, dry_run: bool = False
+    ) -> ImportSummary:
+        """Make the stored set equal to ``new_set`` (import), in one transaction.
+
+        With ``allow_removal`` False, an import that would remove a model
+        changes nothing and raises :class:`QuotaError` listing them; with
+        ``dry_run``, nothing is written and the summary says what would be.
+        """
         by = by or default_actor()
-        summary = ImportSummary()
         wanted = {q.name: q for q in new_set}
         with self.engine.begin() as conn:
             conn.execute(sa.text("LOCK TABLE quotas IN SHARE ROW EXCLUSIVE MODE"))
             current = {r.name: _row_to_quota(r) for r in conn.execute(sa.select(quotas))}
-            for name in sorted(current.keys() - wanted.keys()):
+            summary = import_diff(current, wanted)
+            if summary.removed and not allow_removal and not dry_run:
+                raise QuotaError(
+                    f"this import would remove {len(summary.removed)} model(s) ({', '.join(summary.removed)}): "
+                    "check with --dry-run, then pass --replace"
+                )
+            if dry_run:
+                return summary
+            for name in summary.removed:
                 self._write(conn, current[name], None, by)
-                summary.removed.append(name)
-            for name in sorted(wanted):
-                old = current.get(name)
-                if old == wanted[name]:
-                    summary.unchanged.append(name)
-                    continue
-                self._write(conn, old, wanted[name], by)
-                (summary.updated if old else summary.created).append(name)
+            for name in summary.created + summary.updated:
+                self._write(conn, current.get(name), wanted[name], by)
         return summary
