@@ -415,3 +415,20 @@ def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> N
         releaser.cancel()
         held.close()
         engine.dispose()
+
+
+@pytest.mark.faults
+def test_an_unexpected_error_in_a_solve_uses_an_attempt_so_max_attempts_ends_it(svc: Services, sim) -> None:
+    """A client built with a NaN timeout (what BALANCER_BACKEND_TIMEOUT=nan did
+    before settings refused it) raises a ValueError inside httpx on every call:
+    not a backend error, a bug. Each one is an attempt, so the task fails
+    after max_attempts (3) instead of going round for ever."""
+    broken = make_backend(dataclasses.replace(svc.settings, backend_timeout=float("nan")))
+    a = dispatch_one(svc, {"prompt": "p", "model": "m"})
+    outcomes = [solve(svc, broken, message(a))]
+    while outcomes[-1] == "retry":
+        outcomes.append(solve(svc, broken, message(redispatch(svc, a.task_id, clear_backoff=True))))
+    assert outcomes == ["retry", "retry", "failed"]
+    row = task_row(svc, a.task_id)
+    assert row.status == "failed" and row.attempts == 3 and "unexpected ValueError" in row.error
+    assert svc.core.live()["m"].in_flight == 0

@@ -18,7 +18,8 @@ rate_limited (429)    the model is paused for Retry-After, once per window
                       whichever limit caused the 429; the task goes back to
                       pending at once, the call is not counted as an attempt,
                       and the task is ``failed`` after ``MAX_RATE_LIMITED`` 429s
-transient             5xx, timeout, refused connection, malformed reply: back to
+transient             5xx, timeout, refused connection, malformed reply, or any
+                      unexpected error (logged with its traceback): back to
                       pending with exponential back-off, preferring another
                       allowed model for the retry; ``failed`` after
                       ``max_attempts`` calls
@@ -190,9 +191,17 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
                 )
             )
             return "rate_limited"
-        except Transient as exc:
+        except Permanent as exc:
             finish()
             error = str(exc)
+            with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
+            return "failed"
+        except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
+            finish()
+            error = str(exc)
+            if not isinstance(exc, Transient):
+                log.exception("unexpected error calling %s for task %d", msg.model, msg.task_id)
+                error = f"unexpected {type(exc).__name__}: {error}"
             if attempt >= settings.max_attempts:
                 reason = f"after {attempt} attempts: {error}"
                 with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason))
@@ -204,11 +213,6 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
                 )
             )
             return "retry"
-        except Permanent as exc:
-            finish()
-            error = str(exc)
-            with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
-            return "failed"
         # The provider's slot is free the moment it answered, so ours is freed now,
         # before the write: the write needs no slot, and keeps its retry and its
         # exactly-once guard. The next call can be on the wire while this one is stored.
