@@ -106,3 +106,22 @@ def test_a_canary_password_appears_in_no_output(tmp_path: Path, setting: str) ->
             assert "Traceback" not in output, (argv, output)
             for piece in ("Kn4ry", quote(CANARY, safe="")[:8]):
                 assert piece not in output, (setting, encoded, argv, output)
+
+
+@pytest.mark.usefixtures("migrated")
+def test_db_upgrade_refuses_an_unknown_revision_and_says_what_it_did(capsys: pytest.CaptureFixture[str]) -> None:
+    from balancer.cli import main
+    from balancer.storage.migrate import head_revision
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(list(argv))
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, _, err = run("db", "upgrade", "--revision", "nonexistent")
+    assert code == 2 and "unknown revision 'nonexistent'" in err and len(err.strip().splitlines()) == 1
+    for older in ("base", "0003"):
+        code, out, _ = run("db", "upgrade", "--revision", older)
+        assert code == 0 and f"stays at revision {head_revision()}" in out and "never downgrades" in out
+    code, out, _ = run("db", "upgrade")
+    assert code == 0 and out.strip() == f"database at revision {head_revision()}"

@@ -13,14 +13,20 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option("--revision", default="head", show_default=True, help="Target revision (head, or one of `0001`...).")
 def db_upgrade(revision: str) -> None:
-    """Create or upgrade the tables in BALANCER_DATABASE_URL."""
-    from balancer.storage.migrate import upgrade
+    """Create or upgrade the tables in BALANCER_DATABASE_URL (never downgrades)."""
+    from balancer.storage.migrate import head_revision, revisions, upgrade
 
     svc = services()
-    upgrade(svc.engine, revision)
-    click.echo(f"database at revision {revision}")
+    at = upgrade(svc.engine, revision)
+    wanted = head_revision() if revision == "head" else revision
+    if at == wanted:
+        click.echo(f"database at revision {at}")
+    else:  # an older target than the database: upgrade leaves it where it is
+        below = "base" if wanted == "base" else f"revision {wanted}"
+        click.echo(f"database stays at revision {at or 'none'}: {below} is not above it, and db upgrade never "
+                   f"downgrades (revisions: {', '.join(revisions())})")
 
 
 @click.group()

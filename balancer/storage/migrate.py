@@ -9,7 +9,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Engine
 
-from balancer.errors import ConfigError
+from balancer.errors import ConfigError, printable
 from balancer.storage.db import check_reachable, current_revision
 
 
@@ -20,17 +20,36 @@ def alembic_config(engine: Engine) -> Config:
     return config
 
 
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory(str(resources.files("balancer.storage") / "migrations"))
+
+
 def head_revision() -> str:
-    script = ScriptDirectory(str(resources.files("balancer.storage") / "migrations"))
-    head = script.get_current_head()
+    head = _scripts().get_current_head()
     if head is None:  # pragma: no cover - the package ships its migrations
         raise RuntimeError("no Alembic head revision in balancer/storage/migrations")
     return head
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
+def revisions() -> list[str]:
+    """Every revision this code ships, oldest first."""
+    return [r.revision for r in reversed(list(_scripts().walk_revisions()))]
+
+
+def upgrade(engine: Engine, revision: str = "head") -> str | None:
+    """Upgrade to ``revision`` (``head``, ``base`` or a shipped one; never down).
+    Returns the revision the database is at afterwards (None: no tables)."""
+    known = revisions()
+    if revision not in ("head", "base", *known):
+        raise ConfigError(f"unknown revision {printable(revision)!r}: use head or one of {', '.join(known)}")
     check_reachable(engine)
-    command.upgrade(alembic_config(engine), revision)
+    current = current_revision(engine)
+    behind = current is None or revision == "head" or (
+        revision != "base" and current in known and known.index(revision) > known.index(current)
+    )
+    if behind:
+        command.upgrade(alembic_config(engine), revision)
+    return current_revision(engine)
 
 
 def require_migrated(engine: Engine) -> None:
