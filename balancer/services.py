@@ -52,6 +52,11 @@ def redis_client(url: str, *, check: bool = True) -> redis.Redis:
         ) from None
     except redis.ResponseError as exc:
         raise ServiceUnavailable(f"Redis at {mask_url(url)} refused us (BALANCER_REDIS_URL): {scrub(str(exc), url)}") from None
+    except redis.RedisError as exc:  # e.g. not Redis at all: an HTTP server's reply is a protocol error
+        raise ServiceUnavailable(
+            f"no Redis at {mask_url(url)} (BALANCER_REDIS_URL): {type(exc).__name__}: "
+            f"{scrub((str(exc).splitlines() or [''])[0], url)}"
+        ) from None
     return client
 
 

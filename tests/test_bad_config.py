@@ -55,7 +55,7 @@ def test_wrong_redis_password(env: dict[str, str], tmp_path: Path) -> None:
 
         time.sleep(0.5)
         proc = balancer({"BALANCER_REDIS_URL": f"redis://:wrong-one@127.0.0.1:{port}/0"}, "quota", "list")
-        assert_one_line(proc, "BALANCER_REDIS_URL", "redis://:***@127.0.0.1")
+        assert_one_line(proc, "BALANCER_REDIS_URL", "redis://***@127.0.0.1")
         assert "wrong-one" not in proc.stderr
     finally:
         server.terminate()

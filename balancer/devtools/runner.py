@@ -11,6 +11,7 @@ Every process it starts is stopped on exit, including on Ctrl-C.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -38,16 +39,32 @@ from balancer.storage.schema import tasks as tasks_table
 
 
 class IsolatedServices:
-    """Redis + PostgreSQL for one run, in a namespace and schema of its own."""
+    """Redis + PostgreSQL for one run, in a namespace and schema of its own.
 
-    def __init__(self, console: Console, label: str = "run") -> None:
+    Everything it starts or creates is undone on exit, and also when entering
+    fails halfway (an embedded server that did start is stopped). Its temp
+    directory (logs, an embedded stack) is deleted on exit unless
+    ``keep_workdir`` (the benchmarks keep their logs)."""
+
+    def __init__(self, console: Console, label: str = "run", *, keep_workdir: bool = True) -> None:
         self.console = console
         self.label = label
+        self.keep_workdir = keep_workdir
         self._stack = ExitStack()
 
     def __enter__(self) -> IsolatedServices:
-        base = Settings.from_env()
         self.workdir = Path(tempfile.mkdtemp(prefix=f"balancer-{self.label}-"))
+        if not self.keep_workdir:
+            self._stack.callback(shutil.rmtree, self.workdir, True)
+        try:
+            self._start()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        base = Settings.from_env()
         if base.redis_url and base.database_url:
             self.redis_url, self.database_url = base.redis_url, base.database_url
             self.console.print("using the services in BALANCER_REDIS_URL / BALANCER_DATABASE_URL")
@@ -84,7 +101,6 @@ class IsolatedServices:
 
         self.services = Services.connect(Settings.from_env())
         upgrade(self.services.engine)
-        return self
 
     def _drop_own_state(self) -> None:
         import redis
