@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from balancer.cli import main
-from balancer.domain.intake import parse_tasks
+from balancer.domain.intake import jsonl_lines, parse_tasks
 from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
@@ -49,9 +49,9 @@ def test_parser_reports_each_bad_line_with_its_number() -> None:
 
 @given(st.text(max_size=500))
 def test_parser_never_raises(text: str) -> None:
-    """Any text parses into rows and line errors; numbers point at real lines."""
+    """Any text parses into rows and line errors; numbers point at real lines (JSONL lines: split on \\n)."""
     rows, errors = parse_tasks(text, models=MODELS)
-    lines = text.splitlines()
+    lines = jsonl_lines(text)
     assert all(1 <= e.line <= len(lines) and lines[e.line - 1].strip() for e in errors)
     assert len(rows) + len(errors) == sum(1 for line in lines if line.strip())
 
@@ -142,7 +142,7 @@ HOSTILE_LINES = [  # (line, what the error says)
     ('{"prompt": "x", "models": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper"),
     ('{"prompt": "' + "w" * (4 * 1024 * 1024) + '"}', "line longer than"),
     ('{"prompt": "bad byte \udcff here"}', "prompt is not valid UTF-8"),  # 0xff read with surrogateescape
-    ('{"prompt": "x", "model": "gpt\x1b[31m-red"}', "unknown model(s): gpt\\x1b[31m-red"),
+    ('{"prompt": "x", "model": "gpt\\u001b[31m-red"}', "unknown model(s): gpt\\x1b[31m-red"),
 ]
 
 

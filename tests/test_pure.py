@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import balancer.domain.quota
 import balancer.domain.quotafile
 import balancer.settings
-from balancer.domain.quota import MAX_LIMIT, Quota
+from balancer.domain.quota import MAX_CONCURRENCY, MAX_LIMIT, Quota
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import ConfigError, QuotaError
 from balancer.settings import Settings, mask_url, normalize_database_url
@@ -74,7 +74,7 @@ quotas = st.lists(
     st.builds(
         Quota,
         name=st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True),
-        max_concurrent_requests=st.integers(1, MAX_LIMIT),
+        max_concurrent_requests=st.integers(1, MAX_CONCURRENCY),
         max_tokens_per_minute=st.integers(1, MAX_LIMIT),
         weight=st.integers(1, 100),
         max_requests_per_minute=st.none() | st.integers(1, MAX_LIMIT),
