@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected
 from balancer.admission.model import UNITS, token_cap
-from balancer.domain.quota import Quota
+from balancer.domain.quota import MAX_CONCURRENCY, Quota
 from tests.twin import Twin, delete_keys
 
 SETTINGS = settings(
@@ -127,7 +127,7 @@ def test_caps_hold(new_twin, quota: Quota, plan: list[tuple]) -> None:
 def test_shares_follow_weights(twin: Twin) -> None:
     weights = {"w1": 1, "w2": 2, "w3": 3, "w4": 4}
     for name, weight in weights.items():
-        twin.set_quota(Quota(name, 10**6, 10**9, weight=weight))
+        twin.set_quota(Quota(name, MAX_CONCURRENCY, 10**9, weight=weight))
     rng = random.Random(7)
     tokens = dict.fromkeys(weights, 0)
     for _ in range(20):  # 20 batches of 100 = 2,000 admissions
@@ -210,7 +210,7 @@ def test_not_now_says_when(twin: Twin) -> None:
 def test_large_task_is_not_starved_by_small_ones(twin: Twin) -> None:
     """A task of burst_tokens behind a stream of small tasks that would eat
     every refill is admitted within burst/TPM minutes (here 60 s)."""
-    twin.set_quota(Quota("m", 10**6, 6_000))  # 100 tokens/s, burst 6,000
+    twin.set_quota(Quota("m", MAX_CONCURRENCY, 6_000))  # 100 tokens/s, burst 6,000
     assert isinstance(admit_and_start(twin, [Candidate(5_000)])[0], Admitted)  # drain most of the bucket
     waited = 0
     while True:
@@ -372,7 +372,7 @@ def test_eight_processes_never_over_admit(redis_url: str, redis_client: redis.Re
     core = AdmissionCore(redis_client, namespace)
     core.restore([])  # an empty live state; models created below start with full buckets
     core.set_quota(Quota("capped", 37, 10**9))
-    rated = Quota("rated", 10**6, 60_000, burst_tokens=20_000)
+    rated = Quota("rated", MAX_CONCURRENCY, 60_000, burst_tokens=20_000)
     core.set_quota(rated)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
