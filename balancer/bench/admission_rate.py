@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, keys
-from balancer.domain.quota import Quota
+from balancer.domain.quota import MAX_CONCURRENCY, Quota
 from balancer.services import delete_namespace_keys
 
 
@@ -70,7 +70,7 @@ def setup(url: str, namespace: str, models: int) -> AdmissionCore:
     core = AdmissionCore(redis.Redis.from_url(url), namespace)
     core.restore([])
     for i in range(models):
-        core.set_quota(Quota(f"model-{i}", 10**9, 10**9, weight=1 + i % 3))
+        core.set_quota(Quota(f"model-{i}", MAX_CONCURRENCY, 10**9, weight=1 + i % 3))  # no cap binds in a few seconds
     return core
 
 
