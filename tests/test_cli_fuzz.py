@@ -66,10 +66,13 @@ def snapshot(env: dict[str, str]) -> tuple:
         rows = tuple(tuple(conn.execute(sa.select(t).order_by(*t.primary_key.columns)).all())
                      for t in (quotas, quota_changes, tasks))
     client = redis.Redis.from_url(env["BALANCER_REDIS_URL"])
+    # The dispatch-request flags expire by themselves (an earlier accepted submit set them).
+    expiring = {k.encode() for k in keys.dispatch_flags(env["BALANCER_NAMESPACE"])}
     stored = {}
     for pattern in keys.namespace_patterns(env["BALANCER_NAMESPACE"]):
         for key in client.scan_iter(match=pattern):
-            stored[key] = client.dump(key)
+            if key not in expiring:
+                stored[key] = client.dump(key)
     return rows, stored
 
 

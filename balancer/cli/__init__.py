@@ -67,10 +67,11 @@ def _register() -> None:
     cli.add_command(db.db)
     cli.add_command(quota.quota)
     cli.add_command(db.embedded)
-    from balancer.cli import pipeline
+    from balancer.cli import pipeline, tasks
 
     for command in pipeline.COMMANDS:
         cli.add_command(command)
+    cli.add_command(tasks.tasks)
 
 
 _register()

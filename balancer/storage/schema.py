@@ -52,6 +52,10 @@ quota_changes = Table(
     Column("new_value", JSONB, nullable=True),
 )
 
+#: Every status a task can have (the ``tasks_status_known`` check). ``cancelled``:
+#: taken out of the backlog by an operator (``balancer tasks cancel``).
+TASK_STATUSES = ("pending", "queued", "running", "solved", "failed", "cancelled")
+
 tasks = Table(
     "tasks",
     metadata,
@@ -84,6 +88,18 @@ tasks = Table(
     Column("started_at", DateTime(timezone=True), nullable=True),
     Column("solved_at", DateTime(timezone=True), nullable=True),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+#: Operator actions on tasks (``balancer tasks retry|cancel``), audited as quota changes are.
+task_operations = Table(
+    "task_operations",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("done_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("done_by", Text, nullable=False),
+    Column("action", Text, nullable=False),  # retry | cancel
+    Column("filter", JSONB, nullable=False),
+    Column("task_ids", ARRAY(BigInteger), nullable=False),
 )
 
 ingested_files = Table(

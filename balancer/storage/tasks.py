@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from balancer.admission import LeaseSeed
 from balancer.domain.intake import TaskRow
-from balancer.storage.schema import tasks
+from balancer.storage.schema import TASK_STATUSES, tasks
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,7 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
 def status_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(tasks.c.status, sa.func.count()).group_by(tasks.c.status)).all()
-    counts = dict.fromkeys(("pending", "queued", "running", "solved", "failed"), 0)
+    counts = dict.fromkeys(TASK_STATUSES, 0)
     counts.update({status: n for status, n in rows})
     return counts
 

@@ -1,0 +1,128 @@
+"""``balancer tasks ...``: see, retry and cancel tasks while the pipeline runs.
+
+``retry`` and ``cancel`` are dry runs unless ``--yes``; they never touch a
+queued or running task (balancer.storage.operations).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from balancer.cli.pipeline import _ask_for_dispatch, _migrated
+from balancer.errors import BalancerError, printable
+
+
+def _when(value: datetime | None) -> datetime | None:
+    """A naive time given on the command line is UTC."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
+def filters(command: Any) -> Any:
+    """The filter options every ``tasks`` subcommand takes."""
+    for option in reversed([
+        click.option("--status", help="pending, queued, running, solved, failed or cancelled"),
+        click.option("--model", help="tasks that ran on MODEL or may use it"),
+        click.option("--source", help="the source recorded at submit or ingestion"),
+        click.option("--created-after", type=click.DateTime(), help="UTC, e.g. 2026-11-21T09:00"),
+        click.option("--created-before", type=click.DateTime(), help="UTC"),
+    ]):
+        command = option(command)
+    return command
+
+
+def _filter(status: str | None, model: str | None, source: str | None, created_after: datetime | None,
+            created_before: datetime | None) -> Any:
+    from balancer.storage.operations import TaskFilter
+
+    return TaskFilter(status, model, source, _when(created_after), _when(created_before))
+
+
+@click.group()
+def tasks() -> None:
+    """List, show, retry and cancel tasks (safe while the pipeline runs)."""
+
+
+@tasks.command("list")
+@filters
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
+    """The matching tasks, newest first."""
+    from balancer.storage.operations import list_tasks
+
+    flt = _filter(**given)
+    rows = list_tasks(_migrated().engine, flt, limit=limit)
+    if as_json:
+        click.echo(json.dumps([dict(r._mapping) for r in rows], default=str, indent=2))
+        return
+    table = Table(title=f"tasks ({len(rows)} shown, newest first)")
+    for col in ("id", "status", "model", "source", "attempts", "created", "prompt", "error"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(str(r.id), r.status, r.model or ",".join(r.allowed_models or []) or "any", printable(r.source, 30),
+                      str(r.attempts), f"{r.created_at:%Y-%m-%d %H:%M:%S}", printable(r.prompt_preview, 40),
+                      printable(r.error or "", 60))
+    Console(width=max(Console().width, 140)).print(table)
+
+
+@tasks.command("show")
+@click.argument("task_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+def tasks_show(task_id: int, as_json: bool) -> None:
+    """One task: prompt preview, status, model, attempts, errors and timings."""
+    from balancer.storage.operations import get_task
+
+    row = get_task(_migrated().engine, task_id)
+    if row is None:
+        raise BalancerError(f"no task {task_id}")
+    data = dict(row._mapping)
+    if as_json:
+        click.echo(json.dumps(data, default=str, indent=2))
+        return
+    for key in ("id", "status", "source", "priority", "model", "allowed_models", "attempts", "rate_limited", "hedges",
+                "hedge_model", "estimated_tokens", "prompt_tokens", "completion_tokens", "error", "created_at",
+                "queued_at", "started_at", "solved_at", "updated_at"):
+        click.echo(f"{key:>18}: {printable(str(data[key]), 300)}")
+    click.echo(f"{'prompt':>18}: {printable(data['prompt'], 200)}")
+    if data["answer"] is not None:
+        click.echo(f"{'answer':>18}: {printable(data['answer'], 200)}")
+
+
+def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any]) -> None:
+    from balancer.storage import operations
+    from balancer.storage.quotas import default_actor
+
+    flt = _filter(**given)
+    act = operations.retry_failed if verb == "retry" else operations.cancel_pending
+    ids = act(_migrated().engine, flt, by=by or default_actor(), apply=yes)
+    preview = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
+    if not yes:
+        click.echo(f"would {verb} {len(ids)} task(s){': ' + preview if ids else ''} (dry run: pass --yes to apply)")
+        return
+    click.echo(f"{done} {len(ids)} task(s){': ' + preview if ids else ''}")
+    if ids and verb == "retry":
+        _ask_for_dispatch()
+
+
+@tasks.command("retry")
+@filters
+@click.option("--yes", is_flag=True, help="Apply (without it: a dry run that lists what would change).")
+@click.option("--by", help="Who retries (default: the OS user), for the audit.")
+def tasks_retry(yes: bool, by: str | None, **given: Any) -> None:
+    """Failed tasks back to pending, attempts reset."""
+    _act("retry", "retried", yes, by, given)
+
+
+@tasks.command("cancel")
+@filters
+@click.option("--yes", is_flag=True, help="Apply (without it: a dry run that lists what would change).")
+@click.option("--by", help="Who cancels (default: the OS user), for the audit.")
+def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
+    """Pending tasks out of the backlog (status cancelled)."""
+    _act("cancel", "cancelled", yes, by, given)
