@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -240,7 +240,28 @@ class AdmissionCore:
         reply = self._run_with_state("remove_quota", lambda: [name])
         return reply[1] == 1
 
+    def count(self, model: str, outcome: str) -> None:
+        """Count a call outcome the scripts do not see (``transient``, ``failed``) for the metrics.
+
+        Answered calls and 429s are counted inside finish.lua and penalize.lua."""
+        self.redis.hincrby(keys.stats(self.namespace, model), outcome, 1)
+
     # -- reading (no state changes, so no Lua needed) ---------------------------
+    def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+        """(per model, system) counters since the start, as the scripts and :meth:`count` keep them."""
+        r = self.redis
+        names = [n.decode() for n in cast(list[bytes], r.zrange(self.keys[1], 0, -1))]
+        with r.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(keys.stats(self.namespace, name))
+            pipe.hgetall(keys.system_stats(self.namespace))
+            replies = pipe.execute()
+
+        def ints(raw: dict) -> dict[str, int]:
+            return {k.decode(): int(v) for k, v in raw.items()}
+
+        return {name: ints(raw) for name, raw in zip(names, replies, strict=False)}, ints(replies[-1])
+
     def is_loaded(self) -> bool:
         return self.redis.hget(self.keys[0], "loaded") == b"1"
 

@@ -24,6 +24,8 @@ LEASES = ":leases"
 MODEL_INFIX = ":model:"
 INFLIGHT_INFIX = ":inflight:"
 LATENCY_INFIX = ":latency:"
+STATS_INFIX = ":stats:"
+SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
@@ -55,6 +57,19 @@ def latency(namespace: str, name: str) -> str:
     return tag(namespace) + LATENCY_INFIX + name
 
 
+def stats(namespace: str, name: str) -> str:
+    """A model's counters since the start (hash): calls by outcome, tokens, latency buckets.
+
+    Observation only, never read by admission; ``balancer metrics`` exports them.
+    """
+    return tag(namespace) + STATS_INFIX + name
+
+
+def system_stats(namespace: str) -> str:
+    """Counters of the whole system (hash): admission decisions by kind, dispatch rounds."""
+    return tag(namespace) + SYSTEM_STATS
+
+
 def dispatch_flags(namespace: str) -> tuple[str, str]:
     """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.pipeline.trigger`."""
     t = tag(namespace)
@@ -84,6 +99,8 @@ LUA_PRELUDE = "\n".join(
         f"local MODEL_INFIX = '{MODEL_INFIX}'",
         f"local INFLIGHT_INFIX = '{INFLIGHT_INFIX}'",
         f"local LATENCY_INFIX = '{LATENCY_INFIX}'",
+        f"local STATS_INFIX = '{STATS_INFIX}'",
+        f"local SYSTEM_STATS = '{SYSTEM_STATS}'",
         "",
     ]
 )

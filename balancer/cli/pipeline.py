@@ -168,6 +168,25 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 
 
 @click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 to expose it).")
+@click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
+def metrics(host: str, port: int) -> None:
+    """Serve Prometheus metrics at http://HOST:PORT/metrics, read from Redis and
+    PostgreSQL at every scrape (stateless: run one anywhere)."""
+    import threading
+
+    from balancer.pipeline.metrics import serve
+
+    svc = _migrated()
+    try:
+        serve(svc, host, port)
+    except OSError as exc:
+        raise BalancerError(f"cannot serve metrics on {printable(host)}:{port}: {exc.strerror or exc}") from None
+    click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics", err=True)
+    threading.Event().wait()  # until interrupted
+
+
+@click.command()
 @click.option("--json", "as_json", is_flag=True)
 def status(as_json: bool) -> None:
     """Task counts by status."""
@@ -220,4 +239,4 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
 
-COMMANDS = [submit, worker, dispatcher, beat, sim, status, demo, bench]
+COMMANDS = [submit, worker, dispatcher, beat, sim, status, metrics, demo, bench]

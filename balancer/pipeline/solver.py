@@ -193,11 +193,13 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
             return "rate_limited"
         except Permanent as exc:
             finish()
+            core.count(msg.model, "failed")
             error = str(exc)
             with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
             return "failed"
         except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
             finish()
+            core.count(msg.model, "transient")
             error = str(exc)
             if not isinstance(exc, Transient):
                 log.exception("unexpected error calling %s for task %d", msg.model, msg.task_id)
@@ -294,6 +296,8 @@ def _solve_hedge(
     except (RateLimited, Transient, Permanent) as exc:
         if isinstance(exc, RateLimited):
             pause_for(core, msg.model, exc)
+        else:
+            core.count(msg.model, "failed" if isinstance(exc, Permanent) else "transient")
         slot.free()
         with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
         return "hedge_failed"

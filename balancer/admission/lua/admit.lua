@@ -121,4 +121,10 @@ end
 
 for _, name in ipairs(names) do save_model(models[name]) end
 redis.call('HSET', META, 'seq', fmt(seq), 'rr', rr)
+local kinds = {A = 0, W = 0, R = 0}
+for i = 1, #out, 3 do kinds[out[i]] = kinds[out[i]] + 1 end
+count_system('admitted', kinds.A)
+count_system('not_now', kinds.W)
+count_system('rejected', kinds.R)
+count_system('dispatch_rounds', 1)
 return out

@@ -17,7 +17,8 @@
 -- that charged it; a `reserve` model keeps it, as the provider does.
 -- Header sync: see sync_to_headers in lib.lua (lowers, never raises, and
 -- learns the rate others use of the quota).
--- Latency: an answered call adds its latency and tokens to the model's sketch.
+-- Latency: an answered call adds its latency and tokens to the model's sketch,
+-- and to its counters (solved, latency bucket, tokens: see count in lib.lua).
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
 -- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
 -- already released). Releasing is idempotent.
@@ -47,6 +48,11 @@ if m then
   save_model(m)
   if ARGV[8] ~= '' then
     record_latency(lease.m, tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]))
+    count(lease.m, 'solved', 1)
+    count(lease.m, 'lat' .. ARGV[8], 1)
+    count(lease.m, 'latency_ms', tonumber(ARGV[9]))
+    count(lease.m, 'tokens_estimated', lease.e)
+    if ARGV[3] ~= '' then count(lease.m, 'tokens_used', tonumber(ARGV[3])) end
   end
 end
 if ARGV[7] == '0' then

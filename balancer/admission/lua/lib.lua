@@ -23,6 +23,10 @@
 --   <tag>:inflight:<name>  zset   admission id -> lease deadline (ms)
 --   <tag>:latency:<name>   hash   the latency sketch: b<i> (decayed count of calls in bucket i),
 --                                 ms, pt, ct (decayed sums of latency, prompt and completion tokens)
+--   <tag>:stats:<name>     hash   counters since the start (metrics only): solved, rate_limited,
+--                                 tokens_used, tokens_estimated, latency_ms, lat<i> (calls in bucket i)
+--   <tag>:stats            hash   admitted, not_now, rejected (admission decisions), dispatch_rounds
+--                                 (admit calls)
 --
 -- Units: time in integer ms; buckets in units of 1/60000 token (or request),
 -- so refilling at tpm tokens/min is exactly tpm units per ms. All numbers stay
@@ -37,6 +41,11 @@ local function fmt(n) return string.format('%d', n) end
 local function model_key(name) return PREFIX .. MODEL_INFIX .. name end
 local function inflight_key(name) return PREFIX .. INFLIGHT_INFIX .. name end
 local function latency_key(name) return PREFIX .. LATENCY_INFIX .. name end
+
+-- Counters for `balancer metrics` (<tag>:stats:<name>, <tag>:stats): observation
+-- only, never read by any rule here, so the reference model does not keep them.
+local function count(name, field, n) redis.call('HINCRBY', PREFIX .. STATS_INFIX .. name, field, n) end
+local function count_system(field, n) if n > 0 then redis.call('HINCRBY', PREFIX .. SYSTEM_STATS, field, n) end end
 
 -- The clock is Redis TIME unless a test injects one.
 local function clock(arg)

@@ -16,6 +16,7 @@
 
 local m = load_model(ARGV[2])
 if not m then return 0 end
+count(ARGV[2], 'rate_limited', 1)  -- every 429, paused or not (metrics)
 local now = clock(ARGV[1])
 refill(m, now)
 local started = 0  -- (sync_to_headers refills the token gate's bucket itself)

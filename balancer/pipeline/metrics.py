@@ -1,0 +1,161 @@
+"""``balancer metrics``: a Prometheus exporter that reads the live state at every scrape.
+
+Stateless: every figure comes from Redis (the admission state, and the
+counters the Lua scripts and the workers keep under ``{ns}:stats:<model>``
+and ``{ns}:stats``) and from PostgreSQL (the backlog) at the moment of the
+scrape. So one exporter serves any number of workers on any number of hosts,
+the counters add up whichever process made the call, and restarting the
+exporter loses nothing. Names follow Prometheus conventions: ``_total`` for
+counters, base units (seconds, tokens), one ``model`` label.
+
+>>> sorted(m.name for m in BalancerCollector(None).describe())[:3]
+['balancer_admission_decisions', 'balancer_dispatch_rounds', 'balancer_model_call_latency_seconds']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from balancer.domain import latency
+from balancer.services import Services
+from balancer.storage.schema import tasks
+from balancer.storage.tasks import status_counts
+
+#: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
+OUTCOMES = ("solved", "rate_limited", "transient", "failed")
+#: Latency histogram edges: one per doubling of the sketch's buckets (50 ms, 100 ms ... ~27 min).
+EDGE_BUCKETS = tuple(range(0, latency.BUCKETS, latency.PER_DOUBLING))
+
+
+def backlog_by_model(groups: Iterable[tuple[Sequence[str] | None, int]], models: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Per model: (pending tasks it may run, pending tasks pinned to it), from
+    pending counts grouped by their allowed models (None: any model).
+
+    >>> backlog_by_model([(None, 5), (["a"], 2), (["a", "b"], 3)], ["a", "b"])
+    {'a': (10, 2), 'b': (8, 0)}
+    """
+    out = {m: (0, 0) for m in models}
+    for allowed, n in groups:
+        for m in out:
+            if allowed is None or m in allowed:
+                can, pinned = out[m]
+                out[m] = (can + n, pinned + (n if allowed is not None and list(allowed) == [m] else 0))
+    return out
+
+
+def latency_buckets(counters: Mapping[str, int]) -> list[tuple[str, int]]:
+    """Cumulative ``(le, count)`` pairs of one model's latency counters (``lat<i>``), seconds.
+
+    >>> latency_buckets({"lat0": 2, "lat3": 1, "lat5": 4})[:3]
+    [('0.05', 2), ('0.1', 3), ('0.2', 7)]
+    """
+    per_bucket = [counters.get(f"lat{i}", 0) for i in range(latency.BUCKETS)]
+    out, running, last = [], 0, 0
+    for edge in EDGE_BUCKETS:
+        running += sum(per_bucket[last:edge + 1])
+        last = edge + 1
+        out.append((f"{latency.upper_ms(edge) / 1000:g}", running))
+    out.append(("+Inf", running + sum(per_bucket[last:])))
+    return out
+
+
+class BalancerCollector(Collector):
+    """Reads Redis and PostgreSQL on each ``collect`` (a scrape)."""
+
+    def __init__(self, services: Services | None) -> None:
+        self.services = services
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families().values())
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.services
+        if svc is None:  # a collector built only to describe its metrics
+            return iter(())
+        view = svc.core.live()
+        per_model, system = svc.core.counters()
+        with svc.engine.connect() as conn:
+            groups = conn.execute(
+                sa.select(tasks.c.allowed_models, sa.func.count()).where(tasks.c.status == "pending")
+                .group_by(tasks.c.allowed_models)
+            ).all()
+        backlog = backlog_by_model(((g[0], g[1]) for g in groups), view)
+        families = self._families()
+        for name, live in view.items():
+            q, stats = live.quota, per_model.get(name, {})
+            can_run, pinned = backlog[name]
+            values: dict[str, Any] = {
+                "balancer_model_in_flight": live.in_flight,
+                "balancer_model_max_concurrent_requests": q.max_concurrent_requests,
+                "balancer_model_tokens_available": live.tokens_available,
+                "balancer_model_token_bucket_capacity": q.burst,
+                "balancer_model_tokens_per_minute_limit": q.max_tokens_per_minute,
+                "balancer_model_requests_available": live.requests_available,
+                "balancer_model_requests_per_minute_limit": q.max_requests_per_minute,
+                "balancer_model_paused_seconds": live.paused_ms / 1000,
+                "balancer_model_pending_tasks": can_run,
+                "balancer_model_pinned_pending_tasks": pinned,
+                "balancer_model_tokens_estimated": stats.get("tokens_estimated", 0),
+                "balancer_model_tokens_used": stats.get("tokens_used", 0),
+            }
+            for family_name, value in values.items():
+                if value is not None:
+                    families[family_name].add_metric([name], value)
+            for outcome in OUTCOMES:
+                families["balancer_model_calls"].add_metric([name, outcome], stats.get(outcome, 0))
+            families["balancer_model_call_latency_seconds"].add_metric(
+                [name], latency_buckets(stats), stats.get("latency_ms", 0) / 1000
+            )
+        for status, n in status_counts(svc.engine).items():
+            families["balancer_tasks"].add_metric([status], n)
+        for decision in ("admitted", "not_now", "rejected"):
+            families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
+        families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
+        return iter(families.values())
+
+    @staticmethod
+    def _families() -> dict[str, Any]:
+        model = ["model"]
+        gauges = {
+            "balancer_model_in_flight": "Calls in flight (live leases)",
+            "balancer_model_max_concurrent_requests": "Concurrency cap",
+            "balancer_model_tokens_available": "Tokens in the bucket now",
+            "balancer_model_token_bucket_capacity": "Token bucket capacity (burst_tokens)",
+            "balancer_model_tokens_per_minute_limit": "TPM quota",
+            "balancer_model_requests_available": "Requests in the bucket now (models with an RPM quota)",
+            "balancer_model_requests_per_minute_limit": "RPM quota (models that have one)",
+            "balancer_model_paused_seconds": "How much longer a 429 holds the model",
+            "balancer_model_pending_tasks": "Pending tasks this model may run",
+            "balancer_model_pinned_pending_tasks": "Pending tasks pinned to this model alone",
+        }
+        families: dict[str, Any] = {n: GaugeMetricFamily(n, doc, labels=model) for n, doc in gauges.items()}
+        families["balancer_model_calls"] = CounterMetricFamily(
+            "balancer_model_calls", "Backend calls by outcome: solved (answered), rate_limited (429), "
+            "transient (5xx, timeout, unexpected), failed (other 4xx)", labels=["model", "outcome"])
+        families["balancer_model_tokens_estimated"] = CounterMetricFamily(
+            "balancer_model_tokens_estimated", "Tokens admitted for answered calls (prompt + max_tokens)", labels=model)
+        families["balancer_model_tokens_used"] = CounterMetricFamily(
+            "balancer_model_tokens_used", "Tokens answered calls used (prompt + completion)", labels=model)
+        families["balancer_model_call_latency_seconds"] = HistogramMetricFamily(
+            "balancer_model_call_latency_seconds", "Latency of answered calls", labels=model)
+        families["balancer_tasks"] = GaugeMetricFamily("balancer_tasks", "Tasks by status", labels=["status"])
+        families["balancer_admission_decisions"] = CounterMetricFamily(
+            "balancer_admission_decisions", "Admission decisions by kind", labels=["decision"])
+        families["balancer_dispatch_rounds"] = CounterMetricFamily(
+            "balancer_dispatch_rounds", "Admission rounds (admit calls) run by dispatchers")
+        return families
+
+
+def serve(services: Services, host: str, port: int) -> Any:
+    """Start the exporter's HTTP server in a thread; returns the server (``shutdown()`` to stop)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(BalancerCollector(services))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
