@@ -106,6 +106,52 @@ def test_a_canary_password_appears_in_no_output(tmp_path: Path, setting: str) ->
             assert "Traceback" not in output, (argv, output)
             for piece in ("Kn4ry", quote(CANARY, safe="")[:8]):
                 assert piece not in output, (setting, encoded, argv, output)
+    assert "Kn4ry" not in stored_text(), "the canary reached Redis or PostgreSQL"
+
+
+def stored_text() -> str:
+    """Everything this test's namespace holds in Redis and its schema holds in PostgreSQL, as text."""
+    import redis
+    import sqlalchemy as sa
+
+    from balancer.admission import keys
+    from balancer.storage.db import cached_engine
+    from balancer.storage.schema import metadata
+
+    client = redis.Redis.from_url(os.environ["BALANCER_REDIS_URL"])
+    parts = []
+    for pattern in keys.namespace_patterns(os.environ["BALANCER_NAMESPACE"]):
+        for key in client.scan_iter(match=pattern):
+            parts.append(repr(client.dump(key)))
+    with cached_engine(os.environ["BALANCER_DATABASE_URL"]).connect() as conn:
+        for table in metadata.sorted_tables:
+            parts.extend(repr(row) for row in conn.execute(sa.select(table)))
+    return "\n".join(parts)
+
+
+def test_the_embedded_stack_stops_the_redis_it_started_when_postgres_cannot_start(tmp_path: Path) -> None:
+    """pgserver cannot start (its data directory is a file): one error naming it,
+    and the redis-server this call started is stopped, not left running."""
+    from balancer.devtools.embedded import ensure_stack
+    from balancer.errors import ServiceUnavailable
+
+    (tmp_path / "pg").write_text("not a directory")
+    with pytest.raises(ServiceUnavailable, match="embedded PostgreSQL"):
+        ensure_stack(tmp_path)
+    pid = int((tmp_path / "redis" / "redis.pid").read_text())
+    deadline = __import__("time").monotonic() + 10
+    while pid_alive(pid) and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.05)
+    assert not pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(") ")[1].startswith("Z"))  # a zombie is dead
 
 
 @pytest.mark.usefixtures("migrated")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from balancer.cli import main
@@ -201,3 +201,27 @@ def test_a_poison_inbox_file_is_quarantined_and_never_blocks_the_others(quotas: 
     assert (inbox / "done" / "c.jsonl").read_text() == "an older file of the same name\n"
     assert (inbox / "done" / "c.jsonl.1").read_text() == '{"prompt": "c1"}\n'
     assert sorted(p.name for p in inbox.glob("*.jsonl")) == []
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=st.lists(st.binary(max_size=300) | st.lists(st.sampled_from([line for line, _ in HOSTILE_LINES[:3]] + [
+    '{"prompt": "ok"}', "[", "\ufeff{}", '{"prompt": "x\u2028y"}']), max_size=5).map(
+    lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass")), min_size=1, max_size=3))
+def test_inbox_fuzz_every_file_ends_in_done_or_rejected(quotas: Services, tmp_path_factory: pytest.TempPathFactory,
+                                                       files: list[bytes]) -> None:
+    """Whatever the files hold, ingestion never raises, leaves no file in the
+    inbox, and accepts exactly the tasks its reports do not reject."""
+    import os
+
+    from balancer.pipeline.ingest import ingest_inbox
+
+    inbox = tmp_path_factory.mktemp("inbox")
+    past = time.time() - 10
+    for i, data in enumerate(files):
+        (inbox / f"f{i}.jsonl").write_bytes(data)
+        os.utime(inbox / f"f{i}.jsonl", (past, past))
+    before = status_counts(quotas.engine)["pending"]
+    results = ingest_inbox(Services.connect(Settings.from_env()), inbox)
+    assert list(inbox.glob("*.jsonl")) == []
+    assert all((inbox / "done" / r.name).exists() or (inbox / "rejected" / r.name).exists() for r in results)
+    assert status_counts(quotas.engine)["pending"] - before == sum(r.tasks for r in results)
