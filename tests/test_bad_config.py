@@ -122,3 +122,17 @@ def test_sql_is_built_by_sqlalchemy_with_bound_parameters() -> None:
         if ("cursor()" in source or ".raw_connection(" in source) and not in_bench:
             offenders.append(f"{path.relative_to(ROOT)}: raw DB-API cursor")
     assert offenders == []
+
+
+def test_a_redis_url_pointing_at_an_http_server(env: dict[str, str]) -> None:
+    """Not Redis at all: its reply is a protocol error, reported in one line."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = balancer({"BALANCER_REDIS_URL": f"redis://:pw@127.0.0.1:{server.server_address[1]}/0"}, "quota", "list")
+        assert_one_line(proc, "BALANCER_REDIS_URL", "redis://***@127.0.0.1")
+    finally:
+        server.shutdown()

@@ -73,15 +73,18 @@ def test_demo_on_embedded_services() -> None:
     assert pipeline_pids() <= before
 
 
-def test_demo_on_existing_services_cleans_up(service_urls: tuple[str, str]) -> None:
+def test_demo_on_existing_services_cleans_up(service_urls: tuple[str, str], tmp_path: Path) -> None:
     redis_url, database_url = service_urls
     before = pipeline_pids()
+    temp = tmp_path / "tmp"  # the demo's TMPDIR: its work directory must not outlive it
+    temp.mkdir()
     proc = subprocess.run([sys.executable, "-m", "balancer", "demo", "--tasks", "80", "--json"],
-                          env=demo_env(BALANCER_REDIS_URL=redis_url, BALANCER_DATABASE_URL=database_url),
+                          env=demo_env(BALANCER_REDIS_URL=redis_url, BALANCER_DATABASE_URL=database_url, TMPDIR=str(temp)),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_summary(proc.stdout, 80)
     assert pipeline_pids() <= before
+    assert [p.name for p in temp.iterdir() if p.name.startswith("balancer-demo-")] == []
     engine = sa.create_engine(normalize_database_url(database_url))
     with engine.connect() as conn:
         schemas = conn.execute(sa.text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'balancer_demo_%'")).all()
