@@ -279,3 +279,25 @@ def test_console_script_runs(migrated: dict[str, str]) -> None:
         env=env, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and proc.stderr.strip() == "error: unknown model 'm': add it with --create"
+
+
+def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    for name, cap in (("a", "2"), ("b", "5")):
+        assert run(capsys, "quota", "set", name, "--create", "--tpm", "600000", "--concurrency", cap)[0] == 0
+    core = services().core
+    held = [core.admit([Candidate(10, ("a",))])[0] for _ in range(2)]
+    assert all(isinstance(d, Admitted) for d in held)
+    code, out, _ = run(capsys, "status", "--json")
+    models = {m["name"]: m for m in json.loads(out)["models"]}
+    assert (models["a"]["in_flight"], models["a"]["cap"], models["a"]["binding"]) == (2, 2, "concurrency")
+    assert (models["b"]["in_flight"], models["b"]["cap"], models["b"]["binding"]) == (0, 5, "none")
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "2/2" in out and "0/5" in out and "concurrency" in out
+    done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "2", "--interval", "0.1"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "2/2" in done.stdout and "0/5" in done.stdout and "600,000" in done.stdout
+    assert "pending: 0" in done.stdout

@@ -186,14 +186,93 @@ def metrics(host: str, port: int) -> None:
     threading.Event().wait()  # until interrupted
 
 
+def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
+    """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
+    from rich.table import Table
+
+    table = Table(title="models")
+    columns = ["model", "in flight", "tokens now / burst", "requests now", "429s", "answered", "p50 / p99 s", "binds"]
+    if rates is not None:
+        columns[3:3] = ["tokens/min / TPM", "requests/min / RPM"]
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for r in rows:
+        cells = [
+            r.name, f"{r.in_flight}/{r.cap}", f"{r.tokens_available:,.0f} / {r.burst:,}",
+            "-" if r.requests_available is None else f"{r.requests_available:,.1f}",
+            str(r.rate_limited), str(r.solved), f"{r.p50_s:g} / {r.p99_s:g}" + ("" if r.latency_measured else " (prior)"),
+            r.binding,
+        ]
+        if rates is not None:
+            tokens, requests = rates.get(r.name, (0.0, 0.0))
+            cells[3:3] = [f"{tokens:,.0f} / {r.tpm:,}", f"{requests:,.0f} / {r.rpm:,}" if r.rpm else f"{requests:,.0f} / -"]
+        table.add_row(*cells)
+    return table
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True)
 def status(as_json: bool) -> None:
-    """Task counts by status."""
-    from balancer.storage.tasks import status_counts
+    """Task counts by status, and per model: calls in flight against the cap,
+    buckets, 429s, latency, and the limit that holds it back now."""
+    from rich.console import Console
 
-    counts = status_counts(_migrated().engine)
-    click.echo(json.dumps(counts) if as_json else "  ".join(f"{k}: {v}" for k, v in counts.items()))
+    from balancer.pipeline.summary import read
+
+    counts, rows, _ = read(_migrated())
+    if as_json:
+        click.echo(json.dumps({**counts, "models": [r.as_dict() for r in rows]}))
+        return
+    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()))
+    if rows:
+        Console(width=max(Console().width, 120)).print(_model_table(rows))
+
+
+@click.command()
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), help="Seconds between refreshes.")
+@click.option("--count", type=click.IntRange(1), help="Stop after this many refreshes (default: until Ctrl-C).")
+def top(interval: float, count: int | None) -> None:
+    """A live view: per model, calls in flight against the cap, tokens and
+    requests per minute against TPM and RPM (over the last minute this view
+    has seen), 429s, latency and the binding limit; the backlog below."""
+    import time
+    from collections import deque
+
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    from balancer.pipeline.summary import read
+
+    svc = _migrated()
+    seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
+
+    def frame() -> Group:
+        counts, rows, counters = read(svc)
+        now = time.monotonic()
+        seen.append((now, counters))
+        while len(seen) > 1 and now - seen[0][0] > 60:
+            seen.popleft()
+        then, old = seen[0]
+        minutes = max((now - then) / 60, 1e-9)
+
+        def per_minute(model: str, *fields: str) -> float:
+            if now == then:
+                return 0.0
+            return sum(counters.get(model, {}).get(f, 0) - old.get(model, {}).get(f, 0) for f in fields) / minutes
+
+        rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
+                 for r in rows}
+        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()))
+        return Group(_model_table(rows, rates), backlog)
+
+    console = Console(width=max(Console().width, 140))
+    with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:
+        shown = 1
+        while count is None or shown < count:
+            time.sleep(interval)
+            live.update(frame(), refresh=True)
+            shown += 1
 
 
 @click.command()
@@ -239,4 +318,4 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
 
-COMMANDS = [submit, worker, dispatcher, beat, sim, status, metrics, demo, bench]
+COMMANDS = [submit, worker, dispatcher, beat, sim, status, top, metrics, demo, bench]

@@ -1,0 +1,100 @@
+"""The per-model summary that ``balancer status`` and ``balancer top`` show.
+
+Pure once read: :func:`summarize` turns the live view and the counters into
+rows, and :func:`binding_limit` says which limit holds a model back right now.
+:func:`read` is the I/O around them.
+
+>>> from balancer.admission.core import ModelLive
+>>> from balancer.domain.quota import Quota
+>>> live = ModelLive(Quota("m", 2, 60_000), in_flight=2, tokens_available=9_000, requests_available=None, deficit=0)
+>>> [row.binding for row in summarize({"m": live}, {"m": {"solved": 4, "tokens_estimated": 2_000}}, prior_s=1.0)]
+['concurrency']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from balancer.admission.core import ModelLive
+from balancer.services import Services
+from balancer.storage.tasks import status_counts
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    in_flight: int
+    cap: int
+    tokens_available: float
+    burst: int
+    tpm: int
+    requests_available: float | None
+    rpm: int | None
+    solved: int  # calls answered since the start
+    rate_limited: int  # 429s since the start
+    p50_s: float
+    p99_s: float
+    latency_measured: bool  # False: the p50/p99 are the prior
+    binding: str  # which limit holds the model back now: see binding_limit
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def binding_limit(live: ModelLive, tokens_per_call: float) -> str:
+    """Which limit stops the model taking one more call now.
+
+    ``paused`` (a 429's Retry-After), ``concurrency``, ``requests`` (RPM),
+    ``tokens`` (TPM: fewer left than a typical call), or ``none`` (room for more).
+
+    >>> from balancer.domain.quota import Quota
+    >>> q = Quota("m", 4, 60_000, max_requests_per_minute=60)
+    >>> binding_limit(ModelLive(q, 1, 100.0, 5.0, 0), tokens_per_call=500)
+    'tokens'
+    >>> binding_limit(ModelLive(q, 1, 9_000.0, 0.2, 0), tokens_per_call=500)
+    'requests'
+    >>> binding_limit(ModelLive(q, 1, 9_000.0, 5.0, 0), tokens_per_call=500)
+    'none'
+    """
+    q = live.quota
+    if live.paused_ms > 0:
+        return "paused"
+    if live.in_flight >= q.max_concurrent_requests:
+        return "concurrency"
+    if q.max_requests_per_minute and (live.requests_available or 0) < 1:
+        return "requests"
+    if live.tokens_available < tokens_per_call:
+        return "tokens"
+    return "none"
+
+
+def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str, int]], *, prior_s: float,
+              default_tokens: float = 500.0) -> list[ModelSummary]:
+    """One row per model. A typical call's tokens are the model's measured mean
+    (admitted tokens per answered call), else ``default_tokens``."""
+    rows = []
+    for name, live in sorted(view.items()):
+        stats = counters.get(name, {})
+        q = live.quota
+        solved = stats.get("solved", 0)
+        tokens_per_call = stats.get("tokens_estimated", 0) / solved if solved else default_tokens
+        latency = live.latency.estimate(q.expected_latency_s or prior_s)
+        rows.append(ModelSummary(
+            name=name, in_flight=live.in_flight, cap=q.max_concurrent_requests,
+            tokens_available=round(live.tokens_available, 1), burst=q.burst, tpm=q.max_tokens_per_minute,
+            requests_available=None if live.requests_available is None else round(live.requests_available, 2),
+            rpm=q.max_requests_per_minute, solved=solved, rate_limited=stats.get("rate_limited", 0),
+            p50_s=round(latency.p50_ms / 1000, 2), p99_s=round(latency.p99_ms / 1000, 2),
+            latency_measured=latency.samples > 0, binding=binding_limit(live, tokens_per_call),
+        ))
+    return rows
+
+
+def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]]]:
+    """(task counts by status, the per-model rows, the raw per-model counters) now."""
+    counters, _ = services.core.counters()
+    rows = summarize(services.core.live(), counters, prior_s=services.settings.expected_latency_s,
+                     default_tokens=services.settings.expected_output_tokens)
+    return status_counts(services.engine), rows, counters
