@@ -159,6 +159,29 @@ def size_dependence(entries: Iterable[Mapping[str, Any]]) -> dict[str, float | N
     return {name: rank_correlation(t, lat) for name, (t, lat) in sorted(by_model.items())}
 
 
+def eta_errors(etas: Iterable[tuple[float, float, float | None]], makespan: float) -> list[dict[str, Any]]:
+    """How far each drain ETA made during the run was from the truth.
+
+    ``finish_error``: the predicted finish (time of the ETA + the ETA) against
+    the actual one, relative to the actual makespan (the issue's measure).
+    ``remaining_error``: the ETA against the time that was actually left,
+    relative to it (stricter: it grows as the end nears).
+
+    >>> [(e["finish_error"], e["remaining_error"]) for e in eta_errors([(0.25, 10.0, 35.0), (0.5, 20.0, None)], 40.0)]
+    [(0.125, 0.1667), (None, None)]
+    """
+    out = []
+    for done, at, eta in etas:
+        left = makespan - at
+        row: dict[str, Any] = {"done": done, "at_s": round(at, 2), "eta_s": None if eta is None else round(eta, 2),
+                               "finish_error": None, "remaining_error": None}
+        if eta is not None:
+            row["finish_error"] = round((at + eta - makespan) / makespan, 4)
+            row["remaining_error"] = round((eta - left) / left, 4) if left > 0 else None
+        out.append(row)
+    return out
+
+
 def hedge_figures(rows: Iterable[Any]) -> dict[str, Any]:
     """Hedges sent and won, and the tokens they were admitted with, against the run's.
 

@@ -27,6 +27,7 @@ from balancer.bench.report import (
     calls_by_model,
     calls_cut_off,
     estimate_accuracy,
+    eta_errors,
     hedge_figures,
     last_task_start,
     limit_utilization,
@@ -180,6 +181,7 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "limit_utilization_bulk": {"mean": round(sum(use.values()) / len(use), 3) if use else None, "by_model": use},
         "latency_s": latency_table(result),
         "hedges": {**hedge_figures(result.rows), "cut_off": calls_cut_off(result.entries)},
+        "eta": eta_errors(result.etas, result.makespan),
     }
 
 
@@ -289,6 +291,16 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
             f"tasks were pending): p50 {p['refill_gap_s']['p50']} s, p90 {p['refill_gap_s']['p90']} s, "
             f"p99 {p['refill_gap_s']['p99']} s over {p['refill_gap_s']['samples']} samples, at "
             f"{p['completions_per_s_bulk']} completions/s.",
+            "",
+            "Drain ETA (`balancer status`), made when this share of the tasks was done, against the actual finish "
+            "(target: within ±15 % at 25 % done, ±5 % at 75 %):",
+            "",
+            "| done | at (s) | ETA (s) | finish error | remaining-time error |",
+            "|---:|---:|---:|---:|---:|",
+            *(f"| {e['done']:.0%} | {e['at_s']} | {e['eta_s']} | "
+              + (f"{e['finish_error']:+.1%} | " if e['finish_error'] is not None else "- | ")
+              + (f"{e['remaining_error']:+.1%} |" if e['remaining_error'] is not None else "- |")
+              for e in p.get("eta", [])),
             "",
             f"The backlog ran out (last call started) at {p['backlog_out_s']} s; the tail (calls still running) took "
             f"{p['tail_s']} s more (grey dotted line in in_flight.png). While the backlog lasted, each model used this "

@@ -186,6 +186,20 @@ def metrics(host: str, port: int) -> None:
     threading.Event().wait()  # until interrupted
 
 
+def eta_text(eta: float | None) -> str:
+    """The drain ETA for a person: ``4 min 05 s``, ``done`` or ``unknown``.
+
+    >>> eta_text(245.2), eta_text(0.0), eta_text(None)
+    ('4 min 05 s', 'done', 'unknown')
+    """
+    if eta is None:
+        return "unknown"
+    if eta <= 0:
+        return "done"
+    minutes, seconds = divmod(round(eta), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
 def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
     """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
     from rich.table import Table
@@ -219,11 +233,12 @@ def status(as_json: bool) -> None:
 
     from balancer.pipeline.summary import read
 
-    counts, rows, _ = read(_migrated())
+    counts, rows, _, eta = read(_migrated())
     if as_json:
-        click.echo(json.dumps({**counts, "models": [r.as_dict() for r in rows]}))
+        click.echo(json.dumps({**counts, "eta_s": None if eta is None else round(eta, 1),
+                               "models": [r.as_dict() for r in rows]}))
         return
-    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()))
+    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
     if rows:
         Console(width=max(Console().width, 120)).print(_model_table(rows))
 
@@ -248,7 +263,7 @@ def top(interval: float, count: int | None) -> None:
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
 
     def frame() -> Group:
-        counts, rows, counters = read(svc)
+        counts, rows, counters, eta = read(svc)
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -263,7 +278,7 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()))
+        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
         return Group(_model_table(rows, rates), backlog)
 
     console = Console(width=max(Console().width, 140))

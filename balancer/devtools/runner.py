@@ -173,6 +173,10 @@ def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
     return reply["entries"], reply["next"]
 
 
+#: Shares of the backlog done at which the bench records the drain ETA.
+ETA_MARKS = (0.10, 0.25, 0.50, 0.75)
+
+
 @dataclass
 class RunResult:
     entries: list[dict[str, Any]]
@@ -182,6 +186,8 @@ class RunResult:
     rows: list[Any]
     #: Per model, the latency the pipeline learned (balancer.domain.latency), read at the end of the run.
     learned_latency: dict[str, Any] = field(default_factory=dict)
+    #: Drain ETAs made during the run: (share of tasks done, seconds since the start, the ETA in s or None).
+    etas: list[tuple[float, float, float | None]] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -218,6 +224,7 @@ def run_pipeline(
     pool) or "per-model" (one process per model). The clock starts once the
     Celery processes answer a ping and stops at the last task's final write.
     """
+    from balancer.pipeline.summary import estimate_drain
     from balancer.storage.tasks import status_counts
 
     svc = iso.services
@@ -246,6 +253,7 @@ def run_pipeline(
     progress = Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), console=console)
     bar = progress.add_task("solve", total=total, info="")
+    eta_marks, etas = list(ETA_MARKS), []
     with Live(Group(progress), console=console, refresh_per_second=4, transient=False) as live:
         while True:
             supervisor.check_alive()
@@ -256,6 +264,8 @@ def run_pipeline(
                 log_read_at = time.monotonic()
             counts = status_counts(svc.engine)
             done = counts["solved"] + counts["failed"]
+            while eta_marks and done >= eta_marks[0] * total:  # the ETA a user would have read at that moment
+                etas.append((eta_marks.pop(0), time.time() - started, estimate_drain(svc)))
             progress.update(bar, completed=done, info=f"failed {counts['failed']}  429s {rejected}")
             parts: list[Any] = [progress]
             if table is not None:
@@ -273,6 +283,6 @@ def run_pipeline(
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))
     learned = {name: m.latency for name, m in svc.core.live().items()}
-    result = RunResult(entries, started, finished, status_counts(svc.engine), rows, learned)
+    result = RunResult(entries, started, finished, status_counts(svc.engine), rows, learned, etas)
     supervisor.stop_all()
     return result

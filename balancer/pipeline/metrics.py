@@ -17,14 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import sqlalchemy as sa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from balancer.domain import latency
+from balancer.pipeline.summary import estimate_drain
 from balancer.services import Services
-from balancer.storage.schema import tasks
-from balancer.storage.tasks import status_counts
+from balancer.storage.tasks import pending_groups, status_counts
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
 OUTCOMES = ("solved", "rate_limited", "transient", "failed")
@@ -79,12 +78,8 @@ class BalancerCollector(Collector):
             return iter(())
         view = svc.core.live()
         per_model, system = svc.core.counters()
-        with svc.engine.connect() as conn:
-            groups = conn.execute(
-                sa.select(tasks.c.allowed_models, sa.func.count()).where(tasks.c.status == "pending")
-                .group_by(tasks.c.allowed_models)
-            ).all()
-        backlog = backlog_by_model(((g[0], g[1]) for g in groups), view)
+        groups = pending_groups(svc.engine)
+        backlog = backlog_by_model(((allowed, n) for allowed, n, _ in groups), view)
         families = self._families()
         for name, live in view.items():
             q, stats = live.quota, per_model.get(name, {})
@@ -116,6 +111,9 @@ class BalancerCollector(Collector):
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
+        eta = estimate_drain(svc, view, groups)
+        if eta is not None:
+            families["balancer_drain_eta_seconds"].add_metric([], eta)
         return iter(families.values())
 
     @staticmethod
@@ -148,6 +146,8 @@ class BalancerCollector(Collector):
             "balancer_admission_decisions", "Admission decisions by kind", labels=["decision"])
         families["balancer_dispatch_rounds"] = CounterMetricFamily(
             "balancer_dispatch_rounds", "Admission rounds (admit calls) run by dispatchers")
+        families["balancer_drain_eta_seconds"] = GaugeMetricFamily(
+            "balancer_drain_eta_seconds", "Predicted seconds until the backlog is solved (balancer.domain.eta)")
         return families
 
 

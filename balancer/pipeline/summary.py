@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from balancer.admission.core import ModelLive
+from balancer.domain.capacity import ModelCapacity
+from balancer.domain.eta import drain_eta
 from balancer.services import Services
-from balancer.storage.tasks import status_counts
+from balancer.storage.tasks import pending_groups, status_counts
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,37 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
     return rows
 
 
-def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]]]:
-    """(task counts by status, the per-model rows, the raw per-model counters) now."""
+def estimate_drain(
+    services: Services, view: Mapping[str, ModelLive] | None = None,
+    groups: list[tuple[list[str] | None, int, int]] | None = None,
+) -> float | None:
+    """The drain ETA in seconds (:func:`balancer.domain.eta.drain_eta`) from the live
+    quotas, buckets and learned latencies and the backlog's composition now."""
+    view = services.core.live() if view is None else view
+    groups = pending_groups(services.engine) if groups is None else groups
+    prior_s = services.settings.expected_latency_s
+    pending = sum(n for _, n, _ in groups)
+    tokens_per_task = sum(t for _, _, t in groups) / pending if pending else services.settings.expected_output_tokens
+    models = {
+        name: ModelCapacity(
+            concurrency=live.quota.max_concurrent_requests,
+            mean_latency=max(0.001, live.latency.estimate(live.quota.expected_latency_s or prior_s).mean_ms / 1000),
+            tpm=live.quota.max_tokens_per_minute, burst=max(0.0, live.tokens_available),
+            rpm=live.quota.max_requests_per_minute, request_burst=live.requests_available,
+        )
+        for name, live in view.items() if live.quota.enabled
+    }
+    if not models:
+        return None
+    in_flight = {name: live.in_flight for name, live in view.items()}
+    return drain_eta(models, [(allowed, n) for allowed, n, _ in groups], in_flight=in_flight,
+                     tokens_per_task=tokens_per_task)
+
+
+def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], float | None]:
+    """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA in s) now."""
     counters, _ = services.core.counters()
-    rows = summarize(services.core.live(), counters, prior_s=services.settings.expected_latency_s,
+    view = services.core.live()
+    rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
-    return status_counts(services.engine), rows, counters
+    return status_counts(services.engine), rows, counters, estimate_drain(services, view)

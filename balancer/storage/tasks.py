@@ -372,6 +372,16 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
     return [LeaseSeed(r[0], r[1], r.estimated_tokens, int(r.deadline_ms)) for r in [*rows, *hedges]]
 
 
+def pending_groups(engine: Engine) -> list[tuple[list[str] | None, int, int]]:
+    """The backlog's composition: (allowed models or None, pending tasks, their estimated tokens)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.allowed_models, sa.func.count(), sa.func.coalesce(sa.func.sum(tasks.c.estimated_tokens), 0))
+            .where(tasks.c.status == "pending").group_by(tasks.c.allowed_models)
+        ).all()
+    return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
 def status_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(tasks.c.status, sa.func.count()).group_by(tasks.c.status)).all()

@@ -1,0 +1,76 @@
+"""The drain ETA on hand-made states (balancer.domain.eta), and as `status` reads it live."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from balancer.domain.capacity import ModelCapacity
+from balancer.domain.eta import drain_eta
+
+FAST = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)  # 5 tasks/s
+SLOW = ModelCapacity(concurrency=1, mean_latency=10.0, tpm=None, burst=0)  # 0.1 tasks/s
+
+
+def eta(models: dict[str, ModelCapacity], groups: list, in_flight: dict | None = None, tokens: float = 500) -> float | None:
+    return drain_eta(models, groups, in_flight=in_flight or {}, tokens_per_task=tokens)
+
+
+def test_free_work_spreads_over_every_model() -> None:
+    both = eta({"fast": FAST, "slow": SLOW}, [(None, 102)])
+    alone = eta({"fast": FAST}, [(None, 102)])
+    assert both is not None and alone is not None
+    assert both == pytest.approx(102 / 5.1 + 1.0)  # 5.1 tasks/s together, plus half the fast model's latency
+    assert both < alone
+
+
+def test_pinned_work_on_a_slow_model_sets_the_finish() -> None:
+    """30 tasks pinned to a model that does 0.1 a second: 300 s, whatever the fast model does."""
+    value = eta({"fast": FAST, "slow": SLOW}, [(None, 10), (["slow"], 30)])
+    assert value is not None and value >= 300
+
+
+def test_a_token_bound_model_runs_at_its_refill() -> None:
+    """TPM 60,000 and 1,000 tokens a task: one task a second once the burst (5 tasks) is spent."""
+    bucket = ModelCapacity(concurrency=100, mean_latency=1.0, tpm=60_000, burst=5_000)
+    value = eta({"m": bucket}, [(None, 105)], tokens=1_000)
+    assert value == pytest.approx(100 + 0.5, rel=1e-3)
+
+
+def test_calls_in_flight_are_work_still_to_do() -> None:
+    assert eta({"slow": SLOW}, [], in_flight={"slow": 1}) == pytest.approx(10.0 + 5.0)
+    assert eta({"slow": SLOW}, []) == 0.0
+
+
+def test_the_eta_shrinks_as_the_backlog_does() -> None:
+    values = [eta({"fast": FAST, "slow": SLOW}, [(None, n), (["slow"], 2)]) for n in (400, 200, 100, 10)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_work_no_configured_model_may_run_has_no_eta() -> None:
+    assert eta({"fast": FAST}, [(["gone"], 3)]) is None
+
+
+@pytest.mark.usefixtures("migrated")
+def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[str]) -> None:
+    """60 tasks on one model of 2 slots whose prior says 3 s a call: 90 s of work
+    plus half a call, which `status --json` and `status` report."""
+    from balancer.cli import main
+    from balancer.domain.intake import parse_tasks
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.tasks import insert_tasks
+
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.set("m", {"max_concurrent_requests": 2, "max_tokens_per_minute": 10_000_000, "expected_latency_s": 3.0},
+                   create=True, by="test")
+    rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(60)), models={"m": 10_000_000})
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+    assert main(["status", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    mean = 3.0 * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
+    assert report["eta_s"] == pytest.approx(60 / 2 * mean + mean / 2, abs=0.1)
+    assert main(["status"]) == 0
+    assert "eta: 1 min" in capsys.readouterr().out
