@@ -9,7 +9,7 @@ exporter loses nothing. Names follow Prometheus conventions: ``_total`` for
 counters, base units (seconds, tokens), one ``model`` label.
 
 >>> sorted(m.name for m in BalancerCollector(None).describe())[:3]
-['balancer_admission_decisions', 'balancer_dispatch_rounds', 'balancer_model_call_latency_seconds']
+['balancer_admission_decisions', 'balancer_dispatch_rounds', 'balancer_drain_eta_seconds']
 """
 
 from __future__ import annotations
