@@ -33,7 +33,7 @@ from balancer.admission.model import (
     rejection_reason,
     token_cap,
 )
-from balancer.domain.latency import LatencySketch, bucket_of
+from balancer.domain.latency import LatencyEstimate, LatencySketch, bucket_of
 from balancer.domain.quota import Quota
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
@@ -84,6 +84,11 @@ class ModelLive:
     paused_ms: int = 0  # how much longer a 429 holds the model
     external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
     latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
+
+    def latency_estimate(self, prior_s: float) -> LatencyEstimate:
+        """What the model's calls take: its sketch, or until it has enough calls its
+        own prior (``expected_latency_s``), else the global ``prior_s``."""
+        return self.latency.estimate(self.quota.expected_latency_s or prior_s)
 
 
 class AdmissionCore:

@@ -45,7 +45,7 @@ def quota_list(as_json: bool) -> None:
     rows = []
     for q in stored:
         state = live.get(q.name)
-        latency = None if state is None else state.latency.estimate(q.expected_latency_s or svc.settings.expected_latency_s)
+        latency = None if state is None else state.latency_estimate(svc.settings.expected_latency_s)
         rows.append(
             {
                 **q.as_dict(),

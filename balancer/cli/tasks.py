@@ -110,19 +110,22 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
         _ask_for_dispatch()
 
 
+def changing(command: Any) -> Any:
+    """The options of a command that changes tasks: the filters, --yes and --by."""
+    command = click.option("--by", help="Who acts (default: the OS user), for the audit.")(command)
+    command = click.option("--yes", is_flag=True, help="Apply (without it: a dry run that lists what would change).")(command)
+    return filters(command)
+
+
 @tasks.command("retry")
-@filters
-@click.option("--yes", is_flag=True, help="Apply (without it: a dry run that lists what would change).")
-@click.option("--by", help="Who retries (default: the OS user), for the audit.")
+@changing
 def tasks_retry(yes: bool, by: str | None, **given: Any) -> None:
     """Failed tasks back to pending, attempts reset."""
     _act("retry", "retried", yes, by, given)
 
 
 @tasks.command("cancel")
-@filters
-@click.option("--yes", is_flag=True, help="Apply (without it: a dry run that lists what would change).")
-@click.option("--by", help="Who cancels (default: the OS user), for the audit.")
+@changing
 def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
     """Pending tasks out of the backlog (status cancelled)."""
     _act("cancel", "cancelled", yes, by, given)

@@ -210,7 +210,7 @@ def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOu
             cap=q.max_concurrent_requests,
             free_slots=free.get(name, 0),
             in_flight=m.in_flight,
-            latency=m.latency.estimate(q.expected_latency_s or prior_s),
+            latency=m.latency_estimate(prior_s),
             tokens_available=m.tokens_available,
             tokens_per_ms=(q.max_tokens_per_minute - m.external_tpm) / 60_000,
             requests_available=math.inf if m.requests_available is None else m.requests_available,

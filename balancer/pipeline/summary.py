@@ -82,7 +82,7 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
         q = live.quota
         solved = stats.get("solved", 0)
         tokens_per_call = stats.get("tokens_estimated", 0) / solved if solved else default_tokens
-        latency = live.latency.estimate(q.expected_latency_s or prior_s)
+        latency = live.latency_estimate(prior_s)
         rows.append(ModelSummary(
             name=name, in_flight=live.in_flight, cap=q.max_concurrent_requests,
             tokens_available=round(live.tokens_available, 1), burst=q.burst, tpm=q.max_tokens_per_minute,
@@ -108,7 +108,7 @@ def estimate_drain(
     models = {
         name: ModelCapacity(
             concurrency=live.quota.max_concurrent_requests,
-            mean_latency=max(0.001, live.latency.estimate(live.quota.expected_latency_s or prior_s).mean_ms / 1000),
+            mean_latency=max(0.001, live.latency_estimate(prior_s).mean_ms / 1000),
             tpm=live.quota.max_tokens_per_minute, burst=max(0.0, live.tokens_available),
             rpm=live.quota.max_requests_per_minute, request_burst=live.requests_available,
         )
