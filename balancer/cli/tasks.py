@@ -29,7 +29,7 @@ def filters(command: Any) -> Any:
         click.option("--status", help="pending, queued, running, solved, failed or cancelled"),
         click.option("--model", help="tasks that ran on MODEL or may use it"),
         click.option("--source", help="the source recorded at submit or ingestion"),
-        click.option("--created-after", type=click.DateTime(), help="UTC, e.g. 2026-11-21T09:00"),
+        click.option("--created-after", type=click.DateTime(), help="UTC, e.g. 2026-11-21 or 2026-11-21T09:00:00"),
         click.option("--created-before", type=click.DateTime(), help="UTC"),
     ]):
         command = option(command)
