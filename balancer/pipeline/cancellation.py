@@ -5,10 +5,12 @@ that happen once) and learns the admission id of the task's other call. It
 publishes that id on the namespace's cancel channel
 (:func:`balancer.admission.keys.cancel_channel`). Every worker process that
 makes hedge-able calls keeps one :class:`CancelListener`: a thread subscribed
-to the channel, and the handles of the calls this process has on the wire.
-When it hears an id it holds, it cancels that call
-(:mod:`balancer.backends.cancel` closes its HTTP request); the solver then
-accounts the call as the provider would (``Quota.on_disconnect``).
+to the channel, and the handles of the calls this process has on the wire
+on models whose provider stops a call when its client goes
+(``Quota.on_disconnect == "stop"``; on the others a cut-off call would still
+hold its provider slot, so it runs to its end). When it hears an id it holds,
+it cancels that call (:mod:`balancer.backends.cancel` closes its HTTP
+request) and the solver frees its slot.
 
 A cancel is a courtesy, not a guarantee: one that arrives before its call
 started, or while the listener is reconnecting, is lost, and the call simply

@@ -33,16 +33,21 @@ frees its slot and leaves the task to its first call; while a hedge is in
 flight, a failure of the first call does not send the task back, so the
 hedge's answer still counts.
 
-The winner cancels the loser (:mod:`balancer.pipeline.cancellation`): its
-HTTP request is closed and its worker thread is free at once (outcome
-``cancelled``). What happens to its slot follows the model's
-``on_disconnect``. ``finish`` (the default): a provider that got a
-non-streamed request keeps working on it and charging it after the client
-goes, so the slot is held (:meth:`AdmissionCore.hold`), its reservation
-charged, until the call would have hit the backend timeout, the longest it
-could have run under balancer. ``stop``: the slot is freed at once. Either
-way the reservation (prompt + max_tokens) stays charged: nothing tells what
-the provider counted.
+Whether the loser is cut off follows its model's ``on_disconnect``:
+
+- ``stop``: the provider ends a request whose client went. The winner cancels
+  the loser (:mod:`balancer.pipeline.cancellation`): its HTTP request is
+  closed, its worker thread and slot are free at once (outcome
+  ``cancelled``), and its reservation (prompt + max_tokens) stays charged,
+  since nothing tells what the provider counted.
+- ``finish`` (the default): a provider that got a non-streamed request keeps
+  working on it, and charging it, after the client goes. Closing the request
+  would free nothing the provider counts, and would lose the moment the call
+  really ends. So the loser runs to its end; its slot is freed, and its
+  tokens settled, by its own answer, which is then a duplicate and never
+  written. (A model switched to ``finish`` while one of its calls is being
+  cut off holds that slot, charged, until the call would have hit the backend
+  timeout: :meth:`AdmissionCore.hold`.)
 
 The slot is released as soon as the call ends, before any database write, and
 in every case (``finally``), so nothing leaks even on an unexpected exception.
@@ -242,11 +247,13 @@ def _call(
 ) -> tuple[Completion, int]:
     """The backend call, and how long it took in ms (a sample for the model's latency sketch).
 
-    Cancellable under its admission id when a listener is given; a cancelled
-    call has let its slot go (:meth:`Slot.let_go`) before ``Cancelled`` is raised."""
+    Cancellable under its admission id when a listener is given and the model
+    stops a call whose client went; a cancelled call has let its slot go
+    (:meth:`Slot.let_go`) before ``Cancelled`` is raised."""
     called_at = time.monotonic()
+    watcher = listener if ctx.stops_on_disconnect else None
     try:
-        with listener.watch(msg.admission_id) if listener is not None else contextlib.nullcontext():
+        with watcher.watch(msg.admission_id) if watcher is not None else contextlib.nullcontext():
             completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
     except Cancelled:
         slot.let_go(services, msg.model, time.monotonic() - called_at)

@@ -23,7 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from balancer.admission import LeaseSeed
 from balancer.domain.intake import TaskRow
-from balancer.storage.schema import TASK_STATUSES, tasks
+from balancer.storage.schema import TASK_STATUSES, quotas, tasks
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class SolveContext:
     admission_id: str | None
     attempts: int
     rate_limited: int
+    #: The call's model ends a request whose client went (``Quota.on_disconnect == "stop"``):
+    #: only then is cutting the call off worth anything (see :mod:`balancer.pipeline.solver`).
+    stops_on_disconnect: bool = False
 
 
 def insert_tasks(conn: Connection, rows: Sequence[TaskRow]) -> list[int]:
@@ -203,9 +206,14 @@ def _guard(task_id: int, admission_id: str):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("queued", "running")))
 
 
-#: What a call needs, in :class:`SolveContext` order.
-_CONTEXT_COLUMNS = (tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
-                    tasks.c.attempts, tasks.c.rate_limited)
+def _context_columns(model: Any) -> tuple[Any, ...]:
+    """What a call on ``model`` (a column naming it) needs, in :class:`SolveContext` order;
+    the model's ``on_disconnect`` comes in the same statement, from its quota row."""
+    stops = (
+        sa.select(quotas.c.on_disconnect == "stop").where(quotas.c.name == model).scalar_subquery()
+    )
+    return (tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
+            tasks.c.attempts, tasks.c.rate_limited, sa.func.coalesce(stops, sa.false()))
 
 
 def _hedge_guard(task_id: int, hedge_admission_id: str):  # noqa: ANN202
@@ -229,7 +237,7 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
                 attempts=tasks.c.attempts + 1,
                 deadline=sa.func.now() + timedelta(seconds=lease_seconds),
             )
-            .returning(*_CONTEXT_COLUMNS)
+            .returning(*_context_columns(tasks.c.model))
         ).first()
     return SolveContext(*row) if row else None
 
@@ -241,7 +249,7 @@ def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveC
     a hedge does not count as an attempt.
     """
     with engine.connect() as conn:
-        row = conn.execute(sa.select(*_CONTEXT_COLUMNS).where(_hedge_guard(task_id, hedge_admission_id))).first()
+        row = conn.execute(sa.select(*_context_columns(tasks.c.hedge_model)).where(_hedge_guard(task_id, hedge_admission_id))).first()
     return SolveContext(*row) if row else None
 
 
