@@ -224,6 +224,30 @@ def last_task_start(rows: Iterable[Any]) -> float | None:
     return max(starts) if starts else None
 
 
+def last_solved(rows: Iterable[Any], started: float, count: int = 5) -> list[dict[str, Any]]:
+    """The ``count`` tasks solved last, last first: what a run's tail was made of.
+
+    Per task: the model that answered, whether and where it was hedged, and
+    when (seconds since ``started``) its first call started and its answer
+    was written.
+
+    >>> from datetime import datetime, timezone
+    >>> from types import SimpleNamespace as Row
+    >>> at = lambda s: datetime.fromtimestamp(s, timezone.utc)
+    >>> rows = [Row(id=1, status="solved", model="slow", hedges=1, hedge_model="mid", started_at=at(10), solved_at=at(90)),
+    ...         Row(id=2, status="solved", model="fast", hedges=0, hedge_model=None, started_at=at(5), solved_at=at(6))]
+    >>> last_solved(rows, started=0.0, count=1)
+    [{'task': 1, 'model': 'slow', 'hedges': 1, 'hedged_to': 'mid', 'started_s': 10.0, 'solved_s': 90.0}]
+    """
+    solved = [r for r in rows if r.status == "solved" and r.solved_at is not None and r.started_at is not None]
+    solved.sort(key=lambda r: r.solved_at, reverse=True)
+    return [
+        {"task": r.id, "model": r.model, "hedges": r.hedges, "hedged_to": r.hedge_model,
+         "started_s": round(r.started_at.timestamp() - started, 2), "solved_s": round(r.solved_at.timestamp() - started, 2)}
+        for r in solved[:count]
+    ]
+
+
 def backlog_out(entries: Iterable[dict[str, Any]]) -> float | None:
     """When the backlog ran out, as the backend saw it: the start of the last call.
 

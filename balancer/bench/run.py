@@ -29,6 +29,7 @@ from balancer.bench.report import (
     estimate_accuracy,
     eta_errors,
     hedge_figures,
+    last_solved,
     last_task_start,
     limit_utilization,
     observed_latency,
@@ -182,6 +183,7 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "latency_s": latency_table(result),
         "hedges": {**hedge_figures(result.rows), "cut_off": calls_cut_off(result.entries)},
         "eta": eta_errors(result.etas, result.makespan),
+        "last_solved": last_solved(result.rows, result.started),
     }
 
 
@@ -310,6 +312,13 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
             "|---|---:|---:|---:|",
             *[f"| {name} | {c['calls']} | {c['rate_limited']} | {p['limit_utilization_bulk']['by_model'].get(name)} |"
               for name, c in p["by_model"].items()],
+            "",
+            "The tasks solved last (what the tail was made of; times in s since submit):",
+            "",
+            "| task | answered by | hedges | hedged to | first call started | solved |",
+            "|---:|---|---:|---|---:|---:|",
+            *[f"| {t['task']} | {t['model']} | {t['hedges']} | {t['hedged_to'] or '-'} | {t['started_s']} | {t['solved_s']} |"
+              for t in p.get("last_solved", [])],
             "",
             "| model | tasks | tokens estimated | tokens used | used / estimated |",
             "|---|---:|---:|---:|---:|",
