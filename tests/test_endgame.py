@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, Settlement
-from balancer.domain.endgame import CAUTIOUS, HEDGED, Job, ModelOutlook, in_end_game, plan
+from balancer.domain.endgame import CAUTIOUS, HEDGED, Job, ModelOutlook, Running, in_end_game, pick_hedges, plan
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of, record
 from balancer.domain.quota import Quota
 
@@ -66,6 +66,21 @@ def test_with_hedging_a_slow_model_takes_work_its_mean_can_finish_in_time() -> N
     # The switch moves the same way: 8 tasks drain in about 6.8 s, the end game
     # against a 20 s p90 but not against a 3.4 s mean.
     assert in_end_game(8, 100, [fast, slow], CAUTIOUS) and not in_end_game(8, 100, [fast, slow], HEDGED)
+
+
+def test_a_hedge_waits_for_a_busy_fast_model_rather_than_take_a_free_slow_slot() -> None:
+    """A task gets one hedge. A straggler on "slow" with only "mid" free now and
+    "fast" full (its calls end every ~0.3 s) waits for fast: hedged to mid it
+    would be a second heavy-tailed draw. Once fast has a slot, it goes there;
+    with no fast model at all, mid is the best there is."""
+    slow = ModelOutlook("slow", cap=4, free_slots=0, in_flight=4, latency=LatencyEstimate(12_000, 40_000, 100_000, 50))
+    mid = ModelOutlook("mid", cap=4, free_slots=2, in_flight=2, latency=LatencyEstimate(4_000, 11_000, 20_000, 50))
+    fast = ModelOutlook("fast", cap=6, free_slots=0, in_flight=6, latency=LatencyEstimate(1_000, 2_300, 4_500, 50))
+    straggler = [Running(7, "slow", 60_000, 500)]
+    assert pick_hedges(straggler, [slow, mid, fast], 10_000) == []
+    fast_free = ModelOutlook("fast", cap=6, free_slots=1, in_flight=5, latency=fast.latency)
+    assert pick_hedges(straggler, [slow, mid, fast_free], 10_000) == [(7, "fast")]
+    assert pick_hedges(straggler, [slow, mid], 10_000) == [(7, "mid")]
 
 
 def test_no_end_game_when_no_model_has_a_free_slot() -> None:

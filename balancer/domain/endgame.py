@@ -253,11 +253,31 @@ def worth_hedging(elapsed_ms: float, running: LatencyEstimate, fresh: LatencyEst
     return overrun or remaining_ms(elapsed_ms, running) > fresh.p90_ms
 
 
+def slot_wait_ms(model: ModelOutlook, free_slots: int) -> float:
+    """Roughly how long until ``model`` can start a call: now with a free slot;
+    else its 429 pause, or the first of its calls in flight to end (its median
+    over how many run).
+
+    >>> est = LatencyEstimate(1_000, 2_000, 4_000, 50)
+    >>> m = ModelOutlook("m", cap=4, free_slots=0, in_flight=4, latency=est)
+    >>> slot_wait_ms(m, 1), slot_wait_ms(m, 0)
+    (0.0, 250.0)
+    """
+    if free_slots > 0:
+        return 0.0
+    return max(model.paused_ms, model.latency.p50_ms / max(1, model.in_flight))
+
+
 def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float) -> list[tuple[int, str]]:
     """(call key, model) for each hedge to send now, the calls expected to end last first.
 
-    A hedge goes to another allowed model with a free slot where a fresh call
-    is :func:`worth_hedging`, the one with the shortest p90; the hedges' token
+    A hedge goes to the allowed model (not the call's own) where a fresh call
+    is :func:`worth_hedging` and would end soonest: the wait for a slot there
+    (:func:`slot_wait_ms`) plus its p90. If that model has no free slot now,
+    the call waits for it rather than take a slower model's free slot: a task
+    gets one hedge, and one spent on a slow model in the middle of the run
+    (whose free slots the end game leaves idle) is a second heavy-tailed draw
+    when a fast model would have a slot in a moment. The hedges' token
     estimates stay within ``budget_tokens``.
 
     >>> slow = ModelOutlook("slow", cap=2, free_slots=0, in_flight=2, latency=LatencyEstimate(10_000, 30_000, 90_000, 50))
@@ -266,6 +286,12 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     [(1, 'fast')]
     >>> pick_hedges([Running(1, "slow", 45_000, 500)], [slow, fast], 400)   # over budget
     []
+    >>> busy_fast = ModelOutlook("fast", cap=4, free_slots=0, in_flight=4, latency=fast.latency)
+    >>> mid = ModelOutlook("mid", cap=2, free_slots=1, in_flight=1, latency=LatencyEstimate(8_000, 20_000, 60_000, 50))
+    >>> pick_hedges([Running(1, "slow", 45_000, 500)], [slow, busy_fast, mid], 10_000)   # fast frees a slot in ~250 ms
+    []
+    >>> pick_hedges([Running(1, "slow", 45_000, 500)], [slow, mid], 10_000)              # mid is the best there is
+    [(1, 'mid')]
     """
     by_name = {m.name: m for m in models}
     free = {m.name: m.free_slots for m in models}
@@ -280,12 +306,13 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
             continue
         targets = [
             by_name[n] for n in (call.allowed or by_name)
-            if n in by_name and n != call.model and free[n] > 0
-            and worth_hedging(call.elapsed_ms, running.latency, by_name[n].latency)
+            if n in by_name and n != call.model and worth_hedging(call.elapsed_ms, running.latency, by_name[n].latency)
         ]
         if not targets:
             continue
-        target = min(targets, key=lambda m: (m.latency.p90_ms, m.name))
+        target = min(targets, key=lambda m: (slot_wait_ms(m, free[m.name]) + m.latency.p90_ms, m.name))
+        if free[target.name] <= 0:
+            continue  # the best model for this hedge is busy: hedge there when a slot frees
         free[target.name] -= 1
         budget_tokens -= call.estimated_tokens
         out.append((call.key, target.name))
