@@ -83,6 +83,18 @@ def test_a_hedge_waits_for_a_busy_fast_model_rather_than_take_a_free_slow_slot()
     assert pick_hedges(straggler, [slow, mid], 10_000) == [(7, "mid")]
 
 
+def test_stragglers_queue_for_the_best_model_only_while_the_queue_is_short() -> None:
+    """Each hedge waiting for "fast" (6 calls of 1 s median: a slot every ~167 ms)
+    pushes the next one's start back; once waiting costs more than the 2.2 s a
+    free "fast2" slot loses on p90, the rest go to fast2."""
+    slow = ModelOutlook("slow", cap=20, free_slots=0, in_flight=20, latency=LatencyEstimate(12_000, 40_000, 100_000, 50))
+    fast = ModelOutlook("fast", cap=6, free_slots=0, in_flight=6, latency=LatencyEstimate(1_000, 2_300, 4_500, 50))
+    fast2 = ModelOutlook("fast2", cap=10, free_slots=10, in_flight=0, latency=LatencyEstimate(2_000, 4_500, 9_000, 50))
+    stragglers = [Running(i, "slow", 60_000 + i, 100) for i in range(20)]
+    picks = pick_hedges(stragglers, [slow, fast, fast2], 10_000)
+    assert [model for _, model in picks] == ["fast2"] * 7  # 13 wait for fast: 14 x 167 ms > 2.2 s
+
+
 def test_no_end_game_when_no_model_has_a_free_slot() -> None:
     assert not in_end_game(3, 100, [outlook("fast", FAST, free=0), outlook("slow", SLOW, free=0)])
 

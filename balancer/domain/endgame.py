@@ -253,19 +253,19 @@ def worth_hedging(elapsed_ms: float, running: LatencyEstimate, fresh: LatencyEst
     return overrun or remaining_ms(elapsed_ms, running) > fresh.p90_ms
 
 
-def slot_wait_ms(model: ModelOutlook, free_slots: int) -> float:
-    """Roughly how long until ``model`` can start a call: now with a free slot;
-    else its 429 pause, or the first of its calls in flight to end (its median
-    over how many run).
+def slot_wait_ms(model: ModelOutlook, free_slots: int, queued: int = 0) -> float:
+    """Roughly how long until ``model`` can start one more call: now with a free
+    slot; else its 429 pause, or the time until ``queued + 1`` of its calls in
+    flight have ended (its median over how many run, per call ahead).
 
     >>> est = LatencyEstimate(1_000, 2_000, 4_000, 50)
     >>> m = ModelOutlook("m", cap=4, free_slots=0, in_flight=4, latency=est)
-    >>> slot_wait_ms(m, 1), slot_wait_ms(m, 0)
-    (0.0, 250.0)
+    >>> slot_wait_ms(m, 1), slot_wait_ms(m, 0), slot_wait_ms(m, 0, queued=3)
+    (0.0, 250.0, 1000.0)
     """
     if free_slots > 0:
         return 0.0
-    return max(model.paused_ms, model.latency.p50_ms / max(1, model.in_flight))
+    return max(model.paused_ms, (queued + 1) * model.latency.p50_ms / max(1, model.in_flight))
 
 
 def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float) -> list[tuple[int, str]]:
@@ -273,7 +273,8 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
 
     A hedge goes to the allowed model (not the call's own) where a fresh call
     is :func:`worth_hedging` and would end soonest: the wait for a slot there
-    (:func:`slot_wait_ms`) plus its p90. If that model has no free slot now,
+    (:func:`slot_wait_ms`, counting the hedges already waiting for it) plus
+    its p90. If that model has no free slot now,
     the call waits for it rather than take a slower model's free slot: a task
     gets one hedge, and one spent on a slow model in the middle of the run
     (whose free slots the end game leaves idle) is a second heavy-tailed draw
@@ -295,6 +296,7 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     """
     by_name = {m.name: m for m in models}
     free = {m.name: m.free_slots for m in models}
+    queued = dict.fromkeys(by_name, 0)  # hedges waiting for a slot there, this round
     out: list[tuple[int, str]] = []
     def expected_end(call: Running) -> float:
         running = by_name.get(call.model)
@@ -310,9 +312,10 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
         ]
         if not targets:
             continue
-        target = min(targets, key=lambda m: (slot_wait_ms(m, free[m.name]) + m.latency.p90_ms, m.name))
+        target = min(targets, key=lambda m: (slot_wait_ms(m, free[m.name], queued[m.name]) + m.latency.p90_ms, m.name))
         if free[target.name] <= 0:
-            continue  # the best model for this hedge is busy: hedge there when a slot frees
+            queued[target.name] += 1  # the best model for this hedge is busy: hedge there when a slot frees
+            continue
         free[target.name] -= 1
         budget_tokens -= call.estimated_tokens
         out.append((call.key, target.name))
