@@ -1,7 +1,7 @@
 """The Lua scripts and the Python reference make identical decisions.
 
 Hypothesis generates random sequences of admit batches, releases, renewals,
-reconciles, holds of cancelled calls, quota changes, removals, lease expiries, clock advances and
+reconciles, holds of cancelled calls, heartbeats, quota changes, removals, lease expiries, clock advances and
 Redis data loss; ``Twin`` applies each to both and compares every result and
 the whole state after every step.
 """
@@ -61,6 +61,7 @@ operations = st.lists(
         st.tuples(st.just("reconcile"), st.integers(0, 50), settlements),
         st.tuples(st.just("finish"), st.integers(0, 50), settlements),
         st.tuples(st.just("hold"), st.integers(0, 50), st.integers(0, 400_000)),
+        st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000)),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
                   st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40)),
         st.tuples(st.just("advance"), st.integers(0, 70_000)),
@@ -100,6 +101,8 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.finish(issued[op[1] % len(issued)][0], op[2])
             elif kind == "hold" and issued:
                 twin.hold(issued[op[1] % len(issued)][0], op[2])
+            elif kind == "heartbeat" and issued:
+                twin.heartbeat(issued[op[1] % len(issued)][0], op[2])
             elif kind == "penalize":
                 twin.penalize(op[1], op[2], op[3], op[4])
             elif kind == "advance":

@@ -129,6 +129,11 @@ class Twin:
         assert lua == self.ref.hold(lid, hold_ms, self.now)
         return lua
 
+    def heartbeat(self, lid: str, lease_ms: int) -> bool:
+        lua = self.core.heartbeat(lid, lease_ms)
+        assert lua == self.ref.heartbeat(lid, max(1, lease_ms), self.now)
+        return lua
+
     def reconcile(self, lid: str, settlement: Settlement | int) -> bool:
         """Settle a call; a bare int means usage reported with no headers (reserved = usage)."""
         if isinstance(settlement, int):

@@ -12,6 +12,7 @@ state from PostgreSQL when Redis has lost it (it runs without persistence).
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ def _load_scripts() -> dict[str, str]:
     lib = keys.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
-        for name in ("admit", "renew", "finish", "hold", "penalize", "set_quota", "remove_quota", "restore")
+        for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "set_quota", "remove_quota", "restore")
     }
 
 
@@ -118,6 +119,13 @@ class AdmissionCore:
         self.base_quantum = base_quantum
         self.clock = clock
         self._scripts = {name: client.register_script(text) for name, text in _SCRIPTS.items()}
+
+    def with_lease(self, lease_ms: int) -> AdmissionCore:
+        """The same core (client, scripts, restore) admitting with another lease length:
+        the router's leases are short and heartbeated, the pipeline's are not."""
+        other = copy.copy(self)
+        other.lease_ms = lease_ms
+        return other
 
     # -- plumbing --------------------------------------------------------------
     def _now(self) -> str:
@@ -230,6 +238,13 @@ class AdmissionCore:
         True if a live lease is now held; it is freed when it expires."""
         return self._run("hold", [self._now(), admission_id, max(0, int(hold_ms))]) == 1
 
+    def heartbeat(self, admission_id: str, lease_ms: int | None = None) -> bool:
+        """Extend a live lease to ``lease_ms`` from now (the core's lease by default).
+
+        False if the lease is unknown or already expired: its slot is gone and
+        is not taken again (unlike :meth:`renew`)."""
+        return self._run("heartbeat", [self._now(), admission_id, max(1, int(lease_ms or self.lease_ms))]) == 1
+
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
                  remaining_requests: int | None = None) -> bool:
         """Pause ``model`` for a 429's Retry-After and sync its buckets to the 429's
@@ -255,7 +270,7 @@ class AdmissionCore:
     def counters(self) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
         """(per model, system) counters since the start, as the scripts and :meth:`count` keep them."""
         r = self.redis
-        names = [n.decode() for n in cast(list[bytes], r.zrange(self.keys[1], 0, -1))]
+        names = self.model_names()
         with r.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.hgetall(keys.stats(self.namespace, name))
@@ -266,6 +281,10 @@ class AdmissionCore:
             return {k.decode(): int(v) for k, v in raw.items()}
 
         return {name: ints(raw) for name, raw in zip(names, replies, strict=False)}, ints(replies[-1])
+
+    def model_names(self) -> list[str]:
+        """The names of the models the live state holds, in admission order."""
+        return [n.decode() for n in cast(list[bytes], self.redis.zrange(self.keys[1], 0, -1))]
 
     def is_loaded(self) -> bool:
         return self.redis.hget(self.keys[0], "loaded") == b"1"

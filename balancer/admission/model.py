@@ -500,6 +500,18 @@ class ReferenceCore:
         lease.deadline = min(lease.deadline, now + hold_ms)
         return True
 
+    def heartbeat(self, admission_id: str, lease_ms: int, now: int) -> bool:
+        """Extend a live lease to ``now + lease_ms``: what ``heartbeat.lua`` does.
+
+        An expired lease is not revived: its slot may carry another call now.
+        Returns True if the lease was live and is extended.
+        """
+        lease = self.leases.get(admission_id)
+        if lease is None or lease.deadline <= now:
+            return False
+        lease.deadline = now + lease_ms
+        return True
+
     def _settle(self, admission_id: str, settlement: Settlement, now: int) -> bool:
         """Settle a finished call once per lease, then sync to the provider's headers.
 
