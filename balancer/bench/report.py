@@ -7,24 +7,11 @@ task rows, so it is tested without servers.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from balancer.devtools.sim.audit import Limits
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile, q in [0, 100].
-
-    >>> percentile([1, 2, 3, 4], 50), percentile([1, 2, 3, 4], 99), percentile([], 50)
-    (2, 4, None)
-    """
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+from balancer.domain.stats import percentile as percentile  # the bench reports use it from here
 
 
 def accepted(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
