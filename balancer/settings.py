@@ -43,6 +43,8 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_DISPATCH_TICK": "seconds between periodic dispatch ticks (completions also trigger dispatch)",
     "BALANCER_RECONCILE_TICK": "seconds between reconcile ticks",
     "BALANCER_INGEST_TICK": "seconds between inbox polls",
+    "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
+    "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
 }
 
 _SCHEMES_PG = ("postgresql", "postgres", "postgresql+psycopg2")
@@ -229,6 +231,8 @@ class Settings:
     dispatch_tick: float = 1.0
     reconcile_tick: float = 10.0
     ingest_tick: float = 5.0
+    router_token: str | None = field(default=None, repr=False)
+    router_lease_seconds: float = 30.0
 
     @property
     def hedging(self) -> bool:
@@ -304,5 +308,7 @@ class Settings:
             dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),
             reconcile_tick=_seconds("BALANCER_RECONCILE_TICK", 10.0, 0.1, 86_400),
             ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
+            router_token=env.get("BALANCER_ROUTER_TOKEN") or None,
+            router_lease_seconds=_seconds("BALANCER_ROUTER_LEASE_SECONDS", 30.0, 1, 86_400),
         )
         return settings

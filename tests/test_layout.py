@@ -19,15 +19,18 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "settings": {"errors"},
     "domain": {"errors"},
+    "client": set(),
     "admission": {"domain", "errors"},
     "storage": {"domain", "errors", "admission", "settings"},
     "backends": {"errors", "settings"},
     "services": {"admission", "storage", "domain", "errors", "settings"},
     "pipeline": {"admission", "storage", "backends", "domain", "errors", "settings", "services"},
+    "router": {"admission", "domain", "errors", "settings", "services"},
     "devtools": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline"},
-    "bench": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline", "devtools"},
+    "bench": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline", "devtools",
+              "router"},
     "cli": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline",
-            "devtools", "bench"},
+            "devtools", "bench", "router", "client"},
 }
 
 

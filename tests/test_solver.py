@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from balancer.backends import make_backend
 from balancer.devtools.embedded import free_port
@@ -22,6 +21,7 @@ from balancer.pipeline.solver import MAX_RATE_LIMITED, SolveMessage, solve
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.tasks import insert_tasks
+from tests.servers import served
 
 pytestmark = pytest.mark.usefixtures("migrated")
 
@@ -31,18 +31,8 @@ MODEL = SimModel("m", 4, 600_000, latency=Latency(0.01, 0.02, 0.0, 0.05))
 @pytest.fixture
 def sim() -> Iterator[tuple[str, Simulator]]:
     simulator = Simulator([MODEL, SimModel("n", 4, 600_000, latency=MODEL.latency)], time_scale=1.0)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(simulator), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    yield url, simulator
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(create_app(simulator)) as url:
+        yield url, simulator
 
 
 @pytest.fixture
@@ -390,7 +380,6 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
 def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> None:
     """Every pooled connection busy: the write waits (pool checkout timeouts are
     retried) instead of raising and dropping the answer."""
-    import threading
 
     import sqlalchemy as sa
 

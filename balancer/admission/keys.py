@@ -29,6 +29,7 @@ SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
+BENCH_COUNTER = ":bench:incr"
 
 
 def tag(namespace: str) -> str:
@@ -84,6 +85,11 @@ def cancel_channel(namespace: str) -> str:
 def broker_prefix(namespace: str) -> str:
     """kombu's ``global_keyprefix`` for this namespace's broker keys."""
     return namespace + ":"
+
+
+def bench_counter(namespace: str) -> str:
+    """The counter a benchmark's bare endpoint increments (``balancer.bench.router_load``)."""
+    return tag(namespace) + BENCH_COUNTER
 
 
 def namespace_patterns(namespace: str) -> tuple[str, str]:

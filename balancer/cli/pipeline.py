@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from balancer.cli import resolved_settings, services
-from balancer.errors import BalancerError, QuotaError, printable
+from balancer.errors import BalancerError, ConfigError, QuotaError, printable
 
 
 def _migrated():  # noqa: ANN202
@@ -186,6 +186,31 @@ def metrics(host: str, port: int) -> None:
     threading.Event().wait()  # until interrupted
 
 
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; beyond loopback BALANCER_ROUTER_TOKEN is required.")
+@click.option("--port", default=8700, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--access-log", is_flag=True, help="Log every request (method, path, status; never the token).")
+def router(host: str, port: int, access_log: bool) -> None:
+    """Serve the router API (/schedule, /complete, /heartbeat, /advice) on the
+    pipeline's quotas, for callers outside Celery. OpenAPI at /docs."""
+    try:
+        import uvicorn
+
+        from balancer.router.app import asgi, create_app, is_loopback
+    except ImportError as exc:
+        raise BalancerError(f"the router needs its extra: pip install 'balancer[router]' ({exc.name} is missing)") from None
+    svc = _migrated()
+    token = svc.settings.router_token
+    if token is None and not is_loopback(host):
+        raise ConfigError(f"BALANCER_ROUTER_TOKEN must be set to serve the router beyond loopback (--host {printable(host)})")
+    core = svc.core.with_lease(round(svc.settings.router_lease_seconds * 1000))
+    app = create_app(core, lease_ms=core.lease_ms, token=token)
+    click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
+               f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
+    uvicorn.run(asgi(app), host=host, port=port, log_level="warning", access_log=access_log, backlog=4096)
+
+
 def eta_text(eta: float | None) -> str:
     """The drain ETA for a person: ``4 min 05 s``, ``done`` or ``unknown``.
 
@@ -333,4 +358,4 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
 
-COMMANDS = [submit, worker, dispatcher, beat, sim, status, top, metrics, demo, bench]
+COMMANDS = [submit, worker, dispatcher, beat, sim, status, top, metrics, router, demo, bench]

@@ -1,0 +1,9 @@
+"""The router: an HTTP face on the admission core, for callers outside Celery.
+
+An Airflow DAG, an interactive service or a script asks ``POST /schedule``
+for a model, calls the Models Backend itself, and reports ``POST /complete``
+(seed design, iterations 1 and 2). Its admissions are leases in the same
+Redis core as the pipeline's, so both draw from one budget per model.
+See :mod:`balancer.router.app` for the endpoints and
+:mod:`balancer.client` for the Python client.
+"""
