@@ -1,0 +1,87 @@
+"""The router and the pipeline on one model: one budget, checked in the simulator's log.
+
+Real processes: the simulator, the dispatcher, a worker, beat and
+``balancer router``; router callers are the Airflow example's own task
+function (``examples/airflow/router_tasks.py``), run here without Airflow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+
+import pytest
+
+from balancer.devtools.embedded import free_port
+from balancer.devtools.supervisor import wait_for_http
+from tests.pipeline_harness import Pipeline
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "airflow" / "router_tasks.py"
+
+# One strict model, bound by concurrency (3), TPM and RPM at once.
+SCENARIO = """
+name = "shared"
+seed = 4
+time_scale = 1.0
+[workload]
+tasks = 1
+prompt_tokens = { median = 60, p99 = 60, min = 60, max = 60 }
+output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
+[[models]]
+name = "shared"
+max_concurrent_requests = 3
+max_tokens_per_minute = 24000
+max_requests_per_minute = 150
+rpm_window = 10
+latency = { median = 0.3, p99 = 0.6, min = 0.2, max = 0.8 }
+"""
+
+
+def example_tasks():  # noqa: ANN201
+    spec = importlib.util.spec_from_file_location("router_tasks", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("migrated")
+def test_router_callers_and_pipeline_workers_share_one_budget(tmp_path: Path) -> None:
+    (tmp_path / "shared.toml").write_text(SCENARIO)
+    p = Pipeline(tmp_path / "logs", scenario=tmp_path / "shared.toml", extra_env={"BALANCER_ROUTER_LEASE_SECONDS": "5"})
+    try:
+        p.start()
+        port = free_port()
+        router = p.supervisor.start("router", ["router", "--port", str(port)])
+        router_url = f"http://127.0.0.1:{port}"
+        wait_for_http(f"{router_url}/healthz", child=router)
+
+        p.submit([{"prompt": f"pipeline prompt {i} " * 8, "max_tokens": 20} for i in range(30)])
+        tasks = example_tasks()
+        answers: list[list[dict]] = []
+
+        def airflow_worker(n: int) -> None:
+            prompts = [f"airflow worker {n} prompt {i} " * 6 for i in range(10)]
+            answers.append(tasks.solve_with_router(prompts, router_url, p.backend_url, parallelism=2, max_tokens=20))
+
+        callers = [threading.Thread(target=airflow_worker, args=(n,)) for n in range(3)]
+        for t in callers:
+            t.start()
+        counts = p.wait_done(30, timeout=120)
+        for t in callers:
+            t.join(timeout=120)
+        assert counts["solved"] == 30
+        assert sorted(len(a) for a in answers) == [10, 10, 10]
+        assert all(r["model"] == "shared" and r["answer"] for batch in answers for r in batch)
+
+        log = p.sim_log()
+        answered = [e for e in log if e["status"] == 200]
+        assert len(answered) == 60  # 30 pipeline calls and 30 router calls, each answered once
+        assert [e for e in log if e["status"] == 429] == []
+        assert p.violations() == []  # cap, TPM and RPM held over both kinds of caller together
+        peak = max(sum(1 for o in answered if o["start"] <= e["start"] < o["end"]) for e in answered)
+        assert peak == 3  # the cap was reached: the two kinds of caller really overlapped
+    finally:
+        p.stop()
