@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, keys
+from balancer.devtools.embedded import redis_for_bench
 from balancer.domain.quota import MAX_CONCURRENCY, Quota
 from balancer.services import delete_namespace_keys
 
@@ -82,16 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console()
     with ExitStack() as stack:
-        url = args.redis_url
-        if not url:
-            import tempfile
-            from pathlib import Path
-
-            from balancer.devtools.embedded import start_redis
-
-            proc = start_redis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
-            stack.callback(proc.stop)
-            url = proc.url
+        url = redis_for_bench(stack, args.redis_url)
         namespace = "bench-" + uuid.uuid4().hex[:8]
         client = redis.Redis.from_url(url)
 
@@ -101,7 +93,7 @@ def main() -> None:
         stack.callback(cleanup)
         version = client.info("server")["redis_version"]
         console.print(f"Redis {version} at {url.split('@')[-1]}, {args.models} models, {args.seconds:.0f} s per run")
-        incr = incr_loop(url, keys.tag(namespace) + ":incr-bench", args.seconds)
+        incr = incr_loop(url, keys.bench_counter(namespace), args.seconds)
         rows = []
         for processes in (1, 4):
             for batch in (1, 100):

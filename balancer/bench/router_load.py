@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from balancer.admission import keys
+from balancer.devtools.embedded import redis_for_bench
 from balancer.domain.stats import percentile
 from balancer.services import delete_namespace_keys
 
@@ -181,16 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     console = Console()
     with ExitStack() as stack:
-        url = args.redis_url
-        if not url:
-            import tempfile
-            from pathlib import Path
-
-            from balancer.devtools.embedded import start_redis
-
-            proc = start_redis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
-            stack.callback(proc.stop)
-            url = proc.url
+        url = redis_for_bench(stack, args.redis_url)
         namespace = "bench-router-" + uuid.uuid4().hex[:8]
         stack.callback(delete_namespace_keys, redis.Redis.from_url(url), namespace)
         results = {target: measure(target, url, namespace, args.seconds, args.connections) for target in ("bare", "router")}

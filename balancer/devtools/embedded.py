@@ -17,6 +17,7 @@ Two lifetimes:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -104,6 +105,16 @@ def start_redis(directory: Path, *, daemonize: bool = False, port: int | None = 
         pid = int(pidfile.read_text().strip())
     (directory / "redis.port").write_text(str(port))
     return RedisProcess(url, pid, directory)
+
+
+def redis_for_bench(stack: contextlib.ExitStack, url: str | None) -> str:
+    """``url`` if given, else a throwaway redis-server stopped when ``stack`` closes
+    (the standalone benchmarks, run on a machine with no Redis of its own)."""
+    if url:
+        return url
+    proc = start_redis(Path(tempfile.mkdtemp(prefix="bench-redis-")))
+    stack.callback(proc.stop)
+    return proc.url
 
 
 def start_postgres(directory: Path, *, persistent: bool) -> tuple[str, object]:

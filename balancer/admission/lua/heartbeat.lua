@@ -8,13 +8,8 @@
 -- slot is re-acquired behind the quota's back. Nothing is settled or charged.
 -- Returns 1 if the lease now ends at now + ARGV[3], 0 if it was unknown or expired.
 
-local lid = ARGV[2]
-local raw = redis.call('HGET', LEASES, lid)
-if not raw then return 0 end
-local lease = cjson.decode(raw)
-local key = inflight_key(lease.m)
-local deadline = tonumber(redis.call('ZSCORE', key, lid))
-local now = clock(ARGV[1])
-if not deadline or deadline <= now then return 0 end
+local lid, now = ARGV[2], clock(ARGV[1])
+local key = live_lease(lid, now)
+if not key then return 0 end
 redis.call('ZADD', key, fmt(now + tonumber(ARGV[3])), lid)
 return 1

@@ -9,13 +9,8 @@
 -- now + ARGV[3], never later than it was; the next purge frees the slot.
 -- Returns 1 if a live lease is now held, 0 if the lease was unknown or expired.
 
-local lid = ARGV[2]
-local raw = redis.call('HGET', LEASES, lid)
-if not raw then return 0 end
-local lease = cjson.decode(raw)
-local key = inflight_key(lease.m)
-local deadline = tonumber(redis.call('ZSCORE', key, lid))
-local now = clock(ARGV[1])
-if not deadline or deadline <= now then return 0 end
+local lid, now = ARGV[2], clock(ARGV[1])
+local key, deadline = live_lease(lid, now)
+if not key then return 0 end
 redis.call('ZADD', key, fmt(math.min(deadline, now + tonumber(ARGV[3]))), lid)
 return 1

@@ -56,6 +56,16 @@ end
 
 local function loaded() return redis.call('HGET', META, 'loaded') == '1' end
 
+-- The in-flight key and deadline of lease `lid` if it is live at `now`; nil if unknown or expired.
+local function live_lease(lid, now)
+  local raw = redis.call('HGET', LEASES, lid)
+  if not raw then return nil end
+  local key = inflight_key(cjson.decode(raw).m)
+  local deadline = tonumber(redis.call('ZSCORE', key, lid))
+  if not deadline or deadline <= now then return nil end
+  return key, deadline
+end
+
 local FIELDS = {'weight', 'cap', 'tpm', 'rpm', 'burst', 'enabled',
                 'tokens', 'requests', 'refilled_at', 'deficit', 'gen', 'settle', 'rburst', 'paused', 'tat',
                 'ext', 'synced_at', 'ptokens', 'prefilled_at', 'prior'}
