@@ -10,9 +10,11 @@ export the URLs (see ``balancer.cli.resolved_settings``). Why each setting:
   only after its answer is in PostgreSQL; a worker that dies mid-call leaves
   it to be redelivered after the broker's visibility timeout. No hand-made leases
   for messages (the admission core's leases are for *quota*, not delivery).
-* hard time limit < lease < visibility timeout: a long call is never
-  redelivered while it still runs, and its quota slot never expires under it
-  (see Settings.check_timing).
+* hard time limit < visibility timeout: a long call is never redelivered
+  while it still runs (see Settings.check_timing). Its quota slot and its
+  task's deadline are short leases a heartbeat renews while it runs
+  (balancer.pipeline.heartbeat), and a redelivered copy of a message whose
+  call is still running starts no second call.
 * No result backend: results go to PostgreSQL.
 * JSON only. No ETA/countdown longer than a dispatch tick (well under the
   visibility timeout; see balancer.pipeline.trigger).

@@ -20,13 +20,19 @@ def test_delivery_settings(env: dict[str, str]) -> None:
     visibility = conf.broker_transport_options["visibility_timeout"]
     assert conf.task_time_limit < visibility
     settings = Settings.from_env()
-    assert settings.backend_timeout < conf.task_time_limit < settings.lease_seconds < visibility
+    assert settings.backend_timeout < conf.task_time_limit < visibility
+    assert settings.heartbeat_seconds * 3 == settings.lease_seconds  # a live call's lease is renewed, not outlasted
     assert max(e["schedule"] for e in conf.beat_schedule.values()) < visibility
     assert set(conf.beat_schedule) == {"dispatch", "reconcile", "ingest"}
 
 
-@pytest.mark.parametrize("change", [{"visibility_timeout": 100}, {"lease_seconds": 100}])
+@pytest.mark.parametrize("change", [{"visibility_timeout": 100}, {"visibility_timeout": 180}])
 def test_timing_that_could_redeliver_a_running_call_is_refused(change: dict) -> None:
     settings = dataclasses.replace(Settings.from_env(), **change)
     with pytest.raises(ConfigError, match="hard time limit"):
         settings.check_timing()
+
+
+def test_a_lease_shorter_than_a_call_is_allowed_because_it_is_heartbeated() -> None:
+    settings = dataclasses.replace(Settings.from_env(), lease_seconds=30, backend_timeout=150)
+    settings.check_timing()  # no error: the heartbeat renews it every 10 s

@@ -421,3 +421,61 @@ def test_an_unexpected_error_in_a_solve_uses_an_attempt_so_max_attempts_ends_it(
     row = task_row(svc, a.task_id)
     assert row.status == "failed" and row.attempts == 3 and "unexpected ValueError" in row.error
     assert svc.core.live()["m"].in_flight == 0
+
+
+def test_a_redelivered_copy_of_a_running_call_does_not_call_again(svc: Services, sim) -> None:
+    """The first delivery started the call (its task is running, its deadline ahead,
+    kept so by the heartbeat); a copy of the message (kombu restoring unacked
+    messages after a dropped connection) makes no call and leaves the live call's
+    slot alone. Once the deadline has passed (the worker is gone), a copy takes over."""
+    import sqlalchemy as sa
+
+    from balancer.storage import tasks as store
+    from balancer.storage.schema import tasks
+
+    url, simulator = sim
+    a = dispatch_one(svc, {"prompt": "hello world", "model": "m", "max_tokens": 100})
+    assert store.start_solve(svc.engine, a.task_id, a.admission_id, 60) is not None  # the first delivery's start
+    assert svc.core.renew(a.admission_id, a.model, a.estimated_tokens).__class__.__name__ == "Admitted"
+    backend = make_backend(svc.settings)
+    assert solve(svc, backend, message(a)) == "running_elsewhere"
+    assert simulator.log == []  # no second call
+    assert svc.core.live()["m"].in_flight == 1  # the live call keeps its slot
+    assert task_row(svc, a.task_id).status == "running"
+
+    with svc.engine.begin() as conn:  # the first worker died: no heartbeat moved the deadline
+        conn.execute(sa.update(tasks).where(tasks.c.id == a.task_id).values(deadline=sa.func.now() - sa.text("interval '1 second'")))
+    assert solve(svc, backend, message(a)) == "solved"
+    assert len([e for e in simulator.log if e["status"] == 200]) == 1
+    assert svc.core.live()["m"].in_flight == 0
+
+
+def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lease 3 s, heartbeat every 1 s: over three leases the slot stays held and
+    the task is never returned by the reconcile; after the block it is no
+    longer renewed and both expire."""
+    import dataclasses
+
+    from balancer.pipeline.heartbeat import Heartbeat
+    from balancer.storage import tasks as store
+
+    short = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, lease_seconds=3))
+    a = dispatch_one(svc, {"prompt": "hello world", "model": "m", "max_tokens": 100})
+    assert store.start_solve(svc.engine, a.task_id, a.admission_id, 3) is not None
+    svc.core.renew(a.admission_id, a.model, a.estimated_tokens, lease_ms=3000)
+    heartbeat = Heartbeat(short)
+    try:
+        with heartbeat.running(a.admission_id):
+            assert heartbeat.beat() == (1, 1)  # one slot, one task deadline
+            started = time.monotonic()
+            while time.monotonic() - started < 9:  # three leases
+                assert store.return_expired(svc.engine) == 0
+                assert svc.core.live()["m"].in_flight == 1
+                time.sleep(0.25)
+        deadline = time.monotonic() + 10
+        while svc.core.live()["m"].in_flight and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert svc.core.live()["m"].in_flight == 0  # no heartbeat: the lease ran out
+        assert store.return_expired(svc.engine) == 1  # and the task goes back to pending
+    finally:
+        heartbeat.close()

@@ -6,12 +6,14 @@ import threading
 
 from balancer.backends import Backend, shared_backend
 from balancer.pipeline.cancellation import CancelListener
+from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
 from balancer.settings import Settings
 
 _lock = threading.Lock()
 _services: Services | None = None
 _listener: CancelListener | None = None
+_heartbeat: Heartbeat | None = None
 
 
 def services() -> Services:
@@ -40,13 +42,25 @@ def cancel_listener() -> CancelListener | None:
         return _listener
 
 
+def heartbeat() -> Heartbeat:
+    """This process's lease heartbeat (its thread starts with the first call)."""
+    global _heartbeat
+    svc = services()
+    with _lock:
+        if _heartbeat is None:
+            _heartbeat = Heartbeat(svc)
+        return _heartbeat
+
+
 def reset() -> None:
     """Forget handles (after fork, or in tests that change the environment)."""
-    global _services, _listener
+    global _services, _listener, _heartbeat
     from balancer.storage.db import dispose_engines
 
     with _lock:
         if _listener is not None:
             _listener.close()
-        _services, _listener = None, None
+        if _heartbeat is not None:
+            _heartbeat.close()
+        _services, _listener, _heartbeat = None, None, None
         dispose_engines()

@@ -5,6 +5,9 @@ Outcomes and what happens to the slot and the task:
 ====================  ==========================================================
 stale / duplicate     message for a task already solved, failed or re-dispatched
                       under another admission: release this admission, no call
+running elsewhere     a redelivered or duplicated message whose call still runs
+                      in a live worker (its heartbeat keeps the task's deadline
+                      ahead): no call, and the slot stays the live call's
 no room               the lease expired and its slot is taken (redelivery after
                       a crash), or the model was disabled: back to pending, no call
 solved                as soon as the backend answers: settle the tokens as the
@@ -71,6 +74,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from balancer.admission import AdmissionCore, Admitted, Settlement
 from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
 from balancer.pipeline.cancellation import CancelListener, cancel_call
+from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
 from balancer.storage import tasks as store
 
@@ -134,6 +138,10 @@ class Slot:
             self.done = True
             self.core.finish(self.admission_id, settlement)
 
+    def disown(self) -> None:
+        """This message does not own the slot (another worker's call runs under it): never free it."""
+        self.done = True
+
     def let_go(self, services: Services, model: str, ran_s: float) -> None:
         """A cancelled call: its slot as the provider sees it (see the module docstring)."""
         if self.done:
@@ -146,92 +154,111 @@ class Slot:
             self.core.hold(self.admission_id, round(max(0.0, services.settings.backend_timeout - ran_s) * 1000))
 
 
-def solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None) -> str:
+def solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
+          heartbeat: Heartbeat | None = None) -> str:
     """Process one ``solve`` message; returns the outcome name (for logs and tests).
 
     With a ``listener`` (when hedging is on), the call can be cancelled by the
-    task's other call."""
+    task's other call. With a ``heartbeat`` (in workers), the call's lease and
+    its task's deadline are renewed while it runs, from its start to its write."""
     core, engine, settings = services.core, services.engine, services.settings
     slot = Slot(core, msg.admission_id)
     finish = slot.free
 
+    def beating() -> contextlib.AbstractContextManager[None]:
+        return heartbeat.running(msg.admission_id, hedge=msg.hedge) if heartbeat is not None else contextlib.nullcontext()
+
     if msg.hedge:
         try:
-            return _solve_hedge(services, backend, msg, slot, listener)
+            return _solve_hedge(services, backend, msg, slot, listener, beating)
         finally:
             finish()
 
     try:
         ctx = with_db_retry(lambda: store.start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds))
         if ctx is None:
+            if with_db_retry(lambda: store.is_running_elsewhere(engine, msg.task_id, msg.admission_id)):
+                slot.disown()  # a redelivered copy: the slot is the live call's, not this message's
+                return "running_elsewhere"
             return "stale"
-        renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
-        if not isinstance(renewed, Admitted):
-            with_db_retry(
-                lambda: store.back_to_pending(
-                    engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
-                )
-            )
-            return "no_room"
-        attempt = ctx.attempts
-        if renewed.start_delay_ms > 0:  # the RPM start gate: the provider paces call starts
-            time.sleep(renewed.start_delay_ms / 1000)
-        try:
-            completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
-        except Cancelled:
-            return "cancelled"  # the task's hedge answered it
-        except RateLimited as exc:
-            pause_for(core, msg.model, exc)
-            finish()
-            error = str(exc)
-            if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
-                reason = f"rate limited {MAX_RATE_LIMITED} times: {error}"
-                with_db_retry(
-                    lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason, uncount_attempt=True)
-                )
-                return "failed"
-            with_db_retry(  # a 429 is the quota's doing, not the task's: it does not use up an attempt
-                lambda: store.back_to_pending(
-                    engine, msg.task_id, msg.admission_id, error=error, rate_limited=True, uncount_attempt=True
-                )
-            )
-            return "rate_limited"
-        except Permanent as exc:
-            finish()
-            core.count(msg.model, "failed")
-            error = str(exc)
-            with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
-            return "failed"
-        except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
-            finish()
-            core.count(msg.model, "transient")
-            error = str(exc)
-            if not isinstance(exc, Transient):
-                log.exception("unexpected error calling %s for task %d", msg.model, msg.task_id)
-                error = f"unexpected {type(exc).__name__}: {error}"
-            if attempt >= settings.max_attempts:
-                reason = f"after {attempt} attempts: {error}"
-                with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason))
-                return "failed"
-            with_db_retry(
-                lambda: store.back_to_pending(
-                    engine, msg.task_id, msg.admission_id, error=error, delay_seconds=backoff_seconds(attempt),
-                    avoid_model=msg.model,
-                )
-            )
-            return "retry"
-        # The provider's slot is free the moment it answered, so ours is freed now,
-        # before the write: the write needs no slot, and keeps its retry and its
-        # exactly-once guard. The next call can be on the wire while this one is stored.
-        finish(answered(completion, ctx, latency_ms))
-        written = with_db_retry(
-            lambda: store.mark_solved(
-                engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens, completion.completion_tokens
-            )
-        )
-        return _won("solved", services, written)
+        with beating():
+            return _call_and_write(services, backend, msg, ctx, slot, listener)
     finally:
         finish()  # every path frees the slot, even an unexpected exception
+
+
+def _call_and_write(
+    services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
+    listener: CancelListener | None,
+) -> str:
+    """The first call of a started task: renew the slot, call, settle, write."""
+    core, engine, settings = services.core, services.engine, services.settings
+    finish = slot.free
+    renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+    if not isinstance(renewed, Admitted):
+        with_db_retry(
+            lambda: store.back_to_pending(
+                engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
+            )
+        )
+        return "no_room"
+    attempt = ctx.attempts
+    if renewed.start_delay_ms > 0:  # the RPM start gate: the provider paces call starts
+        time.sleep(renewed.start_delay_ms / 1000)
+    try:
+        completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
+    except Cancelled:
+        return "cancelled"  # the task's hedge answered it
+    except RateLimited as exc:
+        pause_for(core, msg.model, exc)
+        finish()
+        error = str(exc)
+        if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
+            reason = f"rate limited {MAX_RATE_LIMITED} times: {error}"
+            with_db_retry(
+                lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason, uncount_attempt=True)
+            )
+            return "failed"
+        with_db_retry(  # a 429 is the quota's doing, not the task's: it does not use up an attempt
+            lambda: store.back_to_pending(
+                engine, msg.task_id, msg.admission_id, error=error, rate_limited=True, uncount_attempt=True
+            )
+        )
+        return "rate_limited"
+    except Permanent as exc:
+        finish()
+        core.count(msg.model, "failed")
+        error = str(exc)
+        with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
+        return "failed"
+    except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
+        finish()
+        core.count(msg.model, "transient")
+        error = str(exc)
+        if not isinstance(exc, Transient):
+            log.exception("unexpected error calling %s for task %d", msg.model, msg.task_id)
+            error = f"unexpected {type(exc).__name__}: {error}"
+        if attempt >= settings.max_attempts:
+            reason = f"after {attempt} attempts: {error}"
+            with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason))
+            return "failed"
+        with_db_retry(
+            lambda: store.back_to_pending(
+                engine, msg.task_id, msg.admission_id, error=error, delay_seconds=backoff_seconds(attempt),
+                avoid_model=msg.model,
+            )
+        )
+        return "retry"
+    # The provider's slot is free the moment it answered, so ours is freed now,
+    # before the write: the write needs no slot, and keeps its retry and its
+    # exactly-once guard. The next call can be on the wire while this one is stored.
+    finish(answered(completion, ctx, latency_ms))
+    written = with_db_retry(
+        lambda: store.mark_solved(
+            engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens, completion.completion_tokens
+        )
+    )
+    return _won("solved", services, written)
 
 
 
@@ -283,13 +310,22 @@ def answered(completion: Completion, ctx: store.SolveContext, latency_ms: int) -
 
 
 def _solve_hedge(
-    services: Services, backend: Backend, msg: SolveMessage, slot: Slot, listener: CancelListener | None
+    services: Services, backend: Backend, msg: SolveMessage, slot: Slot, listener: CancelListener | None,
+    beating: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> str:
     """One hedge call: write its answer if it comes first; otherwise only free its slot."""
-    core, engine = services.core, services.engine
-    ctx = with_db_retry(lambda: store.start_hedge(engine, msg.task_id, msg.admission_id))
+    ctx = with_db_retry(lambda: store.start_hedge(services.engine, msg.task_id, msg.admission_id))
     if ctx is None:
         return "stale"  # the first call answered before the hedge started
+    with beating():
+        return _hedge_call(services, backend, msg, ctx, slot, listener)
+
+
+def _hedge_call(
+    services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
+    listener: CancelListener | None,
+) -> str:
+    core, engine = services.core, services.engine
     renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
     if not isinstance(renewed, Admitted):
         with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))

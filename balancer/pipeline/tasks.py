@@ -65,7 +65,7 @@ def dispatch_task() -> dict:
 @app.task(name="balancer.solve")
 def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int, hedge: bool = False) -> str:
     msg = SolveMessage(task_id, admission_id, model, estimated_tokens, hedge)
-    outcome = solve(runtime.services(), runtime.backend(), msg, runtime.cancel_listener())
+    outcome = solve(runtime.services(), runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat())
     trigger_dispatch()  # a slot just freed: refill it now, not at the next tick
     return outcome
 

@@ -223,13 +223,18 @@ def _hedge_guard(task_id: int, hedge_admission_id: str):  # noqa: ANN202
 def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: int) -> SolveContext | None:
     """Mark the task running and read what the call needs, in one statement.
 
-    None if the message is stale: the task was solved, failed, or dispatched
-    again under another admission since this message was sent.
+    None if the message is stale (the task was solved, failed, or dispatched
+    again under another admission since this message was sent), or if its
+    call is running in a live worker: ``running`` with a deadline its
+    heartbeat keeps in the future. A redelivered or duplicated message
+    must not start a second call; once the deadline has passed (the worker
+    is gone), a redelivered message takes the call over.
     """
+    startable = sa.or_(tasks.c.status == "queued", sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now()))
     with engine.begin() as conn:
         row = conn.execute(
             sa.update(tasks)
-            .where(_guard(task_id, admission_id))
+            .where(tasks.c.id == task_id, tasks.c.admission_id == admission_id, startable)
             .values(
                 status="running",
                 started_at=sa.func.now(),
@@ -240,6 +245,32 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
             .returning(*_context_columns(tasks.c.model))
         ).first()
     return SolveContext(*row) if row else None
+
+
+def is_running_elsewhere(engine: Engine, task_id: int, admission_id: str) -> bool:
+    """Whether the task's call under ``admission_id`` is running with a live deadline
+    (what :func:`start_solve` refuses a second call for)."""
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.select(tasks.c.id).where(
+                tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status == "running",
+                tasks.c.deadline >= sa.func.now(),
+            )
+        ).first() is not None
+
+
+def extend_deadlines(engine: Engine, admission_ids: Sequence[str], lease_seconds: int) -> int:
+    """Push the deadline of the running tasks under ``admission_ids`` one lease from now
+    (a worker's heartbeat); returns how many were extended."""
+    if not admission_ids:
+        return 0
+    with engine.begin() as conn:
+        result = conn.execute(
+            sa.update(tasks)
+            .where(tasks.c.admission_id.in_(list(admission_ids)), tasks.c.status == "running")
+            .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds))
+        )
+    return result.rowcount
 
 
 def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveContext | None:
