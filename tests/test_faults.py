@@ -6,6 +6,7 @@ the rows they record become docs/reliability.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import sqlalchemy as sa
 
 from balancer.pipeline.dispatcher import dispatch
@@ -305,3 +307,66 @@ def test_postgres_restart_mid_run(pipeline, tmp_path: Path, monkeypatch: pytest.
 
         dispose_engines()
         server.cleanup()
+
+
+def redis_connections_of(client: redis.Redis, pgid: int) -> list[int]:
+    """CLIENT LIST ids of the connections held by the processes of one process
+    group (a worker the test started: its own session), found through /proc."""
+    inodes: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) != pgid:
+                continue
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except (OSError, ProcessLookupError):
+            continue  # gone meanwhile, or not ours to read
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return [int(c["id"]) for c in client.client_list() if int(c["addr"].rsplit(":", 1)[1]) in ports]
+
+
+def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipeline, reliability) -> None:
+    """Default timings. kombu restores the worker's unacked messages the moment its
+    broker connection drops; those copies reach workers while the first calls
+    still run. None may start a second call (0 429s, one answered call per task)."""
+    p = pipeline(time_scale=0.02).start()
+    set_faults(p, hang={"*": 2.0})  # every call takes 2 s: the drop lands mid-call
+    ids = p.submit(prompt_lines(40, [m.name for m in p.models], pinned_every=0))
+    deadline = time.monotonic() + 30
+    while sum(sim_stats(p)["in_flight"].values()) < 10:
+        assert time.monotonic() < deadline, "calls never got going"
+        time.sleep(0.1)
+    worker = next(c for c in p.supervisor.children if c.name == "worker-0")
+    running = sum(sim_stats(p)["in_flight"].values())
+    dropped = redis_connections_of(p.services.redis, worker.process.pid)
+    assert dropped, "found none of the worker's Redis connections"
+    for client_id in dropped:
+        p.services.redis.execute_command("CLIENT", "KILL", "ID", client_id)
+    dropped_at = time.monotonic()
+    set_faults(p)
+    result = finish_and_check(p, len(ids))
+    log = p.sim_log()
+    answered = sum(1 for e in log if e["status"] == 200)
+    rate_limited = sum(1 for e in log if e["status"] == 429)
+    assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
+    assert double_writes(p.services.engine) == 0
+    assert answered == len(ids)  # one call per task: no redelivered copy called again
+    assert rate_limited == 0
+    assert p.violations() == []
+    reliability({
+        "fault": "a worker's Redis connections dropped mid-call (`CLIENT KILL ID`), default timings",
+        "injected": f"{len(dropped)} connections of the worker killed with {running} calls running (each hangs 2 s)",
+        "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
+        "repeated_calls": answered - len(ids), "bound": "0: a copy of a running call's message starts no call",
+        "recovery_s": round(time.monotonic() - dropped_at, 1),
+    })
