@@ -92,8 +92,12 @@ def pipeline(tmp_path: Path):
         p.stop()
 
 
-def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliability) -> None:
-    p = pipeline(time_scale=0.02, extra_env=FAST_TIMING).start()
+@pytest.mark.parametrize("timing", ["short", "default"])
+def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliability, timing: str) -> None:
+    """With the default timings (30 s lease, 10 s reconcile tick, 900 s visibility)
+    the dead worker's tasks come back when their heartbeat-less deadline passes,
+    and are solved by the new worker within 60 s of the kill."""
+    p = pipeline(time_scale=0.02, extra_env=FAST_TIMING if timing == "short" else {}).start()
     set_faults(p, hang={"*": 2.0})  # every call takes 2 s, so we can kill mid-call
     ids = p.submit(prompt_lines(40, [m.name for m in p.models], pinned_every=0))
     deadline = time.monotonic() + 30
@@ -119,8 +123,11 @@ def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliabi
     assert 0 <= repeated <= in_flight_at_kill  # only calls cut off by the kill were made again
     assert p.violations() == []  # concurrency never above any cap, even across the redelivery
     assert all(n == 0 for n in result["in_flight"].values())  # every slot freed (lease expiry + release)
+    if timing == "default":
+        assert recovery < 60, f"the dead worker's tasks took {recovery:.0f} s to be solved"
     reliability({
-        "fault": "worker `kill -9` mid-call", "injected": "SIGKILL to the worker process group while every call hangs 2 s",
+        "fault": "worker `kill -9` mid-call" + (", default timings" if timing == "default" else " (8 s lease, 10 s visibility)"),
+        "injected": "SIGKILL to the worker process group while every call hangs 2 s",
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": repeated, "bound": f"≤ calls in flight at the kill ({in_flight_at_kill})",
         "recovery_s": round(recovery, 1),

@@ -476,6 +476,8 @@ def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkey
         while svc.core.live()["m"].in_flight and time.monotonic() < deadline:
             time.sleep(0.1)
         assert svc.core.live()["m"].in_flight == 0  # no heartbeat: the lease ran out
+        assert store.overdue_count(svc.engine) == 1  # what `balancer status` reports meanwhile
         assert store.return_expired(svc.engine) == 1  # and the task goes back to pending
+        assert store.overdue_count(svc.engine) == 0
     finally:
         heartbeat.close()

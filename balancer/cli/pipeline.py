@@ -257,13 +257,19 @@ def status(as_json: bool) -> None:
     from rich.console import Console
 
     from balancer.pipeline.summary import read
+    from balancer.storage.tasks import overdue_count
 
-    counts, rows, _, eta = read(_migrated())
+    svc = _migrated()
+    counts, rows, _, eta = read(svc)
+    overdue = overdue_count(svc.engine)
     if as_json:
-        click.echo(json.dumps({**counts, "eta_s": None if eta is None else round(eta, 1),
+        click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                "models": [r.as_dict() for r in rows]}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    if overdue:
+        click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
+                   "the reconcile tick returns them to pending")
     if rows:
         Console(width=max(Console().width, 120)).print(_model_table(rows))
 

@@ -429,6 +429,15 @@ def status_counts(engine: Engine) -> dict[str, int]:
     return counts
 
 
+def overdue_count(engine: Engine) -> int:
+    """Queued or running tasks past their deadline: no heartbeat renewed them (their
+    worker is gone) and the reconcile tick has not returned them to pending yet."""
+    with engine.connect() as conn:
+        return int(conn.execute(
+            sa.select(sa.func.count()).where(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+        ).scalar_one())
+
+
 @dataclass(frozen=True)
 class Straggler:
     """A running call that a hedge might overtake."""
