@@ -258,3 +258,32 @@ def test_the_router_refuses_to_serve_beyond_loopback_without_a_token(migrated: d
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "error: BALANCER_ROUTER_TOKEN must be set to serve the router beyond loopback (--host 0.0.0.0)"]
+
+
+def test_the_token_never_reaches_the_logs(migrated: dict[str, str], tmp_path) -> None:  # noqa: ANN001
+    """`balancer router --access-log` with a token: right and wrong tokens go by,
+    a 401 and a 200 are logged, and neither token appears in the output."""
+    import os
+
+    from balancer.devtools.embedded import free_port
+    from balancer.devtools.supervisor import wait_for_http
+
+    port = free_port()
+    log = tmp_path / "router.log"
+    with log.open("wb") as out:
+        child = subprocess.Popen([sys.executable, "-m", "balancer", "router", "--port", str(port), "--access-log"],
+                                 env={**os.environ, "BALANCER_ROUTER_TOKEN": TOKEN}, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_http(f"{url}/healthz")
+        wrong = "Bearer wrong-" + TOKEN[::-1]
+        assert httpx.post(f"{url}/schedule", json={"estimated_tokens": 10}, headers={"Authorization": wrong}).status_code == 401
+        ok = httpx.get(f"{url}/advice", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200
+    finally:
+        child.terminate()
+        child.wait(timeout=10)
+    text = log.read_text()
+    assert "/advice" in text and "401" in text  # the access log did log the requests
+    assert TOKEN not in text and TOKEN[::-1] not in text

@@ -208,7 +208,8 @@ def router(host: str, port: int, access_log: bool) -> None:
     app = create_app(core, lease_ms=core.lease_ms, token=token)
     click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
                f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
-    uvicorn.run(asgi(app), host=host, port=port, log_level="warning", access_log=access_log, backlog=4096)
+    uvicorn.run(asgi(app), host=host, port=port, log_level="info" if access_log else "warning", access_log=access_log,
+                backlog=4096)
 
 
 def eta_text(eta: float | None) -> str:
