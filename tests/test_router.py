@@ -219,7 +219,7 @@ bodies = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=75, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(["/schedule", "/complete", "/heartbeat"]), body=bodies)
 def test_fuzzed_bodies_get_no_5xx_and_every_4xx_says_why(url: str, path: str, body: object) -> None:
     reply = httpx.post(f"{url}{path}", content=json.dumps(body).encode())

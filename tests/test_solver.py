@@ -451,7 +451,7 @@ def test_a_redelivered_copy_of_a_running_call_does_not_call_again(svc: Services,
 
 
 def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lease 3 s, heartbeat every 1 s: over three leases the slot stays held and
+    """Lease 2 s, heartbeat every 0.67 s: over three leases the slot stays held and
     the task is never returned by the reconcile; after the block it is no
     longer renewed and both expire."""
     import dataclasses
@@ -459,16 +459,16 @@ def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkey
     from balancer.pipeline.heartbeat import Heartbeat
     from balancer.storage import tasks as store
 
-    short = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, lease_seconds=3))
+    short = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, lease_seconds=2))
     a = dispatch_one(svc, {"prompt": "hello world", "model": "m", "max_tokens": 100})
-    assert store.start_solve(svc.engine, a.task_id, a.admission_id, 3) is not None
-    svc.core.renew(a.admission_id, a.model, a.estimated_tokens, lease_ms=3000)
+    assert store.start_solve(svc.engine, a.task_id, a.admission_id, 2) is not None
+    svc.core.renew(a.admission_id, a.model, a.estimated_tokens, lease_ms=2000)
     heartbeat = Heartbeat(short)
     try:
         with heartbeat.running(a.admission_id):
             assert heartbeat.beat() == (1, 1)  # one slot, one task deadline
             started = time.monotonic()
-            while time.monotonic() - started < 9:  # three leases
+            while time.monotonic() - started < 6:  # three leases
                 assert store.return_expired(svc.engine) == 0
                 assert svc.core.live()["m"].in_flight == 1
                 time.sleep(0.25)
