@@ -75,6 +75,18 @@ def finish_and_check(p: Pipeline, total: int, *, timeout: float = 120.0) -> dict
     return {"counts": counts, "ok_calls": ok_calls, "in_flight": in_flight}
 
 
+def start_hanging_calls(p: Pipeline) -> list[int]:
+    """Submit 40 tasks whose calls all hang 2 s, and return once 10 are on the wire,
+    so a fault injected next lands mid-call."""
+    set_faults(p, hang={"*": 2.0})
+    ids = p.submit(prompt_lines(40, [m.name for m in p.models], pinned_every=0))
+    deadline = time.monotonic() + 30
+    while sum(sim_stats(p)["in_flight"].values()) < 10:
+        assert time.monotonic() < deadline, "calls never got going"
+        time.sleep(0.1)
+    return ids
+
+
 @pytest.fixture
 def pipeline(tmp_path: Path):
     made: list[Pipeline] = []
@@ -98,12 +110,7 @@ def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliabi
     the dead worker's tasks come back when their heartbeat-less deadline passes,
     and are solved by the new worker within 60 s of the kill."""
     p = pipeline(time_scale=0.02, extra_env=FAST_TIMING if timing == "short" else {}).start()
-    set_faults(p, hang={"*": 2.0})  # every call takes 2 s, so we can kill mid-call
-    ids = p.submit(prompt_lines(40, [m.name for m in p.models], pinned_every=0))
-    deadline = time.monotonic() + 30
-    while sum(sim_stats(p)["in_flight"].values()) < 10:
-        assert time.monotonic() < deadline, "calls never got going"
-        time.sleep(0.1)
+    ids = start_hanging_calls(p)
     worker = next(c for c in p.supervisor.children if c.name == "worker-0")
     killed_at, killed_wall = time.monotonic(), time.time()
     p.supervisor.kill(worker, signal.SIGKILL)
@@ -347,12 +354,7 @@ def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipe
     broker connection drops; those copies reach workers while the first calls
     still run. None may start a second call (0 429s, one answered call per task)."""
     p = pipeline(time_scale=0.02).start()
-    set_faults(p, hang={"*": 2.0})  # every call takes 2 s: the drop lands mid-call
-    ids = p.submit(prompt_lines(40, [m.name for m in p.models], pinned_every=0))
-    deadline = time.monotonic() + 30
-    while sum(sim_stats(p)["in_flight"].values()) < 10:
-        assert time.monotonic() < deadline, "calls never got going"
-        time.sleep(0.1)
+    ids = start_hanging_calls(p)
     worker = next(c for c in p.supervisor.children if c.name == "worker-0")
     running = sum(sim_stats(p)["in_flight"].values())
     dropped = redis_connections_of(p.services.redis, worker.process.pid)
