@@ -13,6 +13,7 @@ COLUMNS = [
     ("double_written", "answers written twice"),
     ("repeated_calls", "backend calls repeated"),
     ("bound", "bound we guarantee"),
+    ("rate_limited", "429s"),
     ("recovery_s", "time to recover (s)"),
 ]
 

@@ -1,7 +1,8 @@
 """The Lua scripts and the Python reference make identical decisions.
 
 Hypothesis generates random sequences of admit batches, releases, renewals,
-reconciles, holds of cancelled calls, heartbeats, quota changes, removals, lease expiries, clock advances and
+reconciles, holds of cancelled calls, heartbeats, transient failures (the circuit breaker),
+quota changes, removals, lease expiries, clock advances and
 Redis data loss; ``Twin`` applies each to both and compares every result and
 the whole state after every step.
 """
@@ -64,6 +65,8 @@ operations = st.lists(
         st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000)),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
                   st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40)),
+        st.tuples(st.just("trip"), st.sampled_from(NAMES + ["nope"])),
+        st.tuples(st.just("trip"), st.sampled_from(NAMES)),
         st.tuples(st.just("advance"), st.integers(0, 70_000)),
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
         st.tuples(st.just("expire"),),
@@ -105,6 +108,8 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.heartbeat(issued[op[1] % len(issued)][0], op[2])
             elif kind == "penalize":
                 twin.penalize(op[1], op[2], op[3], op[4])
+            elif kind == "trip":
+                twin.trip(op[1])
             elif kind == "advance":
                 twin.advance(op[1])
             elif kind == "expire":

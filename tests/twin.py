@@ -40,7 +40,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
                 m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
                 m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["gen"], m["inflight"],
                 m["settle"], m["rburst"], m["paused"], m["tat"], m["ext"], m["synced_at"], m["ptokens"], m["prefilled_at"],
-                m["prior"], m["latency"],
+                m["prior"], m["latency"], m["fails"], m["probing"], m["backoff"],
             )
             for name, m in raw["models"].items()
         },
@@ -61,7 +61,7 @@ def canonical_ref(ref: ReferenceCore) -> dict:
                 s.tokens, s.requests, s.refilled_at, s.deficit, s.generation, ref._inflight(name),
                 int(s.quota.settles), s.quota.request_burst, s.paused_until, s.tat, s.external, s.synced_at,
                 s.started_tokens, s.started_refilled_at,
-                prior_ms(s.quota), ref.latency.get(name, {}),
+                prior_ms(s.quota), ref.latency.get(name, {}), s.failures, int(s.probing), s.backoff_ms,
             )
             for name, s in ref.models.items()
         },
@@ -147,6 +147,11 @@ class Twin:
         lua = self.core.penalize(model, retry_after_ms, remaining_tokens, remaining_requests)
         ref = self._ref(lambda: self.ref.penalize(model, max(1, retry_after_ms), self.now, remaining_tokens, remaining_requests))
         assert lua == ref
+        return lua
+
+    def trip(self, model: str) -> tuple[bool, bool]:
+        lua = self.core.trip(model)
+        assert lua == self._ref(lambda: self.ref.trip(model, self.now))
         return lua
 
     # Like QuotaStore: push to the live state first, "commit" to PostgreSQL after,

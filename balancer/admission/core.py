@@ -46,7 +46,7 @@ def _load_scripts() -> dict[str, str]:
     lib = keys.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
-        for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "set_quota", "remove_quota", "restore")
+        for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota", "restore")
     }
 
 
@@ -253,6 +253,12 @@ class AdmissionCore:
                 "" if remaining_tokens is None else remaining_tokens, "" if remaining_requests is None else remaining_requests]
         return self._run("penalize", args) == 1
 
+    def trip(self, model: str) -> tuple[bool, bool]:
+        """A transient failure on ``model``, for its circuit breaker (see trip.lua):
+        (whether it counts against the task's attempts, whether the circuit opened now)."""
+        counted, opened = self._run("trip", [self._now(), model])
+        return counted == 1, opened == 1
+
     def set_quota(self, quota: Quota) -> None:
         self._run_with_state("set_quota", lambda: [self._now(), *quota_args(quota)])
 
@@ -263,7 +269,8 @@ class AdmissionCore:
     def count(self, model: str, outcome: str) -> None:
         """Count a call outcome the scripts do not see (``transient``, ``failed``) for the metrics.
 
-        Answered calls and 429s are counted inside finish.lua and penalize.lua."""
+        Answered calls, 429s and transient failures are counted inside finish.lua,
+        penalize.lua and trip.lua."""
         self.redis.hincrby(keys.stats(self.namespace, model), outcome, 1)
 
     # -- reading (no state changes, so no Lua needed) ---------------------------

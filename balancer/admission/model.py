@@ -23,7 +23,9 @@ given, which the dispatcher makes priority-then-age):
    never run: **rejected**, with the reason.
 3. *Eligible* models are enabled, fit the estimate, are not held (step 5), and
    have a free slot, enough tokens and (if RPM is set) a request, and are not
-   paused by a 429 (``penalize``). A candidate may name a model to *avoid*
+   paused by a 429 (``penalize``) or an open circuit (``trip``): a model whose
+   circuit is open takes one call at a time once its pause ends, a probe.
+   A candidate may name a model to *avoid*
    (its last call there failed transiently): that model is passed over when
    another model is eligible.
 4. WDRR. Each model has a quantum of ``weight * base_quantum`` tokens. If no
@@ -55,6 +57,9 @@ from balancer.domain.quota import Quota
 
 #: Bucket units per token (and per request): refill per ms == per-minute rate.
 UNITS = 60_000
+#: The circuit breaker (trip.lua): consecutive transient failures that open a
+#: model's circuit, its first pause, and the longest pause a failed probe doubles to.
+CIRCUIT_FAILURES, CIRCUIT_BASE_MS, CIRCUIT_MAX_MS = 3, 2_000, 30_000
 
 
 class NoState(Exception):
@@ -138,6 +143,9 @@ class ModelState:
     tat: int = 0  # ms: the start gate's theoretical arrival time of the next call start
     external: int = 0  # tokens per minute others use of this quota, learned from headers
     synced_at: int = 0  # ms of the last x-ratelimit-remaining-tokens sync
+    failures: int = 0  # consecutive transient failures (the circuit breaker)
+    probing: bool = False  # the circuit is open: paused, then one call at a time until one is answered
+    backoff_ms: int = 0  # the circuit's last pause
     #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
     started_tokens: int = field(init=False)
     started_refilled_at: int = field(init=False)
@@ -268,12 +276,17 @@ class ReferenceCore:
         if quota.max_requests_per_minute:
             state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
 
+    def _slot_cap(self, name: str) -> int:
+        """The concurrency cap, or 1 while the circuit is open (a probe at a time)."""
+        state = self.models[name]
+        return 1 if state.probing else state.quota.max_concurrent_requests
+
     def _has_capacity(self, name: str, est: int, now: int) -> bool:
         state = self.models[name]
         quota = state.quota
         return (
             state.paused_until <= now
-            and len(self._inflight(name)) < quota.max_concurrent_requests
+            and len(self._inflight(name)) < self._slot_cap(name)
             and state.tokens >= tokens_needed(quota, est)
             and (not quota.max_requests_per_minute or state.requests >= UNITS)
         )
@@ -290,9 +303,9 @@ class ReferenceCore:
         if quota.max_requests_per_minute and state.requests < UNITS:
             request_wait = ceil_div(UNITS - state.requests, quota.max_requests_per_minute)
         slot_wait = 0
-        inflight = self._inflight(name)
-        if len(inflight) >= quota.max_concurrent_requests:
-            slot_wait = inflight[len(inflight) - quota.max_concurrent_requests][0] - now
+        inflight, cap = self._inflight(name), self._slot_cap(name)
+        if len(inflight) >= cap:
+            slot_wait = inflight[len(inflight) - cap][0] - now
         return max(token_wait, request_wait, slot_wait, state.paused_until - now)
 
     @staticmethod
@@ -473,6 +486,8 @@ class ReferenceCore:
         settled = self._settle(admission_id, settlement, now)
         lease = self.leases.get(admission_id)
         if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
+            state = self.models[lease.model]
+            state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
             completion = settlement.completion_tokens or 0
             latency.record(
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
@@ -592,6 +607,36 @@ class ReferenceCore:
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
         return started
 
+    def trip(self, model: str, now: int) -> tuple[bool, bool]:
+        """A transient failure (5xx, timeout, refused connection) on ``model``:
+        what ``trip.lua`` does. Returns (counted, opened).
+
+        After ``CIRCUIT_FAILURES`` in a row (an answered call resets the count)
+        the circuit opens: the model pauses ``CIRCUIT_BASE_MS``, then takes one
+        call at a time, a probe. A failed probe pauses it twice as long (up to
+        ``CIRCUIT_MAX_MS``); an answered one closes the circuit. So a backend
+        outage pauses the model instead of burning every task's attempts: only
+        failures while the circuit is closed, and that do not open it, are
+        *counted* against the task. Failures during a running pause (calls in
+        flight when it opened) do not lengthen it.
+        """
+        state = self.models.get(model)
+        if state is None:
+            return True, False
+        self._refill(model, now)
+        if state.probing:
+            if state.paused_until > now:
+                return False, False
+            state.backoff_ms = min(state.backoff_ms * 2, CIRCUIT_MAX_MS)
+            state.paused_until = now + state.backoff_ms
+            return False, True
+        state.failures += 1
+        if state.failures < CIRCUIT_FAILURES:
+            return True, False
+        state.failures, state.probing, state.backoff_ms = 0, True, CIRCUIT_BASE_MS
+        state.paused_until = max(state.paused_until, now + CIRCUIT_BASE_MS)
+        return False, True
+
     def set_quota(self, quota: Quota, now: int) -> None:
         """Create or change a model. Applies to the very next admission."""
         self._require_state()
@@ -620,8 +665,7 @@ class ReferenceCore:
         if self.models.pop(name, None) is None:
             return False
         self.latency.pop(name, None)
-        for lid in [lid for lid, lease in self.leases.items() if lease.model == name]:
-            del self.leases[lid]
+        # Its leases stay: their calls still run at the provider, and count again if the model comes back.
         return True
 
     def restore(self, quotas: Sequence[Quota], leases: Sequence[LeaseSeed], now: int) -> bool:

@@ -26,6 +26,11 @@ transient             5xx, timeout, refused connection, malformed reply, or any
                       pending with exponential back-off, preferring another
                       allowed model for the retry; ``failed`` after
                       ``max_attempts`` calls
+circuit_open          a transient failure that opens the model's circuit, or
+                      comes while it is open (see trip.lua): an outage of the
+                      backend, not the task's fault. Back to pending with no
+                      attempt used and no back-off; the model is paused and
+                      probed one call at a time until it answers again
 permanent             4xx: ``failed`` with the error
 ====================  ==========================================================
 
@@ -233,11 +238,18 @@ def _call_and_write(
         return "failed"
     except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
         finish()
-        core.count(msg.model, "transient")
         error = str(exc)
         if not isinstance(exc, Transient):
             log.exception("unexpected error calling %s for task %d", msg.model, msg.task_id)
+            core.count(msg.model, "transient")
             error = f"unexpected {type(exc).__name__}: {error}"
+        elif not trip(core, msg.model, error):
+            with_db_retry(  # the backend's failure, not the task's: no attempt used, no back-off
+                lambda: store.back_to_pending(
+                    engine, msg.task_id, msg.admission_id, error=error, uncount_attempt=True, avoid_model=msg.model,
+                )
+            )
+            return "circuit_open"
         if attempt >= settings.max_attempts:
             reason = f"after {attempt} attempts: {error}"
             with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason))
@@ -260,6 +272,15 @@ def _call_and_write(
     )
     return _won("solved", services, written)
 
+
+
+def trip(core: AdmissionCore, model: str, error: str) -> bool:
+    """Tell the model's circuit breaker about a transient failure; True if it
+    counts against the task (the circuit was closed and stays closed)."""
+    counted, opened = core.trip(model)
+    if opened:
+        log.warning("%s: circuit open after repeated transient failures (%s); pausing it, then probing", model, error)
+    return counted
 
 
 def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
@@ -339,8 +360,10 @@ def _hedge_call(
     except (RateLimited, Transient, Permanent) as exc:
         if isinstance(exc, RateLimited):
             pause_for(core, msg.model, exc)
+        elif isinstance(exc, Transient):
+            trip(core, msg.model, str(exc))
         else:
-            core.count(msg.model, "failed" if isinstance(exc, Permanent) else "transient")
+            core.count(msg.model, "failed")
         slot.free()
         with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
         return "hedge_failed"

@@ -19,6 +19,7 @@
 -- learns the rate others use of the quota).
 -- Latency: an answered call adds its latency and tokens to the model's sketch,
 -- and to its counters (solved, latency bucket, tokens: see count in lib.lua).
+-- Circuit: an answered call closes its model's circuit (see trip.lua).
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
 -- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
 -- already released). Releasing is idempotent.
@@ -45,6 +46,7 @@ if m then
     settled = 1
   end
   sync_to_headers(m, now, ARGV[5], ARGV[6])
+  if ARGV[8] ~= '' then m.fails, m.probing, m.backoff = 0, 0, 0 end
   save_model(m)
   if ARGV[8] ~= '' then
     record_latency(lease.m, tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]))

@@ -20,6 +20,8 @@
 --                                 synced_at (ms of the last x-ratelimit-remaining-tokens sync)
 --                                 ptokens prefilled_at (the token bucket as call starts see it: the token gate)
 --                                 prior (the latency prior's median in ms; 0: the global default)
+--                                 fails (consecutive transient failures) probing (1: the circuit is
+--                                 open, one call at a time) backoff (ms of the circuit's last pause)
 --   <tag>:inflight:<name>  zset   admission id -> lease deadline (ms)
 --   <tag>:latency:<name>   hash   the latency sketch: b<i> (decayed count of calls in bucket i),
 --                                 ms, pt, ct (decayed sums of latency, prompt and completion tokens)
@@ -68,7 +70,7 @@ end
 
 local FIELDS = {'weight', 'cap', 'tpm', 'rpm', 'burst', 'enabled',
                 'tokens', 'requests', 'refilled_at', 'deficit', 'gen', 'settle', 'rburst', 'paused', 'tat',
-                'ext', 'synced_at', 'ptokens', 'prefilled_at', 'prior'}
+                'ext', 'synced_at', 'ptokens', 'prefilled_at', 'prior', 'fails', 'probing', 'backoff'}
 
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
@@ -86,6 +88,9 @@ local function load_model(name)
   m.ptokens = m.ptokens or m.tokens
   m.prefilled_at = m.prefilled_at or m.refilled_at
   m.prior = m.prior or 0
+  m.fails = m.fails or 0
+  m.probing = m.probing or 0
+  m.backoff = m.backoff or 0
   return m
 end
 
@@ -96,7 +101,8 @@ local function save_model(m)
     'requests', fmt(m.requests), 'refilled_at', fmt(m.refilled_at), 'deficit', fmt(m.deficit),
     'gen', fmt(m.gen), 'settle', fmt(m.settle), 'rburst', fmt(m.rburst), 'paused', fmt(m.paused),
     'tat', fmt(m.tat), 'ext', fmt(m.ext), 'synced_at', fmt(m.synced_at),
-    'ptokens', fmt(m.ptokens), 'prefilled_at', fmt(m.prefilled_at), 'prior', fmt(m.prior))
+    'ptokens', fmt(m.ptokens), 'prefilled_at', fmt(m.prefilled_at), 'prior', fmt(m.prior),
+    'fails', fmt(m.fails), 'probing', fmt(m.probing), 'backoff', fmt(m.backoff))
 end
 
 -- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
@@ -146,10 +152,17 @@ local function purge(m, now)
   if #expired > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now)) end
 end
 
+-- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
+-- then probed with one call at a time until a call is answered.
+local function slot_cap(m)
+  if m.probing == 1 then return 1 end
+  return m.cap
+end
+
 -- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
 local function has_capacity(m, est, now)
   return m.paused <= now
-     and redis.call('ZCARD', inflight_key(m.name)) < m.cap
+     and redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m)
      and m.tokens >= tokens_needed(m, est)
      and (m.rpm == 0 or m.requests >= UNITS)
 end
@@ -163,9 +176,9 @@ local function wait_ms(m, est, now)
     w = math.max(w, math.ceil((UNITS - m.requests) / m.rpm))
   end
   local key = inflight_key(m.name)
-  local n = redis.call('ZCARD', key)
-  if n >= m.cap then
-    local r = redis.call('ZRANGE', key, n - m.cap, n - m.cap, 'WITHSCORES')
+  local n, cap = redis.call('ZCARD', key), slot_cap(m)
+  if n >= cap then
+    local r = redis.call('ZRANGE', key, n - cap, n - cap, 'WITHSCORES')
     w = math.max(w, tonumber(r[2]) - now)
   end
   return w

@@ -24,7 +24,8 @@ for _ = 1, q do
              tpm = tonumber(ARGV[i + 3]), rpm = tonumber(ARGV[i + 4]), burst = tonumber(ARGV[i + 5]),
              enabled = tonumber(ARGV[i + 6]), settle = tonumber(ARGV[i + 7]), rburst = tonumber(ARGV[i + 8]),
              tokens = 0, requests = 0, refilled_at = now, deficit = 0, gen = 0, paused = 0, tat = 0,
-             ext = 0, synced_at = 0, ptokens = 0, prefilled_at = now, prior = tonumber(ARGV[i + 9])}
+             ext = 0, synced_at = 0, ptokens = 0, prefilled_at = now, prior = tonumber(ARGV[i + 9]),
+             fails = 0, probing = 0, backoff = 0}
   save_model(m)
   redis.call('ZADD', MODELS, 0, m.name)
   i = i + 10

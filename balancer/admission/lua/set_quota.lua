@@ -9,7 +9,8 @@
 -- refilled at its old rates up to now, then its buckets and deficit are
 -- clipped to the new capacities, and a change of rate or size starts a new
 -- quota generation so that in-flight calls charged under the old quota do not
--- credit the new bucket when they finish. A running 429 pause is kept.
+-- credit the new bucket when they finish. A running 429 pause is kept, and so
+-- is the circuit breaker's state.
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
@@ -21,7 +22,7 @@ local weight, cap, tpm, rpm, burst, enabled, settle, rburst =
 local created = not m
 if created then
   m = {name = name, refilled_at = now, deficit = 0, gen = 0, paused = 0, tat = 0, ext = 0, synced_at = 0,
-       prefilled_at = now}
+       prefilled_at = now, fails = 0, probing = 0, backoff = 0}
   redis.call('ZADD', MODELS, 0, name)
 else
   refill(m, now)  -- at the old rates, up to now
