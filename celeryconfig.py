@@ -66,7 +66,7 @@ def from_settings(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": False,
         "beat_schedule": {
             "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "options": {"expires": 10}},
-            "reconcile": {"task": "balancer.reconcile", "schedule": settings.reconcile_tick, "options": {"expires": 60}},
+            "sweep": {"task": "balancer.sweep", "schedule": settings.sweep_tick, "options": {"expires": 60}},
             "ingest": {"task": "balancer.ingest", "schedule": settings.ingest_tick, "options": {"expires": 60}},
         },
     }

@@ -41,7 +41,7 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_MAX_ATTEMPTS": "backend attempts before a task is marked failed",
     "BALANCER_EXPECTED_OUTPUT_TOKENS": "output tokens assumed when estimating a prompt",
     "BALANCER_DISPATCH_TICK": "seconds between periodic dispatch ticks (completions also trigger dispatch)",
-    "BALANCER_RECONCILE_TICK": "seconds between reconcile ticks",
+    "BALANCER_SWEEP_TICK": "seconds between sweep ticks (return tasks past their deadline, repair quota drift)",
     "BALANCER_INGEST_TICK": "seconds between inbox polls",
     "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
     "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
@@ -229,7 +229,7 @@ class Settings:
     #: Hedges per task at most.
     max_hedges: int = 1
     dispatch_tick: float = 1.0
-    reconcile_tick: float = 10.0
+    sweep_tick: float = 10.0
     ingest_tick: float = 5.0
     router_token: str | None = field(default=None, repr=False)
     router_lease_seconds: float = 30.0
@@ -311,7 +311,7 @@ class Settings:
             hedge_budget=_share("BALANCER_HEDGE_BUDGET", 0.05),
             max_hedges=_int("BALANCER_MAX_HEDGES", 1, minimum=0),
             dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),
-            reconcile_tick=_seconds("BALANCER_RECONCILE_TICK", 10.0, 0.1, 86_400),
+            sweep_tick=_seconds("BALANCER_SWEEP_TICK", 10.0, 0.1, 86_400),
             ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
             router_token=env.get("BALANCER_ROUTER_TOKEN") or None,
             router_lease_seconds=_seconds("BALANCER_ROUTER_LEASE_SECONDS", 30.0, 1, 86_400),

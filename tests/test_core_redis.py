@@ -65,3 +65,17 @@ def test_two_deployments_share_one_redis(redis_client: redis.Redis) -> None:
     finally:
         delete_keys(redis_client, one)
         delete_keys(redis_client, two)
+
+
+def test_restored_leases_are_placed_on_the_redis_clock(redis_client: redis.Redis, namespace: str) -> None:
+    """PostgreSQL's clock may be far from Redis's: a restored lease keeps its time
+    left, counted from Redis TIME, not PostgreSQL's instant."""
+    from balancer.admission.model import LeaseSeed
+
+    core = AdmissionCore(redis_client, namespace, lease_ms=60_000)
+    assert core.restore([Quota("a", 2, 60_000)], [LeaseSeed("old-1", "a", 10, remaining_ms=7_000)])
+    seconds, micros = redis_client.time()
+    redis_now = seconds * 1000 + micros // 1000
+    deadline = redis_client.zscore(keys_module.inflight(namespace, "a"), "old-1")
+    assert deadline is not None and abs(deadline - (redis_now + 7_000)) < 1_000
+    assert core.live()["a"].in_flight == 1  # still counted against the cap

@@ -34,7 +34,7 @@ FAST_TIMING = {
     "BALANCER_WRITE_GRACE": "2",
     "BALANCER_LEASE_SECONDS": "8",
     "BALANCER_VISIBILITY_TIMEOUT": "10",
-    "BALANCER_RECONCILE_TICK": "1",
+    "BALANCER_SWEEP_TICK": "1",
 }
 
 
@@ -107,7 +107,7 @@ def pipeline(tmp_path: Path):
 
 @pytest.mark.parametrize("timing", ["short", "default"])
 def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliability, timing: str) -> None:
-    """With the default timings (30 s lease, 10 s reconcile tick, 900 s visibility)
+    """With the default timings (30 s lease, 10 s sweep tick, 900 s visibility)
     the dead worker's tasks come back when their heartbeat-less deadline passes,
     and are solved by the new worker within 60 s of the kill."""
     p = pipeline(time_scale=0.02, extra_env=FAST_TIMING if timing == "short" else {}).start()
@@ -165,7 +165,7 @@ def test_dispatcher_dying_between_admit_and_publish(migrated, monkeypatch: pytes
     assert live.in_flight == 3 and live.tokens_available < 400  # 3 x 900 admitted and charged, never published
     started = time.monotonic()
     time.sleep(2.2)  # past the 1 s lease and the tasks' deadline
-    assert return_expired(svc.engine) == 3  # the reconcile tick returns the tasks
+    assert return_expired(svc.engine) == 3  # the sweep tick returns the tasks
     sent: list = []
     dispatch(svc, sent.extend)
     # All three fit again only because the expired, never-started leases gave

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement
 from balancer.cli import main
@@ -16,6 +17,7 @@ from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.quotas import QuotaStore
+from balancer.storage.schema import tasks
 
 pytestmark = pytest.mark.usefixtures("migrated")
 
@@ -91,11 +93,28 @@ def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixt
     with services().engine.begin() as conn:
         insert_tasks(conn, rows)
     code, out, err = run(capsys, "quota", "remove", "b")
-    assert code == 0 and "b: removed" in out
-    assert "warning: 1 pending task(s) may only run on models that no longer exist" in err  # the one pinned to b
-    assert len(err.strip().splitlines()) == 1
-    code, out, err = run(capsys, "quota", "remove", "a")
-    assert code == 0 and "warning: 2 pending task(s)" in err  # and now the one allowed on a or b
+    assert code == 2 and err.strip() == (
+        "error: b has 0 call(s) in flight and 1 pending task(s) that only it may take; "
+        "remove it with --force to fail those tasks")
+    assert "b" in services().core.live()  # refused before the commit: Redis untouched too
+    code, out, err = run(capsys, "quota", "remove", "b", "--force")
+    assert code == 0 and "b: removed; 1 pending task(s) only it could take failed" in out and err == ""
+    code, out, err = run(capsys, "quota", "remove", "a")  # the task allowed on a or b is a's alone now
+    assert code == 2 and "1 pending task(s) that only it may take" in err
+    assert run(capsys, "quota", "remove", "a", "--force")[0] == 0
+    with services().engine.connect() as conn:
+        rows = conn.execute(sa.select(tasks.c.prompt, tasks.c.status, tasks.c.error).order_by(tasks.c.id)).all()
+    assert [(r.prompt, r.status) for r in rows] == [("x", "failed"), ("y", "failed"), ("z", "pending")]
+    assert rows[0].error == "model b was removed (quota remove --force)"
+
+
+def test_remove_refuses_a_model_with_calls_in_flight(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "quota", "set", "a", "--create", "--tpm", "60000", "--concurrency", "2")[0] == 0
+    call = services().core.admit([Candidate(10)])[0]
+    assert isinstance(call, Admitted)  # a router call: in Redis only
+    code, _, err = run(capsys, "quota", "remove", "a")
+    assert code == 2 and "a has 1 call(s) in flight" in err
+    assert run(capsys, "quota", "remove", "a", "--force")[0] == 0
 
 
 @pytest.mark.smoke
@@ -236,9 +255,11 @@ def test_unmigrated_database_is_one_line(capsys: pytest.CaptureFixture[str], dat
     assert code == 2 and "balancer db upgrade" in err
 
 
-def test_push_failure_rolls_back(database_url: str) -> None:
-    """Redis refusing the change leaves PostgreSQL untouched: nothing half-written."""
+def test_a_failed_push_is_stored_and_the_sweep_repairs_it(database_url: str) -> None:
+    """PostgreSQL first: a change Redis refuses is still stored (and says so), and
+    the drift repair that every sweep tick runs makes Redis match it."""
     from balancer.storage.db import cached_engine
+    from balancer.storage.quotas import LiveNotUpdated
 
     class BrokenLive:
         def set_quota(self, quota: Quota) -> None:
@@ -247,10 +268,26 @@ def test_push_failure_rolls_back(database_url: str) -> None:
         def remove_quota(self, name: str) -> bool:
             raise ConnectionError("redis went away")
 
+        def live_quotas(self) -> dict[str, Quota]:
+            raise ConnectionError("redis went away")
+
+        def restore(self) -> bool:
+            raise ConnectionError("redis went away")
+
+    svc = services()
+    svc.core.restore()  # a running deployment: the live state is there
     store = QuotaStore(cached_engine(database_url), live=BrokenLive())
-    with pytest.raises(ConnectionError):
+    with pytest.raises(LiveNotUpdated, match="stored, but the live state was not updated"):
         store.set("m", {"max_concurrent_requests": 1, "max_tokens_per_minute": 5}, create=True)
-    assert store.all() == [] and store.history() == []
+    assert [q.name for q in store.all()] == ["m"] and len(store.history()) == 1
+    assert "m" not in svc.core.live()
+    assert svc.quotas.repair_drift() == ["m"]
+    assert svc.core.live()["m"].quota.max_tokens_per_minute == 5
+    assert svc.quotas.repair_drift() == []  # in step: nothing to do
+    svc.core.set_quota(Quota("m", 7, 5))  # a change that bypassed PostgreSQL
+    svc.core.set_quota(Quota("ghost", 1, 5))
+    assert svc.quotas.repair_drift() == ["ghost", "m"]
+    assert set(svc.core.live()) == {"m"} and svc.core.live()["m"].quota.max_concurrent_requests == 1
 
 
 @pytest.mark.smoke

@@ -154,8 +154,8 @@ class Twin:
         assert lua == self._ref(lambda: self.ref.trip(model, self.now))
         return lua
 
-    # Like QuotaStore: push to the live state first, "commit" to PostgreSQL after,
-    # so a restore triggered by the push sees the old stored set.
+    # Like QuotaStore: a missing live state is restored from the stored set as it
+    # was before the change, then the change is stored and pushed.
     def set_quota(self, quota: Quota) -> None:
         self.core.set_quota(quota)
         self._ref(lambda: self.ref.set_quota(quota, self.now))

@@ -156,7 +156,7 @@ class AdmissionCore:
             args.extend(quota_args(quota))
         args.append(len(leases))
         for seed in leases:
-            args.extend([seed.admission_id, seed.model, seed.estimated_tokens, seed.deadline_ms])
+            args.extend([seed.admission_id, seed.model, seed.estimated_tokens, seed.remaining_ms])
         return self._run("restore", args) == 1
 
     @staticmethod
@@ -313,6 +313,10 @@ class AdmissionCore:
             models[name] = {**fields, "inflight": inflight, "latency": latency}
         leases = {k.decode(): json.loads(v) for k, v in r.hgetall(leases_key).items()}
         return {"meta": meta, "models": models, "leases": leases}
+
+    def live_quotas(self) -> dict[str, Quota]:
+        """Each model's quota as the live state holds it (the drift repair compares it with PostgreSQL)."""
+        return {name: m.quota for name, m in self.live().items()}
 
     def live(self, now_ms: int | None = None) -> dict[str, ModelLive]:
         """Per-model live view, bucket levels refilled to ``now`` (Redis TIME by default).

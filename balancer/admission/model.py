@@ -176,7 +176,7 @@ class LeaseSeed:
     admission_id: str
     model: str
     estimated_tokens: int
-    deadline_ms: int
+    remaining_ms: int  # lease time left, placed on the restoring clock (PostgreSQL's and Redis's may differ)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -683,7 +683,7 @@ class ReferenceCore:
         for seed in leases:
             if seed.model in self.models:
                 self.leases[seed.admission_id] = Lease(
-                    seed.model, seed.estimated_tokens, seed.deadline_ms, started=True
+                    seed.model, seed.estimated_tokens, now + seed.remaining_ms, started=True
                 )
         return True
 

@@ -270,7 +270,7 @@ def status(as_json: bool) -> None:
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
     if overdue:
         click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
-                   "the reconcile tick returns them to pending")
+                   "the sweep tick returns them to pending")
     if rows:
         Console(width=max(Console().width, 120)).print(_model_table(rows))
 

@@ -188,12 +188,35 @@ def _warn_stranded(svc: Services) -> None:
 
 @quota.command("remove")
 @click.argument("model")
+@click.option("--force", is_flag=True,
+              help="Remove it even with calls in flight or pending tasks only it may take (those are failed).")
 @click.option("--by", help="Who made the change (default: the OS user).")
-def quota_remove(model: str, by: str | None) -> None:
-    """Delete one model's quota."""
+def quota_remove(model: str, force: bool, by: str | None) -> None:
+    """Delete one model's quota.
+
+    Refused while the model has calls in flight or pending tasks that no other
+    model may take, unless --force: then those tasks are failed, with the reason,
+    and the calls in flight keep their slots until they end."""
+    from sqlalchemy.engine import Connection
+
+    from balancer.storage.tasks import fail_pinned, model_occupancy
+
     svc = _migrated_services()
-    svc.quotas.remove(model, by=by)
-    click.echo(f"{model}: removed")
+    failed = 0
+
+    def check(conn: Connection) -> None:
+        nonlocal failed
+        in_flight, pinned = model_occupancy(conn, model)
+        live = svc.core.live().get(model)  # router calls are in Redis only
+        in_flight = max(in_flight, live.in_flight if live else 0)
+        if (in_flight or pinned) and not force:
+            raise QuotaError(f"{model} has {in_flight} call(s) in flight and {pinned} pending task(s) that only it may take; "
+                             "remove it with --force to fail those tasks")
+        if pinned:
+            failed = fail_pinned(conn, model, f"model {model} was removed (quota remove --force)")
+
+    svc.quotas.remove(model, by=by, check=check)
+    click.echo(f"{model}: removed" + (f"; {failed} pending task(s) only it could take failed" if failed else ""))
     _warn_stranded(svc)
 
 

@@ -85,7 +85,7 @@ class IsolatedServices:
             "BALANCER_DATABASE_URL": url.render_as_string(hide_password=False),
             "BALANCER_NAMESPACE": self.namespace,
             "BALANCER_DISPATCH_TICK": "0.5",
-            "BALANCER_RECONCILE_TICK": "5",
+            "BALANCER_SWEEP_TICK": "5",
         }
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)

@@ -16,7 +16,7 @@ set the tail of ``bench/scenarios/default.toml`` (docs/benchmarks.md). It
 admits the batch in one atomic call, marks the admitted
 ones ``queued`` and commits, and only then publishes their messages. A
 dispatcher that dies between commit and publish leaves leases that were never
-started: they expire and refund their tokens, and the reconcile tick returns
+started: they expire and refund their tokens, and the sweep tick returns
 the tasks to pending.
 
 The end of the backlog is different: a task handed to a slow model in the

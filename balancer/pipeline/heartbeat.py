@@ -10,7 +10,7 @@ every third of a lease, in both places it lives:
   message that the call is still running in a live worker
   (:func:`balancer.storage.tasks.start_solve` refuses it then).
 
-A worker that dies stops beating: its slots free, and the reconcile tick
+A worker that dies stops beating: its slots free, and the sweep tick
 returns its tasks to pending, within about one lease.
 
 One thread per worker process, renewing every call this process holds in one

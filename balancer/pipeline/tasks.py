@@ -70,9 +70,15 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
     return outcome
 
 
-@app.task(name="balancer.reconcile")
-def reconcile_task() -> int:
-    returned = return_expired(runtime.services().engine)
+@app.task(name="balancer.sweep")
+def sweep_task() -> int:
+    """Return tasks past their deadline to pending (a dead worker, a lost
+    message), and make the live quotas match PostgreSQL's."""
+    svc = runtime.services()
+    repaired = svc.quotas.repair_drift()
+    if repaired:
+        log.warning("live quotas differed from PostgreSQL for %s; repaired", ", ".join(repaired))
+    returned = return_expired(svc.engine)
     if returned:
         log.warning("returned %d task(s) past their deadline to pending", returned)
         trigger_dispatch()

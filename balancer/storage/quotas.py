@@ -1,21 +1,28 @@
 """Quotas in PostgreSQL (the source of truth), mirrored live into Redis.
 
-Every change runs in one PostgreSQL transaction that locks the row, writes
-the new value and an audit row, pushes the value to the admission core, and
-only then commits. If the push fails (Redis down), the transaction rolls
-back: nothing half-written.
+Every change runs in one PostgreSQL transaction that locks the row and writes
+the new value and an audit row; an import writes every model in one
+transaction. Only after the commit is the change pushed to the admission core,
+so Redis never enforces a value PostgreSQL did not store. Writers (and the
+drift repair) hold one advisory lock from their transaction to the end of their
+push, so two changes reach Redis in the order they were committed. If the push
+fails (Redis down), the change is stored and :class:`LiveNotUpdated` says so;
+:meth:`QuotaStore.repair_drift`, run on every sweep tick, then makes Redis
+match PostgreSQL again, and logs what it changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import getpass
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from balancer.admission.core import quota_args
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
 from balancer.storage.schema import quota_changes, quotas
@@ -27,6 +34,21 @@ class LiveQuotas(Protocol):
     def set_quota(self, quota: Quota) -> None: ...
 
     def remove_quota(self, name: str) -> bool: ...
+
+    def live_quotas(self) -> dict[str, Quota]: ...
+
+    def restore(self) -> bool: ...
+
+
+#: pg_advisory_lock key shared by every quota writer and the drift repair ("bal.quota").
+QUOTA_LOCK = 0x62616C2E71756F74
+
+
+class LiveNotUpdated(QuotaError):
+    """The change is stored in PostgreSQL, but pushing it to Redis failed."""
+
+
+Change = tuple[Quota | None, Quota | None]  # (old, new); new None = removed
 
 
 def default_actor() -> str:
@@ -126,11 +148,65 @@ class QuotaStore:
                 new_value=new.as_dict() if new else None,
             )
         )
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[tuple[Connection, list[Change]]]:
+        """One serialized quota write: a transaction, committed, then its changes
+        pushed to the live state, all under :data:`QUOTA_LOCK`."""
+        changes: list[Change] = []
         if self.live is not None:
-            if new is None:
-                self.live.remove_quota(old.name)  # type: ignore[union-attr]
-            else:
-                self.live.set_quota(new)
+            # A missing live state is rebuilt from the set *before* this change, so
+            # a model created now starts with full buckets, as a new model should.
+            with contextlib.suppress(Exception):  # Redis down: the push below says so
+                self.live.restore()
+        with self.engine.connect() as conn:
+            conn.execute(sa.select(sa.func.pg_advisory_lock(QUOTA_LOCK)))
+            conn.commit()
+            try:
+                with conn.begin():
+                    yield conn, changes
+                self._push(changes)
+            finally:
+                try:
+                    conn.execute(sa.select(sa.func.pg_advisory_unlock(QUOTA_LOCK)))
+                    conn.commit()
+                except Exception:  # noqa: BLE001 - a dead session holds no lock; a live one must not keep it
+                    conn.invalidate()
+
+    def _push(self, changes: Sequence[Change]) -> None:
+        if self.live is None or not changes:
+            return
+        try:
+            for old, new in changes:
+                if new is None:
+                    self.live.remove_quota(old.name)  # type: ignore[union-attr]
+                else:
+                    self.live.set_quota(new)
+        except Exception as exc:  # noqa: BLE001 - stored in PostgreSQL; the drift repair pushes it later
+            raise LiveNotUpdated(
+                f"stored, but the live state was not updated ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "the dispatcher's sweep tick applies it when Redis is back"
+            ) from None
+
+    def _record(self, conn: Connection, changes: list[Change], old: Quota | None, new: Quota | None, by: str) -> None:
+        self._write(conn, old, new, by)
+        changes.append((old, new))
+
+    def repair_drift(self) -> list[str]:
+        """Make the live state match PostgreSQL (a push lost to a Redis outage,
+        a hand edit); returns the models it changed, for the log."""
+        if self.live is None:
+            return []
+        with self._writing() as (conn, changes):
+            stored = {r.name: _row_to_quota(r) for r in conn.execute(sa.select(quotas))}
+            live = self.live.live_quotas()
+            for name, quota in stored.items():
+                current = live.get(name)  # as Redis holds it: compare what Redis holds
+                if current is None or quota_args(current) != quota_args(quota):
+                    changes.append((current, quota))
+            for name in live.keys() - stored.keys():
+                changes.append((live[name], None))
+        return sorted({(new or old).name for old, new in changes})  # type: ignore[union-attr]
 
     def _locked(self, conn: Connection, name: str) -> Quota | None:
         row = conn.execute(sa.select(quotas).where(quotas.c.name == name).with_for_update()).first()
@@ -139,7 +215,7 @@ class QuotaStore:
     def set(self, name: str, changes: dict[str, Any], *, create: bool = False, by: str | None = None) -> tuple[Quota | None, Quota]:
         """Change (or with ``create``, add) one model. Returns (old, new)."""
         by = by or default_actor()
-        with self.engine.begin() as conn:
+        with self._writing() as (conn, pushed):
             old = self._locked(conn, name)
             if old is None:
                 if not create:
@@ -154,15 +230,19 @@ class QuotaStore:
             else:
                 new = old.replace(**changes)
             if new != old:
-                self._write(conn, old, new, by)
+                self._record(conn, pushed, old, new, by)
         return old, new
 
-    def remove(self, name: str, *, by: str | None = None) -> Quota:
-        with self.engine.begin() as conn:
+    def remove(self, name: str, *, by: str | None = None, check: Callable[[Connection], None] | None = None) -> Quota:
+        """Delete one model; ``check`` runs in the transaction, with the row
+        locked, and may refuse (raise) or act on the model's tasks."""
+        with self._writing() as (conn, changes):
             old = self._locked(conn, name)
             if old is None:
                 raise QuotaError(f"unknown model {name!r}")
-            self._write(conn, old, None, by or default_actor())
+            if check is not None:
+                check(conn)
+            self._record(conn, changes, old, None, by or default_actor())
         return old
 
     def replace_all(
@@ -176,7 +256,7 @@ class QuotaStore:
         """
         by = by or default_actor()
         wanted = {q.name: q for q in new_set}
-        with self.engine.begin() as conn:
+        with self._writing() as (conn, changes):
             conn.execute(sa.text("LOCK TABLE quotas IN SHARE ROW EXCLUSIVE MODE"))
             current = {r.name: _row_to_quota(r) for r in conn.execute(sa.select(quotas))}
             summary = import_diff(current, wanted)
@@ -188,7 +268,7 @@ class QuotaStore:
             if dry_run:
                 return summary
             for name in summary.removed:
-                self._write(conn, current[name], None, by)
+                self._record(conn, changes, current[name], None, by)
             for name in summary.created + summary.updated:
-                self._write(conn, current.get(name), wanted[name], by)
+                self._record(conn, changes, current.get(name), wanted[name], by)
         return summary

@@ -399,16 +399,18 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
                 tasks.c.admission_id,
                 tasks.c.model,
                 tasks.c.estimated_tokens,
-                (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now())) * 1000).label("deadline_ms"),
+                (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now()) - sa.func.now()) * 1000).label("remaining_ms"),
             ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None))
         ).all()
         hedges = conn.execute(
             sa.select(
                 tasks.c.hedge_admission_id, tasks.c.hedge_model, tasks.c.estimated_tokens,
-                (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now())) * 1000).label("deadline_ms"),
+                (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now()) - sa.func.now()) * 1000).label("remaining_ms"),
             ).where(tasks.c.status == "running", tasks.c.hedge_admission_id.is_not(None))
         ).all()
-    return [LeaseSeed(r[0], r[1], r.estimated_tokens, int(r.deadline_ms)) for r in [*rows, *hedges]]
+    # Time left, not an instant: PostgreSQL's clock and Redis's may disagree, and
+    # the restored lease is placed on Redis's (restore.lua adds its own now).
+    return [LeaseSeed(r[0], r[1], r.estimated_tokens, max(0, int(r.remaining_ms))) for r in [*rows, *hedges]]
 
 
 def pending_groups(engine: Engine) -> list[tuple[list[str] | None, int, int]]:
@@ -429,9 +431,40 @@ def status_counts(engine: Engine) -> dict[str, int]:
     return counts
 
 
+def _pinned_to(model: str, others: Sequence[str]) -> sa.ColumnElement[bool]:
+    """Pending tasks that may run on ``model`` and on none of ``others``."""
+    allowed = tasks.c.allowed_models
+    condition = sa.and_(tasks.c.status == "pending", allowed.is_not(None), allowed.any_() == model)
+    if others:
+        condition = sa.and_(condition, sa.not_(allowed.overlap(sa.cast(list(others), allowed.type))))
+    return condition
+
+
+def model_occupancy(conn: Connection, model: str) -> tuple[int, int]:
+    """(calls in flight on ``model``, pending tasks that only it may take): what
+    removing it would strand. Runs in the caller's transaction."""
+    others = [r[0] for r in conn.execute(sa.select(quotas.c.name).where(quotas.c.name != model))]
+    in_flight = conn.execute(
+        sa.select(sa.func.count()).where(
+            tasks.c.status.in_(("queued", "running")), sa.or_(tasks.c.model == model, tasks.c.hedge_model == model)
+        )
+    ).scalar_one()
+    pinned = conn.execute(sa.select(sa.func.count()).where(_pinned_to(model, others))).scalar_one()
+    return int(in_flight), int(pinned)
+
+
+def fail_pinned(conn: Connection, model: str, reason: str) -> int:
+    """Fail the pending tasks that only ``model`` may take (it is being removed)."""
+    others = [r[0] for r in conn.execute(sa.select(quotas.c.name).where(quotas.c.name != model))]
+    result = conn.execute(
+        sa.update(tasks).where(_pinned_to(model, others)).values(status="failed", error=reason, updated_at=sa.func.now())
+    )
+    return int(result.rowcount)
+
+
 def overdue_count(engine: Engine) -> int:
     """Queued or running tasks past their deadline: no heartbeat renewed them (their
-    worker is gone) and the reconcile tick has not returned them to pending yet."""
+    worker is gone) and the sweep tick has not returned them to pending yet."""
     with engine.connect() as conn:
         return int(conn.execute(
             sa.select(sa.func.count()).where(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())

@@ -5,7 +5,7 @@
 --         name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0),
 --         settle (1/0), request burst, latency prior in ms (0 = the global default)
 -- then the number of in-flight leases L, then L groups of 4:
---         admission id, model, estimated tokens, deadline ms
+--         admission id, model, estimated tokens, lease ms left (placed on this clock: now + ms left)
 -- Returns 1 if it restored, 0 if the state was already there (another process won).
 -- Buckets start empty, not full: the provider may have just seen a burst.
 -- Leases are re-seeded as started, so the calls still running count against the caps.
@@ -34,7 +34,7 @@ local l = tonumber(ARGV[i])
 i = i + 1
 for _ = 1, l do
   if redis.call('ZSCORE', MODELS, ARGV[i + 1]) then
-    put_lease(ARGV[i], {name = ARGV[i + 1], gen = 0}, tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), 1)
+    put_lease(ARGV[i], {name = ARGV[i + 1], gen = 0}, tonumber(ARGV[i + 2]), now + tonumber(ARGV[i + 3]), 1)
   end
   i = i + 4
 end
