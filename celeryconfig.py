@@ -65,7 +65,8 @@ def from_settings(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": False,
         "task_send_sent_event": False,
         "beat_schedule": {
-            "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "options": {"expires": 10}},
+            "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "kwargs": {"from_beat": True},
+                         "options": {"expires": 10}},
             "sweep": {"task": "balancer.sweep", "schedule": settings.sweep_tick, "options": {"expires": 60}},
             "ingest": {"task": "balancer.ingest", "schedule": settings.ingest_tick, "options": {"expires": 60}},
         },

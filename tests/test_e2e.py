@@ -239,3 +239,35 @@ def test_submit_dispatches_at_once_without_beat(pipeline, tmp_path: Path) -> Non
     assert "accepted 40 task(s)" in proc.stdout and "warning" not in proc.stderr
     counts = p.wait_done(40, timeout=120)
     assert counts["solved"] == 40
+
+
+def test_without_beat_the_dispatcher_ticks_and_status_says_so(pipeline, capsys: pytest.CaptureFixture[str]) -> None:
+    """Beat never started. Tasks stored straight in PostgreSQL (no submit, so no
+    dispatch is asked for) are dispatched by the dispatcher's fallback ticks,
+    and `status` reports beat's absence."""
+    p = pipeline(extra_env={"BALANCER_DISPATCH_TICK": "0.2"}).start(beat=False)
+    ids = p.submit(prompt_lines(30, [m.name for m in p.models]))
+    counts = p.wait_done(len(ids), timeout=60)
+    assert counts["solved"] == len(ids)
+    assert main(["status", "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["beat_last_tick_s"] is None
+    logs = (p.log_dir / "dispatcher.log").read_text(errors="replace")
+    assert "beat has not ticked" in logs
+
+
+def test_an_all_models_worker_takes_up_a_model_created_after_it_started(pipeline) -> None:
+    p = pipeline()
+    late, p.models = p.models[-1], p.models[:-1]  # the simulator serves it; no quota yet
+    p.start()
+    first = p.submit(prompt_lines(5, [m.name for m in p.models], pinned_every=1))
+    p.wait_done(len(first), timeout=60)  # the worker is up, consuming the queues it started with
+    quota = late.quota(time_scale=p.time_scale)
+    p.services.quotas.set(late.name, {k: v for k, v in quota.as_dict().items() if k != "name"}, create=True)
+    p.models.append(late)
+    ids = p.submit(prompt_lines(20, [late.name], pinned_every=1))
+    counts = p.wait_done(len(first) + len(ids), timeout=60)
+    assert counts["solved"] == len(first) + len(ids)
+    assert sum(1 for e in p.sim_log() if e["status"] == 200 and e["model"] == late.name) == len(ids)
+    assert p.violations() == []

@@ -29,6 +29,7 @@ SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
+BEAT_SEEN = ":beat:seen"
 BENCH_COUNTER = ":bench:incr"
 
 
@@ -75,6 +76,12 @@ def dispatch_flags(namespace: str) -> tuple[str, str]:
     """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.pipeline.trigger`."""
     t = tag(namespace)
     return t + DISPATCH_REQUESTED, t + DISPATCH_TIMER
+
+
+def beat_seen(namespace: str) -> str:
+    """When beat's dispatch tick last ran (ms, string; expires when beat is gone):
+    see :mod:`balancer.pipeline.fallback`."""
+    return tag(namespace) + BEAT_SEEN
 
 
 def cancel_channel(namespace: str) -> str:

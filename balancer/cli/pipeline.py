@@ -73,12 +73,13 @@ def _ask_for_dispatch() -> None:
                    "the dispatcher's next tick will take the tasks", err=True)
 
 
-def _celery_worker(argv: list[str], pool: str) -> None:
+def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> None:
     import balancer.pipeline.tasks  # noqa: F401 - registers tasks and the quota watcher
     from balancer.pipeline.app import app
 
     # A class path is accepted by the worker_pool setting, not by `-P` (a fixed choice list).
     app.conf.worker_pool = pool
+    app.conf.balancer_all_models = all_models  # the quota watcher adds queues of models created later
     app.worker_main(argv)
 
 
@@ -104,7 +105,7 @@ def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     _celery_worker([
         "worker", "-Q", queues, "-c", str(concurrency),
         "-n", f"{name[:50]}-{os.getpid()}@%h", "--without-gossip", "--without-mingle", "-l", loglevel,
-    ], pool="balancer.pipeline.pool:ResizableThreadPool")
+    ], pool="balancer.pipeline.pool:ResizableThreadPool", all_models=all_models)
 
 
 @click.command()
@@ -257,17 +258,22 @@ def status(as_json: bool) -> None:
     buckets, 429s, latency, and the limit that holds it back now."""
     from rich.console import Console
 
+    from balancer.pipeline.fallback import beat_last_seen_s
     from balancer.pipeline.summary import read
     from balancer.storage.tasks import overdue_count
 
     svc = _migrated()
     counts, rows, _, eta = read(svc)
     overdue = overdue_count(svc.engine)
+    beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
     if as_json:
         click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
+                               "beat_last_tick_s": None if beat is None else round(beat, 1),
                                "models": [r.as_dict() for r in rows]}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    if beat is None:
+        click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
     if overdue:
         click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
                    "the sweep tick returns them to pending")

@@ -50,7 +50,12 @@ def model_queues(consumer) -> list[str]:  # noqa: ANN001
 
 
 class QuotaWatcher(bootsteps.StartStopStep):
-    """Resize the pool to the sum of this worker's models' concurrency caps."""
+    """Resize the pool to the sum of this worker's models' concurrency caps.
+
+    In a ``worker --all-models`` process (``app.conf.balancer_all_models``) it
+    also starts consuming ``model.<name>`` for every model created after the
+    worker started, through Celery's own ``add_consumer`` control command (run
+    in the consumer's thread, as a remote ``celery control add_consumer`` is)."""
 
     requires = {"celery.worker.consumer.tasks:Tasks"}
 
@@ -61,7 +66,8 @@ class QuotaWatcher(bootsteps.StartStopStep):
 
     def start(self, consumer) -> None:  # noqa: ANN001
         models = model_queues(consumer)
-        if not models or not hasattr(consumer.pool, "grow"):
+        all_models = bool(consumer.app.conf.get("balancer_all_models"))
+        if not (models or all_models) or not hasattr(consumer.pool, "grow"):
             return
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, args=(consumer, models), name="quota-watcher", daemon=True)
@@ -73,9 +79,15 @@ class QuotaWatcher(bootsteps.StartStopStep):
     def _run(self, consumer, models: list[str]) -> None:  # noqa: ANN001
         from balancer.pipeline.runtime import services
 
+        all_models = bool(consumer.app.conf.get("balancer_all_models"))
         while not self._stop.wait(WATCH_INTERVAL):
             try:
                 live = services().core.live()
+                if all_models:
+                    for name in sorted(live.keys() - set(models)):
+                        consumer.app.control.add_consumer(f"model.{name}", destination=[consumer.hostname], reply=False)
+                        models.append(name)
+                        log.info("new model %s: consuming model.%s", name, name)
                 target = max(1, sum(live[m].quota.max_concurrent_requests for m in models if m in live))
                 diff = target - consumer.pool.num_processes
                 if diff > 0:

@@ -11,6 +11,7 @@ from celery.signals import worker_process_init
 from balancer.pipeline import runtime
 from balancer.pipeline.app import app
 from balancer.pipeline.dispatcher import Assignment, dispatch
+from balancer.pipeline.fallback import FallbackTicks, mark_beat_seen
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve
 from balancer.pipeline.trigger import clear_requests, request_dispatch
@@ -19,6 +20,7 @@ from balancer.storage.tasks import return_expired
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
 app.steps["consumer"].add(QuotaWatcher)
+app.steps["consumer"].add(FallbackTicks)
 
 
 @worker_process_init.connect
@@ -51,8 +53,10 @@ def trigger_dispatch(delay_ms: int = 0) -> bool:
 
 
 @app.task(name="balancer.dispatch")
-def dispatch_task() -> dict:
+def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
+    if from_beat:
+        mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
     clear_requests(svc.redis, svc.settings.namespace)
     report = dispatch(svc, publish)
     if report.retry_in_ms is not None and report.retry_in_ms < svc.settings.dispatch_tick * 1000:

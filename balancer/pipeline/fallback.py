@@ -1,0 +1,95 @@
+"""The dispatcher's own ticks, for when beat is gone.
+
+Beat drives the periodic dispatch, sweep and ingest ticks. If beat dies, work
+must not stop: completions and ``submit`` still trigger dispatches, but a task
+whose back-off ends, a model whose 429 pause ends, an expired lease or a file in
+the inbox needs a tick. So beat's dispatch tick records when it ran (a Redis key
+that expires after :data:`ABSENT_AFTER` ticks), and every dispatcher process
+runs :class:`FallbackTicks`: while that key is missing it sends the three ticks
+itself, at beat's intervals, and logs once that beat is absent (``balancer
+status`` says so too). Two dispatchers doing this is harmless: dispatch
+requests coalesce (:mod:`balancer.pipeline.trigger`), the sweep is idempotent
+and ingestion claims each file once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+from celery import bootsteps
+
+from balancer.admission import keys
+
+log = logging.getLogger(__name__)
+
+#: Beat counts as absent once its dispatch tick has not run for this many tick intervals.
+ABSENT_AFTER = 5
+
+
+def mark_beat_seen(client: redis.Redis, namespace: str, dispatch_tick: float) -> None:
+    """Called by beat's dispatch tick: beat is alive."""
+    ttl_ms = max(1_000, int(dispatch_tick * ABSENT_AFTER * 1000))
+    client.set(keys.beat_seen(namespace), str(int(time.time() * 1000)), px=ttl_ms)
+
+
+def beat_last_seen_s(client: redis.Redis, namespace: str) -> float | None:
+    """Seconds since beat's last dispatch tick, or None if beat counts as absent."""
+    raw = client.get(keys.beat_seen(namespace))
+    if raw is None:
+        return None
+    return max(0.0, time.time() - int(raw) / 1000)
+
+
+class FallbackTicks(bootsteps.StartStopStep):
+    """In the dispatcher (the consumer of the ``control`` queue): beat's ticks while beat is absent."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, parent, **kwargs) -> None:  # noqa: ANN001
+        super().__init__(parent, **kwargs)
+        self._stop = threading.Event()
+
+    def start(self, consumer) -> None:  # noqa: ANN001
+        if "control" not in {q.name for q in consumer.task_consumer.queues}:
+            return  # a model worker: beat's ticks are the dispatcher's business
+        self._stop.clear()
+        threading.Thread(target=self._run, name="fallback-ticks", daemon=True).start()
+
+    def stop(self, consumer) -> None:  # noqa: ANN001
+        self._stop.set()
+
+    def _run(self) -> None:
+        from balancer.pipeline import tasks
+        from balancer.pipeline.runtime import services
+
+        settings = services().settings
+        ticks = [  # (interval, send), beat's schedule
+            (settings.dispatch_tick, tasks.trigger_dispatch),
+            (settings.sweep_tick, tasks.sweep_task.delay),
+            (settings.ingest_tick, tasks.ingest_task.delay),
+        ]
+        last_sent = [0.0] * len(ticks)
+        absent = False
+        grace_until = time.monotonic() + settings.dispatch_tick * ABSENT_AFTER  # beat may be starting too
+        while not self._stop.wait(min(1.0, settings.dispatch_tick)):
+            try:
+                svc = services()
+                if time.monotonic() < grace_until or beat_last_seen_s(svc.redis, settings.namespace) is not None:
+                    if absent:
+                        log.info("beat is back; the dispatcher's fallback ticks stop")
+                    absent = False
+                    continue
+                if not absent:
+                    log.warning("beat has not ticked for %ss: the dispatcher runs the dispatch, sweep and ingest ticks "
+                                "itself until it is back", f"{settings.dispatch_tick * ABSENT_AFTER:g}")
+                absent = True
+                now = time.monotonic()
+                for i, (interval, send) in enumerate(ticks):
+                    if now - last_sent[i] >= interval:
+                        last_sent[i] = now
+                        send()
+            except Exception:  # keep ticking through a Redis or broker blip
+                log.exception("fallback tick failed; retrying")
