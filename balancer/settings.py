@@ -253,7 +253,14 @@ class Settings:
     def check_timing(self) -> None:
         """The broker must not redeliver a message whose solve may still run.
 
-        (A call's lease need not outlast the call: the heartbeat renews it, see
+        What bounds a solve is enforced by the solver itself, not by Celery's
+        ``task_time_limit`` (its thread pool ignores it): the HTTP call ends
+        within ``backend_timeout`` in total time (a watchdog cuts it,
+        :func:`balancer.backends.cancel.cut_at`), and the writes' retries give
+        up at ``hard_time_limit`` from the solve's start
+        (:data:`balancer.pipeline.solver.SOLVE_DEADLINE`). So the check is
+        that limit against the visibility timeout. (A call's lease need not
+        outlast the call: the heartbeat renews it, see
         :mod:`balancer.pipeline.heartbeat`; and a redelivered message does not
         start a second call while the first one's lease is alive.)"""
         if self.hard_time_limit >= self.visibility_timeout:

@@ -427,3 +427,89 @@ def test_a_backend_outage_mid_run_pauses_and_fails_no_task(pipeline, reliability
         "rate_limited": rate_limited,
         "recovery_s": f"{time.monotonic() - up_at:.1f} after the backend returned",
     })
+
+
+def test_a_trickling_backend_with_postgres_down_ends_the_solve_in_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reliability
+) -> None:
+    """The backend sends one byte a second (every read succeeds, so httpx's read
+    timeout never fires), and PostgreSQL stops mid-call. The solve still ends
+    within its one deadline, backend timeout + write grace, before its lease
+    would expire: the call is cut at the backend timeout (total time), and the
+    write's retries give up at the solve's deadline."""
+    import asyncio
+    import threading
+
+    from balancer.backends import make_backend
+    from balancer.devtools.embedded import start_postgres
+    from balancer.domain.intake import parse_tasks
+    from balancer.domain.quota import Quota
+    from balancer.pipeline.dispatcher import Assignment
+    from balancer.pipeline.solver import SolveMessage, solve
+    from balancer.storage.db import cached_engine, dispose_engines
+    from balancer.storage.migrate import upgrade
+    from balancer.storage.tasks import insert_tasks
+    from tests.servers import served
+
+    on_the_wire = threading.Event()
+
+    async def trickle(scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            return
+        await receive()
+        on_the_wire.set()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"60")]})
+        for _ in range(60):
+            await send({"type": "http.response.body", "body": b" ", "more_body": True})
+            await asyncio.sleep(1.0)
+
+    pgdata = tmp_path / "pg"
+    url, server = start_postgres(pgdata, persistent=False)
+    try:
+        with served(trickle) as backend_url:
+            for key, value in {"BALANCER_DATABASE_URL": url, "BALANCER_BACKEND_URL": backend_url,
+                               "BALANCER_BACKEND_TIMEOUT": "2", "BALANCER_WRITE_GRACE": "2",
+                               "BALANCER_LEASE_SECONDS": "8", "BALANCER_VISIBILITY_TIMEOUT": "10"}.items():
+                monkeypatch.setenv(key, value)
+            upgrade(cached_engine(url))
+            svc = Services.connect(Settings.from_env())
+            svc.quotas.replace_all([Quota("m", 2, 600_000)])
+            rows, _ = parse_tasks(json.dumps({"prompt": "slow", "model": "m"}), models={"m": 600_000})
+            with svc.engine.begin() as conn:
+                insert_tasks(conn, rows)
+            sent: list[Assignment] = []
+            dispatch(svc, sent.extend)
+            a = sent[0]
+            outcome: list[object] = []
+
+            def run() -> None:
+                try:
+                    outcome.append(solve(svc, make_backend(svc.settings),
+                                         SolveMessage(a.task_id, a.admission_id, a.model, a.estimated_tokens)))
+                except Exception as exc:  # noqa: BLE001 - the write gave up: what we expect
+                    outcome.append(exc)
+
+            started = time.monotonic()
+            worker = threading.Thread(target=run)
+            worker.start()
+            assert on_the_wire.wait(10), "the call never reached the backend"
+            postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
+            os.kill(postmaster, signal.SIGINT)  # fast shutdown: PostgreSQL is down for the rest of the solve
+            worker.join(timeout=30)
+            took = time.monotonic() - started
+            assert not worker.is_alive(), "the solve is still running"
+            assert took < svc.settings.hard_time_limit + 1.5 < svc.settings.lease_seconds
+            assert isinstance(outcome[0], sa.exc.OperationalError)  # the write gave up at the deadline
+            assert svc.core.live()["m"].in_flight == 0  # and the slot is free
+        reliability({
+            "fault": "backend trickles 1 byte/s, and PostgreSQL stops mid-call (2 s backend timeout, 2 s write grace, 8 s lease)",
+            "injected": "an ASGI backend sending one byte a second; fast shutdown of the test's own PostgreSQL",
+            "tasks": 1, "lost": 0, "double_written": 0, "repeated_calls": 0,
+            "bound": f"the solve ended after {took:.1f} s, within its {svc.settings.hard_time_limit:g} s deadline; "
+                     "the task's deadline returns it to pending",
+            "recovery_s": "-",
+        })
+    finally:
+        dispose_engines()
+        server.cleanup()

@@ -9,10 +9,15 @@ that remembers, for the thread making a call, the socket that call is using;
 and :class:`~balancer.backends.http.HttpBackend` raises
 :class:`~balancer.backends.base.Cancelled` instead of a transient error.
 
+The same cut enforces a call's *total* time: httpx bounds each read, so a
+backend that trickles a byte a second could hold a call for ever.
+:func:`cut_at` has one watchdog thread cut the call at its deadline
+(``reason == "deadline"``), and the caller reports a timeout.
+
 >>> with cancellable() as call:
 ...     call.cancel()          # before the request is sent: it is cut at its first write
-...     call.cancelled
-True
+...     call.cancelled, call.reason
+(True, 'cancelled')
 >>> current() is None          # outside the block, calls are not cancellable
 True
 """
@@ -20,9 +25,12 @@ True
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import socket
 import ssl
 import threading
+import time
 import typing
 from collections.abc import Iterator
 
@@ -38,10 +46,12 @@ class CallHandle:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self.cancelled = False
+        self.reason = ""  # "cancelled" (the task's other call answered) or "deadline" (out of time)
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "cancelled") -> None:
         with self._lock:
-            self.cancelled = True
+            if not self.cancelled:
+                self.cancelled, self.reason = True, reason
             self._shut(self._sock)
 
     def attach(self, sock: socket.socket | None) -> None:
@@ -73,6 +83,64 @@ def cancellable() -> Iterator[CallHandle]:
 def current() -> CallHandle | None:
     """The handle of the call this thread is making, if it is cancellable."""
     return getattr(_local, "handle", None)
+
+
+class _Watchdog:
+    """One thread that cuts calls at their deadlines (a heap, not a timer thread per call)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, CallHandle]] = []
+        self._done: set[int] = set()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, handle: CallHandle, deadline: float) -> int:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():  # also after a fork
+                self._thread = threading.Thread(target=self._run, name="call-deadlines", daemon=True)
+                self._thread.start()
+            key = next(self._ids)
+            heapq.heappush(self._heap, (deadline, key, handle))
+            self._cond.notify()
+            return key
+
+    def unwatch(self, key: int) -> None:
+        with self._cond:
+            self._done.add(key)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] in self._done:
+                    self._done.discard(heapq.heappop(self._heap)[1])
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                _, key, handle = heapq.heappop(self._heap)
+                handle.cancel("deadline")
+
+
+_watchdog = _Watchdog()
+
+
+@contextlib.contextmanager
+def cut_at(deadline: float) -> Iterator[CallHandle]:
+    """The calls this thread makes inside the block are cut at ``deadline``
+    (``time.monotonic()``); a cancellable block's handle is reused, so a hedge's
+    cancel and the deadline cut the same call."""
+    outer = current()
+    with contextlib.ExitStack() as stack:
+        handle = outer if outer is not None else stack.enter_context(cancellable())
+        key = _watchdog.watch(handle, deadline)
+        try:
+            yield handle
+        finally:
+            _watchdog.unwatch(key)
 
 
 class _TrackedStream(httpcore.NetworkStream):

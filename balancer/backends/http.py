@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 import httpx
 
 from balancer.backends.base import Cancelled, Permanent, RateLimited, Remaining, Transient
-from balancer.backends.cancel import current, make_cancellable
+from balancer.backends.cancel import cut_at, make_cancellable
 
 
 def _number(value: str | None) -> float | None:
@@ -56,21 +57,27 @@ class HttpBackend:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         )
         make_cancellable(transport._pool)  # a call made inside cancel.cancellable() can be cut off
+        self.timeout = timeout  # total time of one call, from its start to the last byte of the answer
         self._client = httpx.Client(
             base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), transport=transport
         )
 
     def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Remaining]:
-        """The reply's JSON and the provider's remaining quota from its headers."""
-        try:
-            response = self._client.post(path, json=payload)
-        except httpx.TimeoutException as exc:
-            raise Transient(f"timeout calling {path}: {type(exc).__name__}") from None
-        except httpx.TransportError as exc:
-            handle = current()
-            if handle is not None and handle.cancelled:
-                raise Cancelled(f"call to {path} cancelled: the task was answered by its other call") from None
-            raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}") from None
+        """The reply's JSON and the provider's remaining quota from its headers.
+
+        The whole call, answer included, ends within ``timeout`` seconds: httpx
+        bounds each read only, so a watchdog cuts a call still going at its
+        deadline (:func:`~balancer.backends.cancel.cut_at`)."""
+        with cut_at(time.monotonic() + self.timeout) as handle:
+            try:
+                response = self._client.post(path, json=payload)
+            except (httpx.TimeoutException, httpx.TransportError) as exc:
+                if handle.reason == "deadline" or isinstance(exc, httpx.TimeoutException):
+                    raise Transient(f"timeout calling {path}: no complete answer within {self.timeout:g}s "
+                                    f"({type(exc).__name__})") from None
+                if handle.cancelled:
+                    raise Cancelled(f"call to {path} cancelled: the task was answered by its other call") from None
+                raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}") from None
         if response.status_code == 429:
             retry_after = parse_retry_after(response.headers.get("Retry-After"), response.headers.get("retry-after-ms"))
             raise RateLimited(f"429 from {path}", retry_after, parse_remaining(response.headers))

@@ -70,6 +70,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -108,11 +109,21 @@ def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float
     return min(cap, base * 2 ** (attempt - 1))
 
 
+#: The running solve's deadline (``time.monotonic()``), set by :func:`solve`: its
+#: database retries give up there, as its HTTP call ends by ``backend_timeout``.
+SOLVE_DEADLINE: ContextVar[float | None] = ContextVar("solve_deadline", default=None)
+
+
 def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, sleep: Callable[[float], None] = time.sleep) -> T:
     """Run a database write, retrying while PostgreSQL is unreachable, or while
     every pooled connection is busy (a pool checkout timeout): an answer in
-    hand is never dropped for want of a connection."""
+    hand is not dropped for want of a connection, until the solve's deadline
+    (:data:`SOLVE_DEADLINE`), so no solve outlives the limit that
+    ``Settings.check_timing`` compares with the broker's visibility timeout."""
     deadline = time.monotonic() + give_up_after
+    solve_deadline = SOLVE_DEADLINE.get()
+    if solve_deadline is not None:
+        deadline = min(deadline, solve_deadline)
     delay = 0.2
     while True:
         try:
@@ -123,8 +134,10 @@ def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, s
             )
             if not transient:
                 raise
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise
+            delay = min(delay, left)
             log.warning("database unavailable, retrying the write in %.1fs: %s", delay, str(exc).splitlines()[0])
             sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -165,9 +178,19 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
 
     With a ``listener`` (when hedging is on), the call can be cancelled by the
     task's other call. With a ``heartbeat`` (in workers), the call's lease and
-    its task's deadline are renewed while it runs, from its start to its write."""
-    core, engine, settings = services.core, services.engine, services.settings
-    slot = Slot(core, msg.admission_id)
+    its task's deadline are renewed while it runs, from its start to its write.
+    The whole solve ends within ``settings.hard_time_limit``: the call within
+    ``backend_timeout`` (total time), the writes' retries by the rest."""
+    token = SOLVE_DEADLINE.set(time.monotonic() + services.settings.hard_time_limit)
+    try:
+        return _solve(services, backend, msg, listener, heartbeat, Slot(services.core, msg.admission_id))
+    finally:
+        SOLVE_DEADLINE.reset(token)
+
+
+def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None,
+           heartbeat: Heartbeat | None, slot: Slot) -> str:
+    engine, settings = services.engine, services.settings
     finish = slot.free
 
     def beating() -> contextlib.AbstractContextManager[None]:
