@@ -38,6 +38,9 @@ def from_settings(settings: Settings) -> dict[str, Any]:
     broker_url = settings.broker_url or settings.redis_url
     transport: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
     if broker_url and broker_url.startswith(("redis://", "rediss://", "unix://")):
+        # A broker that accepts but never answers fails a call instead of hanging
+        # the process; kombu then reconnects (BRPOP polls every second, well inside).
+        transport.update(socket_connect_timeout=5, socket_timeout=30, socket_keepalive=True)
         # Queues are model.<name> in every deployment; prefixing the broker's keys
         # with the namespace lets several deployments (or test runs) share a Redis
         # without consuming each other's messages. (On RabbitMQ, use a vhost each.)
@@ -45,6 +48,7 @@ def from_settings(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": broker_url,
         "broker_connection_retry_on_startup": True,
+        "broker_connection_timeout": 5,
         "broker_transport_options": transport,
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
@@ -63,6 +67,8 @@ def from_settings(settings: Settings) -> dict[str, Any]:
         # Task events cost three broker messages per task; Flower switches them on
         # (enable_events) while it runs, and lists workers and queues without them.
         "worker_send_task_events": False,
+        # Survives a Redis broker that dies mid-run (see balancer.pipeline.consumer).
+        "worker_consumer": "balancer.pipeline.consumer:Consumer",
         "task_send_sent_event": False,
         "beat_schedule": {
             "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "kwargs": {"from_beat": True},

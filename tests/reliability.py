@@ -15,6 +15,7 @@ COLUMNS = [
     ("bound", "bound we guarantee"),
     ("rate_limited", "429s"),
     ("recovery_s", "time to recover (s)"),
+    ("died", "processes that died"),
 ]
 
 

@@ -76,6 +76,18 @@ def finish_and_check(p: Pipeline, total: int, *, timeout: float = 120.0) -> dict
     return {"counts": counts, "ok_calls": ok_calls, "in_flight": in_flight}
 
 
+def rate_limited(p: Pipeline) -> int:
+    """429s in the simulator's log."""
+    return sum(1 for e in p.sim_log() if e["status"] == 429)
+
+
+def died(p: Pipeline) -> str:
+    """The test's processes that exited during it (restarted, as compose's
+    `restart: unless-stopped` would, when the test allows it), with exit codes."""
+    p.supervisor.check_alive()
+    return ", ".join(p.supervisor.restarts) or "none"
+
+
 def start_hanging_calls(p: Pipeline) -> list[int]:
     """Submit 40 tasks whose calls all hang 2 s, and return once 10 are on the wire,
     so a fault injected next lands mid-call."""
@@ -138,7 +150,7 @@ def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliabi
         "injected": "SIGKILL to the worker process group while every call hangs 2 s",
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": repeated, "bound": f"≤ calls in flight at the kill ({in_flight_at_kill})",
-        "recovery_s": round(recovery, 1),
+        "recovery_s": round(recovery, 1), "rate_limited": rate_limited(p), "died": died(p),
     })
 
 
@@ -225,7 +237,7 @@ def test_two_beats_and_two_dispatchers(pipeline, tmp_path: Path, reliability) ->
         "fault": "two beats and two dispatchers", "injected": "a second beat and dispatcher process on the same inbox and queues",
         "tasks": total, "lost": total - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": result["ok_calls"] - total,
-        "bound": "0", "recovery_s": round(time.monotonic() - started, 1),
+        "bound": "0", "recovery_s": round(time.monotonic() - started, 1), "rate_limited": rate_limited(p), "died": died(p),
     })
 
 
@@ -242,10 +254,7 @@ def test_redis_restart_losing_all_data(
     own = start_redis(tmp_path / "redis", port=port)
     monkeypatch.setenv("BALANCER_REDIS_URL", own.url)
     p = pipeline(time_scale=0.02, extra_env=FAST_TIMING)
-    # As compose's `restart: unless-stopped` would: a Celery process may exit
-    # on some broker-loss paths; the guarantee under test is about the tasks.
-    p.supervisor.restart_dead = True
-    p.start()
+    p.start()  # no restarts: every process must reconnect by itself (check_alive fails the test otherwise)
     names = [m.name for m in p.models]
     ids = p.submit(prompt_lines(200, names, pinned_every=8))
     deadline = time.monotonic() + 60
@@ -253,7 +262,7 @@ def test_redis_restart_losing_all_data(
         assert time.monotonic() < deadline, p.counts()
         time.sleep(0.1)
     stored = sorted(q.name for q in p.services.quotas.all())
-    own.stop()  # SIGTERM; started with --save "": nothing survives
+    os.kill(own.pid, signal.SIGKILL)  # started with --save "": nothing survives
     restarted_at = time.monotonic()
     time.sleep(1.0)
     second = start_redis(tmp_path / "redis2", port=port)
@@ -268,12 +277,11 @@ def test_redis_restart_losing_all_data(
     assert p.violations() == []  # no limit exceeded, before or after
     repeated = result["ok_calls"] - len(ids)
     reliability({
-        "fault": "Redis restarts empty mid-run", "injected": "stop the (test's own) redis-server, start a new empty one on the same port",
+        "fault": "Redis killed (`kill -9`) and restarted empty mid-run (8 s lease, 10 s visibility)",
+        "injected": "SIGKILL to the test's own redis-server, a new empty one on the same port 1 s later",
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": repeated, "bound": "≤ calls in flight at the restart (their acks were lost)",
-        "recovery_s": round(recovery, 1)
-        if not p.supervisor.restarts
-        else f"{recovery:.1f} (restarted: {', '.join(p.supervisor.restarts)})",
+        "recovery_s": round(recovery, 1), "rate_limited": rate_limited(p), "died": died(p),
     })
     assert repeated <= max(s.max_concurrent_requests for s in p.models) * len(p.models)
 
@@ -316,6 +324,7 @@ def test_postgres_restart_mid_run(pipeline, tmp_path: Path, monkeypatch: pytest.
             "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"],
             "double_written": double_writes(p.services.engine), "repeated_calls": result["ok_calls"] - len(ids),
             "bound": "0: the write is retried, not the call", "recovery_s": round(time.monotonic() - stopped_at, 1),
+            "rate_limited": rate_limited(p), "died": died(p),
         })
     finally:
         from balancer.storage.db import dispose_engines
@@ -367,18 +376,18 @@ def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipe
     result = finish_and_check(p, len(ids))
     log = p.sim_log()
     answered = sum(1 for e in log if e["status"] == 200)
-    rate_limited = sum(1 for e in log if e["status"] == 429)
+    refused = sum(1 for e in log if e["status"] == 429)
     assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
     assert double_writes(p.services.engine) == 0
     assert answered == len(ids)  # one call per task: no redelivered copy called again
-    assert rate_limited == 0
+    assert refused == 0
     assert p.violations() == []
     reliability({
         "fault": "a worker's Redis connections dropped mid-call (`CLIENT KILL ID`), default timings",
         "injected": f"{len(dropped)} connections of the worker killed with {running} calls running (each hangs 2 s)",
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": answered - len(ids), "bound": "0: a copy of a running call's message starts no call",
-        "recovery_s": round(time.monotonic() - dropped_at, 1),
+        "recovery_s": round(time.monotonic() - dropped_at, 1), "rate_limited": refused, "died": died(p),
     })
 
 
@@ -412,8 +421,8 @@ def test_a_backend_outage_mid_run_pauses_and_fails_no_task(pipeline, reliability
     assert double_writes(p.services.engine) == 0
     assert p.violations() == []
     log = p.sim_log()
-    rate_limited = sum(1 for e in log if e["status"] == 429)
-    assert rate_limited == 0
+    refused = sum(1 for e in log if e["status"] == 429)
+    assert refused == 0
     # Probes, not a storm: the calls in flight (and those refilling their slots)
     # before each circuit opened, then one probe per model per pause, at most.
     caps = sum(q.max_concurrent_requests for q in p.services.quotas.all())
@@ -424,7 +433,7 @@ def test_a_backend_outage_mid_run_pauses_and_fails_no_task(pipeline, reliability
                     f"({calls_during} calls reached the backend meanwhile)",
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": result["ok_calls"] - len(ids), "bound": "0: a failed call has no answer to repeat",
-        "rate_limited": rate_limited,
+        "rate_limited": refused, "died": died(p),
         "recovery_s": f"{time.monotonic() - up_at:.1f} after the backend returned",
     })
 
@@ -513,3 +522,21 @@ def test_a_trickling_backend_with_postgres_down_ends_the_solve_in_time(
     finally:
         dispose_engines()
         server.cleanup()
+
+
+def test_a_worker_that_cannot_continue_exits_non_zero(tmp_path: Path) -> None:
+    """Celery logs "Unrecoverable error" and stops; the process must then exit
+    non-zero, or a restart-on-failure supervisor (compose, systemd) leaves it
+    down. (app.worker_main drops the exit code: this failed with exit 0.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from balancer.cli import main; from balancer.cli.pipeline import _celery_worker\n"
+        "sys.exit(main(['quota', 'list']) or _celery_worker(['worker', '-Q', 'nothing', '-c', '1', '-n', 'broken@%h', "
+        "'--without-gossip', '--without-mingle'], pool='tests.broken_pool:BrokenPool'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL)
+    assert "Unrecoverable error" in done.stderr, done.stderr[-2000:]
+    assert done.returncode != 0
