@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -198,7 +199,9 @@ def metrics(host: str, port: int) -> None:
     except OSError as exc:
         raise BalancerError(f"cannot serve metrics on {printable(host)}:{port}: {exc.strerror or exc}") from None
     click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics", err=True)
-    threading.Event().wait()  # until interrupted
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a deploy's stop is a clean exit (0), not a kill
+    stop.wait()
 
 
 @click.command()
