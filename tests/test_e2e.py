@@ -241,14 +241,27 @@ def test_submit_dispatches_at_once_without_beat(pipeline, tmp_path: Path) -> Non
     assert counts["solved"] == 40
 
 
-def test_without_beat_the_dispatcher_ticks_and_status_says_so(pipeline, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.faults
+def test_without_beat_the_dispatcher_ticks_and_status_says_so(
+    pipeline, capsys: pytest.CaptureFixture[str], reliability
+) -> None:
     """Beat never started. Tasks stored straight in PostgreSQL (no submit, so no
     dispatch is asked for) are dispatched by the dispatcher's fallback ticks,
     and `status` reports beat's absence."""
     p = pipeline(extra_env={"BALANCER_DISPATCH_TICK": "0.2"}).start(beat=False)
+    started = time.monotonic()
     ids = p.submit(prompt_lines(30, [m.name for m in p.models]))
     counts = p.wait_done(len(ids), timeout=60)
     assert counts["solved"] == len(ids)
+    reliability({
+        "fault": "beat dead (never started), tasks stored with no dispatch asked for (dispatch tick 0.2 s)",
+        "injected": "no beat process; rows inserted straight into PostgreSQL",
+        "tasks": len(ids), "lost": len(ids) - counts["solved"], "double_written": "-",
+        "repeated_calls": sum(1 for e in p.sim_log() if e["status"] == 200) - len(ids),
+        "bound": "the dispatcher's fallback ticks after 5 missed beat ticks; `status` says beat is absent",
+        "recovery_s": round(time.monotonic() - started, 1),
+        "rate_limited": sum(1 for e in p.sim_log() if e["status"] == 429), "died": "none",
+    })
     assert main(["status", "--json"]) == 0
     import json
 
@@ -257,7 +270,8 @@ def test_without_beat_the_dispatcher_ticks_and_status_says_so(pipeline, capsys: 
     assert "beat has not ticked" in logs
 
 
-def test_an_all_models_worker_takes_up_a_model_created_after_it_started(pipeline) -> None:
+@pytest.mark.faults
+def test_an_all_models_worker_takes_up_a_model_created_after_it_started(pipeline, reliability) -> None:
     p = pipeline()
     late, p.models = p.models[-1], p.models[:-1]  # the simulator serves it; no quota yet
     p.start()
@@ -271,3 +285,11 @@ def test_an_all_models_worker_takes_up_a_model_created_after_it_started(pipeline
     assert counts["solved"] == len(first) + len(ids)
     assert sum(1 for e in p.sim_log() if e["status"] == 200 and e["model"] == late.name) == len(ids)
     assert p.violations() == []
+    reliability({
+        "fault": "a model created while `worker --all-models` runs",
+        "injected": "`quota set --create` after the worker started; 20 tasks pinned to the new model",
+        "tasks": len(ids), "lost": len(ids) + len(first) - counts["solved"], "double_written": "-",
+        "repeated_calls": sum(1 for e in p.sim_log() if e["status"] == 200) - len(ids) - len(first),
+        "bound": "the worker consumes the new queue within a second (quota watcher)", "recovery_s": "-",
+        "rate_limited": sum(1 for e in p.sim_log() if e["status"] == 429), "died": "none",
+    })

@@ -540,3 +540,37 @@ def test_a_worker_that_cannot_continue_exits_non_zero(tmp_path: Path) -> None:
                           cwd=Path(__file__).resolve().parent.parent, stdin=subprocess.DEVNULL)
     assert "Unrecoverable error" in done.stderr, done.stderr[-2000:]
     assert done.returncode != 0
+
+
+def test_removing_and_recreating_a_model_with_calls_in_flight(pipeline, reliability) -> None:
+    """Default timings. `quota remove` refuses a model with calls in flight; with
+    --force it goes, and created again at once it still counts those calls:
+    no 429, and the backend never sees more than the cap."""
+    from balancer.cli import main
+
+    p = pipeline(time_scale=0.02).start()
+    target, other = p.models[0].name, p.models[1].name
+    cap = next(q for q in p.services.quotas.all() if q.name == target).max_concurrent_requests
+    set_faults(p, hang={target: 2.0})
+    ids = p.submit([{**line, "models": [target, other]} for line in prompt_lines(60, [target], pinned_every=0)])
+    deadline = time.monotonic() + 30
+    while sim_stats(p)["in_flight"].get(target, 0) < cap:
+        assert time.monotonic() < deadline, "the model never filled up"
+        time.sleep(0.05)
+    quota = next(q for q in p.services.quotas.all() if q.name == target)
+    assert main(["quota", "remove", target]) == 2  # refused: calls in flight
+    assert main(["quota", "remove", target, "--force"]) == 0
+    p.services.quotas.set(target, {k: v for k, v in quota.as_dict().items() if k != "name"}, create=True)
+    in_flight = sim_stats(p)["in_flight"].get(target, 0)
+    set_faults(p)
+    result = finish_and_check(p, len(ids))
+    assert result["counts"]["solved"] == len(ids)
+    assert rate_limited(p) == 0
+    assert p.violations() == []  # never above the cap at the backend, across the re-creation
+    reliability({
+        "fault": "`quota remove --force` and re-create of a model with its calls in flight, default timings",
+        "injected": f"{in_flight} calls hanging 2 s on the model (its cap) when removed and created again",
+        "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
+        "repeated_calls": result["ok_calls"] - len(ids), "bound": "0: the calls in flight keep their slots",
+        "recovery_s": "-", "rate_limited": rate_limited(p), "died": died(p),
+    })
