@@ -145,3 +145,21 @@ def test_a_redis_url_pointing_at_an_http_server(env: dict[str, str]) -> None:
         assert_one_line(proc, "BALANCER_REDIS_URL", "redis://***@127.0.0.1")
     finally:
         server.shutdown()
+
+
+def test_the_urls_own_options_survive_the_engines_timeouts(database_url: str) -> None:
+    """make_engine adds a statement timeout through libpq `options`; a URL's own
+    `options` (the tests' search_path, a user's role settings) must still apply."""
+    import sqlalchemy as sa
+
+    from balancer.storage.db import make_engine
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            schema = conn.execute(sa.text("SELECT current_schema()")).scalar_one()
+            timeout = conn.execute(sa.text("SHOW statement_timeout")).scalar_one()
+    finally:
+        engine.dispose()
+    assert schema == sa.engine.make_url(database_url).query["options"].split("=", 1)[1]
+    assert timeout == "1min"

@@ -18,8 +18,12 @@ def make_engine(url: str, **kwargs: object) -> Engine:
         # connect_timeout: a server that accepts but never answers fails in 5 s, not never.
         # TCP keepalives: a connection whose server vanished (no RST) is found dead in
         # about 25 s. statement_timeout: no query of ours runs for a minute.
+        # The URL's own `options` (e.g. a search_path) are kept: connect_args would replace them.
+        own_options = sa.engine.make_url(url).query.get("options", "")
+        if not isinstance(own_options, str):
+            own_options = " ".join(own_options)
         connect_args = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-                        "keepalives_count": 3, "options": "-c statement_timeout=60000"}
+                        "keepalives_count": 3, "options": f"{own_options} -c statement_timeout=60000".strip()}
         options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, "connect_args": connect_args, **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
