@@ -79,3 +79,30 @@ def test_restored_leases_are_placed_on_the_redis_clock(redis_client: redis.Redis
     deadline = redis_client.zscore(keys_module.inflight(namespace, "a"), "old-1")
     assert deadline is not None and abs(deadline - (redis_now + 7_000)) < 1_000
     assert core.live()["a"].in_flight == 1  # still counted against the cap
+
+
+def test_the_refill_gap_is_measured_from_a_full_models_freed_slot(redis_client: redis.Redis, namespace: str) -> None:
+    """finish.lua marks a slot freed by a model at its cap; admit.lua counts the
+    wait until the model's next admission (metrics only), on an injected clock."""
+    from balancer.admission import Settlement
+    from tests.twin import Twin
+
+    def stats() -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in redis_client.hgetall(keys_module.stats(namespace, "a")).items()}
+
+    twin = Twin(redis_client, namespace)
+    twin.set_quota(Quota("a", 2, 600_000))
+    first, second = twin.admit([Candidate(10), Candidate(10)])
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    twin.advance(100)
+    twin.finish(first.admission_id, Settlement(used_tokens=10, reserved_tokens=10, latency_ms=100, completion_tokens=1))
+    twin.advance(30)
+    third = twin.admit([Candidate(10)])[0]
+    assert isinstance(third, Admitted)
+    assert (stats()["gap50"], stats()["gap_ms"], stats()["gaps"], stats()["freed_at"]) == (1, 30, 1, 0)
+    twin.release(second.admission_id)  # full: the clock starts
+    twin.advance(2_000)
+    twin.release(third.admission_id)  # below the cap: it does not restart the clock
+    twin.advance(1_000)
+    assert isinstance(twin.admit([Candidate(10)])[0], Admitted)
+    assert (stats()["gap5000"], stats()["gap_ms"], stats()["gaps"]) == (1, 3_030, 2)

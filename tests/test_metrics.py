@@ -60,6 +60,7 @@ def test_metrics_match_the_simulator_log(tmp_path: Path) -> None:
         assert sum(peak.values()) > 0  # the scrapes saw calls in flight
         log = p.sim_log()
         samples = scrape(url)
+        refill_gaps = 0.0
         for model in caps:
             def calls(outcome: str, model: str = model) -> float:
                 return samples[("balancer_model_calls_total", (("model", model), ("outcome", outcome)))]
@@ -69,6 +70,11 @@ def test_metrics_match_the_simulator_log(tmp_path: Path) -> None:
             histogram_count = samples[("balancer_model_call_latency_seconds_count", (("model", model),))]
             assert histogram_count == calls("solved")
             assert samples[("balancer_model_max_concurrent_requests", (("model", model),))] == caps[model]
+            # Each refill gap starts with a call that ended on a full model: never more gaps than calls.
+            gaps = samples[("balancer_model_refill_gap_seconds_count", (("model", model),))]
+            assert gaps <= sum(1 for e in log if e["model"] == model)
+            refill_gaps += gaps
+        assert refill_gaps > 0  # 60 tasks on three models: some slot of a full model was refilled
         assert samples[("balancer_model_calls_total", (("model", "model-1"), ("outcome", "rate_limited")))] >= 3
         assert samples[("balancer_tasks", (("status", "solved"),))] == p.counts()["solved"]
         assert samples[("balancer_dispatch_rounds_total", ())] > 0

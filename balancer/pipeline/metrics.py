@@ -63,6 +63,22 @@ def latency_buckets(counters: Mapping[str, int]) -> list[tuple[str, int]]:
     return out
 
 
+def refill_gap_buckets(counters: Mapping[str, int]) -> list[tuple[str, int]]:
+    """Cumulative ``(le, count)`` pairs, seconds, of one model's refill gaps, from
+    the ``gap<le ms>`` counters admit.lua keeps (``gapinf`` above the last edge).
+
+    >>> refill_gap_buckets({"gap5": 3, "gap25": 1, "gapinf": 2, "gap_ms": 9})
+    [('0.005', 3), ('0.025', 4), ('+Inf', 6)]
+    """
+    edges = sorted(int(k[3:]) for k in counters if k.startswith("gap") and k[3:].isdigit())
+    out, running = [], 0
+    for edge in edges:
+        running += counters[f"gap{edge}"]
+        out.append((f"{edge / 1000:g}", running))
+    out.append(("+Inf", running + counters.get("gapinf", 0)))
+    return out
+
+
 class BalancerCollector(Collector):
     """Reads Redis and PostgreSQL on each ``collect`` (a scrape)."""
 
@@ -106,6 +122,9 @@ class BalancerCollector(Collector):
             families["balancer_model_call_latency_seconds"].add_metric(
                 [name], latency_buckets(stats), stats.get("latency_ms", 0) / 1000
             )
+            families["balancer_model_refill_gap_seconds"].add_metric(
+                [name], refill_gap_buckets(stats), stats.get("gap_ms", 0) / 1000
+            )
         for status, n in status_counts(svc.engine).items():
             families["balancer_tasks"].add_metric([status], n)
         for decision in ("admitted", "not_now", "rejected"):
@@ -141,6 +160,9 @@ class BalancerCollector(Collector):
             "balancer_model_tokens_used", "Tokens answered calls used (prompt + completion)", labels=model)
         families["balancer_model_call_latency_seconds"] = HistogramMetricFamily(
             "balancer_model_call_latency_seconds", "Latency of answered calls", labels=model)
+        families["balancer_model_refill_gap_seconds"] = HistogramMetricFamily(
+            "balancer_model_refill_gap_seconds", "How long a slot freed by a model at its cap waited for the "
+            "model's next admission (an idle backlog shows as long gaps)", labels=model)
         families["balancer_tasks"] = GaugeMetricFamily("balancer_tasks", "Tasks by status", labels=["status"])
         families["balancer_admission_decisions"] = CounterMetricFamily(
             "balancer_admission_decisions", "Admission decisions by kind", labels=["decision"])

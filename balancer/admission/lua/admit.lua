@@ -113,6 +113,7 @@ for c = 0, n - 1 do
       seq = seq + 1
       local lid = epoch .. '-' .. fmt(seq)
       put_lease(lid, chosen, est, now + lease_ms, 0)
+      measure_refill(chosen.name, now)
       rr = chosen.name
       out[#out + 1] = 'A'; out[#out + 1] = chosen.name; out[#out + 1] = lid
     end

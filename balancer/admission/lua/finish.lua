@@ -30,8 +30,8 @@ if not raw then return {0, 0} end
 local lease = cjson.decode(raw)
 local settled, released = 0, 0
 local m = load_model(lease.m)
+local now = clock(ARGV[1])
 if m then
-  local now = clock(ARGV[1])
   refill(m, now)
   refill_started(m, now)
   if lease.r == 0 and ARGV[3] ~= '' then
@@ -60,6 +60,9 @@ end
 if ARGV[7] == '0' then
   if settled == 1 then redis.call('HSET', LEASES, lid, cjson.encode(lease)) end
 else
+  if m and redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= m.cap then
+    mark_freed(lease.m, now)  -- a slot of a full model: the refill gap starts (metrics only)
+  end
   redis.call('ZREM', inflight_key(lease.m), lid)
   redis.call('HDEL', LEASES, lid)
   released = 1

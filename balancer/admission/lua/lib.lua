@@ -26,7 +26,9 @@
 --   <tag>:latency:<name>   hash   the latency sketch: b<i> (decayed count of calls in bucket i),
 --                                 ms, pt, ct (decayed sums of latency, prompt and completion tokens)
 --   <tag>:stats:<name>     hash   counters since the start (metrics only): solved, rate_limited,
---                                 tokens_used, tokens_estimated, latency_ms, lat<i> (calls in bucket i)
+--                                 tokens_used, tokens_estimated, latency_ms, lat<i> (calls in bucket i),
+--                                 the refill gap: freed_at (ms a slot of the full model freed; 0: none
+--                                 waiting), gap<le> (gaps up to le ms), gap_ms (their sum), gaps
 --   <tag>:stats            hash   admitted, not_now, rejected (admission decisions), dispatch_rounds
 --                                 (admit calls)
 --
@@ -48,6 +50,26 @@ local function latency_key(name) return PREFIX .. LATENCY_INFIX .. name end
 -- only, never read by any rule here, so the reference model does not keep them.
 local function count(name, field, n) redis.call('HINCRBY', PREFIX .. STATS_INFIX .. name, field, n) end
 local function count_system(field, n) if n > 0 then redis.call('HINCRBY', PREFIX .. SYSTEM_STATS, field, n) end end
+
+-- The refill gap: how long a slot freed by a model at its cap waits for its next
+-- admission (finish.lua marks the slot, admit.lua measures it). Counted into
+-- cumulative-free buckets gap<le> (le in ms; 'inf' above the last edge).
+local GAP_EDGES_MS = {5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000}
+local function mark_freed(name, now) redis.call('HSET', PREFIX .. STATS_INFIX .. name, 'freed_at', string.format('%d', now)) end
+local function measure_refill(name, now)
+  local key = PREFIX .. STATS_INFIX .. name
+  local freed = tonumber(redis.call('HGET', key, 'freed_at') or '0')
+  if freed <= 0 then return end
+  local gap = math.max(0, now - freed)
+  local le = 'inf'
+  for _, edge in ipairs(GAP_EDGES_MS) do
+    if gap <= edge then le = string.format('%d', edge); break end
+  end
+  redis.call('HSET', key, 'freed_at', '0')
+  redis.call('HINCRBY', key, 'gap' .. le, 1)
+  redis.call('HINCRBY', key, 'gap_ms', gap)
+  redis.call('HINCRBY', key, 'gaps', 1)
+end
 
 -- The clock is Redis TIME unless a test injects one.
 local function clock(arg)
