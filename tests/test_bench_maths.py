@@ -122,3 +122,42 @@ def test_report_helpers() -> None:
     Row = namedtuple("Row", "model prompt_tokens completion_tokens estimated_tokens")
     acc = estimate_accuracy([Row("m", 10, 5, 20), Row("m", 1, 1, 4), Row(None, None, None, 9)])
     assert acc == {"m": {"tasks": 2, "estimated": 24, "actual": 17}}
+
+
+def test_the_shipped_grafana_dashboard_is_the_panels_definition() -> None:
+    """docs/grafana-dashboard.json is generated from PANELS (`python -m
+    balancer.bench.dashboard --json-only`): editing one without the other fails."""
+    import json
+    from pathlib import Path
+
+    from balancer.bench.dashboard import PANELS, grafana_json
+    from balancer.pipeline.metrics import BalancerCollector
+
+    shipped = json.loads((Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    assert shipped == grafana_json()
+    exported = {m.name for m in BalancerCollector(None).describe()}
+    for panel in PANELS:  # every panel queries a metric the exporter has
+        for query in panel.queries:
+            base = query.metric.removesuffix("_total")
+            assert base in exported, query.metric
+
+
+def test_dashboard_quantiles_and_rates_on_hand_made_scrapes() -> None:
+    import math
+
+    from balancer.bench.dashboard import Query, evaluate
+
+    def scrape(a_le1: float, a_inf: float, calls: float) -> dict:
+        return {
+            ("lat_bucket", (("le", "1.0"), ("model", "a"))): a_le1,
+            ("lat_bucket", (("le", "+Inf"), ("model", "a"))): a_inf,
+            ("calls_total", (("model", "a"), ("outcome", "solved"))): calls,
+        }
+
+    history = [(0.0, scrape(0, 0, 100)), (30.0, scrape(30, 40, 160)), (60.0, scrape(35, 60, 10))]
+    p50 = evaluate(Query("lat", "quantile", q=0.5), history)["a"]
+    assert [t for t, _ in p50] == [30.0, 60.0]
+    assert math.isclose(p50[0][1], 20 / 30)  # rank 20 of 40, 30 of them at or below 1 s
+    assert math.isclose(p50[1][1], 1.0)  # rank 10 of 20, only 5 at or below 1 s: the highest finite edge
+    rates = evaluate(Query("calls_total", "rate", {"outcome": "solved"}), history)["a"]
+    assert rates == [(30.0, 2.0), (60.0, 10 / 30)]  # the drop to 10 is a counter reset: its increase is 10
