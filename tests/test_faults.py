@@ -230,6 +230,7 @@ def test_two_beats_and_two_dispatchers(pipeline, tmp_path: Path, reliability) ->
     assert result["ok_calls"] == total  # no task dispatched (and called) twice
     assert double_writes(p.services.engine) == 0
     assert p.violations() == []
+    refused, dead = rate_limited(p), died(p)
     p.stop()
     logs = "".join(f.read_text(errors="replace") for f in p.log_dir.glob("*.log"))
     assert "balancer.solve" in logs and canary not in logs  # every process's log, searched for the key
@@ -237,7 +238,7 @@ def test_two_beats_and_two_dispatchers(pipeline, tmp_path: Path, reliability) ->
         "fault": "two beats and two dispatchers", "injected": "a second beat and dispatcher process on the same inbox and queues",
         "tasks": total, "lost": total - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": result["ok_calls"] - total,
-        "bound": "0", "recovery_s": round(time.monotonic() - started, 1), "rate_limited": rate_limited(p), "died": died(p),
+        "bound": "0", "recovery_s": round(time.monotonic() - started, 1), "rate_limited": refused, "died": dead,
     })
 
 
