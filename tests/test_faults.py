@@ -516,8 +516,8 @@ def test_a_trickling_backend_with_postgres_down_ends_the_solve_in_time(
             "fault": "backend trickles 1 byte/s, and PostgreSQL stops mid-call (2 s backend timeout, 2 s write grace, 8 s lease)",
             "injected": "an ASGI backend sending one byte a second; fast shutdown of the test's own PostgreSQL",
             "tasks": 1, "lost": 0, "double_written": 0, "repeated_calls": 0,
-            "bound": f"the solve ended after {took:.1f} s, within its {svc.settings.hard_time_limit:g} s deadline; "
-                     "the task's deadline returns it to pending",
+            "bound": f"the solve ended {took:.1f} s after it started (deadline {svc.settings.hard_time_limit:g} s, "
+                     f"lease {svc.settings.lease_seconds} s); the task's deadline returns it to pending",
             "recovery_s": "-",
         })
     finally:
@@ -574,4 +574,36 @@ def test_removing_and_recreating_a_model_with_calls_in_flight(pipeline, reliabil
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": result["ok_calls"] - len(ids), "bound": "0: the calls in flight keep their slots",
         "recovery_s": "-", "rate_limited": rate_limited(p), "died": died(p),
+    })
+
+
+def test_a_provider_stricter_than_the_quota_on_requests_and_concurrency(pipeline, reliability) -> None:
+    """Default timings. The provider allows one model half our concurrency cap and
+    a tenth of our RPM (a quota set too high): its 429s come from the request
+    and concurrency limits, not tokens. Each pauses the model for Retry-After,
+    once per window, so 429s stay a few per task at most and no task fails."""
+    p = pipeline(time_scale=0.02).start()
+    target = p.models[0]
+    ours = next(q for q in p.services.quotas.all() if q.name == target.name)
+    strict_rpm = max(6, (ours.max_requests_per_minute or 600) // 10)
+    httpx.post(f"{p.backend_url}/admin/limits", json={
+        "model": target.name, "cap": max(1, ours.max_concurrent_requests // 2), "rpm": strict_rpm,
+    }, timeout=5).raise_for_status()
+    ids = p.submit([{**line, "model": target.name} for line in prompt_lines(40, [target.name], pinned_every=0)])
+    started = time.monotonic()
+    result = finish_and_check(p, len(ids), timeout=180)
+    assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
+    refused = [e for e in p.sim_log() if e["status"] == 429]
+    limits = {e.get("limit") for e in refused}
+    with p.services.engine.connect() as conn:
+        most = conn.execute(sa.text("SELECT coalesce(max(rate_limited), 0) FROM tasks")).scalar_one()
+    assert most <= 12, f"a task met {most} 429s"  # before the one-pause rule: 17 to 19
+    reliability({
+        "fault": "provider stricter than the quota on requests and concurrency, default timings",
+        "injected": f"simulator limits one model to {strict_rpm} RPM and half our cap; 40 tasks pinned to it "
+                    f"(429s by limit: {', '.join(sorted(str(x) for x in limits)) or 'none'})",
+        "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
+        "repeated_calls": result["ok_calls"] - len(ids),
+        "bound": f"one pause per Retry-After window whatever the limit; at most {most} 429s for any task",
+        "recovery_s": round(time.monotonic() - started, 1), "rate_limited": len(refused), "died": died(p),
     })
