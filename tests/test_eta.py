@@ -74,3 +74,25 @@ def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[
     assert report["eta_s"] == pytest.approx(60 / 2 * mean + mean / 2, abs=0.1)
     assert main(["status"]) == 0
     assert "eta: 1 min" in capsys.readouterr().out
+
+
+def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
+    """A run at 80 % of its bound lately: the work left takes 1/0.8 of its bound.
+    A prior that is twice too slow inflates both bounds alike, so it cancels."""
+    from balancer.domain.capacity import ModelCapacity
+    from balancer.domain.eta import drain_eta, efficiency
+
+    true = {"m": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
+    slow_prior = {"m": ModelCapacity(concurrency=10, mean_latency=4.0, tpm=None, burst=0)}
+    # 240 solved in 60 s at 5 tasks/s capacity: pace 0.8; the 100 left take 20 / 0.8 = 25 s, plus 1 s of tail.
+    pace = efficiency(true, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
+    assert round(drain_eta(true, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace), 3) == 26.0
+    pace_slow = efficiency(slow_prior, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
+    assert round(pace_slow, 6) == 1.6
+    assert round(drain_eta(slow_prior, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace_slow), 3) == 27.0
+    # Calls in flight count as half done; a burst cannot claim more than twice the bound.
+    assert round(efficiency(true, [(None, 200)], in_flight={"m": 40}, window_s=60, tokens_per_task=100), 6) == 0.733333
+    assert efficiency(true, [(None, 2_000)], in_flight={}, window_s=60, tokens_per_task=100) == 2.0
+    # Pinned work solved on its own model: the bound of the window holds it there.
+    two = {**true, "n": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
+    assert round(efficiency(two, [(["m"], 300)], in_flight={}, window_s=60, tokens_per_task=100), 6) == 1.0

@@ -65,7 +65,7 @@ class ModelCapacity:
         return min(rates)
 
 
-def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, int]) -> bool:
+def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, float]) -> bool:
     caps = [m.tasks_by(t, tokens_per_task) for m in models]
     if any(pinned.get(i, 0) > caps[i] + 1e-9 for i in range(len(models))):
         return False
@@ -73,7 +73,7 @@ def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, 
 
 
 def makespan_bound(
-    models: Sequence[ModelCapacity], *, tokens_per_task: float, any_model: int, pinned: Mapping[int, int]
+    models: Sequence[ModelCapacity], *, tokens_per_task: float, any_model: int, pinned: Mapping[int, float]
 ) -> float:
     """Least T (seconds) at which all tasks could be done; see the module docstring."""
     low, high = 0.0, 1.0

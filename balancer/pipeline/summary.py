@@ -19,9 +19,12 @@ from typing import Any
 
 from balancer.admission.core import ModelLive
 from balancer.domain.capacity import ModelCapacity
-from balancer.domain.eta import drain_eta
+from balancer.domain.eta import drain_eta, efficiency
 from balancer.services import Services
-from balancer.storage.tasks import pending_groups, status_counts
+from balancer.storage.tasks import pending_groups, recent_solves, status_counts
+
+#: The drain ETA's pace is measured over the last minute of solves.
+PACE_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,10 @@ def estimate_drain(
     if not models:
         return None
     in_flight = {name: live.in_flight for name, live in view.items()}
+    solved, window_s = recent_solves(services.engine, PACE_WINDOW_S)
+    pace = efficiency(models, solved, in_flight=in_flight, window_s=window_s, tokens_per_task=tokens_per_task)
     return drain_eta(models, [(allowed, n) for allowed, n, _ in groups], in_flight=in_flight,
-                     tokens_per_task=tokens_per_task)
+                     tokens_per_task=tokens_per_task, pace=pace)
 
 
 def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], float | None]:

@@ -423,6 +423,24 @@ def pending_groups(engine: Engine) -> list[tuple[list[str] | None, int, int]]:
     return [(r[0], int(r[1]), int(r[2])) for r in rows]
 
 
+def recent_solves(engine: Engine, window_s: float) -> tuple[list[tuple[list[str] | None, int]], float]:
+    """The work solved in the last ``window_s`` seconds, grouped by allowed models,
+    and the seconds it covers: the window, or less when the oldest of those
+    tasks was created more recently (a run that started inside the window)."""
+    since = sa.func.now() - timedelta(seconds=window_s)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.allowed_models, sa.func.count())
+            .where(tasks.c.status == "solved", tasks.c.updated_at >= since).group_by(tasks.c.allowed_models)
+        ).all()
+        oldest = conn.execute(
+            sa.select(sa.extract("epoch", sa.func.now() - sa.func.min(tasks.c.created_at)))
+            .where(tasks.c.status == "solved", tasks.c.updated_at >= since)
+        ).scalar()
+    covered = min(window_s, float(oldest)) if oldest is not None else window_s
+    return [(r[0], int(r[1])) for r in rows], covered
+
+
 def status_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(tasks.c.status, sa.func.count()).group_by(tasks.c.status)).all()
