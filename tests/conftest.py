@@ -22,7 +22,7 @@ import sqlalchemy as sa
 
 from balancer.devtools.embedded import TemporaryStack
 from balancer.storage.db import dispose_engines
-from tests.twin import delete_keys
+from tests.twin import Twin, delete_keys
 
 
 @pytest.fixture(scope="session")
@@ -119,3 +119,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     with open(path, "w") as fh:
         fh.write(render(_RELIABILITY_ROWS, passed=exitstatus == 0))
+
+
+@pytest.fixture
+def new_twin(redis_client: redis.Redis) -> Iterator:
+    """A factory of twins (the Lua core and the reference side by side), each in a
+    namespace of its own, deleted afterwards. Hypothesis tests need one per example."""
+    made: list[Twin] = []
+
+    def make() -> Twin:
+        made.append(Twin(redis_client, "p" + uuid.uuid4().hex[:12]))
+        return made[-1]
+
+    yield make
+    for twin in made:
+        delete_keys(redis_client, twin.namespace)
+
+
+@pytest.fixture
+def twin(new_twin) -> Twin:  # noqa: ANN001
+    return new_twin()

@@ -6,24 +6,12 @@ injected clock, with hand-made numbers.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import pytest
-import redis
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
-from tests.twin import Twin, delete_keys
-
-
-@pytest.fixture
-def twin(redis_client: redis.Redis) -> Iterator[Twin]:
-    namespace = "a" + uuid.uuid4().hex[:12]
-    t = Twin(redis_client, namespace)
-    yield t
-    delete_keys(redis_client, namespace)
+from tests.twin import Twin
 
 
 def tokens(twin: Twin, model: str = "a") -> float:

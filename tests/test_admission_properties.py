@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import random
-import uuid
 
 import pytest
 import redis
@@ -19,30 +18,11 @@ from hypothesis import strategies as st
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected
 from balancer.admission.model import UNITS, token_cap
 from balancer.domain.quota import MAX_CONCURRENCY, Quota
-from tests.twin import Twin, delete_keys
+from tests.twin import Twin
 
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 )
-
-
-@pytest.fixture
-def new_twin(redis_client: redis.Redis):
-    """A factory: Hypothesis tests need a fresh twin (and namespace) per example."""
-    made: list[Twin] = []
-
-    def make() -> Twin:
-        made.append(Twin(redis_client, "p" + uuid.uuid4().hex[:12]))
-        return made[-1]
-
-    yield make
-    for twin in made:
-        delete_keys(redis_client, twin.namespace)
-
-
-@pytest.fixture
-def twin(new_twin) -> Twin:
-    return new_twin()
 
 
 def in_flight(twin: Twin, model: str) -> int:

@@ -4,26 +4,14 @@ injected clock and hand-made numbers."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
-import pytest
-import redis
-
 from balancer.admission import Admitted, Candidate, NotNow, Settlement
 from balancer.admission.model import CIRCUIT_BASE_MS, CIRCUIT_FAILURES, CIRCUIT_MAX_MS
 from balancer.domain.quota import Quota
-from tests.twin import Twin, delete_keys
+from tests.twin import Twin
 
 ANSWERED = Settlement(used_tokens=10, reserved_tokens=10, latency_ms=50, completion_tokens=5)
 
 
-@pytest.fixture
-def twin(redis_client: redis.Redis) -> Iterator[Twin]:
-    namespace = "c" + uuid.uuid4().hex[:12]
-    t = Twin(redis_client, namespace)
-    yield t
-    delete_keys(redis_client, namespace)
 
 
 def admitted(twin: Twin, n: int) -> list[Admitted]:
