@@ -67,8 +67,6 @@ def from_settings(settings: Settings) -> dict[str, Any]:
         # Task events cost three broker messages per task; Flower switches them on
         # (enable_events) while it runs, and lists workers and queues without them.
         "worker_send_task_events": False,
-        # Survives a Redis broker that dies mid-run (see balancer.pipeline.consumer).
-        "worker_consumer": "balancer.pipeline.consumer:Consumer",
         "task_send_sent_event": False,
         "beat_schedule": {
             "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "kwargs": {"from_beat": True},

@@ -607,3 +607,20 @@ def test_a_provider_stricter_than_the_quota_on_requests_and_concurrency(pipeline
         "bound": f"one pause per Retry-After window whatever the limit; at most {most} 429s for any task",
         "recovery_s": round(time.monotonic() - started, 1), "rate_limited": len(refused), "died": died(p),
     })
+
+
+def test_a_collected_broker_connection_raises_a_connection_error(redis_url: str) -> None:
+    """What made workers die after Redis was killed, without the race: a channel
+    used after Celery collected its connection. Real kombu, real Redis. Unpatched,
+    this raised AttributeError, which no broker-loss path of Celery tolerates."""
+    import kombu
+
+    from balancer.pipeline import kombu_redis
+
+    kombu_redis.install()
+    connection = kombu.Connection(redis_url)
+    channel = connection.channel()
+    connection.collect()
+    with pytest.raises(redis.ConnectionError):
+        channel._connparams()
+    assert redis.ConnectionError in connection.connection_errors  # so Celery's paths handle it

@@ -2,6 +2,9 @@
 
 from celery import Celery
 
+from balancer.pipeline import kombu_redis
+
+kombu_redis.install()  # workers survive a Redis broker that dies (see the module)
 app = Celery("balancer")
 app.config_from_object("celeryconfig")
 app.autodiscover_tasks(["balancer.pipeline"], related_name="tasks", force=True)
