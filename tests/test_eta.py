@@ -90,6 +90,12 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     pace_slow = efficiency(slow_prior, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
     assert round(pace_slow, 6) == 1.6
     assert round(drain_eta(slow_prior, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace_slow), 3) == 27.0
+    # Work held to one model runs at that model's pace: the run's pace applies to free work only.
+    assert round(drain_eta(true, [(["m"], 100)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == 21.0
+    assert round(drain_eta(true, [(["m"], 50), (None, 50)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == round(
+        20 / 0.9 + 1, 3)
+    # Too short a window (a run's first seconds) tells nothing yet.
+    assert efficiency(true, [(None, 100)], in_flight={}, window_s=20, tokens_per_task=100) == 1.0
     # Calls in flight count as half done; a burst cannot claim more than twice the bound.
     assert round(efficiency(true, [(None, 200)], in_flight={"m": 40}, window_s=60, tokens_per_task=100), 6) == 0.733333
     assert efficiency(true, [(None, 2_000)], in_flight={}, window_s=60, tokens_per_task=100) == 2.0

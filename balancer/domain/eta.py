@@ -36,8 +36,10 @@ from collections.abc import Mapping, Sequence
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
 
-#: Fewer tasks solved in the window than this: no efficiency correction (1.0).
-MIN_SOLVED = 20
+#: Fewer tasks solved in the window than this, or a window shorter than
+#: MIN_WINDOW_S (a run's first seconds, when its buckets' bursts outrun any
+#: steady state): no efficiency correction (1.0).
+MIN_SOLVED, MIN_WINDOW_S = 20, 30.0
 #: The efficiency is kept within these bounds: a burst or a stall of one minute
 #: must not multiply or divide the forecast by more than two.
 EFFICIENCY_RANGE = (0.5, 2.0)
@@ -63,7 +65,7 @@ def efficiency(
     1.0
     """
     done = sum(n for _, n in solved)
-    if done < MIN_SOLVED or window_s <= 0:
+    if done < MIN_SOLVED or window_s < MIN_WINDOW_S:
         return 1.0
     steady = {name: ModelCapacity(m.concurrency, m.mean_latency, m.tpm, 0.0, m.rpm, 0.0, m.tokens_per_task)
               for name, m in models.items()}
@@ -86,14 +88,20 @@ def drain_eta(
     """Seconds until the backlog is solved; None if some pinned work has no capacity.
 
     ``groups``: pending task counts by allowed models (None: any model);
-    ``pace``: the run's :func:`efficiency` (the bound of the work left is divided by it).
+    ``pace``: the run's :func:`efficiency`; the bound of the work left is divided
+    by it, in the proportion of that work free to run on more than one model.
     """
-    pinned_total = sum(n for _, n in groups) + sum(in_flight.values())
-    if pinned_total == 0:
+    total = sum(n for _, n in groups) + sum(in_flight.values())
+    if total == 0:
         return 0.0
     bound = _bound(models, groups, in_flight, tokens_per_task)
     if bound is None:
         return None
+    # The pace was measured on work free to go to any model (mostly the fast
+    # ones); work held to one model runs at that model's own pace. So it applies
+    # in proportion to the work left that is free.
+    free = sum(n for allowed, n in groups if allowed is None or len(allowed) > 1)
+    pace = 1 + (pace - 1) * free / total
     tail = min(m.mean_latency for m in models.values()) / 2
     return bound / pace + tail
 
