@@ -106,3 +106,16 @@ def test_the_refill_gap_is_measured_from_a_full_models_freed_slot(redis_client: 
     twin.advance(1_000)
     assert isinstance(twin.admit([Candidate(10)])[0], Admitted)
     assert (stats()["gap5000"], stats()["gap_ms"], stats()["gaps"]) == (1, 3_030, 2)
+
+
+def test_quota_changes_apply_in_one_transaction(redis_client: redis.Redis, namespace: str) -> None:
+    """An import's changes go to Redis in one MULTI/EXEC: created, changed and
+    removed together; a missing live state is rebuilt first."""
+    core = AdmissionCore(redis_client, namespace)
+    core.restore([Quota("old", 1, 5), Quota("kept", 1, 5)])
+    core.apply_quotas([("new", Quota("new", 2, 60)), ("kept", Quota("kept", 3, 5)), ("old", None)])
+    live = core.live()
+    assert sorted(live) == ["kept", "new"] and live["kept"].quota.max_concurrent_requests == 3
+    delete_keys(redis_client, namespace)  # Redis lost everything: restored (empty source), then applied
+    core.apply_quotas([("again", Quota("again", 1, 5))])
+    assert sorted(core.live()) == ["again"]

@@ -262,10 +262,7 @@ def test_a_failed_push_is_stored_and_the_sweep_repairs_it(database_url: str) -> 
     from balancer.storage.quotas import LiveNotUpdated
 
     class BrokenLive:
-        def set_quota(self, quota: Quota) -> None:
-            raise ConnectionError("redis went away")
-
-        def remove_quota(self, name: str) -> bool:
+        def apply_quotas(self, changes: object) -> None:
             raise ConnectionError("redis went away")
 
         def live_quotas(self) -> dict[str, Quota]:

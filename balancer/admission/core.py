@@ -266,6 +266,25 @@ class AdmissionCore:
         reply = self._run_with_state("remove_quota", lambda: [name])
         return reply[1] == 1
 
+    def apply_quotas(self, changes: Sequence[tuple[str, Quota | None]]) -> None:
+        """Several quota changes (None: remove the model) in one MULTI/EXEC, so
+        every other client sees all of them or none: an import, a drift repair."""
+        if not changes:
+            return
+        self.restore()  # a missing state is rebuilt first (nothing to do when it is there)
+        for _ in range(2):
+            pipe = self.redis.pipeline(transaction=True)
+            for name, quota in changes:
+                if quota is None:
+                    self._scripts["remove_quota"](keys=self.keys, args=[name], client=pipe)
+                else:
+                    self._scripts["set_quota"](keys=self.keys, args=[self._now(), *quota_args(quota)], client=pipe)
+            replies = pipe.execute()
+            if not any(isinstance(r, list) and r[:1] == [b"NOSTATE"] for r in replies):
+                return
+            self.restore()  # lost between the restore and the transaction: every change was refused; again
+        raise RuntimeError("admission state still missing after restore")
+
     def count(self, model: str, outcome: str) -> None:
         """Count a call outcome the scripts do not see (``transient``, ``failed``) for the metrics.
 

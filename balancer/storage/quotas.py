@@ -3,7 +3,8 @@
 Every change runs in one PostgreSQL transaction that locks the row and writes
 the new value and an audit row; an import writes every model in one
 transaction. Only after the commit is the change pushed to the admission core,
-so Redis never enforces a value PostgreSQL did not store. Writers (and the
+in one Redis transaction (all of an import, or none of it), so Redis never
+enforces a value PostgreSQL did not store. Writers (and the
 drift repair) hold one advisory lock from their transaction to the end of their
 push, so two changes reach Redis in the order they were committed. If the push
 fails (Redis down), the change is stored and :class:`LiveNotUpdated` says so;
@@ -31,9 +32,7 @@ from balancer.storage.schema import quota_changes, quotas
 class LiveQuotas(Protocol):
     """What the store needs from the admission core."""
 
-    def set_quota(self, quota: Quota) -> None: ...
-
-    def remove_quota(self, name: str) -> bool: ...
+    def apply_quotas(self, changes: Sequence[tuple[str, Quota | None]]) -> None: ...
 
     def live_quotas(self) -> dict[str, Quota]: ...
 
@@ -176,12 +175,8 @@ class QuotaStore:
     def _push(self, changes: Sequence[Change]) -> None:
         if self.live is None or not changes:
             return
-        try:
-            for old, new in changes:
-                if new is None:
-                    self.live.remove_quota(old.name)  # type: ignore[union-attr]
-                else:
-                    self.live.set_quota(new)
+        try:  # one transaction: an import reaches Redis whole, or not at all
+            self.live.apply_quotas([((new or old).name, new) for old, new in changes])  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - stored in PostgreSQL; the drift repair pushes it later
             raise LiveNotUpdated(
                 f"stored, but the live state was not updated ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
