@@ -32,6 +32,8 @@ def render(rows: list[dict], *, passed: bool) -> str:
         "Every row used real processes (Celery workers, dispatcher, beat, the simulator) and real Redis and PostgreSQL.",
         "*Lost*: tasks not solved at the end. *Written twice*: transitions into `solved` seen by a PostgreSQL",
         "trigger (an independent witness). *Repeated calls*: successful backend calls beyond one per task.",
+        "Under load: `.ci/faults-under-load` runs this suite three times beside a CPU hog; its results are in",
+        "docs/benchmarks.md (Faults under load).",
         "",
         "| " + " | ".join(title for _, title in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
