@@ -581,7 +581,8 @@ def test_a_provider_stricter_than_the_quota_on_requests_and_concurrency(pipeline
     """Default timings. The provider allows one model half our concurrency cap and
     a tenth of our RPM (a quota set too high): its 429s come from the request
     and concurrency limits, not tokens. Each pauses the model for Retry-After,
-    once per window, so 429s stay a few per task at most and no task fails."""
+    once per window, so 429s stay a few per task at most and no task fails.
+    (docs/reliability.md's row is from a run with 40 tasks.)"""
     p = pipeline(time_scale=0.02).start()
     target = p.models[0]
     ours = next(q for q in p.services.quotas.all() if q.name == target.name)
@@ -589,7 +590,7 @@ def test_a_provider_stricter_than_the_quota_on_requests_and_concurrency(pipeline
     httpx.post(f"{p.backend_url}/admin/limits", json={
         "model": target.name, "cap": max(1, ours.max_concurrent_requests // 2), "rpm": strict_rpm,
     }, timeout=5).raise_for_status()
-    ids = p.submit([{**line, "model": target.name} for line in prompt_lines(40, [target.name], pinned_every=0)])
+    ids = p.submit([{**line, "model": target.name} for line in prompt_lines(20, [target.name], pinned_every=0)])
     started = time.monotonic()
     result = finish_and_check(p, len(ids), timeout=180)
     assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
@@ -600,7 +601,7 @@ def test_a_provider_stricter_than_the_quota_on_requests_and_concurrency(pipeline
     assert most <= 12, f"a task met {most} 429s"  # before the one-pause rule: 17 to 19
     reliability({
         "fault": "provider stricter than the quota on requests and concurrency, default timings",
-        "injected": f"simulator limits one model to {strict_rpm} RPM and half our cap; 40 tasks pinned to it "
+        "injected": f"simulator limits one model to {strict_rpm} RPM and half our cap; {len(ids)} tasks pinned to it "
                     f"(429s by limit: {', '.join(sorted(str(x) for x in limits)) or 'none'})",
         "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
         "repeated_calls": result["ok_calls"] - len(ids),
