@@ -88,11 +88,11 @@ def died(p: Pipeline) -> str:
     return ", ".join(p.supervisor.restarts) or "none"
 
 
-def start_hanging_calls(p: Pipeline) -> list[int]:
-    """Submit 40 tasks whose calls all hang 2 s, and return once 10 are on the wire,
-    so a fault injected next lands mid-call."""
-    set_faults(p, hang={"*": 2.0})
-    ids = p.submit(prompt_lines(40, [m.name for m in p.models], pinned_every=0))
+def start_hanging_calls(p: Pipeline, count: int = 40, hang_s: float = 2.0) -> list[int]:
+    """Submit ``count`` tasks whose calls all hang ``hang_s``, and return once 10 are
+    on the wire, so a fault injected next lands mid-call."""
+    set_faults(p, hang={"*": hang_s})
+    ids = p.submit(prompt_lines(count, [m.name for m in p.models], pinned_every=0))
     deadline = time.monotonic() + 30
     while sum(sim_stats(p)["in_flight"].values()) < 10:
         assert time.monotonic() < deadline, "calls never got going"
@@ -300,12 +300,7 @@ def test_postgres_restart_mid_run(pipeline, tmp_path: Path, monkeypatch: pytest.
         monkeypatch.setenv("BALANCER_DATABASE_URL", url)
         upgrade(cached_engine(url))
         p = pipeline(time_scale=0.02, extra_env={**FAST_TIMING, "BALANCER_BACKEND_TIMEOUT": "5"}).start()
-        set_faults(p, hang={"*": 1.5})
-        ids = p.submit(prompt_lines(60, [m.name for m in p.models], pinned_every=0))
-        deadline = time.monotonic() + 30
-        while sum(sim_stats(p)["in_flight"].values()) < 10:
-            assert time.monotonic() < deadline, "calls never got going"
-            time.sleep(0.1)
+        ids = start_hanging_calls(p, count=60, hang_s=1.5)
         calls_before = sim_stats(p)["calls"]
         postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
         os.kill(postmaster, signal.SIGINT)  # fast shutdown: every connection drops

@@ -428,16 +428,13 @@ def recent_solves(engine: Engine, window_s: float) -> tuple[list[tuple[list[str]
     and the seconds it covers: the window, or less when the oldest of those
     tasks was created more recently (a run that started inside the window)."""
     since = sa.func.now() - timedelta(seconds=window_s)
+    age = sa.extract("epoch", sa.func.now() - sa.func.min(tasks.c.created_at))
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.select(tasks.c.allowed_models, sa.func.count())
+            sa.select(tasks.c.allowed_models, sa.func.count(), age)
             .where(tasks.c.status == "solved", tasks.c.updated_at >= since).group_by(tasks.c.allowed_models)
         ).all()
-        oldest = conn.execute(
-            sa.select(sa.extract("epoch", sa.func.now() - sa.func.min(tasks.c.created_at)))
-            .where(tasks.c.status == "solved", tasks.c.updated_at >= since)
-        ).scalar()
-    covered = min(window_s, float(oldest)) if oldest is not None else window_s
+    covered = min([window_s, *(float(r[2]) for r in rows)])
     return [(r[0], int(r[1])) for r in rows], covered
 
 
@@ -458,10 +455,14 @@ def _pinned_to(model: str, others: Sequence[str]) -> sa.ColumnElement[bool]:
     return condition
 
 
+def _other_models(conn: Connection, model: str) -> list[str]:
+    return [r[0] for r in conn.execute(sa.select(quotas.c.name).where(quotas.c.name != model))]
+
+
 def model_occupancy(conn: Connection, model: str) -> tuple[int, int]:
     """(calls in flight on ``model``, pending tasks that only it may take): what
     removing it would strand. Runs in the caller's transaction."""
-    others = [r[0] for r in conn.execute(sa.select(quotas.c.name).where(quotas.c.name != model))]
+    others = _other_models(conn, model)
     in_flight = conn.execute(
         sa.select(sa.func.count()).where(
             tasks.c.status.in_(("queued", "running")), sa.or_(tasks.c.model == model, tasks.c.hedge_model == model)
@@ -473,7 +474,7 @@ def model_occupancy(conn: Connection, model: str) -> tuple[int, int]:
 
 def fail_pinned(conn: Connection, model: str, reason: str) -> int:
     """Fail the pending tasks that only ``model`` may take (it is being removed)."""
-    others = [r[0] for r in conn.execute(sa.select(quotas.c.name).where(quotas.c.name != model))]
+    others = _other_models(conn, model)
     result = conn.execute(
         sa.update(tasks).where(_pinned_to(model, others)).values(status="failed", error=reason, updated_at=sa.func.now())
     )
