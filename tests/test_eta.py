@@ -90,8 +90,10 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     pace_slow = efficiency(slow_prior, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
     assert round(pace_slow, 6) == 1.6
     assert round(drain_eta(slow_prior, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace_slow), 3) == 27.0
-    # Work held to one model runs at that model's pace: the run's pace applies to free work only.
-    assert round(drain_eta(true, [(["m"], 100)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == 21.0
+    # Work held to one model runs at that model's pace: the run's pace applies to free work only,
+    # and the model's own finish (20 s, plus the spread of its last 10 calls) is the ETA.
+    assert round(drain_eta(true, [(["m"], 100)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == round(
+        20 + 2 * sum(1 / i for i in range(2, 11)), 3)
     assert round(drain_eta(true, [(["m"], 50), (None, 50)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == round(
         20 / 0.9 + 1, 3)
     # Too short a window (a run's first seconds) tells nothing yet.
@@ -102,3 +104,38 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     # Pinned work solved on its own model: the bound of the window holds it there.
     two = {**true, "n": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
     assert round(efficiency(two, [(["m"], 300)], in_flight={}, window_s=60, tokens_per_task=100), 6) == 1.0
+
+
+def test_pinned_work_left_on_a_slow_model_is_not_shortened_by_the_run_s_pace() -> None:
+    """Late in a run whose fast models beat their bound (pace 1.2), the finish is
+    the slow model's own: 11 pinned + 3 in flight on 3 slots of 25 s is 116.7 s,
+    and the last three calls end about (1/2 + 1/3) × 25 s after their mean."""
+    from balancer.domain.eta import pinned_finish
+
+    fast = ModelCapacity(concurrency=100, mean_latency=5.0, tpm=None, burst=0)
+    slow = ModelCapacity(concurrency=3, mean_latency=25.0, tpm=None, burst=0)
+    models = {"fast": fast, "slow": slow}
+    groups = [(["slow"], 11), (None, 400)]
+    own = pinned_finish(slow, 14, tokens_per_task=500)
+    assert own == pytest.approx(14 * 25 / 3 + (1 / 2 + 1 / 3) * 25)
+    value = drain_eta(models, groups, in_flight={"slow": 3}, tokens_per_task=500, pace=1.2)
+    assert value == pytest.approx(own)
+    # While the slow model is still on its prior, its own finish is as uncertain as the prior,
+    # and the run's pace scales it like the rest.
+    on_prior = drain_eta(models, groups, in_flight={"slow": 3}, tokens_per_task=500, pace=1.2, on_prior=["slow"])
+    assert on_prior == pytest.approx(own / 1.2)
+    # Free work left on the fast models is shared; the slow model's calls in flight alone set no floor.
+    assert drain_eta(models, [(None, 400)], in_flight={"slow": 3}, tokens_per_task=500, pace=1.2) < own
+
+
+def test_one_pinned_call_takes_its_latency_and_many_spread_at_the_end() -> None:
+    from balancer.domain.eta import pinned_finish
+
+    slots = ModelCapacity(concurrency=4, mean_latency=10.0, tpm=None, burst=0)
+    assert pinned_finish(slots, 1, tokens_per_task=500) == pytest.approx(10.0)
+    assert pinned_finish(slots, 2, tokens_per_task=500) == pytest.approx(10.0 + 10.0 / 2)
+    # 40 calls on 4 slots: 100 s of work, and the last four end (1/2 + 1/3 + 1/4) × 10 s after their mean.
+    assert pinned_finish(slots, 40, tokens_per_task=500) == pytest.approx(100 + 10 * (1 / 2 + 1 / 3 + 1 / 4))
+    # A token-bound model: TPM 6,000 at 1,000 tokens a task is 6 tasks a minute once its burst is spent.
+    bucket = ModelCapacity(concurrency=4, mean_latency=10.0, tpm=6_000, burst=0)
+    assert pinned_finish(bucket, 12, tokens_per_task=1_000) == pytest.approx(120 + 10 * (1 / 2 + 1 / 3 + 1 / 4))

@@ -16,7 +16,12 @@ fluid bound into a forecast:
   latencies it is given (early on, a slow model's are still its prior): the
   :func:`efficiency` of the last minute, the bound of the work solved in it
   over the time it took, scales the bound of the work left. The same
-  latencies enter both, so a prior that is too slow cancels out.
+  latencies enter both, so a prior that is too slow cancels out;
+* work held to one model cannot move to a faster one, so the end game cannot
+  shorten its last calls: a model with pinned tasks left finishes no sooner
+  than :func:`pinned_finish`, its own bound for them plus the spread of its
+  last calls, at that model's own latency (the run's pace applies to it only
+  while the model is still on its prior).
 
 Tasks allowed on a subset of models count as "any model" (the bound's
 feasibility test knows only "any" and "exactly one"), so a backlog split
@@ -32,7 +37,8 @@ across disjoint subsets reads optimistic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
 
@@ -84,12 +90,14 @@ def drain_eta(
     in_flight: Mapping[str, int],
     tokens_per_task: float,
     pace: float = 1.0,
+    on_prior: Collection[str] = (),
 ) -> float | None:
     """Seconds until the backlog is solved; None if some pinned work has no capacity.
 
     ``groups``: pending task counts by allowed models (None: any model);
     ``pace``: the run's :func:`efficiency`; the bound of the work left is divided
-    by it, in the proportion of that work free to run on more than one model.
+    by it, in the proportion of that work free to run on more than one model;
+    ``on_prior``: the models whose latency is still their prior (no calls yet).
     """
     total = sum(n for _, n in groups) + sum(in_flight.values())
     if total == 0:
@@ -101,9 +109,46 @@ def drain_eta(
     # ones); work held to one model runs at that model's own pace. So it applies
     # in proportion to the work left that is free.
     free = sum(n for allowed, n in groups if allowed is None or len(allowed) > 1)
-    pace = 1 + (pace - 1) * free / total
+    scaled = 1 + (pace - 1) * free / total
     tail = min(m.mean_latency for m in models.values()) / 2
-    return bound / pace + tail
+    eta = bound / scaled + tail
+    for name, pinned in _pinned_by_model(models, groups).items():
+        own = pinned_finish(models[name], pinned + in_flight.get(name, 0), tokens_per_task)
+        eta = max(eta, own / pace if name in on_prior else own)
+    return eta
+
+
+def pinned_finish(model: ModelCapacity, calls: float, tokens_per_task: float) -> float:
+    """When a model ends ``calls`` that only it may run: its capacity bound for
+    them (at least one call's latency), plus the spread of its last calls.
+
+    The fluid bound has every slot end at once; in fact the last c calls end
+    one by one, and the last of them ends about (H_c − 1)·E[L] after their mean
+    (H_c the c-th harmonic number: exact for exponential latencies, a fair
+    stand-in for the heavy-tailed ones of LLM calls), c = min(slots, calls).
+
+    >>> slow = ModelCapacity(concurrency=3, mean_latency=30.0, tpm=None, burst=0)
+    >>> round(pinned_finish(slow, 14, tokens_per_task=500), 1)   # 14 × 30 / 3 = 140, plus (1/2 + 1/3) × 30
+    165.0
+    >>> round(pinned_finish(slow, 1, tokens_per_task=500), 1)   # one call: its latency
+    30.0
+    """
+    bound = makespan_bound([model], tokens_per_task=max(1.0, tokens_per_task), any_model=0, pinned={0: calls})
+    last = int(min(model.concurrency, math.ceil(calls)))
+    spread = sum(1 / i for i in range(2, last + 1))
+    return max(bound, model.mean_latency) + spread * model.mean_latency
+
+
+def _pinned_by_model(
+    models: Mapping[str, ModelCapacity], groups: Sequence[tuple[Sequence[str] | None, int]],
+) -> dict[str, int]:
+    """Pending tasks that exactly one configured model may run, by that model."""
+    pinned: dict[str, int] = {}
+    for allowed, count in groups:
+        usable = [m for m in allowed or () if m in models]
+        if allowed is not None and len(usable) == 1 and count:
+            pinned[usable[0]] = pinned.get(usable[0], 0) + count
+    return pinned
 
 
 def _bound(
@@ -114,24 +159,20 @@ def _bound(
 ) -> float | None:
     """The capacity bound of ``groups`` plus ``in_flight`` (held to their model);
     None if some of it may run on no model, or has no capacity."""
-    names = sorted(models)
-    index = {name: i for i, name in enumerate(names)}
-    any_model, pinned = 0, dict.fromkeys(range(len(names)), 0.0)
+    pinned = _pinned_by_model(models, groups)
+    any_model = 0
     for allowed, count in groups:
-        usable = None if allowed is None else [m for m in allowed if m in index]
-        if usable is not None and len(usable) == 1:
-            pinned[index[usable[0]]] += count
-        elif usable is None or usable:
-            any_model += count
-        else:
+        usable = None if allowed is None else [m for m in allowed if m in models]
+        if usable is not None and not usable:
             return None  # no configured model may run these tasks
-    for name, n in in_flight.items():
-        if name in index:
-            pinned[index[name]] += n
-    if any_model + sum(pinned.values()) == 0:
+        if usable is None or len(usable) > 1:
+            any_model += count
+    held = {name: pinned.get(name, 0) + in_flight.get(name, 0) for name in models}
+    if any_model + sum(held.values()) == 0:
         return 0.0
+    names = sorted(models)
     try:
         return makespan_bound([models[n] for n in names], tokens_per_task=max(1.0, tokens_per_task),
-                              any_model=any_model, pinned=pinned)
+                              any_model=any_model, pinned={i: held[n] for i, n in enumerate(names)})
     except ValueError:
         return None

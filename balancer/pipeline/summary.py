@@ -122,8 +122,9 @@ def estimate_drain(
     in_flight = {name: live.in_flight for name, live in view.items()}
     solved, window_s = recent_solves(services.engine, PACE_WINDOW_S)
     pace = efficiency(models, solved, in_flight=in_flight, window_s=window_s, tokens_per_task=tokens_per_task)
+    on_prior = [name for name in models if not view[name].latency_estimate(prior_s).samples]
     return drain_eta(models, [(allowed, n) for allowed, n, _ in groups], in_flight=in_flight,
-                     tokens_per_task=tokens_per_task, pace=pace)
+                     tokens_per_task=tokens_per_task, pace=pace, on_prior=on_prior)
 
 
 def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], float | None]:
