@@ -324,7 +324,9 @@ class RoundTrips:
 
     Redis: each packed write on a connection is one request/reply exchange (a
     pipeline is one; redis-py's SCRIPT EXISTS before a pipeline of scripts is
-    another). PostgreSQL: each statement, each COMMIT, and each pre-ping.
+    another). PostgreSQL: each statement, psycopg2's BEGIN before the first one
+    of a transaction, each COMMIT or ROLLBACK that has a transaction to end, and
+    each pre-ping.
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, engine) -> None:  # noqa: ANN001
@@ -347,10 +349,28 @@ class RoundTrips:
 
         monkeypatch.setattr(engine.dialect, "do_ping", counted_ping)
         sa.event.listen(engine, "before_cursor_execute", self._statement)
-        sa.event.listen(engine, "commit", self._statement)
+        sa.event.listen(engine, "commit", self._end)
+        sa.event.listen(engine, "rollback", self._end)
 
-    def _statement(self, *_: object) -> None:
-        self.sql += 1
+    @staticmethod
+    def _open(conn) -> tuple[bool, bool]:  # noqa: ANN001
+        """(autocommit, a transaction is open) on the DBAPI connection under ``conn``."""
+        import psycopg2.extensions
+
+        dbapi = conn.connection.dbapi_connection
+        return dbapi.autocommit, dbapi.info.transaction_status != psycopg2.extensions.TRANSACTION_STATUS_IDLE
+
+    def _statement(self, conn, *_: object) -> None:  # noqa: ANN001
+        # psycopg2 sends its own BEGIN, one exchange more, before the first
+        # statement of a transaction (not in autocommit).
+        autocommit, in_transaction = self._open(conn)
+        self.sql += 1 if autocommit or in_transaction else 2
+
+    def _end(self, conn) -> None:  # noqa: ANN001
+        # A COMMIT or ROLLBACK with no transaction open (autocommit, or nothing
+        # executed) sends nothing.
+        autocommit, in_transaction = self._open(conn)
+        self.sql += 1 if in_transaction and not autocommit else 0
 
     def reset(self) -> tuple[int, int]:
         counts = (self.redis, self.sql)
@@ -361,10 +381,11 @@ class RoundTrips:
 def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hot path's cost, counted: a regression in round trips fails here, not
     only in the benchmark. Per solved task: renew and finish on Redis (one script
-    each, no SCRIPT EXISTS), and two PostgreSQL statements with their commits (no
-    pre-ping). One dispatch round for one task: the live view (two pipelined
-    reads), one admission; the pinned lane, the pinned-backlog probe, the window,
-    the queued mark and the commit."""
+    each, no SCRIPT EXISTS), and two PostgreSQL statements, each its own
+    transaction in autocommit (no BEGIN, no COMMIT, no pre-ping). One dispatch
+    round for one task: the live view (two pipelined reads), one admission; on
+    PostgreSQL one transaction: its BEGIN, the pinned lane, the pinned-backlog
+    probe, the window, the queued mark and the commit."""
     from balancer.pipeline import runtime
 
     monkeypatch.setenv("BALANCER_BACKEND_URL", sim[0])
@@ -384,9 +405,9 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
         dispatch(svc, sent.extend, max_rounds=1, window=1)
         # (Redis, PostgreSQL). The window of one is full and the backlog short, so the
         # end game counts the backlog: one query more than a round in the bulk of a run.
-        assert len(sent) == 1 and counts.reset() == (3, 6)
+        assert len(sent) == 1 and counts.reset() == (3, 7)
         assert solve(svc, backend, message(sent[0])) == "solved"
-        assert counts.reset() == (2, 4)
+        assert counts.reset() == (2, 2)
     runtime.reset()
 
 

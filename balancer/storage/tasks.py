@@ -13,7 +13,8 @@ newer dispatch did, and a solved task is never written twice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -220,6 +221,28 @@ def _hedge_guard(task_id: int, hedge_admission_id: str):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id, tasks.c.status == "running")
 
 
+@contextmanager
+def one_statement(engine: Engine) -> Iterator[Connection]:
+    """A connection for a write that is one statement, atomic on its own.
+
+    In autocommit, psycopg2 sends the statement alone: one round trip, where a
+    transaction costs three (its own BEGIN, the statement, COMMIT). The solve
+    path's writes are all single guarded ``UPDATE ... RETURNING`` statements.
+    The flag is set on the pooled psycopg2 connection and put back by hand:
+    ``execution_options(isolation_level="AUTOCOMMIT")`` would do the same, but
+    SQLAlchemy then resets the level at check-in with a ``SET``, one round trip
+    more (seen with strace).
+    """
+    with engine.connect() as conn:
+        dbapi: Any = conn.connection.driver_connection  # psycopg2's own connection
+        dbapi.autocommit = True
+        try:
+            yield conn
+        finally:
+            if not dbapi.closed:
+                dbapi.autocommit = False
+
+
 def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: int) -> SolveContext | None:
     """Mark the task running and read what the call needs, in one statement.
 
@@ -231,7 +254,7 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
     is gone), a redelivered message takes the call over.
     """
     startable = sa.or_(tasks.c.status == "queued", sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now()))
-    with engine.begin() as conn:
+    with one_statement(engine) as conn:
         row = conn.execute(
             sa.update(tasks)
             .where(tasks.c.id == task_id, tasks.c.admission_id == admission_id, startable)
@@ -291,7 +314,7 @@ def _update_where(engine: Engine, guard: Any, /, **values: object) -> bool:
 
 def _update_returning(engine: Engine, guard: Any, /, *columns: Any, **values: object) -> Any:
     """:func:`_update_where`, returning ``columns`` of the updated task (None if none matched)."""
-    with engine.begin() as conn:
+    with one_statement(engine) as conn:
         return conn.execute(
             sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values).returning(*columns)
         ).first()
