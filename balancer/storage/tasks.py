@@ -144,6 +144,19 @@ def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude:
     return {r.model for r in rows}
 
 
+# Built once, like the solve path's statements below: the dispatcher runs it every round.
+_CLAIM_WINDOW = (
+    sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model)
+    .where(tasks.c.status == "pending")
+    .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
+    .where(sa.or_(tasks.c.allowed_models.is_(None),
+                  tasks.c.allowed_models.overlap(sa.bindparam("b_open_models", type_=tasks.c.allowed_models.type))))
+    .order_by(tasks.c.priority.desc(), tasks.c.id)
+    .limit(sa.bindparam("b_limit"))
+    .with_for_update(skip_locked=True)
+)
+
+
 def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
     """Lock up to ``limit`` pending tasks, priority then age, that an open model could take.
 
@@ -152,20 +165,7 @@ def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> li
     here, so they cannot fill the window and block tasks that could go
     elsewhere (no head-of-line blocking).
     """
-    rows = conn.execute(
-        sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model)
-        .where(tasks.c.status == "pending")
-        .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
-        .where(
-            sa.or_(
-                tasks.c.allowed_models.is_(None),
-                tasks.c.allowed_models.overlap(sa.cast(list(open_models), tasks.c.allowed_models.type)),
-            )
-        )
-        .order_by(tasks.c.priority.desc(), tasks.c.id)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    ).all()
+    rows = conn.execute(_CLAIM_WINDOW, {"b_open_models": list(open_models), "b_limit": limit}).all()
     return [
         PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
         for r in rows
@@ -203,7 +203,7 @@ def fail_pending(conn: Connection, failures: Sequence[tuple[int, str]]) -> None:
         )
 
 
-def _guard(task_id: int, admission_id: str):  # noqa: ANN202
+def _guard(task_id: Any, admission_id: Any):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("queued", "running")))
 
 
@@ -217,7 +217,7 @@ def _context_columns(model: Any) -> tuple[Any, ...]:
             tasks.c.attempts, tasks.c.rate_limited, sa.func.coalesce(stops, sa.false()))
 
 
-def _hedge_guard(task_id: int, hedge_admission_id: str):  # noqa: ANN202
+def _hedge_guard(task_id: Any, hedge_admission_id: Any):  # noqa: ANN202
     return sa.and_(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id, tasks.c.status == "running")
 
 
@@ -243,6 +243,33 @@ def one_statement(engine: Engine) -> Iterator[Connection]:
                 dbapi.autocommit = False
 
 
+# The solve path's two statements per task, built once with bound parameters.
+# SQLAlchemy caches a statement's compiled SQL, but building the statement
+# object again on every call cost about four times what executing it does
+# (0.70 ms of CPU per start_solve against 0.16 ms; docs/benchmarks.md).
+_TASK_ID: Any = sa.bindparam("b_task_id")
+_ADMISSION_ID: Any = sa.bindparam("b_admission_id")
+_START_SOLVE = (
+    sa.update(tasks)
+    .where(tasks.c.id == _TASK_ID, tasks.c.admission_id == _ADMISSION_ID,
+           sa.or_(tasks.c.status == "queued", sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now())))
+    .values(status="running", started_at=sa.func.now(), updated_at=sa.func.now(), attempts=tasks.c.attempts + 1,
+            deadline=sa.func.now() + sa.bindparam("b_lease", type_=sa.Interval()))
+    .returning(*_context_columns(tasks.c.model))
+)
+_SOLVED: dict[str, Any] = dict(status="solved", answer=sa.bindparam("b_answer"), prompt_tokens=sa.bindparam("b_prompt_tokens"),
+               completion_tokens=sa.bindparam("b_completion_tokens"), solved_at=sa.func.now(),
+               updated_at=sa.func.now(), error=None, deadline=None)
+_MARK_SOLVED = (
+    sa.update(tasks).where(_guard(_TASK_ID, _ADMISSION_ID)).values(**_SOLVED).returning(tasks.c.hedge_admission_id)
+)
+# A hedge's answer: ``b_admission_id`` is the hedge's, and the task records the hedge's model.
+_MARK_HEDGE_SOLVED = (
+    sa.update(tasks).where(_hedge_guard(_TASK_ID, _ADMISSION_ID))
+    .values(model=sa.bindparam("b_model"), **_SOLVED).returning(tasks.c.admission_id)
+)
+
+
 def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: int) -> SolveContext | None:
     """Mark the task running and read what the call needs, in one statement.
 
@@ -253,19 +280,9 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
     must not start a second call; once the deadline has passed (the worker
     is gone), a redelivered message takes the call over.
     """
-    startable = sa.or_(tasks.c.status == "queued", sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now()))
     with one_statement(engine) as conn:
         row = conn.execute(
-            sa.update(tasks)
-            .where(tasks.c.id == task_id, tasks.c.admission_id == admission_id, startable)
-            .values(
-                status="running",
-                started_at=sa.func.now(),
-                updated_at=sa.func.now(),
-                attempts=tasks.c.attempts + 1,
-                deadline=sa.func.now() + timedelta(seconds=lease_seconds),
-            )
-            .returning(*_context_columns(tasks.c.model))
+            _START_SOLVE, {"b_task_id": task_id, "b_admission_id": admission_id, "b_lease": timedelta(seconds=lease_seconds)}
         ).first()
     return SolveContext(*row) if row else None
 
@@ -346,14 +363,13 @@ def mark_solved(
     With ``hedge_model``, ``admission_id`` is the hedge's: the first answer
     of the two calls wins, and the task records the model that gave it.
     """
-    values: dict[str, Any] = dict(
-        status="solved", answer=answer, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        solved_at=sa.func.now(), error=None, deadline=None,
-    )
-    if hedge_model is not None:
-        row = _update_returning(engine, _hedge_guard(task_id, admission_id), tasks.c.admission_id, model=hedge_model, **values)
-    else:
-        row = _update_returning(engine, _guard(task_id, admission_id), tasks.c.hedge_admission_id, **values)
+    params = {"b_task_id": task_id, "b_admission_id": admission_id, "b_answer": answer,
+              "b_prompt_tokens": prompt_tokens, "b_completion_tokens": completion_tokens}
+    with one_statement(engine) as conn:
+        if hedge_model is not None:
+            row = conn.execute(_MARK_HEDGE_SOLVED, {**params, "b_model": hedge_model}).first()
+        else:
+            row = conn.execute(_MARK_SOLVED, params).first()
     return None if row is None else Written(row[0])
 
 
