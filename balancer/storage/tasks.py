@@ -222,7 +222,7 @@ def _hedge_guard(task_id: Any, hedge_admission_id: Any):  # noqa: ANN202
 
 
 @contextmanager
-def one_statement(engine: Engine) -> Iterator[Connection]:
+def _one_statement(engine: Engine) -> Iterator[Connection]:
     """A connection for a write that is one statement, atomic on its own.
 
     In autocommit, psycopg2 sends the statement alone: one round trip, where a
@@ -280,7 +280,7 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
     must not start a second call; once the deadline has passed (the worker
     is gone), a redelivered message takes the call over.
     """
-    with one_statement(engine) as conn:
+    with _one_statement(engine) as conn:
         row = conn.execute(
             _START_SOLVE, {"b_task_id": task_id, "b_admission_id": admission_id, "b_lease": timedelta(seconds=lease_seconds)}
         ).first()
@@ -326,15 +326,10 @@ def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveC
 
 def _update_where(engine: Engine, guard: Any, /, **values: object) -> bool:
     """Apply ``values`` (column names) to the one task ``guard`` matches; False if none does."""
-    return _update_returning(engine, guard, tasks.c.id, **values) is not None
-
-
-def _update_returning(engine: Engine, guard: Any, /, *columns: Any, **values: object) -> Any:
-    """:func:`_update_where`, returning ``columns`` of the updated task (None if none matched)."""
-    with one_statement(engine) as conn:
+    with _one_statement(engine) as conn:
         return conn.execute(
-            sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values).returning(*columns)
-        ).first()
+            sa.update(tasks).where(guard).values(updated_at=sa.func.now(), **values).returning(tasks.c.id)
+        ).first() is not None
 
 
 def _guarded_update(engine: Engine, task_id: int, admission: str, /, *, unhedged: bool = False, **values: object) -> bool:
@@ -365,7 +360,7 @@ def mark_solved(
     """
     params = {"b_task_id": task_id, "b_admission_id": admission_id, "b_answer": answer,
               "b_prompt_tokens": prompt_tokens, "b_completion_tokens": completion_tokens}
-    with one_statement(engine) as conn:
+    with _one_statement(engine) as conn:
         if hedge_model is not None:
             row = conn.execute(_MARK_HEDGE_SOLVED, {**params, "b_model": hedge_model}).first()
         else:
