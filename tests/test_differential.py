@@ -1,7 +1,8 @@
 """The Lua scripts and the Python reference make identical decisions.
 
 Hypothesis generates random sequences of admit batches, releases, renewals,
-reconciles, holds of cancelled calls, heartbeats, transient failures (the circuit breaker),
+reconciles, ready lists (stocked, taken by a finishing call or by the
+dispatcher's pass, dropped when expired or stuck), holds of cancelled calls, heartbeats, transient failures (the circuit breaker),
 quota changes, removals, lease expiries, clock advances and
 Redis data loss; ``Twin`` applies each to both and compares every result and
 the whole state after every step.
@@ -61,6 +62,12 @@ operations = st.lists(
         st.tuples(st.just("reconcile"), st.integers(0, 50), st.integers(0, 9_000)),
         st.tuples(st.just("reconcile"), st.integers(0, 50), settlements),
         st.tuples(st.just("finish"), st.integers(0, 50), settlements),
+        st.tuples(st.just("stock"), st.lists(st.tuples(st.sampled_from(NAMES + ["nope"]), st.integers(1, 10**6),
+                                                       st.integers(1, 1_500) | st.integers(1, 40_000)), max_size=4),
+                  st.integers(1, 10_000)),
+        st.tuples(st.just("finish_take"), st.integers(0, 50), settlements),
+        st.tuples(st.just("finish_take"), st.integers(0, 50), settlements),
+        st.tuples(st.just("take_ready"),),
         st.tuples(st.just("hold"), st.integers(0, 50), st.integers(0, 400_000)),
         st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000)),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
@@ -74,6 +81,35 @@ operations = st.lists(
         st.tuples(st.just("remove"), st.sampled_from(NAMES)),
         st.tuples(st.just("lose"),),
     ),
+    max_size=40,
+)
+
+#: The ready lists' own mix: stock often, take often, on few models, so
+#: takes by a finishing call and by the dispatcher's pass, drops and waits all
+#: happen in most sequences (the general mix above reaches them rarely).
+stock_entries = st.lists(
+    st.tuples(st.sampled_from(NAMES[:2]), st.integers(1, 10**6), st.integers(1, 1_500) | st.integers(1, 1_500)
+              | st.integers(1, 40_000)),
+    min_size=1, max_size=4,
+)
+ready_quotas = st.lists(quotas.filter(lambda q: q.name in NAMES[:2]), min_size=1, max_size=2, unique_by=lambda q: q.name)
+ready_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.lists(candidates, min_size=1, max_size=3)),
+        st.tuples(st.just("admit"), st.lists(st.builds(Candidate, estimated_tokens=st.integers(1, 1_500)), min_size=1, max_size=3)),
+        st.tuples(st.just("stock"), stock_entries, st.integers(1, 10_000)),
+        st.tuples(st.just("stock"), stock_entries, st.integers(1, 10_000)),
+        st.tuples(st.just("finish_take"), st.integers(0, 50), settlements),
+        st.tuples(st.just("finish_take"), st.integers(0, 50), settlements),
+        st.tuples(st.just("take_ready"),),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("renew"), st.integers(0, 50)),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 5_000), st.none(), st.none()),
+        st.tuples(st.just("advance"), st.integers(0, 3_000)),
+        st.tuples(st.just("set"), quotas.filter(lambda q: q.name in NAMES[:2])),
+        st.tuples(st.just("remove"), st.sampled_from(NAMES[:2])),
+    ),
+    min_size=8,
     max_size=40,
 )
 
@@ -102,6 +138,15 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.reconcile(issued[op[1] % len(issued)][0], op[2])
             elif kind == "finish" and issued:
                 twin.finish(issued[op[1] % len(issued)][0], op[2])
+            elif kind == "stock":
+                twin.stock(op[1], op[2])
+            elif kind == "finish_take" and issued:
+                nxt = twin.finish_and_take(issued[op[1] % len(issued)][0], op[2])
+                if nxt is not None:
+                    issued.append((nxt.admission_id, nxt.model, nxt.estimated_tokens))
+            elif kind == "take_ready":
+                taken, _ = twin.take_ready()
+                issued.extend((t.admission_id, t.model, t.estimated_tokens) for t in taken)
             elif kind == "hold" and issued:
                 twin.hold(issued[op[1] % len(issued)][0], op[2])
             elif kind == "heartbeat" and issued:
@@ -130,6 +175,13 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=st.lists(quotas, min_size=1, max_size=4, unique_by=lambda q: q.name), ops=operations)
 def test_lua_and_reference_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
+    run_sequence(redis_client, initial, ops)
+
+
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(initial=ready_quotas, ops=ready_operations)
+def test_ready_lists_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
     run_sequence(redis_client, initial, ops)
 
 

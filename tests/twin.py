@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReferenceCore, Settlement
+from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, ReferenceCore, Settlement
 from balancer.admission.core import prior_ms
 from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
@@ -40,7 +40,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
                 m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
                 m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["gen"], m["inflight"],
                 m["settle"], m["rburst"], m["paused"], m["tat"], m["ext"], m["synced_at"], m["ptokens"], m["prefilled_at"],
-                m["prior"], m["latency"], m["fails"], m["probing"], m["backoff"],
+                m["prior"], m["latency"], m["fails"], m["probing"], m["backoff"], m["ready"],
             )
             for name, m in raw["models"].items()
         },
@@ -62,6 +62,7 @@ def canonical_ref(ref: ReferenceCore) -> dict:
                 int(s.quota.settles), s.quota.request_burst, s.paused_until, s.tat, s.external, s.synced_at,
                 s.started_tokens, s.started_refilled_at,
                 prior_ms(s.quota), ref.latency.get(name, {}), s.failures, int(s.probing), s.backoff_ms,
+                [f"{e.task_id}:{e.admission_id}:{e.estimated_tokens}:{e.expires_at}" for e in ref.ready.get(name, [])],
             )
             for name, s in ref.models.items()
         },
@@ -122,6 +123,23 @@ class Twin:
     def finish(self, lid: str, settlement: Settlement) -> tuple[bool, bool]:
         lua = self.core.finish(lid, settlement)
         assert lua == self.ref.finish(lid, settlement, self.now)
+        return lua
+
+    def finish_and_take(self, lid: str, settlement: Settlement) -> ReadyTask | None:
+        lua = self.core.finish_and_take(lid, settlement, LEASE_MS)
+        assert lua == self.ref.finish_and_take(lid, settlement, self.now, LEASE_MS)
+        return lua
+
+    def stock(self, entries: list[tuple[str, int, int]], ttl_ms: int) -> list[str]:
+        lua = self.core.stock(entries, ttl_ms)
+        ref = self._ref(lambda: self.ref.stock(entries, ttl_ms, self.now)) if entries else []
+        assert lua == ref
+        return lua
+
+    def take_ready(self) -> tuple[list[ReadyTask], list[ReadyTask]]:
+        lua = self.core.take_ready()
+        ref = self._ref(lambda: self.ref.take_ready(self.now, LEASE_MS))
+        assert lua == ref
         return lua
 
     def hold(self, lid: str, hold_ms: int) -> bool:

@@ -29,6 +29,7 @@ from balancer.admission.model import (
     Decision,
     LeaseSeed,
     NotNow,
+    ReadyTask,
     Rejected,
     Settlement,
     rejection_reason,
@@ -46,7 +47,8 @@ def _load_scripts() -> dict[str, str]:
     lib = keys.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
-        for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota", "restore")
+        for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota",
+                     "restore", "stock", "take_ready")
     }
 
 
@@ -85,6 +87,7 @@ class ModelLive:
     paused_ms: int = 0  # how much longer a 429 holds the model
     external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
     latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
+    ready: int = 0  # tasks on its ready list, waiting for a slot (see AdmissionCore.stock)
 
     def latency_estimate(self, prior_s: float) -> LatencyEstimate:
         """What the model's calls take: its sketch, or until it has enough calls its
@@ -208,6 +211,25 @@ class AdmissionCore:
         buckets to the provider's headers, and free the slot. Idempotent.
         Returns (settled, released).
         """
+        reply = self._finish(admission_id, settlement, release, None)
+        return reply[0] == 1, reply[1] == 1
+
+    def finish_and_take(self, admission_id: str, settlement: Settlement | None = None,
+                        lease_ms: int | None = None) -> ReadyTask | None:
+        """:meth:`finish`, and in the same round trip the freed slot's next call:
+        the head of its model's ready list, if the model can admit it now.
+
+        The task returned is admitted and its lease started (both start gates
+        passed): wait ``start_delay_ms`` and call, with no :meth:`renew`.
+        None if nothing was ready or it must wait (then the dispatcher's
+        :meth:`take_ready` admits it when it can)."""
+        reply = self._finish(admission_id, settlement, True, lease_ms or self.lease_ms)
+        if len(reply) < 7:
+            return None
+        model, task, lid, est, delay = reply[2:7]
+        return ReadyTask(int(task), lid.decode(), model.decode(), int(est), int(delay))
+
+    def _finish(self, admission_id: str, settlement: Settlement | None, release: bool, take_lease_ms: int | None) -> list:
         s = settlement or Settlement()
 
         def opt(value: int | None) -> object:
@@ -218,11 +240,36 @@ class AdmissionCore:
             completion = s.completion_tokens or 0
             prompt = max(0, (s.used_tokens or 0) - completion)
             sample = [bucket_of(s.latency_ms), s.latency_ms, prompt, completion]
-        reply = self._run("finish", [
+        return cast(list, self._run("finish", [
             self._now(), admission_id, opt(s.used_tokens), opt(s.reserved_tokens),
             opt(s.remaining_tokens), opt(s.remaining_requests), "1" if release else "0", *sample,
-        ])
-        return reply[0] == 1, reply[1] == 1
+            "" if take_lease_ms is None else take_lease_ms,
+        ]))
+
+    def stock(self, entries: Sequence[tuple[str, int, int]], ttl_ms: int) -> list[str]:
+        """Put (model, task id, estimated tokens) on the models' ready lists; their
+        admission ids in order (``""``: unknown model, not stocked). An entry not
+        taken within ``ttl_ms`` is dropped by :meth:`take_ready`."""
+        if not entries:
+            return []
+        flat: list[object] = [self._now(), ttl_ms, len(entries)]
+        for entry in entries:
+            flat.extend(entry)
+        return [lid.decode() for lid in self._run_with_state("stock", lambda: flat)]
+
+    def take_ready(self) -> tuple[list[ReadyTask], list[ReadyTask]]:
+        """(taken, dropped): ready entries free slots admitted now (leases not
+        started: renew them as after :meth:`admit`), and entries that can no
+        longer be taken (expired, model disabled or too small), whose tasks
+        must go back to pending."""
+        reply = self._run_with_state("take_ready", lambda: [self._now(), self.lease_ms])
+        taken: list[ReadyTask] = []
+        dropped: list[ReadyTask] = []
+        for i in range(0, len(reply), 5):
+            kind, model, task, lid, est = reply[i:i + 5]
+            entry = ReadyTask(int(task), lid.decode(), model.decode(), int(est))
+            (taken if kind == b"T" else dropped).append(entry)
+        return taken, dropped
 
     def release(self, admission_id: str) -> bool:
         """Free the slot; releasing twice, or an unknown id, is harmless."""
@@ -329,7 +376,8 @@ class AdmissionCore:
                 for member, score in r.zrange(keys.inflight(self.namespace, name), 0, -1, withscores=True)
             ]
             latency = {k.decode(): int(v) for k, v in r.hgetall(keys.latency(self.namespace, name)).items()}
-            models[name] = {**fields, "inflight": inflight, "latency": latency}
+            ready = [entry.decode() for entry in r.lrange(keys.ready(self.namespace, name), 0, -1)]
+            models[name] = {**fields, "inflight": inflight, "latency": latency, "ready": ready}
         leases = {k.decode(): json.loads(v) for k, v in r.hgetall(leases_key).items()}
         return {"meta": meta, "models": models, "leases": leases}
 
@@ -342,7 +390,7 @@ class AdmissionCore:
 
         Read-only and pipelined: one round trip for the clock and the model
         names, one for every model's hash, live-lease count (ZCOUNT, so the cost does not grow
-        with the number of calls in flight) and latency sketch. The dispatcher calls it every round.
+        with the number of calls in flight), latency sketch and ready-list length. The dispatcher calls it every round.
         """
         _, models_key, _ = self.keys
         first = self.redis.pipeline(transaction=False)
@@ -357,10 +405,11 @@ class AdmissionCore:
             pipe.hgetall(keys.model(self.namespace, name))
             pipe.zcount(keys.inflight(self.namespace, name), f"({now_ms}", "+inf")
             pipe.hgetall(keys.latency(self.namespace, name))
+            pipe.llen(keys.ready(self.namespace, name))
         replies = pipe.execute()
         view = {}
         for i, name in enumerate(names):
-            raw, in_flight, sketch = replies[3 * i], replies[3 * i + 1], replies[3 * i + 2]
+            raw, in_flight, sketch, ready = replies[4 * i:4 * i + 4]
             if not raw:
                 continue  # removed between the two reads
             m = {k.decode(): int(v) for k, v in raw.items()}
@@ -382,7 +431,7 @@ class AdmissionCore:
             requests = min(rburst * UNITS, m["requests"] + dt * m["rpm"]) / UNITS if m["rpm"] else None
             paused_ms = max(0, m.get("paused", 0) - now_ms)
             latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
-            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"], paused_ms, m.get("ext", 0), latency)
+            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"], paused_ms, m.get("ext", 0), latency, ready)
         return view
 
 

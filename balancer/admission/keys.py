@@ -25,6 +25,7 @@ MODEL_INFIX = ":model:"
 INFLIGHT_INFIX = ":inflight:"
 LATENCY_INFIX = ":latency:"
 STATS_INFIX = ":stats:"
+READY_INFIX = ":ready:"
 SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
@@ -52,6 +53,12 @@ def model(namespace: str, name: str) -> str:
 def inflight(namespace: str, name: str) -> str:
     """A model's zset of live leases: admission id -> lease deadline (ms)."""
     return tag(namespace) + INFLIGHT_INFIX + name
+
+
+def ready(namespace: str, name: str) -> str:
+    """A model's ready list: tasks the dispatcher placed on it ahead of a free slot,
+    each ``task_id:admission_id:estimated_tokens:expires_ms`` (see stock.lua)."""
+    return tag(namespace) + READY_INFIX + name
 
 
 def latency(namespace: str, name: str) -> str:
@@ -113,6 +120,7 @@ LUA_PRELUDE = "\n".join(
         f"local INFLIGHT_INFIX = '{INFLIGHT_INFIX}'",
         f"local LATENCY_INFIX = '{LATENCY_INFIX}'",
         f"local STATS_INFIX = '{STATS_INFIX}'",
+        f"local READY_INFIX = '{READY_INFIX}'",
         f"local SYSTEM_STATS = '{SYSTEM_STATS}'",
         "",
     ]

@@ -170,6 +170,31 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class ReadyTask:
+    """A task on a model's ready list: stocked by the dispatcher ahead of a free
+    slot, then taken (admitted under ``admission_id``) or dropped.
+
+    ``start_delay_ms`` is set when :meth:`ReferenceCore.finish_and_take` took it
+    as the freed slot's next call: the lease is started and both start gates
+    are passed, so the caller waits that long and calls, with no renew.
+    """
+
+    task_id: int
+    admission_id: str
+    model: str
+    estimated_tokens: int
+    start_delay_ms: int = 0
+
+
+@dataclass
+class ReadyEntry:
+    task_id: int
+    admission_id: str
+    estimated_tokens: int
+    expires_at: int  # ms: not taken by then, it is dropped and its task goes back to pending
+
+
+@dataclass(frozen=True)
 class LeaseSeed:
     """An in-flight call known to PostgreSQL, re-seeded into a restored state."""
 
@@ -223,6 +248,8 @@ class ReferenceCore:
     leases: dict[str, Lease] = field(default_factory=dict)
     #: Per model, the latency sketch's fields (balancer.domain.latency.record).
     latency: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Per model, its ready list, oldest first (see :meth:`stock`).
+    ready: dict[str, list[ReadyEntry]] = field(default_factory=dict)
     loaded: bool = False
     epoch: int = 0
     seq: int = 0
@@ -496,6 +523,96 @@ class ReferenceCore:
         released = release and self.leases.pop(admission_id, None) is not None
         return settled, released
 
+    # -- ready lists -------------------------------------------------------------
+    def stock(self, entries: Sequence[tuple[str, int, int]], ttl_ms: int, now: int) -> list[str]:
+        """Put (model, task id, estimated tokens) entries on their models' ready
+        lists, each under a new admission id that expires ``ttl_ms`` from now;
+        what ``stock.lua`` does. An unknown model gets ``""`` and nothing stocked.
+
+        A ready list lets a freed slot carry its next call at once
+        (:meth:`finish_and_take`): the dispatcher fills it for models whose
+        slots are all busy, ahead of the slot, not ahead of the admission.
+        """
+        self._require_state()
+        out = []
+        for name, task_id, est in entries:
+            if name not in self.models:
+                out.append("")
+                continue
+            self.seq += 1
+            lid = f"{self.epoch}-{self.seq}"
+            self.ready.setdefault(name, []).append(ReadyEntry(task_id, lid, est, now + ttl_ms))
+            out.append(lid)
+        return out
+
+    def _take_ready(
+        self, name: str, now: int, lease_ms: int, started: bool, limit: int, drop_stuck: bool
+    ) -> tuple[list[ReadyEntry], list[ReadyEntry]]:
+        """Take entries from the head of ``name``'s ready list while the model can
+        admit them now: each is charged and leased like an admission, outside
+        WDRR (the dispatcher chose the model when it stocked it). Expired heads
+        are dropped; with ``drop_stuck``, so is every entry the model can never
+        take as it stands (disabled, or larger than its burst). The first entry
+        that must wait stops the take, so the list keeps its order."""
+        queue = self.ready.get(name, [])
+        quota = self.models[name].quota
+        taken: list[ReadyEntry] = []
+        dropped: list[ReadyEntry] = []
+        while queue and len(taken) < limit:
+            head = queue[0]
+            est = head.estimated_tokens
+            if head.expires_at <= now or (drop_stuck and (not quota.enabled or est > quota.burst)):
+                dropped.append(queue.pop(0))
+            elif quota.enabled and est <= quota.burst and self._has_capacity(name, est, now):
+                queue.pop(0)
+                self._charge(name, est)
+                self.leases[head.admission_id] = Lease(
+                    name, est, now + lease_ms, started=started, generation=self.models[name].generation
+                )
+                taken.append(head)
+            else:
+                break
+        if not queue:
+            self.ready.pop(name, None)
+        return taken, dropped
+
+    def finish_and_take(self, admission_id: str, settlement: Settlement, now: int, lease_ms: int) -> ReadyTask | None:
+        """:meth:`finish`, then, if a slot was freed, the head of its model's ready
+        list as that slot's next call, if the model can admit it now: leased as
+        started, through both start gates (``start_delay_ms``). One round trip
+        in ``finish.lua``; no broker hop and no dispatcher between the two calls."""
+        lease = self.leases.get(admission_id)
+        _, released = self.finish(admission_id, settlement, now)
+        if not released or lease is None or lease.model not in self.models:
+            return None
+        name = lease.model
+        self._purge(name, now)
+        taken, _ = self._take_ready(name, now, lease_ms, True, 1, False)
+        if not taken:
+            return None
+        head = taken[0]
+        delay = self._start_delay(name, head.estimated_tokens, True, now)
+        return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay)
+
+    def take_ready(self, now: int, lease_ms: int) -> tuple[list[ReadyTask], list[ReadyTask]]:
+        """The dispatcher's pass over the ready lists (``take_ready.lua``): per model
+        with entries, in name order, what free slots take now (leases not
+        started: the worker renews them) and what is dropped (to go back to
+        pending). A freed slot whose finish could not take its next call (the
+        tokens were short then) is filled from here, so no entry is stranded."""
+        self._require_state()
+        taken: list[ReadyTask] = []
+        dropped: list[ReadyTask] = []
+        for name in self._names():
+            if not self.ready.get(name):
+                continue
+            self._refill(name, now)
+            self._purge(name, now)
+            got, lost = self._take_ready(name, now, lease_ms, False, math.inf, True)  # type: ignore[arg-type]
+            taken += [ReadyTask(e.task_id, e.admission_id, name, e.estimated_tokens) for e in got]
+            dropped += [ReadyTask(e.task_id, e.admission_id, name, e.estimated_tokens) for e in lost]
+        return taken, dropped
+
     def reconcile(self, admission_id: str, settlement: Settlement, now: int) -> bool:
         """:meth:`finish` without freeing the slot. Returns True if the tokens were settled now."""
         return self.finish(admission_id, settlement, now, release=False)[0]
@@ -665,6 +782,7 @@ class ReferenceCore:
         if self.models.pop(name, None) is None:
             return False
         self.latency.pop(name, None)
+        self.ready.pop(name, None)  # those tasks go back to pending at their database deadline
         # Its leases stay: their calls still run at the provider, and count again if the model comes back.
         return True
 
@@ -678,6 +796,7 @@ class ReferenceCore:
         self.loaded = True
         self.epoch, self.seq, self.rr = now, 0, ""
         self.latency.clear()
+        self.ready.clear()
         for quota in quotas:
             self.models[quota.name] = ModelState(quota, 0, 0, now, 0)
         for seed in leases:
@@ -692,6 +811,7 @@ class ReferenceCore:
         self.models.clear()
         self.leases.clear()
         self.latency.clear()
+        self.ready.clear()
         self.loaded = False
         self.epoch = self.seq = 0
         self.rr = ""

@@ -11,6 +11,7 @@
 -- ARGV[7] '1' to release the slot, '0' to keep it (settle only)
 -- ARGV[8] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
 -- ARGV[9] its latency in ms, ARGV[10] prompt tokens, ARGV[11] completion tokens (with ARGV[8])
+-- ARGV[12] lease ms for a next call from the model's ready list, or '' to take none
 -- Settling: the provider's charge is the usage (settle) or the reservation
 -- (reserve). A charge above the estimate is always debited. A charge below it
 -- is credited only by a `settle` model, and only within the quota generation
@@ -20,9 +21,13 @@
 -- Latency: an answered call adds its latency and tokens to the model's sketch,
 -- and to its counters (solved, latency bucket, tokens: see count in lib.lua).
 -- Circuit: an answered call closes its model's circuit (see trip.lua).
+-- Next call: with ARGV[12], a freed slot takes the head of its model's ready
+-- list if the model can admit it now (see take_ready in lib.lua), leased as
+-- started, through both start gates: the caller calls it next, no renew.
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
 -- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
--- already released). Releasing is idempotent.
+-- already released). Releasing is idempotent. A taken next call adds five
+-- values: model, task id, admission id, estimated tokens, ms to wait before calling.
 
 local lid = ARGV[2]
 local raw = redis.call('HGET', LEASES, lid)
@@ -66,5 +71,18 @@ else
   redis.call('ZREM', inflight_key(lease.m), lid)
   redis.call('HDEL', LEASES, lid)
   released = 1
+  if m and ARGV[12] ~= '' then
+    purge(m, now)
+    local taken, dropped = {}, {}
+    take_ready(m, now, tonumber(ARGV[12]), 1, 1, false, taken, dropped)
+    local nxt = taken[1]
+    if nxt then
+      local delay = start_delay(m, nxt.e, true, now)
+      measure_refill(m.name, now)
+      save_model(m)
+      return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay)}
+    end
+    save_model(m)
+  end
 end
 return {settled, released}

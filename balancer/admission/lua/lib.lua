@@ -29,6 +29,7 @@
 --                                 tokens_used, tokens_estimated, latency_ms, lat<i> (calls in bucket i),
 --                                 the refill gap: freed_at (ms a slot of the full model freed; 0: none
 --                                 waiting), gap<le> (gaps up to le ms), gap_ms (their sum), gaps
+--   <tag>:ready:<name>     list   the model's ready list: 'task:lid:est:expires_ms' (see take_ready below)
 --   <tag>:stats            hash   admitted, not_now, rejected (admission decisions), dispatch_rounds
 --                                 (admit calls)
 --
@@ -286,6 +287,44 @@ end
 local function put_lease(lid, m, est, deadline, started)
   redis.call('ZADD', inflight_key(m.name), fmt(deadline), lid)
   redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, r = 0, g = m.gen}))
+end
+
+-- Ready lists (<tag>:ready:<name>, filled by stock.lua): tasks the dispatcher
+-- placed on a model whose slots were all busy, so that a slot freed by
+-- finish.lua carries the next call at once, with no trip through the
+-- dispatcher. Entries are 'task:lid:est:expires_ms', oldest first. Taking one
+-- is a full admission on that model (enabled, no pause, a slot, tokens, a
+-- request), outside WDRR: the dispatcher chose the model when it stocked it.
+local function ready_key(name) return PREFIX .. READY_INFIX .. name end
+
+local function parse_ready(raw)
+  local task, lid, est, expires = string.match(raw, '^([^:]+):([^:]+):([^:]+):([^:]+)$')
+  return {task = task, lid = lid, e = tonumber(est), x = tonumber(expires)}
+end
+
+-- Take up to `limit` entries from the head of m's ready list while m can admit
+-- them now, charging and leasing each (`started`: 1 when the caller calls at
+-- once, as after renew). Expired heads are dropped; with `drop_stuck`, so is
+-- every entry m can never take as it stands (disabled, or above its burst).
+-- Stops at the first entry that must wait. m must be refilled and purged to now.
+local function take_ready(m, now, lease_ms, started, limit, drop_stuck, taken, dropped)
+  local key = ready_key(m.name)
+  while #taken < limit do
+    local raw = redis.call('LINDEX', key, 0)
+    if not raw then break end
+    local r = parse_ready(raw)
+    if r.x <= now or (drop_stuck and (m.enabled ~= 1 or r.e > m.burst)) then
+      redis.call('LPOP', key)
+      dropped[#dropped + 1] = r
+    elseif m.enabled == 1 and r.e <= m.burst and has_capacity(m, r.e, now) then
+      redis.call('LPOP', key)
+      charge(m, r.e)
+      put_lease(r.lid, m, r.e, now + lease_ms, started)
+      taken[#taken + 1] = r
+    else
+      break
+    end
+  end
 end
 -- end of lib.lua
 

@@ -9,11 +9,12 @@
 -- Returns 1 if it restored, 0 if the state was already there (another process won).
 -- Buckets start empty, not full: the provider may have just seen a burst.
 -- Leases are re-seeded as started, so the calls still running count against the caps.
+-- Ready lists start empty: their tasks go back to pending at their database deadline.
 
 if loaded() then return 0 end
 local now = clock(ARGV[1])
 for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
-  redis.call('DEL', model_key(name), inflight_key(name), latency_key(name))
+  redis.call('DEL', model_key(name), inflight_key(name), latency_key(name), ready_key(name))
 end
 redis.call('DEL', MODELS, LEASES)
 redis.call('HSET', META, 'loaded', '1', 'epoch', fmt(now), 'seq', '0', 'rr', '')
