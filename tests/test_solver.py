@@ -392,6 +392,7 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
     runtime.reset()
     svc = runtime.services()  # the worker's own handles: no pre-ping
     svc.quotas.replace_all([MODEL.quota(), SimModel("n", 4, 600_000).quota()])
+    svc.core.load_scripts()  # else each script's first call adds a SCRIPT LOAD in a fresh Redis
     rows, errors = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(4)),
                                models={"m": MODEL.quota().burst, "n": MODEL.quota().burst})
     assert not errors
@@ -409,6 +410,56 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
         assert solve(svc, backend, message(sent[0])) == "solved"
         assert counts.reset() == (2, 2)
     runtime.reset()
+
+
+def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot's next call from the model's ready list: the finish that frees the
+    slot admits it (one Redis script, no renew, no dispatcher), then its start
+    and its answer on PostgreSQL. Per chained task: Redis 1, PostgreSQL 2."""
+    from balancer.pipeline import runtime
+    from balancer.pipeline.solver import solve_chain
+    from balancer.storage.tasks import mark_queued
+
+    monkeypatch.setenv("BALANCER_BACKEND_URL", sim[0])
+    runtime.reset()
+    svc = runtime.services()
+    svc.quotas.replace_all([MODEL.quota(), SimModel("n", 4, 600_000).quota()])
+    svc.core.load_scripts()
+    rows, errors = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(4)),
+                               models={"m": MODEL.quota().burst, "n": MODEL.quota().burst})
+    assert not errors
+    with svc.engine.begin() as conn:
+        ids = insert_tasks(conn, rows)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend, max_rounds=1, window=1)
+    assert [a.task_id for a in sent] == ids[:1]
+    ready = [("m", task_id, row.estimated_tokens) for task_id, row in zip(ids[1:], rows[1:], strict=True)]
+    admissions = svc.core.stock(ready, 60_000)
+    with svc.engine.begin() as conn:
+        mark_queued(conn, [(task_id, "m", lid) for (_, task_id, _), lid in zip(ready, admissions, strict=True)], 60)
+    counts = RoundTrips(monkeypatch, svc.engine)
+    per_solve: list[tuple[int, int]] = []
+    outcomes = solve_chain(svc, make_backend(svc.settings), message(sent[0]), may_continue=lambda: True,
+                           after_each=lambda: per_solve.append(counts.reset()))
+    assert outcomes == ["solved"] * 4
+    # The first came from the dispatcher (renew + finish); the others were taken by a finish.
+    assert per_solve == [(2, 2), (1, 2), (1, 2), (1, 2)]
+    assert svc.core.counters()[0]["m"]["ready_taken"] == 3
+    runtime.reset()
+
+
+def test_a_chain_stops_taking_when_told(svc: Services) -> None:
+    """``may_continue`` false: the finish frees the slot and takes nothing, so the
+    ready task stays on its list for another slot or the dispatcher."""
+    from balancer.pipeline.solver import solve_chain
+
+    a = dispatch_one(svc, {"prompt": "p", "model": "m"})
+    rows, _ = parse_tasks(json.dumps({"prompt": "q", "model": "m"}), models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        (other,) = insert_tasks(conn, rows)
+    svc.core.stock([("m", other, rows[0].estimated_tokens)], 60_000)
+    assert solve_chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: False) == ["solved"]
+    assert svc.core.live()["m"].ready == 1
 
 
 def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> None:

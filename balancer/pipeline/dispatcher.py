@@ -19,6 +19,15 @@ dispatcher that dies between commit and publish leaves leases that were never
 started: they expire and refund their tokens, and the sweep tick returns
 the tasks to pending.
 
+A freed slot should not wait for a round at all. For each model whose slots
+are all busy, a round also *stocks* a short ready list in Redis (a few tasks
+marked ``queued`` under admission ids that are not yet leases). The call that
+frees a slot admits the list's head in the same round trip and the worker
+calls it next (``finish.lua``, :meth:`AdmissionCore.finish_and_take`). Each
+round first takes from the lists what free slots can take now and returns
+what expired or can no longer run to pending (:func:`take_from_ready`). How
+many tasks and for how long: :mod:`balancer.domain.ready`.
+
 The end of the backlog is different: a task handed to a slow model in the
 last minute can end long after every other model has gone idle. When the
 backlog would drain before a call started now on the slowest open model
@@ -39,6 +48,7 @@ from sqlalchemy.engine import Connection
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import ModelLive, open_slots
 from balancer.domain import endgame
+from balancer.domain import ready as ready_lists
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.tasks import (
@@ -50,8 +60,10 @@ from balancer.storage.tasks import (
     mark_hedged,
     mark_queued,
     models_with_pinned_backlog,
+    pending_at_least,
     pending_backlog,
     stragglers,
+    unstock,
 )
 
 #: The end game plans at most this many tasks beyond the claimed window (as
@@ -76,6 +88,9 @@ class DispatchReport:
     #: tasks the end game kept pending for a model that will finish them sooner
     held_for_faster: int = 0
     hedges: int = 0
+    #: tasks put on busy models' ready lists, and ready tasks returned to pending (expired or stuck)
+    stocked: int = 0
+    unstocked: int = 0
     rounds: int = 0
     #: ms until the earliest refused task could be admitted (None: unknown or nothing waits)
     retry_in_ms: int | None = None
@@ -99,13 +114,16 @@ def dispatch(
     window = window or services.settings.dispatch_window
     report = DispatchReport()
     idle = False  # the last round found nothing pending that a free slot could take
-    for _ in range(max_rounds):
+    for round_no in range(max_rounds):
         view = core.live()
         if not view and not core.is_loaded():
             # Redis lost its data: restore now (the admit call would too, but an
             # empty live view means it would never be reached).
             core.restore()
             view = core.live()
+        if round_no == 0 and any(m.ready for m in view.values()):
+            if take_from_ready(services, publish, report):
+                view = core.live()
         free = open_slots(view)
         if models is not None:
             free = {m: n for m, n in free.items() if m in models}
@@ -154,7 +172,111 @@ def dispatch(
             break
     if idle and services.settings.hedging:
         report.hedges = hedge_stragglers(services, publish, view)  # the view of the round that found nothing
+    if models is None and services.settings.ready_per_slot > 0:
+        report.stocked = stock_ready(services, view)
     return report
+
+
+def take_from_ready(services: Services, publish: Publisher, report: DispatchReport) -> int:
+    """Admit the ready tasks free slots can take now, and send dropped ones back
+    to pending. Returns how many were admitted (published like any admission)."""
+    taken, dropped = services.core.take_ready()
+    if dropped:
+        with services.engine.begin() as conn:
+            report.unstocked += unstock(conn, [(t.task_id, t.admission_id) for t in dropped])
+    publish([Assignment(t.task_id, t.model, t.admission_id, t.estimated_tokens) for t in taken])
+    report.admitted += len(taken)
+    for t in taken:
+        report.by_model[t.model] = report.by_model.get(t.model, 0) + 1
+    return len(taken)
+
+
+def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, int]:
+    """For each model with every slot busy, how many tasks its ready list lacks."""
+    targets = {}
+    for name, m in view.items():
+        q = m.quota
+        if not q.enabled or m.paused_ms > 0 or m.in_flight < q.max_concurrent_requests:
+            continue
+        mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms
+        room = ready_lists.depth(q.max_concurrent_requests, mean_ms, settings.ready_per_slot, settings.ready_ttl) - m.ready
+        if room > 0:
+            targets[name] = room
+    return targets
+
+
+def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
+    """Fill the ready lists of the models whose slots are all busy (see the module
+    docstring and :mod:`balancer.domain.ready`). Returns how many were stocked.
+
+    Each model takes its pinned tasks first; flexible tasks go to a model only
+    if it has no more pinned ones, in the window's order, to the model with the
+    most room. Nothing is stocked unless the backlog outlasts the slowest
+    model's call even without the stocked tasks: the end game decides the rest.
+    """
+    settings = services.settings
+    targets = stock_targets(view, settings)
+    if not targets:
+        return 0
+    wanted = sum(targets.values())
+    with services.engine.begin() as conn:
+        pinned = claim_pinned(conn, targets)
+        flexible = claim_window(conn, wanted, targets)
+        claimed = [*pinned, *flexible]
+        if not claimed:
+            return 0
+        mean_tokens = sum(t.estimated_tokens for t in claimed) / len(claimed)
+        enough = ready_lists.backlog_to_stock(mean_tokens, outlooks(view, settings.expected_latency_s),
+                                              finish_estimate(settings))
+        if not pending_at_least(conn, enough + wanted):
+            return 0
+        placed = place_ready(pinned, flexible, targets)
+        if not placed:
+            return 0
+        admissions = services.core.stock(
+            [(model, task.id, task.estimated_tokens) for task, model in placed], round(settings.ready_ttl * 1000)
+        )
+        stocked = [(task.id, model, lid) for (task, model), lid in zip(placed, admissions, strict=True) if lid]
+        # The database deadline outlives the Redis entry, so a task taken at the
+        # last moment is still ``queued`` when its worker starts it.
+        mark_queued(conn, stocked, math.ceil(settings.ready_ttl) + settings.lease_seconds)
+    return len(stocked)
+
+
+def place_ready(pinned: Sequence[PendingTask], flexible: Sequence[PendingTask],
+                targets: dict[str, int]) -> list[tuple[PendingTask, str]]:
+    """Which claimed task goes on which model's ready list.
+
+    >>> pinned = [PendingTask(1, 10, ("a",))]
+    >>> flexible = [PendingTask(2, 10, None), PendingTask(3, 10, ("b",)), PendingTask(4, 10, None)]
+    >>> [(t.id, m) for t, m in place_ready(pinned, flexible, {"a": 2, "b": 2})]
+    [(1, 'a'), (2, 'b'), (3, 'b'), (4, 'a')]
+
+    Pinned tasks fill their model's room first. Only a model whose pinned lane
+    came back short (no more pinned tasks pending for it) has room left for
+    flexible ones: "a" asked for 2 and got 1 pinned, so task 4 may use it.
+    """
+    room = dict(targets)
+    placed: list[tuple[PendingTask, str]] = []
+    seen: set[int] = set()
+    for task in pinned:
+        model = task.allowed_models[0] if task.allowed_models else None
+        if model in room and room[model] > 0:
+            placed.append((task, model))
+            room[model] -= 1
+            seen.add(task.id)
+    for task in flexible:
+        if task.id in seen:
+            continue
+        options = [m for m, n in room.items() if n > 0 and (task.allowed_models is None or m in task.allowed_models)
+                   and m != task.avoid_model]
+        if not options:
+            continue
+        model = max(options, key=lambda m: room[m])
+        placed.append((task, model))
+        room[model] -= 1
+        seen.add(task.id)
+    return placed
 
 
 def plan_batch(

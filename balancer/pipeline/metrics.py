@@ -113,6 +113,8 @@ class BalancerCollector(Collector):
                 "balancer_model_pinned_pending_tasks": pinned,
                 "balancer_model_tokens_estimated": stats.get("tokens_estimated", 0),
                 "balancer_model_tokens_used": stats.get("tokens_used", 0),
+                "balancer_model_ready_tasks": live.ready,
+                "balancer_model_ready_taken": stats.get("ready_taken", 0),
             }
             for family_name, value in values.items():
                 if value is not None:
@@ -149,6 +151,7 @@ class BalancerCollector(Collector):
             "balancer_model_paused_seconds": "How much longer a 429 holds the model",
             "balancer_model_pending_tasks": "Pending tasks this model may run",
             "balancer_model_pinned_pending_tasks": "Pending tasks pinned to this model alone",
+            "balancer_model_ready_tasks": "Tasks on the model's ready list, waiting for its next free slot",
         }
         families: dict[str, Any] = {n: GaugeMetricFamily(n, doc, labels=model) for n, doc in gauges.items()}
         families["balancer_model_calls"] = CounterMetricFamily(
@@ -158,6 +161,9 @@ class BalancerCollector(Collector):
             "balancer_model_tokens_estimated", "Tokens admitted for answered calls (prompt + max_tokens)", labels=model)
         families["balancer_model_tokens_used"] = CounterMetricFamily(
             "balancer_model_tokens_used", "Tokens answered calls used (prompt + completion)", labels=model)
+        families["balancer_model_ready_taken"] = CounterMetricFamily(
+            "balancer_model_ready_taken", "Calls a finishing call's slot took straight from the ready list "
+            "(no dispatcher round between the two calls)", labels=model)
         families["balancer_model_call_latency_seconds"] = HistogramMetricFamily(
             "balancer_model_call_latency_seconds", "Latency of answered calls", labels=model)
         families["balancer_model_refill_gap_seconds"] = HistogramMetricFamily(

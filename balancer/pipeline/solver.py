@@ -13,9 +13,10 @@ no room               the lease expired and its slot is taken (redelivery after
 solved                as soon as the backend answers: settle the tokens as the
                       model's accounting says, lower the buckets to the
                       provider's remaining-quota headers, add the latency to
-                      the model's sketch and release the slot (one round
-                      trip); then answer, usage and ``solved`` in one
-                      guarded UPDATE
+                      the model's sketch, release the slot and, with
+                      ``take_next``, admit the head of the model's ready list
+                      as the slot's next call (one round trip); then answer,
+                      usage and ``solved`` in one guarded UPDATE
 rate_limited (429)    the model is paused for Retry-After, once per window
                       (atomically in Lua), so *every* dispatcher holds it,
                       whichever limit caused the 429; the task goes back to
@@ -77,7 +78,7 @@ from typing import TypeVar
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from balancer.admission import AdmissionCore, Admitted, Settlement
+from balancer.admission import AdmissionCore, Admitted, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
 from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
@@ -98,6 +99,15 @@ class SolveMessage:
     model: str
     estimated_tokens: int
     hedge: bool = False
+    #: Set for a ready task a finishing call took as its slot's next call: its
+    #: lease is started and both start gates are passed, so wait this long and
+    #: call, with no renew. None: a message from the dispatcher (renew first).
+    start_delay_ms: int | None = None
+
+    @classmethod
+    def taken(cls, ready: ReadyTask) -> SolveMessage:
+        return cls(ready.task_id, ready.admission_id, ready.model, ready.estimated_tokens,
+                   start_delay_ms=ready.start_delay_ms)
 
 
 def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float:
@@ -145,16 +155,24 @@ def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, s
 
 class Slot:
     """The call's admission: freed once, in one round trip, on every path, unless
-    a cancelled call hands it over to a hold."""
+    a cancelled call hands it over to a hold.
 
-    def __init__(self, core: AdmissionCore, admission_id: str) -> None:
+    With ``take_next``, an answered call's slot also takes its next call from
+    the model's ready list in that round trip (:attr:`next`)."""
+
+    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool = False) -> None:
         self.core, self.admission_id, self.done = core, admission_id, False
+        self.take_next = take_next
+        self.next: ReadyTask | None = None
 
     def free(self, settlement: Settlement | None = None) -> None:
         """Free the slot, settling what the call tells."""
         if not self.done:
             self.done = True
-            self.core.finish(self.admission_id, settlement)
+            if self.take_next and settlement is not None:
+                self.next = self.core.finish_and_take(self.admission_id, settlement)
+            else:
+                self.core.finish(self.admission_id, settlement)
 
     def disown(self) -> None:
         """This message does not own the slot (another worker's call runs under it): never free it."""
@@ -181,11 +199,39 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
     its task's deadline are renewed while it runs, from its start to its write.
     The whole solve ends within ``settings.hard_time_limit``: the call within
     ``backend_timeout`` (total time), the writes' retries by the rest."""
+    return solve_one(services, backend, msg, listener, heartbeat)[0]
+
+
+def solve_one(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
+              heartbeat: Heartbeat | None = None, *, take_next: bool = False) -> tuple[str, SolveMessage | None]:
+    """:func:`solve`, and with ``take_next`` the slot's next call if its finish
+    took one from the model's ready list: the caller must solve it (it is
+    admitted and its task ``queued``; if nobody does, its lease and its
+    database deadline expire and the sweep returns it to pending)."""
     token = SOLVE_DEADLINE.set(time.monotonic() + services.settings.hard_time_limit)
+    slot = Slot(services.core, msg.admission_id, take_next=take_next and not msg.hedge)
     try:
-        return _solve(services, backend, msg, listener, heartbeat, Slot(services.core, msg.admission_id))
+        outcome = _solve(services, backend, msg, listener, heartbeat, slot)
     finally:
         SOLVE_DEADLINE.reset(token)
+    return outcome, None if slot.next is None else SolveMessage.taken(slot.next)
+
+
+def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
+                heartbeat: Heartbeat | None = None, *, may_continue: Callable[[], bool] = lambda: False,
+                after_each: Callable[[], object] = lambda: None) -> list[str]:
+    """Solve ``msg``, then each next call its slot took, while ``may_continue()``
+    says so when a call ends (checked before the next is taken, so a taken
+    call is always solved). ``after_each`` runs after every solve (the worker
+    asks for a dispatch there: a ready list shrank or a slot freed).
+    Returns the outcomes in order."""
+    outcomes = []
+    next_msg: SolveMessage | None = msg
+    while next_msg is not None:
+        outcome, next_msg = solve_one(services, backend, next_msg, listener, heartbeat, take_next=may_continue())
+        outcomes.append(outcome)
+        after_each()
+    return outcomes
 
 
 def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None,
@@ -222,17 +268,20 @@ def _call_and_write(
     """The first call of a started task: renew the slot, call, settle, write."""
     core, engine, settings = services.core, services.engine, services.settings
     finish = slot.free
-    renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
-    if not isinstance(renewed, Admitted):
-        with_db_retry(
-            lambda: store.back_to_pending(
-                engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
+    start_delay_ms = msg.start_delay_ms
+    if start_delay_ms is None:  # from the dispatcher: re-assert the slot (taken from a ready list: done)
+        renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+        if not isinstance(renewed, Admitted):
+            with_db_retry(
+                lambda: store.back_to_pending(
+                    engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
+                )
             )
-        )
-        return "no_room"
+            return "no_room"
+        start_delay_ms = renewed.start_delay_ms
     attempt = ctx.attempts
-    if renewed.start_delay_ms > 0:  # the RPM start gate: the provider paces call starts
-        time.sleep(renewed.start_delay_ms / 1000)
+    if start_delay_ms > 0:  # the start gates: the provider paces call starts and charges tokens on arrival
+        time.sleep(start_delay_ms / 1000)
     try:
         completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
     except Cancelled:

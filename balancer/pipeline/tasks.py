@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from celery.signals import worker_process_init
+from celery.worker import state as worker_state
 
 from balancer.pipeline import runtime
 from balancer.pipeline.app import app
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.pipeline.fallback import FallbackTicks, mark_beat_seen
 from balancer.pipeline.pool import QuotaWatcher
-from balancer.pipeline.solver import SolveMessage, solve
+from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.storage.tasks import return_expired
 
@@ -68,10 +70,25 @@ def dispatch_task(from_beat: bool = False) -> dict:
 
 @app.task(name="balancer.solve")
 def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int, hedge: bool = False) -> str:
+    """Solve the message's task, then each next call its slot takes from the
+    model's ready list, with no broker hop between them (see the solver).
+
+    The chain holds this message unacknowledged, so it stops taking more while
+    one more solve could still end before the broker's visibility timeout, and
+    when the worker is shutting down."""
+    svc = runtime.services()
     msg = SolveMessage(task_id, admission_id, model, estimated_tokens, hedge)
-    outcome = solve(runtime.services(), runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat())
-    trigger_dispatch()  # a slot just freed: refill it now, not at the next tick
-    return outcome
+    started = time.monotonic()
+    last_start = svc.settings.visibility_timeout - svc.settings.hard_time_limit  # > 0: Settings.check_timing
+
+    def may_continue() -> bool:
+        return time.monotonic() - started < last_start and not (worker_state.should_stop or worker_state.should_terminate)
+
+    outcomes = solve_chain(
+        svc, runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat(),
+        may_continue=may_continue, after_each=trigger_dispatch,  # a slot freed or a ready list shrank: refill now
+    )
+    return outcomes[0] if len(outcomes) == 1 else f"{outcomes[0]} and {len(outcomes) - 1} next"
 
 
 @app.task(name="balancer.sweep")

@@ -193,6 +193,35 @@ def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], l
     )
 
 
+def pending_at_least(conn: Connection, n: int) -> bool:
+    """Whether at least ``n`` tasks are pending: reads at most ``n`` index entries,
+    so it costs the same for a backlog of a thousand or of a million."""
+    if n <= 0:
+        return True
+    first_n = sa.select(tasks.c.id).where(tasks.c.status == "pending").limit(n).subquery()
+    return conn.execute(sa.select(sa.func.count()).select_from(first_n)).scalar_one() >= n
+
+
+def unstock(conn: Connection, entries: Sequence[tuple[int, str]]) -> int:
+    """(task id, admission id) of ready-list entries dropped before any call:
+    back to pending, each only if still queued under that admission."""
+    if not entries:
+        return 0
+    ids, admissions = zip(*entries, strict=True)
+    result = conn.execute(
+        sa.text(
+            """
+            UPDATE tasks AS t
+               SET status = 'pending', model = NULL, admission_id = NULL, deadline = NULL, updated_at = now()
+              FROM unnest(CAST(:ids AS bigint[]), CAST(:admissions AS text[])) AS v(id, admission_id)
+             WHERE t.id = v.id AND t.admission_id = v.admission_id AND t.status = 'queued'
+            """
+        ),
+        {"ids": list(ids), "admissions": list(admissions)},
+    )
+    return result.rowcount
+
+
 def fail_pending(conn: Connection, failures: Sequence[tuple[int, str]]) -> None:
     """Mark tasks that can never be admitted as failed, with the reason."""
     for task_id, reason in failures:

@@ -79,6 +79,7 @@ else
     if nxt then
       local delay = start_delay(m, nxt.e, true, now)
       measure_refill(m.name, now)
+      count(m.name, 'ready_taken', 1)
       save_model(m)
       return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay)}
     end

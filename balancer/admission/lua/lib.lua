@@ -28,7 +28,8 @@
 --   <tag>:stats:<name>     hash   counters since the start (metrics only): solved, rate_limited,
 --                                 tokens_used, tokens_estimated, latency_ms, lat<i> (calls in bucket i),
 --                                 the refill gap: freed_at (ms a slot of the full model freed; 0: none
---                                 waiting), gap<le> (gaps up to le ms), gap_ms (their sum), gaps
+--                                 waiting), gap<le> (gaps up to le ms), gap_ms (their sum), gaps,
+--                                 ready_taken (next calls a finishing call took from the ready list)
 --   <tag>:ready:<name>     list   the model's ready list: 'task:lid:est:expires_ms' (see take_ready below)
 --   <tag>:stats            hash   admitted, not_now, rejected (admission decisions), dispatch_rounds
 --                                 (admit calls)

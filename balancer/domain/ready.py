@@ -1,0 +1,69 @@
+"""Ready lists: how many tasks a busy model keeps ready, and when to stop.
+
+When a call ends, its slot should carry the next call within milliseconds.
+Through the dispatcher that takes a trigger, a dispatch round, a publish and a
+consume (docs/benchmarks.md measured 60 to 300 ms). So the dispatcher keeps a
+short *ready list* for each model whose slots are all busy: tasks placed on it
+ahead of a free slot (not ahead of the admission). The call that frees a slot
+admits the list's head in the same Redis round trip (``finish.lua``) and the
+worker calls it next.
+
+Placing a task early is a small loss of late binding, so it is bounded three ways:
+
+- **Depth.** At most ``ceil(cap * per_slot)`` tasks, and no more than the
+  model's slots finish in half the list's time to live, so a slow model keeps
+  none (a 60 ms gap is nothing next to its calls) and entries rarely expire.
+- **Time.** An entry not taken within its TTL is dropped and its task goes
+  back to pending: a disabled, paused or slowed model strands nothing.
+- **The end of the backlog.** Lists are stocked only while the backlog
+  outlasts a call started now on the slowest model, the end game's own test
+  (:mod:`balancer.domain.endgame`), so the last tasks are still placed where
+  they finish soonest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from balancer.domain.endgame import ModelOutlook
+
+
+def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> int:
+    """How many ready tasks a model with every slot busy keeps.
+
+    >>> depth(cap=8, mean_latency_ms=400, per_slot=0.5, ttl_s=5)     # fast: half its slots
+    4
+    >>> depth(cap=8, mean_latency_ms=4_000, per_slot=0.5, ttl_s=5)   # 8 slots finish 5 calls in 2.5 s
+    4
+    >>> depth(cap=8, mean_latency_ms=9_000, per_slot=0.5, ttl_s=5)   # 2.2 calls in 2.5 s
+    2
+    >>> depth(cap=3, mean_latency_ms=30_000, per_slot=0.5, ttl_s=5)  # slow: none
+    0
+    >>> depth(cap=8, mean_latency_ms=400, per_slot=0, ttl_s=5)       # lists off
+    0
+    """
+    if per_slot <= 0 or cap <= 0:
+        return 0
+    by_slots = math.ceil(cap * per_slot)
+    if mean_latency_ms <= 0:
+        return by_slots
+    by_ttl = math.floor(cap * ttl_s * 1000 / 2 / mean_latency_ms)
+    return max(0, min(by_slots, by_ttl))
+
+
+def backlog_to_stock(mean_tokens: float, models: Sequence[ModelOutlook], finish: str) -> int:
+    """The fewest pending tasks that still outlast a call started now on the
+    slowest model (at its ``finish`` quantile): below it, ready lists are not
+    stocked and the end game places the last tasks.
+
+    >>> from balancer.domain.latency import LatencyEstimate
+    >>> fast = ModelOutlook("fast", cap=10, free_slots=0, in_flight=10, latency=LatencyEstimate(500, 1_000, 1_500, 50))
+    >>> slow = ModelOutlook("slow", cap=2, free_slots=0, in_flight=2, latency=LatencyEstimate(2_000, 4_000, 6_000, 50))
+    >>> round(fast.throughput_per_ms(100) * 1000, 1), round(slow.throughput_per_ms(100) * 1000, 2)
+    (17.7, 0.88)
+    >>> backlog_to_stock(100, [fast, slow], "p90_ms")   # 18.5 tasks/s over the slow p90 of 4 s
+    75
+    """
+    horizon = max((getattr(m.latency, finish) for m in models if m.cap > 0), default=0.0)
+    return math.ceil(horizon * sum(m.throughput_per_ms(mean_tokens) for m in models))

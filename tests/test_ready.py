@@ -1,0 +1,109 @@
+"""Ready lists in the dispatcher: stocked for busy models while the backlog is
+long, taken into free slots, returned to pending when they can no longer run.
+Real Redis and PostgreSQL; the solve side is in test_solver.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import sqlalchemy as sa
+
+from balancer.domain.intake import parse_tasks
+from balancer.domain.quota import Quota
+from balancer.pipeline.dispatcher import Assignment, dispatch
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.storage.schema import tasks
+from balancer.storage.tasks import insert_tasks
+
+pytestmark = pytest.mark.usefixtures("migrated")
+
+#: One slot, 50 ms calls: a ready list of one; a backlog of a few tasks outlasts a call.
+BUSY = Quota("m", 1, 600_000, expected_latency_s=0.05)
+OTHER = Quota("n", 4, 600_000, expected_latency_s=0.05)
+
+
+@pytest.fixture
+def svc() -> Services:
+    services = Services.connect(Settings.from_env())
+    services.quotas.replace_all([BUSY, OTHER])
+    return services
+
+
+def add_tasks(svc: Services, n: int, model: str | None = "m") -> list[int]:
+    line = {"prompt": "p"} | ({"model": model} if model else {})
+    rows, errors = parse_tasks("".join(json.dumps(line) + "\n" for _ in range(n)), models={"m": BUSY.burst, "n": OTHER.burst})
+    assert not errors
+    with svc.engine.begin() as conn:
+        return insert_tasks(conn, rows)
+
+
+def statuses(svc: Services) -> dict[int, tuple[str, str | None]]:
+    with svc.engine.connect() as conn:
+        return {r.id: (r.status, r.admission_id) for r in conn.execute(sa.select(tasks.c.id, tasks.c.status, tasks.c.admission_id))}
+
+
+def test_a_busy_model_gets_a_ready_list_and_a_free_slot_takes_it(svc: Services) -> None:
+    ids = add_tasks(svc, 8)
+    sent: list[Assignment] = []
+    report = dispatch(svc, sent.extend)
+    assert [a.task_id for a in sent] == ids[:1]  # one slot
+    assert report.stocked == 1 and svc.core.live()["m"].ready == 1
+    ready_task = ids[1]
+    status, lid = statuses(svc)[ready_task]
+    assert status == "queued" and lid is not None  # claimed: no other round takes it
+    # A second round stocks nothing more (the list is full) and admits nothing (no slot).
+    more: list[Assignment] = []
+    assert dispatch(svc, more.extend).stocked == 0 and more == []
+    # The slot frees without a finish taking the next call (a failed call, say):
+    # the next round admits the ready task first, under the admission id it was stocked with.
+    svc.core.release(sent[0].admission_id)
+    report = dispatch(svc, more.extend)
+    assert more[0] == Assignment(ready_task, "m", lid, more[0].estimated_tokens)
+    assert report.admitted == 1 and report.stocked == 1  # and the list is stocked again
+
+
+def test_nothing_is_stocked_near_the_end_of_the_backlog(svc: Services) -> None:
+    """Two tasks for a one-slot model: the one left pending is the end game's to
+    place, not the ready list's."""
+    ids = add_tasks(svc, 2)
+    report = dispatch(svc, [].extend)
+    assert report.stocked == 0 and svc.core.live()["m"].ready == 0
+    assert statuses(svc)[ids[1]][0] == "pending"
+
+
+def test_no_ready_list_for_a_model_with_free_slots_or_when_turned_off(svc: Services) -> None:
+    add_tasks(svc, 20, model="n")  # four slots, twenty tasks: its slots fill, then it is busy
+    assert dispatch(svc, [].extend).stocked == 2  # ceil(4 * 0.5)
+    off = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
+    svc.core.take_ready()  # (empties nothing: no slot is free; the entries stay)
+    add_tasks(svc, 8)
+    assert dispatch(off, [].extend).stocked == 0 and svc.core.live()["m"].ready == 0
+
+
+def test_a_disabled_models_ready_tasks_go_back_to_pending(svc: Services) -> None:
+    ids = add_tasks(svc, 8)
+    dispatch(svc, [].extend)
+    assert statuses(svc)[ids[1]][0] == "queued"
+    svc.quotas.set("m", {"enabled": False})
+    report = dispatch(svc, [].extend)
+    assert report.unstocked == 1 and svc.core.live()["m"].ready == 0
+    assert statuses(svc)[ids[1]] == ("pending", None)
+
+
+def test_an_expired_ready_task_goes_back_to_pending(svc: Services) -> None:
+    ids = add_tasks(svc, 8)
+    dispatch(svc, [].extend)
+    status, lid = statuses(svc)[ids[1]]
+    assert status == "queued"
+    seconds, micros = svc.core.redis.time()
+    svc.core.clock = lambda: seconds * 1000 + micros // 1000 + 6_000  # past the entry's 5 s (the lease's 60 s are not)
+    no_stocking = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
+    try:
+        report = dispatch(no_stocking, [].extend)
+    finally:
+        svc.core.clock = None
+    assert report.unstocked == 1 and svc.core.live()["m"].ready == 0
+    assert statuses(svc)[ids[1]] == ("pending", None)
