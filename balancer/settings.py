@@ -221,7 +221,7 @@ class Settings:
     inbox: str | None = None
     dispatch_window: int = 200
     #: A model with every slot busy keeps ceil(cap * this) tasks ready (balancer.domain.ready); 0: no ready lists.
-    ready_per_slot: float = 0.5
+    ready_per_slot: float = 1.0
     #: How long a ready task waits for its model's slot before it goes back to pending.
     ready_ttl: float = 5.0
     max_attempts: int = 5
@@ -317,7 +317,7 @@ class Settings:
             visibility_timeout=_int("BALANCER_VISIBILITY_TIMEOUT", 900),
             inbox=env.get("BALANCER_INBOX") or None,
             dispatch_window=_int("BALANCER_DISPATCH_WINDOW", 200),
-            ready_per_slot=_share("BALANCER_READY_PER_SLOT", 0.5),
+            ready_per_slot=_share("BALANCER_READY_PER_SLOT", 1.0),
             ready_ttl=_seconds("BALANCER_READY_TTL", 5.0, 0.1, 3600),
             max_attempts=_int("BALANCER_MAX_ATTEMPTS", 5),
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),

@@ -122,7 +122,7 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
         for quota in initial:
             twin.set_quota(quota)
         twin.check_same_state()
-        for op in ops:
+        for step, op in enumerate(ops):
             kind = op[0]
             if kind == "admit":
                 for cand, decision in zip(op[1], twin.admit(op[1])):
@@ -139,7 +139,8 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
             elif kind == "finish" and issued:
                 twin.finish(issued[op[1] % len(issued)][0], op[2])
             elif kind == "stock":
-                twin.stock(op[1], op[2])
+                entries = [(model, task, est, f"r-{len(issued)}-{i}-{step}") for i, (model, task, est) in enumerate(op[1])]
+                twin.stock(entries, op[2])
             elif kind == "finish_take" and issued:
                 nxt = twin.finish_and_take(issued[op[1] % len(issued)][0], op[2])
                 if nxt is not None:

@@ -76,7 +76,7 @@ def test_nothing_is_stocked_near_the_end_of_the_backlog(svc: Services) -> None:
 
 def test_no_ready_list_for_a_model_with_free_slots_or_when_turned_off(svc: Services) -> None:
     add_tasks(svc, 20, model="n")  # four slots, twenty tasks: its slots fill, then it is busy
-    assert dispatch(svc, [].extend).stocked == 2  # ceil(4 * 0.5)
+    assert dispatch(svc, [].extend).stocked == 4  # one per slot
     off = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
     svc.core.take_ready()  # (empties nothing: no slot is free; the entries stay)
     add_tasks(svc, 8)

@@ -433,10 +433,10 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
     sent: list[Assignment] = []
     dispatch(svc, sent.extend, max_rounds=1, window=1)
     assert [a.task_id for a in sent] == ids[:1]
-    ready = [("m", task_id, row.estimated_tokens) for task_id, row in zip(ids[1:], rows[1:], strict=True)]
-    admissions = svc.core.stock(ready, 60_000)
+    ready = [("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids[1:], rows[1:], strict=True)]
     with svc.engine.begin() as conn:
-        mark_queued(conn, [(task_id, "m", lid) for (_, task_id, _), lid in zip(ready, admissions, strict=True)], 60)
+        mark_queued(conn, [(task_id, "m", lid) for _, task_id, _, lid in ready], 60)
+    assert svc.core.stock(ready, 60_000) == [True] * 3
     counts = RoundTrips(monkeypatch, svc.engine)
     per_solve: list[tuple[int, int]] = []
     outcomes = solve_chain(svc, make_backend(svc.settings), message(sent[0]), may_continue=lambda: True,
@@ -457,7 +457,7 @@ def test_a_chain_stops_taking_when_told(svc: Services) -> None:
     rows, _ = parse_tasks(json.dumps({"prompt": "q", "model": "m"}), models={"m": MODEL.quota().burst})
     with svc.engine.begin() as conn:
         (other,) = insert_tasks(conn, rows)
-    svc.core.stock([("m", other, rows[0].estimated_tokens)], 60_000)
+    svc.core.stock([("m", other, rows[0].estimated_tokens, "r1")], 60_000)
     assert solve_chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: False) == ["solved"]
     assert svc.core.live()["m"].ready == 1
 

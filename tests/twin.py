@@ -130,7 +130,7 @@ class Twin:
         assert lua == self.ref.finish_and_take(lid, settlement, self.now, LEASE_MS)
         return lua
 
-    def stock(self, entries: list[tuple[str, int, int]], ttl_ms: int) -> list[str]:
+    def stock(self, entries: list[tuple[str, int, int, str]], ttl_ms: int) -> list[bool]:
         lua = self.core.stock(entries, ttl_ms)
         ref = self._ref(lambda: self.ref.stock(entries, ttl_ms, self.now)) if entries else []
         assert lua == ref

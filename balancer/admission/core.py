@@ -252,16 +252,17 @@ class AdmissionCore:
             "" if take_lease_ms is None else take_lease_ms,
         ]))
 
-    def stock(self, entries: Sequence[tuple[str, int, int]], ttl_ms: int) -> list[str]:
-        """Put (model, task id, estimated tokens) on the models' ready lists; their
-        admission ids in order (``""``: unknown model, not stocked). An entry not
-        taken within ``ttl_ms`` is dropped by :meth:`take_ready`."""
+    def stock(self, entries: Sequence[tuple[str, int, int, str]], ttl_ms: int) -> list[bool]:
+        """Put (model, task id, estimated tokens, admission id) on the models' ready
+        lists; whether each was stocked (not: unknown model). Mark the tasks
+        queued under those ids, and commit, first: a finishing call may take an
+        entry at once. One not taken within ``ttl_ms`` is dropped by :meth:`take_ready`."""
         if not entries:
             return []
         flat: list[object] = [self._now(), ttl_ms, len(entries)]
         for entry in entries:
             flat.extend(entry)
-        return [lid.decode() for lid in self._run_with_state("stock", lambda: flat)]
+        return [done == 1 for done in self._run_with_state("stock", lambda: flat)]
 
     def take_ready(self) -> tuple[list[ReadyTask], list[ReadyTask]]:
         """(taken, dropped): ready entries free slots admitted now (leases not

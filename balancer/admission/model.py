@@ -524,36 +524,36 @@ class ReferenceCore:
         return settled, released
 
     # -- ready lists -------------------------------------------------------------
-    def stock(self, entries: Sequence[tuple[str, int, int]], ttl_ms: int, now: int) -> list[str]:
-        """Put (model, task id, estimated tokens) entries on their models' ready
-        lists, each under a new admission id that expires ``ttl_ms`` from now;
-        what ``stock.lua`` does. An unknown model gets ``""`` and nothing stocked.
+    def stock(self, entries: Sequence[tuple[str, int, int, str]], ttl_ms: int, now: int) -> list[bool]:
+        """Put (model, task id, estimated tokens, admission id) entries on their
+        models' ready lists, each expiring ``ttl_ms`` from now; what ``stock.lua``
+        does. Returns whether each was stocked (not: unknown model).
 
         A ready list lets a freed slot carry its next call at once
         (:meth:`finish_and_take`): the dispatcher fills it for models whose
-        slots are all busy, ahead of the slot, not ahead of the admission.
+        slots are all busy, ahead of the slot, not ahead of the admission. The
+        caller names the admission ids, so it can mark the tasks queued under
+        them in PostgreSQL, and commit, before any entry can be taken.
         """
         self._require_state()
         out = []
-        for name, task_id, est in entries:
-            if name not in self.models:
-                out.append("")
-                continue
-            self.seq += 1
-            lid = f"{self.epoch}-{self.seq}"
-            self.ready.setdefault(name, []).append(ReadyEntry(task_id, lid, est, now + ttl_ms))
-            out.append(lid)
+        for name, task_id, est, lid in entries:
+            if name in self.models:
+                self.ready.setdefault(name, []).append(ReadyEntry(task_id, lid, est, now + ttl_ms))
+            out.append(name in self.models)
         return out
 
     def _take_ready(
-        self, name: str, now: int, lease_ms: int, started: bool, limit: int, drop_stuck: bool
+        self, name: str, now: int, lease_ms: int, started: bool, limit: int, drop: bool
     ) -> tuple[list[ReadyEntry], list[ReadyEntry]]:
         """Take entries from the head of ``name``'s ready list while the model can
         admit them now: each is charged and leased like an admission, outside
-        WDRR (the dispatcher chose the model when it stocked it). Expired heads
-        are dropped; with ``drop_stuck``, so is every entry the model can never
-        take as it stands (disabled, or larger than its burst). The first entry
-        that must wait stops the take, so the list keeps its order."""
+        WDRR (the dispatcher chose the model when it stocked it). With ``drop``
+        (the dispatcher's pass, which returns their tasks to pending), expired
+        heads are dropped, and so is every entry the model can never take as it
+        stands (disabled, or larger than its burst); without it (a finishing
+        call) such a head stops the take. So does the first entry that must
+        wait, so the list keeps its order."""
         queue = self.ready.get(name, [])
         quota = self.models[name].quota
         taken: list[ReadyEntry] = []
@@ -561,9 +561,9 @@ class ReferenceCore:
         while queue and len(taken) < limit:
             head = queue[0]
             est = head.estimated_tokens
-            if head.expires_at <= now or (drop_stuck and (not quota.enabled or est > quota.burst)):
+            if drop and (head.expires_at <= now or not quota.enabled or est > quota.burst):
                 dropped.append(queue.pop(0))
-            elif quota.enabled and est <= quota.burst and self._has_capacity(name, est, now):
+            elif head.expires_at > now and quota.enabled and est <= quota.burst and self._has_capacity(name, est, now):
                 queue.pop(0)
                 self._charge(name, est)
                 self.leases[head.admission_id] = Lease(

@@ -32,16 +32,20 @@ from balancer.domain.endgame import ModelOutlook
 def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> int:
     """How many ready tasks a model with every slot busy keeps.
 
-    >>> depth(cap=8, mean_latency_ms=400, per_slot=0.5, ttl_s=5)     # fast: half its slots
+    >>> depth(cap=8, mean_latency_ms=400, per_slot=1, ttl_s=5)      # fast: one per slot
+    8
+    >>> depth(cap=8, mean_latency_ms=400, per_slot=0.5, ttl_s=5)    # or half
     4
-    >>> depth(cap=8, mean_latency_ms=4_000, per_slot=0.5, ttl_s=5)   # 8 slots finish 5 calls in 2.5 s
-    4
-    >>> depth(cap=8, mean_latency_ms=9_000, per_slot=0.5, ttl_s=5)   # 2.2 calls in 2.5 s
-    2
-    >>> depth(cap=3, mean_latency_ms=30_000, per_slot=0.5, ttl_s=5)  # slow: none
+    >>> depth(cap=8, mean_latency_ms=4_000, per_slot=1, ttl_s=5)    # 8 slots finish 5 calls in 2.5 s
+    5
+    >>> depth(cap=3, mean_latency_ms=30_000, per_slot=1, ttl_s=5)   # slow: none
     0
-    >>> depth(cap=8, mean_latency_ms=400, per_slot=0, ttl_s=5)       # lists off
+    >>> depth(cap=8, mean_latency_ms=400, per_slot=0, ttl_s=5)      # lists off
     0
+
+    One per slot by default: at 100 completions/s on a loaded machine the
+    dispatcher restocks every 100 ms or so, and half a slot's worth ran dry
+    between two restocks (docs/benchmarks.md, the hot path, round 3).
     """
     if per_slot <= 0 or cap <= 0:
         return 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +135,8 @@ def dispatch(
             # Every model, not only the open ones: a full model's slot can free
             # between the live read and the admit call.
             reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned])
+            # A model with ready tasks takes those first (take_from_ready), not new flexible work.
+            reserved |= {name for name, m in view.items() if m.ready}
             claimed = claim_window(conn, window, free)
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:
@@ -192,11 +195,18 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
 
 
 def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, int]:
-    """For each model with every slot busy, how many tasks its ready list lacks."""
+    """For each model with every slot busy, how many tasks its ready list lacks.
+
+    Only models that concurrency binds: every slot busy, and a token bucket at
+    least half full (and requests in hand). A model that tokens or requests
+    bind runs its bucket low; a freed slot there waits for tokens, not for a
+    dispatch round, and a list would only bind its tasks early."""
     targets = {}
     for name, m in view.items():
         q = m.quota
         if not q.enabled or m.paused_ms > 0 or m.in_flight < q.max_concurrent_requests:
+            continue
+        if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
             continue
         mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms
         room = ready_lists.depth(q.max_concurrent_requests, mean_ms, settings.ready_per_slot, settings.ready_ttl) - m.ready
@@ -233,14 +243,20 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
         placed = place_ready(pinned, flexible, targets)
         if not placed:
             return 0
-        admissions = services.core.stock(
-            [(model, task.id, task.estimated_tokens) for task, model in placed], round(settings.ready_ttl * 1000)
-        )
-        stocked = [(task.id, model, lid) for (task, model), lid in zip(placed, admissions, strict=True) if lid]
+        entries = [(model, task.id, task.estimated_tokens, f"r{uuid.uuid4().hex[:20]}") for task, model in placed]
         # The database deadline outlives the Redis entry, so a task taken at the
         # last moment is still ``queued`` when its worker starts it.
-        mark_queued(conn, stocked, math.ceil(settings.ready_ttl) + settings.lease_seconds)
-    return len(stocked)
+        mark_queued(conn, [(task_id, model, lid) for model, task_id, _, lid in entries],
+                    math.ceil(settings.ready_ttl) + settings.lease_seconds)
+    # Committed: only now may a finishing call take them (it starts the task under
+    # that id). A dispatcher that dies here leaves them queued until their
+    # deadline, when the sweep returns them, as with a lost publish.
+    stocked = services.core.stock(entries, round(settings.ready_ttl * 1000))
+    lost = [(task_id, lid) for (_, task_id, _, lid), done in zip(entries, stocked, strict=True) if not done]
+    if lost:  # the model was removed meanwhile
+        with services.engine.begin() as conn:
+            unstock(conn, lost)
+    return len(entries) - len(lost)
 
 
 def place_ready(pinned: Sequence[PendingTask], flexible: Sequence[PendingTask],

@@ -305,19 +305,21 @@ end
 
 -- Take up to `limit` entries from the head of m's ready list while m can admit
 -- them now, charging and leasing each (`started`: 1 when the caller calls at
--- once, as after renew). Expired heads are dropped; with `drop_stuck`, so is
--- every entry m can never take as it stands (disabled, or above its burst).
--- Stops at the first entry that must wait. m must be refilled and purged to now.
-local function take_ready(m, now, lease_ms, started, limit, drop_stuck, taken, dropped)
+-- once, as after renew). With `drop`, expired heads are dropped, and so is
+-- every entry m can never take as it stands (disabled, or above its burst):
+-- the caller returns their tasks to pending. Without it, such a head stops
+-- the take, as does the first entry that must wait. m must be refilled and
+-- purged to now.
+local function take_ready(m, now, lease_ms, started, limit, drop, taken, dropped)
   local key = ready_key(m.name)
   while #taken < limit do
     local raw = redis.call('LINDEX', key, 0)
     if not raw then break end
     local r = parse_ready(raw)
-    if r.x <= now or (drop_stuck and (m.enabled ~= 1 or r.e > m.burst)) then
+    if drop and (r.x <= now or m.enabled ~= 1 or r.e > m.burst) then
       redis.call('LPOP', key)
       dropped[#dropped + 1] = r
-    elseif m.enabled == 1 and r.e <= m.burst and has_capacity(m, r.e, now) then
+    elseif r.x > now and m.enabled == 1 and r.e <= m.burst and has_capacity(m, r.e, now) then
       redis.call('LPOP', key)
       charge(m, r.e)
       put_lease(r.lid, m, r.e, now + lease_ms, started)
