@@ -38,7 +38,7 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_VISIBILITY_TIMEOUT": "broker visibility timeout, seconds",
     "BALANCER_INBOX": "directory polled for *.jsonl files to ingest",
     "BALANCER_DISPATCH_WINDOW": "pending tasks the dispatcher looks at per tick",
-    "BALANCER_READY_PER_SLOT": "tasks a model with every slot busy keeps ready, per slot, for its next free slot (0: off)",
+    "BALANCER_READY_PER_SLOT": "tasks a concurrency-bound model keeps ready, per slot, for its next free slots (0: off)",
     "BALANCER_READY_TTL": "seconds a ready task waits for its model's slot before it goes back to pending",
     "BALANCER_MAX_ATTEMPTS": "backend attempts before a task is marked failed",
     "BALANCER_EXPECTED_OUTPUT_TOKENS": "output tokens assumed when estimating a prompt",
@@ -220,8 +220,8 @@ class Settings:
     visibility_timeout: int = 900
     inbox: str | None = None
     dispatch_window: int = 200
-    #: A model with every slot busy keeps ceil(cap * this) tasks ready (balancer.domain.ready); 0: no ready lists.
-    ready_per_slot: float = 1.0
+    #: A concurrency-bound model keeps ceil(cap * this) tasks ready (balancer.domain.ready); 0: no ready lists.
+    ready_per_slot: float = 3.0
     #: How long a ready task waits for its model's slot before it goes back to pending.
     ready_ttl: float = 5.0
     max_attempts: int = 5
@@ -317,7 +317,7 @@ class Settings:
             visibility_timeout=_int("BALANCER_VISIBILITY_TIMEOUT", 900),
             inbox=env.get("BALANCER_INBOX") or None,
             dispatch_window=_int("BALANCER_DISPATCH_WINDOW", 200),
-            ready_per_slot=_share("BALANCER_READY_PER_SLOT", 1.0),
+            ready_per_slot=_number("BALANCER_READY_PER_SLOT", 3.0, lambda v: 0 <= v <= 10, "a number from 0 to 10"),
             ready_ttl=_seconds("BALANCER_READY_TTL", 5.0, 0.1, 3600),
             max_attempts=_int("BALANCER_MAX_ATTEMPTS", 5),
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),

@@ -26,7 +26,8 @@ OTHER = Quota("n", 4, 600_000, expected_latency_s=0.05)
 
 
 @pytest.fixture
-def svc() -> Services:
+def svc(monkeypatch: pytest.MonkeyPatch) -> Services:
+    monkeypatch.setenv("BALANCER_READY_PER_SLOT", "1")  # one ready task per slot: the counts below
     services = Services.connect(Settings.from_env())
     services.quotas.replace_all([BUSY, OTHER])
     return services
@@ -34,7 +35,7 @@ def svc() -> Services:
 
 def add_tasks(svc: Services, n: int, model: str | None = "m") -> list[int]:
     line = {"prompt": "p"} | ({"model": model} if model else {})
-    rows, errors = parse_tasks("".join(json.dumps(line) + "\n" for _ in range(n)), models={"m": BUSY.burst, "n": OTHER.burst})
+    rows, errors = parse_tasks("".join(json.dumps(line) + "\n" for _ in range(n)), models={q.name: q.burst for q in svc.quotas.all()})
     assert not errors
     with svc.engine.begin() as conn:
         return insert_tasks(conn, rows)
@@ -74,11 +75,16 @@ def test_nothing_is_stocked_near_the_end_of_the_backlog(svc: Services) -> None:
     assert statuses(svc)[ids[1]][0] == "pending"
 
 
-def test_no_ready_list_for_a_model_with_free_slots_or_when_turned_off(svc: Services) -> None:
-    add_tasks(svc, 20, model="n")  # four slots, twenty tasks: its slots fill, then it is busy
-    assert dispatch(svc, [].extend).stocked == 4  # one per slot
+def test_lists_for_concurrency_bound_models_only_and_none_when_turned_off(svc: Services) -> None:
+    tpm_bound = Quota("t", 4, 1_200, expected_latency_s=0.05)  # a task's estimate is a fifth of the bucket
+    svc.quotas.replace_all([BUSY, OTHER, tpm_bound])
+    add_tasks(svc, 20, model="n")  # four slots: four running, four ready (one per slot)
+    add_tasks(svc, 20, model="t")  # tokens bind it: its bucket runs low, so no list
+    report = dispatch(svc, [].extend)
+    view = svc.core.live()
+    assert view["n"].ready == 4 and view["t"].ready == 0 and report.stocked == 4
+    assert view["t"].in_flight > 0  # it did take work, through admission
     off = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
-    svc.core.take_ready()  # (empties nothing: no slot is free; the entries stay)
     add_tasks(svc, 8)
     assert dispatch(off, [].extend).stocked == 0 and svc.core.live()["m"].ready == 0
 

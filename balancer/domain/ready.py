@@ -3,7 +3,7 @@
 When a call ends, its slot should carry the next call within milliseconds.
 Through the dispatcher that takes a trigger, a dispatch round, a publish and a
 consume (docs/benchmarks.md measured 60 to 300 ms). So the dispatcher keeps a
-short *ready list* for each model whose slots are all busy: tasks placed on it
+*ready list* for each model that its concurrency cap binds: tasks placed on it
 ahead of a free slot (not ahead of the admission). The call that frees a slot
 admits the list's head in the same Redis round trip (``finish.lua``) and the
 worker calls it next.
@@ -43,9 +43,10 @@ def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> in
     >>> depth(cap=8, mean_latency_ms=400, per_slot=0, ttl_s=5)      # lists off
     0
 
-    One per slot by default: at 100 completions/s on a loaded machine the
-    dispatcher restocks every 100 ms or so, and half a slot's worth ran dry
-    between two restocks (docs/benchmarks.md, the hot path, round 3).
+    Three per slot by default (``BALANCER_READY_PER_SLOT``): on a loaded
+    machine a dispatch run takes 100 ms or more, and lists of half a slot or
+    one slot ran dry between two restocks (docs/benchmarks.md, the hot path,
+    round 3).
     """
     if per_slot <= 0 or cap <= 0:
         return 0

@@ -19,14 +19,16 @@ dispatcher that dies between commit and publish leaves leases that were never
 started: they expire and refund their tokens, and the sweep tick returns
 the tasks to pending.
 
-A freed slot should not wait for a round at all. For each model whose slots
-are all busy, a round also *stocks* a short ready list in Redis (a few tasks
-marked ``queued`` under admission ids that are not yet leases). The call that
-frees a slot admits the list's head in the same round trip and the worker
-calls it next (``finish.lua``, :meth:`AdmissionCore.finish_and_take`). Each
-round first takes from the lists what free slots can take now and returns
-what expired or can no longer run to pending (:func:`take_from_ready`). How
-many tasks and for how long: :mod:`balancer.domain.ready`.
+A freed slot should not wait for a round at all. For each model that its
+concurrency cap binds, a dispatch run also *stocks* a ready list in Redis
+(tasks marked ``queued`` under admission ids that are not yet leases), after
+its first round and again at its end. The call that frees a slot admits the list's head
+in the same round trip and the worker calls it next (``finish.lua``,
+:meth:`AdmissionCore.finish_and_take`), so while the lists last, calls follow
+each other with no broker hop and no dispatcher. A run first takes from the
+lists what free slots can take now and returns what expired or can no longer
+run to pending (:func:`take_from_ready`). How many tasks and for how long:
+:mod:`balancer.domain.ready`.
 
 The end of the backlog is different: a task handed to a slow model in the
 last minute can end long after every other model has gone idle. When the
@@ -166,6 +168,10 @@ def dispatch(
             mark_queued(conn, [(a.task_id, a.model, a.admission_id) for a in admitted], services.settings.lease_seconds)
             fail_pending(conn, failed)
         publish(admitted)
+        if round_no == 0 and models is None and services.settings.ready_per_slot > 0:
+            # Refill the lists now, not only at the end: the next rounds publish
+            # for a while, and every call that ends meanwhile takes its next from them.
+            report.stocked += stock_ready(services, core.live())  # as the round left the buckets
         report.rounds += 1
         report.admitted += len(admitted)
         report.failed += len(failed)
@@ -176,7 +182,7 @@ def dispatch(
     if idle and services.settings.hedging:
         report.hedges = hedge_stragglers(services, publish, view)  # the view of the round that found nothing
     if models is None and services.settings.ready_per_slot > 0:
-        report.stocked = stock_ready(services, view)
+        report.stocked += stock_ready(services, view)
     return report
 
 
@@ -195,16 +201,16 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
 
 
 def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, int]:
-    """For each model with every slot busy, how many tasks its ready list lacks.
+    """For each model whose slots bind it, how many tasks its ready list lacks.
 
-    Only models that concurrency binds: every slot busy, and a token bucket at
-    least half full (and requests in hand). A model that tokens or requests
+    Only models that concurrency binds: enabled, not paused, a token bucket at
+    least half full and requests in hand. A model that tokens or requests
     bind runs its bucket low; a freed slot there waits for tokens, not for a
     dispatch round, and a list would only bind its tasks early."""
     targets = {}
     for name, m in view.items():
         q = m.quota
-        if not q.enabled or m.paused_ms > 0 or m.in_flight < q.max_concurrent_requests:
+        if not q.enabled or m.paused_ms > 0:
             continue
         if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
             continue
@@ -232,16 +238,13 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     with services.engine.begin() as conn:
         pinned = claim_pinned(conn, targets)
         flexible = claim_window(conn, wanted, targets)
-        claimed = [*pinned, *flexible]
-        if not claimed:
-            return 0
-        mean_tokens = sum(t.estimated_tokens for t in claimed) / len(claimed)
-        enough = ready_lists.backlog_to_stock(mean_tokens, outlooks(view, settings.expected_latency_s),
-                                              finish_estimate(settings))
-        if not pending_at_least(conn, enough + wanted):
-            return 0
         placed = place_ready(pinned, flexible, targets)
         if not placed:
+            return 0
+        mean_tokens = sum(t.estimated_tokens for t, _ in placed) / len(placed)
+        enough = ready_lists.backlog_to_stock(mean_tokens, outlooks(view, settings.expected_latency_s),
+                                              finish_estimate(settings))
+        if not pending_at_least(conn, enough + len(placed)):
             return 0
         entries = [(model, task.id, task.estimated_tokens, f"r{uuid.uuid4().hex[:20]}") for task, model in placed]
         # The database deadline outlives the Redis entry, so a task taken at the
