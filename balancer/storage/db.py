@@ -15,10 +15,11 @@ def make_engine(url: str, **kwargs: object) -> Engine:
     url = normalize_database_url(url)
     try:
         # Worker processes run many threads; each holds a connection only briefly.
-        # Up to 30 connections, all kept open (no overflow): an overflow connection
-        # is closed when returned, and opening one forks a PostgreSQL server process,
-        # which under a worker's load (many threads, short statements) opened and
-        # closed connections all the time (docs/benchmarks.md, the hot path, round 3).
+        # Ten kept open per process, so a dozen worker processes stay within
+        # PostgreSQL's default max_connections (100); bursts beyond open overflow
+        # connections, closed again when returned (keeping 30 open was faster on
+        # overhead.toml but ran out of server connections with one worker per
+        # model: docs/benchmarks.md, the hot path, round 3).
         # connect_timeout: a server that accepts but never answers fails in 5 s, not never.
         # TCP keepalives: a connection whose server vanished (no RST) is found dead in
         # about 25 s. statement_timeout: no query of ours runs for a minute.
@@ -28,7 +29,7 @@ def make_engine(url: str, **kwargs: object) -> Engine:
             own_options = " ".join(own_options)
         connect_args = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
                         "keepalives_count": 3, "options": f"{own_options} -c statement_timeout=60000".strip()}
-        options = {"pool_pre_ping": True, "pool_size": 30, "max_overflow": 0, "connect_args": connect_args, **kwargs}
+        options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, "connect_args": connect_args, **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
         raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {scrub(str(exc), url)}") from None
