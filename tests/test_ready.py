@@ -113,3 +113,16 @@ def test_an_expired_ready_task_goes_back_to_pending(svc: Services) -> None:
         svc.core.clock = None
     assert report.unstocked == 1 and svc.core.live()["m"].ready == 0
     assert statuses(svc)[ids[1]] == ("pending", None)
+
+
+def test_the_drain_eta_counts_ready_tasks(svc: Services) -> None:
+    """A ready task is neither pending nor in flight, but still its model's work."""
+    from balancer.pipeline.summary import estimate_drain
+
+    add_tasks(svc, 12)
+    dispatch(svc, [].extend)
+    view = svc.core.live()
+    assert view["m"].ready == 1
+    without = {name: dataclasses.replace(m, ready=0) for name, m in view.items()}
+    eta, eta_without = estimate_drain(svc, view), estimate_drain(svc, without)
+    assert eta is not None and eta_without is not None and eta > eta_without
