@@ -293,6 +293,8 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
             f"tasks were pending): p50 {p['refill_gap_s']['p50']} s, p90 {p['refill_gap_s']['p90']} s, "
             f"p99 {p['refill_gap_s']['p99']} s over {p['refill_gap_s']['samples']} samples, at "
             f"{p['completions_per_s_bulk']} completions/s.",
+            *([f"Calls a finishing call took straight from its model's ready list (no dispatcher between the two "
+               f"calls): {p['counts']['ready_taken']:,} of {p['calls']:,}."] if "ready_taken" in p["counts"] else []),
             "",
             "Drain ETA (`balancer status`), made when this share of the tasks was done, against the actual finish "
             "(target: within ±15 % at 25 % done, ±5 % at 75 %):",

@@ -283,6 +283,9 @@ def run_pipeline(
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))
     learned = {name: m.latency for name, m in svc.core.live().items()}
-    result = RunResult(entries, started, finished, status_counts(svc.engine), rows, learned, etas)
+    counts = status_counts(svc.engine)
+    # Calls that started with no dispatcher in between: a finishing call took them from a ready list.
+    counts["ready_taken"] = sum(c.get("ready_taken", 0) for c in svc.core.counters()[0].values())
+    result = RunResult(entries, started, finished, counts, rows, learned, etas)
     supervisor.stop_all()
     return result
