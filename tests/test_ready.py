@@ -126,3 +126,18 @@ def test_the_drain_eta_counts_ready_tasks(svc: Services) -> None:
     without = {name: dataclasses.replace(m, ready=0) for name, m in view.items()}
     eta, eta_without = estimate_drain(svc, view), estimate_drain(svc, without)
     assert eta is not None and eta_without is not None and eta > eta_without
+
+
+def test_a_restore_after_redis_lost_its_data_seeds_no_lease_for_a_ready_task(svc: Services) -> None:
+    """No call runs under a ready entry: after the loss it must not hold a slot."""
+    from balancer.services import delete_namespace_keys
+
+    add_tasks(svc, 12)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert svc.core.live()["m"].ready == 1 and len(sent) == 1
+    delete_namespace_keys(svc.redis, svc.settings.namespace)  # Redis lost everything
+    svc.core.restore()
+    view = svc.core.live()
+    assert view["m"].in_flight == 1 and view["m"].ready == 0  # the dispatched call's lease only
+    assert set(svc.core.raw_state()["leases"]) == {sent[0].admission_id}

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -65,6 +64,7 @@ from balancer.storage.tasks import (
     models_with_pinned_backlog,
     pending_at_least,
     pending_backlog,
+    ready_admission_id,
     stragglers,
     unstock,
 )
@@ -246,7 +246,7 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
                                               finish_estimate(settings))
         if not pending_at_least(conn, enough + len(placed)):
             return 0
-        entries = [(model, task.id, task.estimated_tokens, f"r{uuid.uuid4().hex[:20]}") for task, model in placed]
+        entries = [(model, task.id, task.estimated_tokens, ready_admission_id()) for task, model in placed]
         # The database deadline outlives the Redis entry, so a task taken at the
         # last moment is still ``queued`` when its worker starts it.
         mark_queued(conn, [(task_id, model, lid) for model, task_id, _, lid in entries],

@@ -13,6 +13,7 @@ newer dispatch did, and a solved task is never written twice.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,6 +192,15 @@ def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], l
         ),
         {"ids": list(ids), "models": list(models), "admissions": list(admissions), "lease": lease_seconds},
     )
+
+
+#: Admission ids the dispatcher names for ready-list entries (admit.lua's are ``epoch-seq``).
+READY_ID_PREFIX = "r"
+
+
+def ready_admission_id() -> str:
+    """A new admission id for a ready-list entry (see :func:`in_flight_leases`)."""
+    return READY_ID_PREFIX + uuid.uuid4().hex[:20]
 
 
 def pending_at_least(conn: Connection, n: int) -> bool:
@@ -455,7 +465,11 @@ def return_expired(engine: Engine) -> int:
 
 
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
-    """Calls PostgreSQL believes are in flight, to re-seed a restored Redis."""
+    """Calls PostgreSQL believes are in flight, to re-seed a restored Redis.
+
+    Not a ready-list entry still ``queued``: no call runs under it and its list
+    is gone with the data, so it would only hold a slot; the sweep returns it
+    to pending at its deadline."""
     with engine.connect() as conn:
         rows = conn.execute(
             sa.select(
@@ -463,7 +477,8 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
                 tasks.c.model,
                 tasks.c.estimated_tokens,
                 (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now()) - sa.func.now()) * 1000).label("remaining_ms"),
-            ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None))
+            ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None),
+                    sa.not_(sa.and_(tasks.c.status == "queued", tasks.c.admission_id.startswith(READY_ID_PREFIX))))
         ).all()
         hedges = conn.execute(
             sa.select(
