@@ -141,3 +141,17 @@ def test_a_restore_after_redis_lost_its_data_seeds_no_lease_for_a_ready_task(svc
     view = svc.core.live()
     assert view["m"].in_flight == 1 and view["m"].ready == 0  # the dispatched call's lease only
     assert set(svc.core.raw_state()["leases"]) == {sent[0].admission_id}
+
+
+def test_a_run_that_stocks_in_its_first_round_and_stops_there_does_not_stock_again(svc: Services) -> None:
+    """The run's last view was read before its own stock: stocking from it again
+    would put twice the list's depth on it."""
+    tpm_bound = Quota("t", 4, 300, expected_latency_s=0.05)  # one task's estimate drains its bucket
+    svc.quotas.replace_all([BUSY, tpm_bound])
+    add_tasks(svc, 12)
+    add_tasks(svc, 4, model="t")
+    no_stocking = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
+    dispatch(no_stocking, [].extend)  # m's one slot and t's tokens are taken
+    report = dispatch(svc, [].extend)  # t waits for tokens: its first round admits nothing
+    assert report.rounds == 1 and report.admitted == 0
+    assert svc.core.live()["m"].ready == 1 == report.stocked  # one slot, one per slot

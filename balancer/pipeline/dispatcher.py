@@ -91,7 +91,7 @@ class DispatchReport:
     #: tasks the end game kept pending for a model that will finish them sooner
     held_for_faster: int = 0
     hedges: int = 0
-    #: tasks put on busy models' ready lists, and ready tasks returned to pending (expired or stuck)
+    #: tasks put on ready lists, and ready tasks returned to pending (expired or stuck)
     stocked: int = 0
     unstocked: int = 0
     rounds: int = 0
@@ -99,26 +99,27 @@ class DispatchReport:
     retry_in_ms: int | None = None
     by_model: dict[str, int] = field(default_factory=dict)
 
+    def count_admitted(self, assignments: Sequence[Assignment]) -> None:
+        self.admitted += len(assignments)
+        for a in assignments:
+            self.by_model[a.model] = self.by_model.get(a.model, 0) + 1
+
 
 Publisher = Callable[[Sequence[Assignment]], None]
 
 
-def dispatch(
-    services: Services, publish: Publisher, *, window: int | None = None, max_rounds: int = 20,
-    models: Collection[str] | None = None,
-) -> DispatchReport:
-    """Admit and publish until nothing more fits (or ``max_rounds``).
-
-    ``models`` limits the round to tasks those models could take (the admission
-    may still place a task on any model it allows): a worker refilling the slot
-    it just freed looks only at its own model.
-    """
+def dispatch(services: Services, publish: Publisher, *, window: int | None = None, max_rounds: int = 20) -> DispatchReport:
+    """Admit and publish until nothing more fits (or ``max_rounds``), and keep
+    the ready lists stocked (after the first round and at the end)."""
     core = services.core
     window = window or services.settings.dispatch_window
+    stocking = services.settings.ready_per_slot > 0
     report = DispatchReport()
     idle = False  # the last round found nothing pending that a free slot could take
+    view_predates_stock = False  # the round stocked after reading ``view``: its ready counts are old
     for round_no in range(max_rounds):
         view = core.live()
+        view_predates_stock = False
         if not view and not core.is_loaded():
             # Redis lost its data: restore now (the admit call would too, but an
             # empty live view means it would never be reached).
@@ -128,8 +129,6 @@ def dispatch(
             if take_from_ready(services, publish, report):
                 view = core.live()
         free = open_slots(view)
-        if models is not None:
-            free = {m: n for m, n in free.items() if m in models}
         if not free:
             break
         with services.engine.begin() as conn:
@@ -168,20 +167,19 @@ def dispatch(
             mark_queued(conn, [(a.task_id, a.model, a.admission_id) for a in admitted], services.settings.lease_seconds)
             fail_pending(conn, failed)
         publish(admitted)
-        if round_no == 0 and models is None and services.settings.ready_per_slot > 0:
+        if round_no == 0 and stocking:
             # Refill the lists now, not only at the end: the next rounds publish
             # for a while, and every call that ends meanwhile takes its next from them.
             report.stocked += stock_ready(services, core.live())  # as the round left the buckets
+            view_predates_stock = True
         report.rounds += 1
-        report.admitted += len(admitted)
+        report.count_admitted(admitted)
         report.failed += len(failed)
-        for a in admitted:
-            report.by_model[a.model] = report.by_model.get(a.model, 0) + 1
         if not admitted and not failed:
             break
     if idle and services.settings.hedging:
         report.hedges = hedge_stragglers(services, publish, view)  # the view of the round that found nothing
-    if models is None and services.settings.ready_per_slot > 0:
+    if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)
         report.stocked += stock_ready(services, view)
     return report
 
@@ -193,11 +191,10 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
     if dropped:
         with services.engine.begin() as conn:
             report.unstocked += unstock(conn, [(t.task_id, t.admission_id) for t in dropped])
-    publish([Assignment(t.task_id, t.model, t.admission_id, t.estimated_tokens) for t in taken])
-    report.admitted += len(taken)
-    for t in taken:
-        report.by_model[t.model] = report.by_model.get(t.model, 0) + 1
-    return len(taken)
+    assignments = [Assignment(t.task_id, t.model, t.admission_id, t.estimated_tokens) for t in taken]
+    publish(assignments)
+    report.count_admitted(assignments)
+    return len(assignments)
 
 
 def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, int]:
@@ -222,8 +219,8 @@ def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, i
 
 
 def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
-    """Fill the ready lists of the models whose slots are all busy (see the module
-    docstring and :mod:`balancer.domain.ready`). Returns how many were stocked.
+    """Fill the ready lists of the models their concurrency caps bind (see the
+    module docstring and :mod:`balancer.domain.ready`). Returns how many were stocked.
 
     Each model takes its pinned tasks first; flexible tasks go to a model only
     if it has no more pinned ones, in the window's order, to the model with the
