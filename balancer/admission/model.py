@@ -530,8 +530,8 @@ class ReferenceCore:
         does. Returns whether each was stocked (not: unknown model).
 
         A ready list lets a freed slot carry its next call at once
-        (:meth:`finish_and_take`): the dispatcher fills it for models whose
-        slots are all busy, ahead of the slot, not ahead of the admission. The
+        (:meth:`finish_and_take`): the dispatcher fills it for models their
+        concurrency caps bind, ahead of the slot, not ahead of the admission. The
         caller names the admission ids, so it can mark the tasks queued under
         them in PostgreSQL, and commit, before any entry can be taken.
         """
@@ -544,7 +544,7 @@ class ReferenceCore:
         return out
 
     def _take_ready(
-        self, name: str, now: int, lease_ms: int, started: bool, limit: int, drop: bool
+        self, name: str, now: int, lease_ms: int, started: bool, limit: float, drop: bool
     ) -> tuple[list[ReadyEntry], list[ReadyEntry]]:
         """Take entries from the head of ``name``'s ready list while the model can
         admit them now: each is charged and leased like an admission, outside
@@ -608,7 +608,7 @@ class ReferenceCore:
                 continue
             self._refill(name, now)
             self._purge(name, now)
-            got, lost = self._take_ready(name, now, lease_ms, False, math.inf, True)  # type: ignore[arg-type]
+            got, lost = self._take_ready(name, now, lease_ms, False, math.inf, True)
             taken += [ReadyTask(e.task_id, e.admission_id, name, e.estimated_tokens) for e in got]
             dropped += [ReadyTask(e.task_id, e.admission_id, name, e.estimated_tokens) for e in lost]
         return taken, dropped

@@ -30,7 +30,7 @@ from balancer.domain.endgame import ModelOutlook
 
 
 def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> int:
-    """How many ready tasks a model with every slot busy keeps.
+    """How many ready tasks a concurrency-bound model keeps.
 
     >>> depth(cap=8, mean_latency_ms=400, per_slot=1, ttl_s=5)      # fast: one per slot
     8
