@@ -76,7 +76,7 @@ class Services:
             missing = "BALANCER_REDIS_URL" if not settings.redis_url else "BALANCER_DATABASE_URL"
             raise ConfigError(f"{missing} is not set")
         client = redis_client(settings.redis_url, check=check)
-        engine = cached_engine(settings.database_url, pre_ping=pre_ping)
+        engine = cached_engine(settings.database_url, pre_ping=pre_ping, pool_size=settings.db_pool_size)
         core = AdmissionCore(
             client,
             settings.namespace,

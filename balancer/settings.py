@@ -40,6 +40,7 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_DISPATCH_WINDOW": "pending tasks the dispatcher looks at per tick",
     "BALANCER_READY_PER_SLOT": "tasks a concurrency-bound model keeps ready, per slot, for its next free slots (0: off)",
     "BALANCER_READY_TTL": "seconds a ready task waits for its model's slot before it goes back to pending",
+    "BALANCER_DB_POOL_SIZE": "PostgreSQL connections each process keeps open and never exceeds (its threads share them)",
     "BALANCER_MAX_ATTEMPTS": "backend attempts before a task is marked failed",
     "BALANCER_EXPECTED_OUTPUT_TOKENS": "output tokens assumed when estimating a prompt",
     "BALANCER_DISPATCH_TICK": "seconds between periodic dispatch ticks (completions also trigger dispatch)",
@@ -224,6 +225,8 @@ class Settings:
     ready_per_slot: float = 3.0
     #: How long a ready task waits for its model's slot before it goes back to pending.
     ready_ttl: float = 5.0
+    #: PostgreSQL connections one process keeps open and never exceeds (balancer.storage.db).
+    db_pool_size: int = 5
     max_attempts: int = 5
     expected_output_tokens: int = 256
     #: The latency prior (median, seconds) of a model with no measured calls and no expected_latency_s.
@@ -319,6 +322,7 @@ class Settings:
             dispatch_window=_int("BALANCER_DISPATCH_WINDOW", 200),
             ready_per_slot=_number("BALANCER_READY_PER_SLOT", 3.0, lambda v: 0 <= v <= 10, "a number from 0 to 10"),
             ready_ttl=_seconds("BALANCER_READY_TTL", 5.0, 0.1, 3600),
+            db_pool_size=_int("BALANCER_DB_POOL_SIZE", 5, maximum=100),
             max_attempts=_int("BALANCER_MAX_ATTEMPTS", 5),
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),
             expected_latency_s=_seconds("BALANCER_EXPECTED_LATENCY_S", 30.0, 0.01, 3600),

@@ -492,6 +492,43 @@ def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> N
         engine.dispose()
 
 
+def test_a_process_never_opens_more_than_its_pool_of_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BALANCER_DB_POOL_SIZE connections per process, kept open, and no more: a
+    thread that finds them all busy waits for one instead of opening (and, on
+    return, closing) another. Overflow connections did that about 700 times in
+    a 2,000-task overhead.toml run, each one a PostgreSQL server process forked
+    and torn down."""
+    import sqlalchemy as sa
+
+    from balancer.pipeline import runtime
+
+    monkeypatch.setenv("BALANCER_DB_POOL_SIZE", "2")
+    runtime.reset()
+    engine = runtime.services().engine
+    opened: list[object] = []
+    sa.event.listen(engine, "connect", lambda dbapi, record: opened.append(dbapi))
+    held = [engine.connect() for _ in range(2)]
+    got_one = threading.Event()
+
+    def third() -> None:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+            got_one.set()
+
+    waiter = threading.Thread(target=third, daemon=True)
+    waiter.start()
+    try:
+        assert not got_one.wait(0.5)  # both connections are held: it waits, it does not open a third
+        held.pop().close()
+        assert got_one.wait(10)  # and takes the one given back
+        waiter.join(10)
+        assert len(opened) == 2 and engine.pool.checkedin() == 1  # the returned one stays open
+    finally:
+        for conn in held:
+            conn.close()
+        runtime.reset()
+
+
 @pytest.mark.faults
 def test_an_unexpected_error_in_a_solve_uses_an_attempt_so_max_attempts_ends_it(svc: Services, sim) -> None:
     """A client built with a NaN timeout (what BALANCER_BACKEND_TIMEOUT=nan did

@@ -7,19 +7,24 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from balancer.errors import ConfigError, ServiceUnavailable
-from balancer.settings import mask_url, normalize_database_url, scrub
+from balancer.settings import Settings, mask_url, normalize_database_url, scrub
 
 
-def make_engine(url: str, **kwargs: object) -> Engine:
-    """An engine for ``url`` (plain ``postgresql://`` accepted), using psycopg2."""
+def make_engine(url: str, pool_size: int = Settings.db_pool_size, **kwargs: object) -> Engine:
+    """An engine for ``url`` (plain ``postgresql://`` accepted), using psycopg2,
+    that opens at most ``pool_size`` connections and keeps them open."""
     url = normalize_database_url(url)
     try:
-        # Worker processes run many threads; each holds a connection only briefly.
-        # Ten kept open per process, so a dozen worker processes stay within
-        # PostgreSQL's default max_connections (100); bursts beyond open overflow
-        # connections, closed again when returned (keeping 30 open was faster on
-        # overhead.toml but ran out of server connections with one worker per
-        # model: docs/benchmarks.md, the hot path, round 3).
+        # Worker processes run many threads; each holds a connection only for one
+        # statement, so a few connections serve them all, and a thread finding
+        # none free waits for one (the solver retries a pool timeout like an
+        # outage). No overflow: an overflow connection is closed when returned,
+        # and the next burst opens it again, which forks a PostgreSQL server
+        # process each time. With 10 + 20 overflow, overhead.toml opened about
+        # 700 connections for 2,000 tasks, and their set-up and teardown cost
+        # more CPU than the statements (docs/benchmarks.md, the hot path, round 4).
+        # Five per process keep a dozen processes inside PostgreSQL's default
+        # max_connections (100).
         # connect_timeout: a server that accepts but never answers fails in 5 s, not never.
         # TCP keepalives: a connection whose server vanished (no RST) is found dead in
         # about 25 s. statement_timeout: no query of ours runs for a minute.
@@ -29,7 +34,7 @@ def make_engine(url: str, **kwargs: object) -> Engine:
             own_options = " ".join(own_options)
         connect_args = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
                         "keepalives_count": 3, "options": f"{own_options} -c statement_timeout=60000".strip()}
-        options = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, "connect_args": connect_args, **kwargs}
+        options = {"pool_pre_ping": True, "pool_size": pool_size, "max_overflow": 0, "connect_args": connect_args, **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
         raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {scrub(str(exc), url)}") from None
@@ -38,16 +43,16 @@ def make_engine(url: str, **kwargs: object) -> Engine:
 _ENGINES: dict[str, Engine] = {}
 
 
-def cached_engine(url: str, *, pre_ping: bool = True) -> Engine:
+def cached_engine(url: str, *, pre_ping: bool = True, pool_size: int = Settings.db_pool_size) -> Engine:
     """One engine (one connection pool) per URL per process.
 
     ``pre_ping=False`` saves a round trip per checkout; for callers that retry
     a write when a pooled connection turns out dead (the solver), not for the
     one-shot CLI commands.
     """
-    key = f"{url}#ping={pre_ping}"
+    key = f"{url}#ping={pre_ping}#pool={pool_size}"
     if key not in _ENGINES:
-        _ENGINES[key] = make_engine(url, pool_pre_ping=pre_ping)
+        _ENGINES[key] = make_engine(url, pool_size, pool_pre_ping=pre_ping)
     return _ENGINES[key]
 
 
