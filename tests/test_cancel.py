@@ -141,3 +141,20 @@ def test_a_cancel_published_on_the_channel_reaches_the_call(
         assert not first.is_alive() and isinstance(first_outcome["error"], Cancelled)
     finally:
         listener.close()
+
+
+def test_each_model_calls_through_its_own_connection_pool(silent_server) -> None:  # noqa: ANN001
+    """One pool per model: with room for one connection per pool, a hung call on
+    model a does not hold back a call on model b (one shared pool would), and
+    each model's threads queue only for their own pool's lock."""
+    url, accepted = silent_server
+    backend = ModelsBackend(url, timeout=HUNG_TIMEOUT_S, max_connections=1)
+    calls = [call_in_thread(lambda model=model: backend.complete(model, "p", 1)) for model in ("a", "b")]
+    wait_until(lambda: len(accepted) == 2)
+    assert len(accepted) == 2
+    for conn in accepted:  # the server hangs up: both calls end, as transient failures
+        conn.close()
+    for thread, outcome in calls:
+        thread.join(10)
+        assert isinstance(outcome.get("error"), Transient)
+    backend.close()

@@ -1,10 +1,12 @@
-"""Shared HTTP plumbing for the backend clients: one pooled httpx client per
-process, status-code mapping, and key-free error messages."""
+"""Shared HTTP plumbing for the backend clients: pooled httpx clients (one per
+model) shared by a process's threads, status-code mapping, and key-free error
+messages."""
 
 from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from typing import Any
 
@@ -49,18 +51,37 @@ def parse_remaining(headers: httpx.Headers) -> Remaining:
 
 
 class HttpBackend:
-    """Base class: POST JSON, map failures to Transient / RateLimited / Permanent."""
+    """Base class: POST JSON, map failures to Transient / RateLimited / Permanent.
+
+    One pooled client per model (the payload's ``model``), made on its first
+    call: httpcore serves every request of a pool under one lock, and scans
+    all the pool's connections while holding it. With every model's threads
+    on one pool (about 120 in one worker process), they queued for that lock
+    between every two calls; per model, a pool holds at most the model's
+    concurrency cap of connections."""
 
     def __init__(self, base_url: str, *, timeout: float, api_key: str | None = None, max_connections: int = 1000) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        transport = httpx.HTTPTransport(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        )
-        make_cancellable(transport._pool)  # a call made inside cancel.cancellable() can be cut off
         self.timeout = timeout  # total time of one call, from its start to the last byte of the answer
-        self._client = httpx.Client(
-            base_url=base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), transport=transport
-        )
+        self._base_url, self._max_connections = base_url, max_connections
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._clients: dict[str, httpx.Client] = {}
+        self._lock = threading.Lock()
+
+    def _client(self, model: str) -> httpx.Client:
+        client = self._clients.get(model)
+        if client is None:
+            with self._lock:
+                client = self._clients.get(model)
+                if client is None:
+                    client = self._clients[model] = self._new_client()
+        return client
+
+    def _new_client(self) -> httpx.Client:
+        limits = httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=self._max_connections)
+        transport = httpx.HTTPTransport(limits=limits)
+        make_cancellable(transport._pool)  # a call made inside cancel.cancellable() can be cut off
+        timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0))
+        return httpx.Client(base_url=self._base_url, headers=self._headers, timeout=timeout, transport=transport)
 
     def post_json(self, path: str, payload: dict[str, Any]) -> tuple[Any, Remaining]:
         """The reply's JSON and the provider's remaining quota from its headers.
@@ -70,7 +91,7 @@ class HttpBackend:
         deadline (:func:`~balancer.backends.cancel.cut_at`)."""
         with cut_at(time.monotonic() + self.timeout) as handle:
             try:
-                response = self._client.post(path, json=payload)
+                response = self._client(str(payload.get("model", ""))).post(path, json=payload)
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 if handle.reason == "deadline" or isinstance(exc, httpx.TimeoutException):
                     raise Transient(f"timeout calling {path}: no complete answer within {self.timeout:g}s "
@@ -91,7 +112,10 @@ class HttpBackend:
             raise Transient(f"malformed JSON from {path}: {response.text[:100]!r}") from None
 
     def close(self) -> None:
-        self._client.close()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
 
 
 def require_int(data: Any, *path: str) -> int:
