@@ -417,8 +417,11 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
     """A slot's next call from the model's ready list: the finish that frees the
     slot admits it (one Redis script, no renew, no dispatcher), then its start
     and its answer on PostgreSQL. Per chained task: Redis 1, PostgreSQL 2."""
+    import sqlalchemy as sa
+
     from balancer.pipeline import runtime
     from balancer.pipeline.solver import solve_chain
+    from balancer.storage.schema import tasks
     from balancer.storage.tasks import mark_queued
 
     monkeypatch.setenv("BALANCER_BACKEND_URL", sim[0])
@@ -443,8 +446,12 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
     outcomes = solve_chain(svc, make_backend(svc.settings), message(sent[0]), may_continue=lambda: True,
                            after_each=lambda: per_solve.append(counts.reset()))
     assert outcomes == ["solved"] * 4
-    # The first came from the dispatcher (renew + finish); the others were taken by a finish.
-    assert per_solve == [(2, 2), (1, 2), (1, 2), (1, 2)]
+    # The first came from the dispatcher (renew + finish); the others were taken by a
+    # finish, and each was started by the solve before it, right after that finish.
+    assert per_solve == [(2, 3), (1, 2), (1, 2), (1, 1)]
+    with svc.engine.connect() as conn:  # every answer written once, every start counted once
+        rows_after = conn.execute(sa.select(tasks.c.status, tasks.c.attempts).where(tasks.c.id.in_(ids))).all()
+    assert sorted(rows_after) == [("solved", 1)] * 4
     assert svc.core.counters()[0]["m"]["ready_taken"] == 3
     runtime.reset()
 
@@ -461,6 +468,163 @@ def test_a_chain_stops_taking_when_told(svc: Services) -> None:
     svc.core.stock([("m", other, rows[0].estimated_tokens, "r1")], 60_000)
     assert solve_chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: False) == ["solved"]
     assert svc.core.live()["m"].ready == 1
+
+
+def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_are_written(
+    svc: Services, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the answer writer, each answer is written on the writer's thread:
+    those whose slot took a next call while that call runs (and the dispatch
+    request follows the write there), the last one waited for. The chain
+    returns only when every answer is stored (its message is acknowledged
+    after them), even when the writes are slower than the calls."""
+    from balancer.pipeline.answers import AnswerWriter
+    from balancer.pipeline.solver import solve_chain
+    from balancer.storage import tasks as store
+
+    rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(3)),
+                          models={"m": MODEL.quota().burst})
+    first = dispatch_one(svc, {"prompt": "first", "model": "m"})
+    with svc.engine.begin() as conn:
+        ids = insert_tasks(conn, rows)
+        store.mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+    svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
+                   60_000)
+    writes: list[tuple[list[int], str]] = []
+    mark_solved_many = store.mark_solved_many
+
+    def slow_write(engine, answers):  # noqa: ANN001, ANN202
+        writes.append(([a.task_id for a in answers], threading.current_thread().name))
+        time.sleep(0.3)  # a WAL flush on a busy disk
+        return mark_solved_many(engine, answers)
+
+    monkeypatch.setattr(store, "mark_solved_many", slow_write)
+    asked: list[str] = []  # after_each: the worker's dispatch request
+    writer = AnswerWriter(svc.engine)
+    try:
+        outcomes = solve_chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True, writer=writer,
+                               after_each=lambda: asked.append(threading.current_thread().name))
+        assert outcomes == ["solved"] * 4
+        statuses = [task_row(svc, task_id).status for task_id in (first.task_id, *ids)]
+    finally:
+        writer.close()
+    assert statuses == ["solved"] * 4  # read before the writer was closed: the chain waited for it
+    assert sorted(task_id for batch, _ in writes for task_id in batch) == [first.task_id, *ids]
+    assert {thread for _, thread in writes} == {"balancer-answers"}
+    assert len(asked) == 4 and asked.count("balancer-answers") == 3  # the last one's in the chain's thread
+
+
+def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_guard(
+    svc: Services, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers handed over while a write is under way go out together in the
+    next statement; each keeps its own guard: a stale admission or an answer
+    already written is not written (its outcome says so), a hedged task names
+    its hedge, a task's second answer goes in the next statement, a failure
+    reaches the solve waiting on it, and a closed writer takes nothing more."""
+    import sqlalchemy as sa
+
+    from balancer.pipeline.answers import AnswerWriter
+    from balancer.storage import tasks as store
+    from balancer.storage.schema import tasks
+
+    rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(5)),
+                          models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        ids = insert_tasks(conn, rows)
+        store.mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+        conn.execute(sa.update(tasks).where(tasks.c.id == ids[1]).values(hedge_admission_id="h1"))
+    statements: list[int] = []
+    writing, release = threading.Event(), threading.Event()
+    mark_solved_many = store.mark_solved_many
+
+    def counted(engine, answers):  # noqa: ANN001, ANN202
+        statements.append(len(answers))
+        writing.set()
+        release.wait(10)  # the first write holds the thread while the others arrive
+        return mark_solved_many(engine, answers)
+
+    monkeypatch.setattr(store, "mark_solved_many", counted)
+    writer = AnswerWriter(svc.engine)
+    try:
+        def named(written: store.Written | None) -> str:
+            return "duplicate" if written is None else f"solved, cut off {written.other_call}"
+
+        first = writer.submit(store.Answer(ids[0], f"r{ids[0]}", "a0", 5, 1), named)
+        assert writing.wait(10)
+        rest = [writer.submit(store.Answer(ids[1], f"r{ids[1]}", "a1", 5, 1), named),
+                writer.submit(store.Answer(ids[2], "stale", "a2", 5, 1), named),
+                writer.submit(store.Answer(ids[0], f"r{ids[0]}", "again", 5, 1), named),
+                writer.submit(store.Answer(ids[3], f"r{ids[3]}", "a3", 5, 1), named),
+                writer.submit(store.Answer(ids[3], f"r{ids[3]}", "a3 again", 5, 1), named)]
+        release.set()
+        assert first.result(10) == "solved, cut off None"
+        assert [f.result(10) for f in rest] == ["solved, cut off h1", "duplicate", "duplicate", "solved, cut off None",
+                                                "duplicate"]
+        assert statements == [1, 4, 1]  # a task's second answer waits for the next statement
+        broken = writer.submit(store.Answer(ids[4], f"r{ids[4]}", "a4", 5, 1), lambda _: 1 / 0)  # type: ignore[arg-type, return-value]
+        with pytest.raises(ZeroDivisionError):
+            broken.result(10)
+    finally:
+        writer.close()
+    with svc.engine.connect() as conn:
+        got = dict(conn.execute(sa.select(tasks.c.id, sa.func.concat(tasks.c.status, ":", tasks.c.answer))
+                                .where(tasks.c.id.in_(ids))).all())
+    assert got == {ids[0]: "solved:a0", ids[1]: "solved:a1", ids[2]: "queued:", ids[3]: "solved:a3", ids[4]: "solved:a4"}
+    with pytest.raises(RuntimeError, match="closed"):  # never queued where no one would write it
+        writer.submit(store.Answer(ids[4], f"r{ids[4]}", "late", 5, 1), named)
+
+
+def test_a_next_call_that_cannot_start_frees_its_slot_and_the_answer_is_still_written(
+    svc: Services, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next call's task is started before this call's answer is written: if
+    that start fails for good, the answer is written all the same, the next
+    call's slot is freed at once, and its task waits (``queued``) for the sweep."""
+    from balancer.pipeline.solver import solve_chain
+    from balancer.storage import tasks as store
+
+    first = dispatch_one(svc, {"prompt": "first", "model": "m"})
+    rows, _ = parse_tasks(json.dumps({"prompt": "next", "model": "m"}), models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        (other,) = insert_tasks(conn, rows)
+        store.mark_queued(conn, [(other, "m", "r-next")], 60)
+    svc.core.stock([("m", other, rows[0].estimated_tokens, "r-next")], 60_000)
+    start_solve = store.start_solve
+
+    def broken_for_the_next(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
+        if task_id == other:
+            raise RuntimeError("a bug, not an outage: not retried")
+        return start_solve(engine, task_id, *args)
+
+    monkeypatch.setattr(store, "start_solve", broken_for_the_next)
+    assert solve_chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True) == ["solved"]
+    assert task_row(svc, first.task_id).status == "solved" and task_row(svc, other).status == "queued"
+    assert svc.core.live()["m"].in_flight == 0 and svc.core.counters()[0]["m"]["ready_taken"] == 1
+
+
+def test_a_start_does_not_wait_for_the_wal_flush_and_leaves_its_connection_as_it_was(svc: Services) -> None:
+    """``start_solve`` turns ``synchronous_commit`` off for its own transaction
+    only: a pooled connection used next for an answer commits durably."""
+    from datetime import timedelta
+
+    import sqlalchemy as sa
+
+    from balancer.storage.tasks import _START_SOLVE, mark_queued, start_solve
+
+    rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(2)),
+                          models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        a, b = insert_tasks(conn, rows)
+        mark_queued(conn, [(a, "m", "ra"), (b, "m", "rb")], 60)
+    setting = sa.select(sa.func.current_setting("synchronous_commit"))
+    with svc.engine.begin() as conn:  # inside one transaction, the statement's setting shows
+        started = conn.execute(_START_SOLVE, {"b_task_id": a, "b_admission_id": "ra",
+                                              "b_lease": timedelta(seconds=60)}).first()
+        assert started is not None and conn.execute(setting).scalar_one() == "off"
+    assert start_solve(svc.engine, b, "rb", 60) is not None
+    with svc.engine.connect() as conn:  # the pool's connections: back to the server's default
+        assert conn.execute(setting).scalar_one() == "on"
 
 
 def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> None:

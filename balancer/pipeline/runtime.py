@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from balancer.backends import Backend, shared_backend
+from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
@@ -14,6 +15,7 @@ _lock = threading.Lock()
 _services: Services | None = None
 _listener: CancelListener | None = None
 _heartbeat: Heartbeat | None = None
+_writer: AnswerWriter | None = None
 
 
 def services() -> Services:
@@ -52,9 +54,19 @@ def heartbeat() -> Heartbeat:
         return _heartbeat
 
 
+def answer_writer() -> AnswerWriter:
+    """This process's answer writer (its thread starts with the first solve)."""
+    global _writer
+    svc = services()
+    with _lock:
+        if _writer is None:
+            _writer = AnswerWriter(svc.engine)
+        return _writer
+
+
 def reset() -> None:
     """Forget handles (after fork, or in tests that change the environment)."""
-    global _services, _listener, _heartbeat
+    global _services, _listener, _heartbeat, _writer
     from balancer.storage.db import dispose_engines
 
     with _lock:
@@ -62,5 +74,7 @@ def reset() -> None:
             _listener.close()
         if _heartbeat is not None:
             _heartbeat.close()
-        _services, _listener, _heartbeat = None, None, None
+        if _writer is not None:
+            _writer.close()  # every answer handed to it is written first
+        _services, _listener, _heartbeat, _writer = None, None, None, None
         dispose_engines()

@@ -15,8 +15,10 @@ solved                as soon as the backend answers: settle the tokens as the
                       provider's remaining-quota headers, add the latency to
                       the model's sketch, release the slot and, with
                       ``take_next``, admit the head of the model's ready list
-                      as the slot's next call (one round trip); then answer,
-                      usage and ``solved`` in one guarded UPDATE
+                      as the slot's next call (one round trip), and start
+                      that call's task; then answer, usage and ``solved`` in
+                      one guarded UPDATE (in a chain, on the process's answer
+                      writer, while the next call runs)
 rate_limited (429)    the model is paused for Retry-After, once per window
                       (atomically in Lua), so *every* dispatcher holds it,
                       whichever limit caused the 429; the task goes back to
@@ -71,9 +73,10 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -84,6 +87,9 @@ from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
 from balancer.storage import tasks as store
+
+if TYPE_CHECKING:
+    from balancer.pipeline.answers import AnswerWriter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -110,6 +116,16 @@ class SolveMessage:
                    start_delay_ms=ready.start_delay_ms)
 
 
+@dataclass(frozen=True)
+class NextCall:
+    """The call a finishing slot took from its model's ready list, and its start,
+    tried as soon as it was taken: its task's context, or None if it did not
+    start (stale, or its call runs elsewhere)."""
+
+    msg: SolveMessage
+    context: store.SolveContext | None
+
+
 def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float:
     """Exponential back-off after the ``attempt``-th failed call.
 
@@ -118,6 +134,10 @@ def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float
     """
     return min(cap, base * 2 ** (attempt - 1))
 
+
+#: A solve's outcome: its name, or, for an answer written behind the next call
+#: (see :func:`solve_chain`), the name to come once it is written.
+Outcome = str | Future[str]
 
 #: The running solve's deadline (``time.monotonic()``), set by :func:`solve`: its
 #: database retries give up there, as its HTTP call ends by ``backend_timeout``.
@@ -164,6 +184,8 @@ class Slot:
         self.core, self.admission_id, self.done = core, admission_id, False
         self.take_next = take_next
         self.next: ReadyTask | None = None
+        #: ``next`` with its start, once it is started.
+        self.next_call: NextCall | None = None
 
     def free(self, settlement: Settlement | None = None) -> None:
         """Free the slot, settling what the call tells."""
@@ -199,43 +221,59 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
     its task's deadline are renewed while it runs, from its start to its write.
     The whole solve ends within ``settings.hard_time_limit``: the call within
     ``backend_timeout`` (total time), the writes' retries by the rest."""
-    return solve_one(services, backend, msg, listener, heartbeat)[0]
+    outcome = solve_one(services, backend, msg, listener, heartbeat)[0]
+    return outcome if isinstance(outcome, str) else outcome.result()
 
 
-def solve_one(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
-              heartbeat: Heartbeat | None = None, *, take_next: bool = False) -> tuple[str, SolveMessage | None]:
-    """:func:`solve`, and with ``take_next`` the slot's next call if its finish
-    took one from the model's ready list: the caller must solve it (it is
-    admitted and its task ``queued``; if nobody does, its lease and its
-    database deadline expire and the sweep returns it to pending)."""
+def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall, listener: CancelListener | None = None,
+              heartbeat: Heartbeat | None = None, *, take_next: bool = False,
+              writer: AnswerWriter | None = None) -> tuple[Outcome, NextCall | None]:
+    """:func:`solve` for a message, or for a :class:`NextCall` (already started);
+    and with ``take_next``, the slot's next call if its finish took one from
+    the model's ready list: the caller must solve it (it is admitted and its
+    task ``running``; if nobody does, its lease and its database deadline
+    expire and the sweep returns it to pending). With a ``writer``, the
+    answer of a call that took a next call is written there, and its outcome
+    is a future, and any other answer is written there too (waited for)."""
+    started = msg if isinstance(msg, NextCall) else None
+    msg = msg.msg if isinstance(msg, NextCall) else msg
     token = SOLVE_DEADLINE.set(time.monotonic() + services.settings.hard_time_limit)
     slot = Slot(services.core, msg.admission_id, take_next=take_next and not msg.hedge)
     try:
-        outcome = _solve(services, backend, msg, listener, heartbeat, slot)
+        outcome = _solve(services, backend, msg, listener, heartbeat, slot, started, writer)
     finally:
         SOLVE_DEADLINE.reset(token)
-    return outcome, None if slot.next is None else SolveMessage.taken(slot.next)
+    return outcome, slot.next_call
 
 
 def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
                 heartbeat: Heartbeat | None = None, *, may_continue: Callable[[], bool] = lambda: False,
-                after_each: Callable[[], object] = lambda: None) -> list[str]:
+                after_each: Callable[[], object] = lambda: None, writer: AnswerWriter | None = None) -> list[str]:
     """Solve ``msg``, then each next call its slot took, while ``may_continue()``
     says so when a call ends (checked before the next is taken, so a taken
     call is always solved). ``after_each`` runs after every solve (the worker
     asks for a dispatch there: a ready list shrank or a slot freed).
-    Returns the outcomes in order."""
-    outcomes = []
-    next_msg: SolveMessage | None = msg
-    while next_msg is not None:
-        outcome, next_msg = solve_one(services, backend, next_msg, listener, heartbeat, take_next=may_continue())
+
+    With a ``writer`` (the worker's), a call's answer is written there while
+    the next call runs, so the durable commit's WAL flush (up to hundreds of
+    ms when PostgreSQL's disk is busy) is not between the two calls; so is
+    ``after_each``, once the answer is written. The chain returns only once
+    every answer is written, so its message is acknowledged after them, as
+    without a writer. Returns the outcomes in order."""
+    outcomes: list[Outcome] = []
+    call: SolveMessage | NextCall | None = msg
+    while call is not None:
+        outcome, call = solve_one(services, backend, call, listener, heartbeat, take_next=may_continue(), writer=writer)
         outcomes.append(outcome)
-        after_each()
-    return outcomes
+        if isinstance(outcome, Future):
+            outcome.add_done_callback(lambda _: after_each())  # on the writer, off the path to the next call
+        else:
+            after_each()
+    return [o.result() if isinstance(o, Future) else o for o in outcomes]
 
 
 def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None,
-           heartbeat: Heartbeat | None, slot: Slot) -> str:
+           heartbeat: Heartbeat | None, slot: Slot, started: NextCall | None, writer: AnswerWriter | None = None) -> Outcome:
     engine, settings = services.engine, services.settings
     finish = slot.free
 
@@ -249,22 +287,24 @@ def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: Ca
             finish()
 
     try:
-        ctx = with_db_retry(lambda: store.start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds))
+        ctx = started.context if started is not None else with_db_retry(
+            lambda: store.start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds)
+        )
         if ctx is None:
             if with_db_retry(lambda: store.is_running_elsewhere(engine, msg.task_id, msg.admission_id)):
                 slot.disown()  # a redelivered copy: the slot is the live call's, not this message's
                 return "running_elsewhere"
             return "stale"
         with beating():
-            return _call_and_write(services, backend, msg, ctx, slot, listener)
+            return _call_and_write(services, backend, msg, ctx, slot, listener, writer)
     finally:
         finish()  # every path frees the slot, even an unexpected exception
 
 
 def _call_and_write(
     services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
-    listener: CancelListener | None,
-) -> str:
+    listener: CancelListener | None, writer: AnswerWriter | None,
+) -> Outcome:
     """The first call of a started task: renew the slot, call, settle, write."""
     core, engine, settings = services.core, services.engine, services.settings
     finish = slot.free
@@ -335,14 +375,27 @@ def _call_and_write(
         return "retry"
     # The provider's slot is free the moment it answered, so ours is freed now,
     # before the write: the write needs no slot, and keeps its retry and its
-    # exactly-once guard. The next call can be on the wire while this one is stored.
+    # exactly-once guard. If the finish took the slot's next call, that call's
+    # task is started at once (a start does not wait for the WAL flush), and
+    # with a writer this answer is stored while the next call runs.
     finish(answered(completion, ctx, latency_ms))
-    written = with_db_retry(
-        lambda: store.mark_solved(
-            engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens, completion.completion_tokens
-        )
-    )
-    return _won("solved", services, written)
+    taken = slot.next
+    if taken is not None:
+        try:
+            next_ctx = with_db_retry(
+                lambda: store.start_solve(engine, taken.task_id, taken.admission_id, settings.lease_seconds)
+            )
+        except Exception:  # this call's answer is still written; the next call's task waits for the sweep
+            log.exception("could not start task %d, taken from %s's ready list; freeing its slot", taken.task_id,
+                          taken.model)
+            core.finish(taken.admission_id)
+        else:
+            slot.next_call = NextCall(SolveMessage.taken(taken), next_ctx)
+    answer = answer_of(msg, completion)
+    if writer is not None:  # batched with other threads' answers (see balancer.pipeline.answers)
+        outcome = writer.submit(answer, lambda written: _won("solved", services, written))
+        return outcome if taken is not None else outcome.result()  # a chain goes on; a last call waits
+    return _won("solved", services, with_db_retry(lambda: store.mark_solved(engine, answer)))
 
 
 
@@ -388,6 +441,12 @@ def _won(outcome: str, services: Services, written: store.Written | None) -> str
     if written.other_call is not None:
         cancel_call(services.redis, services.settings.namespace, written.other_call)
     return outcome
+
+
+def answer_of(msg: SolveMessage, completion: Completion) -> store.Answer:
+    """The answer to store for this message's call."""
+    return store.Answer(msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
+                        completion.completion_tokens)
 
 
 def answered(completion: Completion, ctx: store.SolveContext, latency_ms: int) -> Settlement:
@@ -440,10 +499,6 @@ def _hedge_call(
         with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
         return "hedge_failed"
     slot.free(answered(completion, ctx, latency_ms))
-    written = with_db_retry(
-        lambda: store.mark_solved(
-            engine, msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
-            completion.completion_tokens, hedge_model=msg.model,
-        )
-    )
+    answer = answer_of(msg, completion)
+    written = with_db_retry(lambda: store.mark_solved(engine, answer, hedge_model=msg.model))
     return _won("hedge_won", services, written)

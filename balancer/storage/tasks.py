@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.admission import LeaseSeed
@@ -288,24 +289,38 @@ def _one_statement(engine: Engine) -> Iterator[Connection]:
 # (0.70 ms of CPU per start_solve against 0.16 ms; docs/benchmarks.md).
 _TASK_ID: Any = sa.bindparam("b_task_id")
 _ADMISSION_ID: Any = sa.bindparam("b_admission_id")
+
+
+# A call's start is committed without waiting for the WAL flush (``synchronous_commit``
+# off for its transaction only, set inside the statement: no extra round trip).
+# PostgreSQL's fsync stalls (100 to 700 ms on a busy disk, every commit at once)
+# then never hold a call back. Nothing is lost that matters: a start lost in a
+# server crash leaves the task ``queued`` under the same admission, and its call's
+# answer is still accepted (the write's guard takes ``queued``); the answer's
+# own commit is durable and, the WAL being sequential, flushes the start with it.
+_NO_FLUSH = sa.func.set_config("synchronous_commit", "off", sa.true())
 _START_SOLVE = (
     sa.update(tasks)
     .where(tasks.c.id == _TASK_ID, tasks.c.admission_id == _ADMISSION_ID,
            sa.or_(tasks.c.status == "queued", sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now())))
     .values(status="running", started_at=sa.func.now(), updated_at=sa.func.now(), attempts=tasks.c.attempts + 1,
             deadline=sa.func.now() + sa.bindparam("b_lease", type_=sa.Interval()))
-    .returning(*_context_columns(tasks.c.model))
+    .returning(*_context_columns(tasks.c.model), _NO_FLUSH)
 )
-_SOLVED: dict[str, Any] = dict(status="solved", answer=sa.bindparam("b_answer"), prompt_tokens=sa.bindparam("b_prompt_tokens"),
-               completion_tokens=sa.bindparam("b_completion_tokens"), solved_at=sa.func.now(),
-               updated_at=sa.func.now(), error=None, deadline=None)
-_MARK_SOLVED = (
-    sa.update(tasks).where(_guard(_TASK_ID, _ADMISSION_ID)).values(**_SOLVED).returning(tasks.c.hedge_admission_id)
-)
+
+
+def _solved(answer: Any, prompt_tokens: Any, completion_tokens: Any) -> dict[str, Any]:
+    """The values a solved task holds (bound parameters or another table's columns)."""
+    return dict(status="solved", answer=answer, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                solved_at=sa.func.now(), updated_at=sa.func.now(), error=None, deadline=None)
+
+
 # A hedge's answer: ``b_admission_id`` is the hedge's, and the task records the hedge's model.
 _MARK_HEDGE_SOLVED = (
     sa.update(tasks).where(_hedge_guard(_TASK_ID, _ADMISSION_ID))
-    .values(model=sa.bindparam("b_model"), **_SOLVED).returning(tasks.c.admission_id)
+    .values(model=sa.bindparam("b_model"),
+            **_solved(sa.bindparam("b_answer"), sa.bindparam("b_prompt_tokens"), sa.bindparam("b_completion_tokens")))
+    .returning(tasks.c.admission_id)
 )
 
 
@@ -323,7 +338,7 @@ def start_solve(engine: Engine, task_id: int, admission_id: str, lease_seconds: 
         row = conn.execute(
             _START_SOLVE, {"b_task_id": task_id, "b_admission_id": admission_id, "b_lease": timedelta(seconds=lease_seconds)}
         ).first()
-    return SolveContext(*row) if row else None
+    return SolveContext(*row[:-1]) if row else None  # the last column is _NO_FLUSH's
 
 
 def is_running_elsewhere(engine: Engine, task_id: int, admission_id: str) -> bool:
@@ -388,23 +403,68 @@ class Written:
     other_call: str | None = None
 
 
-def mark_solved(
-    engine: Engine, task_id: int, admission_id: str, answer: str, prompt_tokens: int, completion_tokens: int,
-    *, hedge_model: str | None = None,
-) -> Written | None:
+@dataclass(frozen=True)
+class Answer:
+    """One call's answer, to be written under its admission (:func:`mark_solved_many`)."""
+
+    task_id: int
+    admission_id: str
+    answer: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def mark_solved(engine: Engine, answer: Answer, *, hedge_model: str | None = None) -> Written | None:
     """Write the answer once. None if someone else already finished it (a duplicate).
 
-    With ``hedge_model``, ``admission_id`` is the hedge's: the first answer
-    of the two calls wins, and the task records the model that gave it.
+    With ``hedge_model``, ``answer.admission_id`` is the hedge's: the first
+    answer of the two calls wins, and the task records the model that gave it.
     """
-    params = {"b_task_id": task_id, "b_admission_id": admission_id, "b_answer": answer,
-              "b_prompt_tokens": prompt_tokens, "b_completion_tokens": completion_tokens}
+    if hedge_model is None:
+        return mark_solved_many(engine, [answer])[0]
+    params = {"b_task_id": answer.task_id, "b_admission_id": answer.admission_id, "b_answer": answer.answer,
+              "b_prompt_tokens": answer.prompt_tokens, "b_completion_tokens": answer.completion_tokens,
+              "b_model": hedge_model}
     with _one_statement(engine) as conn:
-        if hedge_model is not None:
-            row = conn.execute(_MARK_HEDGE_SOLVED, {**params, "b_model": hedge_model}).first()
-        else:
-            row = conn.execute(_MARK_SOLVED, params).first()
+        row = conn.execute(_MARK_HEDGE_SOLVED, params).first()
     return None if row is None else Written(row[0])
+
+
+def _mark_solved_many_statement() -> Any:
+    """One statement for any number of answers: their fields as arrays, unnested
+    into rows, so it is built and compiled once (a ``VALUES`` list is a new
+    statement for every batch size, compiled each time)."""
+    fields = (("id", sa.BigInteger), ("admission_id", sa.String), ("answer", sa.String),
+              ("prompt_tokens", sa.Integer), ("completion_tokens", sa.Integer))
+    rows = (
+        sa.func.unnest(*(sa.bindparam(f"b_{name}", type_=postgresql.ARRAY(kind)) for name, kind in fields))
+        .table_valued(*(sa.column(name, kind) for name, kind in fields))
+        .render_derived(name="answers")
+    )
+    return (
+        sa.update(tasks).where(_guard(rows.c.id, rows.c.admission_id))
+        .values(**_solved(rows.c.answer, rows.c.prompt_tokens, rows.c.completion_tokens))
+        .returning(tasks.c.id, tasks.c.hedge_admission_id)
+    )
+
+
+_MARK_SOLVED_MANY = _mark_solved_many_statement()
+
+
+def mark_solved_many(engine: Engine, answers: Sequence[Answer]) -> list[Written | None]:
+    """:func:`mark_solved` for several answers in one statement (one commit, one
+    WAL flush), each under its own guard. In ``answers``' order: what was
+    written, or None for a duplicate. One answer per task: a task twice in one
+    statement would be updated from either row, unpredictably.
+
+    >>> # mark_solved_many(engine, [Answer(7, "a7", "42", 10, 2), Answer(8, "a8", "43", 10, 3)])
+    """
+    params = {"b_id": [a.task_id for a in answers], "b_admission_id": [a.admission_id for a in answers],
+              "b_answer": [a.answer for a in answers], "b_prompt_tokens": [a.prompt_tokens for a in answers],
+              "b_completion_tokens": [a.completion_tokens for a in answers]}
+    with _one_statement(engine) as conn:
+        written = {row.id: Written(row.hedge_admission_id) for row in conn.execute(_MARK_SOLVED_MANY, params)}
+    return [written.get(a.task_id) for a in answers]
 
 
 def back_to_pending(
