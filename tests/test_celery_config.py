@@ -36,3 +36,22 @@ def test_timing_that_could_redeliver_a_running_call_is_refused(change: dict) -> 
 def test_a_lease_shorter_than_a_call_is_allowed_because_it_is_heartbeated() -> None:
     settings = dataclasses.replace(Settings.from_env(), lease_seconds=30, backend_timeout=150)
     settings.check_timing()  # no error: the heartbeat renews it every 10 s
+
+
+def test_a_worker_leaves_its_start_up_objects_out_of_garbage_collection() -> None:
+    """On worker_ready, everything start-up made goes to the permanent
+    generation: full collections then scan only what the run makes (they
+    stopped a worker for 60 to 170 ms every second or two under load)."""
+    import gc
+
+    from celery.signals import worker_ready
+
+    from balancer.pipeline.tasks import freeze_startup_objects
+
+    assert any(getattr(ref(), "__name__", None) == freeze_startup_objects.__name__
+               for _, ref in worker_ready.receivers)  # connected (receivers are weak references)
+    try:
+        worker_ready.send(sender=None)
+        assert gc.get_freeze_count() > 10_000
+    finally:
+        gc.unfreeze()
