@@ -120,6 +120,21 @@ def test_queues_never_hold_more_than_free_capacity(svc: Services) -> None:
     assert by_model == {"a": 3, "b": 2}
 
 
+def test_a_round_claims_a_few_tasks_per_open_slot_not_the_whole_window(svc: Services) -> None:
+    """A token-bound model shows free slots while its bucket is low: a round
+    claims CLAIMS_PER_OPEN_SLOT tasks per open slot for it, not the whole
+    window, so it does not refuse a hundred tasks round after round."""
+    from balancer.pipeline.dispatcher import CLAIMS_PER_OPEN_SLOT
+
+    svc.quotas.replace_all([Quota("t", 3, 60, burst_tokens=300)])  # one task empties the bucket
+    add(svc, [{"prompt": f"t{i}", "max_tokens": 250} for i in range(100)])
+    first = dispatch(svc, lambda _: None, max_rounds=1)
+    assert first.admitted == 1 and first.waiting == 3 * CLAIMS_PER_OPEN_SLOT - 1
+    second = dispatch(svc, lambda _: None, max_rounds=1)  # two slots still free, too few tokens
+    assert second.admitted == 0 and second.waiting == 2 * CLAIMS_PER_OPEN_SLOT
+    assert sum(status == "pending" for status, _, _ in statuses(svc).values()) == 99
+
+
 def test_two_dispatchers_never_dispatch_a_task_twice(svc: Services) -> None:
     svc.quotas.replace_all([Quota(f"m{i}", 40, 10**6) for i in range(5)])
     ids = add(svc, [{"prompt": f"t{i}"} for i in range(400)])

@@ -107,6 +107,22 @@ class DispatchReport:
 
 Publisher = Callable[[Sequence[Assignment]], None]
 
+#: Flexible tasks a round claims per open slot, up to the window: choice enough
+#: for the WDRR order and for tasks some models refuse, not a whole window for a
+#: few slots. A token-bound model shows free slots while its bucket is low;
+#: claiming 200 tasks for them and refusing nearly all, round after round, made
+#: a dispatch run take 0.2 to 0.8 s on fast.toml (docs/benchmarks.md, round 4).
+CLAIMS_PER_OPEN_SLOT = 4
+
+
+def claim_limit(free: dict[str, int], window: int) -> int:
+    """How many flexible tasks a round claims for these open slots.
+
+    >>> claim_limit({"a": 2, "b": 1}, 200), claim_limit({"a": 80}, 200)
+    (12, 200)
+    """
+    return min(window, CLAIMS_PER_OPEN_SLOT * sum(free.values()))
+
 
 def dispatch(services: Services, publish: Publisher, *, window: int | None = None, max_rounds: int = 20) -> DispatchReport:
     """Admit and publish until nothing more fits (or ``max_rounds``), and keep
@@ -138,11 +154,12 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned])
             # A model with ready tasks takes those first (take_from_ready), not new flexible work.
             reserved |= {name for name, m in view.items() if m.ready}
-            claimed = claim_window(conn, window, free)
+            limit = claim_limit(free, window)
+            claimed = claim_window(conn, limit, free)
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:
                 kept = finish_time_aware(
-                    conn, batch, view, window_full=len(claimed) >= window,
+                    conn, batch, view, window_full=len(claimed) >= limit,
                     prior_s=services.settings.expected_latency_s, finish=finish_estimate(services.settings),
                 )
                 report.held_for_faster += len(batch) - len(kept)
