@@ -128,6 +128,33 @@ def test_the_drain_eta_counts_ready_tasks(svc: Services) -> None:
     assert eta is not None and eta_without is not None and eta > eta_without
 
 
+def test_the_drain_eta_counts_a_not_yet_measured_models_ready_tasks_as_anyones(
+    svc: Services, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a model still on the 30 s global prior, ready tasks weigh exactly as
+    as many more pending tasks that any model may take, not as that model's
+    own last calls (the prior put tail.toml's ETA 67 % out at 25 % done)."""
+    from balancer.pipeline.summary import estimate_drain
+    from balancer.storage.tasks import pending_groups
+
+    monkeypatch.setenv("BALANCER_READY_PER_SLOT", "3")
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("u", 4, 600_000), Quota("s", 2, 600_000, expected_latency_s=1)])
+    add_tasks(svc, 140, model=None)
+    dispatch(svc, [].extend)
+    view = svc.core.live()
+    assert view["u"].ready == 4 and not view["u"].latency_known
+    groups = pending_groups(svc.engine)
+    tokens = groups[0][2] // groups[0][1]
+    as_pending = [(None, 4, 4 * tokens)] + groups
+    without = {name: dataclasses.replace(m, ready=0) for name, m in view.items()}
+    eta, eta_as_pending = estimate_drain(svc, view, groups), estimate_drain(svc, without, as_pending)
+    assert eta is not None and eta == pytest.approx(eta_as_pending, rel=0.05)  # 44 % more, counted as u's own
+    own = {name: dataclasses.replace(m, quota=dataclasses.replace(m.quota, expected_latency_s=30))
+           for name, m in view.items()}  # once u's latency is known, they are its own work
+    assert estimate_drain(svc, own, groups) > eta * 1.1
+
+
 def test_a_restore_after_redis_lost_its_data_seeds_no_lease_for_a_ready_task(svc: Services) -> None:
     """No call runs under a ready entry: after the loss it must not hold a slot."""
     from balancer.services import delete_namespace_keys
@@ -155,3 +182,17 @@ def test_a_run_that_stocks_in_its_first_round_and_stops_there_does_not_stock_aga
     report = dispatch(svc, [].extend)  # t waits for tokens: its first round admits nothing
     assert report.rounds == 1 and report.admitted == 0
     assert svc.core.live()["m"].ready == 1 == report.stocked  # one slot, one per slot
+
+
+def test_a_model_not_measured_yet_keeps_one_ready_task_per_slot(svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No calls measured and no latency in its quota: one per slot (not three,
+    not none from the 30 s global prior), so the first calls' ends take their
+    next from the list. A model whose quota says its calls are slow keeps none."""
+    monkeypatch.setenv("BALANCER_READY_PER_SLOT", "3")
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("u", 4, 600_000), Quota("s", 2, 600_000, expected_latency_s=30)])
+    add_tasks(svc, 60, model=None)
+    report = dispatch(svc, [].extend)
+    assert report.admitted == 6
+    live = svc.core.live()
+    assert (live["u"].ready, live["s"].ready) == (4, 0)

@@ -35,7 +35,7 @@ from balancer.admission.model import (
     rejection_reason,
     token_cap,
 )
-from balancer.domain.latency import LatencyEstimate, LatencySketch, bucket_of
+from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of
 from balancer.domain.quota import Quota
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
@@ -93,6 +93,12 @@ class ModelLive:
         """What the model's calls take: its sketch, or until it has enough calls its
         own prior (``expected_latency_s``), else the global ``prior_s``."""
         return self.latency.estimate(self.quota.expected_latency_s or prior_s)
+
+    @property
+    def latency_known(self) -> bool:
+        """Enough of its calls were measured, or its quota says what they take:
+        more than the global prior, which only says "not known yet"."""
+        return self.latency.samples >= MIN_SAMPLES or self.quota.expected_latency_s is not None
 
 
 class AdmissionCore:

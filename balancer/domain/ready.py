@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from balancer.domain.endgame import ModelOutlook
 
 
-def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> int:
+def depth(cap: int, mean_latency_ms: float | None, per_slot: float, ttl_s: float) -> int:
     """How many ready tasks a concurrency-bound model keeps.
 
     >>> depth(cap=8, mean_latency_ms=400, per_slot=1, ttl_s=5)      # fast: one per slot
@@ -42,6 +42,14 @@ def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> in
     0
     >>> depth(cap=8, mean_latency_ms=400, per_slot=0, ttl_s=5)      # lists off
     0
+    >>> depth(cap=8, mean_latency_ms=None, per_slot=3, ttl_s=5)     # not measured yet: one per slot
+    8
+
+    A model with no measured calls yet (``None``; no latency given in its quota
+    either) keeps one per slot: at the start of a run, the first calls' ends
+    take their next calls from the list instead of waiting for a dispatcher
+    busy placing the first wave (docs/benchmarks.md, round 4). If the model
+    turns out slow, its entries outlive their TTL and go back to pending.
 
     Three per slot by default (``BALANCER_READY_PER_SLOT``): on a loaded
     machine a dispatch run takes 100 ms or more, and lists of half a slot or
@@ -50,6 +58,8 @@ def depth(cap: int, mean_latency_ms: float, per_slot: float, ttl_s: float) -> in
     """
     if per_slot <= 0 or cap <= 0:
         return 0
+    if mean_latency_ms is None:
+        return math.ceil(cap * min(per_slot, 1))
     by_slots = math.ceil(cap * per_slot)
     if mean_latency_ms <= 0:
         return by_slots

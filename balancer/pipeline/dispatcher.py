@@ -228,7 +228,7 @@ def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, i
             continue
         if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
             continue
-        mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms
+        mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms if m.latency_known else None
         room = ready_lists.depth(q.max_concurrent_requests, mean_ms, settings.ready_per_slot, settings.ready_ttl) - m.ready
         if room > 0:
             targets[name] = room

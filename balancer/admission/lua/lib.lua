@@ -292,7 +292,8 @@ end
 
 -- Ready lists (<tag>:ready:<name>, filled by stock.lua): tasks the dispatcher
 -- placed on a model ahead of a free slot, so that a slot freed by finish.lua
--- carries the next call at once, with no trip through the dispatcher. Entries are 'task:lid:est:expires_ms', oldest first. Taking one
+-- carries the next call at once, with no trip through the dispatcher. Entries
+-- are 'task:lid:est:expires_ms', oldest first. Taking one
 -- is a full admission on that model (enabled, no pause, a slot, tokens, a
 -- request), outside WDRR: the dispatcher chose the model when it stocked it.
 local function ready_key(name) return PREFIX .. READY_INFIX .. name end
