@@ -168,6 +168,17 @@ def wait_until_consuming(supervisor: Supervisor, nodes: int, timeout: float = 12
         app.close()
 
 
+def ask_for_dispatch(services: Services) -> None:
+    """Request a dispatch run now, through the same flag the pipeline uses."""
+    from balancer.pipeline.trigger import request_dispatch
+
+    app = control_app("balancer-runner-submit")
+    try:
+        request_dispatch(services.redis, services.settings.namespace, lambda _: app.send_task("balancer.dispatch"))
+    finally:
+        app.close()
+
+
 def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
     reply = httpx.get(f"{backend_url}/log", params={"since": since}, timeout=30).json()
     return reply["entries"], reply["next"]
@@ -244,6 +255,7 @@ def run_pipeline(
     wait_until_consuming(supervisor, nodes=nodes)  # the clock measures the run, not process start-up
     started = time.time()
     total = iso.insert(backlog_jsonl)
+    ask_for_dispatch(svc)  # as `balancer submit` does after its insert, not wait for beat's next tick
     console.print(f"submitted {total} prompts; draining ...")
     entries: list[dict[str, Any]] = []
     cursor = rejected = 0
