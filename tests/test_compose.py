@@ -226,9 +226,11 @@ def test_compose_services_run_as_processes_and_drain_50_tasks(migrated: dict[str
         metrics = httpx.get(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).text
         solved = sum(float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith('balancer_model_calls_total{') and 'outcome="solved"' in line)
+        # A hedged task's losing call is cut off when the other answers; the backend
+        # still finishes it (strict providers do) and logs a 200 with the client gone.
         answered = sum(1 for e in httpx.get(f"http://127.0.0.1:{sim_port}/log", timeout=10).json()["entries"]
-                       if e["status"] == 200)
-        assert solved == answered >= 50  # every answered call, hedges included, as the backend saw them
+                       if e["status"] == 200 and not e["client_gone"])
+        assert solved == answered >= 50  # every call answered to balancer, hedges included, as the backend saw them
         flower = f"http://127.0.0.1:{ports['flower']}/api/workers"
         wait_for_http(flower)
         assert httpx.get(flower, timeout=10).status_code == 401
