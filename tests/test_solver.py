@@ -444,7 +444,7 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
     counts = RoundTrips(monkeypatch, svc.engine)
     per_solve: list[tuple[int, int]] = []
     outcomes = solve_chain(svc, make_backend(svc.settings), message(sent[0]), may_continue=lambda: True,
-                           after_each=lambda: per_solve.append(counts.reset()))
+                           ask_for_dispatch=lambda: per_solve.append(counts.reset()))
     assert outcomes == ["solved"] * 4
     # The first came from the dispatcher (renew + finish); the others were taken by a
     # finish, and each was started by the solve before it, right after that finish.
@@ -468,6 +468,30 @@ def test_a_chain_stops_taking_when_told(svc: Services) -> None:
     svc.core.stock([("m", other, rows[0].estimated_tokens, "r1")], 60_000)
     assert solve_chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: False) == ["solved"]
     assert svc.core.live()["m"].ready == 1
+
+
+def test_a_chain_asks_for_a_dispatch_only_once_its_ready_list_runs_low(svc: Services) -> None:
+    """While the model's ready list still holds an entry per slot after a take,
+    the chain asks for no dispatch (the dispatcher would run after every call
+    for nothing); below that, and when a slot frees with no next call, it does."""
+    from balancer.pipeline.solver import solve_chain
+    from balancer.storage.tasks import mark_queued
+
+    first = dispatch_one(svc, {"prompt": "first", "model": "m"})
+    rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(6)),
+                          models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        ids = insert_tasks(conn, rows)
+        mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+    svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
+                   60_000)
+    left_when_asked: list[int] = []
+    outcomes = solve_chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True,
+                           ask_for_dispatch=lambda: left_when_asked.append(svc.core.live()["m"].ready))
+    assert outcomes == ["solved"] * 7
+    # Four slots: takes that left 5 and 4 entries ask nothing; those that left 3, 2,
+    # 1 and 0 ask, and so does the last call, which frees its slot with no next.
+    assert left_when_asked == [3, 2, 1, 0, 0]
 
 
 def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_are_written(
@@ -499,11 +523,11 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
         return mark_solved_many(engine, answers)
 
     monkeypatch.setattr(store, "mark_solved_many", slow_write)
-    asked: list[str] = []  # after_each: the worker's dispatch request
+    asked: list[str] = []  # ask_for_dispatch: the worker's dispatch request
     writer = AnswerWriter(svc.engine)
     try:
         outcomes = solve_chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True, writer=writer,
-                               after_each=lambda: asked.append(threading.current_thread().name))
+                               ask_for_dispatch=lambda: asked.append(threading.current_thread().name))
         assert outcomes == ["solved"] * 4
         statuses = [task_row(svc, task_id).status for task_id in (first.task_id, *ids)]
     finally:

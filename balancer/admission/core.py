@@ -236,10 +236,10 @@ class AdmissionCore:
         None if nothing was ready or it must wait (then the dispatcher's
         :meth:`take_ready` admits it when it can)."""
         reply = self._finish(admission_id, settlement, True, lease_ms or self.lease_ms)
-        if len(reply) < 7:
+        if len(reply) < 8:
             return None
-        model, task, lid, est, delay = reply[2:7]
-        return ReadyTask(int(task), lid.decode(), model.decode(), int(est), int(delay))
+        model, task, lid, est, delay, restock = reply[2:8]
+        return ReadyTask(int(task), lid.decode(), model.decode(), int(est), int(delay), restock == 1)
 
     def _finish(self, admission_id: str, settlement: Settlement | None, release: bool, take_lease_ms: int | None) -> list:
         s = settlement or Settlement()

@@ -174,9 +174,13 @@ class ReadyTask:
     """A task on a model's ready list: stocked by the dispatcher ahead of a free
     slot, then taken (admitted under ``admission_id``) or dropped.
 
-    ``start_delay_ms`` is set when :meth:`ReferenceCore.finish_and_take` took it
-    as the freed slot's next call: the lease is started and both start gates
-    are passed, so the caller waits that long and calls, with no renew.
+    ``start_delay_ms`` and ``restock`` are set when
+    :meth:`ReferenceCore.finish_and_take` took it as the freed slot's next
+    call: the lease is started and both start gates are passed, so the caller
+    waits that long and calls, with no renew; ``restock`` says the list now
+    holds fewer entries than the model has slots, so the caller asks the
+    dispatcher to refill it (above that, a request per call only made the
+    dispatcher run after every call: docs/benchmarks.md, the hot path, round 5).
     """
 
     task_id: int
@@ -184,6 +188,7 @@ class ReadyTask:
     model: str
     estimated_tokens: int
     start_delay_ms: int = 0
+    restock: bool = False
 
 
 @dataclass
@@ -592,7 +597,8 @@ class ReferenceCore:
             return None
         head = taken[0]
         delay = self._start_delay(name, head.estimated_tokens, True, now)
-        return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay)
+        restock = len(self.ready.get(name, [])) < self.models[name].quota.max_concurrent_requests
+        return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay, restock)
 
     def take_ready(self, now: int, lease_ms: int) -> tuple[list[ReadyTask], list[ReadyTask]]:
         """The dispatcher's pass over the ready lists (``take_ready.lua``): per model

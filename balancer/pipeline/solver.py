@@ -120,10 +120,12 @@ class SolveMessage:
 class NextCall:
     """The call a finishing slot took from its model's ready list, and its start,
     tried as soon as it was taken: its task's context, or None if it did not
-    start (stale, or its call runs elsewhere)."""
+    start (stale, or its call runs elsewhere). ``restock``: the list now holds
+    fewer entries than the model has slots (see :class:`ReadyTask`)."""
 
     msg: SolveMessage
     context: store.SolveContext | None
+    restock: bool = True
 
 
 def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float:
@@ -248,16 +250,19 @@ def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall
 
 def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
                 heartbeat: Heartbeat | None = None, *, may_continue: Callable[[], bool] = lambda: False,
-                after_each: Callable[[], object] = lambda: None, writer: AnswerWriter | None = None) -> list[str]:
+                ask_for_dispatch: Callable[[], object] = lambda: None, writer: AnswerWriter | None = None) -> list[str]:
     """Solve ``msg``, then each next call its slot took, while ``may_continue()``
     says so when a call ends (checked before the next is taken, so a taken
-    call is always solved). ``after_each`` runs after every solve (the worker
-    asks for a dispatch there: a ready list shrank or a slot freed).
+    call is always solved). ``ask_for_dispatch`` runs after a solve whose slot
+    freed with no next call, or whose next call left its model's ready list
+    below one entry per slot (the worker asks for a dispatch there). Above
+    that the list still covers every slot, and a request per call only kept
+    the dispatcher running after every call (docs/benchmarks.md, round 5).
 
     With a ``writer`` (the worker's), a call's answer is written there while
     the next call runs, so the durable commit's WAL flush (up to hundreds of
     ms when PostgreSQL's disk is busy) is not between the two calls; so is
-    ``after_each``, once the answer is written. The chain returns only once
+    ``ask_for_dispatch``, once the answer is written. The chain returns only once
     every answer is written, so its message is acknowledged after them, as
     without a writer. Returns the outcomes in order."""
     outcomes: list[Outcome] = []
@@ -265,10 +270,12 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
     while call is not None:
         outcome, call = solve_one(services, backend, call, listener, heartbeat, take_next=may_continue(), writer=writer)
         outcomes.append(outcome)
+        if call is not None and not call.restock:
+            continue
         if isinstance(outcome, Future):
-            outcome.add_done_callback(lambda _: after_each())  # on the writer, off the path to the next call
+            outcome.add_done_callback(lambda _: ask_for_dispatch())  # on the writer, off the path to the next call
         else:
-            after_each()
+            ask_for_dispatch()
     return [o.result() if isinstance(o, Future) else o for o in outcomes]
 
 
@@ -390,7 +397,7 @@ def _call_and_write(
                           taken.model)
             core.finish(taken.admission_id)
         else:
-            slot.next_call = NextCall(SolveMessage.taken(taken), next_ctx)
+            slot.next_call = NextCall(SolveMessage.taken(taken), next_ctx, taken.restock)
     answer = answer_of(msg, completion)
     if writer is not None:  # batched with other threads' answers (see balancer.pipeline.answers)
         outcome = writer.submit(answer, lambda written: _won("solved", services, written))

@@ -97,7 +97,7 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
 
     outcomes = solve_chain(
         svc, runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat(),
-        may_continue=may_continue, after_each=trigger_dispatch,  # a slot freed or a ready list shrank: refill now
+        may_continue=may_continue, ask_for_dispatch=trigger_dispatch,  # a slot freed, or a ready list ran low: refill now
         writer=runtime.answer_writer(),
     )
     return outcomes[0] if len(outcomes) == 1 else f"{outcomes[0]} and {len(outcomes) - 1} next"

@@ -26,8 +26,10 @@
 -- started, through both start gates: the caller calls it next, no renew.
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
 -- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
--- already released). Releasing is idempotent. A taken next call adds five
--- values: model, task id, admission id, estimated tokens, ms to wait before calling.
+-- already released). Releasing is idempotent. A taken next call adds six
+-- values: model, task id, admission id, estimated tokens, ms to wait before
+-- calling, and 1 if the list now holds fewer entries than the model has slots
+-- (0 if not): only then does the caller ask the dispatcher to restock it.
 
 local lid = ARGV[2]
 local raw = redis.call('HGET', LEASES, lid)
@@ -81,7 +83,8 @@ else
       measure_refill(m.name, now)
       count(m.name, 'ready_taken', 1)
       save_model(m)
-      return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay)}
+      local restock = redis.call('LLEN', ready_key(m.name)) < m.cap and 1 or 0
+      return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay), restock}
     end
     save_model(m)
   end
