@@ -65,6 +65,7 @@ class HttpBackend:
         self._base_url, self._max_connections = base_url, max_connections
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._clients: dict[str, httpx.Client] = {}
+        self._urls: dict[str, httpx.URL] = {}
         self._lock = threading.Lock()
 
     def _client(self, model: str) -> httpx.Client:
@@ -75,6 +76,21 @@ class HttpBackend:
                 if client is None:
                     client = self._clients[model] = self._new_client()
         return client
+
+    def _url(self, path: str) -> httpx.URL:
+        """``path`` under the base URL, as httpx would merge it, made once: given an
+        absolute URL, httpx skips that merge (a parse and a copy, 60 of the 95 µs
+        of CPU its ``build_request`` took per call).
+
+        >>> HttpBackend("http://backend:8000/api", timeout=1)._url("/single")
+        URL('http://backend:8000/api/single')
+        """
+        url = self._urls.get(path)
+        if url is None:
+            base = httpx.URL(self._base_url)
+            base = base.copy_with(raw_path=base.raw_path.rstrip(b"/") + b"/")  # as httpx.Client keeps its base_url
+            url = self._urls[path] = base.join(path.lstrip("/"))
+        return url
 
     def _new_client(self) -> httpx.Client:
         limits = httpx.Limits(max_connections=self._max_connections, max_keepalive_connections=self._max_connections)
@@ -91,7 +107,7 @@ class HttpBackend:
         deadline (:func:`~balancer.backends.cancel.cut_at`)."""
         with cut_at(time.monotonic() + self.timeout) as handle:
             try:
-                response = self._client(str(payload.get("model", ""))).post(path, json=payload)
+                response = self._client(str(payload.get("model", ""))).post(self._url(path), json=payload)
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 if handle.reason == "deadline" or isinstance(exc, httpx.TimeoutException):
                     raise Transient(f"timeout calling {path}: no complete answer within {self.timeout:g}s "
