@@ -158,3 +158,15 @@ def test_each_model_calls_through_its_own_connection_pool(silent_server) -> None
         thread.join(10)
         assert isinstance(outcome.get("error"), Transient)
     backend.close()
+
+
+def test_every_models_pool_shares_one_tls_context() -> None:
+    """A model's first call makes its pool; building a TLS context for each
+    (what httpx does by default: 46 ms of CPU, under the backend's lock) held
+    every model's first calls back at the start of a run, past their start
+    gates, and they reached RPM-over-1-s providers together (429s)."""
+    backend = ModelsBackend("http://127.0.0.1:9", timeout=HUNG_TIMEOUT_S)
+    pools = [backend._client(model)._transport._pool for model in ("a", "b", "c")]  # type: ignore[attr-defined]
+    assert len({id(pool) for pool in pools}) == 3  # one pool per model
+    assert len({id(pool._ssl_context) for pool in pools}) == 1  # and one TLS context for all
+    backend.close()
