@@ -17,8 +17,8 @@ from balancer.domain.quota import Quota
 from balancer.errors import ConfigError, ServiceUnavailable
 from balancer.settings import Settings, mask_url, scrub
 from balancer.storage.db import cached_engine
+from balancer.storage.leases import in_flight_leases
 from balancer.storage.quotas import QuotaStore
-from balancer.storage.tasks import in_flight_leases
 
 
 def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:

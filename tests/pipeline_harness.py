@@ -25,8 +25,9 @@ from balancer.devtools.supervisor import Supervisor, wait_for_http
 from balancer.domain.intake import parse_tasks
 from balancer.services import Services
 from balancer.settings import Settings
+from balancer.storage.intake import insert_tasks
+from balancer.storage.reads import status_counts
 from balancer.storage.schema import tasks
-from balancer.storage.tasks import insert_tasks, status_counts
 
 
 @dataclass

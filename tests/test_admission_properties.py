@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected
-from balancer.admission.model import UNITS, token_cap
+from balancer.admission.values import UNITS, token_cap
 from balancer.domain.quota import MAX_CONCURRENCY, Quota
 from tests.twin import Twin
 

@@ -5,7 +5,7 @@ injected clock and hand-made numbers."""
 from __future__ import annotations
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement
-from balancer.admission.model import CIRCUIT_BASE_MS, CIRCUIT_FAILURES, CIRCUIT_MAX_MS
+from balancer.admission.values import CIRCUIT_BASE_MS, CIRCUIT_FAILURES, CIRCUIT_MAX_MS
 from balancer.domain.quota import Quota
 from tests.twin import Twin
 

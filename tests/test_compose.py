@@ -155,7 +155,7 @@ def test_compose_services_run_as_processes_and_drain_50_tasks(migrated: dict[str
     from balancer.devtools.supervisor import wait_for_http
     from balancer.services import Services
     from balancer.settings import Settings
-    from balancer.storage.tasks import status_counts
+    from balancer.storage.reads import status_counts
 
     inbox, home = tmp_path / "inbox", tmp_path / "beat-home"
     inbox.mkdir()

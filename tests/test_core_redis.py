@@ -70,7 +70,7 @@ def test_two_deployments_share_one_redis(redis_client: redis.Redis) -> None:
 def test_restored_leases_are_placed_on_the_redis_clock(redis_client: redis.Redis, namespace: str) -> None:
     """PostgreSQL's clock may be far from Redis's: a restored lease keeps its time
     left, counted from Redis TIME, not PostgreSQL's instant."""
-    from balancer.admission.model import LeaseSeed
+    from balancer.admission.values import LeaseSeed
 
     core = AdmissionCore(redis_client, namespace, lease_ms=60_000)
     assert core.restore([Quota("a", 2, 60_000)], [LeaseSeed("old-1", "a", 10, remaining_ms=7_000)])

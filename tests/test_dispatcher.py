@@ -13,8 +13,8 @@ from balancer.domain.quota import Quota
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.services import Services
 from balancer.settings import Settings
+from balancer.storage.intake import insert_tasks
 from balancer.storage.schema import tasks
-from balancer.storage.tasks import insert_tasks
 
 pytestmark = pytest.mark.usefixtures("migrated")
 
@@ -186,7 +186,7 @@ def test_redis_loss_is_restored_on_the_next_dispatch(svc: Services, redis_client
 
 
 def test_reconcile_returns_tasks_stuck_past_their_deadline(svc: Services) -> None:
-    from balancer.storage.tasks import return_expired
+    from balancer.storage.leases import return_expired
 
     svc.quotas.replace_all([Quota("a", 5, 10**6)])
     ids = add(svc, [{"prompt": "lost message"}, {"prompt": "dead worker"}, {"prompt": "fine"}])

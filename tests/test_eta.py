@@ -60,7 +60,7 @@ def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[
     from balancer.domain.intake import parse_tasks
     from balancer.services import Services
     from balancer.settings import Settings
-    from balancer.storage.tasks import insert_tasks
+    from balancer.storage.intake import insert_tasks
 
     svc = Services.connect(Settings.from_env())
     svc.quotas.set("m", {"max_concurrent_requests": 2, "max_tokens_per_minute": 10_000_000, "expected_latency_s": 3.0},

@@ -18,11 +18,11 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from balancer.admission.model import CIRCUIT_BASE_MS, CIRCUIT_FAILURES
+from balancer.admission.values import CIRCUIT_BASE_MS, CIRCUIT_FAILURES
 from balancer.pipeline.dispatcher import dispatch
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.storage.tasks import return_expired
+from balancer.storage.leases import return_expired
 from tests.pipeline_harness import Pipeline, prompt_lines
 
 pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("migrated")]
@@ -157,8 +157,8 @@ def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliabi
 def test_dispatcher_dying_between_admit_and_publish(migrated, monkeypatch: pytest.MonkeyPatch, reliability) -> None:
     from balancer.domain.intake import parse_tasks
     from balancer.domain.quota import Quota
+    from balancer.storage.intake import insert_tasks
     from balancer.storage.schema import tasks
-    from balancer.storage.tasks import insert_tasks
 
     monkeypatch.setenv("BALANCER_LEASE_SECONDS", "1")
     svc = Services.connect(Settings.from_env())
@@ -452,8 +452,8 @@ def test_a_trickling_backend_with_postgres_down_ends_the_solve_in_time(
     from balancer.pipeline.dispatcher import Assignment
     from balancer.pipeline.solver import SolveMessage, solve
     from balancer.storage.db import cached_engine, dispose_engines
+    from balancer.storage.intake import insert_tasks
     from balancer.storage.migrate import upgrade
-    from balancer.storage.tasks import insert_tasks
     from tests.servers import served
 
     on_the_wire = threading.Event()

@@ -16,7 +16,7 @@ from balancer.domain.intake import jsonl_lines, parse_tasks
 from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.storage.tasks import status_counts
+from balancer.storage.reads import status_counts
 
 MODELS = {"a": 2_000, "b": 50_000}
 

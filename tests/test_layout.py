@@ -107,3 +107,45 @@ print("broker", app.conf.broker_url)
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "broker" in proc.stdout
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The balancer modules ``path`` imports: at the top, lazily, or for type checking only."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if sub in known else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {name for name in found if name in known}
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import cycle between balancer's modules (docs/architecture.md). A
+    package's ``__init__`` re-exporting its own submodules is not a cycle."""
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {name: {m for m in imported_modules(path, set(paths)) if not m.startswith(name + ".")}
+             for name, path in paths.items()}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, stack = set(), list(graph[start])
+        while stack:
+            node = stack.pop()
+            if node == goal:
+                return True
+            if node not in seen:
+                seen.add(node)
+                stack.extend(graph[node])
+        return False
+
+    cycles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if reaches(b, a)})
+    assert not cycles, cycles

@@ -83,7 +83,7 @@ def test_on_disconnect_defaults_to_finish_and_can_be_set(capsys: pytest.CaptureF
 
 def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixture[str]) -> None:
     from balancer.domain.intake import parse_tasks
-    from balancer.storage.tasks import insert_tasks
+    from balancer.storage.intake import insert_tasks
 
     for name in ("a", "b"):
         assert run(capsys, "quota", "set", name, "--create", "--tpm", "60000", "--concurrency", "2")[0] == 0

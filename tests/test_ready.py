@@ -15,8 +15,8 @@ from balancer.domain.quota import Quota
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.services import Services
 from balancer.settings import Settings
+from balancer.storage.intake import insert_tasks
 from balancer.storage.schema import tasks
-from balancer.storage.tasks import insert_tasks
 
 pytestmark = pytest.mark.usefixtures("migrated")
 
@@ -135,7 +135,7 @@ def test_the_drain_eta_counts_a_not_yet_measured_models_ready_tasks_as_anyones(
     as many more pending tasks that any model may take, not as that model's
     own last calls (the prior put tail.toml's ETA 67 % out at 25 % done)."""
     from balancer.pipeline.summary import estimate_drain
-    from balancer.storage.tasks import pending_groups
+    from balancer.storage.reads import pending_groups
 
     monkeypatch.setenv("BALANCER_READY_PER_SLOT", "3")
     svc = Services.connect(Settings.from_env())

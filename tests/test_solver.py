@@ -17,11 +17,12 @@ from balancer.devtools.embedded import free_port
 from balancer.devtools.sim.config import Latency, SimModel
 from balancer.devtools.sim.server import Simulator, create_app
 from balancer.domain.intake import parse_tasks
+from balancer.pipeline import answers, solver
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.pipeline.solver import MAX_RATE_LIMITED, SolveMessage, solve
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.storage.tasks import insert_tasks
+from balancer.storage.intake import insert_tasks
 from tests.servers import served
 
 pytestmark = pytest.mark.usefixtures("migrated")
@@ -421,8 +422,8 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
 
     from balancer.pipeline import runtime
     from balancer.pipeline.solver import solve_chain
+    from balancer.storage.claims import mark_queued
     from balancer.storage.schema import tasks
-    from balancer.storage.tasks import mark_queued
 
     monkeypatch.setenv("BALANCER_BACKEND_URL", sim[0])
     runtime.reset()
@@ -475,7 +476,7 @@ def test_a_chain_asks_for_a_dispatch_only_once_its_ready_list_runs_low(svc: Serv
     the chain asks for no dispatch (the dispatcher would run after every call
     for nothing); below that, and when a slot frees with no next call, it does."""
     from balancer.pipeline.solver import solve_chain
-    from balancer.storage.tasks import mark_queued
+    from balancer.storage.claims import mark_queued
 
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
     rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(6)),
@@ -504,25 +505,25 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
     after them), even when the writes are slower than the calls."""
     from balancer.pipeline.answers import AnswerWriter
     from balancer.pipeline.solver import solve_chain
-    from balancer.storage import tasks as store
+    from balancer.storage.claims import mark_queued
+    from balancer.storage.transitions import mark_solved_many
 
     rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(3)),
                           models={"m": MODEL.quota().burst})
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
-        store.mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+        mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
     svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
                    60_000)
     writes: list[tuple[list[int], str]] = []
-    mark_solved_many = store.mark_solved_many
 
     def slow_write(engine, answers):  # noqa: ANN001, ANN202
         writes.append(([a.task_id for a in answers], threading.current_thread().name))
         time.sleep(0.3)  # a WAL flush on a busy disk
         return mark_solved_many(engine, answers)
 
-    monkeypatch.setattr(store, "mark_solved_many", slow_write)
+    monkeypatch.setattr(answers, "mark_solved_many", slow_write)
     asked: list[str] = []  # ask_for_dispatch: the worker's dispatch request
     writer = AnswerWriter(svc.engine)
     try:
@@ -549,18 +550,18 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
     import sqlalchemy as sa
 
     from balancer.pipeline.answers import AnswerWriter
-    from balancer.storage import tasks as store
+    from balancer.storage.claims import mark_queued
     from balancer.storage.schema import tasks
+    from balancer.storage.transitions import Answer, Written, mark_solved_many
 
     rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(5)),
                           models={"m": MODEL.quota().burst})
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
-        store.mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+        mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
         conn.execute(sa.update(tasks).where(tasks.c.id == ids[1]).values(hedge_admission_id="h1"))
     statements: list[int] = []
     writing, release = threading.Event(), threading.Event()
-    mark_solved_many = store.mark_solved_many
 
     def counted(engine, answers):  # noqa: ANN001, ANN202
         statements.append(len(answers))
@@ -568,25 +569,25 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
         release.wait(10)  # the first write holds the thread while the others arrive
         return mark_solved_many(engine, answers)
 
-    monkeypatch.setattr(store, "mark_solved_many", counted)
+    monkeypatch.setattr(answers, "mark_solved_many", counted)
     writer = AnswerWriter(svc.engine)
     try:
-        def named(written: store.Written | None) -> str:
+        def named(written: Written | None) -> str:
             return "duplicate" if written is None else f"solved, cut off {written.other_call}"
 
-        first = writer.submit(store.Answer(ids[0], f"r{ids[0]}", "a0", 5, 1), named)
+        first = writer.submit(Answer(ids[0], f"r{ids[0]}", "a0", 5, 1), named)
         assert writing.wait(10)
-        rest = [writer.submit(store.Answer(ids[1], f"r{ids[1]}", "a1", 5, 1), named),
-                writer.submit(store.Answer(ids[2], "stale", "a2", 5, 1), named),
-                writer.submit(store.Answer(ids[0], f"r{ids[0]}", "again", 5, 1), named),
-                writer.submit(store.Answer(ids[3], f"r{ids[3]}", "a3", 5, 1), named),
-                writer.submit(store.Answer(ids[3], f"r{ids[3]}", "a3 again", 5, 1), named)]
+        rest = [writer.submit(Answer(ids[1], f"r{ids[1]}", "a1", 5, 1), named),
+                writer.submit(Answer(ids[2], "stale", "a2", 5, 1), named),
+                writer.submit(Answer(ids[0], f"r{ids[0]}", "again", 5, 1), named),
+                writer.submit(Answer(ids[3], f"r{ids[3]}", "a3", 5, 1), named),
+                writer.submit(Answer(ids[3], f"r{ids[3]}", "a3 again", 5, 1), named)]
         release.set()
         assert first.result(10) == "solved, cut off None"
         assert [f.result(10) for f in rest] == ["solved, cut off h1", "duplicate", "duplicate", "solved, cut off None",
                                                 "duplicate"]
         assert statements == [1, 4, 1]  # a task's second answer waits for the next statement
-        broken = writer.submit(store.Answer(ids[4], f"r{ids[4]}", "a4", 5, 1), lambda _: 1 / 0)  # type: ignore[arg-type, return-value]
+        broken = writer.submit(Answer(ids[4], f"r{ids[4]}", "a4", 5, 1), lambda _: 1 / 0)  # type: ignore[arg-type, return-value]
         with pytest.raises(ZeroDivisionError):
             broken.result(10)
     finally:
@@ -596,7 +597,7 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
                                 .where(tasks.c.id.in_(ids))).all())
     assert got == {ids[0]: "solved:a0", ids[1]: "solved:a1", ids[2]: "queued:", ids[3]: "solved:a3", ids[4]: "solved:a4"}
     with pytest.raises(RuntimeError, match="closed"):  # never queued where no one would write it
-        writer.submit(store.Answer(ids[4], f"r{ids[4]}", "late", 5, 1), named)
+        writer.submit(Answer(ids[4], f"r{ids[4]}", "late", 5, 1), named)
 
 
 def test_a_next_call_that_cannot_start_frees_its_slot_and_the_answer_is_still_written(
@@ -606,22 +607,22 @@ def test_a_next_call_that_cannot_start_frees_its_slot_and_the_answer_is_still_wr
     that start fails for good, the answer is written all the same, the next
     call's slot is freed at once, and its task waits (``queued``) for the sweep."""
     from balancer.pipeline.solver import solve_chain
-    from balancer.storage import tasks as store
+    from balancer.storage.claims import mark_queued
+    from balancer.storage.transitions import start_solve
 
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
     rows, _ = parse_tasks(json.dumps({"prompt": "next", "model": "m"}), models={"m": MODEL.quota().burst})
     with svc.engine.begin() as conn:
         (other,) = insert_tasks(conn, rows)
-        store.mark_queued(conn, [(other, "m", "r-next")], 60)
+        mark_queued(conn, [(other, "m", "r-next")], 60)
     svc.core.stock([("m", other, rows[0].estimated_tokens, "r-next")], 60_000)
-    start_solve = store.start_solve
 
     def broken_for_the_next(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
         if task_id == other:
             raise RuntimeError("a bug, not an outage: not retried")
         return start_solve(engine, task_id, *args)
 
-    monkeypatch.setattr(store, "start_solve", broken_for_the_next)
+    monkeypatch.setattr(solver, "start_solve", broken_for_the_next)
     assert solve_chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True) == ["solved"]
     assert task_row(svc, first.task_id).status == "solved" and task_row(svc, other).status == "queued"
     assert svc.core.live()["m"].in_flight == 0 and svc.core.counters()[0]["m"]["ready_taken"] == 1
@@ -634,7 +635,8 @@ def test_a_start_does_not_wait_for_the_wal_flush_and_leaves_its_connection_as_it
 
     import sqlalchemy as sa
 
-    from balancer.storage.tasks import _START_SOLVE, mark_queued, start_solve
+    from balancer.storage.claims import mark_queued
+    from balancer.storage.transitions import _START_SOLVE, start_solve
 
     rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(2)),
                           models={"m": MODEL.quota().burst})
@@ -657,8 +659,8 @@ def test_an_answer_in_hand_waits_for_a_pooled_connection(database_url: str) -> N
 
     import sqlalchemy as sa
 
-    from balancer.pipeline.solver import with_db_retry
     from balancer.storage.db import make_engine
+    from balancer.storage.retry import with_db_retry
 
     engine = make_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=0.1)
     held = engine.connect()
@@ -741,12 +743,12 @@ def test_a_redelivered_copy_of_a_running_call_does_not_call_again(svc: Services,
     slot alone. Once the deadline has passed (the worker is gone), a copy takes over."""
     import sqlalchemy as sa
 
-    from balancer.storage import tasks as store
     from balancer.storage.schema import tasks
+    from balancer.storage.transitions import start_solve
 
     url, simulator = sim
     a = dispatch_one(svc, {"prompt": "hello world", "model": "m", "max_tokens": 100})
-    assert store.start_solve(svc.engine, a.task_id, a.admission_id, 60) is not None  # the first delivery's start
+    assert start_solve(svc.engine, a.task_id, a.admission_id, 60) is not None  # the first delivery's start
     assert svc.core.renew(a.admission_id, a.model, a.estimated_tokens).__class__.__name__ == "Admitted"
     backend = make_backend(svc.settings)
     assert solve(svc, backend, message(a)) == "running_elsewhere"
@@ -768,11 +770,12 @@ def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkey
     import dataclasses
 
     from balancer.pipeline.heartbeat import Heartbeat
-    from balancer.storage import tasks as store
+    from balancer.storage.leases import overdue_count, return_expired
+    from balancer.storage.transitions import start_solve
 
     short = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, lease_seconds=2))
     a = dispatch_one(svc, {"prompt": "hello world", "model": "m", "max_tokens": 100})
-    assert store.start_solve(svc.engine, a.task_id, a.admission_id, 2) is not None
+    assert start_solve(svc.engine, a.task_id, a.admission_id, 2) is not None
     svc.core.renew(a.admission_id, a.model, a.estimated_tokens, lease_ms=2000)
     heartbeat = Heartbeat(short)
     try:
@@ -780,15 +783,15 @@ def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkey
             assert heartbeat.beat() == (1, 1)  # one slot, one task deadline
             started = time.monotonic()
             while time.monotonic() - started < 6:  # three leases
-                assert store.return_expired(svc.engine) == 0
+                assert return_expired(svc.engine) == 0
                 assert svc.core.live()["m"].in_flight == 1
                 time.sleep(0.25)
         deadline = time.monotonic() + 10
         while svc.core.live()["m"].in_flight and time.monotonic() < deadline:
             time.sleep(0.1)
         assert svc.core.live()["m"].in_flight == 0  # no heartbeat: the lease ran out
-        assert store.overdue_count(svc.engine) == 1  # what `balancer status` reports meanwhile
-        assert store.return_expired(svc.engine) == 1  # and the task goes back to pending
-        assert store.overdue_count(svc.engine) == 0
+        assert overdue_count(svc.engine) == 1  # what `balancer status` reports meanwhile
+        assert return_expired(svc.engine) == 1  # and the task goes back to pending
+        assert overdue_count(svc.engine) == 0
     finally:
         heartbeat.close()

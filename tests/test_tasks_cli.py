@@ -13,9 +13,10 @@ from balancer.cli import main
 from balancer.domain.intake import parse_tasks
 from balancer.services import Services
 from balancer.settings import Settings
+from balancer.storage.intake import insert_tasks
 from balancer.storage.operations import operations
+from balancer.storage.reads import status_counts
 from balancer.storage.schema import tasks
-from balancer.storage.tasks import insert_tasks, status_counts
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, ReferenceCore, Settlement
+from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, Settlement
 from balancer.admission.core import prior_ms
+from balancer.admission.reference import ReferenceCore
 from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 

@@ -1,12 +1,13 @@
 """Admission: which model may take a task now, or how long until one can.
 
-``core`` runs it atomically in Redis (Lua scripts in ``lua/``); ``model`` is
-the pure-Python reference with identical semantics, used by the differential
-tests and as the readable specification.
+``core`` runs it atomically in Redis (Lua scripts in ``lua/``); ``values`` holds
+what production code passes to it and gets back. ``reference`` is the
+pure-Python model with identical semantics: the readable specification, used
+by the differential tests and imported by no production code.
 """
 
 from balancer.admission.core import AdmissionCore, ModelLive
-from balancer.admission.model import (
+from balancer.admission.values import (
     Admitted,
     Candidate,
     Decision,
@@ -14,7 +15,6 @@ from balancer.admission.model import (
     NoState,
     NotNow,
     ReadyTask,
-    ReferenceCore,
     Rejected,
     Settlement,
 )
@@ -29,7 +29,6 @@ __all__ = [
     "NoState",
     "NotNow",
     "ReadyTask",
-    "ReferenceCore",
     "Rejected",
     "Settlement",
 ]

@@ -22,7 +22,7 @@ from typing import Any, cast
 import redis
 
 from balancer.admission import keys
-from balancer.admission.model import (
+from balancer.admission.values import (
     UNITS,
     Admitted,
     Candidate,

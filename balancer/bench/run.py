@@ -133,7 +133,7 @@ def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_ac
 def run_side_baseline(scenario: Scenario, path: Path, console: Console) -> RunResult:
     from balancer.bench import baseline
     from balancer.devtools.runner import fetch_log
-    from balancer.storage.tasks import status_counts
+    from balancer.storage.reads import status_counts
 
     with IsolatedServices(console, "baseline") as iso:
         iso.services.quotas.replace_all(scenario.quotas(), by="bench")

@@ -33,7 +33,7 @@ def submit(file: Path, strict: bool, source: str) -> None:
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
     from balancer.domain.intake import parse_tasks
-    from balancer.storage.tasks import insert_tasks
+    from balancer.storage.intake import insert_tasks
 
     try:
         data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
@@ -277,7 +277,7 @@ def status(as_json: bool) -> None:
 
     from balancer.pipeline.fallback import beat_last_seen_s
     from balancer.pipeline.summary import read
-    from balancer.storage.tasks import overdue_count
+    from balancer.storage.leases import overdue_count
 
     svc = _migrated()
     counts, rows, _, eta = read(svc)

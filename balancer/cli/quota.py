@@ -178,7 +178,7 @@ def quota_set(
 def _warn_stranded(svc: Services) -> None:
     """Say so when removing models left pending tasks that no model may take:
     they wait, untouched, until one of their models is added again."""
-    from balancer.storage.tasks import stranded_pending
+    from balancer.storage.reads import stranded_pending
 
     stranded = stranded_pending(svc.engine, [q.name for q in svc.quotas.all()])
     if stranded:
@@ -199,7 +199,7 @@ def quota_remove(model: str, force: bool, by: str | None) -> None:
     and the calls in flight keep their slots until they end."""
     from sqlalchemy.engine import Connection
 
-    from balancer.storage.tasks import fail_pinned, model_occupancy
+    from balancer.storage.removal import fail_pinned, model_occupancy
 
     svc = _migrated_services()
     failed = 0

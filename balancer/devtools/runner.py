@@ -132,7 +132,7 @@ class IsolatedServices:
         rows, errors = parse_tasks(jsonl, models={q.name: q.burst for q in self.services.quotas.all()})
         if errors:
             raise ValueError(f"workload has bad lines: {errors[:3]}")
-        from balancer.storage.tasks import insert_tasks
+        from balancer.storage.intake import insert_tasks
 
         with self.services.engine.begin() as conn:
             insert_tasks(conn, rows)
@@ -236,7 +236,7 @@ def run_pipeline(
     Celery processes answer a ping and stops at the last task's final write.
     """
     from balancer.pipeline.summary import estimate_drain
-    from balancer.storage.tasks import status_counts
+    from balancer.storage.reads import status_counts
 
     svc = iso.services
     svc.quotas.replace_all(list(quotas), by="runner")

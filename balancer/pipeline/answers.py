@@ -9,7 +9,7 @@ next call goes on the wire at once; a solve with no next call hands it here
 and waits. Either way:
 
 - **one commit for many answers.** The thread takes every answer waiting and
-  writes them in one guarded ``UPDATE`` (:func:`balancer.storage.tasks.mark_solved_many`):
+  writes them in one guarded ``UPDATE`` (:func:`balancer.storage.transitions.mark_solved_many`):
   one WAL flush however many calls ended during the last one;
 - **a bounded pool.** At most one connection of the process's pool waits for
   a flush; the others stay free for the calls' starts, which do not wait for
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
-from balancer.pipeline.solver import SOLVE_DEADLINE, with_db_retry
-from balancer.storage import tasks as store
+from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
+from balancer.storage.transitions import Answer, Written, mark_solved_many
 
 #: Answers written in one statement at most.
 MAX_BATCH = 100
@@ -46,8 +46,8 @@ MAX_BATCH = 100
 
 @dataclass(frozen=True)
 class _Pending:
-    answer: store.Answer
-    then: Callable[[store.Written | None], str]
+    answer: Answer
+    then: Callable[[Written | None], str]
     deadline: float | None
     outcome: Future[str]
 
@@ -62,7 +62,7 @@ class AnswerWriter:
         self._thread = threading.Thread(target=self._run, name="balancer-answers", daemon=True)
         self._thread.start()
 
-    def submit(self, answer: store.Answer, then: Callable[[store.Written | None], str]) -> Future[str]:
+    def submit(self, answer: Answer, then: Callable[[Written | None], str]) -> Future[str]:
         """Write ``answer``; the future's result is ``then(what was written)``
         (``then`` runs on the writer's thread, None for a duplicate)."""
         outcome: Future[str] = Future()
@@ -112,7 +112,7 @@ class AnswerWriter:
         deadlines = [p.deadline for p in batch if p.deadline is not None]
         token = SOLVE_DEADLINE.set(min(deadlines) if deadlines else time.monotonic() + 120.0)
         try:
-            written = with_db_retry(lambda: store.mark_solved_many(self.engine, [p.answer for p in batch]))
+            written = with_db_retry(lambda: mark_solved_many(self.engine, [p.answer for p in batch]))
         except BaseException as exc:  # noqa: BLE001 - every waiting solve gets it
             for p in batch:
                 p.outcome.set_exception(exc)

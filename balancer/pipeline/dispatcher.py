@@ -53,21 +53,18 @@ from balancer.domain import endgame
 from balancer.domain import ready as ready_lists
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.storage.tasks import (
+from balancer.storage.claims import (
     PendingTask,
     claim_pinned,
     claim_window,
     fail_pending,
-    hedge_spending,
-    mark_hedged,
     mark_queued,
     models_with_pinned_backlog,
     pending_at_least,
     pending_backlog,
-    ready_admission_id,
-    stragglers,
-    unstock,
 )
+from balancer.storage.hedges import hedge_spending, mark_hedged, stragglers
+from balancer.storage.ready import ready_admission_id, unstock
 
 #: The end game plans at most this many tasks beyond the claimed window (as
 #: stand-ins of average size): enough to see where the backlog will go.

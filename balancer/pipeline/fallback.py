@@ -17,11 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 from celery import bootsteps
 
 from balancer.admission import keys
+from balancer.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +45,16 @@ def beat_last_seen_s(client: redis.Redis, namespace: str) -> float | None:
     return max(0.0, time.time() - int(raw) / 1000)
 
 
+#: One of beat's ticks: its interval in seconds, and what sends it.
+Tick = tuple[float, Callable[[], object]]
+
+
 class FallbackTicks(bootsteps.StartStopStep):
-    """In the dispatcher (the consumer of the ``control`` queue): beat's ticks while beat is absent."""
+    """In the dispatcher (the consumer of the ``control`` queue): beat's ticks while beat is absent.
+
+    A subclass says what the ticks are (:meth:`ticks`): the Celery tasks live in
+    :mod:`balancer.pipeline.tasks`, which registers that subclass, so this module
+    does not import it back."""
 
     requires = {"celery.worker.consumer.tasks:Tasks"}
 
@@ -61,16 +71,15 @@ class FallbackTicks(bootsteps.StartStopStep):
     def stop(self, consumer) -> None:  # noqa: ANN001
         self._stop.set()
 
+    def ticks(self, settings: Settings) -> list[Tick]:
+        """Beat's schedule: (interval, send) for the dispatch, sweep and ingest ticks."""
+        raise NotImplementedError
+
     def _run(self) -> None:
-        from balancer.pipeline import tasks
         from balancer.pipeline.runtime import services
 
         settings = services().settings
-        ticks = [  # (interval, send), beat's schedule
-            (settings.dispatch_tick, tasks.trigger_dispatch),
-            (settings.sweep_tick, tasks.sweep_task.delay),
-            (settings.ingest_tick, tasks.ingest_task.delay),
-        ]
+        ticks = self.ticks(settings)
         last_sent = [0.0] * len(ticks)
         absent = False
         grace_until = time.monotonic() + settings.dispatch_tick * ABSENT_AFTER  # beat may be starting too

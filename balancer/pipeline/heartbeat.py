@@ -8,7 +8,7 @@ every third of a lease, in both places it lives:
   extended, an expired one is not taken again);
 - its task's deadline in PostgreSQL, which is also what tells a redelivered
   message that the call is still running in a live worker
-  (:func:`balancer.storage.tasks.start_solve` refuses it then).
+  (:func:`balancer.storage.transitions.start_solve` refuses it then).
 
 A worker that dies stops beating: its slots free, and the sweep tick
 returns its tasks to pending, within about one lease.
@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 
 from balancer.services import Services
-from balancer.storage import tasks as store
+from balancer.storage.transitions import extend_deadlines
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Heartbeat:
         lost = len(calls) - slots
         if lost:
             log.warning("%d running call(s) had lost their slot lease (expired, or Redis lost its data)", lost)
-        tasks = store.extend_deadlines(self.services.engine, [aid for aid, own in calls.items() if own], self.lease_seconds)
+        tasks = extend_deadlines(self.services.engine, [aid for aid, own in calls.items() if own], self.lease_seconds)
         return slots, tasks
 
     def close(self) -> None:

@@ -27,8 +27,8 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from balancer.domain.intake import parse_tasks
 from balancer.services import Services
+from balancer.storage.intake import insert_tasks
 from balancer.storage.schema import ingested_files
-from balancer.storage.tasks import insert_tasks
 
 log = logging.getLogger(__name__)
 

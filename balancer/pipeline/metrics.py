@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from balancer.domain import latency
 from balancer.pipeline.summary import estimate_drain
 from balancer.services import Services
-from balancer.storage.tasks import pending_groups, status_counts
+from balancer.storage.reads import pending_groups, status_counts
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
 OUTCOMES = ("solved", "rate_limited", "transient", "failed")

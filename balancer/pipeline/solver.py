@@ -74,19 +74,18 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
-
-from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from balancer.admission import AdmissionCore, Admitted, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
 from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
-from balancer.storage import tasks as store
+from balancer.storage.hedges import clear_hedge, start_hedge
+from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
+from balancer.storage.statements import SolveContext
+from balancer.storage.transitions import Answer, Written, back_to_pending, is_running_elsewhere, mark_failed, mark_solved, start_solve
 
 if TYPE_CHECKING:
     from balancer.pipeline.answers import AnswerWriter
@@ -124,7 +123,7 @@ class NextCall:
     fewer entries than the model has slots (see :class:`ReadyTask`)."""
 
     msg: SolveMessage
-    context: store.SolveContext | None
+    context: SolveContext | None
     restock: bool = True
 
 
@@ -140,40 +139,6 @@ def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float
 #: A solve's outcome: its name, or, for an answer written behind the next call
 #: (see :func:`solve_chain`), the name to come once it is written.
 Outcome = str | Future[str]
-
-#: The running solve's deadline (``time.monotonic()``), set by :func:`solve`: its
-#: database retries give up there, as its HTTP call ends by ``backend_timeout``.
-SOLVE_DEADLINE: ContextVar[float | None] = ContextVar("solve_deadline", default=None)
-
-
-def with_db_retry(operation: Callable[[], T], *, give_up_after: float = 120.0, sleep: Callable[[float], None] = time.sleep) -> T:
-    """Run a database write, retrying while PostgreSQL is unreachable, or while
-    every pooled connection is busy (a pool checkout timeout): an answer in
-    hand is not dropped for want of a connection, until the solve's deadline
-    (:data:`SOLVE_DEADLINE`), so no solve outlives the limit that
-    ``Settings.check_timing`` compares with the broker's visibility timeout."""
-    deadline = time.monotonic() + give_up_after
-    solve_deadline = SOLVE_DEADLINE.get()
-    if solve_deadline is not None:
-        deadline = min(deadline, solve_deadline)
-    delay = 0.2
-    while True:
-        try:
-            return operation()
-        except (DBAPIError, PoolTimeout) as exc:
-            transient = isinstance(exc, (OperationalError, PoolTimeout)) or (
-                isinstance(exc, DBAPIError) and exc.connection_invalidated
-            )
-            if not transient:
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            delay = min(delay, left)
-            log.warning("database unavailable, retrying the write in %.1fs: %s", delay, str(exc).splitlines()[0])
-            sleep(delay)
-            delay = min(delay * 2, 5.0)
-
 
 class Slot:
     """The call's admission: freed once, in one round trip, on every path, unless
@@ -295,10 +260,10 @@ def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: Ca
 
     try:
         ctx = started.context if started is not None else with_db_retry(
-            lambda: store.start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds)
+            lambda: start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds)
         )
         if ctx is None:
-            if with_db_retry(lambda: store.is_running_elsewhere(engine, msg.task_id, msg.admission_id)):
+            if with_db_retry(lambda: is_running_elsewhere(engine, msg.task_id, msg.admission_id)):
                 slot.disown()  # a redelivered copy: the slot is the live call's, not this message's
                 return "running_elsewhere"
             return "stale"
@@ -309,7 +274,7 @@ def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: Ca
 
 
 def _call_and_write(
-    services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
+    services: Services, backend: Backend, msg: SolveMessage, ctx: SolveContext, slot: Slot,
     listener: CancelListener | None, writer: AnswerWriter | None,
 ) -> Outcome:
     """The first call of a started task: renew the slot, call, settle, write."""
@@ -320,7 +285,7 @@ def _call_and_write(
         renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
         if not isinstance(renewed, Admitted):
             with_db_retry(
-                lambda: store.back_to_pending(
+                lambda: back_to_pending(
                     engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
                 )
             )
@@ -340,11 +305,11 @@ def _call_and_write(
         if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
             reason = f"rate limited {MAX_RATE_LIMITED} times: {error}"
             with_db_retry(
-                lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason, uncount_attempt=True)
+                lambda: mark_failed(engine, msg.task_id, msg.admission_id, reason, uncount_attempt=True)
             )
             return "failed"
         with_db_retry(  # a 429 is the quota's doing, not the task's: it does not use up an attempt
-            lambda: store.back_to_pending(
+            lambda: back_to_pending(
                 engine, msg.task_id, msg.admission_id, error=error, rate_limited=True, uncount_attempt=True
             )
         )
@@ -353,7 +318,7 @@ def _call_and_write(
         finish()
         core.count(msg.model, "failed")
         error = str(exc)
-        with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, error))
+        with_db_retry(lambda: mark_failed(engine, msg.task_id, msg.admission_id, error))
         return "failed"
     except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
         finish()
@@ -364,17 +329,17 @@ def _call_and_write(
             error = f"unexpected {type(exc).__name__}: {error}"
         elif not trip(core, msg.model, error):
             with_db_retry(  # the backend's failure, not the task's: no attempt used, no back-off
-                lambda: store.back_to_pending(
+                lambda: back_to_pending(
                     engine, msg.task_id, msg.admission_id, error=error, uncount_attempt=True, avoid_model=msg.model,
                 )
             )
             return "circuit_open"
         if attempt >= settings.max_attempts:
             reason = f"after {attempt} attempts: {error}"
-            with_db_retry(lambda: store.mark_failed(engine, msg.task_id, msg.admission_id, reason))
+            with_db_retry(lambda: mark_failed(engine, msg.task_id, msg.admission_id, reason))
             return "failed"
         with_db_retry(
-            lambda: store.back_to_pending(
+            lambda: back_to_pending(
                 engine, msg.task_id, msg.admission_id, error=error, delay_seconds=backoff_seconds(attempt),
                 avoid_model=msg.model,
             )
@@ -390,7 +355,7 @@ def _call_and_write(
     if taken is not None:
         try:
             next_ctx = with_db_retry(
-                lambda: store.start_solve(engine, taken.task_id, taken.admission_id, settings.lease_seconds)
+                lambda: start_solve(engine, taken.task_id, taken.admission_id, settings.lease_seconds)
             )
         except Exception:  # this call's answer is still written; the next call's task waits for the sweep
             log.exception("could not start task %d, taken from %s's ready list; freeing its slot", taken.task_id,
@@ -402,7 +367,7 @@ def _call_and_write(
     if writer is not None:  # batched with other threads' answers (see balancer.pipeline.answers)
         outcome = writer.submit(answer, lambda written: _won("solved", services, written))
         return outcome if taken is not None else outcome.result()  # a chain goes on; a last call waits
-    return _won("solved", services, with_db_retry(lambda: store.mark_solved(engine, answer)))
+    return _won("solved", services, with_db_retry(lambda: mark_solved(engine, answer)))
 
 
 
@@ -422,7 +387,7 @@ def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
 
 
 def _call(
-    services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
+    services: Services, backend: Backend, msg: SolveMessage, ctx: SolveContext, slot: Slot,
     listener: CancelListener | None,
 ) -> tuple[Completion, int]:
     """The backend call, and how long it took in ms (a sample for the model's latency sketch).
@@ -441,7 +406,7 @@ def _call(
     return completion, round((time.monotonic() - called_at) * 1000)
 
 
-def _won(outcome: str, services: Services, written: store.Written | None) -> str:
+def _won(outcome: str, services: Services, written: Written | None) -> str:
     """After a write: cut off the task's other call if it had one; the outcome name."""
     if written is None:
         return "duplicate"
@@ -450,13 +415,13 @@ def _won(outcome: str, services: Services, written: store.Written | None) -> str
     return outcome
 
 
-def answer_of(msg: SolveMessage, completion: Completion) -> store.Answer:
+def answer_of(msg: SolveMessage, completion: Completion) -> Answer:
     """The answer to store for this message's call."""
-    return store.Answer(msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
+    return Answer(msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
                         completion.completion_tokens)
 
 
-def answered(completion: Completion, ctx: store.SolveContext, latency_ms: int) -> Settlement:
+def answered(completion: Completion, ctx: SolveContext, latency_ms: int) -> Settlement:
     """What an answered call tells the admission core (usage, headers, latency)."""
     return Settlement(
         used_tokens=completion.total_tokens,
@@ -473,7 +438,7 @@ def _solve_hedge(
     beating: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> str:
     """One hedge call: write its answer if it comes first; otherwise only free its slot."""
-    ctx = with_db_retry(lambda: store.start_hedge(services.engine, msg.task_id, msg.admission_id))
+    ctx = with_db_retry(lambda: start_hedge(services.engine, msg.task_id, msg.admission_id))
     if ctx is None:
         return "stale"  # the first call answered before the hedge started
     with beating():
@@ -481,13 +446,13 @@ def _solve_hedge(
 
 
 def _hedge_call(
-    services: Services, backend: Backend, msg: SolveMessage, ctx: store.SolveContext, slot: Slot,
+    services: Services, backend: Backend, msg: SolveMessage, ctx: SolveContext, slot: Slot,
     listener: CancelListener | None,
 ) -> str:
     core, engine = services.core, services.engine
     renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
     if not isinstance(renewed, Admitted):
-        with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
+        with_db_retry(lambda: clear_hedge(engine, msg.task_id, msg.admission_id))
         return "no_room"
     if renewed.start_delay_ms > 0:
         time.sleep(renewed.start_delay_ms / 1000)
@@ -503,9 +468,9 @@ def _hedge_call(
         else:
             core.count(msg.model, "failed")
         slot.free()
-        with_db_retry(lambda: store.clear_hedge(engine, msg.task_id, msg.admission_id))
+        with_db_retry(lambda: clear_hedge(engine, msg.task_id, msg.admission_id))
         return "hedge_failed"
     slot.free(answered(completion, ctx, latency_ms))
     answer = answer_of(msg, completion)
-    written = with_db_retry(lambda: store.mark_solved(engine, answer, hedge_model=msg.model))
+    written = with_db_retry(lambda: mark_solved(engine, answer, hedge_model=msg.model))
     return _won("hedge_won", services, written)

@@ -21,7 +21,7 @@ from balancer.admission.core import ModelLive
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import drain_eta, efficiency
 from balancer.services import Services
-from balancer.storage.tasks import pending_groups, recent_solves, status_counts
+from balancer.storage.reads import pending_groups, recent_solves, status_counts
 
 #: The drain ETA's pace is measured over the last minute of solves.
 PACE_WINDOW_S = 60.0

@@ -14,16 +14,16 @@ from celery.worker import state as worker_state
 from balancer.pipeline import runtime
 from balancer.pipeline.app import app
 from balancer.pipeline.dispatcher import Assignment, dispatch
-from balancer.pipeline.fallback import FallbackTicks, mark_beat_seen
+from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.pipeline.trigger import clear_requests, request_dispatch
-from balancer.storage.tasks import return_expired
+from balancer.settings import Settings
+from balancer.storage.leases import return_expired
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
 app.steps["consumer"].add(QuotaWatcher)
-app.steps["consumer"].add(FallbackTicks)
 
 
 @worker_process_init.connect
@@ -131,3 +131,14 @@ def ingest_task() -> int:
         log.info("ingested %d task(s) from %d file(s)", created, len(files))
         trigger_dispatch()
     return created
+
+
+class DispatcherTicks(FallbackTicks):
+    """Beat's ticks, sent by the dispatcher while beat is absent (see :mod:`balancer.pipeline.fallback`)."""
+
+    def ticks(self, settings: Settings) -> list[Tick]:
+        return [(settings.dispatch_tick, trigger_dispatch), (settings.sweep_tick, sweep_task.delay),
+                (settings.ingest_tick, ingest_task.delay)]
+
+
+app.steps["consumer"].add(DispatcherTicks)

@@ -11,7 +11,7 @@
 --   'A', model, admission id        admitted
 --   'W', retry_at_ms or '', now_ms  not now ('' = no known time: models disabled)
 --   'R', 'unknown' | 'toolarge', largest burst or ''   never admissible
--- The rules are documented, step for step, in balancer/admission/model.py.
+-- The rules are documented, step for step, in balancer/admission/reference/__init__.py.
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])

@@ -1,0 +1,183 @@
+"""What a call's end tells the reference model: finish, settle, hold, heartbeat,
+and the provider's signals (headers, 429s, transient failures)."""
+
+from __future__ import annotations
+
+import math
+
+from balancer.admission.reference.state import ModelState, ReferenceState
+from balancer.admission.values import (
+    CIRCUIT_BASE_MS,
+    CIRCUIT_FAILURES,
+    CIRCUIT_MAX_MS,
+    UNITS,
+    Settlement,
+    token_cap,
+)
+from balancer.domain import latency
+
+
+class Signals(ReferenceState):
+    """A call's end and the provider's signals."""
+
+    def release(self, admission_id: str, now: int) -> bool:
+        """Free the slot. Releasing twice, or an unknown id, is harmless."""
+        return self.finish(admission_id, Settlement(), now)[1]
+
+    def finish(self, admission_id: str, settlement: Settlement, now: int, release: bool = True) -> tuple[bool, bool]:
+        """Settle (once), sync to the headers, and free the slot unless ``release``
+        is False: what ``finish.lua`` does in one round trip. Returns (settled, released)."""
+        settled = self._settle(admission_id, settlement, now)
+        lease = self.leases.get(admission_id)
+        if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
+            state = self.models[lease.model]
+            state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
+            completion = settlement.completion_tokens or 0
+            latency.record(
+                self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
+                settlement.latency_ms, max(0, (settlement.used_tokens or 0) - completion), completion,
+            )
+        released = release and self.leases.pop(admission_id, None) is not None
+        return settled, released
+
+    # -- ready lists -------------------------------------------------------------
+    def reconcile(self, admission_id: str, settlement: Settlement, now: int) -> bool:
+        """:meth:`finish` without freeing the slot. Returns True if the tokens were settled now."""
+        return self.finish(admission_id, settlement, now, release=False)[0]
+
+    def hold(self, admission_id: str, hold_ms: int, now: int) -> bool:
+        """Keep a cancelled call's slot for ``hold_ms`` more (never past its
+        deadline), its reservation charged: what ``hold.lua`` does.
+
+        A provider that finishes a non-streamed request after the client
+        disconnects keeps its slot busy and charges the call in full, so the
+        lease is neither settled nor released; the next purge frees it.
+        Returns True if a live lease is now held.
+        """
+        lease = self.leases.get(admission_id)
+        if lease is None or lease.deadline <= now:
+            return False
+        lease.deadline = min(lease.deadline, now + hold_ms)
+        return True
+
+    def heartbeat(self, admission_id: str, lease_ms: int, now: int) -> bool:
+        """Extend a live lease to ``now + lease_ms``: what ``heartbeat.lua`` does.
+
+        An expired lease is not revived: its slot may carry another call now.
+        Returns True if the lease was live and is extended.
+        """
+        lease = self.leases.get(admission_id)
+        if lease is None or lease.deadline <= now:
+            return False
+        lease.deadline = now + lease_ms
+        return True
+
+    def _settle(self, admission_id: str, settlement: Settlement, now: int) -> bool:
+        """Settle a finished call once per lease, then sync to the provider's headers.
+
+        The provider's charge is the usage (``settle``) or the reservation
+        (``reserve``). A charge above the estimate is always debited; one below
+        it is credited only by a ``settle`` model within the generation that
+        charged it. A ``reserve`` provider keeps what it reserved, and so does
+        this core: crediting it back is what drew 429s from strict providers.
+        The remaining counts from the headers lower the buckets, never raise
+        them. Returns True if the tokens were settled by this call.
+        """
+        lease = self.leases.get(admission_id)
+        if lease is None or lease.model not in self.models:
+            return False
+        self._refill(lease.model, now)
+        state = self.models[lease.model]
+        self._refill_started(state, now)
+        settled = False
+        if not lease.reconciled and settlement.used_tokens is not None:
+            charged = settlement.used_tokens
+            if not state.quota.settles:
+                charged = settlement.reserved_tokens if settlement.reserved_tokens is not None else lease.estimated_tokens
+            surplus = lease.estimated_tokens - charged
+            if surplus < 0 or (state.quota.settles and self._same_generation(lease)):
+                state.tokens = min(token_cap(state.quota), state.tokens + surplus * UNITS)
+                state.started_tokens = min(token_cap(state.quota), state.started_tokens + surplus * UNITS)
+            lease.reconciled = settled = True
+        self._sync_to_headers(state, now, settlement.remaining_tokens, settlement.remaining_requests)
+        return settled
+
+    @staticmethod
+    def _sync_to_headers(state: ModelState, now: int, remaining_tokens: int | None, remaining_requests: int | None) -> None:
+        """Lower the buckets to the provider's ``x-ratelimit-remaining-*``; never raise them.
+
+        The token gap between two syncs is what others used of the quota
+        meanwhile: its rate moves ``external``, and the bucket refills at TPM
+        less that (never below a tenth of TPM). So a steady outside user is
+        expected instead of met as a 429 after every sync. Biased to the safe
+        side: an outside user shows as a positive gap and moves the estimate up
+        by 1/4 of it; calls we charged that have not reached the provider yet
+        show as a negative gap, so down moves take only 1/32. Float division
+        then floor, exactly as the Lua does it.
+        """
+        if remaining_tokens is not None:
+            remaining = remaining_tokens * UNITS
+            if state.synced_at > 0 and now > state.synced_at:
+                gap = state.tokens - remaining
+                error_rate = math.floor(gap / ((4 if gap >= 0 else 32) * (now - state.synced_at)))
+                ceiling = math.floor(state.quota.max_tokens_per_minute * 9 / 10)
+                state.external = max(0, min(ceiling, state.external + error_rate))
+            state.synced_at = now
+            state.tokens = min(state.tokens, remaining)
+            ReferenceState._refill_started(state, now)
+            state.started_tokens = min(state.started_tokens, remaining)
+        if remaining_requests is not None and state.quota.max_requests_per_minute:
+            state.requests = min(state.requests, remaining_requests * UNITS)
+
+    def penalize(
+        self, model: str, retry_after_ms: int, now: int,
+        remaining_tokens: int | None = None, remaining_requests: int | None = None,
+    ) -> bool:
+        """A 429: pause ``model`` until now + Retry-After, unless a pause is running,
+        and lower its buckets to the provider's remaining counts.
+
+        One penalty per window: N concurrent 429s pause the model once, not N
+        times as long. The pause holds the model whichever limit (tokens,
+        requests, concurrency) the provider applied. The header sync applies to
+        every 429: it is the surest sign that someone else uses the quota.
+        Returns True if it started a pause.
+        """
+        state = self.models.get(model)
+        if state is None:
+            return False
+        self._refill(model, now)
+        started = state.paused_until <= now
+        if started:
+            state.paused_until = now + retry_after_ms
+        self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
+        return started
+
+    def trip(self, model: str, now: int) -> tuple[bool, bool]:
+        """A transient failure (5xx, timeout, refused connection) on ``model``:
+        what ``trip.lua`` does. Returns (counted, opened).
+
+        After ``CIRCUIT_FAILURES`` in a row (an answered call resets the count)
+        the circuit opens: the model pauses ``CIRCUIT_BASE_MS``, then takes one
+        call at a time, a probe. A failed probe pauses it twice as long (up to
+        ``CIRCUIT_MAX_MS``); an answered one closes the circuit. So a backend
+        outage pauses the model instead of burning every task's attempts: only
+        failures while the circuit is closed, and that do not open it, are
+        *counted* against the task. Failures during a running pause (calls in
+        flight when it opened) do not lengthen it.
+        """
+        state = self.models.get(model)
+        if state is None:
+            return True, False
+        self._refill(model, now)
+        if state.probing:
+            if state.paused_until > now:
+                return False, False
+            state.backoff_ms = min(state.backoff_ms * 2, CIRCUIT_MAX_MS)
+            state.paused_until = now + state.backoff_ms
+            return False, True
+        state.failures += 1
+        if state.failures < CIRCUIT_FAILURES:
+            return True, False
+        state.failures, state.probing, state.backoff_ms = 0, True, CIRCUIT_BASE_MS
+        state.paused_until = max(state.paused_until, now + CIRCUIT_BASE_MS)
+        return False, True

@@ -1,0 +1,219 @@
+"""The reference model's state and the helpers every operation shares (see the package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from balancer.admission.values import (
+    GATE_HOP_MS,
+    UNITS,
+    NoState,
+    ceil_div,
+    token_cap,
+    tokens_needed,
+)
+from balancer.domain.quota import Quota
+
+
+@dataclass
+class ModelState:
+    quota: Quota
+    tokens: int  # units; may go negative after a reconcile debit
+    requests: int  # units; 0 when the model has no RPM limit
+    refilled_at: int  # ms
+    deficit: int  # tokens
+    generation: int = 0  # bumped when the rate or bucket size changes
+    paused_until: int = 0  # ms: a 429 holds the model until then
+    tat: int = 0  # ms: the start gate's theoretical arrival time of the next call start
+    external: int = 0  # tokens per minute others use of this quota, learned from headers
+    synced_at: int = 0  # ms of the last x-ratelimit-remaining-tokens sync
+    failures: int = 0  # consecutive transient failures (the circuit breaker)
+    probing: bool = False  # the circuit is open: paused, then one call at a time until one is answered
+    backoff_ms: int = 0  # the circuit's last pause
+    #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
+    started_tokens: int = field(init=False)
+    started_refilled_at: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started_tokens, self.started_refilled_at = self.tokens, self.refilled_at
+
+    @property
+    def refill_rate(self) -> int:
+        """Units per ms (= tokens per minute) the bucket refills at: TPM less what others use."""
+        return self.quota.max_tokens_per_minute - self.external
+
+
+@dataclass
+class Lease:
+    model: str
+    estimated_tokens: int
+    deadline: int
+    started: bool = False
+    reconciled: bool = False
+    generation: int = 0  # the model's quota generation when it was charged
+
+
+@dataclass
+class ReadyEntry:
+    task_id: int
+    admission_id: str
+    estimated_tokens: int
+    expires_at: int  # ms: not taken by then, it is dropped and its task goes back to pending
+
+
+
+
+@dataclass
+class ReferenceState:
+    """The admission state in memory, and the helpers its operations share."""
+
+    models: dict[str, ModelState] = field(default_factory=dict)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    #: Per model, the latency sketch's fields (balancer.domain.latency.record).
+    latency: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Per model, its ready list, oldest first (see :meth:`stock`).
+    ready: dict[str, list[ReadyEntry]] = field(default_factory=dict)
+    loaded: bool = False
+    epoch: int = 0
+    seq: int = 0
+    rr: str = ""
+
+    # -- helpers ---------------------------------------------------------------
+    def _names(self) -> list[str]:
+        return sorted(self.models, key=lambda n: n.encode())
+
+    def _inflight(self, name: str) -> list[tuple[int, str]]:
+        """(deadline, id) of the model's leases in sorted-set order."""
+        return sorted(
+            ((lease.deadline, lid) for lid, lease in self.leases.items() if lease.model == name),
+            key=lambda pair: (pair[0], pair[1].encode()),
+        )
+
+    def _refill(self, name: str, now: int) -> None:
+        state = self.models[name]
+        quota = state.quota
+        dt = max(0, now - state.refilled_at)
+        state.tokens = min(token_cap(quota), state.tokens + dt * state.refill_rate)
+        if quota.max_requests_per_minute:
+            rpm = quota.max_requests_per_minute
+            state.requests = min(quota.request_burst * UNITS, state.requests + dt * rpm)
+        state.refilled_at = max(state.refilled_at, now)
+
+    def _purge(self, name: str, now: int) -> None:
+        for deadline, lid in self._inflight(name):
+            if deadline > now:
+                break
+            lease = self.leases.pop(lid)
+            if not lease.started:
+                self._refund(name, lease)
+
+    def _same_generation(self, lease: Lease) -> bool:
+        """Whether ``lease`` was charged under the model's current quota.
+
+        Credits go back only to the generation that paid for them: after the
+        rate or burst is lowered, an old call's surplus must not refill the new,
+        smaller bucket (traffic would then exceed the new quota).
+        """
+        return lease.generation == self.models[lease.model].generation
+
+    def _refund(self, name: str, lease: Lease) -> None:
+        """Give back what an admission charged, for a call that never happened."""
+        if not self._same_generation(lease):
+            return
+        state = self.models[name]
+        quota = state.quota
+        state.tokens = min(token_cap(quota), state.tokens + lease.estimated_tokens * UNITS)
+        if quota.max_requests_per_minute:
+            state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
+
+    def _slot_cap(self, name: str) -> int:
+        """The concurrency cap, or 1 while the circuit is open (a probe at a time)."""
+        state = self.models[name]
+        return 1 if state.probing else state.quota.max_concurrent_requests
+
+    def _has_capacity(self, name: str, est: int, now: int) -> bool:
+        state = self.models[name]
+        quota = state.quota
+        return (
+            state.paused_until <= now
+            and len(self._inflight(name)) < self._slot_cap(name)
+            and state.tokens >= tokens_needed(quota, est)
+            and (not quota.max_requests_per_minute or state.requests >= UNITS)
+        )
+
+    def _wait(self, name: str, est: int, now: int) -> int:
+        """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``, and no pause."""
+        state = self.models[name]
+        quota = state.quota
+        token_wait = 0
+        need = tokens_needed(quota, est)
+        if state.tokens < need:
+            token_wait = ceil_div(need - state.tokens, state.refill_rate)
+        request_wait = 0
+        if quota.max_requests_per_minute and state.requests < UNITS:
+            request_wait = ceil_div(UNITS - state.requests, quota.max_requests_per_minute)
+        slot_wait = 0
+        inflight, cap = self._inflight(name), self._slot_cap(name)
+        if len(inflight) >= cap:
+            slot_wait = inflight[len(inflight) - cap][0] - now
+        return max(token_wait, request_wait, slot_wait, state.paused_until - now)
+
+    @staticmethod
+    def _refill_started(state: ModelState, now: int) -> None:
+        dt = max(0, now - state.started_refilled_at)
+        state.started_tokens = min(token_cap(state.quota), state.started_tokens + dt * state.refill_rate)
+        state.started_refilled_at = max(state.started_refilled_at, now)
+
+    def _token_gate(self, state: ModelState, est: int, now: int) -> int:
+        """Milliseconds until the provider, charging on arrival, has the tokens for
+        a call starting now; then charge them (the bucket may go negative).
+
+        Admission charges the first bucket early; calls that then wait in the
+        broker or a busy worker would start in bunches the provider refuses.
+        This second bucket refills, settles and syncs like the first.
+        """
+        self._refill_started(state, now)
+        need = tokens_needed(state.quota, est)
+        wait = ceil_div(need - state.started_tokens, state.refill_rate) if state.started_tokens < need else 0
+        state.started_tokens -= est * UNITS
+        return wait
+
+    def _start_delay(self, name: str, est: int, first_start: bool, now: int) -> int:
+        """Both gates for a call about to start; a restart was charged at the token gate already."""
+        wait = self._token_gate(self.models[name], est, now) if first_start else 0
+        return wait + self._start_gate(name, now + wait)
+
+    def _start_gate(self, name: str, now: int) -> int:
+        """Milliseconds to wait before the call starts (GCRA on call starts).
+
+        Calls start at most RPM per minute with at most ``request_burst`` at once,
+        timed at renew, just before the HTTP call. Admission already paces the
+        request bucket, but the hops between admission and the call (broker,
+        queue, worker) bunch calls up, and a provider checking RPM over 1 s sees
+        those bunches. Without an RPM limit the gate is open.
+        """
+        state = self.models[name]
+        rpm = state.quota.max_requests_per_minute
+        if not rpm:
+            return 0
+        interval = ceil_div(60_000, rpm)
+        tolerance = max(0, (state.quota.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
+        start = max(now, state.tat - tolerance)
+        state.tat = max(state.tat, start) + interval
+        return start - now
+
+    def _charge(self, name: str, est: int) -> None:
+        state = self.models[name]
+        state.tokens -= est * UNITS
+        if state.quota.max_requests_per_minute:
+            state.requests -= UNITS
+
+    def _new_lease(self, name: str, est: int, deadline: int, started: bool) -> str:
+        self.seq += 1
+        lid = f"{self.epoch}-{self.seq}"
+        self.leases[lid] = Lease(name, est, deadline, started=started, generation=self.models[name].generation)
+        return lid
+
+    def _require_state(self) -> None:
+        if not self.loaded:
+            raise NoState()

@@ -1,0 +1,163 @@
+"""The dispatcher's claims on the backlog: the pinned lane, the window of
+flexible work, and marking admitted tasks ``queued`` (all in the dispatcher's
+transaction, ``FOR UPDATE SKIP LOCKED`` so two dispatchers never see the same task)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from balancer.storage.schema import tasks
+
+
+@dataclass(frozen=True)
+class PendingTask:
+    id: int
+    estimated_tokens: int
+    allowed_models: tuple[str, ...] | None
+    avoid_model: str | None = None  # its last call failed there: retry elsewhere if another model has room
+
+
+def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
+    """Lock, for each model, up to ``free_slots[model]`` pending tasks pinned to it alone.
+
+    This is the dispatcher's *pinned lane*. Such a task has nowhere else to go,
+    so it gets first claim on its model's free slots, ahead of tasks that any
+    model could take; otherwise a slow model spends its few slots on flexible
+    work and its own tasks form the tail of the run. One index range scan per
+    model (``tasks_pending_pinned``), so the cost does not grow with the backlog.
+
+    >>> claim_pinned(conn, {"model-7": 2})   # doctest: +SKIP
+    [PendingTask(id=41, estimated_tokens=900, allowed_models=('model-7',)), ...]
+    """
+    wanted = {name: n for name, n in free_slots.items() if n > 0}
+    if not wanted:
+        return []
+    rows = conn.execute(
+        sa.text(
+            """
+            SELECT t.id, t.estimated_tokens, t.allowed_models
+              FROM unnest(CAST(:models AS text[]), CAST(:limits AS int[])) AS o(model, k)
+             CROSS JOIN LATERAL (
+                   SELECT id, estimated_tokens, allowed_models, priority
+                     FROM tasks
+                    WHERE status = 'pending' AND allowed_models IS NOT NULL
+                      AND allowed_models = ARRAY[o.model]
+                      AND (not_before IS NULL OR not_before <= now())
+                    ORDER BY allowed_models, priority DESC, id
+                    LIMIT o.k
+                      FOR UPDATE SKIP LOCKED) AS t
+             ORDER BY t.priority DESC, t.id
+            """
+        ),
+        {"models": list(wanted), "limits": list(wanted.values())},
+    ).all()
+    return [PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models)) for r in rows]
+
+
+def pending_backlog(conn: Connection) -> tuple[int, float]:
+    """(number of pending tasks, their mean token estimate): what the end-game switch weighs."""
+    row = conn.execute(
+        sa.select(sa.func.count(), sa.func.coalesce(sa.func.avg(tasks.c.estimated_tokens), 0))
+        .where(tasks.c.status == "pending")
+    ).one()
+    return int(row[0]), float(row[1])
+
+
+def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
+    """Which of ``models`` still have pending tasks pinned to them alone.
+
+    Tasks in ``exclude`` (what this dispatcher just claimed) do not count;
+    tasks another dispatcher holds do. The dispatcher keeps flexible work off
+    these models. One index probe per model.
+    """
+    names = list(models)
+    if not names:
+        return set()
+    rows = conn.execute(
+        sa.text(
+            """
+            SELECT o.model
+              FROM unnest(CAST(:models AS text[])) AS o(model)
+             WHERE EXISTS (
+                   SELECT 1 FROM tasks
+                    WHERE status = 'pending' AND allowed_models IS NOT NULL
+                      AND allowed_models = ARRAY[o.model]
+                      AND (not_before IS NULL OR not_before <= now())
+                      AND NOT (id = ANY(CAST(:exclude AS bigint[]))))
+            """
+        ),
+        {"models": names, "exclude": list(exclude)},
+    ).all()
+    return {r.model for r in rows}
+
+
+# Built once, like the solve path's statements below: the dispatcher runs it every round.
+_CLAIM_WINDOW = (
+    sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model)
+    .where(tasks.c.status == "pending")
+    .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
+    .where(sa.or_(tasks.c.allowed_models.is_(None),
+                  tasks.c.allowed_models.overlap(sa.bindparam("b_open_models", type_=tasks.c.allowed_models.type))))
+    .order_by(tasks.c.priority.desc(), tasks.c.id)
+    .limit(sa.bindparam("b_limit"))
+    .with_for_update(skip_locked=True)
+)
+
+
+def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
+    """Lock up to ``limit`` pending tasks, priority then age, that an open model could take.
+
+    ``FOR UPDATE SKIP LOCKED`` lets two dispatchers work side by side without
+    seeing the same task. Tasks pinned only to saturated models are skipped
+    here, so they cannot fill the window and block tasks that could go
+    elsewhere (no head-of-line blocking).
+    """
+    rows = conn.execute(_CLAIM_WINDOW, {"b_open_models": list(open_models), "b_limit": limit}).all()
+    return [
+        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
+        for r in rows
+    ]
+
+
+def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], lease_seconds: int) -> None:
+    """(task id, model, admission id) for each admitted task."""
+    if not assignments:
+        return
+    ids, models, admissions = zip(*assignments, strict=True)
+    conn.execute(
+        sa.text(
+            """
+            UPDATE tasks AS t
+               SET status = 'queued', model = v.model, admission_id = v.admission_id,
+                   queued_at = now(), updated_at = now(), error = NULL,
+                   deadline = now() + make_interval(secs => :lease)
+              FROM unnest(CAST(:ids AS bigint[]), CAST(:models AS text[]), CAST(:admissions AS text[]))
+                   AS v(id, model, admission_id)
+             WHERE t.id = v.id AND t.status = 'pending'
+            """
+        ),
+        {"ids": list(ids), "models": list(models), "admissions": list(admissions), "lease": lease_seconds},
+    )
+
+
+def pending_at_least(conn: Connection, n: int) -> bool:
+    """Whether at least ``n`` tasks are pending: reads at most ``n`` index entries,
+    so it costs the same for a backlog of a thousand or of a million."""
+    if n <= 0:
+        return True
+    first_n = sa.select(tasks.c.id).where(tasks.c.status == "pending").limit(n).subquery()
+    return conn.execute(sa.select(sa.func.count()).select_from(first_n)).scalar_one() >= n
+
+
+def fail_pending(conn: Connection, failures: Sequence[tuple[int, str]]) -> None:
+    """Mark tasks that can never be admitted as failed, with the reason."""
+    for task_id, reason in failures:
+        conn.execute(
+            sa.update(tasks)
+            .where(tasks.c.id == task_id, tasks.c.status == "pending")
+            .values(status="failed", error=reason, updated_at=sa.func.now())
+        )
