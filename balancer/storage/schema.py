@@ -88,6 +88,32 @@ tasks = Table(
     Column("started_at", DateTime(timezone=True), nullable=True),
     Column("solved_at", DateTime(timezone=True), nullable=True),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # Identity: unique within its source when set (``tasks_source_key``); metadata is kept and returned with the answer.
+    Column("key", Text, nullable=True),
+    Column("metadata", JSONB, nullable=True),
+)
+
+#: Every source's share of the dispatch window (weighted deficit round robin
+#: across sources); a source with no row has weight 1.
+source_weights = Table(
+    "source_weights",
+    metadata,
+    Column("source", Text, primary_key=True),
+    Column("weight", Integer, nullable=False, server_default="1"),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+#: Every change to a source (its definition or its weight), audited as quota changes are.
+source_changes = Table(
+    "source_changes",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("source", Text, nullable=False),
+    Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("changed_by", Text, nullable=False),
+    Column("action", Text, nullable=False),  # import | update | remove | weight
+    Column("old_value", JSONB, nullable=True),
+    Column("new_value", JSONB, nullable=True),
 )
 
 #: Operator actions on tasks (``balancer tasks retry|cancel``), audited as quota changes are.
