@@ -30,7 +30,7 @@ def test_reserve_keeps_what_it_charged(twin: Twin) -> None:
     full = tokens(twin)
     lease = twin.admit([Candidate(1_000)])[0]
     assert isinstance(lease, Admitted) and tokens(twin) == full - 1_000
-    assert twin.reconcile(lease.admission_id, Settlement(used_tokens=300, reserved_tokens=1_000)) is True
+    assert twin.finish(lease.admission_id, Settlement(used_tokens=300, reserved_tokens=1_000))[0] is True
     assert tokens(twin) == full - 1_000  # the 700 unused tokens stay spent, as at the provider
 
 
@@ -39,7 +39,7 @@ def test_reserve_debits_a_reservation_above_the_estimate(twin: Twin) -> None:
     twin.set_quota(Quota("a", 2, 60, burst_tokens=6_000))
     full = tokens(twin)
     lease = twin.admit([Candidate(1_000)])[0]
-    twin.reconcile(lease.admission_id, Settlement(used_tokens=900, reserved_tokens=1_250))
+    twin.finish(lease.admission_id, Settlement(used_tokens=900, reserved_tokens=1_250))
     assert tokens(twin) == full - 1_250
 
 
@@ -48,9 +48,9 @@ def test_settle_credits_the_surplus(twin: Twin) -> None:
     twin.set_quota(Quota("a", 2, 60, burst_tokens=6_000, token_accounting="settle"))
     full = tokens(twin)
     lease = twin.admit([Candidate(1_000)])[0]
-    assert twin.reconcile(lease.admission_id, Settlement(used_tokens=300, reserved_tokens=1_000)) is True
+    assert twin.finish(lease.admission_id, Settlement(used_tokens=300, reserved_tokens=1_000))[0] is True
     assert tokens(twin) == full - 300
-    assert twin.reconcile(lease.admission_id, Settlement(used_tokens=300)) is False  # once per lease
+    assert twin.finish(lease.admission_id, Settlement(used_tokens=300))[0] is False  # once per lease
     assert tokens(twin) == full - 300
 
 
@@ -59,12 +59,12 @@ def test_header_sync_lowers_a_bucket_and_never_raises_it(twin: Twin) -> None:
     first, second = twin.admit([Candidate(1_000), Candidate(1_000)])
     assert isinstance(first, Admitted) and isinstance(second, Admitted)
     # Another application used the same key: the provider says 2,500 tokens and 3 requests are left.
-    twin.reconcile(first.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
+    twin.finish(first.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
                                                   remaining_tokens=2_500, remaining_requests=3))
     live = twin.core.live(twin.now)["a"]
     assert live.tokens_available == 2_500 and live.requests_available == 3
     # A header that says more is left than we think never raises the bucket.
-    twin.reconcile(second.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
+    twin.finish(second.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
                                                    remaining_tokens=5_900, remaining_requests=59))
     live = twin.core.live(twin.now)["a"]
     assert live.tokens_available == 2_500 and live.requests_available == 3
@@ -168,8 +168,7 @@ def share_with_an_outsider(twin: Twin, outside_per_s: list[int]) -> None:
         provider = min(provider + 250 * (1_000 - outside) / 1_000, 1_000_000)
         lease = twin.admit([Candidate(100)])[0]
         provider -= 100
-        twin.reconcile(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=int(provider)))
-        twin.release(lease.admission_id)
+        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=int(provider)))
 
 
 def test_a_steady_outside_user_is_learned_from_the_headers(twin: Twin) -> None:

@@ -266,12 +266,12 @@ def test_release_is_idempotent_and_frees_at_once(twin: Twin) -> None:
     assert isinstance(twin.admit([Candidate(10)])[0], Admitted)
 
 
-def test_reconcile_once(twin: Twin) -> None:
+def test_a_call_is_settled_once(twin: Twin) -> None:
     twin.set_quota(Quota("a", 2, 600, burst_tokens=6_000))
     full = twin.core.live(twin.now)["a"].tokens_available  # 6,000 less 2.5 tokens of transit allowance
     lease = twin.admit([Candidate(1_000)])[0]
-    assert twin.reconcile(lease.admission_id, 3_000) is True
-    assert twin.reconcile(lease.admission_id, 3_000) is False  # no double count
+    assert twin.finish(lease.admission_id, 3_000)[0] is True
+    assert twin.finish(lease.admission_id, 3_000)[0] is False  # no double count
     assert twin.core.live(twin.now)["a"].tokens_available == full - 3_000
 
 
@@ -314,7 +314,7 @@ def test_lowered_quota_is_not_refilled_by_calls_charged_before_it(twin: Twin) ->
     spend = twin.admit([Candidate(1_000)])[0]
     assert isinstance(spend, Admitted)  # the new bucket is now empty
     twin.renew(spend.admission_id, "a", 1_000)
-    assert twin.reconcile(started.admission_id, 100) is True  # surplus 3,900: forfeited
+    assert twin.finish(started.admission_id, 100)[0] is True  # surplus 3,900: forfeited
     assert isinstance(twin.admit([Candidate(500)])[0], NotNow)
     twin.advance(5_001)  # the unstarted lease expires: its 4,000 are forfeited too
     assert isinstance(twin.admit([Candidate(500)])[0], NotNow)  # only 50 tokens of refill
@@ -322,7 +322,7 @@ def test_lowered_quota_is_not_refilled_by_calls_charged_before_it(twin: Twin) ->
     small = twin.admit([Candidate(40)])[0]
     assert isinstance(small, Admitted)
     level = twin.core.live(twin.now)["a"].tokens_available
-    assert twin.reconcile(small.admission_id, 0) is True
+    assert twin.finish(small.admission_id, 0)[0] is True
     assert twin.core.live(twin.now)["a"].tokens_available == level + 40
     assert unstarted.admission_id not in twin.core.raw_state()["leases"]
 
@@ -331,7 +331,7 @@ def test_lowered_quota_is_not_refilled_by_calls_charged_before_it(twin: Twin) ->
 
 
 def _hammer(url: str, namespace: str, queue: multiprocessing.Queue) -> None:
-    core = AdmissionCore(redis.Redis.from_url(url), namespace)
+    core = AdmissionCore(redis.Redis.from_url(url), namespace, lease_ms=300_000)
     admitted: dict[str, int] = {"capped": 0, "rated": 0}
     tokens = 0
     start = core.redis.time()
@@ -349,7 +349,7 @@ def _hammer(url: str, namespace: str, queue: multiprocessing.Queue) -> None:
 @pytest.mark.smoke
 def test_eight_processes_never_over_admit(redis_url: str, redis_client: redis.Redis, namespace: str) -> None:
     """8 OS processes race on one Redis with the real clock (Redis TIME)."""
-    core = AdmissionCore(redis_client, namespace)
+    core = AdmissionCore(redis_client, namespace, lease_ms=300_000)
     core.restore([])  # an empty live state; models created below start with full buckets
     core.set_quota(Quota("capped", 37, 10**9))
     rated = Quota("rated", MAX_CONCURRENCY, 60_000, burst_tokens=20_000)

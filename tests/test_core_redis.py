@@ -43,7 +43,7 @@ def test_every_key_shares_the_hash_tag(core: AdmissionCore, redis_client: redis.
 def test_noscript_falls_back_to_reload(redis_client: redis.Redis, namespace: str) -> None:
     """A server that never saw the script (or flushed it) gets it loaded on demand.
     We use a uniquely-commented copy so nothing shared is flushed."""
-    core = AdmissionCore(redis_client, namespace)
+    core = AdmissionCore(redis_client, namespace, lease_ms=300_000)
     marker = f"-- {uuid.uuid4()}\n"
     script = redis_client.register_script(marker + _SCRIPTS["restore"])
     assert redis_client.script_exists(script.sha) == [False]
@@ -55,8 +55,8 @@ def test_noscript_falls_back_to_reload(redis_client: redis.Redis, namespace: str
 def test_two_deployments_share_one_redis(redis_client: redis.Redis) -> None:
     one, two = "n" + uuid.uuid4().hex[:10], "n" + uuid.uuid4().hex[:10]
     try:
-        a = AdmissionCore(redis_client, one)
-        b = AdmissionCore(redis_client, two)
+        a = AdmissionCore(redis_client, one, lease_ms=300_000)
+        b = AdmissionCore(redis_client, two, lease_ms=300_000)
         a.restore([]), b.restore([])
         a.set_quota(Quota("m", 1, 60_000))
         b.set_quota(Quota("m", 1, 60_000))
@@ -111,7 +111,7 @@ def test_the_refill_gap_is_measured_from_a_full_models_freed_slot(redis_client: 
 def test_quota_changes_apply_in_one_transaction(redis_client: redis.Redis, namespace: str) -> None:
     """An import's changes go to Redis in one MULTI/EXEC: created, changed and
     removed together; a missing live state is rebuilt first."""
-    core = AdmissionCore(redis_client, namespace)
+    core = AdmissionCore(redis_client, namespace, lease_ms=300_000)
     core.restore([Quota("old", 1, 5), Quota("kept", 1, 5)])
     core.apply_quotas([("new", Quota("new", 2, 60)), ("kept", Quota("kept", 3, 5)), ("old", None)])
     live = core.live()

@@ -1,7 +1,7 @@
 """The Lua scripts and the Python reference make identical decisions.
 
 Hypothesis generates random sequences of admit batches, releases, renewals,
-reconciles, ready lists (stocked, taken by a finishing call or by the
+settlements, ready lists (stocked, taken by a finishing call or by the
 dispatcher's pass, dropped when expired or stuck), holds of cancelled calls, heartbeats, transient failures (the circuit breaker),
 quota changes, removals, lease expiries, clock advances and
 Redis data loss; ``Twin`` applies each to both and compares every result and
@@ -35,6 +35,7 @@ quotas = st.builds(
     token_accounting=st.sampled_from(["reserve", "settle"]),
     burst_requests=st.none() | st.integers(1, 40),
     expected_latency_s=st.none() | st.floats(0.01, 3600.0),
+    on_disconnect=st.sampled_from(["continue", "stop"]),
 )
 candidates = st.builds(
     Candidate,
@@ -59,8 +60,8 @@ operations = st.lists(
         st.tuples(st.just("release"), st.integers(0, 50)),
         st.tuples(st.just("renew"), st.integers(0, 50)),
         st.tuples(st.just("renew_unknown"), st.sampled_from(NAMES + ["nope"]), st.integers(1, 8_000)),
-        st.tuples(st.just("reconcile"), st.integers(0, 50), st.integers(0, 9_000)),
-        st.tuples(st.just("reconcile"), st.integers(0, 50), settlements),
+        st.tuples(st.just("finish"), st.integers(0, 50), st.integers(0, 9_000)),
+        st.tuples(st.just("finish"), st.integers(0, 50), settlements),
         st.tuples(st.just("finish"), st.integers(0, 50), settlements),
         st.tuples(st.just("stock"), st.lists(st.tuples(st.sampled_from(NAMES + ["nope"]), st.integers(1, 10**6),
                                                        st.integers(1, 1_500) | st.integers(1, 40_000)), max_size=4),
@@ -134,8 +135,6 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.renew(*issued[op[1] % len(issued)])
             elif kind == "renew_unknown":
                 twin.renew(f"x-{len(issued)}", op[1], op[2])
-            elif kind == "reconcile" and issued:
-                twin.reconcile(issued[op[1] % len(issued)][0], op[2])
             elif kind == "finish" and issued:
                 twin.finish(issued[op[1] % len(issued)][0], op[2])
             elif kind == "stock":

@@ -155,7 +155,7 @@ def test_the_sketch_follows_a_model_that_slows_down() -> None:
 
 
 def test_finish_records_the_latency_in_the_same_call(redis_client, namespace: str) -> None:
-    core = AdmissionCore(redis_client, namespace)
+    core = AdmissionCore(redis_client, namespace, lease_ms=300_000)
     core.restore([])
     core.set_quota(Quota("m", 4, 10**6, expected_latency_s=7.5))
     assert core.live()["m"].quota.expected_latency_s == 7.5
@@ -235,7 +235,7 @@ def test_with_one_very_slow_model_the_last_tasks_go_to_the_fast_one(tmp_path: Pa
 
 @pytest.mark.e2e
 @pytest.mark.usefixtures("migrated")
-@pytest.mark.parametrize("on_disconnect", ["finish", "stop"])
+@pytest.mark.parametrize("on_disconnect", ["continue", "stop"])
 def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path, on_disconnect: str) -> None:
     """The prior says "stuck" answers in 0.1 s, so the end game sends the task
     there; the call hangs. Once it has run past stuck's p90 and longer than a
@@ -243,7 +243,7 @@ def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path, on_
     hedge's answer is written once. The hung call then follows the backend's
     on_disconnect. With "stop" it hangs 60 s and is cancelled (its HTTP
     request closed, status 499 at the provider) seconds before the 10 s
-    backend timeout would have ended it. With "finish" (the default) cutting
+    backend timeout would have ended it. With "continue" (the default) cutting
     it off would free nothing the provider counts: it hangs 6 s, runs to its
     end, its answer is dropped, and its slot is freed by that answer, not
     held to the backend timeout."""

@@ -72,11 +72,15 @@ def test_latency_prior_then_learned_latency_in_quota_list(capsys: pytest.Capture
     assert code == 2 and "expected_latency_s must be a number of seconds" in err and len(err.strip().splitlines()) == 1
 
 
-def test_on_disconnect_defaults_to_finish_and_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
+def test_on_disconnect_defaults_to_continue_and_can_be_set(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "2")[0] == 0
-    assert json.loads(run(capsys, "quota", "list", "--json")[1])[0]["on_disconnect"] == "finish"
+    assert json.loads(run(capsys, "quota", "list", "--json")[1])[0]["on_disconnect"] == "continue"
     assert run(capsys, "quota", "set", "m", "--on-disconnect", "stop")[0] == 0
     assert services().quotas.get("m").on_disconnect == "stop"
+    assert services().core.live()["m"].quota.on_disconnect == "stop"  # the live state holds it too
+    assert run(capsys, "quota", "set", "m", "--on-disconnect", "finish")[0] == 0  # the old name of continue
+    assert services().quotas.get("m").on_disconnect == "continue"
+    assert services().core.live()["m"].quota.on_disconnect == "continue"
     code, _, err = run(capsys, "quota", "set", "m", "--on-disconnect", "sometimes")
     assert code == 2 and "sometimes" in err
 

@@ -7,14 +7,16 @@ and property tests.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 
 from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, Settlement
-from balancer.admission.core import prior_ms
+from balancer.admission.fields import MODEL_FIELDS, STATE_FIELDS, quota_fields
 from balancer.admission.reference import ReferenceCore
+from balancer.admission.values import UNITS
 from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 
@@ -36,16 +38,29 @@ def canonical_lua(core: AdmissionCore) -> dict:
         "epoch": int(meta.get("epoch", 0)),
         "seq": int(meta.get("seq", 0)),
         "rr": meta.get("rr", ""),
-        "models": {
-            name: (
-                m["weight"], m["cap"], m["tpm"], m["rpm"], m["burst"], m["enabled"],
-                m["tokens"], m["requests"], m["refilled_at"], m["deficit"], m["gen"], m["inflight"],
-                m["settle"], m["rburst"], m["paused"], m["tat"], m["ext"], m["synced_at"], m["ptokens"], m["prefilled_at"],
-                m["prior"], m["latency"], m["fails"], m["probing"], m["backoff"], m["ready"],
-            )
-            for name, m in raw["models"].items()
-        },
-        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["r"] == 1, v["g"]) for lid, v in raw["leases"].items()},
+        "models": {name: {f: m[f] for f in (*MODEL_FIELDS, *OTHER_KEYS)} for name, m in raw["models"].items()},
+        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["g"]) for lid, v in raw["leases"].items()},
+    }
+
+
+#: What the model's other keys hold, beside its hash (see AdmissionCore.raw_state).
+OTHER_KEYS = ("inflight", "latency", "ready")
+
+
+def reference_fields(ref: ReferenceCore, name: str) -> dict:
+    """The reference model's state of one model under the Lua hash's field names."""
+    s = ref.models[name]
+    state = {
+        "tokens": s.tokens, "requests": s.requests, "refilled_at": s.refilled_at, "deficit": s.deficit,
+        "gen": s.generation, "paused": s.paused_until, "tat": s.tat, "ext": s.external, "synced_at": s.synced_at,
+        "ptokens": s.started_tokens, "prefilled_at": s.started_refilled_at, "fails": s.failures,
+        "probing": int(s.probing), "backoff": s.backoff_ms,
+    }
+    assert set(state) == set(STATE_FIELDS), "the twin must compare every state field the scripts keep"
+    return {
+        **quota_fields(s.quota), **state,
+        "inflight": ref._inflight(name), "latency": ref.latency.get(name, {}),
+        "ready": [f"{e.task_id}:{e.admission_id}:{e.estimated_tokens}:{e.expires_at}" for e in ref.ready.get(name, [])],
     }
 
 
@@ -55,22 +70,28 @@ def canonical_ref(ref: ReferenceCore) -> dict:
         "epoch": ref.epoch,
         "seq": ref.seq,
         "rr": ref.rr,
-        "models": {
-            name: (
-                s.quota.weight, s.quota.max_concurrent_requests, s.quota.max_tokens_per_minute,
-                s.quota.max_requests_per_minute or 0, s.quota.burst, int(s.quota.enabled),
-                s.tokens, s.requests, s.refilled_at, s.deficit, s.generation, ref._inflight(name),
-                int(s.quota.settles), s.quota.request_burst, s.paused_until, s.tat, s.external, s.synced_at,
-                s.started_tokens, s.started_refilled_at,
-                prior_ms(s.quota), ref.latency.get(name, {}), s.failures, int(s.probing), s.backoff_ms,
-                [f"{e.task_id}:{e.admission_id}:{e.estimated_tokens}:{e.expires_at}" for e in ref.ready.get(name, [])],
-            )
-            for name, s in ref.models.items()
-        },
-        "leases": {
-            lid: (l.model, l.estimated_tokens, l.started, l.reconciled, l.generation) for lid, l in ref.leases.items()
-        },
+        "models": {name: reference_fields(ref, name) for name in ref.models},
+        "leases": {lid: (l.model, l.estimated_tokens, l.started, l.generation) for lid, l in ref.leases.items()},
     }
+
+
+def live_lua(core: AdmissionCore, now: int) -> dict:
+    """The live view (what the dispatcher and ``balancer quota list`` read) at ``now``."""
+    return {name: (quota_fields(m.quota), m.in_flight, m.tokens_available, m.requests_available, m.deficit,
+                   m.paused_ms, m.external_tpm) for name, m in core.live(now).items()}
+
+
+def live_ref(ref: ReferenceCore, now: int) -> dict:
+    """The same view from the reference model: a copy of it, each model refilled to ``now``."""
+    ref = copy.deepcopy(ref)
+    view = {}
+    for name, s in ref.models.items():
+        ref._refill(name, now)
+        live = sum(1 for deadline, _ in ref._inflight(name) if deadline > now)
+        view[name] = (quota_fields(s.quota), live, s.tokens / UNITS,
+                      s.requests / UNITS if s.quota.max_requests_per_minute else None,
+                      s.deficit, max(0, s.paused_until - now), s.external)
+    return view
 
 
 @dataclass
@@ -102,6 +123,8 @@ class Twin:
 
     def check_same_state(self) -> None:
         assert canonical_lua(self.core) == canonical_ref(self.ref)
+        if self.ref.loaded:
+            assert live_lua(self.core, self.now) == live_ref(self.ref, self.now)
 
     # -- operations, each applied to both sides ---------------------------------
     def admit(self, candidates: list[Candidate]) -> list[Decision]:
@@ -121,7 +144,10 @@ class Twin:
         assert lua == self.ref.release(lid, self.now)
         return lua
 
-    def finish(self, lid: str, settlement: Settlement) -> tuple[bool, bool]:
+    def finish(self, lid: str, settlement: Settlement | int) -> tuple[bool, bool]:
+        """Finish a call; a bare int means usage reported with no headers (reserved = usage)."""
+        if isinstance(settlement, int):
+            settlement = Settlement(used_tokens=settlement, reserved_tokens=settlement)
         lua = self.core.finish(lid, settlement)
         assert lua == self.ref.finish(lid, settlement, self.now)
         return lua
@@ -151,14 +177,6 @@ class Twin:
     def heartbeat(self, lid: str, lease_ms: int) -> bool:
         lua = self.core.heartbeat(lid, lease_ms)
         assert lua == self.ref.heartbeat(lid, max(1, lease_ms), self.now)
-        return lua
-
-    def reconcile(self, lid: str, settlement: Settlement | int) -> bool:
-        """Settle a call; a bare int means usage reported with no headers (reserved = usage)."""
-        if isinstance(settlement, int):
-            settlement = Settlement(used_tokens=settlement, reserved_tokens=settlement)
-        lua = self.core.reconcile(lid, settlement)
-        assert lua == self.ref.reconcile(lid, settlement, self.now)
         return lua
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,

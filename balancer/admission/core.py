@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import redis
 
-from balancer.admission import keys
+from balancer.admission import fields, keys
 from balancer.admission.values import (
     UNITS,
     Admitted,
@@ -32,8 +32,8 @@ from balancer.admission.values import (
     ReadyTask,
     Rejected,
     Settlement,
+    refilled,
     rejection_reason,
-    token_cap,
 )
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of
 from balancer.domain.quota import Quota
@@ -44,7 +44,7 @@ RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
 
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("balancer.admission") / "lua"
-    lib = keys.LUA_PRELUDE + (folder / "lib.lua").read_text()
+    lib = keys.LUA_PRELUDE + fields.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
         for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota",
@@ -56,23 +56,8 @@ _SCRIPTS = _load_scripts()
 
 
 def quota_args(quota: Quota) -> list[str | int]:
-    return [
-        quota.name,
-        quota.weight,
-        quota.max_concurrent_requests,
-        quota.max_tokens_per_minute,
-        quota.max_requests_per_minute or 0,
-        quota.burst,
-        int(quota.enabled),
-        int(quota.settles),
-        quota.request_burst,
-        prior_ms(quota),
-    ]
-
-
-def prior_ms(quota: Quota) -> int:
-    """The latency prior as the model hash stores it: whole ms, 0 for the global default."""
-    return round((quota.expected_latency_s or 0) * 1000)
+    """A quota as set_quota.lua and restore.lua take it: the name, then its hash fields."""
+    return [quota.name, *fields.quota_fields(quota).values()]
 
 
 @dataclass(frozen=True)
@@ -102,9 +87,11 @@ class ModelLive:
 
 
 class AdmissionCore:
-    """Admit, renew, release and reconcile, atomically in Redis.
+    """Admit, renew, finish and release, atomically in Redis.
 
-    ``restore`` is called (at most once per loss) when a script reports that
+    ``lease_ms`` is how long an admitted slot lives without a renewal or a
+    heartbeat (``BALANCER_LEASE_SECONDS``). ``restore`` is called (at most
+    once per loss) when a script reports that
     the live state is gone; it normally reads PostgreSQL. ``clock`` injects
     the time in ms for tests; production leaves it None so Redis ``TIME`` is
     the only clock, whatever the callers' clocks say.
@@ -115,8 +102,8 @@ class AdmissionCore:
         client: redis.Redis,
         namespace: str = "balancer",
         *,
+        lease_ms: int,
         restore: RestoreSource | None = None,
-        lease_ms: int = 300_000,
         base_quantum: int = 1000,
         clock: Callable[[], int] | None = None,
     ) -> None:
@@ -131,7 +118,7 @@ class AdmissionCore:
 
     def with_lease(self, lease_ms: int) -> AdmissionCore:
         """The same core (client, scripts, restore) admitting with another lease length:
-        the router's leases are short and heartbeated, the pipeline's are not."""
+        the router's own lease (``BALANCER_ROUTER_LEASE_SECONDS``)."""
         other = copy.copy(self)
         other.lease_ms = lease_ms
         return other
@@ -217,13 +204,13 @@ class AdmissionCore:
             return Admitted(decision.model, decision.admission_id, int(reply[3]))
         return decision
 
-    def finish(self, admission_id: str, settlement: Settlement | None = None, *, release: bool = True) -> tuple[bool, bool]:
+    def finish(self, admission_id: str, settlement: Settlement | None = None) -> tuple[bool, bool]:
         """Everything a finished call tells the core, in one script and one round
-        trip: settle its tokens (once) as the model's accounting says, sync the
-        buckets to the provider's headers, and free the slot. Idempotent.
-        Returns (settled, released).
+        trip: settle its tokens as the model's accounting says, sync the
+        buckets to the provider's headers, and free the slot. Idempotent: a
+        second finish finds no lease. Returns (settled, released).
         """
-        reply = self._finish(admission_id, settlement, release, None)
+        reply = self._finish(admission_id, settlement, None)
         return reply[0] == 1, reply[1] == 1
 
     def finish_and_take(self, admission_id: str, settlement: Settlement | None = None,
@@ -235,13 +222,13 @@ class AdmissionCore:
         passed): wait ``start_delay_ms`` and call, with no :meth:`renew`.
         None if nothing was ready or it must wait (then the dispatcher's
         :meth:`take_ready` admits it when it can)."""
-        reply = self._finish(admission_id, settlement, True, lease_ms or self.lease_ms)
+        reply = self._finish(admission_id, settlement, lease_ms or self.lease_ms)
         if len(reply) < 8:
             return None
         model, task, lid, est, delay, restock = reply[2:8]
         return ReadyTask(int(task), lid.decode(), model.decode(), int(est), int(delay), restock == 1)
 
-    def _finish(self, admission_id: str, settlement: Settlement | None, release: bool, take_lease_ms: int | None) -> list:
+    def _finish(self, admission_id: str, settlement: Settlement | None, take_lease_ms: int | None) -> list:
         s = settlement or Settlement()
 
         def opt(value: int | None) -> object:
@@ -254,7 +241,7 @@ class AdmissionCore:
             sample = [bucket_of(s.latency_ms), s.latency_ms, prompt, completion]
         return cast(list, self._run("finish", [
             self._now(), admission_id, opt(s.used_tokens), opt(s.reserved_tokens),
-            opt(s.remaining_tokens), opt(s.remaining_requests), "1" if release else "0", *sample,
+            opt(s.remaining_tokens), opt(s.remaining_requests), *sample,
             "" if take_lease_ms is None else take_lease_ms,
         ]))
 
@@ -287,10 +274,6 @@ class AdmissionCore:
     def release(self, admission_id: str) -> bool:
         """Free the slot; releasing twice, or an unknown id, is harmless."""
         return self.finish(admission_id)[1]
-
-    def reconcile(self, admission_id: str, settlement: Settlement) -> bool:
-        """Settle a finished call's tokens (once) and sync to the provider's headers; keep the slot."""
-        return self.finish(admission_id, settlement, release=False)[0]
 
     def hold(self, admission_id: str, hold_ms: int) -> bool:
         """Keep a cancelled call's slot ``hold_ms`` longer (never past its lease),
@@ -426,25 +409,12 @@ class AdmissionCore:
             if not raw:
                 continue  # removed between the two reads
             m = {k.decode(): int(v) for k, v in raw.items()}
-            rburst = m.get("rburst", m["rpm"])
-            quota = Quota(
-                name=name,
-                weight=m["weight"],
-                max_concurrent_requests=m["cap"],
-                max_tokens_per_minute=m["tpm"],
-                max_requests_per_minute=m["rpm"] or None,
-                burst_tokens=m["burst"],
-                enabled=bool(m["enabled"]),
-                token_accounting="settle" if m.get("settle") else "reserve",
-                burst_requests=rburst or None,
-                expected_latency_s=m["prior"] / 1000 if m.get("prior") else None,
-            )
-            dt = max(0, now_ms - m["refilled_at"])
-            tokens = min(token_cap(quota), m["tokens"] + dt * (m["tpm"] - m.get("ext", 0))) / UNITS
-            requests = min(rburst * UNITS, m["requests"] + dt * m["rpm"]) / UNITS if m["rpm"] else None
-            paused_ms = max(0, m.get("paused", 0) - now_ms)
+            quota = fields.quota_from_fields(name, m)
+            tokens, requests = refilled(quota, m["tokens"], m["requests"], m["refilled_at"], m["ext"], now_ms)
+            paused_ms = max(0, m["paused"] - now_ms)
             latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
-            view[name] = ModelLive(quota, in_flight, tokens, requests, m["deficit"], paused_ms, m.get("ext", 0), latency, ready)
+            view[name] = ModelLive(quota, in_flight, tokens / UNITS, requests / UNITS if quota.max_requests_per_minute else None,
+                                   m["deficit"], paused_ms, m["ext"], latency, ready)
         return view
 
 

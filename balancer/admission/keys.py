@@ -31,7 +31,6 @@ DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
 BEAT_SEEN = ":beat:seen"
-BENCH_COUNTER = ":bench:incr"
 
 
 def tag(namespace: str) -> str:
@@ -99,11 +98,6 @@ def cancel_channel(namespace: str) -> str:
 def broker_prefix(namespace: str) -> str:
     """kombu's ``global_keyprefix`` for this namespace's broker keys."""
     return namespace + ":"
-
-
-def bench_counter(namespace: str) -> str:
-    """The counter a benchmark's bare endpoint increments (``balancer.bench.router_load``)."""
-    return tag(namespace) + BENCH_COUNTER
 
 
 def namespace_patterns(namespace: str) -> tuple[str, str]:

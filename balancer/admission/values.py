@@ -143,6 +143,25 @@ def token_cap(quota: Quota) -> int:
     return burst - min(quota.max_tokens_per_minute * TRANSIT_MS, burst // 2)
 
 
+def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, external: int, now: int) -> tuple[int, int]:
+    """The buckets (units) refilled from ``refilled_at`` to ``now``: tokens at TPM
+    less what others use (``external``), up to :func:`token_cap`; requests at
+    RPM, up to the request burst (untouched without an RPM limit).
+
+    The rule ``refill`` in lib.lua applies; the reference model and the live
+    view (:meth:`balancer.admission.AdmissionCore.live`) both use this function.
+
+    >>> q = Quota("m", 1, 600, max_requests_per_minute=60)   # 10 tokens/s, 1 request/s
+    >>> [units / UNITS for units in refilled(q, 0, 0, refilled_at=0, external=0, now=2_000)]
+    [20.0, 2.0]
+    """
+    dt = max(0, now - refilled_at)
+    tokens = min(token_cap(quota), tokens + dt * (quota.max_tokens_per_minute - external))
+    if quota.max_requests_per_minute:
+        requests = min(quota.request_burst * UNITS, requests + dt * quota.max_requests_per_minute)
+    return tokens, requests
+
+
 def tokens_needed(quota: Quota, est: int) -> int:
     """Units a task needs in the bucket: its estimate, or a full bucket if larger."""
     return min(est * UNITS, token_cap(quota))

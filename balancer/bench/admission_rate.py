@@ -30,6 +30,12 @@ from balancer.domain.quota import MAX_CONCURRENCY, Quota
 from balancer.services import delete_namespace_keys
 
 
+def incr_key(namespace: str) -> str:
+    """The counter a bare INCR loop (here, and router_load's bare endpoint) increments:
+    under the namespace's hash tag, so the benchmark's cleanup deletes it with the rest."""
+    return keys.tag(namespace) + ":bench:incr"
+
+
 def incr_loop(url: str, key: str, seconds: float) -> float:
     client = redis.Redis.from_url(url)
     n = 0
@@ -68,7 +74,7 @@ def parallel(url: str, namespace: str, batch: int, seconds: float, processes: in
 
 
 def setup(url: str, namespace: str, models: int) -> AdmissionCore:
-    core = AdmissionCore(redis.Redis.from_url(url), namespace)
+    core = AdmissionCore(redis.Redis.from_url(url), namespace, lease_ms=3_600_000)
     core.restore([])
     for i in range(models):
         core.set_quota(Quota(f"model-{i}", MAX_CONCURRENCY, 10**9, weight=1 + i % 3))  # no cap binds in a few seconds
@@ -93,7 +99,7 @@ def main() -> None:
         stack.callback(cleanup)
         version = client.info("server")["redis_version"]
         console.print(f"Redis {version} at {url.split('@')[-1]}, {args.models} models, {args.seconds:.0f} s per run")
-        incr = incr_loop(url, keys.bench_counter(namespace), args.seconds)
+        incr = incr_loop(url, incr_key(namespace), args.seconds)
         rows = []
         for processes in (1, 4):
             for batch in (1, 100):

@@ -40,7 +40,7 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
-from balancer.admission import keys
+from balancer.bench.admission_rate import incr_key
 from balancer.devtools.embedded import redis_for_bench
 from balancer.domain.stats import percentile
 from balancer.services import delete_namespace_keys
@@ -69,7 +69,7 @@ def serve_bare(redis_url: str, namespace: str, port: int) -> None:
     from starlette.concurrency import run_in_threadpool
 
     client = redis.Redis.from_url(redis_url)
-    key = keys.bench_counter(namespace)
+    key = incr_key(namespace)
     app = FastAPI()
 
     @app.post("/incr")

@@ -123,9 +123,9 @@ def latency_cell(latency: dict | None) -> str:
               help="token_accounting: reserve (prompt + max_tokens, no refund) or settle (to actual usage)")
 @click.option("--expected-latency", type=float, metavar="SECONDS",
               help="expected_latency_s: the latency prior (median) until the model's own calls are measured")
-@click.option("--on-disconnect", type=click.Choice(["finish", "stop"]),
-              help="on_disconnect: what the backend does with a cancelled call: finish it and charge it "
-                   "(its slot stays held) or stop (its slot is freed at once)")
+@click.option("--on-disconnect", type=click.Choice(["continue", "stop", "finish"]),
+              help="on_disconnect: what the backend does with a cancelled call: continue it and charge it "
+                   "(its slot stays held) or stop (its slot is freed at once); finish: the old name of continue")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")

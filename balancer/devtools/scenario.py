@@ -27,7 +27,7 @@ The format is a public interface; docs/scenarios.md documents it. Example::
     rpm_window = 60                        # optional: seconds RPM is checked over (60, 10 or 1)
     headers = true                         # optional: send x-ratelimit-* headers
     foreign_share = 0.0                    # optional: share of the quota another client uses
-    on_disconnect = "finish"               # optional: finish (default, strict) | stop: a cancelled call
+    on_disconnect = "continue"             # optional: continue (default, strict; "finish" also accepted) | stop: a cancelled call
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
                 rpm_window=float(m.get("rpm_window", 60)),
                 headers=bool(m.get("headers", True)),
                 foreign_share=float(m.get("foreign_share", 0.0)),
-                on_disconnect=m.get("on_disconnect", "finish"),
+                on_disconnect=m.get("on_disconnect", "continue"),
             )
             model.quota(time_scale=time_scale)  # validates every limit
         except BalancerError as exc:

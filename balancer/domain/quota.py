@@ -43,8 +43,10 @@ INT_FIELDS = (
 #: refunds (OpenAI, Azure OpenAI); ``settle`` charges the estimate, then
 #: settles to actual usage (Anthropic, self-hosted backends).
 TOKEN_ACCOUNTING = ("reserve", "settle")
-#: What the provider does with a call whose client disconnected: finish it (and charge it) or stop.
-ON_DISCONNECT = ("finish", "stop")
+#: What the provider does with a call whose client disconnected: continue it (and charge it) or stop.
+ON_DISCONNECT = ("continue", "stop")
+#: Older names of ``on_disconnect`` values, still accepted (quota files, the CLI, stored rows).
+ON_DISCONNECT_ALIASES = {"finish": "continue"}
 
 
 def check_model_name(name: str) -> str:
@@ -107,10 +109,10 @@ class Quota:
     #: the dispatcher better (balancer.domain.latency); None: the global default.
     expected_latency_s: float | None = None
     #: What the provider does when balancer cuts off a hedged task's losing call:
-    #: ``finish`` (the default, and the strict case) keeps working on a
+    #: ``continue`` (the default, and the strict case) keeps working on a
     #: non-streamed request and charges it, so the call's slot stays held until it
-    #: would have ended; ``stop`` frees it at once.
-    on_disconnect: str = "finish"
+    #: would have ended; ``stop`` frees it at once. ``finish`` is read as ``continue``.
+    on_disconnect: str = "continue"
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -123,6 +125,8 @@ class Quota:
         if self.token_accounting not in TOKEN_ACCOUNTING:
             raise QuotaError(f"token_accounting must be one of {', '.join(TOKEN_ACCOUNTING)}, got {self.token_accounting!r}")
         check_latency("expected_latency_s", self.expected_latency_s)
+        if isinstance(self.on_disconnect, str) and self.on_disconnect in ON_DISCONNECT_ALIASES:
+            object.__setattr__(self, "on_disconnect", ON_DISCONNECT_ALIASES[self.on_disconnect])
         if self.on_disconnect not in ON_DISCONNECT:
             raise QuotaError(f"on_disconnect must be one of {', '.join(ON_DISCONNECT)}, got {self.on_disconnect!r}")
         if not isinstance(self.enabled, bool):

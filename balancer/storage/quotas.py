@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from balancer.admission.core import quota_args
+from balancer.admission.fields import quota_fields
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
 from balancer.storage.schema import quota_changes, quotas
@@ -197,7 +197,7 @@ class QuotaStore:
             live = self.live.live_quotas()
             for name, quota in stored.items():
                 current = live.get(name)  # as Redis holds it: compare what Redis holds
-                if current is None or quota_args(current) != quota_args(quota):
+                if current is None or quota_fields(current) != quota_fields(quota):
                     changes.append((current, quota))
             for name in live.keys() - stored.keys():
                 changes.append((live[name], None))

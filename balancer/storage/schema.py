@@ -36,7 +36,7 @@ quotas = Table(
     Column("token_accounting", Text, nullable=False, server_default="reserve"),
     Column("burst_requests", Integer, nullable=True),
     Column("expected_latency_s", Float, nullable=True),
-    Column("on_disconnect", Text, nullable=False, server_default="finish"),
+    Column("on_disconnect", Text, nullable=False, server_default="continue"),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

@@ -1,6 +1,6 @@
 -- finish.lua: everything a finished call tells the core, in one round trip:
--- settle its tokens once, sync the buckets to the provider's headers, and
--- (unless ARGV[7] is '0') free its slot.
+-- settle its tokens, sync the buckets to the provider's headers, and free its
+-- slot.
 -- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] admission id
@@ -8,10 +8,9 @@
 -- ARGV[4] tokens a `reserve` provider kept (prompt + max_tokens), or ''
 -- ARGV[5] x-ratelimit-remaining-tokens, or '' if absent
 -- ARGV[6] x-ratelimit-remaining-requests, or '' if absent
--- ARGV[7] '1' to release the slot, '0' to keep it (settle only)
--- ARGV[8] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
--- ARGV[9] its latency in ms, ARGV[10] prompt tokens, ARGV[11] completion tokens (with ARGV[8])
--- ARGV[12] lease ms for a next call from the model's ready list, or '' to take none
+-- ARGV[7] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
+-- ARGV[8] its latency in ms, ARGV[9] prompt tokens, ARGV[10] completion tokens (with ARGV[7])
+-- ARGV[11] lease ms for a next call from the model's ready list, or '' to take none
 -- Settling: the provider's charge is the usage (settle) or the reservation
 -- (reserve). A charge above the estimate is always debited. A charge below it
 -- is credited only by a `settle` model, and only within the quota generation
@@ -21,12 +20,12 @@
 -- Latency: an answered call adds its latency and tokens to the model's sketch,
 -- and to its counters (solved, latency bucket, tokens: see count in lib.lua).
 -- Circuit: an answered call closes its model's circuit (see trip.lua).
--- Next call: with ARGV[12], a freed slot takes the head of its model's ready
+-- Next call: with ARGV[11], a freed slot takes the head of its model's ready
 -- list if the model can admit it now (see take_ready in lib.lua), leased as
 -- started, through both start gates: the caller calls it next, no renew.
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
--- lease, already settled, or no usage); 1 if a slot was freed (0: unknown or
--- already released). Releasing is idempotent. A taken next call adds six
+-- lease, or no usage); 1 if a slot was freed (0: unknown or already
+-- released). Finishing is idempotent: a second finish finds no lease. A taken next call adds six
 -- values: model, task id, admission id, estimated tokens, ms to wait before
 -- calling, and 1 if the list now holds fewer entries than the model has slots
 -- (0 if not): only then does the caller ask the dispatcher to restock it.
@@ -41,7 +40,7 @@ local now = clock(ARGV[1])
 if m then
   refill(m, now)
   refill_started(m, now)
-  if lease.r == 0 and ARGV[3] ~= '' then
+  if ARGV[3] ~= '' then
     local charged = tonumber(ARGV[3])
     if m.settle == 0 then charged = tonumber(ARGV[4]) or lease.e end
     local surplus = lease.e - charged
@@ -49,44 +48,39 @@ if m then
       m.tokens = math.min(token_cap(m), m.tokens + surplus * UNITS)
       m.ptokens = math.min(token_cap(m), m.ptokens + surplus * UNITS)
     end
-    lease.r = 1
     settled = 1
   end
   sync_to_headers(m, now, ARGV[5], ARGV[6])
-  if ARGV[8] ~= '' then m.fails, m.probing, m.backoff = 0, 0, 0 end
+  if ARGV[7] ~= '' then m.fails, m.probing, m.backoff = 0, 0, 0 end
   save_model(m)
-  if ARGV[8] ~= '' then
-    record_latency(lease.m, tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11]))
+  if ARGV[7] ~= '' then
+    record_latency(lease.m, tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]))
     count(lease.m, 'solved', 1)
-    count(lease.m, 'lat' .. ARGV[8], 1)
-    count(lease.m, 'latency_ms', tonumber(ARGV[9]))
+    count(lease.m, 'lat' .. ARGV[7], 1)
+    count(lease.m, 'latency_ms', tonumber(ARGV[8]))
     count(lease.m, 'tokens_estimated', lease.e)
     if ARGV[3] ~= '' then count(lease.m, 'tokens_used', tonumber(ARGV[3])) end
   end
 end
-if ARGV[7] == '0' then
-  if settled == 1 then redis.call('HSET', LEASES, lid, cjson.encode(lease)) end
-else
-  if m and redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= m.cap then
-    mark_freed(lease.m, now)  -- a slot of a full model: the refill gap starts (metrics only)
-  end
-  redis.call('ZREM', inflight_key(lease.m), lid)
-  redis.call('HDEL', LEASES, lid)
-  released = 1
-  if m and ARGV[12] ~= '' then
-    purge(m, now)
-    local taken, dropped = {}, {}
-    take_ready(m, now, tonumber(ARGV[12]), 1, 1, false, taken, dropped)
-    local nxt = taken[1]
-    if nxt then
-      local delay = start_delay(m, nxt.e, true, now)
-      measure_refill(m.name, now)
-      count(m.name, 'ready_taken', 1)
-      save_model(m)
-      local restock = redis.call('LLEN', ready_key(m.name)) < m.cap and 1 or 0
-      return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay), restock}
-    end
+if m and redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= m.cap then
+  mark_freed(lease.m, now)  -- a slot of a full model: the refill gap starts (metrics only)
+end
+redis.call('ZREM', inflight_key(lease.m), lid)
+redis.call('HDEL', LEASES, lid)
+released = 1
+if m and ARGV[11] ~= '' then
+  purge(m, now)
+  local taken, dropped = {}, {}
+  take_ready(m, now, tonumber(ARGV[11]), 1, 1, false, taken, dropped)
+  local nxt = taken[1]
+  if nxt then
+    local delay = start_delay(m, nxt.e, true, now)
+    measure_refill(m.name, now)
+    count(m.name, 'ready_taken', 1)
     save_model(m)
+    local restock = redis.call('LLEN', ready_key(m.name)) < m.cap and 1 or 0
+    return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay), restock}
   end
+  save_model(m)
 end
 return {settled, released}

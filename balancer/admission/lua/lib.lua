@@ -1,27 +1,20 @@
 -- lib.lua: helpers shared by every admission script. The loader prepends this
 -- file to each script body (Redis Lua has no `require`), so KEYS below are the
 -- calling script's KEYS. Before it, the loader puts the key infixes
--- (META_SUFFIX, MODEL_INFIX, INFLIGHT_INFIX) from balancer/admission/keys.py,
--- the one module that names keys.
+-- (META_SUFFIX, MODEL_INFIX, INFLIGHT_INFIX, ...) from balancer/admission/keys.py,
+-- the one module that names keys, and the model hash's field lists
+-- (QUOTA_FIELDS, STATE_FIELDS, FIELDS) from balancer/admission/fields.py.
 --
 -- KEYS[1]  <tag>:meta     hash   loaded, epoch, seq, rr (last model chosen)
 -- KEYS[2]  <tag>:models   zset   model names, all score 0 (lexicographic order)
--- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started, r=reconciled,
+-- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started,
 --                                 g=the model's quota generation at admission}
 -- Derived inside the scripts, not passed in KEYS: admit.lua visits every model
 -- and finish learns the model from the lease, so the caller cannot
 -- name these keys in advance. They share the hash tag of KEYS[1], so every key
 -- a script touches lands in one Cluster slot:
---   <tag>:model:<name>     hash   weight cap tpm rpm burst enabled tokens requests refilled_at deficit gen
---                                 settle (1: settle to actual usage, 0: reserve) rburst (request bucket
---                                 capacity) paused (ms until which a 429 holds the model)
---                                 tat (start gate: theoretical arrival time of the next call start, ms)
---                                 ext (tokens per minute others use of this quota, learned from headers)
---                                 synced_at (ms of the last x-ratelimit-remaining-tokens sync)
---                                 ptokens prefilled_at (the token bucket as call starts see it: the token gate)
---                                 prior (the latency prior's median in ms; 0: the global default)
---                                 fails (consecutive transient failures) probing (1: the circuit is
---                                 open, one call at a time) backoff (ms of the circuit's last pause)
+--   <tag>:model:<name>     hash   the model's quota and live state: FIELDS, declared (with what
+--                                 each holds) in balancer/admission/fields.py
 --   <tag>:inflight:<name>  zset   admission id -> lease deadline (ms)
 --   <tag>:latency:<name>   hash   the latency sketch: b<i> (decayed count of calls in bucket i),
 --                                 ms, pt, ct (decayed sums of latency, prompt and completion tokens)
@@ -92,41 +85,40 @@ local function live_lease(lid, now)
   return key, deadline
 end
 
-local FIELDS = {'weight', 'cap', 'tpm', 'rpm', 'burst', 'enabled',
-                'tokens', 'requests', 'refilled_at', 'deficit', 'gen', 'settle', 'rburst', 'paused', 'tat',
-                'ext', 'synced_at', 'ptokens', 'prefilled_at', 'prior', 'fails', 'probing', 'backoff'}
-
+-- A model's hash holds FIELDS (QUOTA_FIELDS, then STATE_FIELDS), every one
+-- always: a model is created whole (new_model) and saved whole (save_model).
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
   if not raw[1] then return nil end
   local m = {name = name}
   for i, f in ipairs(FIELDS) do m[f] = tonumber(raw[i]) end
-  -- State written before these fields existed reads as: reserve, one minute of RPM, no pause.
-  m.gen = m.gen or 0
-  m.settle = m.settle or 0
-  m.rburst = m.rburst or m.rpm
-  m.paused = m.paused or 0
-  m.tat = m.tat or 0
-  m.ext = m.ext or 0
-  m.synced_at = m.synced_at or 0
-  m.ptokens = m.ptokens or m.tokens
-  m.prefilled_at = m.prefilled_at or m.refilled_at
-  m.prior = m.prior or 0
-  m.fails = m.fails or 0
-  m.probing = m.probing or 0
-  m.backoff = m.backoff or 0
   return m
 end
 
 local function save_model(m)
-  redis.call('HSET', model_key(m.name),
-    'weight', fmt(m.weight), 'cap', fmt(m.cap), 'tpm', fmt(m.tpm), 'rpm', fmt(m.rpm),
-    'burst', fmt(m.burst), 'enabled', fmt(m.enabled), 'tokens', fmt(m.tokens),
-    'requests', fmt(m.requests), 'refilled_at', fmt(m.refilled_at), 'deficit', fmt(m.deficit),
-    'gen', fmt(m.gen), 'settle', fmt(m.settle), 'rburst', fmt(m.rburst), 'paused', fmt(m.paused),
-    'tat', fmt(m.tat), 'ext', fmt(m.ext), 'synced_at', fmt(m.synced_at),
-    'ptokens', fmt(m.ptokens), 'prefilled_at', fmt(m.prefilled_at), 'prior', fmt(m.prior),
-    'fails', fmt(m.fails), 'probing', fmt(m.probing), 'backoff', fmt(m.backoff))
+  local flat = {}
+  for _, f in ipairs(FIELDS) do
+    flat[#flat + 1] = f
+    flat[#flat + 1] = fmt(m[f])
+  end
+  redis.call('HSET', model_key(m.name), unpack(flat))
+end
+
+-- The quota fields from ARGV[i], ARGV[i + 1], ... (in QUOTA_FIELDS order), as a table.
+local function quota_from_argv(i)
+  local q = {}
+  for k, f in ipairs(QUOTA_FIELDS) do q[f] = tonumber(ARGV[i + k - 1]) end
+  return q
+end
+
+-- A new model: quota q, every state field 0 but the refill clocks (at now).
+-- The caller fills its buckets.
+local function new_model(name, q, now)
+  local m = {name = name}
+  for _, f in ipairs(QUOTA_FIELDS) do m[f] = q[f] end
+  for _, f in ipairs(STATE_FIELDS) do m[f] = 0 end
+  m.refilled_at, m.prefilled_at = now, now
+  return m
 end
 
 -- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
@@ -147,7 +139,7 @@ local function refill(m, now)
   if now > m.refilled_at then m.refilled_at = now end
 end
 
--- Credits (refunds, reconcile surpluses) go back only to the quota generation
+-- Credits (refunds, settlement surpluses) go back only to the quota generation
 -- that charged them: after a rate or burst change, tokens charged under the
 -- old quota must not inflate the new, possibly much smaller, bucket.
 local function same_generation(m, lease) return (lease.g or 0) == m.gen end
@@ -287,7 +279,7 @@ end
 
 local function put_lease(lid, m, est, deadline, started)
   redis.call('ZADD', inflight_key(m.name), fmt(deadline), lid)
-  redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, r = 0, g = m.gen}))
+  redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, g = m.gen}))
 end
 
 -- Ready lists (<tag>:ready:<name>, filled by stock.lua): tasks the dispatcher
@@ -329,8 +321,6 @@ local function take_ready(m, now, lease_ms, started, limit, drop, taken, dropped
     end
   end
 end
--- end of lib.lua
-
 -- Add one finished call to its model's latency sketch: decay every field by
 -- 1/64 (integer floor), then add the sample. The bucket index comes from the
 -- caller (balancer.domain.latency.bucket_of), so this is integer arithmetic

@@ -1,9 +1,8 @@
 -- restore.lua: rebuild the live state after Redis lost it, from PostgreSQL's copy.
 -- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
--- ARGV[2] number of quotas Q, then Q groups of 10:
---         name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0),
---         settle (1/0), request burst, latency prior in ms (0 = the global default)
+-- ARGV[2] number of quotas Q, then Q groups: the name, then QUOTA_FIELDS
+--         (balancer/admission/fields.py, in that order)
 -- then the number of in-flight leases L, then L groups of 4:
 --         admission id, model, estimated tokens, lease ms left (placed on this clock: now + ms left)
 -- Returns 1 if it restored, 0 if the state was already there (another process won).
@@ -21,15 +20,10 @@ redis.call('HSET', META, 'loaded', '1', 'epoch', fmt(now), 'seq', '0', 'rr', '')
 local q = tonumber(ARGV[2])
 local i = 3
 for _ = 1, q do
-  local m = {name = ARGV[i], weight = tonumber(ARGV[i + 1]), cap = tonumber(ARGV[i + 2]),
-             tpm = tonumber(ARGV[i + 3]), rpm = tonumber(ARGV[i + 4]), burst = tonumber(ARGV[i + 5]),
-             enabled = tonumber(ARGV[i + 6]), settle = tonumber(ARGV[i + 7]), rburst = tonumber(ARGV[i + 8]),
-             tokens = 0, requests = 0, refilled_at = now, deficit = 0, gen = 0, paused = 0, tat = 0,
-             ext = 0, synced_at = 0, ptokens = 0, prefilled_at = now, prior = tonumber(ARGV[i + 9]),
-             fails = 0, probing = 0, backoff = 0}
+  local m = new_model(ARGV[i], quota_from_argv(i + 1), now)  -- its buckets empty
   save_model(m)
   redis.call('ZADD', MODELS, 0, m.name)
-  i = i + 10
+  i = i + 1 + #QUOTA_FIELDS
 end
 local l = tonumber(ARGV[i])
 i = i + 1

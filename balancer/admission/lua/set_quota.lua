@@ -1,9 +1,7 @@
 -- set_quota.lua: create or change one model's live quota. Applies to the next admission.
 -- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
--- ARGV[2..10] name, weight, max_concurrent_requests, tpm, rpm (0 = none), burst, enabled (1/0),
---             settle (1: settle to actual usage, 0: reserve), request burst (0 without rpm)
--- ARGV[11] the latency prior's median in ms (0: the global default)
+-- ARGV[2] name, ARGV[3..] QUOTA_FIELDS (balancer/admission/fields.py, in that order)
 -- Returns {'NOSTATE'} if the live state is missing, else {'OK'}.
 -- A new model starts with full buckets (the initial burst). A changed one is
 -- refilled at its old rates up to now, then its buckets and deficit are
@@ -16,30 +14,24 @@ if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
 local name = ARGV[2]
 local m = load_model(name)
-local weight, cap, tpm, rpm, burst, enabled, settle, rburst =
-  tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]),
-  tonumber(ARGV[9]), tonumber(ARGV[10])
+local q = quota_from_argv(3)
 local created = not m
 if created then
-  m = {name = name, refilled_at = now, deficit = 0, gen = 0, paused = 0, tat = 0, ext = 0, synced_at = 0,
-       prefilled_at = now, fails = 0, probing = 0, backoff = 0}
+  m = new_model(name, q, now)
+  m.tokens, m.ptokens, m.requests = token_cap(m), token_cap(m), q.rburst * UNITS
   redis.call('ZADD', MODELS, 0, name)
 else
   refill(m, now)  -- at the old rates, up to now
   refill_started(m, now)
   -- A new rate or bucket size starts a new generation: credits for calls
   -- charged under the old quota are forfeited (see same_generation in lib.lua).
-  if tpm ~= m.tpm or rpm ~= m.rpm or burst ~= m.burst or rburst ~= m.rburst then m.gen = m.gen + 1 end
-end
-local had_rpm = (not created) and m.rpm > 0
-m.weight, m.cap, m.tpm, m.rpm, m.burst, m.enabled, m.settle, m.rburst =
-  weight, cap, tpm, rpm, burst, enabled, settle, rburst
-if created then m.tokens, m.ptokens = token_cap(m), token_cap(m) else
+  if q.tpm ~= m.tpm or q.rpm ~= m.rpm or q.burst ~= m.burst or q.rburst ~= m.rburst then m.gen = m.gen + 1 end
+  local had_rpm = m.rpm > 0
+  for _, f in ipairs(QUOTA_FIELDS) do m[f] = q[f] end
   m.tokens, m.ptokens = math.min(m.tokens, token_cap(m)), math.min(m.ptokens, token_cap(m))
+  if had_rpm then m.requests = math.min(m.requests, m.rburst * UNITS) else m.requests = m.rburst * UNITS end
+  m.deficit = math.min(m.deficit, m.burst)
+  m.ext = math.min(m.ext, math.floor(m.tpm * 9 / 10))
 end
-if had_rpm then m.requests = math.min(m.requests, rburst * UNITS) else m.requests = rburst * UNITS end
-m.deficit = math.min(m.deficit, burst)
-m.ext = math.min(m.ext, math.floor(tpm * 9 / 10))
-m.prior = tonumber(ARGV[11])
 save_model(m)
 return {'OK'}

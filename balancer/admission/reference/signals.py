@@ -24,9 +24,9 @@ class Signals(ReferenceState):
         """Free the slot. Releasing twice, or an unknown id, is harmless."""
         return self.finish(admission_id, Settlement(), now)[1]
 
-    def finish(self, admission_id: str, settlement: Settlement, now: int, release: bool = True) -> tuple[bool, bool]:
-        """Settle (once), sync to the headers, and free the slot unless ``release``
-        is False: what ``finish.lua`` does in one round trip. Returns (settled, released)."""
+    def finish(self, admission_id: str, settlement: Settlement, now: int) -> tuple[bool, bool]:
+        """Settle, sync to the headers, and free the slot: what ``finish.lua``
+        does in one round trip. A second finish finds no lease. Returns (settled, released)."""
         settled = self._settle(admission_id, settlement, now)
         lease = self.leases.get(admission_id)
         if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
@@ -37,13 +37,8 @@ class Signals(ReferenceState):
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
                 settlement.latency_ms, max(0, (settlement.used_tokens or 0) - completion), completion,
             )
-        released = release and self.leases.pop(admission_id, None) is not None
+        released = self.leases.pop(admission_id, None) is not None
         return settled, released
-
-    # -- ready lists -------------------------------------------------------------
-    def reconcile(self, admission_id: str, settlement: Settlement, now: int) -> bool:
-        """:meth:`finish` without freeing the slot. Returns True if the tokens were settled now."""
-        return self.finish(admission_id, settlement, now, release=False)[0]
 
     def hold(self, admission_id: str, hold_ms: int, now: int) -> bool:
         """Keep a cancelled call's slot for ``hold_ms`` more (never past its
@@ -73,7 +68,7 @@ class Signals(ReferenceState):
         return True
 
     def _settle(self, admission_id: str, settlement: Settlement, now: int) -> bool:
-        """Settle a finished call once per lease, then sync to the provider's headers.
+        """Settle a finished call, then sync to the provider's headers.
 
         The provider's charge is the usage (``settle``) or the reservation
         (``reserve``). A charge above the estimate is always debited; one below
@@ -90,7 +85,7 @@ class Signals(ReferenceState):
         state = self.models[lease.model]
         self._refill_started(state, now)
         settled = False
-        if not lease.reconciled and settlement.used_tokens is not None:
+        if settlement.used_tokens is not None:
             charged = settlement.used_tokens
             if not state.quota.settles:
                 charged = settlement.reserved_tokens if settlement.reserved_tokens is not None else lease.estimated_tokens
@@ -98,7 +93,7 @@ class Signals(ReferenceState):
             if surplus < 0 or (state.quota.settles and self._same_generation(lease)):
                 state.tokens = min(token_cap(state.quota), state.tokens + surplus * UNITS)
                 state.started_tokens = min(token_cap(state.quota), state.started_tokens + surplus * UNITS)
-            lease.reconciled = settled = True
+            settled = True
         self._sync_to_headers(state, now, settlement.remaining_tokens, settlement.remaining_requests)
         return settled
 

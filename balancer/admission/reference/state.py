@@ -9,6 +9,7 @@ from balancer.admission.values import (
     UNITS,
     NoState,
     ceil_div,
+    refilled,
     token_cap,
     tokens_needed,
 )
@@ -18,7 +19,7 @@ from balancer.domain.quota import Quota
 @dataclass
 class ModelState:
     quota: Quota
-    tokens: int  # units; may go negative after a reconcile debit
+    tokens: int  # units; may go negative after a settlement debit
     requests: int  # units; 0 when the model has no RPM limit
     refilled_at: int  # ms
     deficit: int  # tokens
@@ -49,7 +50,6 @@ class Lease:
     estimated_tokens: int
     deadline: int
     started: bool = False
-    reconciled: bool = False
     generation: int = 0  # the model's quota generation when it was charged
 
 
@@ -91,12 +91,8 @@ class ReferenceState:
 
     def _refill(self, name: str, now: int) -> None:
         state = self.models[name]
-        quota = state.quota
-        dt = max(0, now - state.refilled_at)
-        state.tokens = min(token_cap(quota), state.tokens + dt * state.refill_rate)
-        if quota.max_requests_per_minute:
-            rpm = quota.max_requests_per_minute
-            state.requests = min(quota.request_burst * UNITS, state.requests + dt * rpm)
+        state.tokens, state.requests = refilled(state.quota, state.tokens, state.requests, state.refilled_at,
+                                                state.external, now)
         state.refilled_at = max(state.refilled_at, now)
 
     def _purge(self, name: str, now: int) -> None:

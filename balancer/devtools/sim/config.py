@@ -57,11 +57,11 @@ class SimModel:
     headers: bool = True
     #: Share of TPM and RPM consumed by another client of the same provider quota.
     foreign_share: float = 0.0
-    #: What the provider does with a call whose client disconnected: "finish" (the
+    #: What the provider does with a call whose client disconnected: "continue" (the
     #: default, strict: it runs to its end, holding its slot and charged in full, as
     #: providers do with non-streamed requests) or "stop" (the slot is free at once;
     #: the prompt and the tokens generated so far are charged).
-    on_disconnect: str = "finish"
+    on_disconnect: str = "continue"
 
     @property
     def burst(self) -> int:

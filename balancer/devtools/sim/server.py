@@ -11,7 +11,7 @@ paced over each model's window, 429 with ``Retry-After`` and ``retry-after-ms``,
 and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply. Models
 with a ``foreign_share`` lose that share of their quota to another client.
 A call whose client disconnects runs to its end, holding its slot and charged
-in full (``on_disconnect = "finish"``, the default, as providers treat
+in full (``on_disconnect = "continue"``, the default, as providers treat
 non-streamed requests; its log entry says ``client_gone``), or, for a model
 with ``on_disconnect = "stop"``, ends at once with status 499, its slot free
 and only the prompt and the tokens generated so far counted.

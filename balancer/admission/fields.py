@@ -1,0 +1,102 @@
+"""The fields of a model's hash (``keys.model``), declared once.
+
+A quota travels to Redis as :func:`quota_fields` (set_quota.lua and
+restore.lua take them in this order, after the model's name) and comes back
+as :func:`quota_from_fields` (the live view). The scripts keep the live
+state in :data:`STATE_FIELDS`. The script loader prepends :data:`LUA_PRELUDE`,
+generated from both, so lib.lua loads, creates and saves a model from these
+lists and spells no field list itself.
+
+>>> q = Quota("gpt-a", 8, 60_000, max_requests_per_minute=600, on_disconnect="stop")
+>>> quota_fields(q)
+{'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600, 'prior': 0, 'stops': 1}
+>>> quota_from_fields("gpt-a", quota_fields(q)) == q
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from balancer.domain.quota import Quota
+
+
+def quota_fields(quota: Quota) -> dict[str, int]:
+    """A quota as the model hash stores it (integers only), in :data:`QUOTA_FIELDS` order."""
+    return {
+        "weight": quota.weight,
+        "cap": quota.max_concurrent_requests,
+        "tpm": quota.max_tokens_per_minute,
+        "rpm": quota.max_requests_per_minute or 0,  # 0: no RPM limit
+        "burst": quota.burst,  # token bucket capacity
+        "enabled": int(quota.enabled),
+        "settle": int(quota.settles),  # 1: settle to actual usage, 0: reserve
+        "rburst": quota.request_burst,  # request bucket capacity (0 without an RPM limit)
+        "prior": prior_ms(quota),  # the latency prior's median in ms (0: the global default)
+        "stops": int(quota.on_disconnect == "stop"),  # 1: the provider stops a call whose client went
+    }
+
+
+def quota_from_fields(name: str, m: Mapping[str, int]) -> Quota:
+    """The quota a model hash holds: the inverse of :func:`quota_fields`."""
+    return Quota(
+        name=name,
+        weight=m["weight"],
+        max_concurrent_requests=m["cap"],
+        max_tokens_per_minute=m["tpm"],
+        max_requests_per_minute=m["rpm"] or None,
+        burst_tokens=m["burst"],
+        enabled=bool(m["enabled"]),
+        token_accounting="settle" if m["settle"] else "reserve",
+        burst_requests=m["rburst"] or None,
+        expected_latency_s=m["prior"] / 1000 if m["prior"] else None,
+        on_disconnect="stop" if m["stops"] else "continue",
+    )
+
+
+def prior_ms(quota: Quota) -> int:
+    """The latency prior as the model hash stores it: whole ms, 0 for the global default."""
+    return round((quota.expected_latency_s or 0) * 1000)
+
+
+#: The quota's fields, in the order the scripts take them.
+QUOTA_FIELDS: tuple[str, ...] = tuple(quota_fields(Quota("x", 1, 1)))
+
+#: The live state the scripts keep beside the quota. A new model starts with
+#: each at 0, except the two refill clocks (at now) and the buckets (empty
+#: when restored, full when created: restore.lua, set_quota.lua).
+STATE_FIELDS: dict[str, str] = {
+    "tokens": "the token bucket, units (1/60000 token)",
+    "requests": "the request bucket, units",
+    "refilled_at": "ms the buckets were last refilled",
+    "deficit": "WDRR deficit, tokens",
+    "gen": "quota generation: bumped when a rate or bucket size changes",
+    "paused": "ms until which a 429 or an open circuit holds the model",
+    "tat": "start gate: theoretical arrival time of the next call start, ms",
+    "ext": "tokens per minute others use of this quota, learned from the headers",
+    "synced_at": "ms of the last x-ratelimit-remaining-tokens sync",
+    "ptokens": "the token gate's bucket (as call starts see it), units",
+    "prefilled_at": "ms the token gate's bucket was last refilled",
+    "fails": "consecutive transient failures (the circuit breaker)",
+    "probing": "1: the circuit is open, one call at a time",
+    "backoff": "ms of the circuit's last pause",
+}
+
+#: Every field of a model's hash.
+MODEL_FIELDS: tuple[str, ...] = QUOTA_FIELDS + tuple(STATE_FIELDS)
+
+
+def _lua_list(names: tuple[str, ...]) -> str:
+    return "{" + ", ".join(f"'{n}'" for n in names) + "}"
+
+
+#: Lua lines the script loader puts before lib.lua: the field lists, from this module.
+LUA_PRELUDE = "\n".join(
+    [
+        "-- generated from balancer/admission/fields.py",
+        f"local QUOTA_FIELDS = {_lua_list(QUOTA_FIELDS)}",
+        f"local STATE_FIELDS = {_lua_list(tuple(STATE_FIELDS))}",
+        f"local FIELDS = {_lua_list(MODEL_FIELDS)}",
+        "",
+    ]
+)
