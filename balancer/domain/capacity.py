@@ -29,8 +29,26 @@ above it, which is why utilization = bound / makespan is at most 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+
+def throughput(slots: float, mean_latency: float, token_rate: float = math.inf, tokens_per_task: float = 1.0,
+               request_rate: float = math.inf) -> float:
+    """A model's steady-state tasks per unit of time at its binding limit:
+    min(slots / mean latency, token rate / tokens per task, request rate), the
+    rates in the latency's unit of time (math.inf: no such limit); 0 if it takes nothing.
+
+    >>> throughput(4, 2.0, token_rate=1_000, tokens_per_task=2_000)   # tokens bind: 0.5 a second
+    0.5
+    >>> throughput(4, 2.0, request_rate=5.0)                          # slots bind: 4 calls of 2 s
+    2.0
+    """
+    if slots <= 0 or mean_latency <= 0:
+        return 0.0
+    return min(slots / mean_latency, token_rate / max(1.0, tokens_per_task), request_rate)
+
 
 
 @dataclass(frozen=True)
@@ -57,12 +75,8 @@ class ModelCapacity:
         >>> ModelCapacity(4, 2.0, tpm=60_000, burst=0, tokens_per_task=2_000).rate(500)   # reserve: 2,000 a task
         0.5
         """
-        rates = [self.concurrency / self.mean_latency]
-        if self.rpm:
-            rates.append(self.rpm / 60)
-        if self.tpm:
-            rates.append(self.tpm / 60 / (self.tokens_per_task or tokens_per_task))
-        return min(rates)
+        return throughput(self.concurrency, self.mean_latency, self.tpm / 60 if self.tpm else math.inf,
+                          self.tokens_per_task or tokens_per_task, self.rpm / 60 if self.rpm else math.inf)
 
 
 def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, float]) -> bool:

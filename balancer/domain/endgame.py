@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
+from balancer.domain.capacity import throughput
 from balancer.domain.latency import LatencyEstimate
 
 #: What a task's own finish is planned at. Without hedging, the end of a run
@@ -62,12 +63,9 @@ class ModelOutlook:
     paused_ms: float = 0.0
 
     def throughput_per_ms(self, mean_tokens: float) -> float:
-        """Tasks per ms at this model's binding limit (0 if it takes nothing)."""
-        if self.cap <= 0 or self.latency.p50_ms <= 0:
-            return 0.0
-        by_slots = self.cap / self.latency.mean_ms
-        by_tokens = self.tokens_per_ms / max(1.0, mean_tokens)
-        return min(by_slots, by_tokens, self.requests_per_ms)
+        """Tasks per ms at this model's binding limit (0 if it takes nothing):
+        :func:`balancer.domain.capacity.throughput` in ms."""
+        return throughput(self.cap, self.latency.mean_ms, self.tokens_per_ms, mean_tokens, self.requests_per_ms)
 
 
 @dataclass(frozen=True)

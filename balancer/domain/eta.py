@@ -3,7 +3,7 @@
 It is the capacity bound (:mod:`balancer.domain.capacity`) applied to the
 work left, from now, on the live quotas: each model's concurrency over its
 learned mean latency, its token and request buckets as they are now plus
-their refill, pinned tasks held to their model. Two corrections turn that
+their refill, pinned tasks held to their model. Four corrections turn that
 fluid bound into a forecast:
 
 * calls in flight count as work still to do on their model (they hold a
