@@ -3,7 +3,10 @@
 Every knob is a ``BALANCER_*`` variable so the same code runs in tests, the
 demo and docker-compose. Nothing else in the package reads ``os.environ``
 for configuration, which is what lets a test check that docker-compose sets
-only variables that exist (see ``ENVIRONMENT``).
+only variables that exist (see ``ENVIRONMENT``). Each setting is declared
+once, as a field of :class:`Settings`: its default, its one-line meaning
+and how it is read; ``ENVIRONMENT`` and :meth:`Settings.from_env` follow
+from those fields.
 
 URLs left unset mean "use the embedded stack" (see :mod:`balancer.devtools.embedded`).
 """
@@ -14,41 +17,14 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from functools import partial
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from balancer.errors import ConfigError, printable
 
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,31}$")
-
-#: Every environment variable the package reads, with a one-line meaning.
-ENVIRONMENT: dict[str, str] = {
-    "BALANCER_REDIS_URL": "Redis holding the live admission state (unset: embedded)",
-    "BALANCER_DATABASE_URL": "PostgreSQL, the source of truth (unset: embedded)",
-    "BALANCER_BROKER_URL": "Celery broker (unset: the Redis above)",
-    "BALANCER_BACKEND_URL": "the Models Backend base URL",
-    "BALANCER_BACKEND_KIND": "models-backend | openai",
-    "BALANCER_BACKEND_API_KEY": "bearer token sent to the backend (never logged)",
-    "BALANCER_BACKEND_TIMEOUT": "seconds one backend call may take",
-    "BALANCER_WRITE_GRACE": "seconds a solve may take after the call (writing the answer)",
-    "BALANCER_NAMESPACE": "Redis key prefix / hash tag, so several deployments share a Redis",
-    "BALANCER_HOME": "directory for the embedded stack's data",
-    "BALANCER_LEASE_SECONDS": "how long an admitted slot and its task live without a heartbeat (renewed every third)",
-    "BALANCER_BASE_QUANTUM": "WDRR quantum per unit of weight, in tokens",
-    "BALANCER_VISIBILITY_TIMEOUT": "broker visibility timeout, seconds",
-    "BALANCER_INBOX": "directory polled for *.jsonl files to ingest",
-    "BALANCER_DISPATCH_WINDOW": "pending tasks the dispatcher looks at per tick",
-    "BALANCER_READY_PER_SLOT": "tasks a concurrency-bound model keeps ready, per slot, for its next free slots (0: off)",
-    "BALANCER_READY_TTL": "seconds a ready task waits for its model's slot before it goes back to pending",
-    "BALANCER_DB_POOL_SIZE": "PostgreSQL connections each process keeps open and never exceeds (its threads share them)",
-    "BALANCER_MAX_ATTEMPTS": "backend attempts before a task is marked failed",
-    "BALANCER_EXPECTED_OUTPUT_TOKENS": "output tokens assumed when estimating a prompt",
-    "BALANCER_DISPATCH_TICK": "seconds between periodic dispatch ticks (completions also trigger dispatch)",
-    "BALANCER_SWEEP_TICK": "seconds between sweep ticks (return tasks past their deadline, repair quota drift)",
-    "BALANCER_INGEST_TICK": "seconds between inbox polls",
-    "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
-    "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
-}
 
 _SCHEMES_PG = ("postgresql", "postgres", "postgresql+psycopg2")
 
@@ -198,6 +174,30 @@ def _switch(name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be on or off, got {printable(raw)!r}")
 
 
+def _text(name: str, default: str | None) -> str | None:
+    return os.environ.get(name) or default
+
+
+#: How :meth:`Settings.from_env` reads one variable: (its name, the default) -> the value.
+Reader = Callable[[str, Any], Any]
+
+
+def _setting(meaning: str, default: Any = MISSING, read: Reader | None = None, *, secret: bool = False) -> Any:
+    """One setting, declared once: its default, its one-line meaning (``ENVIRONMENT``)
+    and how :meth:`Settings.from_env` reads it (None: from_env checks it by hand,
+    as the URLs, the backend kind and the namespace need). ``secret``: never in a repr."""
+    return field(default=default, repr=not secret, metadata={"meaning": meaning, "read": read})
+
+
+def variable(setting: str) -> str:
+    """The environment variable of a :class:`Settings` field.
+
+    >>> variable("lease_seconds")
+    'BALANCER_LEASE_SECONDS'
+    """
+    return "BALANCER_" + setting.upper()
+
+
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 BACKEND_KINDS = ("models-backend", "openai")
 
@@ -206,42 +206,55 @@ BACKEND_KINDS = ("models-backend", "openai")
 class Settings:
     """A snapshot of the configuration. Build one with :meth:`from_env`."""
 
-    redis_url: str | None
-    database_url: str | None
-    broker_url: str | None
-    backend_url: str = "http://127.0.0.1:8900"
-    backend_kind: str = "models-backend"
-    backend_api_key: str | None = field(default=None, repr=False)
-    backend_timeout: float = 150.0
-    write_grace: float = 30.0
-    namespace: str = "balancer"
-    home: str = ".balancer"
-    lease_seconds: int = 30
-    base_quantum: int = 1000
-    visibility_timeout: int = 900
-    inbox: str | None = None
-    dispatch_window: int = 200
+    redis_url: str | None = _setting("Redis holding the live admission state (unset: embedded)")
+    database_url: str | None = _setting("PostgreSQL, the source of truth (unset: embedded)")
+    broker_url: str | None = _setting("Celery broker (unset: the Redis above)")
+    backend_url: str = _setting("the Models Backend base URL", "http://127.0.0.1:8900")
+    backend_kind: str = _setting("models-backend | openai", "models-backend")
+    backend_api_key: str | None = _setting("bearer token sent to the backend (never logged)", None, _text, secret=True)
+    backend_timeout: float = _setting("seconds one backend call may take", 150.0, partial(_seconds, low=0.1, high=3600))
+    write_grace: float = _setting("seconds a solve may take after the call (writing the answer)", 30.0,
+                                  partial(_seconds, low=1, high=3600))
+    namespace: str = _setting("Redis key prefix / hash tag, so several deployments share a Redis", "balancer")
+    home: str = _setting("directory for the embedded stack's data", ".balancer", _text)
+    lease_seconds: int = _setting(
+        "how long an admitted slot and its task live without a heartbeat (renewed every third)", 30, _int)
+    base_quantum: int = _setting("WDRR quantum per unit of weight, in tokens", 1000, _int)
+    visibility_timeout: int = _setting("broker visibility timeout, seconds", 900, _int)
+    inbox: str | None = _setting("directory polled for *.jsonl files to ingest", None, _text)
+    dispatch_window: int = _setting("pending tasks the dispatcher looks at per tick", 200, _int)
     #: A concurrency-bound model keeps ceil(cap * this) tasks ready (balancer.domain.ready); 0: no ready lists.
-    ready_per_slot: float = 3.0
-    #: How long a ready task waits for its model's slot before it goes back to pending.
-    ready_ttl: float = 5.0
+    ready_per_slot: float = _setting(
+        "tasks a concurrency-bound model keeps ready, per slot, for its next free slots (0: off)", 3.0,
+        partial(_number, valid=lambda v: 0 <= v <= 10, expected="a number from 0 to 10"))
+    ready_ttl: float = _setting("seconds a ready task waits for its model's slot before it goes back to pending", 5.0,
+                                partial(_seconds, low=0.1, high=3600))
     #: PostgreSQL connections one process keeps open and never exceeds (balancer.storage.db).
-    db_pool_size: int = 5
-    max_attempts: int = 5
-    expected_output_tokens: int = 256
-    #: The latency prior (median, seconds) of a model with no measured calls and no expected_latency_s.
-    expected_latency_s: float = 30.0
-    #: Finish-time-aware dispatch of the last tasks (balancer.domain.endgame); off: greedy to the end.
-    end_game: bool = True
-    #: Hedge tokens may reach this share of the run's tokens (0: no hedging).
-    hedge_budget: float = 0.05
-    #: Hedges per task at most.
-    max_hedges: int = 1
-    dispatch_tick: float = 1.0
-    sweep_tick: float = 10.0
-    ingest_tick: float = 5.0
-    router_token: str | None = field(default=None, repr=False)
-    router_lease_seconds: float = 30.0
+    db_pool_size: int = _setting(
+        "PostgreSQL connections each process keeps open and never exceeds (its threads share them)", 5,
+        partial(_int, maximum=100))
+    max_attempts: int = _setting("backend attempts before a task is marked failed", 5, _int)
+    expected_output_tokens: int = _setting("output tokens assumed when estimating a prompt", 256, _int)
+    expected_latency_s: float = _setting(
+        "latency prior (median, seconds) of a model with no measured calls and no expected_latency_s", 30.0,
+        partial(_seconds, low=0.01, high=3600))
+    end_game: bool = _setting(
+        "on: the last tasks go where they finish soonest (balancer.domain.endgame); off: greedy to the end", True,
+        _switch)
+    hedge_budget: float = _setting("share of the run's tokens that hedges of straggling calls may use (0: none)", 0.05,
+                                   _share)
+    max_hedges: int = _setting("hedges per task at most", 1, partial(_int, minimum=0))
+    dispatch_tick: float = _setting("seconds between periodic dispatch ticks (freed slots also ask for a dispatch)",
+                                    1.0, partial(_seconds, low=0.05, high=3600))
+    sweep_tick: float = _setting(
+        "seconds between sweep ticks (return tasks past their deadline, repair quota drift)", 10.0,
+        partial(_seconds, low=0.1, high=86_400))
+    ingest_tick: float = _setting("seconds between inbox polls", 5.0, partial(_seconds, low=0.1, high=86_400))
+    router_token: str | None = _setting(
+        "bearer token the router requires (required when it binds beyond loopback; never logged)", None, _text,
+        secret=True)
+    router_lease_seconds: float = _setting("how long a router admission lives without a heartbeat", 30.0,
+                                           partial(_seconds, low=1, high=86_400))
 
     @property
     def hedging(self) -> bool:
@@ -292,47 +305,30 @@ class Settings:
             check_url("BALANCER_BROKER_URL", broker_url, ("redis", "rediss", "amqp", "amqps", "pyamqp"))
             if broker_url.lower().startswith("redis"):
                 check_redis_url("BALANCER_BROKER_URL", broker_url)
-        backend_url = env.get("BALANCER_BACKEND_URL") or "http://127.0.0.1:8900"
+        backend_url = env.get("BALANCER_BACKEND_URL") or cls.backend_url
         check_url("BALANCER_BACKEND_URL", backend_url, ("http", "https"))
         if not urlsplit(backend_url).hostname:
             raise ConfigError(f"BALANCER_BACKEND_URL has no host: {mask_url(backend_url)}")
-        kind = env.get("BALANCER_BACKEND_KIND") or "models-backend"
+        kind = env.get("BALANCER_BACKEND_KIND") or cls.backend_kind
         if kind not in BACKEND_KINDS:
             raise ConfigError(
                 f"BALANCER_BACKEND_KIND must be one of {', '.join(BACKEND_KINDS)}, got {printable(kind)!r}"
             )
-        namespace = env.get("BALANCER_NAMESPACE") or "balancer"
+        namespace = env.get("BALANCER_NAMESPACE") or cls.namespace
         if not _NAMESPACE.match(namespace):
             raise ConfigError(f"BALANCER_NAMESPACE must match {_NAMESPACE.pattern}, got {printable(namespace)!r}")
+        read = {f.name: f.metadata["read"](variable(f.name), f.default) for f in fields(cls) if f.metadata["read"]}
         settings = cls(
             redis_url=redis_url,
             database_url=database_url,
             broker_url=broker_url,
             backend_url=backend_url,
             backend_kind=kind,
-            backend_api_key=env.get("BALANCER_BACKEND_API_KEY") or None,
-            backend_timeout=_seconds("BALANCER_BACKEND_TIMEOUT", 150.0, 0.1, 3600),
-            write_grace=_seconds("BALANCER_WRITE_GRACE", 30.0, 1, 3600),
             namespace=namespace,
-            home=env.get("BALANCER_HOME") or ".balancer",
-            lease_seconds=_int("BALANCER_LEASE_SECONDS", 30),
-            base_quantum=_int("BALANCER_BASE_QUANTUM", 1000),
-            visibility_timeout=_int("BALANCER_VISIBILITY_TIMEOUT", 900),
-            inbox=env.get("BALANCER_INBOX") or None,
-            dispatch_window=_int("BALANCER_DISPATCH_WINDOW", 200),
-            ready_per_slot=_number("BALANCER_READY_PER_SLOT", 3.0, lambda v: 0 <= v <= 10, "a number from 0 to 10"),
-            ready_ttl=_seconds("BALANCER_READY_TTL", 5.0, 0.1, 3600),
-            db_pool_size=_int("BALANCER_DB_POOL_SIZE", 5, maximum=100),
-            max_attempts=_int("BALANCER_MAX_ATTEMPTS", 5),
-            expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),
-            expected_latency_s=_seconds("BALANCER_EXPECTED_LATENCY_S", 30.0, 0.01, 3600),
-            end_game=_switch("BALANCER_END_GAME", True),
-            hedge_budget=_share("BALANCER_HEDGE_BUDGET", 0.05),
-            max_hedges=_int("BALANCER_MAX_HEDGES", 1, minimum=0),
-            dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),
-            sweep_tick=_seconds("BALANCER_SWEEP_TICK", 10.0, 0.1, 86_400),
-            ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
-            router_token=env.get("BALANCER_ROUTER_TOKEN") or None,
-            router_lease_seconds=_seconds("BALANCER_ROUTER_LEASE_SECONDS", 30.0, 1, 86_400),
+            **read,
         )
         return settings
+
+
+#: Every environment variable the package reads, with a one-line meaning.
+ENVIRONMENT: dict[str, str] = {variable(f.name): f.metadata["meaning"] for f in fields(Settings)}

@@ -53,6 +53,42 @@ def test_unknown_backend_kind(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings.from_env()
 
 
+def test_every_balancer_variable_the_code_names_is_a_declared_setting() -> None:
+    """Every ``BALANCER_*`` name in the package's code (and celeryconfig.py) is in
+    ``ENVIRONMENT``, the list derived from the Settings fields: no setting is read
+    that the list (and so the README check, docker-compose's check) does not know."""
+    import re
+    from pathlib import Path
+
+    from balancer.settings import ENVIRONMENT
+
+    root = Path(__file__).resolve().parent.parent
+    sources = [*sorted((root / "balancer").rglob("*.py")), root / "celeryconfig.py"]
+    named = {name for path in sources for name in re.findall(r"\bBALANCER_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    assert "BALANCER_END_GAME" in named and "BALANCER_MAX_HEDGES" in ENVIRONMENT  # the scan sees the code
+    assert named - set(ENVIRONMENT) == set()
+
+
+def test_every_declared_setting_is_read_from_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value that is no valid setting, in each variable of ``ENVIRONMENT`` in turn,
+    is either taken as it is (a text setting) or refused, naming that variable."""
+    from dataclasses import fields
+
+    from balancer.settings import ENVIRONMENT, variable
+
+    assert set(ENVIRONMENT) == {variable(f.name) for f in fields(Settings)}
+    default = Settings.from_env()
+    for f in fields(Settings):
+        with monkeypatch.context() as env:
+            env.setenv(variable(f.name), "no~such~value")
+            try:
+                value = getattr(Settings.from_env(), f.name)
+            except ConfigError as exc:
+                assert variable(f.name) in str(exc)
+            else:
+                assert value != getattr(default, f.name) and "no~such~value" in str(value), f.name
+
+
 def test_mask_url_without_password_is_unchanged() -> None:
     assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
 
