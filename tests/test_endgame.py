@@ -61,8 +61,8 @@ def test_with_hedging_a_slow_model_takes_work_its_mean_can_finish_in_time() -> N
     fast = outlook("fast", FAST, cap=1)
     slow = outlook("slow", LatencyEstimate(3_000, 20_000, 40_000, 100), cap=1)
     jobs = [Job(i, 100) for i in range(4)]
-    assert "slow" not in plan(jobs, [fast, slow], finish=CAUTIOUS)
-    assert "slow" in plan(jobs, [fast, slow], finish=HEDGED)
+    assert "slow" not in plan(jobs, [fast, slow], latency_field=CAUTIOUS)
+    assert "slow" in plan(jobs, [fast, slow], latency_field=HEDGED)
     # The switch moves the same way: 8 tasks drain in about 6.8 s, the end game
     # against a 20 s p90 but not against a 3.4 s mean.
     assert in_end_game(8, 100, [fast, slow], CAUTIOUS) and not in_end_game(8, 100, [fast, slow], HEDGED)

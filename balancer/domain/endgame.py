@@ -39,7 +39,8 @@ from statistics import NormalDist
 from balancer.domain.capacity import throughput
 from balancer.domain.latency import LatencyEstimate
 
-#: What a task's own finish is planned at. Without hedging, the end of a run
+#: Which field of a model's LatencyEstimate a call's length is planned at
+#: (``latency_field`` below). Without hedging, the end of a run
 #: is set by its slowest calls, so a high quantile (p90). With hedging, a call
 #: that overruns is overtaken by a hedge, so the expected latency (mean) is
 #: what a placement should minimize, and slow models keep taking work longer.
@@ -89,13 +90,13 @@ def drain_ms(pending: int, mean_tokens: float, models: Sequence[ModelOutlook]) -
     return math.inf if rate <= 0 else pending / rate
 
 
-def in_end_game(pending: int, mean_tokens: float, models: Sequence[ModelOutlook], finish: str = CAUTIOUS) -> bool:
+def in_end_game(pending: int, mean_tokens: float, models: Sequence[ModelOutlook], latency_field: str = CAUTIOUS) -> bool:
     """True when the backlog would run out before a call started now on the
-    slowest model with a free slot would end (at its p90, or its mean with ``finish=HEDGED``)."""
+    slowest model with a free slot would end (at its p90, or its mean with ``latency_field=HEDGED``)."""
     open_models = [m for m in models if m.free_slots > 0]
     if not open_models or pending <= 0:
         return False
-    horizon = max(getattr(m.latency, finish) for m in open_models)
+    horizon = max(getattr(m.latency, latency_field) for m in open_models)
     return drain_ms(pending, mean_tokens, models) < horizon
 
 
@@ -139,13 +140,13 @@ class _Timeline:
 
 
 def plan(
-    jobs: Sequence[Job], models: Sequence[ModelOutlook], unclaimed: Sequence[Job] = (), finish: str = CAUTIOUS,
+    jobs: Sequence[Job], models: Sequence[ModelOutlook], unclaimed: Sequence[Job] = (), latency_field: str = CAUTIOUS,
 ) -> list[str | None]:
     """For each job, in order, the model to bind it to now, or None to keep it pending.
 
     First the whole backlog, ``jobs`` then the ``unclaimed`` rest, is placed
     by minimum completion time: each in turn goes to the allowed model where
-    it would *finish* soonest (start + p90, or + mean with ``finish=HEDGED``), seeing the slots, tokens and
+    it would *finish* soonest (start + p90, or + mean with ``latency_field=HEDGED``), seeing the slots, tokens and
     requests the earlier ones took. That says how many calls each model
     should start *now*: a slow model's free slot is worth filling only if
     the plan puts some of the backlog there at once. Then ``jobs``, in
@@ -167,7 +168,7 @@ def plan(
         for name in _usable(job, timelines):
             line = timelines[name]
             start = line.start_at(job.estimated_tokens)
-            ends = start + getattr(line.outlook.latency, finish)
+            ends = start + getattr(line.outlook.latency, latency_field)
             if best is None or (ends, start, name) < best:
                 best = (ends, start, name)
         if best is None or not math.isfinite(best[0]):
@@ -183,7 +184,7 @@ def plan(
         if not usable:
             out.append(None)
             continue
-        name = min(usable, key=lambda n: (getattr(timelines[n].outlook.latency, finish), n))
+        name = min(usable, key=lambda n: (getattr(timelines[n].outlook.latency, latency_field), n))
         starts_now[name] -= 1
         out.append(name)
     return out

@@ -67,9 +67,9 @@ def depth(cap: int, mean_latency_ms: float | None, per_slot: float, ttl_s: float
     return max(0, min(by_slots, by_ttl))
 
 
-def backlog_to_stock(mean_tokens: float, models: Sequence[ModelOutlook], finish: str) -> int:
+def backlog_to_stock(mean_tokens: float, models: Sequence[ModelOutlook], latency_field: str) -> int:
     """The fewest pending tasks that still outlast a call started now on the
-    slowest model (at its ``finish`` quantile): below it, ready lists are not
+    slowest model (at its ``latency_field``: p90 or mean, see :data:`balancer.domain.endgame.CAUTIOUS`): below it, ready lists are not
     stocked and the end game places the last tasks.
 
     >>> from balancer.domain.latency import LatencyEstimate
@@ -80,5 +80,5 @@ def backlog_to_stock(mean_tokens: float, models: Sequence[ModelOutlook], finish:
     >>> backlog_to_stock(100, [fast, slow], "p90_ms")   # 18.5 tasks/s over the slow p90 of 4 s
     75
     """
-    horizon = max((getattr(m.latency, finish) for m in models if m.cap > 0), default=0.0)
+    horizon = max((getattr(m.latency, latency_field) for m in models if m.cap > 0), default=0.0)
     return math.ceil(horizon * sum(m.throughput_per_ms(mean_tokens) for m in models))

@@ -157,7 +157,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             if services.settings.end_game and batch:
                 kept = finish_time_aware(
                     conn, batch, view, window_full=len(claimed) >= limit,
-                    prior_s=services.settings.expected_latency_s, finish=finish_estimate(services.settings),
+                    prior_s=services.settings.expected_latency_s, latency_field=planned_latency_field(services.settings),
                 )
                 report.held_for_faster += len(batch) - len(kept)
                 batch = kept
@@ -254,7 +254,7 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
             return 0
         mean_tokens = sum(t.estimated_tokens for t, _ in placed) / len(placed)
         enough = ready_lists.backlog_to_stock(mean_tokens, outlooks(view, settings.expected_latency_s),
-                                              finish_estimate(settings))
+                                              planned_latency_field(settings))
         if not pending_at_least(conn, enough + len(placed)):
             return 0
         entries = [(model, task.id, task.estimated_tokens, ready_admission_id()) for task, model in placed]
@@ -372,14 +372,14 @@ def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOu
     return out
 
 
-def finish_estimate(settings: Settings) -> str:
-    """Plan finishes at the mean latency when hedges can overtake stragglers, else at p90."""
+def planned_latency_field(settings: Settings) -> str:
+    """Plan a call's length at the mean latency when hedges can overtake stragglers, else at p90."""
     return endgame.HEDGED if settings.hedging else endgame.CAUTIOUS
 
 
 def finish_time_aware(
     conn: Connection, batch: list[tuple[PendingTask, Candidate]], view: dict[str, ModelLive], *,
-    window_full: bool, prior_s: float, finish: str = endgame.CAUTIOUS,
+    window_full: bool, prior_s: float, latency_field: str = endgame.CAUTIOUS,
 ) -> list[tuple[PendingTask, Candidate]]:
     """The batch as the end game would bind it (see :mod:`balancer.domain.endgame`).
 
@@ -392,15 +392,15 @@ def finish_time_aware(
     models = outlooks(view, prior_s)
     pending = len(batch)
     mean_tokens = sum(c.estimated_tokens for _, c in batch) / len(batch)
-    if not endgame.in_end_game(pending, mean_tokens, models, finish):
+    if not endgame.in_end_game(pending, mean_tokens, models, latency_field):
         return batch  # a larger backlog drains later still: the bulk of the run, no count needed
     if window_full:
         pending, mean_tokens = pending_backlog(conn)
-        if not endgame.in_end_game(pending, mean_tokens, models, finish):
+        if not endgame.in_end_game(pending, mean_tokens, models, latency_field):
             return batch
     jobs = [endgame.Job(t.id, c.estimated_tokens, c.allowed, c.avoid) for t, c in batch]
     unclaimed = min(MAX_UNCLAIMED_PLANNED, max(0, pending - len(jobs)))
-    placed = endgame.plan(jobs, models, [endgame.Job(-1 - i, round(mean_tokens)) for i in range(unclaimed)], finish)
+    placed = endgame.plan(jobs, models, [endgame.Job(-1 - i, round(mean_tokens)) for i in range(unclaimed)], latency_field)
     return [
         (task, dataclasses.replace(candidate, allowed=(model,)))
         for (task, candidate), model in zip(batch, placed, strict=True)
