@@ -77,6 +77,18 @@ def test_no_key_name_is_spelled_outside_the_keys_module() -> None:
     assert not offenders, "\n".join(offenders)
 
 
+def test_no_script_spells_a_field_list_of_the_model_hash() -> None:
+    """The model hash's fields are declared in admission/fields.py and reach the
+    scripts through its generated prelude: no script names one as a string
+    (an HSET or HMGET list of its own), so a field added there reaches every script."""
+    from balancer.admission.fields import LUA_PRELUDE, MODEL_FIELDS
+
+    assert all(f"'{name}'" in LUA_PRELUDE for name in MODEL_FIELDS)
+    offenders = [f"{path.name}: {name}" for path in sorted((PACKAGE / "admission" / "lua").glob("*.lua"))
+                 for name in MODEL_FIELDS if re.search(rf"""['"]{name}['"]""", path.read_text())]
+    assert not offenders
+
+
 def test_importing_celeryconfig_starts_nothing_and_connects_nowhere(tmp_path: Path) -> None:
     """With no BALANCER_* set, `import celeryconfig` must not start the embedded
     stack (a child process) nor open a socket. The child checks itself."""

@@ -93,7 +93,7 @@ class ReadyTask:
     slot, then taken (admitted under ``admission_id``) or dropped.
 
     ``start_delay_ms`` and ``restock`` are set when
-    :meth:`ReferenceCore.finish_and_take` took it as the freed slot's next
+    :meth:`AdmissionCore.finish_and_take` took it as the freed slot's next
     call: the lease is started and both start gates are passed, so the caller
     waits that long and calls, with no renew; ``restock`` says the list now
     holds fewer entries than the model has slots, so the caller asks the

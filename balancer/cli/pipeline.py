@@ -126,7 +126,7 @@ def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
 @click.command()
 @click.option("--loglevel", default="INFO", show_default=True)
 def dispatcher(loglevel: str) -> None:
-    """The dispatcher: consumes the control queue (dispatch, ingest, reconcile)."""
+    """The dispatcher: consumes the control queue (dispatch, ingest, sweep)."""
     _migrated()
     _celery_worker([
         "worker", "-Q", "control", "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",
@@ -137,7 +137,7 @@ def dispatcher(loglevel: str) -> None:
 @click.command()
 @click.option("--loglevel", default="INFO", show_default=True)
 def beat(loglevel: str) -> None:
-    """Celery beat: periodic dispatch, reconcile and ingest ticks."""
+    """Celery beat: periodic dispatch, sweep and ingest ticks."""
     home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
     from balancer.pipeline.app import app
 

@@ -2,10 +2,17 @@
 
 * ``app`` — the Celery app (config: top-level ``celeryconfig.py``)
 * ``tasks`` — the Celery task entry points, thin wrappers over:
-* ``dispatcher`` — pending tasks → admission core → ``solve`` messages
+* ``dispatcher`` — pending tasks → admission core → ``solve`` messages, and the ready lists' stock
 * ``solver`` — one backend call, its retries and its idempotent write
+* ``answers`` — the answer writer: a thread per worker process that stores answers, many per statement
+* ``heartbeat`` — renews the leases of this process's running calls
+* ``cancellation`` — cuts off the losing call of a hedged task (Redis pub/sub)
 * ``ingest`` — inbox JSONL files → tasks, each file once
-* ``trigger`` — coalesced "dispatch now" requests (a slot just freed)
+* ``trigger`` — coalesced "dispatch now" requests (a slot freed with no next call, a ready list ran low)
+* ``fallback`` — the dispatcher's own ticks, for when beat is gone
 * ``pool`` — the resizable thread pool that follows each model's concurrency
 * ``runtime`` — per-process handles (services, backend client)
+* ``kombu_redis`` — a correction to kombu's Redis transport, so workers survive a Redis that dies
+* ``metrics`` — ``balancer metrics``, the Prometheus exporter
+* ``summary`` — the per-model summary ``balancer status`` and ``balancer top`` show
 """

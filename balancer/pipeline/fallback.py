@@ -1,7 +1,7 @@
 """The dispatcher's own ticks, for when beat is gone.
 
 Beat drives the periodic dispatch, sweep and ingest ticks. If beat dies, work
-must not stop: completions and ``submit`` still trigger dispatches, but a task
+must not stop: freed slots and ``submit`` still ask for dispatches, but a task
 whose back-off ends, a model whose 429 pause ends, an expired lease or a file in
 the inbox needs a tick. So beat's dispatch tick records when it ran (a Redis key
 that expires after :data:`ABSENT_AFTER` ticks), and every dispatcher process

@@ -1,10 +1,13 @@
 """Ask for a dispatch run without flooding the control queue.
 
-Every completion frees a slot and wants a dispatch *now*. A Redis
-``SET NX PX`` flag coalesces them: only the first request in a burst sends a
-message, and the dispatch run clears the flag when it starts, so a slot that
-frees during a run triggers the next one. The flag expires by itself, so a
-lost message cannot block triggers for long.
+A freed slot whose finish took no next call from its model's ready list,
+or a ready list that ran below one task per slot, wants a dispatch *now*
+(so do ``balancer submit``, and a sweep or an ingest that made tasks
+pending). A Redis ``SET NX PX`` flag coalesces these requests: only the
+first request in a burst sends a message, and the dispatch run clears the
+flag when it starts, so a slot that frees during a run triggers the next
+one. The flag expires by itself, so a lost message cannot block triggers
+for long.
 
 Delayed requests ("a model's tokens refill in 300 ms") use a second flag and
 a countdown that is never longer than one dispatch tick, far below the broker

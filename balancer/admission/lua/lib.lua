@@ -142,7 +142,7 @@ end
 -- Credits (refunds, settlement surpluses) go back only to the quota generation
 -- that charged them: after a rate or burst change, tokens charged under the
 -- old quota must not inflate the new, possibly much smaller, bucket.
-local function same_generation(m, lease) return (lease.g or 0) == m.gen end
+local function same_generation(m, lease) return lease.g == m.gen end
 
 -- Give back what an admission charged, for a call that never happened.
 local function refund(m, lease)
@@ -205,11 +205,6 @@ local function charge(m, est)
   if m.rpm > 0 then m.requests = m.requests - UNITS end
 end
 
--- The start gate (GCRA): calls *start* at most RPM per minute with at most
--- rburst at once, timed at renew, just before the HTTP call. Admission already
--- paces the request bucket, but the hops between admission and the call
--- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
--- those bunches. Returns ms the caller must wait before calling (0 = now).
 -- The token gate: a second token bucket, charged when a call *starts* (renew),
 -- as the provider charges it on arrival. Admission charges the first bucket
 -- early; calls that then wait in the broker or a busy worker start in bunches
@@ -231,6 +226,11 @@ local function token_gate(m, est, now)
   return wait
 end
 
+-- The start gate (GCRA): calls *start* at most RPM per minute with at most
+-- rburst at once, timed at renew, just before the HTTP call. Admission already
+-- paces the request bucket, but the hops between admission and the call
+-- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
+-- those bunches. Returns ms the caller must wait before calling (0 = now).
 local function start_gate(m, now)
   if m.rpm <= 0 then return 0 end
   local interval = math.ceil(60000 / m.rpm)
