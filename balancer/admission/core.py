@@ -5,8 +5,8 @@ dispatcher and worker processes can share one Redis without over-admitting.
 This module only marshals arguments, decodes replies, and restores the live
 state from PostgreSQL when Redis has lost it (it runs without persistence).
 
->>> core = AdmissionCore(redis.Redis(), namespace="balancer", restore=store.snapshot)  # doctest: +SKIP
->>> core.admit([Candidate(1800), Candidate(900, allowed=("gpt-a",))])                # doctest: +SKIP
+>>> core = AdmissionCore(redis.Redis(), "balancer", lease_ms=30_000, restore=services.restore_source)  # doctest: +SKIP
+>>> core.admit([Candidate(1800), Candidate(900, allowed=("gpt-a",))])                                 # doctest: +SKIP
 [Admitted(model='gpt-b', admission_id='1732180000000-1'), NotNow(retry_at_ms=..., now_ms=...)]
 """
 
@@ -15,15 +15,16 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any, cast
 
 import redis
 
 from balancer.admission import fields, keys
+from balancer.admission.live import ModelLive as ModelLive
+from balancer.admission.live import open_slots as open_slots
+from balancer.admission.live import read_live
 from balancer.admission.values import (
-    UNITS,
     Admitted,
     Candidate,
     Decision,
@@ -32,10 +33,9 @@ from balancer.admission.values import (
     ReadyTask,
     Rejected,
     Settlement,
-    refilled,
     rejection_reason,
 )
-from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of
+from balancer.domain.latency import bucket_of
 from balancer.domain.quota import Quota
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
@@ -58,32 +58,6 @@ _SCRIPTS = _load_scripts()
 def quota_args(quota: Quota) -> list[str | int]:
     """A quota as set_quota.lua and restore.lua take it: the name, then its hash fields."""
     return [quota.name, *fields.quota_fields(quota).values()]
-
-
-@dataclass(frozen=True)
-class ModelLive:
-    """A model's live state as ``balancer quota list`` shows it."""
-
-    quota: Quota
-    in_flight: int
-    tokens_available: float
-    requests_available: float | None
-    deficit: int
-    paused_ms: int = 0  # how much longer a 429 holds the model
-    external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
-    latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
-    ready: int = 0  # tasks on its ready list, waiting for a slot (see AdmissionCore.stock)
-
-    def latency_estimate(self, prior_s: float) -> LatencyEstimate:
-        """What the model's calls take: its sketch, or until it has enough calls its
-        own prior (``expected_latency_s``), else the global ``prior_s``."""
-        return self.latency.estimate(self.quota.expected_latency_s or prior_s)
-
-    @property
-    def latency_known(self) -> bool:
-        """Enough of its calls were measured, or its quota says what they take:
-        more than the global prior, which only says "not known yet"."""
-        return self.latency.samples >= MIN_SAMPLES or self.quota.expected_latency_s is not None
 
 
 class AdmissionCore:
@@ -382,53 +356,6 @@ class AdmissionCore:
         return {name: m.quota for name, m in self.live().items()}
 
     def live(self, now_ms: int | None = None) -> dict[str, ModelLive]:
-        """Per-model live view, bucket levels refilled to ``now`` (Redis TIME by default).
-
-        Read-only and pipelined: one round trip for the clock and the model
-        names, one for every model's hash, live-lease count (ZCOUNT, so the cost does not grow
-        with the number of calls in flight), latency sketch and ready-list length. The dispatcher calls it every round.
-        """
-        _, models_key, _ = self.keys
-        first = self.redis.pipeline(transaction=False)
-        first.time()
-        first.zrange(models_key, 0, -1)
-        (seconds, micros), raw_names = first.execute()
-        if now_ms is None:
-            now_ms = seconds * 1000 + micros // 1000
-        names = [n.decode() for n in raw_names]
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(keys.model(self.namespace, name))
-            pipe.zcount(keys.inflight(self.namespace, name), f"({now_ms}", "+inf")
-            pipe.hgetall(keys.latency(self.namespace, name))
-            pipe.llen(keys.ready(self.namespace, name))
-        replies = pipe.execute()
-        view = {}
-        for i, name in enumerate(names):
-            raw, in_flight, sketch, ready = replies[4 * i:4 * i + 4]
-            if not raw:
-                continue  # removed between the two reads
-            m = {k.decode(): int(v) for k, v in raw.items()}
-            quota = fields.quota_from_fields(name, m)
-            tokens, requests = refilled(quota, m["tokens"], m["requests"], m["refilled_at"], m["ext"], now_ms)
-            paused_ms = max(0, m["paused"] - now_ms)
-            latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
-            view[name] = ModelLive(quota, in_flight, tokens / UNITS, requests / UNITS if quota.max_requests_per_minute else None,
-                                   m["deficit"], paused_ms, m["ext"], latency, ready)
-        return view
-
-
-def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
-    """Free slots of the models that could admit *something* right now:
-    enabled, not paused by a 429, a free slot, tokens above zero and (with
-    RPM) a request. The
-    dispatcher reads only tasks that one of these could take."""
-    return {
-        name: m.quota.max_concurrent_requests - m.in_flight
-        for name, m in view.items()
-        if m.quota.enabled
-        and m.paused_ms == 0
-        and m.in_flight < m.quota.max_concurrent_requests
-        and m.tokens_available >= 1
-        and (m.requests_available is None or m.requests_available >= 1)
-    }
+        """Per-model live view, bucket levels refilled to ``now`` (Redis TIME by default):
+        :func:`balancer.admission.live.read_live`. The dispatcher calls it every round."""
+        return read_live(self.redis, self.namespace, now_ms)

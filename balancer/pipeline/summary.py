@@ -4,7 +4,7 @@ Pure once read: :func:`summarize` turns the live view and the counters into
 rows, and :func:`binding_limit` says which limit holds a model back right now.
 :func:`read` is the I/O around them.
 
->>> from balancer.admission.core import ModelLive
+>>> from balancer.admission.live import ModelLive
 >>> from balancer.domain.quota import Quota
 >>> live = ModelLive(Quota("m", 2, 60_000), in_flight=2, tokens_available=9_000, requests_available=None, deficit=0)
 >>> [row.binding for row in summarize({"m": live}, {"m": {"solved": 4, "tokens_estimated": 2_000}}, prior_s=1.0)]
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from balancer.admission.core import ModelLive
+from balancer.admission.live import ModelLive
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import drain_eta, efficiency
 from balancer.services import Services

@@ -1,0 +1,97 @@
+"""The live view of the admission state: what each model holds in Redis right now.
+
+Read-only, so no Lua: the dispatcher, ``balancer quota list``, ``status``,
+``top`` and the metrics exporter read it. The buckets are refilled to now by
+the rule the scripts apply (:func:`balancer.admission.values.refilled`), and
+the quota is read back through :mod:`balancer.admission.fields`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from balancer.admission import fields, keys
+from balancer.admission.values import UNITS, refilled
+from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
+from balancer.domain.quota import Quota
+
+
+@dataclass(frozen=True)
+class ModelLive:
+    """A model's live state as ``balancer quota list`` shows it."""
+
+    quota: Quota
+    in_flight: int
+    tokens_available: float
+    requests_available: float | None
+    deficit: int
+    paused_ms: int = 0  # how much longer a 429 holds the model
+    external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
+    latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
+    ready: int = 0  # tasks on its ready list, waiting for a slot (see AdmissionCore.stock)
+
+    def latency_estimate(self, prior_s: float) -> LatencyEstimate:
+        """What the model's calls take: its sketch, or until it has enough calls its
+        own prior (``expected_latency_s``), else the global ``prior_s``."""
+        return self.latency.estimate(self.quota.expected_latency_s or prior_s)
+
+    @property
+    def latency_known(self) -> bool:
+        """Enough of its calls were measured, or its quota says what they take:
+        more than the global prior, which only says "not known yet"."""
+        return self.latency.samples >= MIN_SAMPLES or self.quota.expected_latency_s is not None
+
+
+def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) -> dict[str, ModelLive]:
+    """Per-model live view, bucket levels refilled to ``now`` (Redis TIME by default).
+
+    Read-only and pipelined: one round trip for the clock and the model
+    names, one for every model's hash, live-lease count (ZCOUNT, so the cost does not grow
+    with the number of calls in flight), latency sketch and ready-list length.
+    """
+    models_key = keys.script_keys(namespace)[1]
+    first = client.pipeline(transaction=False)
+    first.time()
+    first.zrange(models_key, 0, -1)
+    (seconds, micros), raw_names = first.execute()
+    if now_ms is None:
+        now_ms = seconds * 1000 + micros // 1000
+    names = [n.decode() for n in raw_names]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.model(namespace, name))
+        pipe.zcount(keys.inflight(namespace, name), f"({now_ms}", "+inf")
+        pipe.hgetall(keys.latency(namespace, name))
+        pipe.llen(keys.ready(namespace, name))
+    replies = pipe.execute()
+    view = {}
+    for i, name in enumerate(names):
+        raw, in_flight, sketch, ready = replies[4 * i:4 * i + 4]
+        if not raw:
+            continue  # removed between the two reads
+        m = {k.decode(): int(v) for k, v in raw.items()}
+        quota = fields.quota_from_fields(name, m)
+        tokens, requests = refilled(quota, m["tokens"], m["requests"], m["refilled_at"], m["ext"], now_ms)
+        paused_ms = max(0, m["paused"] - now_ms)
+        latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
+        view[name] = ModelLive(quota, in_flight, tokens / UNITS,
+                               requests / UNITS if quota.max_requests_per_minute else None,
+                               m["deficit"], paused_ms, m["ext"], latency, ready)
+    return view
+
+
+def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
+    """Free slots of the models that could admit *something* right now:
+    enabled, not paused by a 429, a free slot, tokens above zero and (with
+    RPM) a request. The dispatcher reads only tasks that one of these could take."""
+    return {
+        name: m.quota.max_concurrent_requests - m.in_flight
+        for name, m in view.items()
+        if m.quota.enabled
+        and m.paused_ms == 0
+        and m.in_flight < m.quota.max_concurrent_requests
+        and m.tokens_available >= 1
+        and (m.requests_available is None or m.requests_available >= 1)
+    }
