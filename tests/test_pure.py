@@ -101,6 +101,14 @@ def test_quota_rejects_bad_numbers(field: str, value: object) -> None:
         Quota(**{**base, field: value})
 
 
+def test_on_disconnect_reads_its_old_name_finish_as_continue() -> None:
+    assert Quota("m", 1, 10, on_disconnect="finish").on_disconnect == "continue"
+    text = '[models.m]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 10\non_disconnect = "finish"\n'
+    assert parse_quota_file(text)[0].on_disconnect == "continue"
+    with pytest.raises(QuotaError, match="continue, stop"):
+        Quota("m", 1, 10, on_disconnect="sometimes")
+
+
 def test_burst_defaults_to_one_minute_of_tpm() -> None:
     assert Quota("m", 1, 4_000).burst == 4_000
     assert Quota("m", 1, 4_000, burst_tokens=10).burst == 10
