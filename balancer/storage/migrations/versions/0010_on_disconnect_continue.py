@@ -2,13 +2,13 @@
 (a provider continues a call whose client went); "finish" is still accepted
 as input and read as "continue"
 
-Revision ID: 0012
+Revision ID: 0010
 Revises: 0009
 """
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0012"
+revision = "0010"
 down_revision = "0009"
 branch_labels = None
 depends_on = None
