@@ -48,6 +48,8 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_INGEST_TICK": "seconds between inbox polls",
     "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
     "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
+    "BALANCER_WEB_TOKEN": "token the web console requires, as a bearer token or a basic-auth password "
+                          "(required when it binds beyond loopback; never logged)",
 }
 
 _SCHEMES_PG = ("postgresql", "postgres", "postgresql+psycopg2")
@@ -242,6 +244,7 @@ class Settings:
     ingest_tick: float = 5.0
     router_token: str | None = field(default=None, repr=False)
     router_lease_seconds: float = 30.0
+    web_token: str | None = field(default=None, repr=False)
 
     @property
     def hedging(self) -> bool:
@@ -334,5 +337,6 @@ class Settings:
             ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
             router_token=env.get("BALANCER_ROUTER_TOKEN") or None,
             router_lease_seconds=_seconds("BALANCER_ROUTER_LEASE_SECONDS", 30.0, 1, 86_400),
+            web_token=env.get("BALANCER_WEB_TOKEN") or None,
         )
         return settings

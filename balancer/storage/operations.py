@@ -26,7 +26,8 @@ from balancer.storage.schema import TASK_STATUSES, task_operations, tasks
 class TaskFilter:
     """Which tasks a command acts on; every field narrows, None means any.
 
-    ``model`` matches the model a task ran on or any model it may use.
+    ``model`` matches the model a task ran on or any model it may use;
+    ``task_id`` picks one task (the web console's retry of one task).
     """
 
     status: str | None = None
@@ -34,6 +35,7 @@ class TaskFilter:
     source: str | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None
+    task_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.status is not None and self.status not in TASK_STATUSES:
@@ -53,6 +55,8 @@ class TaskFilter:
             where.append(tasks.c.created_at > self.created_after)
         if self.created_before is not None:
             where.append(tasks.c.created_at < self.created_before)
+        if self.task_id is not None:
+            where.append(tasks.c.id == self.task_id)
         return where
 
     def as_dict(self) -> dict[str, str]:
