@@ -1,11 +1,10 @@
-"""``balancer web`` in a real headless Chromium (Debian's, driven by Selenium and its chromedriver).
+"""``balancer web`` in a real headless Chromium (Debian's, driven through its chromedriver: tests/webdriver.py).
 
 The console runs as ``balancer web`` in a child process on the test's own
 Redis namespace and PostgreSQL schema; the browser drives it as a person
 would. Each test that has a browser also writes a screenshot of its page into
-``docs/img/``. Without ``/usr/bin/chromium``, ``/usr/bin/chromedriver`` or
-the ``selenium`` package, the browser tests skip and say which is missing
-(CI installs Chromium: ``.ci/run``).
+``docs/img/``. Without ``/usr/bin/chromium`` or ``/usr/bin/chromedriver`` the
+browser tests skip and say which is missing (CI installs them: ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.devtools.embedded import free_port
-from balancer.devtools.supervisor import Supervisor, wait_for_http
+from balancer.devtools.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "docs" / "img"
@@ -41,10 +40,6 @@ def _missing_browser() -> str | None:
     for path in (CHROMIUM, CHROMEDRIVER):
         if not shutil.which(path):
             return f"{path} is not installed (apt-get install -y chromium chromium-driver)"
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "the selenium package is not installed (pip install 'balancer[test]')"
     return None
 
 
@@ -54,15 +49,10 @@ def browser(tmp_path: Path) -> Iterator[Any]:
     reason = _missing_browser()
     if reason:
         pytest.skip(f"no browser for the web console's tests: {reason}")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    from tests.webdriver import Browser
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in [*FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"]:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER, log_output=str(tmp_path / "chromedriver.log")), options=options)
-    driver.set_page_load_timeout(30)
+    driver = Browser(CHROMIUM, CHROMEDRIVER, [*FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"],
+                     tmp_path / "chromedriver.log")
     yield driver
     driver.quit()
 
@@ -70,9 +60,9 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 def shoot(driver: Any, name: str) -> None:
     """A screenshot of the whole page into docs/img/web-<name>.png."""
     SHOTS.mkdir(parents=True, exist_ok=True)
-    height = driver.execute_script("return document.documentElement.scrollHeight")
+    height = driver.execute("return document.documentElement.scrollHeight")
     driver.set_window_size(1440, max(700, min(int(height) + 40, 2400)))
-    assert driver.save_screenshot(str(SHOTS / f"web-{name}.png"))
+    driver.screenshot(SHOTS / f"web-{name}.png")
 
 
 def eventually(check: Callable[[], Any], timeout: float = 30.0, every: float = 0.2) -> Any:
@@ -144,7 +134,7 @@ def statuses(svc: Any, ids: list[int]) -> dict[int, str]:
 
 def test_beyond_loopback_without_a_token_it_refuses_to_start(migrated: dict[str, str]) -> None:
     env = {k: v for k, v in os.environ.items() if k != "BALANCER_WEB_TOKEN"}
-    proc = subprocess.run([sys.executable, "-m", "balancer", "web", "--host", "0.0.0.0", "--port", str(free_port())],
+    proc = subprocess.run([sys.executable, "-m", "balancer", "web", "--host", "0.0.0.0", "--port", str(free_port())],  # noqa: S104
                           env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
@@ -155,7 +145,7 @@ def test_beyond_loopback_the_page_without_the_token_is_refused(browser: Any, ser
     """Bound to 0.0.0.0 with BALANCER_WEB_TOKEN: the browser without it gets a 401 and no
     data; with it (basic auth) the page; the token never appears on the page."""
     token = "web-t0ken-" + os.urandom(6).hex()
-    console = Console(supervisor, host="0.0.0.0", extra_env={"BALANCER_WEB_TOKEN": token})
+    console = Console(supervisor, host="0.0.0.0", extra_env={"BALANCER_WEB_TOKEN": token})  # noqa: S104 - the point
     browser.get(f"{console.url}/models")  # a 401 with a basic-auth challenge: headless, nothing is shown
     assert "model-0" not in browser.page_source and "in flight" not in browser.page_source
     refused = httpx.get(f"{console.url}/models", timeout=5)
@@ -165,7 +155,7 @@ def test_beyond_loopback_the_page_without_the_token_is_refused(browser: Any, ser
     answer = httpx.get(f"{console.url}/api/summary", headers={"authorization": f"Bearer {token}"}, timeout=5)
     assert answer.status_code == 200 and {m["name"] for m in answer.json()["models"]} == set(MODELS)
     browser.get(f"http://anne:{token}@127.0.0.1:{console.port}/models")
-    eventually(lambda: "model-0" in browser.find_element("tag name", "body").text)
+    eventually(lambda: "model-0" in browser.find("body").text)
     assert token not in browser.page_source
 
 
@@ -186,11 +176,11 @@ def test_a_prompt_with_a_script_shows_as_text(browser: Any, services: Any, super
     (task_id,) = add_tasks(services, [prompt])
     console = Console(supervisor)
     browser.get(f"{console.url}/tasks/{task_id}")
-    assert browser.find_element("id", "prompt").text == prompt
-    assert browser.title.startswith("Task ") and not browser.find_elements("id", "bold")
-    assert not browser.find_elements("css selector", "#prompt img, #prompt script")
+    assert browser.find("#prompt").text == prompt
+    assert browser.title.startswith("Task ") and not browser.find_all("#bold")
+    assert not browser.find_all("#prompt img, #prompt script")
     browser.get(f"{console.url}/tasks?source=web-test")
-    assert "<script>document.title" in browser.find_element("css selector", "td.prompt").text
+    assert "<script>document.title" in browser.find("td.prompt").text
     assert browser.title.startswith("Tasks")
     shoot(browser, "tasks")
 
@@ -199,21 +189,19 @@ def test_a_prompt_with_a_script_shows_as_text(browser: Any, services: Any, super
 
 def test_a_quota_change_made_in_the_page_is_in_quota_list_and_the_audit(browser: Any, services: Any,
                                                                          supervisor: Supervisor) -> None:
-    from selenium.webdriver.common.by import By
-
     console = Console(supervisor)
     browser.get(f"{console.url}/quotas")
 
     def change(model: str, field: str, value: str) -> None:
-        row = browser.find_element(By.CSS_SELECTOR, f'tr[data-model="{model}"]')
-        row.find_element(By.TAG_NAME, "summary").click()
-        row.find_element(By.NAME, field).send_keys(value)
-        row.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        row = browser.find(f'tr[data-model="{model}"]')
+        row.find("summary").click()
+        row.find(f'[name="{field}"]').send_keys(value)
+        row.find("button[type=submit]").click()
 
     change("model-1", "concurrency", "0")  # refused, as `quota set --concurrency 0` is
-    assert "concurrency must be a whole number >= 1" in browser.find_element(By.CLASS_NAME, "error").text
+    assert "concurrency must be a whole number >= 1" in browser.find(".error").text
     change("model-1", "tpm", "123456")
-    eventually(lambda: "model-1: updated" in browser.find_element(By.TAG_NAME, "body").text)
+    eventually(lambda: "model-1: updated" in browser.find("body").text)
     listed = subprocess.run([sys.executable, "-m", "balancer", "quota", "list", "--json"], capture_output=True, text=True,
                             timeout=60, check=True)
     row = next(r for r in json.loads(listed.stdout) if r["name"] == "model-1")
@@ -221,7 +209,7 @@ def test_a_quota_change_made_in_the_page_is_in_quota_list_and_the_audit(browser:
     assert services.core.live()["model-1"].quota.max_tokens_per_minute == 123456  # the live effect
     (audit,) = [h for h in services.quotas.history("model-1") if h["changed_by"].startswith("web:")]
     assert audit["old_value"]["max_tokens_per_minute"] == 60_000 and audit["new_value"]["max_tokens_per_minute"] == 123456
-    trail = browser.find_element(By.CSS_SELECTOR, "table.audit tbody tr").text  # newest first
+    trail = browser.find("table.audit tbody tr").text  # newest first
     assert "model-1" in trail and "max_tokens_per_minute 60000 → 123456" in trail
     shoot(browser, "quotas")
 
@@ -230,8 +218,6 @@ def test_a_retry_from_the_page_moves_a_failed_task_back_to_pending(browser: Any,
                                                                    supervisor: Supervisor) -> None:
     """Dry run first (nothing changes), then the confirm POST: the failed task is
     pending again, attempts reset, audited in task_operations; its neighbour stays failed."""
-    from selenium.webdriver.common.by import By
-
     from balancer.storage.operations import operations
     from balancer.storage.schema import tasks
 
@@ -241,15 +227,15 @@ def test_a_retry_from_the_page_moves_a_failed_task_back_to_pending(browser: Any,
                      .values(status="failed", attempts=5, error="HTTP 400 from model-0: bad request"))
     console = Console(supervisor)
     browser.get(f"{console.url}/tasks?status=failed")
-    groups = browser.find_elements(By.CSS_SELECTOR, "table.grid")[1].text
+    groups = browser.find_all("table.grid")[1].text
     assert "HTTP 400 from model-0: bad request" in groups and "2" in groups
     browser.get(f"{console.url}/tasks/{ids[0]}")
     shoot(browser, "task")
-    browser.find_element(By.ID, "retry").click()
-    assert browser.find_element(By.ID, "count").text == "1"
+    browser.find("#retry").click()
+    assert browser.find("#count").text == "1"
     assert statuses(services, ids) == {ids[0]: "failed", ids[1]: "failed", ids[2]: "pending"}  # a dry run
-    browser.find_element(By.ID, "confirm").click()
-    assert "retried 1 task(s)" in browser.find_element(By.ID, "result").text
+    browser.find("#confirm").click()
+    assert "retried 1 task(s)" in browser.find("#result").text
     assert statuses(services, ids) == {ids[0]: "pending", ids[1]: "failed", ids[2]: "pending"}
     (op,) = operations(services.engine)
     assert op["action"] == "retry" and op["task_ids"] == [ids[0]] and op["done_by"].startswith("web:")
@@ -264,9 +250,8 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
                                                                           tmp_path: Path) -> None:
     """The real pipeline on the simulator (10 models): the models page lists them all, and
     its in-flight counts change while it runs, without reloading the page (the live poll)."""
-    from selenium.webdriver.common.by import By
-
     from tests.pipeline_harness import Pipeline, prompt_lines
+    from tests.webdriver import WebDriverError
 
     p = Pipeline(tmp_path / "pipeline", time_scale=0.05)
     try:
@@ -274,27 +259,25 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
         models = [m.name for m in p.models]
         console = Console(p.supervisor)
         browser.get(f"{console.url}/models")
-        listed = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "table.models td.name")]
+        listed = [e.text for e in browser.find_all("table.models td.name")]
         assert sorted(listed) == sorted(models)
         ids = p.submit(prompt_lines(800, models))
         seen: set[int] = set()
         deadline = time.monotonic() + 90
         while len(seen) < 3 or max(seen) == 0:
-            spans = browser.find_elements(By.CSS_SELECTOR, "span.in-flight")
-            try:
-                seen.add(sum(int(s.text) for s in spans))
-            except Exception:  # noqa: BLE001, S112 - the fragment was swapped while reading it
-                continue
             assert time.monotonic() < deadline, (seen, p.counts())
             time.sleep(0.2)
+            try:
+                seen.add(sum(int(s.text) for s in browser.find_all("span.in-flight")))
+            except WebDriverError as exc:  # the poll swapped the fragment while it was read: read again
+                assert exc.error == "stale element reference", exc
         assert len(listed) == len(models)
         shoot(browser, "models")
         for page in ("drain", "sources"):
-            browser.get(f"{console.url}/{page}")
-            time.sleep(0)  # the page is rendered server-side: nothing to wait for
+            browser.get(f"{console.url}/{page}")  # rendered server-side: nothing to wait for
             shoot(browser, page)
         browser.get(f"{console.url}/drain")
-        assert browser.find_element(By.CSS_SELECTOR, "polyline.seen").get_attribute("points")
+        assert browser.find("polyline.seen").attribute("points")
         p.wait_done(len(ids), timeout=180)
     finally:
         p.stop()
