@@ -243,6 +243,28 @@ def test_a_retry_from_the_page_moves_a_failed_task_back_to_pending(browser: Any,
         assert conn.execute(sa.select(tasks.c.attempts).where(tasks.c.id == ids[0])).scalar() == 0
 
 
+def test_spend_so_far_shows_per_model_and_per_source(browser: Any, services: Any, supervisor: Supervisor) -> None:
+    from balancer.storage.schema import tasks
+
+    services.quotas.set("model-0", {"price_per_million_input": 2.0, "price_per_million_output": 8.0, "currency": "USD"},
+                        by="test")
+    with services.engine.begin() as conn:
+        conn.execute(sa.insert(tasks), [
+            {"source": src, "prompt": "p", "status": "solved", "model": model, "max_tokens": 10, "estimated_tokens": 20,
+             "prompt_tokens": pt, "completion_tokens": ct}
+            for src, model, pt, ct in [("crm", "model-0", 500_000, 250_000),   # 1.00 + 2.00
+                                       ("etl", "model-0", 0, 125_000),         # 1.00
+                                       ("etl", "model-1", 9_000, 1_000)]])     # no price
+    console = Console(supervisor)
+    browser.get(f"{console.url}/models")
+    spent = {row.attribute("data-model"): row.find("td.spent").text for row in browser.find_all("table.models tbody tr")}
+    assert spent == {"model-0": "4.00 USD", "model-1": "no price", "model-2": "-"}
+    assert "spent so far: 4.00 USD" in browser.find("p.counts").text
+    browser.get(f"{console.url}/sources")
+    by_source = {row.find("td.name").text: row.find("td.spent").text for row in browser.find_all("tbody tr")}
+    assert by_source == {"crm": "3.00 USD", "etl": "1.00 USD"}
+
+
 # -- against a running pipeline ----------------------------------------------------------------
 
 @pytest.mark.e2e
@@ -257,11 +279,15 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
     try:
         p.start()
         models = [m.name for m in p.models]
+        for i, model in enumerate(models):  # prices, so the screenshots show spend
+            p.services.quotas.set(model, {"price_per_million_input": 0.5 + i, "price_per_million_output": 2.0 + 4 * i,
+                                          "currency": "USD"}, by="test")
         console = Console(p.supervisor)
         browser.get(f"{console.url}/models")
         listed = [e.text for e in browser.find_all("table.models td.name")]
         assert sorted(listed) == sorted(models)
-        ids = p.submit(prompt_lines(800, models))
+        lines = prompt_lines(800, models)
+        ids = p.submit([{**line, "source": ("crm", "etl", "nightly")[i % 3]} for i, line in enumerate(lines)])
         seen: set[int] = set()
         deadline = time.monotonic() + 90
         while len(seen) < 3 or max(seen) == 0:

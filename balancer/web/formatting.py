@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+from balancer.domain.cost import money
+
 
 def clock(value: float | datetime | None) -> str:
     """A UTC time (epoch seconds or a datetime) as ``2026-11-23 19:30:05``; ``-`` for none.
@@ -62,4 +64,4 @@ def quota_diff(change: Any) -> str:
     return ", ".join(f"{k} {old.get(k)} → {v}" for k, v in new.items() if old.get(k) != v) or "no field changed"
 
 
-FILTERS = {"clock": clock, "duration": duration, "eta": eta, "quota_diff": quota_diff}
+FILTERS = {"clock": clock, "duration": duration, "eta": eta, "quota_diff": quota_diff, "money": money}

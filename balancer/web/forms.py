@@ -18,7 +18,8 @@ from balancer.storage.operations import TaskFilter
 
 #: The filter fields a task search takes, as query or form parameters.
 FILTER_FIELDS = ("status", "model", "source", "created_after", "created_before", "task_id")
-#: Quota form field -> (Quota field, kind). Kinds: "count" (whole number >= 1), "seconds", or a tuple of choices.
+#: Quota form field -> (Quota field, kind). Kinds: "count" (whole number >= 1), "seconds" and "price"
+#: (numbers; Quota checks their range), or a tuple of choices.
 QUOTA_FIELDS: dict[str, tuple[str, Any]] = {
     "tpm": ("max_tokens_per_minute", "count"),
     "rpm": ("max_requests_per_minute", "count"),
@@ -30,6 +31,8 @@ QUOTA_FIELDS: dict[str, tuple[str, Any]] = {
     "expected_latency": ("expected_latency_s", "seconds"),
     "on_disconnect": ("on_disconnect", ON_DISCONNECT),
     "enabled": ("enabled", ("yes", "no")),
+    "price_input": ("price_per_million_input", "price"),
+    "price_output": ("price_per_million_output", "price"),
 }
 
 
@@ -96,11 +99,12 @@ def quota_changes(form: Mapping[str, str]) -> dict[str, Any]:
             if not text.isdigit() or int(text) < 1:
                 raise QuotaError(f"{name} must be a whole number >= 1, got {printable(text, 40)!r}")
             changes[field] = int(text)
-        elif kind == "seconds":
+        elif kind in ("seconds", "price"):
             try:
                 changes[field] = float(text)
             except ValueError:
-                raise QuotaError(f"{name} must be a number of seconds, got {printable(text, 40)!r}") from None
+                unit = "seconds" if kind == "seconds" else "money per million tokens"
+                raise QuotaError(f"{name} must be a number ({unit}), got {printable(text, 40)!r}") from None
         elif text not in kind:
             raise QuotaError(f"{name} must be one of {', '.join(kind)}, got {printable(text, 40)!r}")
         elif field == "enabled":

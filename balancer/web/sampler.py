@@ -2,7 +2,8 @@
 
 One thread per console reads :func:`balancer.pipeline.summary.read` (task
 counts, per-model rows, counters, the drain ETA) and the per-source counts
-(:func:`balancer.web.queries.source_counts`) every ``interval`` seconds into
+(:func:`balancer.web.queries.source_counts`) and the spend so far
+(:func:`balancer.storage.spend.spend_so_far`) every ``interval`` seconds into
 a ring buffer. Pages render from the newest sample, so a page costs no scan
 of the backlog however large it is; sparklines, per-minute rates and the
 burn-down come from the buffer. The buffer lives in this process only: a
@@ -19,8 +20,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from balancer.domain.cost import Spend
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
+from balancer.storage.spend import spend_so_far
 from balancer.web.queries import SourceCounts, source_counts
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class Sample:
     counters: dict[str, dict[str, int]]
     eta_s: float | None
     sources: list[SourceCounts] = field(default_factory=list)
+    spend: Spend = field(default_factory=lambda: Spend(None))  # so far, by model and source (balancer.storage.spend)
 
     @property
     def left(self) -> int:
@@ -137,4 +141,5 @@ class Sampler:
 
 def take_sample(services: Services) -> Sample:
     counts, rows, counters, eta = read(services)
-    return Sample(time.time(), counts, rows, counters, eta, source_counts(services.engine))
+    return Sample(time.time(), counts, rows, counters, eta, source_counts(services.engine),
+                  spend_so_far(services.engine, services.quotas.all()))
