@@ -124,3 +124,21 @@ def test_status_shows_spend_so_far_per_model_and_source(tmp_path: Path, capsys: 
     assert spent["unpriced_tokens"] == {"free": 10}
     assert main(["status"]) == 0
     assert "spent: 2.45 EUR (big 1.95 EUR, small 0.50 EUR); unpriced: free 10 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("migrated")
+def test_quota_set_changes_a_price_with_the_same_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from balancer.services import Services
+    from balancer.settings import Settings
+
+    (tmp_path / "quotas.toml").write_text(PRICED)
+    assert main(["quota", "import", str(tmp_path / "quotas.toml")]) == 0
+    assert main(["quota", "set", "big", "--price-output", "20"]) == 0
+    svc = Services.connect(Settings.from_env())
+    big = svc.quotas.get("big")
+    assert big is not None and (big.price_per_million_input, big.price_per_million_output, big.currency) == (3, 20, "EUR")
+    capsys.readouterr()
+    assert main(["quota", "set", "big", "--price-input", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: price_per_million_input must be a number from 0 to 1000000 (per million tokens), got -1.0"]
+    assert svc.quotas.get("big") == big
