@@ -105,7 +105,7 @@ def main() -> None:
                 medians[page] = statistics.median(times)
                 table.add_row(page, f"{medians[page]:.1f}", f"{max(times):.1f}", str(status))
         console.print(table)
-        console.print(f"sampler read (status + summary + sources, in its thread every --sample-interval): "
+        console.print(f"sampler read (counts, summary, sources, spend; in its thread every --sample-interval): "
                       f"median {statistics.median(sampled):.0f} ms, slowest {max(sampled):.0f} ms")
         worst = max(medians, key=lambda p: medians[p])
         verdict = "met" if medians[worst] < TARGET_MS else "MISSED"
