@@ -171,6 +171,21 @@ def test_a_change_without_its_csrf_token_is_refused(services: Any, supervisor: S
     assert not [h for h in services.quotas.history("model-0") if h["changed_by"].startswith("web:")]
 
 
+def test_with_a_token_a_change_is_audited_as_the_basic_auth_user(services: Any, supervisor: Supervisor) -> None:
+    import re
+
+    token = "web-t0ken-" + os.urandom(6).hex()
+    console = Console(supervisor, extra_env={"BALANCER_WEB_TOKEN": token})
+    with httpx.Client(base_url=console.url, auth=("anne", token), timeout=5) as client:
+        page = client.get("/quotas")
+        assert page.status_code == 200 and token not in page.text
+        (csrf,) = set(re.findall(r'name="csrf" value="([0-9a-f]+)"', page.text))
+        answer = client.post("/quotas/model-2", data={"csrf": csrf, "weight": "3"})
+        assert answer.status_code == 303
+    assert services.quotas.get("model-2").weight == 3
+    assert services.quotas.history("model-2")[-1]["changed_by"] == "web:anne"
+
+
 def test_a_prompt_with_a_script_shows_as_text(browser: Any, services: Any, supervisor: Supervisor) -> None:
     prompt = '<script>document.title = "pwned"</script><b id="bold">not bold</b> & <img src=x onerror="document.title=1">'
     (task_id,) = add_tasks(services, [prompt])

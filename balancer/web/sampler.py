@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from balancer.domain.cost import Spend
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
+from balancer.settings import scrub
 from balancer.storage.spend import spend_so_far
 from balancer.web.queries import SourceCounts, source_counts
 
@@ -103,9 +104,18 @@ class Sampler:
             try:
                 self.sample_now()
             except Exception as exc:  # noqa: BLE001 - Redis or PostgreSQL away: keep trying, say so on the page
-                self.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+                self.error = self._describe(exc)
                 log.warning("sampling failed: %s", self.error)
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _describe(self, exc: Exception) -> str:
+        """The error's first line, with no piece of a service URL's credentials (it is shown on the pages)."""
+        text = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        settings = self.services.settings
+        for url in (settings.redis_url, settings.database_url, settings.broker_url):
+            if url:
+                text = scrub(text, url)
+        return text
 
     def latest(self) -> Sample:
         """The newest sample (taken now if there is none yet)."""
