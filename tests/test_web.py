@@ -214,7 +214,7 @@ def test_a_quota_change_made_in_the_page_is_in_quota_list_and_the_audit(browser:
         row.find("button[type=submit]").click()
 
     change("model-1", "concurrency", "0")  # refused, as `quota set --concurrency 0` is
-    assert "concurrency must be a whole number >= 1" in browser.find(".error").text
+    assert "concurrency must be a whole number >= 1" in browser.wait_find(".error").text
     change("model-1", "tpm", "123456")
     eventually(lambda: "model-1: updated" in browser.find("body").text)
     listed = subprocess.run([sys.executable, "-m", "balancer", "quota", "list", "--json"], capture_output=True, text=True,
@@ -246,11 +246,11 @@ def test_a_retry_from_the_page_moves_a_failed_task_back_to_pending(browser: Any,
     assert "HTTP 400 from model-0: bad request" in groups and "2" in groups
     browser.get(f"{console.url}/tasks/{ids[0]}")
     shoot(browser, "task")
-    browser.find("#retry").click()
-    assert browser.find("#count").text == "1"
+    browser.wait_find("#retry").click()
+    assert browser.wait_find("#count").text == "1"
     assert statuses(services, ids) == {ids[0]: "failed", ids[1]: "failed", ids[2]: "pending"}  # a dry run
-    browser.find("#confirm").click()
-    assert "retried 1 task(s)" in browser.find("#result").text
+    browser.wait_find("#confirm").click()
+    assert "retried 1 task(s)" in browser.wait_find("#result").text
     assert statuses(services, ids) == {ids[0]: "pending", ids[1]: "failed", ids[2]: "pending"}
     (op,) = operations(services.engine)
     assert op["action"] == "retry" and op["task_ids"] == [ids[0]] and op["done_by"].startswith("web:")

@@ -111,6 +111,17 @@ class Browser:
     def find_all(self, css: str) -> list[Element]:
         return [Element(self, e[ELEMENT]) for e in self.call("POST", "/elements", {"using": "css selector", "value": css})]
 
+    def wait_find(self, css: str, timeout: float = 30.0) -> Element:
+        """:meth:`find`, retried until the element is there (the page a click led to may still be loading)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.find(css)
+            except WebDriverError as exc:
+                if exc.error != "no such element" or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+
     def set_window_size(self, width: int, height: int) -> None:
         self.call("POST", "/window/rect", {"width": width, "height": height})
 

@@ -85,7 +85,8 @@ def main() -> None:
         pages = ["/models", "/fragments/models", "/drain", "/sources", "/quotas", "/api/summary",
                  "/tasks", "/tasks?status=failed", "/tasks?status=pending&model=model-3", "/tasks?source=source-3",
                  f"/tasks?task_id={failed_id}", f"/tasks/{failed_id}", f"/tasks/retry?task_id={failed_id}",
-                 "/tasks?created_after=2000-01-01T00:00&status=solved"]
+                 "/tasks?created_after=2000-01-01T00:00&status=solved",
+                 "/tasks?source=no-such-source", "/tasks?model=no-such-model", "/tasks?status=failed&source=source-1"]
         with warnings.catch_warnings():  # Starlette 1.x would rather use httpx2 for its test client
             warnings.simplefilter("ignore")
             from starlette.testclient import TestClient

@@ -3,7 +3,7 @@
 Pages render from the sampler's newest sample (:mod:`balancer.web.sampler`),
 so they cost no scan of the backlog; the task search and a task's page read
 PostgreSQL through :mod:`balancer.storage.operations` (newest first, with a
-limit), and failed tasks are grouped through the ``tasks_status`` index. Every
+limit and a time limit); failed tasks grouped by error come with the sample. Every
 change is a POST with a CSRF token; retry and cancel are first a dry run
 (a GET that lists what would change) and then a confirmed POST, audited in
 ``task_operations``; a quota change goes through ``QuotaStore.set``, as
@@ -19,6 +19,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import jinja2
+import psycopg2.errors
+import sqlalchemy.exc
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -32,7 +34,7 @@ from balancer.services import Services
 from balancer.storage import operations
 from balancer.storage.quotas import LiveNotUpdated, default_actor
 from balancer.storage.schema import TASK_STATUSES
-from balancer.web import charts, formatting, forms, queries
+from balancer.web import charts, formatting, forms
 from balancer.web.sampler import Sample, Sampler, per_minute
 from balancer.web.security import CSRF_COOKIE, Csrf, SecurityHeaders, TokenGuard
 
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Rows a task search shows.
 SEARCH_LIMIT = 100
+#: A task search that reads longer is cancelled (a filter few tasks match may read the whole table).
+SEARCH_TIMEOUT_MS = 150
 #: Ids a dry run lists before "...".
 PREVIEW_IDS = 50
 #: Quota audit rows shown, newest first.
@@ -156,11 +160,16 @@ def create_app(services: Services, *, token: str | None = None, sample_interval:
         params = dict(request.query_params)
         try:
             flt = forms.task_filter(params)
-            rows = operations.list_tasks(services.engine, flt, limit=SEARCH_LIMIT)
+            rows = operations.list_tasks(services.engine, flt, limit=SEARCH_LIMIT, timeout_ms=SEARCH_TIMEOUT_MS)
             error = None
         except BalancerError as exc:
             rows, error = [], str(exc)
-        groups = queries.error_groups(services.engine)
+        except sqlalchemy.exc.OperationalError as exc:
+            if not isinstance(exc.orig, psycopg2.errors.QueryCanceled):
+                raise
+            rows, error = [], (f"the search did not finish in {SEARCH_TIMEOUT_MS} ms: few tasks match it in a large "
+                               "backlog; narrow it with a status, a source or a time range")
+        groups = console.sampler.latest().error_groups
         return console.page(request, "tasks.html", status=400 if error else 200, rows=rows, groups=groups,
                             params=params, error=error, query=urlencode({k: v for k, v in params.items() if v}),
                             statuses=TASK_STATUSES, limit=SEARCH_LIMIT)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import psycopg2.errors
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
@@ -64,11 +65,19 @@ class ErrorGroup:
     newest_id: int
 
 
-def error_groups(engine: Engine, limit: int = 20) -> list[ErrorGroup]:
-    """Failed tasks grouped by the start of their error, biggest group first
-    (the ``tasks_status`` index finds the failed ones, however large the backlog)."""
+def error_groups(engine: Engine, limit: int = 20, timeout_ms: int | None = None) -> list[ErrorGroup] | None:
+    """Failed tasks grouped by the start of their error, biggest group first (the
+    ``(status, id)`` index finds the failed ones, however large the backlog);
+    None if grouping them took over ``timeout_ms`` (hundreds of thousands failed)."""
     prefix = sa.func.left(sa.func.coalesce(tasks.c.error, ""), ERROR_PREFIX).label("prefix")
     query = (sa.select(prefix, sa.func.count(), sa.func.max(tasks.c.id)).where(tasks.c.status == "failed")
              .group_by(prefix).order_by(sa.func.count().desc(), prefix).limit(limit))
     with engine.connect() as conn:
-        return [ErrorGroup(r[0], int(r[1]), int(r[2])) for r in conn.execute(query)]
+        if timeout_ms is not None:
+            conn.execute(sa.text(f"SET LOCAL statement_timeout = {int(timeout_ms)}"))
+        try:
+            return [ErrorGroup(r[0], int(r[1]), int(r[2])) for r in conn.execute(query)]
+        except sa.exc.OperationalError as exc:
+            if not isinstance(exc.orig, psycopg2.errors.QueryCanceled):
+                raise
+            return None

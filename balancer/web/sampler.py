@@ -3,8 +3,10 @@
 One thread per console reads :func:`balancer.pipeline.summary.read` (task
 counts, per-model rows, counters, the drain ETA) and the per-source counts
 (:func:`balancer.web.queries.source_counts`) and the spend so far
-(:func:`balancer.storage.spend.spend_so_far`) every ``interval`` seconds into
-a ring buffer. Pages render from the newest sample, so a page costs no scan
+(:func:`balancer.storage.spend.spend_so_far`) and failed tasks grouped by
+error (:func:`balancer.web.queries.error_groups`) every ``interval`` seconds
+(or, when a read takes longer than half of that, as long again as the read
+took) into a ring buffer. Pages render from the newest sample, so a page costs no scan
 of the backlog however large it is; sparklines, per-minute rates and the
 burn-down come from the buffer. The buffer lives in this process only: a
 restarted console starts with an empty history.
@@ -25,7 +27,7 @@ from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
 from balancer.settings import scrub
 from balancer.storage.spend import spend_so_far
-from balancer.web.queries import SourceCounts, source_counts
+from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ log = logging.getLogger(__name__)
 HISTORY_S = 15 * 60.0
 #: Per-minute rates are measured over this much of the buffer, as ``balancer top`` does.
 RATE_WINDOW_S = 60.0
+#: Grouping failed tasks by error gives up after this long (hundreds of thousands failed).
+GROUPING_TIMEOUT_MS = 2000
 #: Task statuses that are work still to do.
 LEFT = ("pending", "queued", "running")
 
@@ -46,6 +50,7 @@ class Sample:
     eta_s: float | None
     sources: list[SourceCounts] = field(default_factory=list)
     spend: Spend = field(default_factory=lambda: Spend(None))  # so far, by model and source (balancer.storage.spend)
+    error_groups: list[ErrorGroup] | None = field(default_factory=list)  # None: too many failed tasks to group in time
 
     @property
     def left(self) -> int:
@@ -106,7 +111,10 @@ class Sampler:
             except Exception as exc:  # noqa: BLE001 - Redis or PostgreSQL away: keep trying, say so on the page
                 self.error = self._describe(exc)
                 log.warning("sampling failed: %s", self.error)
-            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+            took = time.monotonic() - started
+            # Every interval, but never busier than half the time: a slow read (a huge
+            # backlog, a loaded database) spaces the next one out rather than piling up.
+            self._stop.wait(max(self.interval - took, took))
 
     def _describe(self, exc: Exception) -> str:
         """The error's first line, with no piece of a service URL's credentials (it is shown on the pages)."""
@@ -125,8 +133,10 @@ class Sampler:
         return self.sample_now()
 
     def history(self) -> list[Sample]:
+        """The samples of the last :data:`HISTORY_S`, oldest first."""
         with self._lock:
-            return list(self._buffer)
+            samples = list(self._buffer)
+        return [s for s in samples if s.at >= samples[-1].at - HISTORY_S] if samples else []
 
     def rates(self) -> dict[str, tuple[float, float]]:
         """Per model: (tokens per minute, requests per minute) over the last minute of samples."""
@@ -152,4 +162,5 @@ class Sampler:
 def take_sample(services: Services) -> Sample:
     counts, rows, counters, eta = read(services)
     return Sample(time.time(), counts, rows, counters, eta, source_counts(services.engine),
-                  spend_so_far(services.engine, services.quotas.all()))
+                  spend_so_far(services.engine, services.quotas.all()),
+                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS))
