@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 #: Rows a task search shows.
 SEARCH_LIMIT = 100
 #: A task search that reads longer is cancelled (a filter few tasks match may read the whole table).
-SEARCH_TIMEOUT_MS = 150
+SEARCH_TIMEOUT_MS = 100
 #: Ids a dry run lists before "...".
 PREVIEW_IDS = 50
 #: Quota audit rows shown, newest first.
