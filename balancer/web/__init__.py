@@ -7,5 +7,5 @@ of ``balancer quota set`` (:mod:`balancer.storage.quotas`). One module per
 concept: ``app`` (routes), ``sampler`` (the background sampler and its
 15-minute ring buffer), ``charts`` (pure SVG geometry), ``queries`` (the
 console's own read-only SQL), ``forms`` (form input to validated values),
-``security`` (token, CSRF, headers). Templates and assets are package data.
+``formatting`` (the templates' filters), ``security`` (token, CSRF, headers). Templates and assets are package data.
 """
