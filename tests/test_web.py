@@ -197,7 +197,6 @@ def test_a_prompt_with_a_script_shows_as_text(browser: Any, services: Any, super
     browser.get(f"{console.url}/tasks?source=web-test")
     assert "<script>document.title" in browser.find("td.prompt").text
     assert browser.title.startswith("Tasks")
-    shoot(browser, "tasks")
 
 
 # -- changes from the page ----------------------------------------------------------------
@@ -244,6 +243,8 @@ def test_a_retry_from_the_page_moves_a_failed_task_back_to_pending(browser: Any,
     browser.get(f"{console.url}/tasks?status=failed")
     groups = browser.find_all("table.grid")[1].text
     assert "HTTP 400 from model-0: bad request" in groups and "2" in groups
+    browser.get(f"{console.url}/tasks")
+    shoot(browser, "tasks")
     browser.get(f"{console.url}/tasks/{ids[0]}")
     shoot(browser, "task")
     browser.wait_find("#retry").click()
