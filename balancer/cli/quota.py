@@ -126,6 +126,10 @@ def latency_cell(latency: dict | None) -> str:
 @click.option("--on-disconnect", type=click.Choice(["continue", "stop", "finish"]),
               help="on_disconnect: what the backend does with a cancelled call: continue it and charge it "
                    "(its slot stays held) or stop (its slot is freed at once); finish: the old name of continue")
+@click.option("--price-input", type=float, metavar="PRICE",
+              help="price_per_million_input: what a million prompt tokens cost, in the quota file's currency")
+@click.option("--price-output", type=float, metavar="PRICE",
+              help="price_per_million_output: what a million completion tokens cost")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
@@ -140,6 +144,8 @@ def quota_set(
     accounting: str | None,
     expected_latency: float | None,
     on_disconnect: str | None,
+    price_input: float | None,
+    price_output: float | None,
     enabled: bool | None,
     create: bool,
     by: str | None,
@@ -155,13 +161,15 @@ def quota_set(
         "token_accounting": accounting,
         "expected_latency_s": expected_latency,
         "on_disconnect": on_disconnect,
+        "price_per_million_input": price_input,
+        "price_per_million_output": price_output,
         "enabled": enabled,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --expected-latency --on-disconnect --enable/--disable"
+            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable"
         )
     from balancer.domain.quota import check_model_name
 

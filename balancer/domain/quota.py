@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from balancer.domain.cost import check_currency, check_price
 from balancer.errors import QuotaError
 
 #: Model names become Celery queue names (``model.<name>``) and Redis key parts,
@@ -113,6 +114,12 @@ class Quota:
     #: non-streamed request and charges it, so the call's slot stays held until it
     #: would have ended; ``stop`` frees it at once. ``finish`` is read as ``continue``.
     on_disconnect: str = "continue"
+    #: What the model's calls cost per million prompt (input) and completion (output)
+    #: tokens, in ``currency`` (balancer.domain.cost); None: not priced. Admission ignores them.
+    price_per_million_input: float | None = None
+    price_per_million_output: float | None = None
+    #: The prices' currency, named once in the quota file (three capital letters).
+    currency: str | None = None
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -131,6 +138,9 @@ class Quota:
             raise QuotaError(f"on_disconnect must be one of {', '.join(ON_DISCONNECT)}, got {self.on_disconnect!r}")
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
+        check_price("price_per_million_input", self.price_per_million_input)
+        check_price("price_per_million_output", self.price_per_million_output)
+        check_currency(self.currency)
 
     @property
     def burst(self) -> int:

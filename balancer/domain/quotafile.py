@@ -9,6 +9,12 @@ Format::
     max_requests_per_minute = 600   # optional
     burst_tokens = 120000           # optional, default one minute of TPM
     enabled = true                  # optional, default true
+    price_per_million_input = 2.5   # optional, in the file's currency
+    price_per_million_output = 10.0 # optional
+
+with, when any model has a price, the currency named once at the top::
+
+    currency = "USD"
 
 Parsing is pure and reports the line of the first problem, so a user can fix
 the file without guessing.
@@ -22,10 +28,13 @@ from typing import Any
 
 import tomli_w
 
+from balancer.domain.cost import check_currency
 from balancer.domain.quota import Quota, check_model_name
 from balancer.errors import QuotaError
 
 _LINE = re.compile(r"\(at line (\d+), column \d+\)")
+#: A model's price fields; any of them needs the file's currency.
+PRICES = ("price_per_million_input", "price_per_million_output")
 
 
 def _line_of(text: str, model: str, key: str | None = None) -> int | None:
@@ -64,9 +73,10 @@ def parse_quota_file(text: str) -> list[Quota]:
         where = f"line {match.group(1)}: " if match else ""
         message = _LINE.sub("", str(exc)).strip()
         raise QuotaError(f"{where}invalid TOML: {message}") from None
-    unknown_top = set(data) - {"models"}
+    unknown_top = set(data) - {"models", "currency"}
     if unknown_top:
         raise QuotaError(f"unknown top-level key(s): {', '.join(sorted(unknown_top))}; expected [models.NAME] tables")
+    currency = check_currency(data.get("currency"))
     models = data.get("models", {})
     if not isinstance(models, dict):
         raise QuotaError("'models' must be a table of [models.NAME] sections")
@@ -80,8 +90,15 @@ def parse_quota_file(text: str) -> list[Quota]:
             raise QuotaError(f"{prefix}{exc}") from None
         if not isinstance(fields, dict):
             raise QuotaError(f"{prefix}models.{name} must be a table")
+        if "currency" in fields:
+            at = _line_of(text, name, "currency")
+            raise QuotaError(f"{f'line {at}: ' if at else prefix}models.{name}: the currency is named once, at the top "
+                             "of the file (currency = \"USD\")")
+        if currency is None and any(k in fields for k in PRICES):
+            raise QuotaError(f"{prefix}models.{name} has a price: name its currency once, at the top of the file "
+                             "(currency = \"USD\")")
         try:
-            quotas.append(Quota.from_dict({"name": name, **fields}))
+            quotas.append(Quota.from_dict({"name": name, **fields, **({"currency": currency} if currency else {})}))
         except (QuotaError, TypeError) as exc:
             bad_key = next((k for k in fields if k in str(exc)), None)
             at = _line_of(text, name, bad_key) if bad_key else at_header
@@ -93,8 +110,11 @@ def parse_quota_file(text: str) -> list[Quota]:
 def format_quota_file(quotas: list[Quota]) -> str:
     """Render quotas as TOML that :func:`parse_quota_file` reads back identically."""
     models: dict[str, Any] = {}
+    currencies = sorted({q.currency for q in quotas if q.currency})
+    if len(currencies) > 1:
+        raise QuotaError(f"the models name {len(currencies)} currencies ({', '.join(currencies)}); a quota file has one")
     for quota in sorted(quotas, key=lambda q: q.name):
         fields = quota.as_dict()
-        del fields["name"]
+        del fields["name"], fields["currency"]
         models[quota.name] = {k: v for k, v in fields.items() if v is not None}
-    return tomli_w.dumps({"models": models})
+    return tomli_w.dumps({**({"currency": currencies[0]} if currencies else {}), "models": models})

@@ -26,7 +26,8 @@ from balancer.storage.schema import TASK_STATUSES, task_operations, tasks
 class TaskFilter:
     """Which tasks a command acts on; every field narrows, None means any.
 
-    ``model`` matches the model a task ran on or any model it may use.
+    ``model`` matches the model a task ran on or any model it may use;
+    ``task_id`` picks one task (the web console's retry of one task).
     """
 
     status: str | None = None
@@ -34,6 +35,7 @@ class TaskFilter:
     source: str | None = None
     created_after: datetime | None = None
     created_before: datetime | None = None
+    task_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.status is not None and self.status not in TASK_STATUSES:
@@ -53,6 +55,8 @@ class TaskFilter:
             where.append(tasks.c.created_at > self.created_after)
         if self.created_before is not None:
             where.append(tasks.c.created_at < self.created_before)
+        if self.task_id is not None:
+            where.append(tasks.c.id == self.task_id)
         return where
 
     def as_dict(self) -> dict[str, str]:
@@ -60,12 +64,16 @@ class TaskFilter:
         return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in vars(self).items() if v is not None}
 
 
-def list_tasks(engine: Engine, flt: TaskFilter, *, limit: int = 50) -> list[Any]:
-    """The matching tasks, newest first, at most ``limit``."""
+def list_tasks(engine: Engine, flt: TaskFilter, *, limit: int = 50, timeout_ms: int | None = None) -> list[Any]:
+    """The matching tasks, newest first, at most ``limit``. With ``timeout_ms``, a search
+    that takes longer is cancelled (PostgreSQL's statement_timeout; SQLAlchemy raises
+    ``OperationalError``): a filter few tasks match may read the whole table."""
     columns = (tasks.c.id, tasks.c.status, tasks.c.model, tasks.c.allowed_models, tasks.c.source, tasks.c.priority,
                tasks.c.attempts, tasks.c.created_at, tasks.c.solved_at, tasks.c.error,
                sa.func.left(tasks.c.prompt, 60).label("prompt_preview"))
     with engine.connect() as conn:
+        if timeout_ms is not None:
+            conn.execute(sa.text(f"SET LOCAL statement_timeout = {int(timeout_ms)}"))
         return list(conn.execute(sa.select(*columns).where(*flt.clauses()).order_by(tasks.c.id.desc()).limit(limit)))
 
 

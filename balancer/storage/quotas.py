@@ -70,6 +70,9 @@ def _row_to_quota(row: Any) -> Quota:
         burst_requests=row.burst_requests,
         expected_latency_s=row.expected_latency_s,
         on_disconnect=row.on_disconnect,
+        price_per_million_input=row.price_per_million_input,
+        price_per_million_output=row.price_per_million_output,
+        currency=row.currency,
     )
 
 

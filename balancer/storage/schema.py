@@ -37,6 +37,9 @@ quotas = Table(
     Column("burst_requests", Integer, nullable=True),
     Column("expected_latency_s", Float, nullable=True),
     Column("on_disconnect", Text, nullable=False, server_default="continue"),
+    Column("price_per_million_input", Float, nullable=True),
+    Column("price_per_million_output", Float, nullable=True),
+    Column("currency", Text, nullable=True),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

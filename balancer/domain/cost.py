@@ -1,0 +1,149 @@
+"""What calls cost: prices per million tokens, and spend by model and by source.
+
+Pure: token counts in, money out. A model's price is two optional numbers
+from its quota (``price_per_million_input`` for prompt tokens,
+``price_per_million_output`` for completion tokens) in the one currency the
+quota file names. A model with no price costs nothing that can be counted:
+its tokens are reported as unpriced rather than as free.
+
+>>> p = Price(input=3.0, output=15.0)
+>>> p.cost(prompt_tokens=1_000_000, completion_tokens=200_000)
+6.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from balancer.errors import QuotaError
+
+#: Upper bound on a price per million tokens (a typo guard, as quotas have MAX_LIMIT).
+MAX_PRICE = 1_000_000.0
+#: A currency code as the quota file names it: three capital letters (ISO 4217 style).
+CURRENCY_LENGTH = 3
+
+
+def check_price(field_name: str, value: Any) -> float | None:
+    """None, or a finite number from 0 to :data:`MAX_PRICE` (per million tokens).
+
+    >>> check_price("p", 2), check_price("p", None)
+    (2.0, None)
+    >>> check_price("p", -1)
+    Traceback (most recent call last):
+    balancer.errors.QuotaError: p must be a number from 0 to 1000000 (per million tokens), got -1
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= MAX_PRICE:
+        raise QuotaError(f"{field_name} must be a number from 0 to {MAX_PRICE:.0f} (per million tokens), got {value!r}")
+    return float(value)
+
+
+def check_currency(value: Any) -> str | None:
+    """None, or a code of three capital letters.
+
+    >>> check_currency("EUR")
+    'EUR'
+    >>> check_currency("euro")
+    Traceback (most recent call last):
+    balancer.errors.QuotaError: currency must be three capital letters such as USD or EUR, got 'euro'
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != CURRENCY_LENGTH or not value.isascii() or not value.isupper() \
+            or not value.isalpha():
+        raise QuotaError(f"currency must be three capital letters such as USD or EUR, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Price:
+    """Per million tokens: ``input`` (prompt) and ``output`` (completion)."""
+
+    input: float
+    output: float
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """The cost of these tokens.
+
+        >>> Price(0.5, 1.5).cost(2_000, 1_000)
+        0.0025
+        """
+        return (prompt_tokens * self.input + completion_tokens * self.output) / 1_000_000
+
+
+def price_of(price_per_million_input: float | None, price_per_million_output: float | None) -> Price | None:
+    """A model's price, or None when it has neither; one missing side counts as 0.
+
+    >>> price_of(None, None) is None, price_of(2.0, None)
+    (True, Price(input=2.0, output=0.0))
+    """
+    if price_per_million_input is None and price_per_million_output is None:
+        return None
+    return Price(price_per_million_input or 0.0, price_per_million_output or 0.0)
+
+
+@dataclass
+class Spend:
+    """Money spent, by model and by source, and the tokens of models with no price."""
+
+    currency: str | None
+    total: float = 0.0
+    by_model: dict[str, float] = field(default_factory=dict)
+    by_source: dict[str, float] = field(default_factory=dict)
+    unpriced_tokens: dict[str, int] = field(default_factory=dict)  # model -> prompt + completion tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"currency": self.currency, "total": round(self.total, 6),
+                "by_model": {k: round(v, 6) for k, v in sorted(self.by_model.items())},
+                "by_source": {k: round(v, 6) for k, v in sorted(self.by_source.items())},
+                "unpriced_tokens": dict(sorted(self.unpriced_tokens.items()))}
+
+
+def spend(usage: Iterable[tuple[str, str, int, int]], prices: Mapping[str, Price | None], currency: str | None) -> Spend:
+    """Spend from ``(source, model, prompt tokens, completion tokens)`` rows.
+
+    >>> s = spend([("crm", "a", 1_000_000, 0), ("crm", "b", 0, 1_000_000), ("web", "a", 0, 2_000_000)],
+    ...           {"a": Price(1.0, 4.0), "b": None}, "USD")
+    >>> s.total, s.by_model, s.by_source, s.unpriced_tokens
+    (9.0, {'a': 9.0}, {'crm': 1.0, 'web': 8.0}, {'b': 1000000})
+    """
+    out = Spend(currency)
+    for source, model, prompt_tokens, completion_tokens in usage:
+        price = prices.get(model)
+        if price is None:
+            out.unpriced_tokens[model] = out.unpriced_tokens.get(model, 0) + prompt_tokens + completion_tokens
+            continue
+        amount = price.cost(prompt_tokens, completion_tokens)
+        out.total += amount
+        out.by_model[model] = out.by_model.get(model, 0.0) + amount
+        out.by_source[source] = out.by_source.get(source, 0.0) + amount
+    return out
+
+
+def money(amount: float, currency: str | None) -> str:
+    """An amount for a person: two decimals, four below one cent (so small runs do not read as 0).
+
+    >>> money(1234.5, "USD"), money(0.00123, "EUR"), money(0, None)
+    ('1,234.50 USD', '0.0012 EUR', '0.00')
+    """
+    text = f"{amount:,.4f}" if 0 < abs(amount) < 0.01 else f"{amount:,.2f}"
+    return f"{text} {currency}" if currency else text
+
+
+def spend_text(s: Spend) -> str:
+    """One line for ``balancer status``: the total, then per model, then the models with no price.
+
+    >>> spend_text(Spend("USD", 3.5, {"a": 3.0, "b": 0.5}, {"crm": 3.5}, {"c": 1200}))
+    'spent: 3.50 USD (a 3.00 USD, b 0.50 USD); unpriced: c 1,200 tokens'
+    """
+    text = f"spent: {money(s.total, s.currency)}"
+    if s.by_model:
+        text += " (" + ", ".join(f"{m} {money(v, s.currency)}" for m, v in sorted(s.by_model.items())) + ")"
+    if s.unpriced_tokens:
+        text += "; unpriced: " + ", ".join(f"{m} {n:,} tokens" for m, n in sorted(s.unpriced_tokens.items()))
+    return text

@@ -1,0 +1,144 @@
+"""Prices per model and spend so far: the maths on hand-made cases, the quota file, and `status`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from balancer.cli import main
+from balancer.domain.cost import Price, money, price_of, spend
+from balancer.domain.quota import Quota
+from balancer.domain.quotafile import format_quota_file, parse_quota_file
+from balancer.errors import QuotaError
+
+PRICED = """\
+currency = "EUR"
+
+[models.big]
+max_concurrent_requests = 2
+max_tokens_per_minute = 100000
+price_per_million_input = 3
+price_per_million_output = 15.0
+
+[models.small]
+max_concurrent_requests = 4
+max_tokens_per_minute = 100000
+price_per_million_input = 0.25
+
+[models.free]
+max_concurrent_requests = 1
+max_tokens_per_minute = 1000
+"""
+
+
+def test_spend_by_model_and_source_on_hand_made_counts() -> None:
+    prices = {"big": Price(3.0, 15.0), "small": Price(0.25, 0.0), "free": None}
+    usage = [
+        ("crm", "big", 200_000, 100_000),     # 0.6 + 1.5 = 2.1
+        ("crm", "small", 4_000_000, 999_999),  # 1.0 + 0 = 1.0
+        ("etl", "big", 0, 20_000),             # 0.3
+        ("etl", "free", 5_000, 5_000),         # unpriced: 10,000 tokens
+    ]
+    s = spend(usage, prices, "EUR")
+    assert s.total == pytest.approx(3.4)
+    assert s.by_model == pytest.approx({"big": 2.4, "small": 1.0})
+    assert s.by_source == pytest.approx({"crm": 3.1, "etl": 0.3})
+    assert s.unpriced_tokens == {"free": 10_000}
+    assert spend([], prices, None).as_dict() == {"currency": None, "total": 0.0, "by_model": {}, "by_source": {},
+                                                 "unpriced_tokens": {}}
+
+
+def test_a_price_with_one_side_given_counts_the_other_as_zero() -> None:
+    assert price_of(None, 8.0) == Price(0.0, 8.0)
+    assert Price(0.0, 8.0).cost(1_000_000, 500_000) == 4.0
+    assert money(4.0, "EUR") == "4.00 EUR" and money(0.004, "USD") == "0.0040 USD"
+
+
+def test_the_quota_file_names_the_currency_once_and_round_trips() -> None:
+    quotas = {q.name: q for q in parse_quota_file(PRICED)}
+    assert quotas["big"].price_per_million_input == 3 and quotas["big"].price_per_million_output == 15.0
+    assert quotas["small"].price_per_million_output is None
+    assert {q.currency for q in quotas.values()} == {"EUR"}
+    text = format_quota_file(list(quotas.values()))
+    assert text.startswith('currency = "EUR"\n') and text.count("currency") == 1
+    assert parse_quota_file(text) == sorted(quotas.values(), key=lambda q: q.name)
+    unpriced = "[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\n"
+    assert "currency" not in format_quota_file(parse_quota_file(unpriced))
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\nprice_per_million_input = 2\n",
+     "models.a has a price: name its currency once, at the top of the file"),
+    ('currency = "USD"\n[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\ncurrency = "EUR"\n',
+     "line 5: models.a: the currency is named once, at the top of the file"),
+    ('currency = "dollars"\n[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\n',
+     "currency must be three capital letters"),
+    ('currency = "USD"\n[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\nprice_per_million_output = -1\n',
+     "price_per_million_output must be a number from 0 to 1000000"),
+    ('currency = "USD"\n[models.a]\nmax_concurrent_requests = 1\nmax_tokens_per_minute = 5\nprice_per_million_input = nan\n',
+     "price_per_million_input must be a number"),
+])
+def test_bad_prices_are_refused_with_the_reason(text: str, message: str) -> None:
+    with pytest.raises(QuotaError, match=message):
+        parse_quota_file(text)
+
+
+def test_two_currencies_cannot_be_exported_into_one_file() -> None:
+    with pytest.raises(QuotaError, match="2 currencies"):
+        format_quota_file([Quota("a", 1, 5, currency="USD"), Quota("b", 1, 5, currency="EUR")])
+
+
+@pytest.mark.usefixtures("migrated")
+def test_status_shows_spend_so_far_per_model_and_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Prices imported from the quota file are stored (and audited); `status` prices the
+    solved tasks' reported tokens by the model that answered, per model and per source."""
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.schema import tasks
+
+    (tmp_path / "quotas.toml").write_text(PRICED)
+    assert main(["quota", "import", str(tmp_path / "quotas.toml")]) == 0
+    svc = Services.connect(Settings.from_env())
+    assert svc.quotas.get("big").price_per_million_output == 15.0  # type: ignore[union-attr]
+    assert svc.quotas.history("big")[-1]["new_value"]["currency"] == "EUR"
+    rows = [  # (source, model, status, prompt tokens, completion tokens)
+        ("crm", "big", "solved", 100_000, 100_000),   # 0.3 + 1.5
+        ("crm", "small", "solved", 2_000_000, 50_000),  # 0.5
+        ("etl", "big", "solved", 0, 10_000),          # 0.15
+        ("etl", "free", "solved", 7, 3),              # unpriced
+        ("etl", "big", "failed", 900_000, 900_000),   # not answered: not spent
+    ]
+    with svc.engine.begin() as conn:
+        conn.execute(sa.insert(tasks), [
+            {"source": s, "prompt": "p", "status": st, "model": m, "max_tokens": 10, "estimated_tokens": 20,
+             "prompt_tokens": pt, "completion_tokens": ct} for s, m, st, pt, ct in rows])
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    spent = json.loads(capsys.readouterr().out)["spend"]
+    assert spent["currency"] == "EUR" and spent["total"] == pytest.approx(2.45)
+    assert spent["by_model"] == pytest.approx({"big": 1.95, "small": 0.5})
+    assert spent["by_source"] == pytest.approx({"crm": 2.3, "etl": 0.15})
+    assert spent["unpriced_tokens"] == {"free": 10}
+    assert main(["status"]) == 0
+    assert "spent: 2.45 EUR (big 1.95 EUR, small 0.50 EUR); unpriced: free 10 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("migrated")
+def test_quota_set_changes_a_price_with_the_same_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from balancer.services import Services
+    from balancer.settings import Settings
+
+    (tmp_path / "quotas.toml").write_text(PRICED)
+    assert main(["quota", "import", str(tmp_path / "quotas.toml")]) == 0
+    assert main(["quota", "set", "big", "--price-output", "20"]) == 0
+    svc = Services.connect(Settings.from_env())
+    big = svc.quotas.get("big")
+    assert big is not None and (big.price_per_million_input, big.price_per_million_output, big.currency) == (3, 20, "EUR")
+    capsys.readouterr()
+    assert main(["quota", "set", "big", "--price-input", "-1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: price_per_million_input must be a number from 0 to 1000000 (per million tokens), got -1.0"]
+    assert svc.quotas.get("big") == big
