@@ -30,6 +30,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected, Settlement, keys
 
@@ -142,8 +143,8 @@ class Admissions:
         return Waiting(decision.wait_ms if isinstance(decision, NotNow) else None)
 
     def _lease_of(self, admission_id: str) -> str | None:
-        raw = self.redis.get(keys.router_admission(self.namespace, admission_id))
-        return None if raw is None else bytes(raw).decode()
+        raw: Any = self.redis.get(keys.router_admission(self.namespace, admission_id))
+        return None if raw is None else raw.decode()
 
     def complete(self, admission_id: str, used_tokens: int | None) -> bool | None:
         """Settle and free the slot: whether this call freed it (False: already
