@@ -24,8 +24,8 @@ callers and pipeline workers draw from one budget per model:
 
 The Redis calls (blocking redis-py, each with socket timeouts) run in the
 thread pool, never on the event loop: a stalled Redis holds the requests that
-need it, not every request (the guards, validation, ``/openapi.json``). The
-pool's hand-offs cost some throughput (docs/benchmarks.md, the router section).
+need it, not every request (the guards, validation, ``/openapi.json``).
+Measured against the calls on the loop: docs/benchmarks.md, the router section.
 Reading a request's head and body has a deadline (:mod:`balancer.router.server`).
 
 Errors are 4xx with a ``detail`` that says why: malformed JSON (NaN and
@@ -33,7 +33,8 @@ infinities included), a field out of range, an unknown model, an admission
 id of the wrong shape, an estimate no model can ever take (422), a body over
 16 KiB (413), a missing or wrong bearer token (401), an ``Idempotency-Key``
 whose first ``/schedule`` is still being answered (409). Redis unreachable is
-a 503. No detail echoes the input back.
+a 503. A validation error's detail says where and why, not what was sent;
+the unknown model names that are sent back go out as ASCII JSON (:class:`SafeJSON`).
 """
 
 from __future__ import annotations
