@@ -468,3 +468,26 @@ def test_a_stalled_redis_does_not_stall_the_event_loop(svc: Services) -> None:
         conn.close()
     assert result == [503]  # the stalled call ends as Redis unavailable, after its socket timeout
     assert answered_in < 2, answered_in  # not after the 4 s socket timeout
+
+
+def test_concurrent_retries_of_one_schedule_share_one_admission(url: str, svc: Services) -> None:
+    """Eight copies of one logical /schedule at once (one key): whichever comes
+    second is answered the first's admission, or a 409 the client retries."""
+    import threading
+
+    key = "c" * 24
+    got: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def retry() -> None:
+        with RouterClient(url) as client:
+            barrier.wait()
+            got.append(client.schedule(100, ["wide"], key)["admission_id"])
+
+    threads = [threading.Thread(target=retry) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got) == 8 and len(set(got)) == 1, got
+    assert in_flight(svc, "wide") == 1
