@@ -13,6 +13,11 @@ Backend, complete on exit with the actual tokens if the caller set them::
         async with client.slot(1_800, models=["gpt-a"]) as slot:
             ...
 
+Each logical ``/schedule`` carries an ``Idempotency-Key`` of its own
+(:func:`idempotency_key`), sent again on its retries (a read timeout, a 5xx,
+a 409 while the first try is still being answered), so a retry gets the same
+admission instead of holding a second slot.
+
 A slot whose heartbeat comes back ``not_found`` (the lease expired, e.g.
 after a long stall) is marked ``slot.lost``; the call in flight goes on, and
 the caller may treat the quota as not held any more.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -33,7 +39,7 @@ from typing import Any
 
 import httpx
 
-#: Retries of a request that got no answer (connection refused, timeout) or a 503, with back-off.
+#: Retries of a request that got no answer (connection refused, timeout), a 5xx or a 409, with back-off.
 RETRIES = 5
 
 
@@ -50,7 +56,7 @@ class Slot:
     """One admission: call ``model`` now; set ``actual_tokens`` before the block ends."""
 
     model: str
-    task_id: str
+    admission_id: str
     lease_ms: int
     actual_tokens: int | None = None
     lost: bool = False  # a heartbeat found the lease gone
@@ -60,15 +66,20 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _schedule_body(estimated_tokens: int, models: Sequence[str] | None, priority: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"estimated_tokens": estimated_tokens, "priority": priority}
+def idempotency_key() -> str:
+    """A fresh ``Idempotency-Key``: one per logical ``/schedule``."""
+    return secrets.token_urlsafe(24)
+
+
+def _schedule_body(estimated_tokens: int, models: Sequence[str] | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"estimated_tokens": estimated_tokens}
     if models:
         body["models"] = list(models)
     return body
 
 
 def _complete_body(slot: Slot) -> dict[str, Any]:
-    body: dict[str, Any] = {"task_id": slot.task_id}
+    body: dict[str, Any] = {"admission_id": slot.admission_id}
     if slot.actual_tokens is not None:
         body["actual_tokens"] = slot.actual_tokens
     return body
@@ -76,8 +87,8 @@ def _complete_body(slot: Slot) -> dict[str, Any]:
 
 def _slot_or_pause(reply: dict[str, Any], give_up: float | None, estimated_tokens: int) -> Slot | float:
     """A ``/schedule`` reply as the slot it grants, or the seconds to sleep before asking again."""
-    if "task_id" in reply:
-        return Slot(reply["model_backend_id"], reply["task_id"], int(reply["lease_ms"]))
+    if "admission_id" in reply:
+        return Slot(reply["model_backend_id"], reply["admission_id"], int(reply["lease_ms"]))
     pause = float(reply["wait_for_ms"]) / 1000
     if give_up is not None and time.monotonic() + pause > give_up:
         raise TimeoutError(f"no slot for {estimated_tokens} tokens before the timeout")
@@ -98,7 +109,7 @@ def _json(response: httpx.Response) -> Any:
 def _retryable(exc: Exception) -> bool:
     if isinstance(exc, httpx.TransportError):
         return True
-    return isinstance(exc, RouterError) and exc.status >= 500
+    return isinstance(exc, RouterError) and (exc.status >= 500 or exc.status == 409)
 
 
 def _backoff(attempt: int) -> float:
@@ -126,33 +137,36 @@ class RouterClient:
     def close(self) -> None:
         self._http.close()
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              headers: dict[str, str] | None = None) -> Any:
         for attempt in range(RETRIES + 1):
             try:
-                return _json(self._http.request(method, path, json=body))
+                return _json(self._http.request(method, path, json=body, headers=headers))
             except (httpx.TransportError, RouterError) as exc:
                 if not _retryable(exc) or attempt == RETRIES:
                     raise
                 time.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
 
-    def schedule(self, estimated_tokens: int, models: Sequence[str] | None = None, priority: int = 0) -> dict[str, Any]:
-        """One ``/schedule``: ``{"model_backend_id", "task_id", ...}`` or ``{"wait_for_ms"}``."""
-        return dict(self._call("POST", "/schedule", _schedule_body(estimated_tokens, models, priority)))
+    def schedule(self, estimated_tokens: int, models: Sequence[str] | None = None, key: str | None = None) -> dict[str, Any]:
+        """One ``/schedule``: ``{"model_backend_id", "admission_id", ...}`` or ``{"wait_for_ms"}``.
+        Retried under one ``Idempotency-Key`` (``key``, or a fresh one)."""
+        headers = {"Idempotency-Key": key or idempotency_key()}
+        return dict(self._call("POST", "/schedule", _schedule_body(estimated_tokens, models), headers))
 
-    def acquire(self, estimated_tokens: int, models: Sequence[str] | None = None, priority: int = 0,
-                timeout: float | None = None) -> Slot:
+    def acquire(self, estimated_tokens: int, models: Sequence[str] | None = None, timeout: float | None = None) -> Slot:
         """Schedule until admitted, sleeping each ``wait_for_ms``; TimeoutError after ``timeout`` seconds."""
         give_up = None if timeout is None else time.monotonic() + timeout
+        key = idempotency_key()  # one logical schedule: a wait answer frees the key for the next try
         while True:
-            admitted = _slot_or_pause(self.schedule(estimated_tokens, models, priority), give_up, estimated_tokens)
+            admitted = _slot_or_pause(self.schedule(estimated_tokens, models, key), give_up, estimated_tokens)
             if isinstance(admitted, Slot):
                 return admitted
             time.sleep(admitted)
 
-    def heartbeat(self, task_id: str) -> bool:
+    def heartbeat(self, admission_id: str) -> bool:
         """Extend the lease; False if it is gone (expired or completed)."""
-        return bool(self._call("POST", "/heartbeat", {"task_id": task_id})["ok"])
+        return bool(self._call("POST", "/heartbeat", {"admission_id": admission_id})["ok"])
 
     def complete(self, slot: Slot) -> bool:
         """Free the slot, settling ``slot.actual_tokens``; True if this call released it."""
@@ -162,20 +176,20 @@ class RouterClient:
         return dict(self._call("GET", "/advice"))
 
     @contextlib.contextmanager
-    def slot(self, estimated_tokens: int, models: Sequence[str] | None = None, priority: int = 0,
+    def slot(self, estimated_tokens: int, models: Sequence[str] | None = None,
              timeout: float | None = None) -> Iterator[Slot]:
         """Acquire a slot, heartbeat it in a background thread, complete it on exit (even on error)."""
-        slot = self.acquire(estimated_tokens, models, priority, timeout)
+        slot = self.acquire(estimated_tokens, models, timeout)
         stop = threading.Event()
 
         def beat() -> None:
             while not stop.wait(_heartbeat_every(slot)):
                 with contextlib.suppress(httpx.TransportError, RouterError):  # the next beat tries again
-                    if not self.heartbeat(slot.task_id):
+                    if not self.heartbeat(slot.admission_id):
                         slot.lost = True
                         return
 
-        beater = threading.Thread(target=beat, name=f"heartbeat-{slot.task_id}", daemon=True)
+        beater = threading.Thread(target=beat, name=f"heartbeat-{slot.model}", daemon=True)
         beater.start()
         try:
             yield slot
@@ -201,30 +215,34 @@ class AsyncRouterClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+                    headers: dict[str, str] | None = None) -> Any:
         for attempt in range(RETRIES + 1):
             try:
-                return _json(await self._http.request(method, path, json=body))
+                return _json(await self._http.request(method, path, json=body, headers=headers))
             except (httpx.TransportError, RouterError) as exc:
                 if not _retryable(exc) or attempt == RETRIES:
                     raise
                 await asyncio.sleep(_backoff(attempt))
         raise AssertionError("unreachable")
 
-    async def schedule(self, estimated_tokens: int, models: Sequence[str] | None = None, priority: int = 0) -> dict[str, Any]:
-        return dict(await self._call("POST", "/schedule", _schedule_body(estimated_tokens, models, priority)))
+    async def schedule(self, estimated_tokens: int, models: Sequence[str] | None = None,
+                       key: str | None = None) -> dict[str, Any]:
+        headers = {"Idempotency-Key": key or idempotency_key()}
+        return dict(await self._call("POST", "/schedule", _schedule_body(estimated_tokens, models), headers))
 
-    async def acquire(self, estimated_tokens: int, models: Sequence[str] | None = None, priority: int = 0,
+    async def acquire(self, estimated_tokens: int, models: Sequence[str] | None = None,
                       timeout: float | None = None) -> Slot:
         give_up = None if timeout is None else time.monotonic() + timeout
+        key = idempotency_key()
         while True:
-            admitted = _slot_or_pause(await self.schedule(estimated_tokens, models, priority), give_up, estimated_tokens)
+            admitted = _slot_or_pause(await self.schedule(estimated_tokens, models, key), give_up, estimated_tokens)
             if isinstance(admitted, Slot):
                 return admitted
             await asyncio.sleep(admitted)
 
-    async def heartbeat(self, task_id: str) -> bool:
-        return bool((await self._call("POST", "/heartbeat", {"task_id": task_id}))["ok"])
+    async def heartbeat(self, admission_id: str) -> bool:
+        return bool((await self._call("POST", "/heartbeat", {"admission_id": admission_id}))["ok"])
 
     async def complete(self, slot: Slot) -> bool:
         return bool((await self._call("POST", "/complete", _complete_body(slot)))["released"])
@@ -233,16 +251,16 @@ class AsyncRouterClient:
         return dict(await self._call("GET", "/advice"))
 
     @contextlib.asynccontextmanager
-    async def slot(self, estimated_tokens: int, models: Sequence[str] | None = None, priority: int = 0,
+    async def slot(self, estimated_tokens: int, models: Sequence[str] | None = None,
                    timeout: float | None = None) -> AsyncIterator[Slot]:
         """Acquire a slot, heartbeat it in a background task, complete it on exit (even on error)."""
-        slot = await self.acquire(estimated_tokens, models, priority, timeout)
+        slot = await self.acquire(estimated_tokens, models, timeout)
 
         async def beat() -> None:
             while True:
                 await asyncio.sleep(_heartbeat_every(slot))
                 with contextlib.suppress(httpx.TransportError, RouterError):
-                    if not await self.heartbeat(slot.task_id):
+                    if not await self.heartbeat(slot.admission_id):
                         slot.lost = True
                         return
 

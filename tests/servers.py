@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -14,10 +14,11 @@ from balancer.devtools.embedded import free_port
 
 
 @contextlib.contextmanager
-def served(app: Any) -> Iterator[str]:
-    """``app`` on ``http://127.0.0.1:<port>`` until the block ends; yields the URL."""
+def served(app: Any, configure: Callable[..., uvicorn.Config] = uvicorn.Config, **options: Any) -> Iterator[str]:
+    """``app`` on ``http://127.0.0.1:<port>`` until the block ends; yields the URL.
+    ``configure(app, host=, port=, **options)`` builds the server's configuration."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(configure(app, host="127.0.0.1", port=port, log_level="warning", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10

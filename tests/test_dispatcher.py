@@ -201,3 +201,28 @@ def test_reconcile_returns_tasks_stuck_past_their_deadline(svc: Services) -> Non
     assert [state[i][0] for i in ids] == ["pending", "pending", "queued"]
     assert "deadline passed while queued" in state[ids[0]][2] and "while running" in state[ids[1]][2]
     assert state[ids[0]][1] is None  # unbound: the dispatcher may pick any model again
+
+
+def test_a_failed_commit_withdraws_what_the_round_admitted(svc: Services) -> None:
+    """R4: the round admits in Redis inside its PostgreSQL transaction. When the
+    commit fails, the slots and tokens it admitted are handed back at once, not
+    held until their leases expire."""
+    svc.quotas.replace_all([Quota("a", 3, 60, burst_tokens=800)])  # tokens for 3 tasks; refill 1/s
+    ids = add(svc, [{"prompt": f"t{i}", "max_tokens": 250} for i in range(5)])
+    with svc.engine.begin() as conn:  # a commit PostgreSQL refuses: a deferred check fails at COMMIT
+        conn.execute(sa.text("CREATE FUNCTION refuse_queued() RETURNS trigger LANGUAGE plpgsql AS "
+                             "$$ BEGIN RAISE EXCEPTION 'commit refused'; END $$"))
+        conn.execute(sa.text("CREATE CONSTRAINT TRIGGER refuse_queued AFTER UPDATE ON tasks "
+                             "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.status = 'queued') "
+                             "EXECUTE FUNCTION refuse_queued()"))
+    sent: list[Assignment] = []
+    with pytest.raises(sa.exc.DBAPIError, match="commit refused"):
+        dispatch(svc, sent.extend)
+    assert sent == []
+    assert all(status == "pending" for status, _, _ in statuses(svc).values())
+    assert svc.core.live()["a"].in_flight == 0  # the slots are free now
+    with svc.engine.begin() as conn:
+        conn.execute(sa.text("DROP TRIGGER refuse_queued ON tasks"))
+    report = dispatch(svc, sent.extend)
+    # The three slots, and the tokens for three tasks: none was kept by the failed round.
+    assert report.admitted == 3 and [a.task_id for a in sent] == ids[:3]

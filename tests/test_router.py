@@ -8,6 +8,7 @@ pipeline on one model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from balancer.client import RouterClient, RouterError
 from balancer.domain.quota import Quota
+from balancer.router import server
 from balancer.router.app import MAX_BODY_BYTES, asgi, create_app
 from balancer.services import Services
 from balancer.settings import Settings
@@ -30,6 +32,7 @@ from tests.servers import served
 pytestmark = pytest.mark.usefixtures("migrated")
 
 LEASE_MS = 1500
+READ_TIMEOUT_S = 1.0
 TOKEN = "s3cret-router-token"
 
 
@@ -45,7 +48,8 @@ def svc() -> Services:
 
 def serve_router(svc: Services, token: str | None = None) -> Iterator[str]:
     core = svc.core.with_lease(LEASE_MS)
-    with served(asgi(create_app(core, lease_ms=LEASE_MS, token=token, rng=random.Random(5)))) as url:
+    app = asgi(create_app(core, lease_ms=LEASE_MS, token=token, rng=random.Random(5)))
+    with served(app, server.config, read_timeout_s=READ_TIMEOUT_S) as url:
         yield url
 
 
@@ -59,18 +63,18 @@ def in_flight(svc: Services, model: str) -> int:
 
 
 def test_schedule_heartbeat_complete(url: str, svc: Services) -> None:
-    """The seed's flow: a model and a task id; the slot is held until /complete;
+    """The seed's flow: a model and an admission id; the slot is held until /complete;
     a second /complete is harmless; a heartbeat after it finds nothing."""
     reply = httpx.post(f"{url}/schedule", json={"estimated_tokens": 500, "models": ["solo"]}).json()
     assert reply["model_backend_id"] == "solo" and reply["lease_ms"] == LEASE_MS
     assert in_flight(svc, "solo") == 1
-    assert httpx.post(f"{url}/heartbeat", json={"task_id": reply["task_id"]}).json() == {"ok": True, "reason": None}
-    first = httpx.post(f"{url}/complete", json={"task_id": reply["task_id"], "actual_tokens": 420})
-    assert first.status_code == 200 and first.json() == {"ok": True, "released": True}
+    assert httpx.post(f"{url}/heartbeat", json={"admission_id": reply["admission_id"]}).json() == {"ok": True, "reason": None}
+    first = httpx.post(f"{url}/complete", json={"admission_id": reply["admission_id"], "actual_tokens": 420})
+    assert first.status_code == 200 and first.json() == {"ok": True, "released": True, "reason": None}
     assert in_flight(svc, "solo") == 0
-    again = httpx.post(f"{url}/complete", json={"task_id": reply["task_id"]})
-    assert again.status_code == 200 and again.json() == {"ok": True, "released": False}
-    gone = httpx.post(f"{url}/heartbeat", json={"task_id": reply["task_id"]}).json()
+    again = httpx.post(f"{url}/complete", json={"admission_id": reply["admission_id"]})
+    assert again.status_code == 200 and again.json() == {"ok": True, "released": False, "reason": None}
+    gone = httpx.post(f"{url}/heartbeat", json={"admission_id": reply["admission_id"]}).json()
     assert gone == {"ok": False, "reason": "not_found"}
 
 
@@ -84,8 +88,8 @@ def test_a_full_model_answers_a_tick_aligned_wait(url: str, svc: Services) -> No
     assert all(w == 50 or w % 100 == 0 for w in waits), waits
     assert all(w <= 1100 for w in waits), waits  # not the 1.5 s lease deadline
     assert waits[0] >= 100  # asked right away: most of the lease is left
-    httpx.post(f"{url}/complete", json={"task_id": held["task_id"]})
-    assert "task_id" in httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}).json()
+    httpx.post(f"{url}/complete", json={"admission_id": held["admission_id"]})
+    assert "admission_id" in httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}).json()
 
 
 def test_a_slot_without_heartbeats_is_reclaimed_and_with_them_is_kept(url: str, svc: Services) -> None:
@@ -94,7 +98,7 @@ def test_a_slot_without_heartbeats_is_reclaimed_and_with_them_is_kept(url: str, 
     while in_flight(svc, "solo") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert in_flight(svc, "solo") == 0  # expired: the slot is free again
-    assert httpx.post(f"{url}/heartbeat", json={"task_id": abandoned["task_id"]}).json()["ok"] is False
+    assert httpx.post(f"{url}/heartbeat", json={"admission_id": abandoned["admission_id"]}).json()["ok"] is False
 
     with RouterClient(url) as client, client.slot(100, models=["solo"]) as slot:
         started = time.monotonic()
@@ -110,14 +114,14 @@ def test_a_killed_client_frees_its_slot_by_lease_expiry(url: str, svc: Services)
         "import sys, time\n"
         "from balancer.client import RouterClient\n"
         f"with RouterClient({url!r}).slot(100, models=['solo']) as slot:\n"
-        "    print(slot.task_id, flush=True)\n"
+        "    print(slot.admission_id, flush=True)\n"
         "    time.sleep(600)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
-        task_id = child.stdout.readline().strip()
-        assert task_id and in_flight(svc, "solo") == 1
+        admission_id = child.stdout.readline().strip()
+        assert admission_id and in_flight(svc, "solo") == 1
         score = svc.core.raw_state()["models"]["solo"]["inflight"][0][0]
         deadline = time.monotonic() + 10  # the child heartbeats: the lease moves forward
         while svc.core.raw_state()["models"]["solo"]["inflight"][0][0] == score:
@@ -129,7 +133,7 @@ def test_a_killed_client_frees_its_slot_by_lease_expiry(url: str, svc: Services)
         while in_flight(svc, "solo"):
             assert time.monotonic() - killed_at < LEASE_MS / 1000 + 5, "the dead client's slot was not reclaimed"
             time.sleep(0.05)
-        assert httpx.post(f"{url}/heartbeat", json={"task_id": task_id}).json()["reason"] == "not_found"
+        assert httpx.post(f"{url}/heartbeat", json={"admission_id": admission_id}).json()["reason"] == "not_found"
     finally:
         child.kill()
         child.wait(timeout=10)
@@ -156,7 +160,7 @@ def test_schedule_refuses_bad_bodies_with_a_reason(url: str, body: dict, status:
 def test_malformed_json_unknown_tasks_and_huge_bodies(url: str) -> None:
     bad = httpx.post(f"{url}/schedule", content=b"{not json", headers={"content-type": "application/json"})
     assert bad.status_code == 422 and "JSON" in json.dumps(bad.json()["detail"])
-    unknown = httpx.post(f"{url}/complete", json={"task_id": "../etc/passwd"})
+    unknown = httpx.post(f"{url}/complete", json={"admission_id": "../etc/passwd"})
     assert unknown.status_code == 422 and "pattern" in json.dumps(unknown.json()["detail"])
     huge = {"estimated_tokens": 1, "models": ["x" * 100] * 200}
     assert httpx.post(f"{url}/schedule", json=huge).status_code == 413
@@ -209,14 +213,14 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=15), inner, max_size=4),
     max_leaves=12,
 )
-fields = st.sampled_from(["estimated_tokens", "models", "priority", "task_id", "actual_tokens", "x"])
+fields = st.sampled_from(["estimated_tokens", "models", "admission_id", "actual_tokens", "x"])
 bodies = st.one_of(
     json_values,
     st.dictionaries(fields, json_values, max_size=4),
     st.fixed_dictionaries({"estimated_tokens": st.integers(-10, 200_000)},
-                          optional={"models": st.lists(st.sampled_from(["solo", "wide", "nope", ""]), max_size=3),
-                                    "priority": st.integers(-(2**40), 2**40)}),
-    st.fixed_dictionaries({"task_id": st.from_regex(r"[0-9]{1,20}-[0-9]{1,20}", fullmatch=True) | st.text(max_size=25)},
+                          optional={"models": st.lists(st.sampled_from(["solo", "wide", "nope", ""]), max_size=3)}),
+    st.fixed_dictionaries({"admission_id": st.from_regex(r"[0-9]{1,20}-[0-9]{1,20}", fullmatch=True)
+                           | st.from_regex(r"rt_[A-Za-z0-9_-]{32}", fullmatch=True) | st.text(max_size=25)},
                           optional={"actual_tokens": st.integers(-10, 2**40)}),
 )
 
@@ -228,8 +232,8 @@ def test_fuzzed_bodies_get_no_5xx_and_every_4xx_says_why(url: str, path: str, bo
     assert reply.status_code < 500, (path, body, reply.text)
     if reply.status_code >= 400:
         assert reply.json()["detail"], (path, body, reply.text)
-    elif path == "/schedule" and "task_id" in reply.json():
-        httpx.post(f"{url}/complete", json={"task_id": reply.json()["task_id"]})  # keep the slots free
+    elif path == "/schedule" and "admission_id" in reply.json():
+        httpx.post(f"{url}/complete", json={"admission_id": reply.json()["admission_id"]})  # keep the slots free
 
 
 def test_the_async_client_holds_heartbeats_and_completes(url: str, svc: Services) -> None:
@@ -289,3 +293,201 @@ def test_the_token_never_reaches_the_logs(migrated: dict[str, str], tmp_path) ->
     text = log.read_text()
     assert "/advice" in text and "401" in text  # the access log did log the requests
     assert TOKEN not in text and TOKEN[::-1] not in text
+
+
+# -- R5: ids, idempotency, malformed bodies, slow clients, a stalled Redis -------------------------
+def test_complete_and_heartbeat_refuse_ids_the_router_did_not_issue(url: str, svc: Services) -> None:
+    """A pipeline call's admission id (the core's ``<epoch>-<sequence>``) is refused by
+    both endpoints and its slot stays taken; a router id no /schedule returned is not found."""
+    from balancer.admission import Candidate
+
+    [pipeline] = svc.core.admit([Candidate(100, ("wide",))])  # as the dispatcher admits a pipeline call
+    router_call = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["wide"]}).json()
+    assert router_call["admission_id"].startswith("rt_") and len(router_call["admission_id"]) == 35
+    lease = svc.core.raw_state()["models"]["wide"]["inflight"]
+    assert len(lease) == 2
+    for path in ("/complete", "/heartbeat"):
+        for core_id in (pipeline.admission_id, *(lid for _, lid in lease)):  # every id the core holds
+            refused = httpx.post(f"{url}{path}", json={"admission_id": core_id})
+            assert refused.status_code == 422, refused.text
+    guessed = "rt_" + "A" * 32
+    assert httpx.post(f"{url}/complete", json={"admission_id": guessed}).json() == {
+        "ok": False, "released": False, "reason": "not_found"}
+    assert httpx.post(f"{url}/heartbeat", json={"admission_id": guessed}).json() == {"ok": False, "reason": "not_found"}
+    assert in_flight(svc, "wide") == 2  # both slots still held
+    assert httpx.post(f"{url}/complete", json={"admission_id": router_call["admission_id"]}).json()["released"] is True
+    assert in_flight(svc, "wide") == 1  # only the router's own
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"estimated_tokens": NaN}',
+    b'{"estimated_tokens": Infinity}',
+    b'{"estimated_tokens": -Infinity, "models": ["solo"]}',
+    b'{"estimated_tokens": 1e400}',
+    b'{"estimated_tokens": 10, "models": ["\\ud800"]}',
+    b'{"estimated_tokens": 10, "\\ud800": 1}',
+    b'{"estimated_tokens": "\\ud800"}',
+    b'{"admission_id": "\\ud800"}',
+    b'{"admission_id": NaN}',
+])
+def test_every_malformed_body_is_a_422_without_a_traceback(url: str, raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    for path in ("/schedule", "/complete", "/heartbeat"):
+        reply = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"})
+        assert reply.status_code == 422, (path, raw, reply.status_code, reply.text)
+        assert reply.json()["detail"]
+    assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]  # uvicorn logs a 500's traceback
+
+
+def test_a_retried_schedule_gets_the_same_admission(url: str, svc: Services) -> None:
+    key = "k" * 20
+    first = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["wide"]},
+                       headers={"Idempotency-Key": key}).json()
+    again = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["wide"]},
+                       headers={"Idempotency-Key": key}).json()
+    assert again == first and in_flight(svc, "wide") == 1
+    other_body = httpx.post(f"{url}/schedule", json={"estimated_tokens": 200, "models": ["wide"]},
+                            headers={"Idempotency-Key": key})
+    assert other_body.status_code == 422 and "another body" in other_body.json()["detail"]
+    short = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100}, headers={"Idempotency-Key": "short"})
+    assert short.status_code == 422
+    fresh = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["wide"]},
+                       headers={"Idempotency-Key": "f" * 20}).json()
+    assert fresh["admission_id"] != first["admission_id"] and in_flight(svc, "wide") == 2
+
+
+def test_a_wait_leaves_the_key_for_the_next_try(url: str, svc: Services) -> None:
+    held = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}).json()
+    key = {"Idempotency-Key": "w" * 20}
+    assert "wait_for_ms" in httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}, headers=key).json()
+    httpx.post(f"{url}/complete", json={"admission_id": held["admission_id"]})
+    got = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}, headers=key).json()
+    assert got["model_backend_id"] == "solo" and got["admission_id"] != held["admission_id"]
+
+
+class LoseFirstScheduleAnswer(httpx.HTTPTransport):
+    """Real HTTP; the first /schedule reaches the router, but its answer is lost (a read timeout)."""
+
+    lost = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path == "/schedule" and not self.lost:
+            response.read()
+            self.lost += 1
+            raise httpx.ReadTimeout("answer lost", request=request)
+        return response
+
+
+def test_the_client_retrying_a_lost_answer_holds_one_slot(url: str, svc: Services) -> None:
+    transport = LoseFirstScheduleAnswer()
+    with RouterClient(url, transport=transport) as client:
+        slot = client.acquire(100, models=["wide"])
+        assert transport.lost == 1
+        assert in_flight(svc, "wide") == 1  # the lost answer's admission is the one the retry got
+        assert client.complete(slot)
+    assert in_flight(svc, "wide") == 0
+
+
+def test_slow_connections_are_closed_within_the_read_deadline(url: str) -> None:
+    """Idle, trickled head, trickled body: each closed about READ_TIMEOUT_S after it opened
+    (none is ever answered), while a well-behaved request is still served."""
+    import socket
+
+    port = int(url.rsplit(":", 1)[1])
+    partial = {
+        "idle": b"",
+        "head": b"POST /schedule HTTP/1.1\r\nhost: x\r\n",
+        "body": b"POST /schedule HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 40\r\n\r\n{",
+    }
+    socks = {}
+    for name, data in partial.items():
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(data)
+        sock.setblocking(False)
+        socks[name] = sock
+    opened = time.monotonic()
+    closed: dict[str, float] = {}
+    while len(closed) < len(socks) and time.monotonic() - opened < 10 * READ_TIMEOUT_S:
+        for name, sock in socks.items():
+            if name in closed:
+                continue
+            try:
+                got = sock.recv(4096)
+            except BlockingIOError:
+                if name != "idle":
+                    with contextlib.suppress(OSError):
+                        sock.send(b" " if name == "body" else b"x")  # a byte now and then keeps nothing alive
+                continue
+            except OSError:
+                got = b""
+            assert got == b"", (name, got)  # closed, not answered
+            closed[name] = time.monotonic() - opened
+        assert httpx.get(f"{url}/openapi.json").status_code == 200
+        time.sleep(0.1)
+    for sock in socks.values():
+        sock.close()
+    assert set(closed) == set(socks), closed
+    assert all(READ_TIMEOUT_S * 0.9 <= t <= READ_TIMEOUT_S + 2 for t in closed.values()), closed
+
+
+def test_a_stalled_redis_does_not_stall_the_event_loop(svc: Services) -> None:
+    """The router's Redis answers nothing (a listener that never replies): /schedule
+    waits for it, but requests that need no Redis are answered meanwhile."""
+    import socket
+    import threading
+
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from balancer.admission import AdmissionCore
+
+    hole = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(hole.accept()[0]), daemon=True).start()
+    stalled = redis.Redis(host="127.0.0.1", port=hole.getsockname()[1], socket_timeout=4, socket_connect_timeout=4,
+                          retry=Retry(NoBackoff(), 0))  # one stall of 4 s, not redis-py's retries of it
+    core = AdmissionCore(stalled, svc.core.namespace, lease_ms=LEASE_MS)
+    with served(asgi(create_app(core, lease_ms=LEASE_MS)), server.config) as url:
+        result: list[int] = []
+        caller = threading.Thread(target=lambda: result.append(
+            httpx.post(f"{url}/schedule", json={"estimated_tokens": 10}, timeout=30).status_code))
+        caller.start()
+        deadline = time.monotonic() + 5
+        while not accepted:  # the /schedule's Redis call has reached the stalled Redis
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)  # (its request is sent; the loop is now either free or blocked)
+        started = time.monotonic()
+        assert httpx.post(f"{url}/schedule", json={"estimated_tokens": -1}, timeout=30).status_code == 422
+        assert httpx.get(f"{url}/openapi.json", timeout=30).status_code == 200
+        answered_in = time.monotonic() - started
+        caller.join(timeout=30)
+    hole.close()
+    for conn in accepted:
+        conn.close()
+    assert result == [503]  # the stalled call ends as Redis unavailable, after its socket timeout
+    assert answered_in < 2, answered_in  # not after the 4 s socket timeout
+
+
+def test_concurrent_retries_of_one_schedule_share_one_admission(url: str, svc: Services) -> None:
+    """Eight copies of one logical /schedule at once (one key): whichever comes
+    second is answered the first's admission, or a 409 the client retries."""
+    import threading
+
+    key = "c" * 24
+    got: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def retry() -> None:
+        with RouterClient(url) as client:
+            barrier.wait()
+            got.append(client.schedule(100, ["wide"], key)["admission_id"])
+
+    threads = [threading.Thread(target=retry) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(got) == 8 and len(set(got)) == 1, got
+    assert in_flight(svc, "wide") == 1

@@ -85,3 +85,70 @@ def test_router_callers_and_pipeline_workers_share_one_budget(tmp_path: Path) ->
         assert peak == 3  # the cap was reached: the two kinds of caller really overlapped
     finally:
         p.stop()
+
+
+# One strict model bound by concurrency alone, for the hostile caller below.
+CAPPED = """
+name = "capped"
+seed = 5
+time_scale = 1.0
+[workload]
+tasks = 1
+prompt_tokens = { median = 60, p99 = 60, min = 60, max = 60 }
+output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
+[[models]]
+name = "capped"
+max_concurrent_requests = 4
+max_tokens_per_minute = 10000000
+latency = { median = 0.4, p99 = 0.8, min = 0.3, max = 0.9 }
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("migrated")
+def test_a_router_caller_cannot_free_or_keep_a_pipeline_calls_slot(tmp_path: Path) -> None:
+    """R5: a caller sends /complete and /heartbeat with the admission ids of the
+    pipeline's calls in flight, read from Redis as they run. Every one is refused,
+    and the model's cap holds at the simulator (no concurrency 429)."""
+    import httpx
+
+    (tmp_path / "capped.toml").write_text(CAPPED)
+    p = Pipeline(tmp_path / "logs", scenario=tmp_path / "capped.toml")
+    try:
+        p.start()
+        port = free_port()
+        router = p.supervisor.start("router", ["router", "--port", str(port)])
+        router_url = f"http://127.0.0.1:{port}"
+        wait_for_http(f"{router_url}/healthz", child=router)
+        p.submit([{"prompt": f"pipeline prompt {i} " * 8, "max_tokens": 20} for i in range(60)])
+        replies: list[tuple[str, int, str]] = []
+        stop = threading.Event()
+
+        def hostile() -> None:
+            with httpx.Client(base_url=router_url, timeout=10) as client:
+                while not stop.is_set():
+                    ids = [lid for _, lid in p.services.core.raw_state()["models"].get("capped", {}).get("inflight", [])]
+                    for lid in ids:
+                        for path in ("/complete", "/heartbeat"):
+                            reply = client.post(path, json={"admission_id": lid})
+                            replies.append((path, reply.status_code, reply.text))
+
+        caller = threading.Thread(target=hostile)
+        caller.start()
+        try:
+            counts = p.wait_done(60, timeout=120)
+        finally:
+            stop.set()
+            caller.join(timeout=30)
+        assert counts["solved"] == 60
+        assert len(replies) > 100  # it really tried, while the pipeline ran
+        assert {status for _, status, _ in replies} == {422}, replies[:3]
+        log = p.sim_log()
+        answered = [e for e in log if e["status"] == 200]
+        assert len(answered) == 60  # each prompt answered once
+        assert [e for e in log if e["status"] == 429] == []
+        assert p.violations() == []  # the cap of 4 held
+        peak = max(sum(1 for o in answered if o["start"] <= e["start"] < o["end"]) for e in answered)
+        assert peak == 4
+    finally:
+        p.stop()

@@ -113,9 +113,8 @@ def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
 
 
 def add_tasks(svc: Any, prompts: list[str], *, source: str = "web-test") -> list[int]:
-    from balancer.storage.intake import insert_tasks
-
     from balancer.domain.intake import parse_tasks
+    from balancer.storage.intake import insert_tasks
 
     text = "\n".join(json.dumps({"prompt": p, "source": source}) for p in prompts)
     rows, errors = parse_tasks(text, models={q.name: q.burst for q in svc.quotas.all()})

@@ -249,6 +249,19 @@ class AdmissionCore:
         """Free the slot; releasing twice, or an unknown id, is harmless."""
         return self.finish(admission_id)[1]
 
+    def withdraw(self, admission_ids: Sequence[str]) -> int:
+        """Hand back admissions whose calls will never start (the dispatch that
+        admitted them did not commit), in one round trip. Each lease ends now
+        (hold.lua with 0 ms), so it holds no slot, and the next admission on
+        its model purges it: a lease never started gets its tokens and request
+        back in full (``purge`` in lib.lua). Returns how many were live."""
+        if not admission_ids:
+            return 0
+        with self.redis.pipeline(transaction=False) as pipe:
+            for admission_id in admission_ids:
+                self._scripts["hold"](keys=self.keys, args=[self._now(), admission_id, 0], client=pipe)
+            return sum(reply == 1 for reply in pipe.execute())
+
     def hold(self, admission_id: str, hold_ms: int) -> bool:
         """Keep a cancelled call's slot ``hold_ms`` longer (never past its lease),
         its reservation charged, for a provider that finishes the call anyway.

@@ -31,6 +31,8 @@ DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
 BEAT_SEEN = ":beat:seen"
+ROUTER_ADMISSION_INFIX = ":router:admission:"
+ROUTER_IDEMPOTENCY_INFIX = ":router:idempotency:"
 
 
 def tag(namespace: str) -> str:
@@ -93,6 +95,19 @@ def beat_seen(namespace: str) -> str:
 def cancel_channel(namespace: str) -> str:
     """Pub/sub channel of calls to cut off: admission ids (see :mod:`balancer.pipeline.cancellation`)."""
     return tag(namespace) + CANCEL_CHANNEL
+
+
+def router_admission(namespace: str, admission_id: str) -> str:
+    """An admission the router issued (string: the core's admission id of its lease),
+    expiring with the lease: ``/complete`` and ``/heartbeat`` act only on ids found here
+    (see :mod:`balancer.router.admissions`)."""
+    return tag(namespace) + ROUTER_ADMISSION_INFIX + admission_id
+
+
+def router_idempotency(namespace: str, key: str) -> str:
+    """The answer to a ``/schedule`` sent with this ``Idempotency-Key`` (JSON), for one
+    lease: a retry gets the same admission (see :mod:`balancer.router.admissions`)."""
+    return tag(namespace) + ROUTER_IDEMPOTENCY_INFIX + key
 
 
 def broker_prefix(namespace: str) -> str:

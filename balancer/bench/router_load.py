@@ -12,7 +12,7 @@ In one run, on the same Redis and the same machine, each in its own process:
 
 A separate load process keeps ``--connections`` keep-alive connections busy
 for ``--seconds``, each sending a pair after the previous answered: for the
-router, ``/schedule`` then ``/complete`` with the task id it got; for the bare
+router, ``/schedule`` then ``/complete`` with the admission id it got; for the bare
 endpoint, two requests. It prints pairs per second and the p50 / p99 latency
 of each request, measured at the load process, and the ratio of the two
 runs. The load process speaks HTTP/1.1 over asyncio streams itself, so the
@@ -50,23 +50,22 @@ MODELS = 10
 
 # -- the two servers (each runs in its own process) ------------------------------
 def serve_router(redis_url: str, namespace: str, port: int) -> None:
-    import uvicorn
-
     from balancer.admission import AdmissionCore
     from balancer.domain.quota import MAX_CONCURRENCY, Quota
     from balancer.router.app import asgi, create_app
+    from balancer.router.server import serve
 
     core = AdmissionCore(redis.Redis.from_url(redis_url), namespace, lease_ms=60_000)
     for i in range(MODELS):
         core.set_quota(Quota(f"model-{i}", MAX_CONCURRENCY, 1_000_000_000))
-    uvicorn.run(asgi(create_app(core, lease_ms=60_000)), host="127.0.0.1", port=port, log_level="warning",
-                access_log=False, backlog=4096)
+    serve(asgi(create_app(core, lease_ms=60_000)), "127.0.0.1", port, log_level="warning", access_log=False)
 
 
 def serve_bare(redis_url: str, namespace: str, port: int) -> None:
-    import uvicorn
     from fastapi import FastAPI
     from starlette.concurrency import run_in_threadpool
+
+    from balancer.router.server import serve
 
     client = redis.Redis.from_url(redis_url)
     key = incr_key(namespace)
@@ -76,7 +75,7 @@ def serve_bare(redis_url: str, namespace: str, port: int) -> None:
     async def incr() -> dict[str, int]:
         return {"n": await run_in_threadpool(client.incr, key)}
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, backlog=4096)
+    serve(app, "127.0.0.1", port, log_level="warning", access_log=False)
 
 
 # -- the load ------------------------------------------------------------------
@@ -116,11 +115,12 @@ async def _connection(port: int, kind: str, until: float, load: Load) -> None:
             if kind == "router":
                 status, body = await _request(reader, writer, "/schedule", schedule)
                 t1 = time.perf_counter()
-                task_id = json.loads(body).get("task_id") if status == 200 else None
-                if task_id is None:
+                admission_id = json.loads(body).get("admission_id") if status == 200 else None
+                if admission_id is None:
                     load.errors += 1
                     continue
-                status, _ = await _request(reader, writer, "/complete", json.dumps({"task_id": task_id}).encode())
+                complete = json.dumps({"admission_id": admission_id}).encode()
+                status, _ = await _request(reader, writer, "/complete", complete)
             else:
                 status, _ = await _request(reader, writer, "/incr", b"{}")
                 t1 = time.perf_counter()

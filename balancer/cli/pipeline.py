@@ -213,9 +213,8 @@ def router(host: str, port: int, access_log: bool) -> None:
     """Serve the router API (/schedule, /complete, /heartbeat, /advice) on the
     pipeline's quotas, for callers outside Celery. OpenAPI at /docs."""
     try:
-        import uvicorn
-
         from balancer.router.app import asgi, create_app, is_loopback
+        from balancer.router.server import serve
     except ImportError as exc:
         raise BalancerError(f"the router needs its extra: pip install 'balancer[router]' ({exc.name} is missing)") from None
     svc = _migrated()
@@ -226,8 +225,7 @@ def router(host: str, port: int, access_log: bool) -> None:
     app = create_app(core, lease_ms=core.lease_ms, token=token)
     click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
                f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
-    uvicorn.run(asgi(app), host=host, port=port, log_level="info" if access_log else "warning", access_log=access_log,
-                backlog=4096)
+    serve(asgi(app), host, port, log_level="info" if access_log else "warning", access_log=access_log)
 
 
 def eta_text(eta: float | None) -> str:

@@ -14,10 +14,11 @@ go first in the batch, and while a model still has pinned tasks pending
 model's own tasks never queue behind flexible work it took on, which is what
 set the tail of ``bench/scenarios/default.toml`` (docs/benchmarks.md). It
 admits the batch in one atomic call, marks the admitted
-ones ``queued`` and commits, and only then publishes their messages. A
-dispatcher that dies between commit and publish leaves leases that were never
-started: they expire and refund their tokens, and the sweep tick returns
-the tasks to pending.
+ones ``queued`` and commits, and only then publishes their messages. If the
+transaction fails, the commit included, the round's admissions are withdrawn
+at once (:func:`withdrawn_unless_committed`). A dispatcher that dies between
+commit and publish leaves leases that were never started: they expire and
+refund their tokens, and the sweep tick returns the tasks to pending.
 
 A freed slot should not wait for a round at all. For each model that its
 concurrency cap binds, a dispatch run also *stocks* a ready list in Redis
@@ -40,15 +41,17 @@ an idle slow one (:func:`finish_time_aware`, :mod:`balancer.domain.endgame`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
 
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
-from balancer.admission.core import ModelLive, open_slots
+from balancer.admission.core import AdmissionCore, ModelLive, open_slots
 from balancer.domain import endgame
 from balancer.domain import ready as ready_lists
 from balancer.services import Services
@@ -65,6 +68,8 @@ from balancer.storage.claims import (
 )
 from balancer.storage.hedges import hedge_spending, mark_hedged, stragglers
 from balancer.storage.ready import ready_admission_id, unstock
+
+log = logging.getLogger(__name__)
 
 #: The end game plans at most this many tasks beyond the claimed window (as
 #: stand-ins of average size): enough to see where the backlog will go.
@@ -121,6 +126,25 @@ def claim_limit(free: dict[str, int], window: int) -> int:
     return min(window, CLAIMS_PER_OPEN_SLOT * sum(free.values()))
 
 
+@contextlib.contextmanager
+def withdrawn_unless_committed(core: AdmissionCore) -> Iterator[list[str]]:
+    """Collects the admission ids admitted inside a PostgreSQL transaction: put
+    it *before* ``engine.begin()`` in the ``with``, so it sees the commit's
+    outcome. If the transaction fails (the commit included), the admissions
+    are withdrawn (:meth:`AdmissionCore.withdraw`): their slots free now and
+    their tokens go back, not at their leases' expiry."""
+    admitted: list[str] = []
+    try:
+        yield admitted
+    except BaseException:
+        if admitted:
+            try:
+                core.withdraw(admitted)
+            except Exception as exc:  # noqa: BLE001 - the leases still expire; the first error is the one to raise
+                log.warning("could not withdraw %d admission(s) after a failed dispatch commit: %s", len(admitted), exc)
+        raise
+
+
 def dispatch(services: Services, publish: Publisher, *, window: int | None = None, max_rounds: int = 20) -> DispatchReport:
     """Admit and publish until nothing more fits (or ``max_rounds``), and keep
     the ready lists stocked (after the first round and at the end)."""
@@ -144,7 +168,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         free = open_slots(view)
         if not free:
             break
-        with services.engine.begin() as conn:
+        with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
             pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()})
             # Every model, not only the open ones: a full model's slot can free
             # between the live read and the admit call.
@@ -166,6 +190,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                 break
             pending = [task for task, _ in batch]
             decisions = core.admit([candidate for _, candidate in batch])
+            admitted_ids.extend(d.admission_id for d in decisions if isinstance(d, Admitted))
             admitted: list[Assignment] = []
             failed: list[tuple[int, str]] = []
             for task, decision in zip(pending, decisions, strict=True):
@@ -421,7 +446,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     if not any(m.free_slots for m in models) or not any(m.in_flight for m in models):
         return 0
     sent: list[Assignment] = []
-    with services.engine.begin() as conn:
+    with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
         calls = {c.id: c for c in stragglers(conn, settings.max_hedges)}
         if not calls:
             return 0
@@ -431,6 +456,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
         if not picks:
             return 0
         decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks])
+        admitted_ids.extend(d.admission_id for d in decisions if isinstance(d, Admitted))
         for (key, _), decision in zip(picks, decisions, strict=True):
             if not isinstance(decision, Admitted):
                 continue

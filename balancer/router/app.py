@@ -9,24 +9,32 @@ callers and pipeline workers draw from one budget per model:
   ask for a short delay, which the router waits out before it answers, so a
   caller may call the Models Backend the moment it gets a model. Otherwise
   it answers ``wait_for_ms`` (:func:`balancer.domain.backpressure.wait_for_ms`).
+  The admission's id is the router's own, unguessable, never a pipeline id;
+  an ``Idempotency-Key`` header makes a retried ``/schedule`` get the same
+  admission (:mod:`balancer.router.admissions`).
 - ``POST /heartbeat`` extends a live lease by one router lease
   (``BALANCER_ROUTER_LEASE_SECONDS``). An expired one is gone: ``not_found``.
 - ``POST /complete`` settles the tokens as the model's accounting says and
-  frees the slot; a second call, or a call after expiry, is harmless.
+  frees the slot; a second call, or a call after expiry, is harmless. Both
+  act only on ids this router issued: any other answers ``not_found``.
 - A caller that dies stops heartbeating; its slot frees when the lease
   expires. Reclaim refunds what the provider did not charge: the lease was
   started at ``/schedule``, and strict providers charge a request on arrival,
   so the tokens stay charged (the seed's ``refund_for(lease)`` is 0 for it).
 
-The Redis calls are made on the event loop itself, not in a thread pool:
-each is one round trip to a Redis next door (every client has socket
-timeouts), and measured side by side the pool's hand-offs cost more than
-they spare (docs/benchmarks.md, the router section).
+The Redis calls (blocking redis-py, each with socket timeouts) run in the
+thread pool, never on the event loop: a stalled Redis holds the requests that
+need it, not every request (the guards, validation, ``/openapi.json``).
+Measured against the calls on the loop: docs/benchmarks.md, the router section.
+Reading a request's head and body has a deadline (:mod:`balancer.router.server`).
 
-Errors are 4xx with a ``detail`` that says why: malformed JSON, a field out
-of range, an unknown model, a task id this router never issues, an estimate
-no model can ever take (422), a body over 16 KiB (413), a missing or wrong
-bearer token (401). Redis unreachable is a 503.
+Errors are 4xx with a ``detail`` that says why: malformed JSON (NaN and
+infinities included), a field out of range, an unknown model, an admission
+id of the wrong shape, an estimate no model can ever take (422), a body over
+16 KiB (413), a missing or wrong bearer token (401), an ``Idempotency-Key``
+whose first ``/schedule`` is still being answered (409). Redis unreachable is
+a 503. A validation error's detail says where and why, not what was sent;
+the unknown model names that are sent back go out as ASCII JSON (:class:`SafeJSON`).
 """
 
 from __future__ import annotations
@@ -34,20 +42,30 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import json
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
 
-from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected, Settlement
+from balancer.admission import AdmissionCore, Rejected
 from balancer.domain.backpressure import OutcomeWindow, advise, wait_for_ms
+from balancer.router.admissions import (
+    ADMISSION_ID_PATTERN,
+    IDEMPOTENCY_KEY_PATTERN,
+    Admissions,
+    Granted,
+    InProgress,
+    KeyReused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +73,6 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 * 1024
 #: Estimates and actual tokens above this are refused as malformed (422).
 MAX_TOKENS = 100_000_000
-#: An admission id as the core issues it: ``<epoch>-<sequence>``.
-TASK_ID_PATTERN = r"^[0-9]{1,18}-[0-9]{1,18}$"
 #: Paths served without a token.
 OPEN_PATHS = frozenset({"/healthz"})
 
@@ -66,24 +82,29 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+class SafeJSON(JSONResponse):
+    """JSON as ASCII, with no NaN: any string (a lone surrogate included) can be sent back."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 ModelName = Annotated[str, Field(min_length=1, max_length=200)]
-TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN, description="the task_id /schedule returned")]
+AdmissionId = Annotated[str, Field(pattern=ADMISSION_ID_PATTERN, description="the admission_id /schedule returned")]
 
 
 class ScheduleRequest(_Body):
     estimated_tokens: int = Field(ge=1, le=MAX_TOKENS, description="prompt + expected output tokens")
     models: list[ModelName] | None = Field(default=None, max_length=100, description="allowed models; none: any")
-    priority: int = Field(default=0, ge=-1_000_000, le=1_000_000,
-                          description="accepted for the seed's API; admission is first come, first served")
 
 
 class Scheduled(BaseModel):
     model_backend_id: str
-    task_id: str
+    admission_id: str
     lease_ms: int = Field(description="heartbeat within this, or the slot is reclaimed")
 
 
@@ -92,17 +113,18 @@ class Wait(BaseModel):
 
 
 class CompleteRequest(_Body):
-    task_id: TaskId
+    admission_id: AdmissionId
     actual_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS, description="prompt + completion tokens used")
 
 
 class Completed(BaseModel):
-    ok: bool
+    ok: bool = Field(description="false: this router has no such admission (never issued, or its lease ended)")
     released: bool = Field(description="false for a second /complete, or after the lease expired")
+    reason: str | None = None
 
 
 class HeartbeatRequest(_Body):
-    task_id: TaskId
+    admission_id: AdmissionId
 
 
 class HeartbeatReply(BaseModel):
@@ -119,54 +141,30 @@ class Problem(BaseModel):
     detail: Any
 
 
-@dataclass(frozen=True)
-class Granted:
-    """An admission, and how long its start gate asks to hold off before answering."""
-
-    reply: Scheduled
-    delay_ms: int
-
-
 class Router:
-    """The state one router process keeps: the core, its lease, the advice window."""
+    """The state one router process keeps: its admissions, its lease, the advice window.
+
+    The window and the jitter live on the event loop; :attr:`admissions` does
+    the Redis I/O, which the endpoints run in the thread pool."""
 
     def __init__(self, core: AdmissionCore, lease_ms: int, rng: random.Random | None = None) -> None:
         self.core, self.lease_ms = core, lease_ms
+        self.admissions = Admissions(core, lease_ms)
         self.window = OutcomeWindow()
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not security
-        self._models: frozenset[str] = frozenset()
 
-    def unknown_models(self, wanted: list[str]) -> list[str]:
-        """Names no quota has. The known names are cached and re-read on a miss."""
-        missing = [m for m in wanted if m not in self._models]
-        if missing:
-            self._models = frozenset(self.core.model_names())
-            missing = [m for m in wanted if m not in self._models]
-        return sorted(set(missing))
-
-    def schedule(self, body: ScheduleRequest) -> Granted | Wait | Rejected:
-        est = body.estimated_tokens
-        [decision] = self.core.admit([Candidate(est, tuple(body.models) if body.models else None)])
-        if isinstance(decision, Admitted):
-            decision = self.core.renew(decision.admission_id, decision.model, est, self.lease_ms)
-        now = time.monotonic()
-        if isinstance(decision, Admitted):
-            self.window.admitted(now)
-            reply = Scheduled(model_backend_id=decision.model, task_id=decision.admission_id, lease_ms=self.lease_ms)
-            return Granted(reply, decision.start_delay_ms)
-        if isinstance(decision, Rejected):
-            return decision
-        wait = wait_for_ms(decision.wait_ms if isinstance(decision, NotNow) else None, self.rng)
-        self.window.waited(now, wait)
-        return Wait(wait_for_ms=wait)
-
-    def advice(self) -> AdviceReply:
+    def advice(self) -> tuple[int, int]:
+        """(calls in flight, the enabled models' caps), read from the core (blocking)."""
         live = self.core.live()
         in_flight = sum(m.in_flight for m in live.values())
-        total_cap = sum(m.quota.max_concurrent_requests for m in live.values() if m.quota.enabled)
-        waits, schedules, admits = self.window.snapshot(time.monotonic())
-        advice = advise(waits, schedules, admits, in_flight, total_cap)
-        return AdviceReply(backpressure_score=advice.backpressure_score, suggested_parallelism=advice.suggested_parallelism)
+        return in_flight, sum(m.quota.max_concurrent_requests for m in live.values() if m.quota.enabled)
+
+
+def _validation_problem(exc: RequestValidationError) -> SafeJSON:
+    """A 422 listing where and why, without the input (which may be anything, NaN or a lone surrogate)."""
+    errors = [{"loc": [part if isinstance(part, int) else str(part) for part in e.get("loc", ())],
+               "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))} for e in exc.errors()]
+    return SafeJSON({"detail": errors}, status_code=422)
 
 
 def is_loopback(host: str) -> bool:
@@ -187,50 +185,74 @@ def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, 
     """The ASGI app; ``token``, if given, is required as ``Authorization: Bearer``
     on every path but ``/healthz``."""
     router = Router(core, lease_ms, rng)
+    admissions = router.admissions
     app = FastAPI(
         title="balancer router",
-        version="1",
+        version="2",
         description=__doc__,
-        responses={401: {"model": Problem}, 413: {"model": Problem}, 422: {"model": Problem}, 503: {"model": Problem}},
+        default_response_class=SafeJSON,
+        responses={401: {"model": Problem}, 409: {"model": Problem}, 413: {"model": Problem}, 422: {"model": Problem},
+                   503: {"model": Problem}},
     )
 
     @app.exception_handler(redis.RedisError)
-    async def redis_down(request: Request, exc: redis.RedisError) -> JSONResponse:
+    async def redis_down(request: Request, exc: redis.RedisError) -> SafeJSON:
         log.warning("Redis error on %s: %s", request.url.path, (str(exc).splitlines() or [""])[0])
-        return JSONResponse({"detail": "the admission state (Redis) is unavailable; retry shortly"}, status_code=503)
+        return SafeJSON({"detail": "the admission state (Redis) is unavailable; retry shortly"}, status_code=503)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> SafeJSON:
+        return _validation_problem(exc)
 
     @app.post("/schedule", response_model=Scheduled | Wait, summary="Ask for a model for one call")
-    async def schedule(body: ScheduleRequest) -> Scheduled | Wait | JSONResponse:
-        unknown = router.unknown_models(body.models or []) if body.models else []
+    async def schedule(
+        body: ScheduleRequest,
+        idempotency_key: Annotated[str | None, Header(pattern=IDEMPOTENCY_KEY_PATTERN, description=(
+            "one per logical /schedule, the same on its retries: a retry gets the same admission"))] = None,
+    ) -> Scheduled | Wait | SafeJSON:
+        unknown = await run_in_threadpool(admissions.unknown_models, body.models) if body.models else []
         if unknown:
-            return JSONResponse({"detail": f"unknown model: {', '.join(unknown)}"}, status_code=422)
-        result = router.schedule(body)
+            return SafeJSON({"detail": f"unknown model: {', '.join(unknown)}"}, status_code=422)
+        result = await run_in_threadpool(admissions.schedule, body.estimated_tokens, body.models, idempotency_key)
+        now = time.monotonic()
         if isinstance(result, Rejected):
-            return JSONResponse({"detail": result.reason}, status_code=422)
-        if isinstance(result, Wait):
-            return result
-        if result.delay_ms > 0:
-            await asyncio.sleep(result.delay_ms / 1000)  # the start gate: the caller calls as soon as we answer
-        return result.reply
+            return SafeJSON({"detail": result.reason}, status_code=422)
+        if isinstance(result, InProgress):
+            return SafeJSON({"detail": "a /schedule with this Idempotency-Key is still being answered; retry"},
+                            status_code=409)
+        if isinstance(result, KeyReused):
+            return SafeJSON({"detail": "this Idempotency-Key was sent with another body"}, status_code=422)
+        if isinstance(result, Granted):
+            router.window.admitted(now)
+            if result.delay_ms > 0:
+                await asyncio.sleep(result.delay_ms / 1000)  # the start gate: the caller calls as soon as we answer
+            return Scheduled(model_backend_id=result.model, admission_id=result.admission_id, lease_ms=lease_ms)
+        wait = wait_for_ms(result.core_wait_ms, router.rng)
+        router.window.waited(now, wait)
+        return Wait(wait_for_ms=wait)
 
     @app.post("/complete", response_model=Completed, summary="Report a call finished; frees its slot")
     async def complete(body: CompleteRequest) -> Completed:
-        settlement = Settlement(used_tokens=body.actual_tokens)
-        _, released = core.finish(body.task_id, settlement)
+        released = await run_in_threadpool(admissions.complete, body.admission_id, body.actual_tokens)
+        if released is None:
+            return Completed(ok=False, released=False, reason="not_found")
         return Completed(ok=True, released=released)
 
     @app.post("/heartbeat", response_model=HeartbeatReply, summary="Keep a call's slot for another lease")
     async def heartbeat(body: HeartbeatRequest) -> HeartbeatReply:
-        alive = core.heartbeat(body.task_id, router.lease_ms)
+        alive = await run_in_threadpool(admissions.heartbeat, body.admission_id)
         return HeartbeatReply(ok=True) if alive else HeartbeatReply(ok=False, reason="not_found")
 
     @app.get("/advice", response_model=AdviceReply, summary="Backpressure and a suggested number of callers")
     async def advice() -> AdviceReply:
-        return router.advice()
+        in_flight, total_cap = await run_in_threadpool(router.advice)
+        waits, schedules, admits = router.window.snapshot(time.monotonic())
+        given = advise(waits, schedules, admits, in_flight, total_cap)
+        return AdviceReply(backpressure_score=given.backpressure_score, suggested_parallelism=given.suggested_parallelism)
 
     @app.get("/healthz", summary="Liveness: the router and its Redis answer")
     async def healthz() -> dict[str, bool]:
-        core.redis.ping()
+        await run_in_threadpool(core.redis.ping)
         return {"ok": True}
 
     guarded: ASGIApp = BodyLimit(app, MAX_BODY_BYTES)
@@ -247,7 +269,7 @@ def asgi(app: FastAPI) -> ASGIApp:
 
 
 async def _problem(send: Send, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = JSONResponse({"detail": detail}).body
+    body = SafeJSON({"detail": detail}).body
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})

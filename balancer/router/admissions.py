@@ -1,0 +1,165 @@
+"""The router's admissions: the ids it issues, and the answers it keeps for retried ``/schedule`` calls.
+
+A router admission is a lease in the admission core, as a pipeline call's is,
+but its caller never sees the core's id (``<epoch>-<sequence>``, sequential
+and easy to guess). It gets an id of its own, ``rt_`` and 32 random URL-safe
+characters (:func:`secrets.token_urlsafe`): no pipeline id has that shape, and
+nobody can guess one. Redis maps each to the core's id of its lease
+(:func:`balancer.admission.keys.router_admission`), for as long as the lease:
+set at ``/schedule``, extended by each ``/heartbeat`` that finds the lease
+alive. ``/complete`` and ``/heartbeat`` act on ids found there and on nothing
+else, so a caller can free or keep only slots the router gave out.
+
+``Idempotency-Key``: a ``/schedule`` sent with one is answered once. The
+first request writes a marker (``SET NX``) before it admits and replaces it
+with the admission it got; a retry with the same key and the same body gets
+that admission again (after what is left of its start-gate delay), and one
+that arrives while the first is still being answered is told to retry (409).
+A wait or a refusal deletes the marker, so the caller asks again with the same
+key. The record lives one lease: by then an admission no caller heard of has
+expired, so a retry never holds a second slot beside it.
+
+Everything here is blocking Redis I/O: :mod:`balancer.router.app` runs it in a
+thread pool, off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected, Settlement, keys
+
+#: Every router admission id starts with this; a pipeline admission id never does.
+ADMISSION_ID_PREFIX = "rt_"
+#: A router admission id: the prefix and ``secrets.token_urlsafe(24)``.
+ADMISSION_ID_PATTERN = r"^rt_[A-Za-z0-9_-]{32}$"
+#: What a client may send as ``Idempotency-Key``: long enough to be its own.
+IDEMPOTENCY_KEY_PATTERN = r"^[A-Za-z0-9_-]{16,128}$"
+_IN_PROGRESS = b"in-progress"
+
+
+def new_admission_id() -> str:
+    """A fresh router admission id.
+
+    >>> import re
+    >>> bool(re.fullmatch(ADMISSION_ID_PATTERN, new_admission_id()))
+    True
+    """
+    return ADMISSION_ID_PREFIX + secrets.token_urlsafe(24)
+
+
+@dataclass(frozen=True)
+class Granted:
+    """An admission: call ``model`` after ``delay_ms`` (its start gate), then complete ``admission_id``."""
+
+    model: str
+    admission_id: str
+    delay_ms: int
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """No model can take it now; the core's earliest time, if it knows one."""
+
+    core_wait_ms: int | None
+
+
+@dataclass(frozen=True)
+class InProgress:
+    """A ``/schedule`` with the same idempotency key is still being answered."""
+
+
+@dataclass(frozen=True)
+class KeyReused:
+    """The idempotency key was sent before with another body."""
+
+
+Outcome = Granted | Waiting | Rejected | InProgress | KeyReused
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Admissions:
+    """The router's admissions on one admission core (blocking Redis calls)."""
+
+    def __init__(self, core: AdmissionCore, lease_ms: int) -> None:
+        self.core, self.lease_ms = core, lease_ms
+        self.redis, self.namespace = core.redis, core.namespace
+        self._models: frozenset[str] = frozenset()
+
+    def unknown_models(self, wanted: Sequence[str]) -> list[str]:
+        """Names no quota has. The known names are cached and re-read on a miss."""
+        missing = [m for m in wanted if m not in self._models]
+        if missing:
+            self._models = frozenset(self.core.model_names())
+            missing = [m for m in wanted if m not in self._models]
+        return sorted(set(missing))
+
+    def schedule(self, estimated_tokens: int, models: Sequence[str] | None,
+                 idempotency_key: str | None = None) -> Outcome:
+        """Admit one call and start its lease; with a key, at most once per key (see the module docstring)."""
+        if idempotency_key is None:
+            return self._admit(estimated_tokens, models)
+        record_key = keys.router_idempotency(self.namespace, idempotency_key)
+        request = json.dumps([estimated_tokens, list(models) if models else None])
+        if not self.redis.set(record_key, _IN_PROGRESS, nx=True, px=self.lease_ms):
+            raw = self.redis.get(record_key)
+            if raw is None or raw == _IN_PROGRESS:  # (None: it ended between the two reads; the retry will see)
+                return InProgress()
+            record = json.loads(raw)
+            if record["request"] != request:
+                return KeyReused()
+            return Granted(record["model"], record["admission_id"], max(0, record["start_at_ms"] - _now_ms()))
+        try:
+            outcome = self._admit(estimated_tokens, models)
+        except BaseException:
+            self.redis.delete(record_key)
+            raise
+        if isinstance(outcome, Granted):
+            record = {"request": request, "model": outcome.model, "admission_id": outcome.admission_id,
+                      "start_at_ms": _now_ms() + outcome.delay_ms}
+            self.redis.set(record_key, json.dumps(record), px=self.lease_ms)
+        else:
+            self.redis.delete(record_key)  # nothing held: the caller asks again, with the same key
+        return outcome
+
+    def _admit(self, estimated_tokens: int, models: Sequence[str] | None) -> Outcome:
+        [decision] = self.core.admit([Candidate(estimated_tokens, tuple(models) if models else None)])
+        if isinstance(decision, Admitted):
+            decision = self.core.renew(decision.admission_id, decision.model, estimated_tokens, self.lease_ms)
+        if isinstance(decision, Admitted):
+            admission_id = new_admission_id()
+            self.redis.set(keys.router_admission(self.namespace, admission_id), decision.admission_id, px=self.lease_ms)
+            return Granted(decision.model, admission_id, decision.start_delay_ms)
+        if isinstance(decision, Rejected):
+            return decision
+        return Waiting(decision.wait_ms if isinstance(decision, NotNow) else None)
+
+    def _lease_of(self, admission_id: str) -> str | None:
+        raw: Any = self.redis.get(keys.router_admission(self.namespace, admission_id))
+        return None if raw is None else raw.decode()
+
+    def complete(self, admission_id: str, used_tokens: int | None) -> bool | None:
+        """Settle and free the slot: whether this call freed it (False: already
+        completed), or None if the router has no such admission (never issued, or
+        its lease ended), when nothing is changed."""
+        lease = self._lease_of(admission_id)
+        if lease is None:
+            return None
+        return self.core.finish(lease, Settlement(used_tokens=used_tokens))[1]
+
+    def heartbeat(self, admission_id: str) -> bool:
+        """Extend a live lease, and the router's record of it, by one lease; False if
+        there is none (never issued, expired or completed)."""
+        lease = self._lease_of(admission_id)
+        if lease is None or not self.core.heartbeat(lease, self.lease_ms):
+            return False
+        self.redis.pexpire(keys.router_admission(self.namespace, admission_id), self.lease_ms)
+        return True

@@ -1,0 +1,81 @@
+"""Serving the router with uvicorn: every request must arrive whole within a deadline.
+
+uvicorn's own ``timeout_keep_alive`` covers only the idle time after a
+response, and any byte received cancels it: a client that opens a connection
+and sends nothing, or trickles its headers or body a byte at a time, holds
+the connection for ever. :class:`DeadlineProtocol` arms a timer when a
+connection opens and when each request begins, cancels it once the request's
+head and body are read, and closes the connection if it fires first. The time
+the app takes to answer is not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+#: Seconds a client has to send a whole request (head and body), from the
+#: connection's opening or the first byte of the request.
+READ_TIMEOUT_S = 10.0
+#: Seconds an idle keep-alive connection stays open after a response.
+KEEP_ALIVE_S = 5
+
+
+class DeadlineProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on reading each request."""
+
+    read_timeout_s = READ_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _too_slow(self) -> None:
+        self._read_deadline = None
+        if not self.transport.is_closing():
+            self.logger.info("closing a connection that did not send its request within %g s", self.read_timeout_s)
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+
+def protocol(read_timeout_s: float = READ_TIMEOUT_S) -> type[DeadlineProtocol]:
+    """:class:`DeadlineProtocol` with another deadline (tests use a short one)."""
+    return type("DeadlineProtocol", (DeadlineProtocol,), {"read_timeout_s": read_timeout_s})
+
+
+def config(app: Any, host: str, port: int, *, read_timeout_s: float = READ_TIMEOUT_S, **options: Any) -> uvicorn.Config:
+    """The uvicorn configuration the router is served with (``balancer router``, the benchmark, the tests)."""
+    return uvicorn.Config(app, host=host, port=port, http=protocol(read_timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
+                          backlog=4096, **options)
+
+
+def serve(app: Any, host: str, port: int, **options: Any) -> None:
+    """Serve ``app`` until interrupted."""
+    uvicorn.Server(config(app, host, port, **options)).run()
