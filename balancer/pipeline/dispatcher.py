@@ -55,19 +55,17 @@ from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.tasks import (
     PendingTask,
-    claim_pinned,
-    claim_window,
     fail_pending,
     hedge_spending,
     mark_hedged,
     mark_queued,
-    models_with_pinned_backlog,
     pending_at_least,
     pending_backlog,
     ready_admission_id,
     stragglers,
     unstock,
 )
+from balancer.storage.window import claim_pinned, claim_window, models_with_pinned_backlog
 
 #: The end game plans at most this many tasks beyond the claimed window (as
 #: stand-ins of average size): enough to see where the backlog will go.

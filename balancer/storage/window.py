@@ -1,0 +1,125 @@
+"""The dispatcher's reads of the backlog: the pinned lane, the window, and
+which models still have pinned work. None of them reads a task that no
+model it asks about may take.
+
+One scan of the pending tasks in priority-then-age order would read, and
+skip, every task no open model may take before it reached one that it may:
+100,000 tasks pinned to a disabled model made each round read 100,000 rows.
+A lateral probe per model did no better: PostgreSQL plans it once for any
+model, and with nearly every pinned task on one model it judged that any
+model's probe would match at once, so it scanned the priority index instead
+of the pinned one. So each probe here is one branch of one statement with
+the model (or the set of models) as a value the planner sees:
+
+- the distinct sets of allowed models of the pending tasks come from a skip
+  scan of ``tasks_pending_pinned`` (one index probe per set);
+- the window merges the tasks any model may take (``tasks_pending_flexible``,
+  in window order) with, for each set that overlaps the open models, that
+  set's first tasks (``tasks_pending_pinned``);
+- the pinned lane and the pinned-backlog check probe ``tasks_pending_pinned``
+  once per model.
+
+A set that no open model is in costs nothing but its probe in the skip scan.
+Each branch locks at most its limit (``FOR UPDATE SKIP LOCKED``, so two
+dispatchers still work side by side); rows a branch locked but the merged
+window did not keep stay locked only until the round's commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from balancer.storage.tasks import PendingTask
+
+_COLUMNS = "id, estimated_tokens, allowed_models, avoid_model, priority"
+_READY = "status = 'pending' AND (not_before IS NULL OR not_before <= now())"
+
+_SETS = sa.text(
+    """
+    WITH RECURSIVE sets(allowed) AS (
+        (SELECT allowed_models FROM tasks
+          WHERE status = 'pending' AND allowed_models IS NOT NULL
+          ORDER BY allowed_models LIMIT 1)
+        UNION ALL
+        SELECT (SELECT allowed_models FROM tasks
+                 WHERE status = 'pending' AND allowed_models IS NOT NULL AND allowed_models > s.allowed
+                 ORDER BY allowed_models LIMIT 1)
+          FROM sets AS s WHERE s.allowed IS NOT NULL
+    )
+    SELECT allowed FROM sets WHERE allowed IS NOT NULL
+    """
+)
+
+
+def pending_model_sets(conn: Connection) -> list[tuple[str, ...]]:
+    """The distinct allowed-model lists of the pending tasks that have one."""
+    return [tuple(r.allowed) for r in conn.execute(_SETS)]
+
+
+def _pinned_branch(i: int, *, lock: bool, flexible: bool = False) -> str:
+    where = "allowed_models IS NULL" if flexible else f"allowed_models IS NOT NULL AND allowed_models = CAST(:set{i} AS text[])"
+    order = "priority DESC, id" if flexible else "allowed_models, priority DESC, id"
+    # Built from fixed fragments and the branch number only; every value is a bound parameter.
+    return (f"SELECT * FROM (SELECT {_COLUMNS} FROM tasks WHERE {_READY} AND {where} "  # noqa: S608
+            f"ORDER BY {order} LIMIT :limit{i}{' FOR UPDATE SKIP LOCKED' if lock else ''}) AS b{i}")
+
+
+def _rows(conn: Connection, branches: list[str], params: dict[str, Any], limit: int | None = None) -> list[PendingTask]:
+    if not branches:
+        return []
+    sql = " UNION ALL ".join(branches) + " ORDER BY priority DESC, id" + (" LIMIT :limit" if limit is not None else "")
+    rows = conn.execute(sa.text(sql), {**params, "limit": limit}).all()
+    return [
+        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
+        for r in rows
+    ]
+
+
+def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
+    """Lock up to ``limit`` pending tasks, priority then age, that an open model
+    could take (see the module docstring). Tasks pinned only to saturated or
+    disabled models are never read, so they neither fill the window nor slow it."""
+    open_set = set(open_models)
+    if limit <= 0 or not open_set:
+        return []
+    sets = [s for s in pending_model_sets(conn) if open_set.intersection(s)]
+    branches = [_pinned_branch(0, lock=True, flexible=True)]
+    params: dict[str, Any] = {"limit0": limit}
+    for i, allowed in enumerate(sets, start=1):
+        branches.append(_pinned_branch(i, lock=True))
+        params[f"set{i}"], params[f"limit{i}"] = list(allowed), limit
+    return _rows(conn, branches, params, limit)
+
+
+def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
+    """Lock, for each model, up to ``free_slots[model]`` pending tasks pinned to
+    it alone (the dispatcher's pinned lane), priority then age: one probe of
+    ``tasks_pending_pinned`` per model."""
+    wanted = {name: n for name, n in free_slots.items() if n > 0}
+    branches, params = [], {}
+    for i, (name, n) in enumerate(wanted.items(), start=1):
+        branches.append(_pinned_branch(i, lock=True))
+        params[f"set{i}"], params[f"limit{i}"] = [name], n
+    return _rows(conn, branches, params)
+
+
+def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
+    """Which of ``models`` still have pending tasks pinned to them alone, not
+    counting the tasks in ``exclude`` (what this dispatcher just claimed);
+    tasks another dispatcher holds do count. One probe per model."""
+    names = list(models)
+    if not names:
+        return set()
+    skip = list(exclude)
+    branches = [  # fixed fragments and branch numbers; the names are bound parameters
+        f"SELECT CAST(:m{i} AS text) AS model WHERE EXISTS (SELECT 1 FROM tasks WHERE {_READY} "  # noqa: S608
+        f"AND allowed_models IS NOT NULL AND allowed_models = ARRAY[CAST(:m{i} AS text)] "
+        f"AND NOT (id = ANY(CAST(:exclude AS bigint[]))))"
+        for i in range(len(names))
+    ]
+    params: dict[str, Any] = {f"m{i}": name for i, name in enumerate(names)}
+    return {r.model for r in conn.execute(sa.text(" UNION ALL ".join(branches)), {**params, "exclude": skip})}
