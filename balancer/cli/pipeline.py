@@ -192,7 +192,9 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 to expose it).")
 @click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
-def metrics(host: str, port: int) -> None:
+@click.option("--finished-every", default=60.0, show_default=True, type=click.FloatRange(0, 86_400),
+              help="Seconds between recounts of solved, failed and cancelled tasks (they read the whole history).")
+def metrics(host: str, port: int, finished_every: float) -> None:
     """Serve Prometheus metrics at http://HOST:PORT/metrics, read from Redis and
     PostgreSQL at every scrape (stateless: run one anywhere)."""
     import threading
@@ -201,7 +203,7 @@ def metrics(host: str, port: int) -> None:
 
     svc = _migrated()
     try:
-        serve(svc, host, port)
+        serve(svc, host, port, finished_every=finished_every)
     except OSError as exc:
         raise BalancerError(f"cannot serve metrics on {printable(host)}:{port}: {exc.strerror or exc}") from None
     click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics", err=True)
