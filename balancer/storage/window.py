@@ -100,7 +100,8 @@ def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[Pendin
     it alone (the dispatcher's pinned lane), priority then age: one probe of
     ``tasks_pending_pinned`` per model."""
     wanted = {name: n for name, n in free_slots.items() if n > 0}
-    branches, params = [], {}
+    branches: list[str] = []
+    params: dict[str, Any] = {}
     for i, (name, n) in enumerate(wanted.items(), start=1):
         branches.append(_pinned_branch(i, lock=True))
         params[f"set{i}"], params[f"limit{i}"] = [name], n
