@@ -60,12 +60,13 @@ def pending_model_sets(conn: Connection) -> list[tuple[str, ...]]:
     return [tuple(r.allowed) for r in conn.execute(_SETS)]
 
 
-def _pinned_branch(i: int, *, lock: bool, flexible: bool = False) -> str:
+def _branch(i: int, *, flexible: bool = False) -> str:
+    """One locked probe: the flexible lane (``flexible``) or the tasks whose allowed models are ``:set<i>``."""
     where = "allowed_models IS NULL" if flexible else f"allowed_models IS NOT NULL AND allowed_models = CAST(:set{i} AS text[])"
     order = "priority DESC, id" if flexible else "allowed_models, priority DESC, id"
     # Built from fixed fragments and the branch number only; every value is a bound parameter.
     return (f"SELECT * FROM (SELECT {_COLUMNS} FROM tasks WHERE {_READY} AND {where} "  # noqa: S608
-            f"ORDER BY {order} LIMIT :limit{i}{' FOR UPDATE SKIP LOCKED' if lock else ''}) AS b{i}")
+            f"ORDER BY {order} LIMIT :limit{i} FOR UPDATE SKIP LOCKED) AS b{i}")
 
 
 def _rows(conn: Connection, branches: list[str], params: dict[str, Any], limit: int | None = None) -> list[PendingTask]:
@@ -87,10 +88,10 @@ def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> li
     if limit <= 0 or not open_set:
         return []
     sets = [s for s in pending_model_sets(conn) if open_set.intersection(s)]
-    branches = [_pinned_branch(0, lock=True, flexible=True)]
+    branches = [_branch(0, flexible=True)]
     params: dict[str, Any] = {"limit0": limit}
     for i, allowed in enumerate(sets, start=1):
-        branches.append(_pinned_branch(i, lock=True))
+        branches.append(_branch(i))
         params[f"set{i}"], params[f"limit{i}"] = list(allowed), limit
     return _rows(conn, branches, params, limit)
 
@@ -103,7 +104,7 @@ def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[Pendin
     branches: list[str] = []
     params: dict[str, Any] = {}
     for i, (name, n) in enumerate(wanted.items(), start=1):
-        branches.append(_pinned_branch(i, lock=True))
+        branches.append(_branch(i))
         params[f"set{i}"], params[f"limit{i}"] = [name], n
     return _rows(conn, branches, params)
 
