@@ -37,7 +37,7 @@ def from_settings(settings: Settings) -> dict[str, Any]:
     settings.check_timing()
     broker_url = settings.broker_url or settings.redis_url
     transport: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
-    if broker_url and broker_url.startswith(("redis://", "rediss://", "unix://")):
+    if broker_url and broker_url.lower().startswith(("redis://", "rediss://", "redis+socket://", "sentinel://", "unix://")):
         # A broker that accepts but never answers fails a call instead of hanging
         # the process; kombu then reconnects (BRPOP polls every second, well inside).
         transport.update(socket_connect_timeout=5, socket_timeout=30, socket_keepalive=True)

@@ -113,19 +113,80 @@ def check_url(setting: str, url: str, schemes: tuple[str, ...]) -> str:
 MAX_INT_SETTING = 7 * 86_400
 
 
+def _check_database_number(setting: str, url: str) -> None:
+    database = urlsplit(url).path.strip("/")
+    if database and not database.isdigit():
+        raise ConfigError(f"{setting}: the database must be a number (redis://host:6379/0), got {printable(database)!r}")
+
+
+_UNEXPECTED = re.compile(r"unexpected keyword argument '([^']*)'")
+
+
+def _unknown_option(setting: str, url: str, exc: Exception, client: str) -> ConfigError:
+    """A client library's refusal of a URL's query option, as one line."""
+    found = _UNEXPECTED.search(str(exc))
+    scheme = url.partition("://")[0].lower()
+    if found:
+        hint = " (it needs a rediss:// URL)" if found.group(1).startswith("ssl") and scheme == "redis" else ""
+        return ConfigError(f"{setting}: {client} does not understand the option {printable(found.group(1))!r} "
+                           f"in a {scheme}:// URL{hint}: {mask_url(url)}")
+    first = (str(exc).splitlines() or [""])[0]
+    return ConfigError(f"{setting}: {client} cannot read the URL ({mask_url(url)}): {scrub(first, url)}")
+
+
 def check_redis_url(setting: str, url: str) -> None:
-    """A Redis URL redis-py reads as meant: its database, if given, a number.
+    """A Redis URL redis-py reads as meant: its database, if given, a number,
+    and only query options its connection class takes.
 
     >>> check_redis_url("BALANCER_REDIS_URL", "redis://h:6379/abc")
     Traceback (most recent call last):
     balancer.errors.ConfigError: BALANCER_REDIS_URL: the database must be a number (redis://host:6379/0), got 'abc'
+    >>> try:
+    ...     check_redis_url("BALANCER_REDIS_URL", "redis://h:6379/0?ssl_cert_reqs=none")
+    ... except ConfigError as exc:
+    ...     print(str(exc).partition(" (")[0])
+    BALANCER_REDIS_URL: redis-py does not understand the option 'ssl_cert_reqs' in a redis:// URL
     """
     check_url(setting, url, ("redis", "rediss", "unix"))
-    if url.lower().startswith("unix"):
-        return
-    database = urlsplit(url).path.strip("/")
-    if database and not database.isdigit():
-        raise ConfigError(f"{setting}: the database must be a number (redis://host:6379/0), got {printable(database)!r}")
+    if not url.lower().startswith("unix"):
+        _check_database_number(setting, url)
+    import redis
+
+    try:  # builds the connection object (no I/O), which is where redis-py refuses an unknown option
+        pool = redis.ConnectionPool.from_url(url)
+        pool.connection_class(**pool.connection_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise _unknown_option(setting, url, exc, "redis-py") from None
+
+
+#: Broker URL schemes kombu reads as Redis or AMQP (kombu.transport.TRANSPORT_ALIASES, and redis+socket).
+BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel", "amqp", "amqps", "pyamqp")
+
+
+def check_broker_url(setting: str, url: str) -> None:
+    """A broker URL kombu accepts for Redis or AMQP: each of a ``;``-separated
+    failover list, read by kombu itself (without connecting)."""
+    from kombu import Connection
+
+    for part in url.split(";"):
+        check_url(setting, part, BROKER_SCHEMES)
+        if part.lower().startswith(("redis://", "rediss://")):
+            _check_database_number(setting, part)
+        try:
+            Connection(part)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise _unknown_option(setting, part, exc, "kombu") from None
+
+
+def check_database_url(setting: str, url: str) -> None:
+    """A PostgreSQL URL libpq reads: only connection parameters it knows in the query."""
+    import psycopg2
+    from psycopg2.extensions import parse_dsn
+
+    try:
+        parse_dsn("postgresql://" + url.partition("://")[2])
+    except psycopg2.ProgrammingError as exc:
+        raise _unknown_option(setting, url, exc, "libpq") from None
 
 
 def _int(name: str, default: int, minimum: int = 1, maximum: int = MAX_INT_SETTING) -> int:
@@ -299,15 +360,15 @@ class Settings:
         env = os.environ
         database_url = env.get("BALANCER_DATABASE_URL") or None
         if database_url:
-            database_url = normalize_database_url(check_url("BALANCER_DATABASE_URL", database_url, _SCHEMES_PG))
+            check_url("BALANCER_DATABASE_URL", database_url, _SCHEMES_PG)
+            check_database_url("BALANCER_DATABASE_URL", database_url)
+            database_url = normalize_database_url(database_url)
         redis_url = env.get("BALANCER_REDIS_URL") or None
         if redis_url:
             check_redis_url("BALANCER_REDIS_URL", redis_url)
         broker_url = env.get("BALANCER_BROKER_URL") or None
         if broker_url:
-            check_url("BALANCER_BROKER_URL", broker_url, ("redis", "rediss", "amqp", "amqps", "pyamqp"))
-            if broker_url.lower().startswith("redis"):
-                check_redis_url("BALANCER_BROKER_URL", broker_url)
+            check_broker_url("BALANCER_BROKER_URL", broker_url)
         backend_url = env.get("BALANCER_BACKEND_URL") or cls.backend_url
         check_url("BALANCER_BACKEND_URL", backend_url, ("http", "https"))
         if not urlsplit(backend_url).hostname:

@@ -32,7 +32,7 @@ def test_metrics_match_the_simulator_log(tmp_path: Path) -> None:
     try:
         p.start()
         port = free_port()
-        exporter = p.supervisor.start("metrics", ["metrics", "--port", str(port)])
+        exporter = p.supervisor.start("metrics", ["metrics", "--port", str(port), "--finished-every", "0"])
         url = f"http://127.0.0.1:{port}/metrics"
         wait_for_http(url, child=exporter)
         caps = {m.name: m.max_concurrent_requests for m in p.models}

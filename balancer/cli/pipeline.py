@@ -32,30 +32,36 @@ def submit(file: Path, strict: bool, source: str) -> None:
     Exit 0: every line accepted. Exit 3: valid lines accepted, bad ones
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
-    from balancer.domain.intake import parse_tasks
+    from balancer.domain.intake import LineError, TaskRow, batches, parse_stream
     from balancer.storage.intake import insert_tasks
 
-    try:
-        data = sys.stdin.buffer.read() if str(file) == "-" else file.read_bytes()
+    try:  # read as a stream, a batch of lines at a time: memory does not grow with the file
+        stream = sys.stdin.buffer if str(file) == "-" else file.open("rb")
     except OSError as exc:
         raise BalancerError(f"cannot read {printable(str(file))}: {exc.strerror or exc}") from None
-    text = data.decode("utf-8", errors="surrogateescape")  # a bad byte fails its line, not the file
     svc = _migrated()
     models = {q.name: q.burst for q in svc.quotas.all()}
     if not models:
         raise QuotaError("no models are configured: add quotas first (`balancer quota import FILE`)")
-    rows, errors = parse_tasks(
-        text, models=models, default_max_tokens=svc.settings.expected_output_tokens, default_source=source
-    )
-    for error in errors:
-        click.echo(f"{printable(str(file))}:{error}", err=True)
-    if errors and strict:
-        raise BalancerError(f"{len(errors)} bad line(s); --strict: nothing accepted")
-    if not rows:
-        raise BalancerError(f"no valid tasks in {printable(str(file))}" + (f" ({len(errors)} bad line(s))" if errors else ""))
-    with svc.engine.begin() as conn:
-        ids = insert_tasks(conn, rows)
-    click.echo(f"accepted {len(ids)} task(s)" + (f", rejected {len(errors)} line(s)" if errors else ""))
+    accepted = errors = 0
+    with stream, svc.engine.begin() as conn:  # one transaction: all valid lines, or none
+        items = parse_stream(stream, models=models, default_max_tokens=svc.settings.expected_output_tokens,
+                             default_source=source)
+        try:
+            for batch in batches(items, 1000):
+                bad = [item for item in batch if isinstance(item, LineError)]
+                for error in bad:
+                    click.echo(f"{printable(str(file))}:{error}", err=True)
+                errors += len(bad)
+                if not (errors and strict):
+                    accepted += len(insert_tasks(conn, [item for item in batch if isinstance(item, TaskRow)]))
+        except OSError as exc:
+            raise BalancerError(f"cannot read {printable(str(file))}: {exc.strerror or exc}") from None
+        if errors and strict:  # (raising inside the transaction rolls it back)
+            raise BalancerError(f"{errors} bad line(s); --strict: nothing accepted")
+        if not accepted:
+            raise BalancerError(f"no valid tasks in {printable(str(file))}" + (f" ({errors} bad line(s))" if errors else ""))
+    click.echo(f"accepted {accepted} task(s)" + (f", rejected {errors} line(s)" if errors else ""))
     _ask_for_dispatch()
     if errors:
         raise SystemExit(3)
@@ -186,7 +192,9 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 to expose it).")
 @click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
-def metrics(host: str, port: int) -> None:
+@click.option("--finished-every", default=60.0, show_default=True, type=click.FloatRange(0, 86_400),
+              help="Seconds between recounts of solved, failed and cancelled tasks (they read the whole history).")
+def metrics(host: str, port: int, finished_every: float) -> None:
     """Serve Prometheus metrics at http://HOST:PORT/metrics, read from Redis and
     PostgreSQL at every scrape (stateless: run one anywhere)."""
     import threading
@@ -195,7 +203,7 @@ def metrics(host: str, port: int) -> None:
 
     svc = _migrated()
     try:
-        serve(svc, host, port)
+        serve(svc, host, port, finished_every=finished_every)
     except OSError as exc:
         raise BalancerError(f"cannot serve metrics on {printable(host)}:{port}: {exc.strerror or exc}") from None
     click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics", err=True)

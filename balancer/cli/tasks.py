@@ -1,7 +1,7 @@
-"""``balancer tasks ...``: see, retry and cancel tasks while the pipeline runs.
+"""``balancer tasks ...``: see, retry, cancel and prune tasks while the pipeline runs.
 
-``retry`` and ``cancel`` are dry runs unless ``--yes``; they never touch a
-queued or running task (balancer.storage.operations).
+``retry``, ``cancel`` and ``prune`` are dry runs unless ``--yes``; they never
+touch a queued or running task (balancer.storage.operations, balancer.storage.retention).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _filter(status: str | None, model: str | None, source: str | None, created_a
 
 @click.group()
 def tasks() -> None:
-    """List, show, retry and cancel tasks (safe while the pipeline runs)."""
+    """List, show, retry, cancel and prune tasks (safe while the pipeline runs)."""
 
 
 @tasks.command("list")
@@ -129,3 +129,23 @@ def tasks_retry(yes: bool, by: str | None, **given: Any) -> None:
 def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
     """Pending tasks out of the backlog (status cancelled)."""
     _act("cancel", "cancelled", yes, by, given)
+
+
+@tasks.command("prune")
+@click.option("--before", required=True, type=click.DateTime(),
+              help="UTC: delete finished tasks last changed before this, e.g. 2026-11-01")
+@click.option("--yes", is_flag=True, help="Apply (without it: a dry run that counts what would be deleted).")
+@click.option("--by", help="Who acts (default: the OS user), for the audit.")
+def tasks_prune(before: datetime, yes: bool, by: str | None) -> None:
+    """Delete solved, failed and cancelled tasks last changed before --before
+    (never a pending, queued or running one); audited, batch by batch."""
+    from balancer.storage.quotas import default_actor
+    from balancer.storage.retention import prune
+
+    when = before.replace(tzinfo=UTC) if before.tzinfo is None else before
+    n = prune(_migrated().engine, when, by=by or default_actor(), apply=yes)
+    if not yes:
+        click.echo(f"would delete {n} finished task(s) last changed before {when:%Y-%m-%d %H:%M:%S} UTC "
+                   "(dry run: pass --yes to apply)")
+        return
+    click.echo(f"deleted {n} finished task(s) last changed before {when:%Y-%m-%d %H:%M:%S} UTC")

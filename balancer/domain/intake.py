@@ -21,10 +21,11 @@ two are how a hostile file exhausts a parser.
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 from balancer.domain.tokens import estimate_task_tokens
 from balancer.errors import printable
@@ -36,6 +37,7 @@ MAX_LINE_BYTES = 4 * 1024 * 1024
 #: How deeply a line's JSON may nest (a task needs 2: the object and the models list).
 MAX_DEPTH = 32
 BOM = "\ufeff"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -178,6 +180,74 @@ def jsonl_lines(text: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
+def read_lines(stream: BinaryIO, max_bytes: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:
+    """The lines of a binary stream as JSONL defines them (see :func:`jsonl_lines`),
+    one at a time: memory stays bounded by ``max_bytes`` whatever the stream's
+    size. A longer line is ``None``: its bytes are skipped, never held.
+
+    >>> list(read_lines(io.BytesIO(b"\\xef\\xbb\\xbfa\\r\\nbb\\n" + b"x" * 9 + b"\\nc"), max_bytes=4))
+    [b'a', b'bb', None, b'c']
+    """
+    limit = max_bytes + 3  # room for the BOM, or the line's "\r\n"
+    first = True
+    while True:
+        line = stream.readline(limit)
+        if not line:
+            return
+        cut_short = len(line) >= limit and not line.endswith(b"\n")
+        if first:
+            first = False
+            line = line.removeprefix(BOM.encode("utf-8"))
+        if cut_short:
+            while True:  # the rest of an over-long line, in bounded pieces
+                rest = stream.readline(limit)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield None
+            continue
+        line = line.removesuffix(b"\n")
+        yield line.removesuffix(b"\r")
+
+
+def parse_stream(
+    stream: BinaryIO,
+    *,
+    models: Mapping[str, int],
+    default_max_tokens: int = 256,
+    default_source: str = "submit",
+) -> Iterator[TaskRow | LineError]:
+    """Each line of a JSONL stream as a task or an error, in order, one at a
+    time (bounded memory); blank lines are skipped. A byte that is not UTF-8
+    fails its line, not the stream."""
+    for number, raw in enumerate(read_lines(stream), start=1):
+        if raw is None:
+            yield LineError(number, f"line longer than {MAX_LINE_BYTES:,} bytes")
+            continue
+        line = raw.decode("utf-8", errors="surrogateescape")
+        if not line.strip():
+            continue
+        try:
+            yield parse_line(line, models=models, default_max_tokens=default_max_tokens, default_source=default_source)
+        except ValueError as exc:
+            yield LineError(number, str(exc))
+
+
+def batches(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """``items`` in lists of at most ``size``.
+
+    >>> list(batches(range(5), 2))
+    [[0, 1], [2, 3], [4]]
+    """
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def parse_tasks(
     text: str,
     *,
@@ -185,7 +255,7 @@ def parse_tasks(
     default_max_tokens: int = 256,
     default_source: str = "submit",
 ) -> tuple[list[TaskRow], list[LineError]]:
-    """All valid rows and all errors; blank lines are skipped.
+    """All valid rows and all errors of a whole text; blank lines are skipped.
 
     >>> rows, errors = parse_tasks('\\ufeff{"prompt": "a\\u2028b"}\\r\\n{"prompt": "c\u2028d"}\\n', models={"m": 1000})
     >>> [r.prompt for r in rows], errors
@@ -193,13 +263,7 @@ def parse_tasks(
     """
     rows: list[TaskRow] = []
     errors: list[LineError] = []
-    for number, line in enumerate(jsonl_lines(text), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(
-                parse_line(line, models=models, default_max_tokens=default_max_tokens, default_source=default_source)
-            )
-        except ValueError as exc:
-            errors.append(LineError(number, str(exc)))
+    stream = io.BytesIO(text.encode("utf-8", errors="surrogateescape"))
+    for item in parse_stream(stream, models=models, default_max_tokens=default_max_tokens, default_source=default_source):
+        (errors if isinstance(item, LineError) else rows).append(item)  # type: ignore[arg-type]
     return rows, errors

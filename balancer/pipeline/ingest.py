@@ -9,23 +9,37 @@ with its ``.errors`` report, so it never blocks the files sorted after it.
 A name already taken in ``done/`` or ``rejected/`` gets a numbered suffix:
 nothing is overwritten.
 
+Only regular files are read: a symbolic link (to a file anywhere) or
+anything else that is not a plain file in the inbox moves to ``rejected/``
+unread. A file is *claimed* before it is read: opened without following
+links, locked (``flock``, released by the kernel if the ingester dies) and
+renamed into ``processing/``; another ingester skips it, and one whose
+claimant died takes it from there at its next poll. It is read as a
+stream, twice (its digest, then its lines) in batches of :data:`BATCH`
+lines: memory stays bounded whatever its size, and the thread yields between
+batches, so the dispatcher's other control thread keeps dispatching.
+
 Writers should write to a temporary name and rename to ``*.jsonl``; files
 modified in the last second are left for the next poll.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from balancer.domain.intake import parse_tasks
+from balancer.domain.intake import LineError, TaskRow, batches, parse_stream
 from balancer.services import Services
 from balancer.storage.intake import insert_tasks
 from balancer.storage.schema import ingested_files
@@ -42,81 +56,189 @@ class IngestedFile:
     rejected: bool = False
 
 
-def free_name(folder: Path, name: str, data: bytes) -> Path:
-    """Where a file holding ``data`` goes in ``folder``: ``name``, unless a
-    different file has it, then ``name.1``, ``name.2`` ...: a move never
-    overwrites another file (the same content again is the same file).
+#: Lines parsed and inserted at a time (the memory an ingestion holds).
+BATCH = 1000
+PROCESSING = "processing"
+
+
+def file_digest(fh: BinaryIO) -> str:
+    """sha256 of an open file, read in 1 MB pieces from its start."""
+    fh.seek(0)
+    digest = hashlib.sha256()
+    while chunk := fh.read(1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _same_file(candidate: Path, digest: str | None) -> bool:
+    if digest is None or candidate.is_symlink() or not candidate.is_file():
+        return False
+    with candidate.open("rb") as fh:
+        return file_digest(fh) == digest
+
+
+def free_name(folder: Path, name: str, digest: str | None) -> Path:
+    """Where a file whose sha256 is ``digest`` goes in ``folder``: ``name``,
+    unless a different file has it, then ``name.1``, ``name.2`` ...: a move
+    never overwrites another file (the same content again is the same file;
+    ``digest`` None, e.g. a link, is never the same).
 
     >>> import tempfile; d = Path(tempfile.mkdtemp()); _ = (d / "a.jsonl").write_bytes(b"x")
-    >>> [free_name(d, n, data).name for n, data in (("a.jsonl", b"y"), ("a.jsonl", b"x"), ("b.jsonl", b"y"))]
-    ['a.jsonl.1', 'a.jsonl', 'b.jsonl']
+    >>> x, y = hashlib.sha256(b"x").hexdigest(), hashlib.sha256(b"y").hexdigest()
+    >>> [free_name(d, n, h).name for n, h in (("a.jsonl", y), ("a.jsonl", x), ("b.jsonl", y), ("a.jsonl", None))]
+    ['a.jsonl.1', 'a.jsonl', 'b.jsonl', 'a.jsonl.1']
     """
     candidate, n = folder / name, 0
-    while candidate.exists() and candidate.read_bytes() != data:
+    while os.path.lexists(candidate) and not _same_file(candidate, digest):
         n += 1
         candidate = folder / f"{name}.{n}"
     return candidate
 
 
-def _move(path: Path, data: bytes, folder: Path, report: str) -> None:
-    """Move ``path`` (holding ``data``) into ``folder`` under a free name, its error report beside it."""
+def _move(path: Path, digest: str | None, folder: Path, report: str | Path = "") -> None:
+    """Move ``path`` into ``folder`` under a free name, its error report (text,
+    or a file to move) beside it. A link is moved as a link, never followed."""
     folder.mkdir(exist_ok=True)
-    target = free_name(folder, path.name, data)
+    target = free_name(folder, path.name, digest)
     try:
         path.replace(target)
     except FileNotFoundError:  # another ingester moved it, to the same place
         pass
-    if report:
-        target.with_name(target.name + ".errors").write_text(report, encoding="utf-8", errors="backslashreplace")
+    errors = target.with_name(target.name + ".errors")
+    if isinstance(report, Path):
+        if report.exists():
+            report.replace(errors)
+    elif report:
+        errors.write_text(report, encoding="utf-8", errors="backslashreplace")
+
+
+class NotAFile(Exception):
+    """An inbox entry that is a link, or not a regular file."""
+
+
+def _claim(path: Path) -> BinaryIO | None:
+    """Open ``path`` without following a link and lock it for this ingester;
+    None if another ingester holds it or it is gone. Raises NotAFile for a
+    link or anything but a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if path.is_symlink():
+            raise NotAFile("a symbolic link: only regular files in the inbox are read") from None
+        raise exc
+    fh = os.fdopen(fd, "rb")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAFile("not a regular file")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            return None
+        try:  # still the file at that name (not one a finished claimant moved away)?
+            if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
+                fh.close()
+                return None
+        except FileNotFoundError:
+            fh.close()
+            return None
+    except BaseException:
+        fh.close()
+        raise
+    return fh
 
 
 def ingest_inbox(services: Services, inbox: Path, *, min_age_seconds: float = 1.0) -> list[IngestedFile]:
+    """Ingest every file left in ``processing/`` by an ingester that died, then
+    every ``*.jsonl`` file in the inbox modified more than ``min_age_seconds`` ago."""
     if not inbox.is_dir():
         return []
-    results = []
-    paths = sorted(inbox.glob("*.jsonl"))
-    models = {q.name: q.burst for q in services.quotas.all()} if paths else {}
-    for path in paths:
+    processing = inbox / PROCESSING
+    results: list[IngestedFile] = []
+    models: dict[str, int] | None = None
+    real_dir = processing.is_dir() and not processing.is_symlink()  # a link there could lead anywhere
+    orphans = sorted(processing.glob("*.jsonl")) if real_dir else []
+    for path in [*orphans, *sorted(inbox.glob("*.jsonl"))]:
         try:
-            if time.time() - path.stat().st_mtime < min_age_seconds:
+            if path.parent == inbox and time.time() - path.lstat().st_mtime < min_age_seconds:
                 continue
-            data = path.read_bytes()
-        except FileNotFoundError:  # another ingester moved it
+            fh = _claim(path)
+        except FileNotFoundError:
+            continue
+        except NotAFile as exc:
+            log.warning("inbox entry %s refused, moved to rejected/: %s", path.name, exc)
+            _move(path, None, inbox / "rejected", f"not read: {exc}\n")
+            results.append(IngestedFile(path.name, 0, 1, duplicate=False, rejected=True))
             continue
         except OSError as exc:
             log.warning("inbox file %s is unreadable, moved to rejected/: %s", path.name, exc)
-            _move(path, b"", inbox / "rejected", f"cannot read the file: {exc}\n")
+            _move(path, None, inbox / "rejected", f"cannot read the file: {exc}\n")
             results.append(IngestedFile(path.name, 0, 1, duplicate=False, rejected=True))
             continue
-        try:
-            results.append(_ingest_file(services, inbox, path, data, models))
-        except (OperationalError, PoolTimeout):
-            raise  # PostgreSQL is away: the file is fine, the next poll takes it
-        except Exception as exc:  # noqa: BLE001 - one poison file must not starve the others
-            log.exception("inbox file %s could not be ingested, moved to rejected/", path.name)
-            _move(path, data, inbox / "rejected", f"not ingested: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
-            results.append(IngestedFile(path.name, 0, 1, duplicate=False, rejected=True))
+        if fh is None:
+            continue  # another ingester holds it
+        with fh:
+            if path.parent == inbox:  # claimed: into processing/, still locked
+                processing.mkdir(exist_ok=True)
+                if processing.is_symlink():
+                    raise NotADirectoryError(f"{processing} is a link: remove it, ingestion needs a directory there")
+                if os.path.lexists(processing / path.name):
+                    continue  # a file of that name is being ingested: this one waits for the next poll
+                path = path.replace(processing / path.name)
+            if models is None:
+                models = {q.name: q.burst for q in services.quotas.all()}
+            results.append(_ingest_claimed(services, inbox, path, fh, models))
     return results
 
 
-def _ingest_file(services: Services, inbox: Path, path: Path, data: bytes, models: dict[str, int]) -> IngestedFile:
-    digest = hashlib.sha256(data).hexdigest()
-    rows, errors = parse_tasks(
-        data.decode("utf-8", errors="surrogateescape"),  # a bad byte fails its line, not the file
-        models=models,
-        default_max_tokens=services.settings.expected_output_tokens,
-        default_source=f"inbox:{path.name}",
-    )
+def _ingest_claimed(services: Services, inbox: Path, path: Path, fh: BinaryIO, models: dict[str, int]) -> IngestedFile:
+    """Ingest a claimed file in ``processing/``: to done/ or rejected/, or left
+    there for the next poll if PostgreSQL is away."""
+    report = path.with_name(path.name + ".errors")
+    digest: str | None = None
+    try:
+        digest = file_digest(fh)
+        result = _ingest_file(services, path, fh, digest, models, report)
+    except (OperationalError, PoolTimeout):
+        raise  # PostgreSQL is away: the file is fine, the next poll takes it from processing/
+    except Exception as exc:  # noqa: BLE001 - one poison file must not starve the others
+        log.exception("inbox file %s could not be ingested, moved to rejected/", path.name)
+        report.unlink(missing_ok=True)
+        _move(path, digest, inbox / "rejected", f"not ingested: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
+        return IngestedFile(path.name, 0, 1, duplicate=False, rejected=True)
+    _move(path, digest, inbox / "done", report if not result.duplicate else "")
+    report.unlink(missing_ok=True)
+    return result
+
+
+def _ingest_file(services: Services, path: Path, fh: BinaryIO, digest: str, models: dict[str, int],
+                 report: Path) -> IngestedFile:
+    created = errors = 0
     with services.engine.begin() as conn:
         claimed = conn.execute(
             pg_insert(ingested_files)
-            .values(name=path.name, sha256=digest, tasks=len(rows))
+            .values(name=path.name, sha256=digest, tasks=0)
             .on_conflict_do_nothing()
             .returning(ingested_files.c.name)
         ).first()
-        if claimed:
-            insert_tasks(conn, rows)
-    _move(path, data, inbox / "done", "".join(f"{e}\n" for e in errors) if claimed else "")
-    return IngestedFile(path.name, len(rows) if claimed else 0, len(errors), duplicate=not claimed)
-
-
+        if not claimed:
+            return IngestedFile(path.name, 0, 0, duplicate=True)
+        fh.seek(0)
+        stream = parse_stream(fh, models=models, default_max_tokens=services.settings.expected_output_tokens,
+                              default_source=f"inbox:{path.name}")
+        with report.open("w", encoding="utf-8", errors="backslashreplace") as out:
+            for batch in batches(stream, BATCH):
+                rows = [item for item in batch if isinstance(item, TaskRow)]
+                bad = [item for item in batch if isinstance(item, LineError)]
+                out.writelines(f"{e}\n" for e in bad)
+                insert_tasks(conn, rows)
+                created, errors = created + len(rows), errors + len(bad)
+                time.sleep(0)  # let the dispatcher's other thread run
+        conn.execute(ingested_files.update()
+                     .where(ingested_files.c.name == path.name, ingested_files.c.sha256 == digest)
+                     .values(tasks=created))
+    if not errors:
+        report.unlink(missing_ok=True)
+    return IngestedFile(path.name, created, errors, duplicate=False)

@@ -8,22 +8,33 @@ the counters add up whichever process made the call, and restarting the
 exporter loses nothing. Names follow Prometheus conventions: ``_total`` for
 counters, base units (seconds, tokens), one ``model`` label.
 
+A scrape's cost does not grow with the history of finished tasks: it counts
+the live statuses from their partial indexes, and recounts the finished
+ones (``balancer_tasks{status="solved"|"failed"|"cancelled"}``) at most once
+``balancer metrics --finished-every`` seconds (a minute by default), in one
+scrape while the others report the last count (``balancer tasks prune`` keeps that
+recount short).
+
 >>> sorted(m.name for m in BalancerCollector(None).describe())[:3]
 ['balancer_admission_decisions', 'balancer_dispatch_rounds', 'balancer_drain_eta_seconds']
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
 from balancer.pipeline.summary import estimate_drain
 from balancer.services import Services
-from balancer.storage.reads import pending_groups, status_counts
+from balancer.storage.reads import pending_groups
+from balancer.storage.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
 OUTCOMES = ("solved", "rate_limited", "transient", "failed")
@@ -82,8 +93,24 @@ def refill_gap_buckets(counters: Mapping[str, int]) -> list[tuple[str, int]]:
 class BalancerCollector(Collector):
     """Reads Redis and PostgreSQL on each ``collect`` (a scrape)."""
 
-    def __init__(self, services: Services | None) -> None:
+    def __init__(self, services: Services | None, *, finished_every: float = FINISHED_RECOUNT_S) -> None:
         self.services = services
+        self.finished_every = finished_every
+        self._finished: dict[str, int] | None = None
+        self._finished_at = 0.0
+        self._recount = threading.Lock()
+
+    def finished(self, engine: Engine) -> dict[str, int]:
+        """Finished tasks by status, recounted at most once per ``finished_every`` seconds, by one scrape."""
+        stale = time.monotonic() - self._finished_at >= self.finished_every
+        if (stale or self._finished is None) and self._recount.acquire(blocking=self._finished is None):
+            try:
+                if self._finished is None or time.monotonic() - self._finished_at >= self.finished_every:
+                    self._finished = finished_counts(engine)
+                    self._finished_at = time.monotonic()
+            finally:
+                self._recount.release()
+        return dict(self._finished or {})
 
     def describe(self) -> Iterator[Metric]:
         return iter(self._families().values())
@@ -127,7 +154,7 @@ class BalancerCollector(Collector):
             families["balancer_model_refill_gap_seconds"].add_metric(
                 [name], refill_gap_buckets(stats), stats.get("gap_ms", 0) / 1000
             )
-        for status, n in status_counts(svc.engine).items():
+        for status, n in {**live_status_counts(svc.engine), **self.finished(svc.engine)}.items():
             families["balancer_tasks"].add_metric([status], n)
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
@@ -169,7 +196,9 @@ class BalancerCollector(Collector):
         families["balancer_model_refill_gap_seconds"] = HistogramMetricFamily(
             "balancer_model_refill_gap_seconds", "How long a slot freed by a model at its cap waited for the "
             "model's next admission (an idle backlog shows as long gaps)", labels=model)
-        families["balancer_tasks"] = GaugeMetricFamily("balancer_tasks", "Tasks by status", labels=["status"])
+        families["balancer_tasks"] = GaugeMetricFamily(
+            "balancer_tasks", "Tasks by status (solved, failed and cancelled recounted at most once a minute)",
+            labels=["status"])
         families["balancer_admission_decisions"] = CounterMetricFamily(
             "balancer_admission_decisions", "Admission decisions by kind", labels=["decision"])
         families["balancer_dispatch_rounds"] = CounterMetricFamily(
@@ -179,11 +208,11 @@ class BalancerCollector(Collector):
         return families
 
 
-def serve(services: Services, host: str, port: int) -> Any:
+def serve(services: Services, host: str, port: int, *, finished_every: float = FINISHED_RECOUNT_S) -> Any:
     """Start the exporter's HTTP server in a thread; returns the server (``shutdown()`` to stop)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(BalancerCollector(services))
+    registry.register(BalancerCollector(services, finished_every=finished_every))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     return server

@@ -79,6 +79,15 @@ def dispatch_task(from_beat: bool = False) -> dict:
     return {"admitted": report.admitted, "failed": report.failed}
 
 
+def shutting_down() -> bool:
+    """Whether this worker is stopping. Celery sets ``should_stop`` or
+    ``should_terminate`` to an exit code, which on a warm shutdown is EX_OK
+    (0, false): set means stop whatever the value, as Celery tests it
+    (``is not None and is not False``)."""
+    return any(flag is not None and flag is not False
+               for flag in (worker_state.should_stop, worker_state.should_terminate))
+
+
 @app.task(name="balancer.solve")
 def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int, hedge: bool = False) -> str:
     """Solve the message's task, then each next call its slot takes from the
@@ -93,7 +102,7 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
     last_start = svc.settings.visibility_timeout - svc.settings.hard_time_limit  # > 0: Settings.check_timing
 
     def may_continue() -> bool:
-        return time.monotonic() - started < last_start and not (worker_state.should_stop or worker_state.should_terminate)
+        return time.monotonic() - started < last_start and not shutting_down()
 
     outcomes = solve_chain(
         svc, runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat(),

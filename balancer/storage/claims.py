@@ -1,11 +1,36 @@
-"""The dispatcher's claims on the backlog: the pinned lane, the window of
-flexible work, and marking admitted tasks ``queued`` (all in the dispatcher's
-transaction, ``FOR UPDATE SKIP LOCKED`` so two dispatchers never see the same task)."""
+"""The dispatcher's claims on the backlog: the pinned lane, the window, which
+models still have pinned work, and marking admitted tasks ``queued`` (all in
+the dispatcher's transaction). None of them reads a task that no
+model it asks about may take.
+
+One scan of the pending tasks in priority-then-age order would read, and
+skip, every task no open model may take before it reached one that it may:
+100,000 tasks pinned to a disabled model made each round read 100,000 rows.
+A lateral probe per model did no better: PostgreSQL plans it once for any
+model, and with nearly every pinned task on one model it judged that any
+model's probe would match at once, so it scanned the priority index instead
+of the pinned one. So each probe here is one branch of one statement with
+the model (or the set of models) as a value the planner sees:
+
+- the distinct sets of allowed models of the pending tasks come from a skip
+  scan of ``tasks_pending_pinned`` (one index probe per set);
+- the window merges the tasks any model may take (``tasks_pending_flexible``,
+  in window order) with, for each set that overlaps the open models, that
+  set's first tasks (``tasks_pending_pinned``);
+- the pinned lane and the pinned-backlog check probe ``tasks_pending_pinned``
+  once per model.
+
+A set that no open model is in costs nothing but its probe in the skip scan.
+Each branch locks at most its limit (``FOR UPDATE SKIP LOCKED``, so two
+dispatchers still work side by side); rows a branch locked but the merged
+window did not keep stay locked only until the round's commit.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -21,41 +46,96 @@ class PendingTask:
     avoid_model: str | None = None  # its last call failed there: retry elsewhere if another model has room
 
 
-def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
-    """Lock, for each model, up to ``free_slots[model]`` pending tasks pinned to it alone.
+_COLUMNS = "id, estimated_tokens, allowed_models, avoid_model, priority"
+_READY = "status = 'pending' AND (not_before IS NULL OR not_before <= now())"
 
-    This is the dispatcher's *pinned lane*. Such a task has nowhere else to go,
-    so it gets first claim on its model's free slots, ahead of tasks that any
-    model could take; otherwise a slow model spends its few slots on flexible
-    work and its own tasks form the tail of the run. One index range scan per
-    model (``tasks_pending_pinned``), so the cost does not grow with the backlog.
-
-    >>> claim_pinned(conn, {"model-7": 2})   # doctest: +SKIP
-    [PendingTask(id=41, estimated_tokens=900, allowed_models=('model-7',)), ...]
+_SETS = sa.text(
     """
-    wanted = {name: n for name, n in free_slots.items() if n > 0}
-    if not wanted:
+    WITH RECURSIVE sets(allowed) AS (
+        (SELECT allowed_models FROM tasks
+          WHERE status = 'pending' AND allowed_models IS NOT NULL
+          ORDER BY allowed_models LIMIT 1)
+        UNION ALL
+        SELECT (SELECT allowed_models FROM tasks
+                 WHERE status = 'pending' AND allowed_models IS NOT NULL AND allowed_models > s.allowed
+                 ORDER BY allowed_models LIMIT 1)
+          FROM sets AS s WHERE s.allowed IS NOT NULL
+    )
+    SELECT allowed FROM sets WHERE allowed IS NOT NULL
+    """
+)
+
+
+def pending_model_sets(conn: Connection) -> list[tuple[str, ...]]:
+    """The distinct allowed-model lists of the pending tasks that have one."""
+    return [tuple(r.allowed) for r in conn.execute(_SETS)]
+
+
+def _branch(i: int, *, flexible: bool = False) -> str:
+    """One locked probe: the flexible lane (``flexible``) or the tasks whose allowed models are ``:set<i>``."""
+    where = "allowed_models IS NULL" if flexible else f"allowed_models IS NOT NULL AND allowed_models = CAST(:set{i} AS text[])"
+    order = "priority DESC, id" if flexible else "allowed_models, priority DESC, id"
+    # Built from fixed fragments and the branch number only; every value is a bound parameter.
+    return (f"SELECT * FROM (SELECT {_COLUMNS} FROM tasks WHERE {_READY} AND {where} "  # noqa: S608
+            f"ORDER BY {order} LIMIT :limit{i} FOR UPDATE SKIP LOCKED) AS b{i}")
+
+
+def _rows(conn: Connection, branches: list[str], params: dict[str, Any], limit: int | None = None) -> list[PendingTask]:
+    if not branches:
         return []
-    rows = conn.execute(
-        sa.text(
-            """
-            SELECT t.id, t.estimated_tokens, t.allowed_models
-              FROM unnest(CAST(:models AS text[]), CAST(:limits AS int[])) AS o(model, k)
-             CROSS JOIN LATERAL (
-                   SELECT id, estimated_tokens, allowed_models, priority
-                     FROM tasks
-                    WHERE status = 'pending' AND allowed_models IS NOT NULL
-                      AND allowed_models = ARRAY[o.model]
-                      AND (not_before IS NULL OR not_before <= now())
-                    ORDER BY allowed_models, priority DESC, id
-                    LIMIT o.k
-                      FOR UPDATE SKIP LOCKED) AS t
-             ORDER BY t.priority DESC, t.id
-            """
-        ),
-        {"models": list(wanted), "limits": list(wanted.values())},
-    ).all()
-    return [PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models)) for r in rows]
+    sql = " UNION ALL ".join(branches) + " ORDER BY priority DESC, id" + (" LIMIT :limit" if limit is not None else "")
+    rows = conn.execute(sa.text(sql), {**params, "limit": limit}).all()
+    return [
+        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
+        for r in rows
+    ]
+
+
+def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
+    """Lock up to ``limit`` pending tasks, priority then age, that an open model
+    could take (see the module docstring). Tasks pinned only to saturated or
+    disabled models are never read, so they neither fill the window nor slow it."""
+    open_set = set(open_models)
+    if limit <= 0 or not open_set:
+        return []
+    sets = [s for s in pending_model_sets(conn) if open_set.intersection(s)]
+    branches = [_branch(0, flexible=True)]
+    params: dict[str, Any] = {"limit0": limit}
+    for i, allowed in enumerate(sets, start=1):
+        branches.append(_branch(i))
+        params[f"set{i}"], params[f"limit{i}"] = list(allowed), limit
+    return _rows(conn, branches, params, limit)
+
+
+def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
+    """Lock, for each model, up to ``free_slots[model]`` pending tasks pinned to
+    it alone (the dispatcher's pinned lane), priority then age: one probe of
+    ``tasks_pending_pinned`` per model."""
+    wanted = {name: n for name, n in free_slots.items() if n > 0}
+    branches: list[str] = []
+    params: dict[str, Any] = {}
+    for i, (name, n) in enumerate(wanted.items(), start=1):
+        branches.append(_branch(i))
+        params[f"set{i}"], params[f"limit{i}"] = [name], n
+    return _rows(conn, branches, params)
+
+
+def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
+    """Which of ``models`` still have pending tasks pinned to them alone, not
+    counting the tasks in ``exclude`` (what this dispatcher just claimed);
+    tasks another dispatcher holds do count. One probe per model."""
+    names = list(models)
+    if not names:
+        return set()
+    skip = list(exclude)
+    branches = [  # fixed fragments and branch numbers; the names are bound parameters
+        f"SELECT CAST(:m{i} AS text) AS model WHERE EXISTS (SELECT 1 FROM tasks WHERE {_READY} "  # noqa: S608
+        f"AND allowed_models IS NOT NULL AND allowed_models = ARRAY[CAST(:m{i} AS text)] "
+        f"AND NOT (id = ANY(CAST(:exclude AS bigint[]))))"
+        for i in range(len(names))
+    ]
+    params: dict[str, Any] = {f"m{i}": name for i, name in enumerate(names)}
+    return {r.model for r in conn.execute(sa.text(" UNION ALL ".join(branches)), {**params, "exclude": skip})}
 
 
 def pending_backlog(conn: Connection) -> tuple[int, float]:
@@ -65,62 +145,6 @@ def pending_backlog(conn: Connection) -> tuple[int, float]:
         .where(tasks.c.status == "pending")
     ).one()
     return int(row[0]), float(row[1])
-
-
-def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
-    """Which of ``models`` still have pending tasks pinned to them alone.
-
-    Tasks in ``exclude`` (what this dispatcher just claimed) do not count;
-    tasks another dispatcher holds do. The dispatcher keeps flexible work off
-    these models. One index probe per model.
-    """
-    names = list(models)
-    if not names:
-        return set()
-    rows = conn.execute(
-        sa.text(
-            """
-            SELECT o.model
-              FROM unnest(CAST(:models AS text[])) AS o(model)
-             WHERE EXISTS (
-                   SELECT 1 FROM tasks
-                    WHERE status = 'pending' AND allowed_models IS NOT NULL
-                      AND allowed_models = ARRAY[o.model]
-                      AND (not_before IS NULL OR not_before <= now())
-                      AND NOT (id = ANY(CAST(:exclude AS bigint[]))))
-            """
-        ),
-        {"models": names, "exclude": list(exclude)},
-    ).all()
-    return {r.model for r in rows}
-
-
-# Built once, like the solve path's statements below: the dispatcher runs it every round.
-_CLAIM_WINDOW = (
-    sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model)
-    .where(tasks.c.status == "pending")
-    .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
-    .where(sa.or_(tasks.c.allowed_models.is_(None),
-                  tasks.c.allowed_models.overlap(sa.bindparam("b_open_models", type_=tasks.c.allowed_models.type))))
-    .order_by(tasks.c.priority.desc(), tasks.c.id)
-    .limit(sa.bindparam("b_limit"))
-    .with_for_update(skip_locked=True)
-)
-
-
-def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> list[PendingTask]:
-    """Lock up to ``limit`` pending tasks, priority then age, that an open model could take.
-
-    ``FOR UPDATE SKIP LOCKED`` lets two dispatchers work side by side without
-    seeing the same task. Tasks pinned only to saturated models are skipped
-    here, so they cannot fill the window and block tasks that could go
-    elsewhere (no head-of-line blocking).
-    """
-    rows = conn.execute(_CLAIM_WINDOW, {"b_open_models": list(open_models), "b_limit": limit}).all()
-    return [
-        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
-        for r in rows
-    ]
 
 
 def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], lease_seconds: int) -> None:

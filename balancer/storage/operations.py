@@ -73,7 +73,7 @@ def list_tasks(engine: Engine, flt: TaskFilter, *, limit: int = 50, timeout_ms: 
                sa.func.left(tasks.c.prompt, 60).label("prompt_preview"))
     with engine.connect() as conn:
         if timeout_ms is not None:
-            conn.execute(sa.text(f"SET LOCAL statement_timeout = {int(timeout_ms)}"))
+            conn.execute(sa.select(sa.func.set_config("statement_timeout", str(int(timeout_ms)), True)))
         return list(conn.execute(sa.select(*columns).where(*flt.clauses()).order_by(tasks.c.id.desc()).limit(limit)))
 
 

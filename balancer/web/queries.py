@@ -74,7 +74,7 @@ def error_groups(engine: Engine, limit: int = 20, timeout_ms: int | None = None)
              .group_by(prefix).order_by(sa.func.count().desc(), prefix).limit(limit))
     with engine.connect() as conn:
         if timeout_ms is not None:
-            conn.execute(sa.text(f"SET LOCAL statement_timeout = {int(timeout_ms)}"))
+            conn.execute(sa.select(sa.func.set_config("statement_timeout", str(int(timeout_ms)), True)))
         try:
             return [ErrorGroup(r[0], int(r[1]), int(r[2])) for r in conn.execute(query)]
         except sa.exc.OperationalError as exc:

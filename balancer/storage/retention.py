@@ -1,0 +1,84 @@
+"""What the history of finished tasks costs, and how to drop it.
+
+Finished tasks (``solved``, ``failed``, ``cancelled``) pile up for ever;
+everything that runs often must not read them. The live statuses are
+counted from their partial indexes (``tasks_pending_order`` and
+``tasks_in_flight_deadline``), so that count grows with the backlog, not with
+the history. The finished ones are counted in full only by
+:func:`finished_counts`, which the metrics exporter calls at most once per
+:data:`FINISHED_RECOUNT_S` (:mod:`balancer.pipeline.metrics`).
+
+``balancer tasks prune --before T`` deletes finished tasks last changed
+before ``T``, in batches of :data:`PRUNE_BATCH` (each its own transaction,
+through the ``tasks_status_updated`` index), and audits each batch in
+``task_operations`` (action ``prune``) as retries and cancels are. A task
+that is pending, queued or running is never deleted, and a failed task a
+``retry`` sends back to pending meanwhile is not matched.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from balancer.storage.schema import task_operations, tasks
+
+LIVE_STATUSES = ("pending", "queued", "running")
+FINISHED_STATUSES = ("solved", "failed", "cancelled")
+#: Tasks one prune statement deletes (and one audit row lists).
+PRUNE_BATCH = 10_000
+#: Seconds the exporter reuses its count of finished tasks.
+FINISHED_RECOUNT_S = 60.0
+
+
+def live_status_counts(engine: Engine) -> dict[str, int]:
+    """Pending, queued and running tasks, each counted from its partial index."""
+    with engine.connect() as conn:
+        pending = conn.execute(sa.select(sa.func.count()).where(tasks.c.status == "pending")).scalar_one()
+        rows = conn.execute(
+            sa.select(tasks.c.status, sa.func.count())
+            .where(tasks.c.status.in_(("queued", "running"))).group_by(tasks.c.status)
+        ).all()
+    counts = dict.fromkeys(LIVE_STATUSES, 0)
+    counts["pending"] = int(pending)
+    counts.update({status: int(n) for status, n in rows})
+    return counts
+
+
+def finished_counts(engine: Engine) -> dict[str, int]:
+    """Solved, failed and cancelled tasks: reads the whole history (see the module docstring)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.status, sa.func.count()).where(tasks.c.status.in_(FINISHED_STATUSES)).group_by(tasks.c.status)
+        ).all()
+    counts = dict.fromkeys(FINISHED_STATUSES, 0)
+    counts.update({status: int(n) for status, n in rows})
+    return counts
+
+
+def _prunable(before: datetime) -> list[sa.ColumnElement[bool]]:
+    return [tasks.c.status.in_(FINISHED_STATUSES), tasks.c.updated_at < before]
+
+
+def prune(engine: Engine, before: datetime, *, by: str, apply: bool) -> int:
+    """Delete (if ``apply``; else count) the finished tasks last changed before
+    ``before``. Returns how many were, or would be, deleted."""
+    if not apply:
+        with engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).where(*_prunable(before))).scalar_one())
+    deleted = 0
+    while True:
+        with engine.begin() as conn:
+            batch = sa.select(tasks.c.id).where(*_prunable(before)).limit(PRUNE_BATCH) \
+                .with_for_update(skip_locked=True).scalar_subquery()
+            ids = sorted(conn.execute(
+                sa.delete(tasks).where(tasks.c.id.in_(batch), *_prunable(before)).returning(tasks.c.id)
+            ).scalars())
+            if ids:
+                conn.execute(sa.insert(task_operations).values(
+                    done_by=by, action="prune", filter={"before": before.isoformat()}, task_ids=ids))
+        deleted += len(ids)
+        if len(ids) < PRUNE_BATCH:
+            return deleted
