@@ -450,7 +450,8 @@ def test_a_trickling_backend_with_postgres_down_ends_the_solve_in_time(
     from balancer.domain.intake import parse_tasks
     from balancer.domain.quota import Quota
     from balancer.pipeline.dispatcher import Assignment
-    from balancer.pipeline.solver import SolveMessage, solve
+    from balancer.pipeline.solver import SolveMessage
+    from tests.solving import solve
     from balancer.storage.db import cached_engine, dispose_engines
     from balancer.storage.intake import insert_tasks
     from balancer.storage.migrate import upgrade

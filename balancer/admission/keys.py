@@ -31,6 +31,7 @@ DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
 BEAT_SEEN = ":beat:seen"
+LIVE_CALLS = ":calls:live"
 BENCH_COUNTER = ":bench:incr"
 
 
@@ -89,6 +90,12 @@ def beat_seen(namespace: str) -> str:
     """When beat's dispatch tick last ran (ms, string; expires when beat is gone):
     see :mod:`balancer.pipeline.fallback`."""
     return tag(namespace) + BEAT_SEEN
+
+
+def live_calls(namespace: str) -> str:
+    """The calls workers keep alive (zset): admission id -> until when (ms, Redis time),
+    for the sweep (see :mod:`balancer.pipeline.heartbeat`)."""
+    return tag(namespace) + LIVE_CALLS
 
 
 def cancel_channel(namespace: str) -> str:

@@ -1,8 +1,11 @@
 """Task deadlines in PostgreSQL, the other half of a call's lease: tasks whose
-worker stopped renewing them go back to ``pending`` (the sweep), the calls in
+worker stopped renewing them go back to ``pending`` (the sweep; not those a
+worker still keeps alive in Redis), the calls in
 flight re-seed a Redis that lost its data, and overdue calls are counted."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -30,6 +33,33 @@ def return_expired(engine: Engine) -> int:
             )
         )
     return result.rowcount
+
+
+def keep_live_calls(engine: Engine, alive: Collection[str], lease_seconds: int) -> int:
+    """Move the deadline one lease from now for queued/running tasks whose call or
+    hedge is in ``alive`` (a worker still beats for it in Redis, though maybe it
+    cannot reach PostgreSQL: see :mod:`balancer.pipeline.heartbeat`) and whose
+    deadline is less than a lease away, so none passes before :func:`return_expired`,
+    which the sweep runs next. Returns how many were past their deadline."""
+    ids = list(alive)
+    if not ids:
+        return 0
+    with engine.begin() as conn:
+        overdue = conn.execute(
+            sa.text(
+                """
+                UPDATE tasks AS t SET deadline = now() + make_interval(secs => :lease)
+                  FROM (SELECT id, deadline < now() AS overdue FROM tasks
+                         WHERE status IN ('queued', 'running') AND deadline < now() + make_interval(secs => :lease)
+                           AND (admission_id = ANY(:ids) OR hedge_admission_id = ANY(:ids))
+                           FOR UPDATE) AS old
+                 WHERE t.id = old.id
+             RETURNING old.overdue
+                """
+            ),
+            {"lease": lease_seconds, "ids": ids},
+        ).scalars().all()
+    return sum(1 for o in overdue if o)
 
 
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
