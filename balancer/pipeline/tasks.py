@@ -20,7 +20,7 @@ from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
-from balancer.storage.leases import keep_live_calls, return_expired
+from balancer.storage.leases import sweep_expired
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
@@ -112,11 +112,10 @@ def sweep_task() -> int:
     repaired = svc.quotas.repair_drift()
     if repaired:
         log.warning("live quotas differed from PostgreSQL for %s; repaired", ", ".join(repaired))
-    kept = keep_live_calls(svc.engine, live_calls(svc.redis, svc.settings.namespace), svc.settings.lease_seconds)
+    returned, kept = sweep_expired(svc.engine, live_calls(svc.redis, svc.settings.namespace), svc.settings.lease_seconds)
     if kept:
         log.warning("kept %d task(s) past their deadline: their workers still keep their calls alive (in Redis), "
                     "though they did not renew them in PostgreSQL", kept)
-    returned = return_expired(svc.engine)
     if returned:
         log.warning("returned %d task(s) past their deadline to pending", returned)
         trigger_dispatch()

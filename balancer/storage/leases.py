@@ -6,6 +6,7 @@ flight re-seed a Redis that lost its data, and overdue calls are counted."""
 from __future__ import annotations
 
 from collections.abc import Collection
+from datetime import timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -17,10 +18,29 @@ from balancer.storage.schema import tasks
 
 def return_expired(engine: Engine) -> int:
     """Queued/running tasks past their deadline go back to pending (lost message, dead worker)."""
+    return sweep_expired(engine, (), 0)[0]
+
+
+def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) -> tuple[int, int]:
+    """The sweep: queued/running tasks past their deadline go back to pending (a
+    lost message, a dead worker), except those whose call or hedge is in
+    ``alive``: a worker still keeps that call alive in Redis, though it could
+    not renew the deadline in PostgreSQL (see :mod:`balancer.pipeline.heartbeat`);
+    their deadline moves one lease on. One transaction, so both statements
+    judge "past" by the same ``now()``. Returns (returned, kept)."""
+    expired = sa.and_(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+    ids = list(alive)
     with engine.begin() as conn:
+        kept = 0
+        if ids:
+            kept = conn.execute(
+                sa.update(tasks)
+                .where(expired, sa.or_(tasks.c.admission_id.in_(ids), tasks.c.hedge_admission_id.in_(ids)))
+                .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds))
+            ).rowcount
         result = conn.execute(
             sa.update(tasks)
-            .where(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+            .where(expired)
             .values(
                 status="pending",
                 model=None,
@@ -32,34 +52,7 @@ def return_expired(engine: Engine) -> int:
                 error="returned to pending: deadline passed while " + tasks.c.status,
             )
         )
-    return result.rowcount
-
-
-def keep_live_calls(engine: Engine, alive: Collection[str], lease_seconds: int) -> int:
-    """Move the deadline one lease from now for queued/running tasks whose call or
-    hedge is in ``alive`` (a worker still beats for it in Redis, though maybe it
-    cannot reach PostgreSQL: see :mod:`balancer.pipeline.heartbeat`) and whose
-    deadline is less than a lease away, so none passes before :func:`return_expired`,
-    which the sweep runs next. Returns how many were past their deadline."""
-    ids = list(alive)
-    if not ids:
-        return 0
-    with engine.begin() as conn:
-        overdue = conn.execute(
-            sa.text(
-                """
-                UPDATE tasks AS t SET deadline = now() + make_interval(secs => :lease)
-                  FROM (SELECT id, deadline < now() AS overdue FROM tasks
-                         WHERE status IN ('queued', 'running') AND deadline < now() + make_interval(secs => :lease)
-                           AND (admission_id = ANY(:ids) OR hedge_admission_id = ANY(:ids))
-                           FOR UPDATE) AS old
-                 WHERE t.id = old.id
-             RETURNING old.overdue
-                """
-            ),
-            {"lease": lease_seconds, "ids": ids},
-        ).scalars().all()
-    return sum(1 for o in overdue if o)
+    return result.rowcount, kept
 
 
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
