@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 100
 #: How often a wait on an answer checks that the writer's thread is still alive (seconds).
 ALIVE_CHECK_S = 1.0
+#: An answer handed over with no deadline is retried this long (seconds).
+DEFAULT_DEADLINE_S = 120.0
+#: How long :meth:`AnswerWriter.close` waits past the latest deadline (seconds).
+CLOSE_GRACE_S = 5.0
 
 
 class WriterDied(RuntimeError):
@@ -74,6 +78,7 @@ class AnswerWriter:
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock, self._closed = threading.Lock(), False
         self._died: BaseException | None = None
+        self._latest = 0.0  # the latest deadline handed over (monotonic): close() waits that long at most
         self._thread = threading.Thread(target=self._run, name="balancer-answers", daemon=True)
         self._thread.start()
 
@@ -92,7 +97,9 @@ class AnswerWriter:
                 raise WriterDied(f"the answer writer died: {self._died!r}")
             if self._closed:
                 raise RuntimeError("the answer writer is closed")
-            self._queue.put(_Pending(answer, then, deadline if deadline is not None else SOLVE_DEADLINE.get(), outcome))
+            deadline = deadline if deadline is not None else SOLVE_DEADLINE.get()
+            self._latest = max(self._latest, deadline if deadline is not None else time.monotonic() + DEFAULT_DEADLINE_S)
+            self._queue.put(_Pending(answer, then, deadline, outcome))
         return outcome
 
     def wait(self, outcome: Future[str], deadline: float) -> str | None:
@@ -111,13 +118,17 @@ class AnswerWriter:
                     return None
 
     def close(self) -> None:
-        """Write everything handed over so far, then stop the thread."""
+        """Write everything handed over so far, then stop the thread. Waits until the
+        latest deadline of what was handed over at most (a write hung on a stalled
+        connection is left behind, and logged)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._queue.put(None)
-        self._thread.join()
+        self._thread.join(max(0.0, self._latest - time.monotonic()) + CLOSE_GRACE_S)
+        if self._thread.is_alive():
+            log.error("the answer writer did not finish by its answers' deadlines; closing with answers unwritten")
 
     def _run(self) -> None:
         batch: list[_Pending] = []
@@ -178,7 +189,7 @@ class AnswerWriter:
     def _write_group(group: list[_Pending], write: Callable[[], list[Written | None]]) -> None:
         """One statement for ``group``, retried until its earliest deadline; each solve gets its outcome."""
         deadlines = [p.deadline for p in group if p.deadline is not None]
-        token = SOLVE_DEADLINE.set(min(deadlines) if deadlines else time.monotonic() + 120.0)
+        token = SOLVE_DEADLINE.set(min(deadlines) if deadlines else time.monotonic() + DEFAULT_DEADLINE_S)
         try:
             written = with_db_retry(write)
         except Exception as exc:  # noqa: BLE001 - every waiting solve gets it

@@ -136,8 +136,9 @@ class Heartbeat:
             gone, self._gone = self._gone + lapsed, []
             calls = {aid: _Registration(reg.until, reg.slot, reg.started) for aid, reg in self._calls.items()}
         if lapsed:
-            log.warning("%d call(s) passed their solve's deadline with their answer still unwritten; no longer kept "
-                        "alive (the sweep returns their tasks): %s", len(lapsed), ", ".join(lapsed[:5]))
+            log.warning("%d call(s) still unfinished one write grace past their solve's deadline (a start or an "
+                        "answer's write hung on PostgreSQL): no longer kept alive, the sweep returns their tasks: %s",
+                        len(lapsed), ", ".join(lapsed[:5]))
         return calls, gone
 
     def _beat_redis(self) -> tuple[int, list[str]]:
