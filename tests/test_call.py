@@ -13,13 +13,13 @@ from collections.abc import Callable
 
 import pytest
 
-from balancer.admission import Admitted, Candidate
+from balancer.admission import Admitted, Candidate, keys
 from balancer.backends import make_backend
 from balancer.domain.intake import parse_tasks
 from balancer.pipeline import answers, solver
 from balancer.pipeline import heartbeat as heartbeat_module
 from balancer.pipeline.answers import AnswerWriter, WriterDied
-from balancer.pipeline.heartbeat import Heartbeat, live_calls
+from balancer.pipeline.heartbeat import Heartbeat, live_calls, redis_now_ms
 from balancer.pipeline.solver import SolveMessage
 from balancer.services import Services
 from balancer.settings import Settings
@@ -35,10 +35,11 @@ pytestmark = pytest.mark.usefixtures("migrated")
 
 
 def with_settings(svc: Services, monkeypatch: pytest.MonkeyPatch, **env: str) -> Services:  # noqa: F811
-    """``svc`` with some settings changed (the same clients)."""
+    """``svc`` with some settings changed (the same clients; the core admits with the new lease)."""
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return dataclasses.replace(svc, settings=Settings.from_env())
+    settings = Settings.from_env()
+    return dataclasses.replace(svc, settings=settings, core=svc.core.with_lease(settings.lease_seconds * 1000))
 
 
 def in_thread(run: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
@@ -218,24 +219,25 @@ def test_the_heartbeat_keeps_a_next_calls_slot_through_a_stalled_start(
     svc: Services, sim, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
 ) -> None:
     """The next call is registered when it is taken, before its start is written:
-    a start that blocks for two leases keeps its slot (renewed by the heartbeat,
-    so the dispatcher cannot fill it), and the call then goes ahead."""
-    short = with_settings(svc, monkeypatch, BALANCER_LEASE_SECONDS="2")
+    a start that blocks for one and a half leases keeps its slot (renewed by
+    the heartbeat, so the dispatcher cannot fill it), and the call then goes ahead."""
+    short = with_settings(svc, monkeypatch, BALANCER_LEASE_SECONDS="3")
     url, simulator = sim
     first = dispatch_one(short, {"prompt": "first", "model": "m"})
-    other, _ = stock_next(short, "next")
-    held: list[int] = []
+    other, lid = stock_next(short, "next")
+    left_ms: list[float] = []  # the next call's lease: time left, on Redis's clock
 
     def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
         if task_id == other:
-            until = time.monotonic() + 4  # two leases
+            until = time.monotonic() + 4.5  # one and a half leases
             while time.monotonic() < until:
-                held.append(short.core.live()["m"].in_flight)
+                expires = short.redis.zscore(keys.inflight(short.settings.namespace, "m"), lid)
+                left_ms.append(-1.0 if expires is None else expires - redis_now_ms(short.redis))
                 time.sleep(0.25)
         return start_solve(engine, task_id, *args)
 
     monkeypatch.setattr(solver, "start_solve", stalled_start)
     assert chain(short, make_backend(short.settings), message(first), may_continue=lambda: True) == ["solved", "solved"]
-    assert held and set(held) == {1}  # the next call's slot, never lost
+    assert len(left_ms) > 10 and min(left_ms) > 0  # the next call's lease never ran out
     assert [e["status"] for e in simulator.log] == [200, 200]
     assert task_row(short, other).status == "solved" and short.core.live()["m"].in_flight == 0
