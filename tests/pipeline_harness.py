@@ -59,7 +59,10 @@ class Pipeline:
         self.supervisor = Supervisor(self.log_dir, env=self.env).__enter__()
         self.services = Services.connect(Settings.from_env())
 
-    def start(self, *, workers: list[list[str]] | None = None, beat: bool = True) -> Pipeline:
+    def start(self, *, workers: list[list[str]] | None = None, beat: bool = True,
+              worker_env: dict[str, str] | None = None) -> Pipeline:
+        """Start the simulator, dispatcher, workers and beat; ``worker_env`` is the
+        workers' own (e.g. a database URL through a proxy only they use)."""
         self.services.quotas.replace_all([m.quota(time_scale=self.time_scale) for m in self.models], by="test")
         source = ["--scenario", str(self.scenario)] if self.scenario else [
             "--models", str(self.model_count), "--time-scale", str(self.time_scale), "--accounting", self.accounting]
@@ -67,7 +70,7 @@ class Pipeline:
         wait_for_http(f"{self.backend_url}/models", child=self.sim)
         self.supervisor.start("dispatcher", ["dispatcher", "--loglevel", "INFO"])
         for i, argv in enumerate(workers or [["--all-models"]]):
-            self.supervisor.start(f"worker-{i}", ["worker", *argv, "--loglevel", "INFO"])
+            self.supervisor.start(f"worker-{i}", ["worker", *argv, "--loglevel", "INFO"], worker_env)
         if beat:
             self.supervisor.start("beat", ["beat", "--loglevel", "INFO"], {"BALANCER_HOME": str(self.log_dir)})
         return self

@@ -329,6 +329,58 @@ def test_postgres_restart_mid_run(pipeline, tmp_path: Path, monkeypatch: pytest.
         server.cleanup()
 
 
+def test_the_workers_postgres_stalled_past_a_lease_pays_no_prompt_twice(pipeline, reliability) -> None:
+    """R1. The workers reach PostgreSQL through a proxy that stops forwarding (the
+    sockets stay open: a partition) for two leases, while the dispatcher and beat
+    still reach it, and chains are answering calls. Answers wait in the writers,
+    next calls' starts block; their calls' heartbeats go on in Redis, so the
+    sweep keeps their tasks instead of returning them. Every answer is written
+    once, and the simulator answers each prompt once."""
+    from tests.proxy import PausableProxy
+
+    lease = 4
+    url = sa.engine.make_url(os.environ["BALANCER_DATABASE_URL"])
+    proxy = PausableProxy(url.host or "127.0.0.1", url.port or 5432)
+    try:
+        worker_url = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        p = pipeline(time_scale=0.02, extra_env={**FAST_TIMING, "BALANCER_LEASE_SECONDS": str(lease),
+                                                 "BALANCER_WRITE_GRACE": "20", "BALANCER_VISIBILITY_TIMEOUT": "30",
+                                                 "BALANCER_SWEEP_TICK": "0.5"})
+        p.start(worker_env={"BALANCER_DATABASE_URL": worker_url})
+        ids = p.submit(prompt_lines(300, [m.name for m in p.models], pinned_every=0))
+        deadline = time.monotonic() + 60
+        while p.counts()["solved"] < 30:  # chains are answering
+            assert time.monotonic() < deadline, f"the run never got going: {p.counts()}"
+            time.sleep(0.1)
+        proxy.pause()
+        paused_at = time.monotonic()
+        calls_at_pause = sim_stats(p)["calls"]
+        while time.monotonic() - paused_at < 2 * lease:  # the stall: two leases, deadlines pass meanwhile
+            p.supervisor.check_alive()
+            time.sleep(0.25)
+        answered_in_stall = sim_stats(p)["calls"] - calls_at_pause
+        proxy.resume()
+        result = finish_and_check(p, len(ids), timeout=150)
+        assert answered_in_stall > 0  # calls ended with nowhere to write their answers
+        assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
+        assert double_writes(p.services.engine) == 0
+        assert result["ok_calls"] == len(ids)  # no prompt answered (and paid for) twice
+        logs = "".join(f.read_text(errors="replace") for f in p.log_dir.glob("*.log"))
+        assert "their workers still keep their calls alive" in logs  # the sweep met the stalled calls and kept them
+        assert p.violations() == []
+        reliability({
+            "fault": f"the workers' PostgreSQL stalled for two leases ({2 * lease} s, {lease} s lease), "
+                     "the dispatcher and beat still reaching it",
+            "injected": "a TCP proxy in front of the workers only stops forwarding, its sockets left open",
+            "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"],
+            "double_written": double_writes(p.services.engine), "repeated_calls": result["ok_calls"] - len(ids),
+            "bound": "0: a stalled call's heartbeat goes on in Redis, and the sweep keeps its task",
+            "recovery_s": round(time.monotonic() - paused_at, 1), "rate_limited": rate_limited(p), "died": died(p),
+        })
+    finally:
+        proxy.close()
+
+
 def redis_connections_of(client: redis.Redis, pgid: int) -> list[int]:
     """CLIENT LIST ids of the connections held by the processes of one process
     group (a worker the test started: its own session), found through /proc."""
@@ -450,11 +502,12 @@ def test_a_trickling_backend_with_postgres_down_ends_the_solve_in_time(
     from balancer.domain.intake import parse_tasks
     from balancer.domain.quota import Quota
     from balancer.pipeline.dispatcher import Assignment
-    from balancer.pipeline.solver import SolveMessage, solve
+    from balancer.pipeline.solver import SolveMessage
     from balancer.storage.db import cached_engine, dispose_engines
     from balancer.storage.intake import insert_tasks
     from balancer.storage.migrate import upgrade
     from tests.servers import served
+    from tests.solving import solve
 
     on_the_wire = threading.Event()
 

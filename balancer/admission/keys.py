@@ -33,6 +33,7 @@ CANCEL_CHANNEL = ":cancel"
 BEAT_SEEN = ":beat:seen"
 ROUTER_ADMISSION_INFIX = ":router:admission:"
 ROUTER_IDEMPOTENCY_INFIX = ":router:idempotency:"
+LIVE_CALLS = ":calls:live"
 
 
 def tag(namespace: str) -> str:
@@ -90,6 +91,12 @@ def beat_seen(namespace: str) -> str:
     """When beat's dispatch tick last ran (ms, string; expires when beat is gone):
     see :mod:`balancer.pipeline.fallback`."""
     return tag(namespace) + BEAT_SEEN
+
+
+def live_calls(namespace: str) -> str:
+    """The calls workers keep alive (zset): admission id -> until when (ms, Redis time),
+    for the sweep (see :mod:`balancer.pipeline.heartbeat`)."""
+    return tag(namespace) + LIVE_CALLS
 
 
 def cancel_channel(namespace: str) -> str:

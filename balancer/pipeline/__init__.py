@@ -3,9 +3,10 @@
 * ``app`` — the Celery app (config: top-level ``celeryconfig.py``)
 * ``tasks`` — the Celery task entry points, thin wrappers over:
 * ``dispatcher`` — pending tasks → admission core → ``solve`` messages, and the ready lists' stock
-* ``solver`` — one backend call, its retries and its idempotent write
-* ``answers`` — the answer writer: a thread per worker process that stores answers, many per statement
-* ``heartbeat`` — renews the leases of this process's running calls
+* ``solver`` — each outcome of a call and the status change it makes
+* ``call`` — one call's life: its admission, slot, heartbeat registration and answer
+* ``answers`` — the answer writer, the only way an answer reaches PostgreSQL
+* ``heartbeat`` — renews the leases of the calls this process owns
 * ``cancellation`` — cuts off the losing call of a hedged task (Redis pub/sub)
 * ``ingest`` — inbox JSONL files → tasks, each file once
 * ``trigger`` — coalesced "dispatch now" requests (a slot freed with no next call, a ready list ran low)

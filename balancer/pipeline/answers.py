@@ -16,32 +16,50 @@ and waits. Either way:
   it. (When every thread wrote its own answer, 120 threads in one process
   held all five connections through a stall, and starts queued behind them.)
 
-The guarantees are the inline write's: each answer under its own admission
-guard (exactly once), retried while PostgreSQL is unreachable until the
-earliest deadline of its batch, and a chain returns (and its message is
-acknowledged) only after its answers are written. Answers handed over and not
-yet written when the process dies are lost like a call in flight: their tasks'
-deadlines pass and the sweep returns them to pending.
+The guarantees: each answer under its own admission guard (exactly once),
+retried while PostgreSQL is unreachable until the earliest deadline of its
+batch, and a chain returns (and its message is acknowledged) only after its
+answers are written, or once its solve's deadline has passed (:meth:`AnswerWriter.wait`:
+no wait is unbounded). The writer is the only path an answer takes to
+PostgreSQL: a hedge's answer too, in a statement of its own (its guard is the
+hedge's). Answers handed over and not yet written when the process dies are
+lost like a call in flight: their tasks' deadlines pass and the sweep returns
+them to pending. A writer thread that dies fails every answer waiting on it,
+and every later :meth:`AnswerWriter.submit`, loudly: no chain hangs on it.
 
     >>> # writer = AnswerWriter(engine); outcome = writer.submit(answer, lambda written: "solved")
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
 
 from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
-from balancer.storage.transitions import Answer, Written, mark_solved_many
+from balancer.storage.transitions import Answer, Written, mark_solved, mark_solved_many
+
+log = logging.getLogger(__name__)
 
 #: Answers written in one statement at most.
 MAX_BATCH = 100
+#: How often a wait on an answer checks that the writer's thread is still alive (seconds).
+ALIVE_CHECK_S = 1.0
+#: An answer handed over with no deadline is retried this long (seconds).
+DEFAULT_DEADLINE_S = 120.0
+#: How long :meth:`AnswerWriter.close` waits past the latest deadline (seconds).
+CLOSE_GRACE_S = 5.0
+
+
+class WriterDied(RuntimeError):
+    """The answer writer's thread is gone: nothing handed to it will be written."""
 
 
 @dataclass(frozen=True)
@@ -59,38 +77,89 @@ class AnswerWriter:
         self.engine, self.max_batch = engine, max_batch
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._lock, self._closed = threading.Lock(), False
+        self._died: BaseException | None = None
+        self._latest = 0.0  # the latest deadline handed over (monotonic): close() waits that long at most
         self._thread = threading.Thread(target=self._run, name="balancer-answers", daemon=True)
         self._thread.start()
 
-    def submit(self, answer: Answer, then: Callable[[Written | None], str]) -> Future[str]:
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._died is None
+
+    def submit(self, answer: Answer, then: Callable[[Written | None], str], *,
+               deadline: float | None = None) -> Future[str]:
         """Write ``answer``; the future's result is ``then(what was written)``
-        (``then`` runs on the writer's thread, None for a duplicate)."""
+        (``then`` runs on the writer's thread, None for a duplicate). Its
+        retries give up at ``deadline`` (monotonic; the running solve's by default)."""
         outcome: Future[str] = Future()
         with self._lock:  # nothing is queued behind the closing mark, where no one would write it
+            if self._died is not None:
+                raise WriterDied(f"the answer writer died: {self._died!r}")
             if self._closed:
                 raise RuntimeError("the answer writer is closed")
-            self._queue.put(_Pending(answer, then, SOLVE_DEADLINE.get(), outcome))
+            deadline = deadline if deadline is not None else SOLVE_DEADLINE.get()
+            self._latest = max(self._latest, deadline if deadline is not None else time.monotonic() + DEFAULT_DEADLINE_S)
+            self._queue.put(_Pending(answer, then, deadline, outcome))
         return outcome
 
+    def wait(self, outcome: Future[str], deadline: float) -> str | None:
+        """``outcome``'s result, waited for until ``deadline`` (monotonic) at most:
+        None if it is not written by then (the write goes on). Raises
+        :class:`WriterDied` at once if the writer's thread is gone, and what
+        the write raised if it failed."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return outcome.result(timeout=max(0.0, min(ALIVE_CHECK_S, left)))
+            except FutureTimeout:
+                if not self.alive and not outcome.done():
+                    raise WriterDied(f"the answer writer died: {self._died!r}") from None
+                if left <= 0:
+                    return None
+
     def close(self) -> None:
-        """Write everything handed over so far, then stop the thread."""
+        """Write everything handed over so far, then stop the thread. Waits until the
+        latest deadline of what was handed over at most (a write hung on a stalled
+        connection is left behind, and logged)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._queue.put(None)
-        self._thread.join()
+        self._thread.join(max(0.0, self._latest - time.monotonic()) + CLOSE_GRACE_S)
+        if self._thread.is_alive():
+            log.error("the answer writer did not finish by its answers' deadlines; closing with answers unwritten")
 
     def _run(self) -> None:
+        batch: list[_Pending] = []
+        try:
+            self._loop(batch)
+        except BaseException as exc:  # noqa: BLE001 - a bug or a kill: fail loudly, never leave a solve waiting
+            log.critical("the answer writer died; failing every answer waiting on it", exc_info=True)
+            with self._lock:
+                self._died = exc
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    batch.append(item)
+            for p in batch:
+                if not p.outcome.done():
+                    p.outcome.set_exception(WriterDied(f"the answer writer died: {exc!r}"))
+
+    def _loop(self, batch: list[_Pending]) -> None:
+        """Write batches until the closing mark. ``batch`` is the one in hand (for :meth:`_run`)."""
         carried: list[_Pending] = []  # a task's second answer waits for the next statement
         stop = False
         while not stop or carried:
-            batch, carried = carried, []
+            batch[:], carried = carried, []
             if not batch:
                 first = self._queue.get()
                 if first is None:
                     return
-                batch = [first]
+                batch.append(first)
             tasks = {p.answer.task_id for p in batch}
             while not stop and len(batch) < self.max_batch:
                 try:
@@ -107,20 +176,30 @@ class AnswerWriter:
                     tasks.add(more.answer.task_id)
                     batch.append(more)
             self._write(batch)
+            batch.clear()
 
     def _write(self, batch: list[_Pending]) -> None:
-        deadlines = [p.deadline for p in batch if p.deadline is not None]
-        token = SOLVE_DEADLINE.set(min(deadlines) if deadlines else time.monotonic() + 120.0)
+        plain = [p for p in batch if p.answer.hedge_model is None]
+        if plain:
+            self._write_group(plain, lambda: mark_solved_many(self.engine, [p.answer for p in plain]))
+        for hedge in (p for p in batch if p.answer.hedge_model is not None):  # each under the hedge's guard
+            self._write_group([hedge], lambda hedge=hedge: [mark_solved(self.engine, hedge.answer)])  # type: ignore[misc]
+
+    @staticmethod
+    def _write_group(group: list[_Pending], write: Callable[[], list[Written | None]]) -> None:
+        """One statement for ``group``, retried until its earliest deadline; each solve gets its outcome."""
+        deadlines = [p.deadline for p in group if p.deadline is not None]
+        token = SOLVE_DEADLINE.set(min(deadlines) if deadlines else time.monotonic() + DEFAULT_DEADLINE_S)
         try:
-            written = with_db_retry(lambda: mark_solved_many(self.engine, [p.answer for p in batch]))
-        except BaseException as exc:  # noqa: BLE001 - every waiting solve gets it
-            for p in batch:
+            written = with_db_retry(write)
+        except Exception as exc:  # noqa: BLE001 - every waiting solve gets it
+            for p in group:
                 p.outcome.set_exception(exc)
             return
         finally:
             SOLVE_DEADLINE.reset(token)
-        for p, w in zip(batch, written, strict=True):
+        for p, w in zip(group, written, strict=True):
             try:
                 p.outcome.set_result(p.then(w))
-            except BaseException as exc:  # noqa: BLE001 - the solve that handed it over gets it
+            except Exception as exc:  # noqa: BLE001 - the solve that handed it over gets it
                 p.outcome.set_exception(exc)

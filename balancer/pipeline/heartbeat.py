@@ -1,72 +1,181 @@
-"""Keep the leases of this process's running calls alive (seed design, iteration 2, B).
+"""Keep this process's calls alive, from their start to their answer's durable write.
 
 A call's lease is short (``BALANCER_LEASE_SECONDS``, 30 s by default),
-whatever the call's own length: while a call runs, this process renews it
-every third of a lease, in both places it lives:
+whatever the call's own length. A :class:`~balancer.pipeline.call.Call`
+registers here when its worker takes it on and releases its registration when
+its answer is durably written, or when it ends with no answer to write (see
+the solver's table). Every third of a lease, this process renews what each
+registered call holds:
 
-- its slot in the admission core (``heartbeat.lua``: only a live lease is
-  extended, an expired one is not taken again);
-- its task's deadline in PostgreSQL, which is also what tells a redelivered
-  message that the call is still running in a live worker
-  (:func:`balancer.storage.transitions.start_solve` refuses it then).
+- its slot in the admission core, until the slot is freed (``heartbeat.lua``:
+  only a live lease is extended, an expired one is not taken again);
+- its entry in the live-call set in Redis (:func:`live_calls`), which the
+  sweep reads: a task past its deadline whose call (or hedge) is in that set
+  is not returned to pending, its deadline is moved on instead
+  (:func:`balancer.storage.leases.return_expired`). This is what holds while
+  the worker cannot reach PostgreSQL but the sweep can;
+- its task's deadline in PostgreSQL (by the task's own admission id, or by its
+  hedge's: whichever of a hedged task's calls is still live keeps it), which
+  is also what tells a redelivered message that the call is still running in
+  a live worker (:func:`balancer.storage.transitions.start_solve` refuses it).
+  This write runs on a thread of its own, so a stalled PostgreSQL never holds
+  up the renewals in Redis.
 
-A worker that dies stops beating: its slots free, and the sweep tick
-returns its tasks to pending, within about one lease.
-
-One thread per worker process, renewing every call this process holds in one
-pass (one script call per lease, one UPDATE for all tasks).
+A registration lapses at its ``until`` (the solve's deadline plus one write
+grace) even if it was never released: no call is kept alive for ever by a
+write that hangs. A worker that dies stops beating: its slots free, and the
+sweep tick returns its tasks to pending, within about one lease.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from dataclasses import dataclass
 
+import redis
+
+from balancer.admission import keys
 from balancer.services import Services
 from balancer.storage.transitions import extend_deadlines
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Registration:
+    until: float  # time.monotonic(): renewals stop here
+    slot: bool = True  # the slot is held (not yet freed)
+    started: bool = False  # the call is under way: a lost slot lease is worth a warning
+
+
+def redis_now_ms(client: redis.Redis) -> int:
+    """Redis's clock (ms): the one clock every host's heartbeat and the sweep share."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def mark_live(client: redis.Redis, namespace: str, live: list[str], gone: list[str], lease_ms: int) -> None:
+    """Record ``live`` calls as alive for one lease, forget ``gone`` ones, and
+    drop entries a lease past their time (a worker that died)."""
+    now = redis_now_ms(client)
+    key = keys.live_calls(namespace)
+    pipe = client.pipeline(transaction=False)
+    if live:
+        pipe.zadd(key, {aid: now + lease_ms for aid in live})
+    if gone:
+        pipe.zrem(key, *gone)
+    pipe.zremrangebyscore(key, "-inf", now - lease_ms)
+    pipe.execute()
+
+
+def live_calls(client: redis.Redis, namespace: str) -> set[str]:
+    """Admission ids of the calls some worker keeps alive now (for the sweep)."""
+    now = redis_now_ms(client)
+    members: list[bytes] = client.zrangebyscore(keys.live_calls(namespace), now, "+inf")  # type: ignore[assignment]
+    return {m.decode() for m in members}
+
+
 class Heartbeat:
-    """Renews the leases registered with :meth:`running` every ``lease / 3`` seconds."""
+    """Renews the registered calls every ``lease / 3`` seconds; see the module docstring."""
 
     def __init__(self, services: Services) -> None:
         self.services = services
         self.lease_seconds = services.settings.lease_seconds
         self.interval = services.settings.heartbeat_seconds
-        self._calls: dict[str, bool] = {}  # admission id -> whether it is the task's own (not a hedge's) lease
+        self._calls: dict[str, _Registration] = {}
+        self._gone: list[str] = []  # released since the last beat: out of the live-call set
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._writing_deadlines = threading.Lock()  # one deadline write at a time
 
-    @contextlib.contextmanager
-    def running(self, admission_id: str, *, hedge: bool = False) -> Iterator[None]:
-        """Keep ``admission_id``'s lease (and, unless a hedge, its task's deadline) alive inside the block."""
+    # -- a call's registration ---------------------------------------------------------
+    def register(self, admission_id: str, *, until: float) -> None:
+        """Keep ``admission_id`` alive until it is released, or ``until`` (monotonic) at the latest."""
         self._start()
         with self._lock:
-            self._calls[admission_id] = not hedge
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._calls.pop(admission_id, None)
+            self._calls[admission_id] = _Registration(until)
 
-    def beat(self) -> tuple[int, int]:
-        """One pass: (slots extended, task deadlines extended)."""
+    def started(self, admission_id: str) -> None:
+        """The call is under way (its slot should be live from now on)."""
         with self._lock:
-            calls = dict(self._calls)
-        if not calls:
-            return 0, 0
-        core = self.services.core
-        slots = sum(core.heartbeat(aid, self.lease_seconds * 1000) for aid in calls)
-        lost = len(calls) - slots
+            if (reg := self._calls.get(admission_id)) is not None:
+                reg.started = True
+
+    def slot_freed(self, admission_id: str) -> None:
+        """The call's slot is free: renew only its task's deadline from now on."""
+        with self._lock:
+            if (reg := self._calls.get(admission_id)) is not None:
+                reg.slot = False
+
+    def release(self, admission_id: str) -> None:
+        """The call is over (its answer written, or nothing left to write)."""
+        with self._lock:
+            if self._calls.pop(admission_id, None) is not None:
+                self._gone.append(admission_id)
+
+    def holds(self, admission_id: str) -> bool:
+        """Whether ``admission_id`` is registered (for tests and logs)."""
+        with self._lock:
+            return admission_id in self._calls
+
+    # -- the beat ------------------------------------------------------------------------
+    def beat(self) -> tuple[int, int]:
+        """One pass, both halves in this thread: (slots extended, task deadlines extended)."""
+        calls = self._beat_redis()
+        return calls[0], self._extend_deadlines(calls[1])
+
+    def _take(self) -> tuple[dict[str, _Registration], list[str]]:
+        now = time.monotonic()
+        with self._lock:
+            lapsed = [aid for aid, reg in self._calls.items() if reg.until <= now]
+            for aid in lapsed:
+                del self._calls[aid]
+            gone, self._gone = self._gone + lapsed, []
+            calls = {aid: _Registration(reg.until, reg.slot, reg.started) for aid, reg in self._calls.items()}
+        if lapsed:
+            log.warning("%d call(s) still unfinished one write grace past their solve's deadline (a start or an "
+                        "answer's write hung on PostgreSQL): no longer kept alive, the sweep returns their tasks: %s",
+                        len(lapsed), ", ".join(lapsed[:5]))
+        return calls, gone
+
+    def _beat_redis(self) -> tuple[int, list[str]]:
+        """The Redis half: slots and the live-call set. Returns (slots extended, calls to keep)."""
+        calls, gone = self._take()
+        if not calls and not gone:
+            return 0, []
+        core, lease_ms = self.services.core, self.lease_seconds * 1000
+        slots = lost = 0
+        for aid, reg in calls.items():
+            if not reg.slot:
+                continue
+            if core.heartbeat(aid, lease_ms):
+                slots += 1
+            elif reg.started:
+                lost += 1
         if lost:
             log.warning("%d running call(s) had lost their slot lease (expired, or Redis lost its data)", lost)
-        tasks = extend_deadlines(self.services.engine, [aid for aid, own in calls.items() if own], self.lease_seconds)
-        return slots, tasks
+        mark_live(self.services.redis, self.services.settings.namespace, list(calls), gone, lease_ms)
+        return slots, list(calls)
+
+    def _extend_deadlines(self, admission_ids: list[str]) -> int:
+        with self._writing_deadlines:
+            return extend_deadlines(self.services.engine, admission_ids, self.lease_seconds)
+
+    def _extend_in_background(self, admission_ids: list[str]) -> None:
+        """The PostgreSQL half, off the beat's thread; skipped while the last one still runs."""
+        if not admission_ids or self._writing_deadlines.locked():
+            return
+
+        def run() -> None:
+            try:
+                self._extend_deadlines(admission_ids)
+            except Exception as exc:  # PostgreSQL away: the live-call set keeps the sweep off meanwhile
+                log.warning("extending task deadlines failed: %s", (str(exc).splitlines() or [""])[0])
+
+        threading.Thread(target=run, name="lease-deadlines", daemon=True).start()
 
     def close(self) -> None:
         self._stop.set()
@@ -82,7 +191,8 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.beat()
-            except Exception as exc:  # Redis or PostgreSQL away: the next beat tries again
+                _, keep = self._beat_redis()
+                self._extend_in_background(keep)
+            except Exception as exc:  # Redis away: the next beat tries again
                 log.warning("lease heartbeat failed, retrying in %.1fs: %s", self.interval,
                             (str(exc).splitlines() or [""])[0])

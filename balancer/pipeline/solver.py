@@ -1,48 +1,63 @@
-"""Solve one task: re-assert its slot, call the backend once, write the answer once.
+"""Solve one task: start its call, call the backend once, hand the answer to the writer.
 
-Outcomes and what happens to the slot and the task:
+Each message becomes a :class:`~balancer.pipeline.call.Call`, kept alive by
+the process's heartbeat from the moment it is taken on to its answer's
+durable write (see :mod:`balancer.pipeline.call`). Outcomes, and what each
+does to the slot and the task (:data:`CHANGES` holds the rows that change a
+task's status, in this order):
 
-====================  ==========================================================
-stale / duplicate     message for a task already solved, failed or re-dispatched
-                      under another admission: release this admission, no call
-running elsewhere     a redelivered or duplicated message whose call still runs
-                      in a live worker (its heartbeat keeps the task's deadline
-                      ahead): no call, and the slot stays the live call's
-no room               the lease expired and its slot is taken (redelivery after
-                      a crash), or the model was disabled: back to pending, no call
-solved                as soon as the backend answers: settle the tokens as the
-                      model's accounting says, lower the buckets to the
-                      provider's remaining-quota headers, add the latency to
-                      the model's sketch, release the slot and, with
-                      ``take_next``, admit the head of the model's ready list
-                      as the slot's next call (one round trip), and start
-                      that call's task; then answer, usage and ``solved`` in
-                      one guarded UPDATE (in a chain, on the process's answer
-                      writer, while the next call runs)
-rate_limited (429)    the model is paused for Retry-After, once per window
-                      (atomically in Lua), so *every* dispatcher holds it,
-                      whichever limit caused the 429; the task goes back to
-                      pending at once, the call is not counted as an attempt,
-                      and the task is ``failed`` after ``MAX_RATE_LIMITED`` 429s
-transient             5xx, timeout, refused connection, malformed reply, or any
-                      unexpected error (logged with its traceback): back to
-                      pending with exponential back-off, preferring another
-                      allowed model for the retry; ``failed`` after
-                      ``max_attempts`` calls
-circuit_open          a transient failure that opens the model's circuit, or
-                      comes while it is open (see trip.lua): an outage of the
-                      backend, not the task's fault. Back to pending with no
-                      attempt used and no back-off; the model is paused and
-                      probed one call at a time until it answers again
-permanent             4xx: ``failed`` with the error
-====================  ==========================================================
+=================  ==============================================================
+stale              message for a task already solved, failed or re-dispatched
+                   under another admission: release this admission, no call
+running_elsewhere  a redelivered or duplicated message whose call still runs in
+                   a live worker (its heartbeat keeps the task's deadline
+                   ahead): no call, and the slot stays the live call's
+no_room            the lease expired and its slot is taken (redelivery after a
+                   crash), or the model was disabled: back to pending, no
+                   attempt used, no call
+lease_lost         a next call taken from a ready list whose start waited past
+                   its lease (a stalled PostgreSQL) and whose lease is gone:
+                   back to pending, no attempt used, no call. A call never
+                   starts on a lease it no longer holds
+rate_limited       a 429: the model is paused for Retry-After, once per window
+                   (atomically in Lua), so *every* dispatcher holds it,
+                   whichever limit caused the 429; back to pending at once, no
+                   attempt used; ``failed`` (attempt not counted) after
+                   ``MAX_RATE_LIMITED`` 429s
+circuit_open       a transient failure that opens the model's circuit, or comes
+                   while it is open (see trip.lua): an outage of the backend,
+                   not the task's fault. Back to pending with no attempt used
+                   and no back-off, avoiding the model; the model is paused and
+                   probed one call at a time until it answers again
+retry              5xx, timeout, refused connection, malformed reply, or any
+                   unexpected error (logged with its traceback): back to
+                   pending with exponential back-off, preferring another
+                   allowed model
+failed             4xx, or a transient failure on the ``max_attempts``-th call:
+                   ``failed`` with the error
+left_to_hedge      any of the five above while the task's hedge is in flight:
+                   the status is left alone (the guarded change is refused),
+                   the hedge's answer decides, and the hedge keeps the task's
+                   deadline meanwhile; logged as such. If the hedge gets no
+                   answer either, the sweep returns the task within a lease
+solved             as soon as the backend answers: settle the tokens as the
+                   model's accounting says, lower the buckets to the provider's
+                   remaining-quota headers, add the latency to the model's
+                   sketch, free the slot and, with ``take_next``, admit the
+                   head of the model's ready list as the slot's next call (one
+                   round trip) and start that call's task; then hand the answer
+                   to the writer (answer, usage and ``solved`` in one guarded
+                   UPDATE) while the next call runs
+duplicate          the answer's write found the task finished, or no longer
+                   under this admission: nothing written (logged)
+cancelled          the task's other call answered first and cut this one off
+=================  ==============================================================
 
 A *hedge* (``SolveMessage.hedge``) is a second call for a task whose first
 call straggles, on another model (see the dispatcher). The first answer of the
-two is written. A hedge that gets no answer (429, transient, permanent) only
-frees its slot and leaves the task to its first call; while a hedge is in
-flight, a failure of the first call does not send the task back, so the
-hedge's answer still counts.
+two is written (``hedge_won`` for the hedge's). A hedge that gets no answer
+(429, transient, permanent: ``hedge_failed``; ``no_room``) only frees its
+slot and clears itself from the task, leaving the task to its first call.
 
 Whether the loser is cut off follows its model's ``on_disconnect``:
 
@@ -60,71 +75,41 @@ Whether the loser is cut off follows its model's ``on_disconnect``:
   cut off holds that slot, charged, until the call would have hit the backend
   timeout: :meth:`AdmissionCore.hold`.)
 
-The slot is released as soon as the call ends, before any database write, and
+The slot is freed as soon as the call ends, before any database write, and
 in every case (``finally``), so nothing leaks even on an unexpected exception.
 The answer write is retried while PostgreSQL is down: a worker that has an
-answer never calls the backend again for it.
+answer never calls the backend again for it, and keeps its task's deadline
+until it is written. Every wait ends by the solve's deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
 
 from balancer.admission import AdmissionCore, Admitted, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
-from balancer.pipeline.cancellation import CancelListener, cancel_call
+from balancer.pipeline.answers import AnswerWriter
+from balancer.pipeline.call import Call, Change, SolveMessage
+from balancer.pipeline.cancellation import CancelListener
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
-from balancer.storage.hedges import clear_hedge, start_hedge
+from balancer.settings import Settings
+from balancer.storage.hedges import start_hedge
 from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
 from balancer.storage.statements import SolveContext
-from balancer.storage.transitions import Answer, Written, back_to_pending, is_running_elsewhere, mark_failed, mark_solved, start_solve
-
-if TYPE_CHECKING:
-    from balancer.pipeline.answers import AnswerWriter
+from balancer.storage.transitions import Answer, is_running_elsewhere, start_solve
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
+
+__all__ = ["CHANGES", "MAX_RATE_LIMITED", "NextCall", "SolveMessage", "solve_chain", "solve_one"]
 
 #: After this many 429s for one task, it is failed: the quotas are wrong, not the task.
 MAX_RATE_LIMITED = 50
-
-
-@dataclass(frozen=True)
-class SolveMessage:
-    task_id: int
-    admission_id: str
-    model: str
-    estimated_tokens: int
-    hedge: bool = False
-    #: Set for a ready task a finishing call took as its slot's next call: its
-    #: lease is started and both start gates are passed, so wait this long and
-    #: call, with no renew. None: a message from the dispatcher (renew first).
-    start_delay_ms: int | None = None
-
-    @classmethod
-    def taken(cls, ready: ReadyTask) -> SolveMessage:
-        return cls(ready.task_id, ready.admission_id, ready.model, ready.estimated_tokens,
-                   start_delay_ms=ready.start_delay_ms)
-
-
-@dataclass(frozen=True)
-class NextCall:
-    """The call a finishing slot took from its model's ready list, and its start,
-    tried as soon as it was taken: its task's context, or None if it did not
-    start (stale, or its call runs elsewhere). ``restock``: the list now holds
-    fewer entries than the model has slots (see :class:`ReadyTask`)."""
-
-    msg: SolveMessage
-    context: SolveContext | None
-    restock: bool = True
 
 
 def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float:
@@ -136,86 +121,107 @@ def backoff_seconds(attempt: int, base: float = 1.0, cap: float = 30.0) -> float
     return min(cap, base * 2 ** (attempt - 1))
 
 
-#: A solve's outcome: its name, or, for an answer written behind the next call
-#: (see :func:`solve_chain`), the name to come once it is written.
-Outcome = str | Future[str]
+@dataclass(frozen=True)
+class Failure:
+    """A call that got no answer: its model, its error, and the task's counts with it."""
 
-class Slot:
-    """The call's admission: freed once, in one round trip, on every path, unless
-    a cancelled call hands it over to a hold.
-
-    With ``take_next``, an answered call's slot also takes its next call from
-    the model's ready list in that round trip (:attr:`next`)."""
-
-    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool = False) -> None:
-        self.core, self.admission_id, self.done = core, admission_id, False
-        self.take_next = take_next
-        self.next: ReadyTask | None = None
-        #: ``next`` with its start, once it is started.
-        self.next_call: NextCall | None = None
-
-    def free(self, settlement: Settlement | None = None) -> None:
-        """Free the slot, settling what the call tells."""
-        if not self.done:
-            self.done = True
-            if self.take_next and settlement is not None:
-                self.next = self.core.finish_and_take(self.admission_id, settlement)
-            else:
-                self.core.finish(self.admission_id, settlement)
-
-    def disown(self) -> None:
-        """This message does not own the slot (another worker's call runs under it): never free it."""
-        self.done = True
-
-    def let_go(self, services: Services, model: str, ran_s: float) -> None:
-        """A cancelled call: its slot as the provider sees it (see the module docstring)."""
-        if self.done:
-            return
-        self.done = True
-        quota = services.quotas.get(model)
-        if quota is not None and quota.on_disconnect == "stop":
-            self.core.finish(self.admission_id)
-        else:
-            self.core.hold(self.admission_id, round(max(0.0, services.settings.backend_timeout - ran_s) * 1000))
+    model: str
+    error: str
+    attempt: int
+    was_429: bool = False
 
 
-def solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
-          heartbeat: Heartbeat | None = None) -> str:
-    """Process one ``solve`` message; returns the outcome name (for logs and tests).
-
-    With a ``listener`` (when hedging is on), the call can be cancelled by the
-    task's other call. With a ``heartbeat`` (in workers), the call's lease and
-    its task's deadline are renewed while it runs, from its start to its write.
-    The whole solve ends within ``settings.hard_time_limit``: the call within
-    ``backend_timeout`` (total time), the writes' retries by the rest."""
-    outcome = solve_one(services, backend, msg, listener, heartbeat)[0]
-    return outcome if isinstance(outcome, str) else outcome.result()
+#: The docstring's table, for the outcomes that change a task's status.
+CHANGES: dict[str, Callable[[Failure], Change]] = {
+    "no_room": lambda f: Change("pending", f.error, uncount_attempt=True),
+    "lease_lost": lambda f: Change("pending", f.error, uncount_attempt=True),
+    "rate_limited": lambda f: Change("pending", f.error, rate_limited=True, uncount_attempt=True),
+    "circuit_open": lambda f: Change("pending", f.error, uncount_attempt=True, avoid_model=f.model),
+    "retry": lambda f: Change("pending", f.error, delay_seconds=backoff_seconds(f.attempt), avoid_model=f.model),
+    "failed": lambda f: Change("failed", f.error, uncount_attempt=f.was_429),
+}
 
 
-def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall, listener: CancelListener | None = None,
-              heartbeat: Heartbeat | None = None, *, take_next: bool = False,
-              writer: AnswerWriter | None = None) -> tuple[Outcome, NextCall | None]:
-    """:func:`solve` for a message, or for a :class:`NextCall` (already started);
-    and with ``take_next``, the slot's next call if its finish took one from
-    the model's ready list: the caller must solve it (it is admitted and its
-    task ``running``; if nobody does, its lease and its database deadline
-    expire and the sweep returns it to pending). With a ``writer``, the
-    answer of a call that took a next call is written there, and its outcome
-    is a future, and any other answer is written there too (waited for)."""
-    started = msg if isinstance(msg, NextCall) else None
-    msg = msg.msg if isinstance(msg, NextCall) else msg
-    token = SOLVE_DEADLINE.set(time.monotonic() + services.settings.hard_time_limit)
-    slot = Slot(services.core, msg.admission_id, take_next=take_next and not msg.hedge)
+def outcome_of(core: AdmissionCore, settings: Settings, msg: SolveMessage, ctx: SolveContext,
+               exc: Exception) -> tuple[str, Failure]:
+    """Which row of the table a failed call falls in; tells the model's pause,
+    circuit and counters what happened on the way."""
+    error, attempt = str(exc), ctx.attempts
+    if isinstance(exc, RateLimited):
+        pause_for(core, msg.model, exc)
+        if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
+            return "failed", Failure(msg.model, f"rate limited {MAX_RATE_LIMITED} times: {error}", attempt, was_429=True)
+        return "rate_limited", Failure(msg.model, error, attempt, was_429=True)
+    if isinstance(exc, Permanent):
+        core.count(msg.model, "failed")
+        return "failed", Failure(msg.model, error, attempt)
+    if not isinstance(exc, Transient):  # a bug: still an attempt, so max_attempts ends any loop
+        log.error("unexpected error calling %s for task %d", msg.model, msg.task_id, exc_info=exc)
+        core.count(msg.model, "transient")
+        error = f"unexpected {type(exc).__name__}: {error}"
+    elif not trip(core, msg.model, error):
+        return "circuit_open", Failure(msg.model, error, attempt)
+    if attempt >= settings.max_attempts:
+        return "failed", Failure(msg.model, f"after {attempt} attempts: {error}", attempt)
+    return "retry", Failure(msg.model, error, attempt)
+
+
+@dataclass(frozen=True)
+class NextCall:
+    """The call a finishing slot took from its model's ready list (already
+    registered with the heartbeat), and its start, tried as soon as it was
+    taken: its task's context, or None if it did not start (stale, or its call
+    runs elsewhere). ``restock``: the list now holds fewer entries than the
+    model has slots (see :class:`~balancer.admission.ReadyTask`)."""
+
+    call: Call
+    context: SolveContext | None
+    restock: bool = True
+
+    @property
+    def msg(self) -> SolveMessage:
+        return self.call.msg
+
+
+#: A solve's outcome: its name, or, for an answer handed to the writer, the name
+#: to come once it is written, with the solve's deadline (see :func:`solve_chain`).
+Outcome = str | tuple[Future[str], float]
+
+
+def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall, listener: CancelListener | None,
+              heartbeat: Heartbeat, writer: AnswerWriter, *, take_next: bool = False) -> tuple[Outcome, NextCall | None]:
+    """Solve a message, or a :class:`NextCall` (already started); and with
+    ``take_next``, the slot's next call if its finish took one from the
+    model's ready list: the caller must solve it (it is admitted, its task
+    started, and it is kept alive by the heartbeat until it is solved)."""
+    if isinstance(msg, NextCall):
+        call, started = msg.call, msg
+        call.slot.take_next = take_next
+    else:
+        call, started = Call(services, heartbeat, msg, take_next=take_next), None
+    token = SOLVE_DEADLINE.set(call.deadline)
+    taken: list[NextCall] = []
     try:
-        outcome = _solve(services, backend, msg, listener, heartbeat, slot, started, writer)
+        if call.msg.hedge:
+            outcome: Outcome = _solve_hedge(services, backend, call, listener, writer)
+        else:
+            outcome = _solve(services, backend, call, started, listener, writer, taken)
+    except BaseException:
+        for nxt in taken:  # taken, never to be solved: let it go (the sweep returns its task)
+            nxt.call.free()
+            nxt.call.end()
+        raise
     finally:
+        call.free()  # every path frees the slot, even an unexpected exception
+        if call.answer is None:
+            call.end()  # nothing to write: the heartbeat lets it go now
         SOLVE_DEADLINE.reset(token)
-    return outcome, slot.next_call
+    return outcome, (taken[0] if taken else None)
 
 
-def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None,
-                heartbeat: Heartbeat | None = None, *, may_continue: Callable[[], bool] = lambda: False,
-                ask_for_dispatch: Callable[[], object] = lambda: None, writer: AnswerWriter | None = None) -> list[str]:
+def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None,
+                heartbeat: Heartbeat, writer: AnswerWriter, *, may_continue: Callable[[], bool] = lambda: False,
+                ask_for_dispatch: Callable[[], object] = lambda: None) -> list[str]:
     """Solve ``msg``, then each next call its slot took, while ``may_continue()``
     says so when a call ends (checked before the next is taken, so a taken
     call is always solved). ``ask_for_dispatch`` runs after a solve whose slot
@@ -224,151 +230,132 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
     that the list still covers every slot, and a request per call only kept
     the dispatcher running after every call (docs/benchmarks.md, round 5).
 
-    With a ``writer`` (the worker's), a call's answer is written there while
-    the next call runs, so the durable commit's WAL flush (up to hundreds of
-    ms when PostgreSQL's disk is busy) is not between the two calls; so is
-    ``ask_for_dispatch``, once the answer is written. The chain returns only once
-    every answer is written, so its message is acknowledged after them, as
-    without a writer. Returns the outcomes in order."""
+    Each answer is written by the ``writer`` while the next call runs, so the
+    durable commit's WAL flush (up to hundreds of ms when PostgreSQL's disk is
+    busy) is not between the two calls; so is ``ask_for_dispatch``, once the
+    answer is written. The chain returns once every answer is written (its
+    message is acknowledged after them), or once a solve's deadline passed
+    with its answer unwritten (``unwritten``: the write goes on, and its call
+    keeps its task alive meanwhile). A dead writer raises
+    :class:`~balancer.pipeline.answers.WriterDied`. Returns the outcomes in order."""
     outcomes: list[Outcome] = []
     call: SolveMessage | NextCall | None = msg
     while call is not None:
-        outcome, call = solve_one(services, backend, call, listener, heartbeat, take_next=may_continue(), writer=writer)
+        outcome, call = solve_one(services, backend, call, listener, heartbeat, writer, take_next=may_continue())
         outcomes.append(outcome)
         if call is not None and not call.restock:
             continue
-        if isinstance(outcome, Future):
-            outcome.add_done_callback(lambda _: ask_for_dispatch())  # on the writer, off the path to the next call
+        if isinstance(outcome, tuple):
+            outcome[0].add_done_callback(lambda _: ask_for_dispatch())  # on the writer, off the path to the next call
         else:
             ask_for_dispatch()
-    return [o.result() if isinstance(o, Future) else o for o in outcomes]
+    return [o if isinstance(o, str) else _written(writer, *o) for o in outcomes]
 
 
-def _solve(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None,
-           heartbeat: Heartbeat | None, slot: Slot, started: NextCall | None, writer: AnswerWriter | None = None) -> Outcome:
-    engine, settings = services.engine, services.settings
-    finish = slot.free
-
-    def beating() -> contextlib.AbstractContextManager[None]:
-        return heartbeat.running(msg.admission_id, hedge=msg.hedge) if heartbeat is not None else contextlib.nullcontext()
-
-    if msg.hedge:
-        try:
-            return _solve_hedge(services, backend, msg, slot, listener, beating)
-        finally:
-            finish()
-
-    try:
-        ctx = started.context if started is not None else with_db_retry(
-            lambda: start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds)
-        )
-        if ctx is None:
-            if with_db_retry(lambda: is_running_elsewhere(engine, msg.task_id, msg.admission_id)):
-                slot.disown()  # a redelivered copy: the slot is the live call's, not this message's
-                return "running_elsewhere"
-            return "stale"
-        with beating():
-            return _call_and_write(services, backend, msg, ctx, slot, listener, writer)
-    finally:
-        finish()  # every path frees the slot, even an unexpected exception
+def _written(writer: AnswerWriter, answer: Future[str], deadline: float) -> str:
+    outcome = writer.wait(answer, deadline)
+    if outcome is None:
+        log.warning("an answer was not written by its solve's deadline; the chain goes on, the write is still "
+                    "retried, and its call keeps its task alive meanwhile")
+        return "unwritten"
+    return outcome
 
 
-def _call_and_write(
-    services: Services, backend: Backend, msg: SolveMessage, ctx: SolveContext, slot: Slot,
-    listener: CancelListener | None, writer: AnswerWriter | None,
-) -> Outcome:
-    """The first call of a started task: renew the slot, call, settle, write."""
-    core, engine, settings = services.core, services.engine, services.settings
-    finish = slot.free
-    start_delay_ms = msg.start_delay_ms
-    if start_delay_ms is None:  # from the dispatcher: re-assert the slot (taken from a ready list: done)
+def _solve(services: Services, backend: Backend, call: Call, started: NextCall | None,
+           listener: CancelListener | None, writer: AnswerWriter, taken: list[NextCall]) -> Outcome:
+    """A task's own call: start, hold the slot, call, then the table's row."""
+    engine, settings, core, msg = services.engine, services.settings, services.core, call.msg
+    ctx = started.context if started is not None else with_db_retry(
+        lambda: start_solve(engine, msg.task_id, msg.admission_id, settings.lease_seconds)
+    )
+    if ctx is None:
+        if with_db_retry(lambda: is_running_elsewhere(engine, msg.task_id, msg.admission_id)):
+            call.disown()
+            return "running_elsewhere"
+        return "stale"
+    if started is not None:  # taken from a ready list: its lease was started with it
+        if not call.still_holds_its_lease():
+            call.free()
+            failure = Failure(msg.model, "its slot's lease expired while its start waited; not called", ctx.attempts)
+            return call.change("lease_lost", CHANGES["lease_lost"](failure))
+        start_delay_ms = msg.start_delay_ms or 0
+    else:  # from the dispatcher: re-assert the slot
         renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
         if not isinstance(renewed, Admitted):
-            with_db_retry(
-                lambda: back_to_pending(
-                    engine, msg.task_id, msg.admission_id, error="no slot to start the call", uncount_attempt=True
-                )
-            )
-            return "no_room"
+            call.free()
+            return call.change("no_room", CHANGES["no_room"](Failure(msg.model, "no slot to start the call", ctx.attempts)))
         start_delay_ms = renewed.start_delay_ms
-    attempt = ctx.attempts
     if start_delay_ms > 0:  # the start gates: the provider paces call starts and charges tokens on arrival
         time.sleep(start_delay_ms / 1000)
     try:
-        completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
+        completion, latency_ms = call.call_backend(backend, ctx, listener)
     except Cancelled:
         return "cancelled"  # the task's hedge answered it
-    except RateLimited as exc:
-        pause_for(core, msg.model, exc)
-        finish()
-        error = str(exc)
-        if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
-            reason = f"rate limited {MAX_RATE_LIMITED} times: {error}"
-            with_db_retry(
-                lambda: mark_failed(engine, msg.task_id, msg.admission_id, reason, uncount_attempt=True)
-            )
-            return "failed"
-        with_db_retry(  # a 429 is the quota's doing, not the task's: it does not use up an attempt
-            lambda: back_to_pending(
-                engine, msg.task_id, msg.admission_id, error=error, rate_limited=True, uncount_attempt=True
-            )
-        )
-        return "rate_limited"
-    except Permanent as exc:
-        finish()
-        core.count(msg.model, "failed")
-        error = str(exc)
-        with_db_retry(lambda: mark_failed(engine, msg.task_id, msg.admission_id, error))
-        return "failed"
-    except Exception as exc:  # Transient, or a bug: either way an attempt, so max_attempts ends any loop
-        finish()
-        error = str(exc)
-        if not isinstance(exc, Transient):
-            log.exception("unexpected error calling %s for task %d", msg.model, msg.task_id)
-            core.count(msg.model, "transient")
-            error = f"unexpected {type(exc).__name__}: {error}"
-        elif not trip(core, msg.model, error):
-            with_db_retry(  # the backend's failure, not the task's: no attempt used, no back-off
-                lambda: back_to_pending(
-                    engine, msg.task_id, msg.admission_id, error=error, uncount_attempt=True, avoid_model=msg.model,
-                )
-            )
-            return "circuit_open"
-        if attempt >= settings.max_attempts:
-            reason = f"after {attempt} attempts: {error}"
-            with_db_retry(lambda: mark_failed(engine, msg.task_id, msg.admission_id, reason))
-            return "failed"
-        with_db_retry(
-            lambda: back_to_pending(
-                engine, msg.task_id, msg.admission_id, error=error, delay_seconds=backoff_seconds(attempt),
-                avoid_model=msg.model,
-            )
-        )
-        return "retry"
+    except Exception as exc:  # noqa: BLE001 - every failure is a row of the table
+        outcome, failure = outcome_of(core, settings, msg, ctx, exc)  # a 429 pauses the model before its slot frees
+        call.free()
+        return call.change(outcome, CHANGES[outcome](failure))
     # The provider's slot is free the moment it answered, so ours is freed now,
     # before the write: the write needs no slot, and keeps its retry and its
-    # exactly-once guard. If the finish took the slot's next call, that call's
-    # task is started at once (a start does not wait for the WAL flush), and
-    # with a writer this answer is stored while the next call runs.
-    finish(answered(completion, ctx, latency_ms))
-    taken = slot.next
-    if taken is not None:
-        try:
-            next_ctx = with_db_retry(
-                lambda: start_solve(engine, taken.task_id, taken.admission_id, settings.lease_seconds)
-            )
-        except Exception:  # this call's answer is still written; the next call's task waits for the sweep
-            log.exception("could not start task %d, taken from %s's ready list; freeing its slot", taken.task_id,
-                          taken.model)
-            core.finish(taken.admission_id)
-        else:
-            slot.next_call = NextCall(SolveMessage.taken(taken), next_ctx, taken.restock)
-    answer = answer_of(msg, completion)
-    if writer is not None:  # batched with other threads' answers (see balancer.pipeline.answers)
-        outcome = writer.submit(answer, lambda written: _won("solved", services, written))
-        return outcome if taken is not None else outcome.result()  # a chain goes on; a last call waits
-    return _won("solved", services, with_db_retry(lambda: mark_solved(engine, answer)))
+    # exactly-once guard. If the finish took the slot's next call, that call is
+    # registered with the heartbeat and its task started at once (a start does
+    # not wait for the WAL flush); this answer is stored while the next call runs.
+    call.free(answered(completion, ctx, latency_ms))
+    if call.slot.next is not None:
+        taken.extend(_start_next(services, call.heartbeat, call.slot.next))
+    answer = call.hand_over(writer, answer_of(msg, completion), "solved")
+    return answer, call.deadline
 
+
+def _start_next(services: Services, heartbeat: Heartbeat, ready: ReadyTask) -> list[NextCall]:
+    """Take on the slot's next call and start its task; nothing if the start fails for good."""
+    nxt = Call(services, heartbeat, SolveMessage.taken(ready))
+    try:
+        ctx = with_db_retry(
+            lambda: start_solve(services.engine, ready.task_id, ready.admission_id, services.settings.lease_seconds)
+        )
+    except Exception:  # this call's answer is still written; the next call's task waits for the sweep
+        log.exception("could not start task %d, taken from %s's ready list; freeing its slot", ready.task_id,
+                      ready.model)
+        nxt.free()
+        nxt.end()
+        return []
+    return [NextCall(nxt, ctx, ready.restock)]
+
+
+def _solve_hedge(services: Services, backend: Backend, call: Call, listener: CancelListener | None,
+                 writer: AnswerWriter) -> Outcome:
+    """One hedge call: its answer is written if it comes first; otherwise it only frees its slot."""
+    core, msg = services.core, call.msg
+    ctx = with_db_retry(lambda: start_hedge(services.engine, msg.task_id, msg.admission_id))
+    if ctx is None:
+        return "stale"  # the first call answered before the hedge started
+    renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+    if not isinstance(renewed, Admitted):
+        call.free()
+        call.clear_hedge()
+        return "no_room"
+    if renewed.start_delay_ms > 0:
+        time.sleep(renewed.start_delay_ms / 1000)
+    try:
+        completion, latency_ms = call.call_backend(backend, ctx, listener)
+    except Cancelled:
+        return "cancelled"  # the first call answered
+    except (RateLimited, Transient, Permanent) as exc:
+        if isinstance(exc, RateLimited):
+            pause_for(core, msg.model, exc)
+        elif isinstance(exc, Transient):
+            trip(core, msg.model, str(exc))
+        else:
+            core.count(msg.model, "failed")
+        call.free()
+        call.clear_hedge()
+        log.info("task %d: its hedge on %s got no answer (%s); the task is its first call's again", msg.task_id,
+                 msg.model, exc)
+        return "hedge_failed"
+    call.free(answered(completion, ctx, latency_ms))
+    answer = call.hand_over(writer, answer_of(msg, completion, hedge=True), "hedge_won")
+    return answer, call.deadline
 
 
 def trip(core: AdmissionCore, model: str, error: str) -> bool:
@@ -386,39 +373,10 @@ def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
     core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
 
 
-def _call(
-    services: Services, backend: Backend, msg: SolveMessage, ctx: SolveContext, slot: Slot,
-    listener: CancelListener | None,
-) -> tuple[Completion, int]:
-    """The backend call, and how long it took in ms (a sample for the model's latency sketch).
-
-    Cancellable under its admission id when a listener is given and the model
-    stops a call whose client went; a cancelled call has let its slot go
-    (:meth:`Slot.let_go`) before ``Cancelled`` is raised."""
-    called_at = time.monotonic()
-    watcher = listener if ctx.stops_on_disconnect else None
-    try:
-        with watcher.watch(msg.admission_id) if watcher is not None else contextlib.nullcontext():
-            completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
-    except Cancelled:
-        slot.let_go(services, msg.model, time.monotonic() - called_at)
-        raise
-    return completion, round((time.monotonic() - called_at) * 1000)
-
-
-def _won(outcome: str, services: Services, written: Written | None) -> str:
-    """After a write: cut off the task's other call if it had one; the outcome name."""
-    if written is None:
-        return "duplicate"
-    if written.other_call is not None:
-        cancel_call(services.redis, services.settings.namespace, written.other_call)
-    return outcome
-
-
-def answer_of(msg: SolveMessage, completion: Completion) -> Answer:
-    """The answer to store for this message's call."""
+def answer_of(msg: SolveMessage, completion: Completion, *, hedge: bool = False) -> Answer:
+    """The answer to store for this message's call (a hedge's names its model)."""
     return Answer(msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
-                        completion.completion_tokens)
+                  completion.completion_tokens, hedge_model=msg.model if hedge else None)
 
 
 def answered(completion: Completion, ctx: SolveContext, latency_ms: int) -> Settlement:
@@ -431,46 +389,3 @@ def answered(completion: Completion, ctx: SolveContext, latency_ms: int) -> Sett
         latency_ms=latency_ms,
         completion_tokens=completion.completion_tokens,
     )
-
-
-def _solve_hedge(
-    services: Services, backend: Backend, msg: SolveMessage, slot: Slot, listener: CancelListener | None,
-    beating: Callable[[], contextlib.AbstractContextManager[None]],
-) -> str:
-    """One hedge call: write its answer if it comes first; otherwise only free its slot."""
-    ctx = with_db_retry(lambda: start_hedge(services.engine, msg.task_id, msg.admission_id))
-    if ctx is None:
-        return "stale"  # the first call answered before the hedge started
-    with beating():
-        return _hedge_call(services, backend, msg, ctx, slot, listener)
-
-
-def _hedge_call(
-    services: Services, backend: Backend, msg: SolveMessage, ctx: SolveContext, slot: Slot,
-    listener: CancelListener | None,
-) -> str:
-    core, engine = services.core, services.engine
-    renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
-    if not isinstance(renewed, Admitted):
-        with_db_retry(lambda: clear_hedge(engine, msg.task_id, msg.admission_id))
-        return "no_room"
-    if renewed.start_delay_ms > 0:
-        time.sleep(renewed.start_delay_ms / 1000)
-    try:
-        completion, latency_ms = _call(services, backend, msg, ctx, slot, listener)
-    except Cancelled:
-        return "cancelled"  # the first call answered
-    except (RateLimited, Transient, Permanent) as exc:
-        if isinstance(exc, RateLimited):
-            pause_for(core, msg.model, exc)
-        elif isinstance(exc, Transient):
-            trip(core, msg.model, str(exc))
-        else:
-            core.count(msg.model, "failed")
-        slot.free()
-        with_db_retry(lambda: clear_hedge(engine, msg.task_id, msg.admission_id))
-        return "hedge_failed"
-    slot.free(answered(completion, ctx, latency_ms))
-    answer = answer_of(msg, completion)
-    written = with_db_retry(lambda: mark_solved(engine, answer, hedge_model=msg.model))
-    return _won("hedge_won", services, written)

@@ -15,11 +15,12 @@ from balancer.pipeline import runtime
 from balancer.pipeline.app import app
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
+from balancer.pipeline.heartbeat import live_calls
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
-from balancer.storage.leases import return_expired
+from balancer.storage.leases import sweep_expired
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
@@ -105,9 +106,8 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
         return time.monotonic() - started < last_start and not shutting_down()
 
     outcomes = solve_chain(
-        svc, runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat(),
+        svc, runtime.backend(), msg, runtime.cancel_listener(), runtime.heartbeat(), runtime.answer_writer(),
         may_continue=may_continue, ask_for_dispatch=trigger_dispatch,  # a slot freed, or a ready list ran low: refill now
-        writer=runtime.answer_writer(),
     )
     return outcomes[0] if len(outcomes) == 1 else f"{outcomes[0]} and {len(outcomes) - 1} next"
 
@@ -115,12 +115,16 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
 @app.task(name="balancer.sweep")
 def sweep_task() -> int:
     """Return tasks past their deadline to pending (a dead worker, a lost
-    message), and make the live quotas match PostgreSQL's."""
+    message), except those whose calls a worker still keeps alive, and make
+    the live quotas match PostgreSQL's."""
     svc = runtime.services()
     repaired = svc.quotas.repair_drift()
     if repaired:
         log.warning("live quotas differed from PostgreSQL for %s; repaired", ", ".join(repaired))
-    returned = return_expired(svc.engine)
+    returned, kept = sweep_expired(svc.engine, live_calls(svc.redis, svc.settings.namespace), svc.settings.lease_seconds)
+    if kept:
+        log.warning("kept %d task(s) past their deadline: their workers still keep their calls alive (in Redis), "
+                    "though they did not renew them in PostgreSQL", kept)
     if returned:
         log.warning("returned %d task(s) past their deadline to pending", returned)
         trigger_dispatch()

@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.storage.schema import tasks
-from balancer.storage.statements import SolveContext, context_columns, hedge_guard, update_where
+from balancer.storage.statements import SolveContext, admission_guard, context_columns, hedge_guard, update_where
 
 
 def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveContext | None:
@@ -86,3 +86,14 @@ def clear_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> bool:
     """A hedge that got no answer: the task is again decided by its first call alone."""
     return update_where(engine, sa.and_(tasks.c.id == task_id, tasks.c.hedge_admission_id == hedge_admission_id),
                          hedge_admission_id=None, hedge_model=None)
+
+
+def hedge_in_flight(engine: Engine, task_id: int, admission_id: str) -> bool | None:
+    """For a task's first call whose status change was refused: whether a hedge is in
+    flight (True: the hedge's answer decides), or not (False: the change may apply);
+    None if the task is no longer queued or running under ``admission_id``."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(tasks.c.hedge_admission_id).where(admission_guard(task_id, admission_id))
+        ).first()
+    return None if row is None else row[0] is not None

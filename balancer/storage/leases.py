@@ -1,8 +1,12 @@
 """Task deadlines in PostgreSQL, the other half of a call's lease: tasks whose
-worker stopped renewing them go back to ``pending`` (the sweep), the calls in
+worker stopped renewing them go back to ``pending`` (the sweep; not those a
+worker still keeps alive in Redis), the calls in
 flight re-seed a Redis that lost its data, and overdue calls are counted."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -14,10 +18,29 @@ from balancer.storage.schema import tasks
 
 def return_expired(engine: Engine) -> int:
     """Queued/running tasks past their deadline go back to pending (lost message, dead worker)."""
+    return sweep_expired(engine, (), 0)[0]
+
+
+def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) -> tuple[int, int]:
+    """The sweep: queued/running tasks past their deadline go back to pending (a
+    lost message, a dead worker), except those whose call or hedge is in
+    ``alive``: a worker still keeps that call alive in Redis, though it could
+    not renew the deadline in PostgreSQL (see :mod:`balancer.pipeline.heartbeat`);
+    their deadline moves one lease on. One transaction, so both statements
+    judge "past" by the same ``now()``. Returns (returned, kept)."""
+    expired = sa.and_(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+    ids = list(alive)
     with engine.begin() as conn:
+        kept = 0
+        if ids:
+            kept = conn.execute(
+                sa.update(tasks)
+                .where(expired, sa.or_(tasks.c.admission_id.in_(ids), tasks.c.hedge_admission_id.in_(ids)))
+                .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds))
+            ).rowcount
         result = conn.execute(
             sa.update(tasks)
-            .where(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+            .where(expired)
             .values(
                 status="pending",
                 model=None,
@@ -29,7 +52,7 @@ def return_expired(engine: Engine) -> int:
                 error="returned to pending: deadline passed while " + tasks.c.status,
             )
         )
-    return result.rowcount
+    return result.rowcount, kept
 
 
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:

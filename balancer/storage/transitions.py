@@ -103,14 +103,17 @@ def is_running_elsewhere(engine: Engine, task_id: int, admission_id: str) -> boo
 
 
 def extend_deadlines(engine: Engine, admission_ids: Sequence[str], lease_seconds: int) -> int:
-    """Push the deadline of the running tasks under ``admission_ids`` one lease from now
-    (a worker's heartbeat); returns how many were extended."""
+    """Push the deadline of the queued or running tasks whose call or hedge is one of
+    ``admission_ids`` one lease from now (a worker's heartbeat: whichever call of a
+    hedged task is still live keeps it); returns how many were extended."""
     if not admission_ids:
         return 0
+    ids = list(admission_ids)
     with engine.begin() as conn:
         result = conn.execute(
             sa.update(tasks)
-            .where(tasks.c.admission_id.in_(list(admission_ids)), tasks.c.status == "running")
+            .where(sa.or_(tasks.c.admission_id.in_(ids), tasks.c.hedge_admission_id.in_(ids)),
+                   tasks.c.status.in_(("queued", "running")))
             .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds))
         )
     return result.rowcount
@@ -135,26 +138,28 @@ class Written:
 
 @dataclass(frozen=True)
 class Answer:
-    """One call's answer, to be written under its admission (:func:`mark_solved_many`)."""
+    """One call's answer, to be written under its admission (:func:`mark_solved_many`),
+    or, with ``hedge_model``, a hedge's under the hedge's (:func:`mark_solved`)."""
 
     task_id: int
     admission_id: str
     answer: str
     prompt_tokens: int
     completion_tokens: int
+    hedge_model: str | None = None
 
 
-def mark_solved(engine: Engine, answer: Answer, *, hedge_model: str | None = None) -> Written | None:
+def mark_solved(engine: Engine, answer: Answer) -> Written | None:
     """Write the answer once. None if someone else already finished it (a duplicate).
 
-    With ``hedge_model``, ``answer.admission_id`` is the hedge's: the first
+    With ``answer.hedge_model``, ``answer.admission_id`` is the hedge's: the first
     answer of the two calls wins, and the task records the model that gave it.
     """
-    if hedge_model is None:
+    if answer.hedge_model is None:
         return mark_solved_many(engine, [answer])[0]
     params = {"b_task_id": answer.task_id, "b_admission_id": answer.admission_id, "b_answer": answer.answer,
               "b_prompt_tokens": answer.prompt_tokens, "b_completion_tokens": answer.completion_tokens,
-              "b_model": hedge_model}
+              "b_model": answer.hedge_model}
     with one_statement(engine) as conn:
         row = conn.execute(_MARK_HEDGE_SOLVED, params).first()
     return None if row is None else Written(row[0])
@@ -183,7 +188,7 @@ _MARK_SOLVED_MANY = _mark_solved_many_statement()
 
 def mark_solved_many(engine: Engine, answers: Sequence[Answer]) -> list[Written | None]:
     """:func:`mark_solved` for several answers in one statement (one commit, one
-    WAL flush), each under its own guard. In ``answers``' order: what was
+    WAL flush), each under its own guard (none a hedge's). In ``answers``' order: what was
     written, or None for a duplicate. One answer per task: a task twice in one
     statement would be updated from either row, unpredictably.
 

@@ -1,0 +1,220 @@
+"""One call's life: a :class:`Call` owns one admission from its start to its
+answer's durable write.
+
+It holds the admission id, its :class:`Slot` (freed once, on every path), its
+registration with the process's :class:`~balancer.pipeline.heartbeat.Heartbeat`,
+and its answer's future on the process's
+:class:`~balancer.pipeline.answers.AnswerWriter`. The registration is taken
+when the worker takes the call on (a message received, or a next call taken
+from a ready list, before its start is written) and released only when the
+answer is durably written, or when the call ends with no answer to write: so
+the call's slot, and then its task's deadline, are renewed through a stalled
+start and a stalled write alike. What each outcome does to the task is the
+solver's table (:mod:`balancer.pipeline.solver`); this module carries it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+from balancer.admission import AdmissionCore, ReadyTask, Settlement
+from balancer.backends import Backend, Cancelled, Completion
+from balancer.pipeline.answers import AnswerWriter
+from balancer.pipeline.cancellation import CancelListener, cancel_call
+from balancer.pipeline.heartbeat import Heartbeat
+from balancer.services import Services
+from balancer.storage.hedges import clear_hedge, hedge_in_flight
+from balancer.storage.retry import with_db_retry
+from balancer.storage.statements import SolveContext
+from balancer.storage.transitions import Answer, Written, back_to_pending, mark_failed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SolveMessage:
+    task_id: int
+    admission_id: str
+    model: str
+    estimated_tokens: int
+    hedge: bool = False
+    #: Set for a ready task a finishing call took as its slot's next call: its
+    #: lease is started and both start gates are passed, so wait this long and
+    #: call, with no renew. None: a message from the dispatcher (renew first).
+    start_delay_ms: int | None = None
+
+    @classmethod
+    def taken(cls, ready: ReadyTask) -> SolveMessage:
+        return cls(ready.task_id, ready.admission_id, ready.model, ready.estimated_tokens,
+                   start_delay_ms=ready.start_delay_ms)
+
+
+class Slot:
+    """The call's admission: freed once, in one round trip, on every path, unless
+    a cancelled call hands it over to a hold.
+
+    With ``take_next``, an answered call's slot also takes its next call from
+    the model's ready list in that round trip (:attr:`next`)."""
+
+    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool = False) -> None:
+        self.core, self.admission_id, self.done = core, admission_id, False
+        self.take_next = take_next
+        self.next: ReadyTask | None = None
+
+    def free(self, settlement: Settlement | None = None) -> bool:
+        """Free the slot, settling what the call tells; False if it was already."""
+        if self.done:
+            return False
+        self.done = True
+        if self.take_next and settlement is not None:
+            self.next = self.core.finish_and_take(self.admission_id, settlement)
+        else:
+            self.core.finish(self.admission_id, settlement)
+        return True
+
+    def disown(self) -> None:
+        """This message does not own the slot (another worker's call runs under it): never free it."""
+        self.done = True
+
+    def let_go(self, services: Services, model: str, ran_s: float) -> None:
+        """A cancelled call: its slot as the provider sees it (see the solver's docstring)."""
+        if self.done:
+            return
+        self.done = True
+        quota = services.quotas.get(model)
+        if quota is not None and quota.on_disconnect == "stop":
+            self.core.finish(self.admission_id)
+        else:
+            self.core.hold(self.admission_id, round(max(0.0, services.settings.backend_timeout - ran_s) * 1000))
+
+
+@dataclass(frozen=True)
+class Change:
+    """A status change for a task whose call got no answer (a row of the solver's table)."""
+
+    status: Literal["pending", "failed"]
+    error: str
+    uncount_attempt: bool = False
+    rate_limited: bool = False
+    delay_seconds: float = 0.0
+    avoid_model: str | None = None
+
+
+class Call:
+    """One admission, from the moment its worker takes it on to its answer's durable write."""
+
+    def __init__(self, services: Services, heartbeat: Heartbeat, msg: SolveMessage, *, take_next: bool = False) -> None:
+        settings = services.settings
+        self.services, self.heartbeat, self.msg = services, heartbeat, msg
+        self.admission_id = msg.admission_id
+        self.taken_at = time.monotonic()
+        #: The solve's deadline (monotonic): the call ends within it, and its writes' retries give up there.
+        self.deadline = self.taken_at + settings.hard_time_limit
+        self.slot = Slot(services.core, msg.admission_id, take_next=take_next and not msg.hedge)
+        #: The answer's write, once handed to the writer: its result is the outcome's name.
+        self.answer: Future[str] | None = None
+        self._over = False
+        # Kept alive until the answer is written: a write hung on a stalled
+        # connection is let go one write grace past the deadline.
+        heartbeat.register(self.admission_id, until=self.deadline + settings.write_grace)
+
+    # -- the slot ------------------------------------------------------------------------
+    def free(self, settlement: Settlement | None = None) -> None:
+        """Free the slot (once); the heartbeat renews only the task's deadline from now on."""
+        if self.slot.free(settlement):
+            self.heartbeat.slot_freed(self.admission_id)
+
+    def disown(self) -> None:
+        """A redelivered copy: the slot is the live call's, not this message's."""
+        self.slot.disown()
+        self.heartbeat.slot_freed(self.admission_id)
+
+    def still_holds_its_lease(self) -> bool:
+        """Re-assert the lease of a call taken from a ready list whose start took
+        long (a stalled PostgreSQL): extended if alive, False if it expired (its
+        slot may be another call's by now). A quick start needs no round trip:
+        the lease taken with it has most of its length left."""
+        if time.monotonic() - self.taken_at < self.services.settings.heartbeat_seconds:
+            return True
+        return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000)
+
+    # -- the backend call ----------------------------------------------------------------
+    def call_backend(self, backend: Backend, ctx: SolveContext, listener: CancelListener | None) -> tuple[Completion, int]:
+        """The backend call, and how long it took in ms (a sample for the model's latency sketch).
+
+        Cancellable under its admission id when a listener is given and the model
+        stops a call whose client went; a cancelled call has let its slot go
+        (:meth:`Slot.let_go`) before ``Cancelled`` is raised."""
+        msg = self.msg
+        self.heartbeat.started(self.admission_id)
+        called_at = time.monotonic()
+        watcher = listener if ctx.stops_on_disconnect else None
+        try:
+            with watcher.watch(msg.admission_id) if watcher is not None else contextlib.nullcontext():
+                completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
+        except Cancelled:
+            self.slot.let_go(self.services, msg.model, time.monotonic() - called_at)
+            self.heartbeat.slot_freed(self.admission_id)
+            raise
+        return completion, round((time.monotonic() - called_at) * 1000)
+
+    # -- the task ------------------------------------------------------------------------
+    def change(self, outcome: str, change: Change) -> str:
+        """Apply a failed call's status change under its admission; returns the outcome
+        that really happened: ``outcome``, or ``left_to_hedge`` when the task's hedge
+        is in flight (its answer decides, and it keeps the task's deadline meanwhile),
+        or ``stale`` when the task is no longer this call's."""
+        engine, msg = self.services.engine, self.msg
+        for _ in range(2):  # a hedge cleared between the two statements: the change applies now
+            if change.status == "failed":
+                done = with_db_retry(lambda: mark_failed(engine, msg.task_id, msg.admission_id, change.error,
+                                                         uncount_attempt=change.uncount_attempt))
+            else:
+                done = with_db_retry(lambda: back_to_pending(
+                    engine, msg.task_id, msg.admission_id, error=change.error, delay_seconds=change.delay_seconds,
+                    rate_limited=change.rate_limited, uncount_attempt=change.uncount_attempt,
+                    avoid_model=change.avoid_model))
+            if done:
+                return outcome
+            hedged = with_db_retry(lambda: hedge_in_flight(engine, msg.task_id, msg.admission_id))
+            if hedged is None:
+                log.warning("task %d: its call on %s ended (%s: %s) but the task is no longer under this admission; "
+                            "nothing changed", msg.task_id, msg.model, outcome, change.error)
+                return "stale"
+            if hedged:
+                log.info("task %d: its call on %s ended (%s: %s) while its hedge is in flight; the hedge's answer "
+                         "decides, and the task stays running", msg.task_id, msg.model, outcome, change.error)
+                return "left_to_hedge"
+        return "stale"
+
+    def clear_hedge(self) -> None:
+        """A hedge that got no answer: the task is again its first call's alone."""
+        with_db_retry(lambda: clear_hedge(self.services.engine, self.msg.task_id, self.admission_id))
+
+    # -- the answer ----------------------------------------------------------------------
+    def hand_over(self, writer: AnswerWriter, answer: Answer, outcome: str) -> Future[str]:
+        """Hand the answer to the writer; the call is over once it is written."""
+        self.answer = writer.submit(answer, lambda written: self._won(outcome, written), deadline=self.deadline)
+        self.answer.add_done_callback(lambda _: self.end())
+        return self.answer
+
+    def _won(self, outcome: str, written: Written | None) -> str:
+        """After the write: cut off the task's other call if it had one; the outcome's name."""
+        if written is None:
+            log.info("task %d: the answer of its call on %s was not written: the task was already finished or "
+                     "taken from this call", self.msg.task_id, self.msg.model)
+            return "duplicate"
+        if written.other_call is not None:
+            cancel_call(self.services.redis, self.services.settings.namespace, written.other_call)
+        return outcome
+
+    def end(self) -> None:
+        """The call is over: the heartbeat lets it go (once)."""
+        if not self._over:
+            self._over = True
+            self.heartbeat.release(self.admission_id)
