@@ -72,6 +72,10 @@ def _register() -> None:
     for command in pipeline.COMMANDS:
         cli.add_command(command)
     cli.add_command(tasks.tasks)
+    from balancer.cli import results, source
+
+    cli.add_command(source.source)
+    cli.add_command(results.results)
 
 
 _register()

@@ -29,7 +29,9 @@ def _migrated():  # noqa: ANN202
 def submit(file: Path, strict: bool, source: str) -> None:
     """Insert the tasks in FILE (JSONL, one {"prompt": ...} per line).
 
-    Exit 0: every line accepted. Exit 3: valid lines accepted, bad ones
+    A task whose (source, key) is already stored is not inserted again and is
+    counted as already present. Exit 0: every line accepted or already
+    present. Exit 3: valid lines accepted, bad ones
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
     from balancer.domain.intake import parse_tasks
@@ -55,8 +57,11 @@ def submit(file: Path, strict: bool, source: str) -> None:
         raise BalancerError(f"no valid tasks in {printable(str(file))}" + (f" ({len(errors)} bad line(s))" if errors else ""))
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
-    click.echo(f"accepted {len(ids)} task(s)" + (f", rejected {len(errors)} line(s)" if errors else ""))
-    _ask_for_dispatch()
+    present = len(rows) - len(ids)
+    click.echo(f"accepted {len(ids)} task(s)" + (f", already present {present}" if present else "")
+               + (f", rejected {len(errors)} line(s)" if errors else ""))
+    if ids:
+        _ask_for_dispatch()
     if errors:
         raise SystemExit(3)
 
@@ -275,20 +280,25 @@ def status(as_json: bool) -> None:
     buckets, 429s, latency, and the limit that holds it back now."""
     from rich.console import Console
 
+    from balancer.cli.source import source_line
     from balancer.pipeline.fallback import beat_last_seen_s
     from balancer.pipeline.summary import read
     from balancer.storage.leases import overdue_count
+    from balancer.storage.sources import source_status
 
     svc = _migrated()
     counts, rows, _, eta = read(svc)
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
+    sources = source_status(svc.engine)
     if as_json:
         click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
-                               "models": [r.as_dict() for r in rows]}))
+                               "models": [r.as_dict() for r in rows], "sources": [s.as_dict() for s in sources]}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    for s in sources:
+        click.echo(f"source {s.name}: {source_line(s)}")
     if beat is None:
         click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
     if overdue:

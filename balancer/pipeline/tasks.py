@@ -121,8 +121,11 @@ def sweep_task() -> int:
 @app.task(name="balancer.ingest")
 def ingest_task() -> int:
     from balancer.pipeline.ingest import ingest_inbox
+    from balancer.pipeline.source_tick import sources_tick
 
     svc = runtime.services()
+    if sources_tick(svc):  # source tables in, answers written back
+        trigger_dispatch()
     if not svc.settings.inbox:
         return 0
     files = ingest_inbox(svc, Path(svc.settings.inbox))
