@@ -12,10 +12,13 @@ import click
 from balancer.errors import BalancerError, printable
 
 
-def _migrated():  # noqa: ANN202
-    from balancer.cli.pipeline import _migrated as migrated
+def _migrated():  # noqa: ANN202 - (balancer.cli.pipeline's own imports this module's source_line)
+    from balancer.cli import services
+    from balancer.storage.migrate import require_migrated
 
-    return migrated()
+    svc = services()
+    require_migrated(svc.engine)
+    return svc
 
 
 @click.group()

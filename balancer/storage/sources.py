@@ -84,7 +84,7 @@ def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, repl
             if old == d:
                 set_weight(conn, d.name, d.weight, by=by)
                 continue
-            values = {"definition": d.as_dict(), "updated_at": sa.func.now()}
+            values: dict[str, Any] = {"definition": d.as_dict(), "updated_at": sa.func.now()}
             if old is None:
                 conn.execute(sa.insert(sources).values(name=d.name, **values))
             else:
