@@ -45,7 +45,8 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_EXPECTED_OUTPUT_TOKENS": "output tokens assumed when estimating a prompt",
     "BALANCER_DISPATCH_TICK": "seconds between periodic dispatch ticks (completions also trigger dispatch)",
     "BALANCER_SWEEP_TICK": "seconds between sweep ticks (return tasks past their deadline, repair quota drift)",
-    "BALANCER_INGEST_TICK": "seconds between inbox polls",
+    "BALANCER_INGEST_TICK": "seconds between inbox and source table polls",
+    "BALANCER_WRITEBACK_TICK": "seconds between write-backs of ended tasks to their source tables",
     "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
     "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
 }
@@ -240,6 +241,7 @@ class Settings:
     dispatch_tick: float = 1.0
     sweep_tick: float = 10.0
     ingest_tick: float = 5.0
+    writeback_tick: float = 0.5
     router_token: str | None = field(default=None, repr=False)
     router_lease_seconds: float = 30.0
 
@@ -332,6 +334,7 @@ class Settings:
             dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),
             sweep_tick=_seconds("BALANCER_SWEEP_TICK", 10.0, 0.1, 86_400),
             ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
+            writeback_tick=_seconds("BALANCER_WRITEBACK_TICK", 0.5, 0.05, 3600),
             router_token=env.get("BALANCER_ROUTER_TOKEN") or None,
             router_lease_seconds=_seconds("BALANCER_ROUTER_LEASE_SECONDS", 30.0, 1, 86_400),
         )

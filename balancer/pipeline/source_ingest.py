@@ -106,7 +106,10 @@ def ingest_sources(services: Services, *, budget_s: float = 2.0) -> list[SourceI
     reports = []
     for definition in definitions:
         try:
-            reports.append(ingest_source(services, definition, models, budget_s=budget_s))
+            reports.append(report := ingest_source(services, definition, models, budget_s=budget_s))
+            if report.created or report.skipped:
+                log.info("source %s: %d task(s) created, %d row(s) not tasks", definition.name, report.created,
+                         report.skipped)
         except Exception as exc:  # noqa: BLE001 - one unreachable source must not starve the others
             log.warning("source %s not read this tick: %s", definition.name, str(exc).splitlines()[0] if str(exc) else exc)
     return reports

@@ -107,6 +107,7 @@ def drain_source(services: Services, definition: SourceDef, *, limit: int = 500,
                 break
             _settle(conn, done, conflicts)
         report.written += len(done)
+        log.info("source %s: %d task(s) written back", definition.name, len(done))
         report.conflicts += len(conflicts)
         if conflicts:
             log.warning("source %s: %d row(s) changed by someone else meanwhile, not overwritten", definition.name,

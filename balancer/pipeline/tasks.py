@@ -121,10 +121,10 @@ def sweep_task() -> int:
 @app.task(name="balancer.ingest")
 def ingest_task() -> int:
     from balancer.pipeline.ingest import ingest_inbox
-    from balancer.pipeline.source_tick import sources_tick
+    from balancer.pipeline.source_ingest import ingest_sources
 
     svc = runtime.services()
-    if sources_tick(svc):  # source tables in, answers written back
+    if sum(r.created for r in ingest_sources(svc)):  # source tables
         trigger_dispatch()
     if not svc.settings.inbox:
         return 0
@@ -136,12 +136,20 @@ def ingest_task() -> int:
     return created
 
 
+@app.task(name="balancer.writeback")
+def writeback_task() -> int:
+    """Write every ended task of a source table back to its row (the outbox)."""
+    from balancer.pipeline.source_writeback import drain
+
+    return drain(runtime.services()).written
+
+
 class DispatcherTicks(FallbackTicks):
     """Beat's ticks, sent by the dispatcher while beat is absent (see :mod:`balancer.pipeline.fallback`)."""
 
     def ticks(self, settings: Settings) -> list[Tick]:
         return [(settings.dispatch_tick, trigger_dispatch), (settings.sweep_tick, sweep_task.delay),
-                (settings.ingest_tick, ingest_task.delay)]
+                (settings.ingest_tick, ingest_task.delay), (settings.writeback_tick, writeback_task.delay)]
 
 
 app.steps["consumer"].add(DispatcherTicks)
