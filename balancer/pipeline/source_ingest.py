@@ -23,8 +23,7 @@ import sqlalchemy as sa
 from balancer.domain.source_rows import after_read, after_rescan, row_to_task
 from balancer.domain.sourcefile import SourceDef
 from balancer.services import Services
-from balancer.storage.intake import insert_tasks
-from balancer.storage.sources import Cursor, advance, all_sources, read_cursor
+from balancer.storage.sources import Cursor, advance, all_sources, insert_source_tasks, read_cursor
 from balancer.storage.sources_catalog import read_rows, team_connection
 from balancer.storage.sources_schema import sources
 
@@ -53,13 +52,15 @@ def _insert(services: Services, definition: SourceDef, rows: list[tuple], models
         else:
             tasks.append(task)
     with services.engine.begin() as conn:
+        # No wait for the WAL flush: a batch lost in a server crash loses its cursor move with it, and is read again.
+        conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         conn.execute(sa.select(sources.c.name).where(sources.c.name == definition.name).with_for_update())
         if read_cursor(conn, definition.name) != start:
             return False  # another ingester moved the cursor first; its batch held these rows
-        ids = insert_tasks(conn, tasks)
-        if not advance(conn, definition.name, start, end, inserted=len(ids), caught_up=caught_up):
+        inserted = insert_source_tasks(conn, definition.name, max_tokens, definition.models, tasks)
+        if not advance(conn, definition.name, start, end, inserted=inserted, caught_up=caught_up):
             raise RuntimeError(f"source {definition.name}: its cursor moved under a row lock")
-    report.created += len(ids)
+    report.created += inserted
     return True
 
 

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
+from balancer.domain.intake import TaskRow
 from balancer.domain.sourcefile import SourceDef, SourceFileError, source_from_dict
 from balancer.storage.schema import source_changes, tasks
 from balancer.storage.source_weights import set_weight
@@ -124,6 +126,35 @@ def remove_source(engine: Engine, name: str, *, by: str) -> None:
         if _waiting(conn, [name]):
             raise SourceFileError(f"source {name} still has write-backs waiting; remove it once they are done")
         _remove(conn, _definition(row), by)
+
+
+# One statement for a whole batch: its columns as arrays, unnested into rows (a
+# VALUES list of thousands of rows costs more to send and parse than to insert).
+_INSERT_BATCH = sa.text("""
+WITH inserted AS (
+    INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models)
+    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed
+    FROM unnest(:keys, :prompts, :priorities, :estimated) AS r(key, prompt, priority, estimated)
+    ON CONFLICT (source, key) WHERE key IS NOT NULL DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) FROM inserted
+""").bindparams(sa.bindparam("keys", type_=ARRAY(sa.Text)), sa.bindparam("prompts", type_=ARRAY(sa.Text)),
+                sa.bindparam("priorities", type_=ARRAY(sa.Integer)), sa.bindparam("estimated", type_=ARRAY(sa.Integer)),
+                sa.bindparam("allowed", type_=ARRAY(sa.Text)))
+
+
+def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed: tuple[str, ...] | None,
+                        rows: list[TaskRow]) -> int:
+    """Insert one batch of a source's tasks (all with its ``max_tokens`` and allowed
+    models), skipping keys already present; returns how many were inserted."""
+    if not rows:
+        return 0
+    return int(conn.execute(_INSERT_BATCH, {
+        "source": source, "max_tokens": max_tokens, "allowed": list(allowed) if allowed else None,
+        "keys": [r.key for r in rows], "prompts": [r.prompt for r in rows],
+        "priorities": [r.priority for r in rows], "estimated": [r.estimated_tokens for r in rows],
+    }).scalar_one())
 
 
 @dataclass(frozen=True)
