@@ -234,6 +234,16 @@ def test_a_row_changed_by_someone_else_is_not_overwritten(svc: Services, legacy:
     assert status.conflicts == 1 and status.writebacks_waiting == 0
     code, out, _ = run(capsys, "status", "--json")
     assert json.loads(out)["sources"][0]["conflicts"] == 1
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from balancer.pipeline.metrics import BalancerCollector
+
+    registry = CollectorRegistry()
+    registry.register(BalancerCollector(svc))
+    text = generate_latest(registry).decode()
+    assert 'balancer_source_not_overwritten{source="crm"} 1.0' in text
+    assert 'balancer_source_tasks{source="crm",state="solved"} 5.0' in text
 
 
 def test_a_write_back_committed_before_a_crash_is_not_written_again(svc: Services, legacy: Legacy, tmp_path: Path,
