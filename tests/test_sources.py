@@ -361,3 +361,56 @@ def test_export_resumes_from_its_cursor_with_no_gap_and_no_repeat_while_tasks_ar
     assert code == 0 and out_text.splitlines()[0].startswith("id,source,key,metadata") and len(out_text.splitlines()) == 301
     code, _, err = run(capsys, "results", "export", "--since", "yesterday")
     assert code == 2 and "--since" in err
+
+
+def test_a_row_committed_behind_the_cursor_is_found_by_the_rescan(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                  capsys) -> None:  # noqa: ANN001
+    """A writer whose transaction took a smaller id commits after the cursor passed
+    it: the rescan behind the cursor makes it a task all the same, once."""
+    legacy.execute("INSERT INTO prompts (id, body) SELECT g, 'p' || g FROM generate_series(1, 10) g WHERE g <> 5")
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=3)[0] == 0
+    ingest_sources(svc)
+    with svc.engine.connect() as conn:
+        assert sorted(conn.execute(sa.select(tasks.c.key)).scalars(), key=int) == ["1", "2", "3", "4", "6", "7", "8",
+                                                                                  "9", "10"]
+        assert conn.execute(sa.select(sources.c.position)).scalar_one() == "10"
+    legacy.execute("INSERT INTO prompts (id, body) VALUES (5, 'late')")
+    deadline = time.monotonic() + 30
+    while counts(svc.engine, "SELECT count(*) FROM tasks") < 10 and time.monotonic() < deadline:
+        time.sleep(0.1)  # poll_seconds
+        ingest_sources(svc)
+    for _ in range(5):  # more rescans, round and round: nothing twice
+        time.sleep(0.1)
+        ingest_sources(svc)
+    with svc.engine.connect() as conn:
+        keys = conn.execute(sa.select(tasks.c.key)).scalars().all()
+    assert sorted(keys, key=int) == [str(i) for i in range(1, 11)]
+
+
+def test_a_where_with_a_percent_and_the_cli_round_trip(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                       capsys) -> None:  # noqa: ANN001
+    legacy.add(6)
+    text = SOURCE_FILE.format(name="crm", env='database_url_env = "LEGACY_DATABASE_URL"\n', table=legacy.table, batch=10)
+    text = text.replace("where = \"status = 'unsolved'\"", "where = \"status = 'unsolved' AND body LIKE '%prompt 1%'\"")
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    code, out, _ = run(capsys, "source", "import", str(path), "--dry-run")
+    assert code == 0 and "would create crm" in out
+    assert run(capsys, "source", "list", "--json")[1].strip() == "[]"
+    assert run(capsys, "source", "import", str(path))[0] == 0
+    ingest_sources(svc)
+    with svc.engine.connect() as conn:  # rows 0..5 are 'legacy prompt 0'..'legacy prompt 5': only 1 matches
+        assert conn.execute(sa.select(tasks.c.prompt)).scalars().all() == ["legacy prompt 1"]
+    exported = tmp_path / "exported.toml"
+    assert run(capsys, "source", "export", str(exported))[0] == 0
+    code, out, _ = run(capsys, "source", "import", str(exported))
+    assert code == 0 and "1 unchanged" in out
+    solve_pending(svc)
+    code, _, err = run(capsys, "source", "remove", "crm")
+    assert code == 2 and "write-backs waiting" in err
+    drain(svc)
+    assert run(capsys, "source", "remove", "crm")[0] == 0
+    assert run(capsys, "source", "remove", "crm")[0] == 2
+    with svc.engine.connect() as conn:
+        actions = conn.execute(sa.select(source_changes.c.action).order_by(source_changes.c.id)).scalars().all()
+    assert [a for a in actions if a != "weight"] == ["import", "remove"]
