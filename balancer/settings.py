@@ -46,6 +46,7 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_DISPATCH_TICK": "seconds between periodic dispatch ticks (completions also trigger dispatch)",
     "BALANCER_SWEEP_TICK": "seconds between sweep ticks (return tasks past their deadline, repair quota drift)",
     "BALANCER_INGEST_TICK": "seconds between inbox and source table polls",
+    "BALANCER_DEDUP": "on: every new task may take the answer of an identical solved task instead of a call",
     "BALANCER_WRITEBACK_TICK": "seconds between write-backs of ended tasks to their source tables",
     "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
     "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
@@ -234,6 +235,7 @@ class Settings:
     expected_latency_s: float = 30.0
     #: Finish-time-aware dispatch of the last tasks (balancer.domain.endgame); off: greedy to the end.
     end_game: bool = True
+    dedup: bool = False
     #: Hedge tokens may reach this share of the run's tokens (0: no hedging).
     hedge_budget: float = 0.05
     #: Hedges per task at most.
@@ -329,6 +331,7 @@ class Settings:
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),
             expected_latency_s=_seconds("BALANCER_EXPECTED_LATENCY_S", 30.0, 0.01, 3600),
             end_game=_switch("BALANCER_END_GAME", True),
+            dedup=_switch("BALANCER_DEDUP", False),
             hedge_budget=_share("BALANCER_HEDGE_BUDGET", 0.05),
             max_hedges=_int("BALANCER_MAX_HEDGES", 1, minimum=0),
             dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),

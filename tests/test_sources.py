@@ -414,3 +414,66 @@ def test_a_where_with_a_percent_and_the_cli_round_trip(svc: Services, legacy: Le
     with svc.engine.connect() as conn:
         actions = conn.execute(sa.select(source_changes.c.action).order_by(source_changes.c.id)).scalars().all()
     assert [a for a in actions if a != "weight"] == ["import", "remove"]
+
+
+# -- answers reused (dedup) -----------------------------------------------------------------
+
+def test_dedup_an_identical_task_takes_the_answer_and_a_waiting_one_is_freed_by_a_failure(
+        svc: Services, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    from balancer.storage.transitions import Answer, mark_failed, mark_solved_many
+
+    monkeypatch.setenv("BALANCER_DEDUP", "on")
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"prompt": "same"}\n{"prompt": "same"}\n{"prompt": "same", "max_tokens": 7}\n'
+                    '{"prompt": "other"}\n{"prompt": "other"}\n')
+    assert run(capsys, "submit", str(path))[0] == 0
+
+    def rows() -> list:
+        with svc.engine.connect() as conn:
+            return conn.execute(sa.text("SELECT id, status, answer, reused_from, not_before > now() AS waits "
+                                        "FROM tasks ORDER BY id")).all()
+
+    first, twin, other_tokens, other, other_twin = rows()
+    assert [r.waits for r in rows()] == [None, True, None, None, True]  # identical to one in flight: they wait
+
+    def run_and(task_id: int, finish: str) -> None:
+        with svc.engine.begin() as conn:
+            conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(status="running", admission_id=f"a{task_id}"))
+        if finish == "solved":
+            mark_solved_many(svc.engine, [Answer(task_id, f"a{task_id}", "the answer", 3, 2)])
+        else:
+            mark_failed(svc.engine, task_id, f"a{task_id}", "bad request")
+
+    run_and(first.id, "solved")
+    after = {r.id: r for r in rows()}
+    assert (after[twin.id].status, after[twin.id].answer, after[twin.id].reused_from) == ("solved", "the answer", first.id)
+    assert after[other_tokens.id].status == "pending"  # another max_tokens: not the same task
+    run_and(other.id, "failed")
+    assert rows()[4].status == "pending" and not rows()[4].waits  # its original failed: it is dispatched after all
+    code, out, _ = run(capsys, "submit", str(path))  # the same again: "same" reused at once, no call
+    assert code == 0
+    again = rows()[5:]
+    assert [r.status for r in again] == ["solved", "solved", "pending", "pending", "pending"]
+    assert [r.reused_from for r in again[:2]] == [first.id, first.id]
+    assert [r.waits for r in again[2:]] == [True, True, True]  # identical to tasks still pending: they wait
+    code, out, _ = run(capsys, "status", "--json")
+    assert json.loads(out)["reused"] == 3
+
+
+def test_dedup_on_a_source_writes_every_row_back_from_one_answer(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                 capsys) -> None:  # noqa: ANN001
+    legacy.execute("INSERT INTO prompts (body) SELECT 'the same question' FROM generate_series(1, 4)")
+    path = tmp_path / "s.toml"
+    path.write_text(SOURCE_FILE.format(name="crm", env='database_url_env = "LEGACY_DATABASE_URL"\n',
+                                       table=legacy.table, batch=10) + "dedup = true\n")
+    assert run(capsys, "source", "import", str(path))[0] == 0
+    ingest_sources(svc)
+    with svc.engine.connect() as conn:
+        ready = conn.execute(sa.text("SELECT count(*) FROM tasks WHERE status = 'pending' "
+                                     "AND (not_before IS NULL OR not_before <= now())")).scalar_one()
+    assert ready == 1  # one call to make; the other three wait on it
+    with svc.engine.begin() as conn:  # that one call answered
+        conn.execute(sa.text("UPDATE tasks SET status = 'solved', answer = 'one answer', model = 'a' "
+                             "WHERE status = 'pending' AND not_before IS NULL"))
+    assert drain(svc).written == 4
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved' AND answer = 'one answer'") == 4

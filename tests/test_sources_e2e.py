@@ -84,3 +84,21 @@ def test_every_row_is_answered_and_written_back_once_through_a_kill_9(
         finally:
             p.stop()
             team.dispose()
+
+
+def test_with_dedup_identical_tasks_pending_at_once_make_one_call(tmp_path: Path) -> None:
+    p = Pipeline(tmp_path / "logs", extra_env={"BALANCER_DEDUP": "on"})
+    try:
+        p.start()
+        jsonl = tmp_path / "t.jsonl"
+        jsonl.write_text("".join(f'{{"prompt": "question {i % 6} ' + "word " * 40 + '"}\n' for i in range(30)))
+        assert main(["submit", str(jsonl)]) == 0
+        counts = p.wait_done(30, timeout=120)
+        assert counts["solved"] == 30
+        rows = p.rows()
+        ok_calls = [e for e in p.sim_log() if e["status"] == 200]
+        assert 6 <= len(ok_calls) <= 6 + sum(r.hedges for r in rows)  # one call per distinct task
+        with p.services.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM tasks WHERE reused_from IS NOT NULL").scalar_one() == 24
+    finally:
+        p.stop()

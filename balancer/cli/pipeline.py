@@ -56,7 +56,7 @@ def submit(file: Path, strict: bool, source: str) -> None:
     if not rows:
         raise BalancerError(f"no valid tasks in {printable(str(file))}" + (f" ({len(errors)} bad line(s))" if errors else ""))
     with svc.engine.begin() as conn:
-        ids = insert_tasks(conn, rows)
+        ids = insert_tasks(conn, rows, dedup=svc.settings.dedup)
     present = len(rows) - len(ids)
     click.echo(f"accepted {len(ids)} task(s)" + (f", already present {present}" if present else "")
                + (f", rejected {len(errors)} line(s)" if errors else ""))
@@ -283,6 +283,7 @@ def status(as_json: bool) -> None:
     from balancer.cli.source import source_line
     from balancer.pipeline.fallback import beat_last_seen_s
     from balancer.pipeline.summary import read
+    from balancer.storage.intake import reused_count
     from balancer.storage.leases import overdue_count
     from balancer.storage.sources import source_status
 
@@ -291,12 +292,15 @@ def status(as_json: bool) -> None:
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
     sources = source_status(svc.engine)
+    with svc.engine.connect() as conn:
+        reused = reused_count(conn)
     if as_json:
-        click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
+        click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
                                "models": [r.as_dict() for r in rows], "sources": [s.as_dict() for s in sources]}))
         return
-    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
+               + f"  eta: {eta_text(eta)}")
     for s in sources:
         click.echo(f"source {s.name}: {source_line(s)}")
     if beat is None:

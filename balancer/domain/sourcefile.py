@@ -20,6 +20,7 @@ Format::
     batch = 1000
     max_tokens = 256                         # optional: each task's max_tokens (default BALANCER_EXPECTED_OUTPUT_TOKENS)
     models = ["gpt-a"]                       # optional: the models its tasks may use (default: any)
+    dedup = false                            # optional: take an identical solved task's answer, no call
 
 Parsing is pure. Identifiers must be plain SQL identifiers (letters, digits,
 ``_`` and ``$``, at most 63 characters); they are quoted when used and checked
@@ -76,6 +77,7 @@ class SourceDef:
     batch: int = 1000
     max_tokens: int | None = None
     models: tuple[str, ...] | None = field(default=None)
+    dedup: bool = False
 
     @property
     def schema_and_table(self) -> tuple[str | None, str]:
@@ -105,7 +107,7 @@ class SourceDef:
 
 _STRING_FIELDS = ("table", "key", "prompt", "answer", "where", "database_url_env", "status", "solved", "failed",
                   "error", "model", "priority")
-_KNOWN = {*_STRING_FIELDS, "weight", "poll_seconds", "batch", "max_tokens", "models"}
+_KNOWN = {*_STRING_FIELDS, "weight", "poll_seconds", "batch", "max_tokens", "models", "dedup"}
 _REQUIRED = ("table", "key", "prompt", "answer", "where")
 _IDENTIFIER_FIELDS = ("key", "prompt", "answer", "status", "error", "model", "priority")
 
@@ -182,6 +184,8 @@ def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
     poll = fields.get("poll_seconds", 5.0)
     if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0.1 <= poll <= 86_400:
         raise SourceFileError(f"sources.{name}.poll_seconds must be a number from 0.1 to 86400")
+    if not isinstance(fields.get("dedup", False), bool):
+        raise SourceFileError(f"sources.{name}.dedup must be true or false")
     models = fields.get("models")
     if models is not None and (not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models)):
         raise SourceFileError(f"sources.{name}.models must be a non-empty list of model names")
@@ -193,7 +197,7 @@ def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
         weight=_int(name, fields, "weight", 1, 1, 1_000_000) or 1, poll_seconds=float(poll),
         batch=_int(name, fields, "batch", 1000, 1, MAX_BATCH) or 1000,
         max_tokens=_int(name, fields, "max_tokens", None, 1, 1_000_000),
-        models=tuple(dict.fromkeys(models)) if models is not None else None,
+        models=tuple(dict.fromkeys(models)) if models is not None else None, dedup=fields.get("dedup", False),
     )
 
 

@@ -114,7 +114,7 @@ def _ingest_file(services: Services, inbox: Path, path: Path, data: bytes, model
             .on_conflict_do_nothing()
             .returning(ingested_files.c.name)
         ).first()
-        inserted = insert_tasks(conn, rows) if claimed else []  # a keyed task already present is skipped
+        inserted = insert_tasks(conn, rows, dedup=services.settings.dedup) if claimed else []  # a keyed task already present is skipped
     _move(path, data, inbox / "done", "".join(f"{e}\n" for e in errors) if claimed else "")
     return IngestedFile(path.name, len(inserted), len(errors), duplicate=not claimed)
 

@@ -57,7 +57,8 @@ def _insert(services: Services, definition: SourceDef, rows: list[tuple], models
         conn.execute(sa.select(sources.c.name).where(sources.c.name == definition.name).with_for_update())
         if read_cursor(conn, definition.name) != start:
             return False  # another ingester moved the cursor first; its batch held these rows
-        inserted = insert_source_tasks(conn, definition.name, max_tokens, definition.models, tasks)
+        inserted = insert_source_tasks(conn, definition.name, max_tokens, definition.models, tasks,
+                                       dedup=definition.dedup or services.settings.dedup)
         if not advance(conn, definition.name, start, end, inserted=inserted, caught_up=caught_up):
             raise RuntimeError(f"source {definition.name}: its cursor moved under a row lock")
     report.created += inserted

@@ -7,6 +7,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.engine import Engine
 
+from balancer.storage.intake import reused_count
 from balancer.storage.sources import source_status
 
 
@@ -23,10 +24,14 @@ def source_families() -> dict[str, Any]:
             "(someone else changed it)", labels=source),
         "balancer_source_cursor_lag_seconds": GaugeMetricFamily(
             "balancer_source_cursor_lag_seconds", "Seconds since the source was last read to its end", labels=source),
+        "balancer_tasks_reused": GaugeMetricFamily(
+            "balancer_tasks_reused", "Tasks that took an identical task's answer instead of a call (dedup)"),
     }
 
 
 def add_source_metrics(families: dict[str, Any], engine: Engine) -> None:
+    with engine.connect() as conn:
+        families["balancer_tasks_reused"].add_metric([], reused_count(conn))
     for s in source_status(engine):
         for state in ("pending", "in_flight", "solved", "failed"):
             families["balancer_source_tasks"].add_metric([s.name, state], getattr(s, state))

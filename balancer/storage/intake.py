@@ -3,6 +3,15 @@
 Idempotent by (source, key): a task whose (source, key) is already stored is
 not inserted again (the partial unique index ``tasks_source_key``); tasks
 without a key are always inserted.
+
+Answers reused (opt-in, ``dedup``): a new task whose prompt, allowed models and
+``max_tokens`` equal those of a solved task (one inserted with ``dedup`` too)
+takes its answer at once, with no call (``reused_from``); one identical to a
+task still pending or in flight waits (``not_before``, at most
+:data:`HOLD_SECONDS`) and takes that task's answer when it is solved, or is
+dispatched when it fails: the ``tasks_finished`` trigger does both, in the
+transaction that ends the first task. Identical tasks inserted at the same
+moment by two transactions do not see each other, and each makes its call.
 """
 
 from __future__ import annotations
@@ -23,9 +32,49 @@ _INSERT = (
 )
 
 
-def insert_tasks(conn: Connection, rows: Sequence[TaskRow]) -> list[int]:
+#: The longest a new task waits on an identical task in flight before it is dispatched itself.
+HOLD_SECONDS = 600
+
+_SAME = """md5({o}.prompt) = md5({t}.prompt) AND {o}.max_tokens = {t}.max_tokens AND {o}.prompt = {t}.prompt
+           AND {o}.allowed_models IS NOT DISTINCT FROM {t}.allowed_models"""
+_MARK_DEDUP = sa.text("UPDATE tasks SET dedup = true WHERE id = ANY(:ids)")
+_REUSE = sa.text(f"""
+UPDATE tasks t SET status = 'solved', answer = s.answer, model = s.model, prompt_tokens = 0, completion_tokens = 0,
+                   solved_at = now(), updated_at = now(), reused_from = coalesce(s.reused_from, s.id)
+FROM tasks s
+WHERE t.id = ANY(:ids) AND s.id = (SELECT o.id FROM tasks o WHERE o.dedup AND o.status = 'solved' AND o.id <> t.id
+                                   AND {_SAME.format(o="o", t="t")} ORDER BY o.id LIMIT 1)
+RETURNING t.id
+""")  # noqa: S608 - _SAME is this module's text, no value in it
+_HOLD = sa.text(f"""
+UPDATE tasks t SET not_before = now() + make_interval(secs => :hold)
+WHERE t.id = ANY(:ids) AND t.status = 'pending'
+  AND EXISTS (SELECT 1 FROM tasks o WHERE o.dedup AND o.id < t.id AND o.status IN ('pending', 'queued', 'running')
+              AND {_SAME.format(o="o", t="t")})
+RETURNING t.id
+""")  # noqa: S608 - as above
+
+
+def share_answers(conn: Connection, ids: Sequence[int]) -> tuple[int, int]:
+    """Mark new tasks ``dedup``; those identical to a solved task take its answer,
+    those identical to one still pending or in flight wait on it. Returns (reused, waiting)."""
+    if not ids:
+        return 0, 0
+    conn.execute(_MARK_DEDUP, {"ids": list(ids)})
+    reused = len(conn.execute(_REUSE, {"ids": list(ids)}).all())
+    waiting = len(conn.execute(_HOLD, {"ids": list(ids), "hold": HOLD_SECONDS}).all())
+    return reused, waiting
+
+
+def reused_count(conn: Connection) -> int:
+    """Tasks that took another task's answer instead of a call."""
+    return int(conn.execute(sa.text("SELECT count(*) FROM tasks WHERE reused_from IS NOT NULL")).scalar_one())
+
+
+def insert_tasks(conn: Connection, rows: Sequence[TaskRow], *, dedup: bool = False) -> list[int]:
     """Insert pending tasks; returns the ids of those inserted (a keyed task
-    already present is skipped, so ``len(rows) - len(ids)`` were already present)."""
+    already present is skipped, so ``len(rows) - len(ids)`` were already present).
+    With ``dedup``, they may take identical tasks' answers (:func:`share_answers`)."""
     if not rows:
         return []
     result = conn.execute(
@@ -44,4 +93,7 @@ def insert_tasks(conn: Connection, rows: Sequence[TaskRow]) -> list[int]:
             for r in rows
         ],
     )
-    return [row.id for row in result]
+    ids = [row.id for row in result]
+    if dedup:
+        share_answers(conn, ids)
+    return ids

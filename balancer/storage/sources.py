@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from balancer.domain.intake import TaskRow
 from balancer.domain.sourcefile import SourceDef, SourceFileError, source_from_dict
+from balancer.storage.intake import share_answers
 from balancer.storage.schema import source_changes, tasks
 from balancer.storage.source_weights import set_weight
 from balancer.storage.sources_schema import source_outbox, sources
@@ -136,25 +137,29 @@ WITH inserted AS (
     SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed
     FROM unnest(:keys, :prompts, :priorities, :estimated) AS r(key, prompt, priority, estimated)
     ON CONFLICT (source, key) WHERE key IS NOT NULL DO NOTHING
-    RETURNING 1
+    RETURNING id
 )
-SELECT count(*) FROM inserted
+SELECT coalesce(array_agg(id), '{}') FROM inserted
 """).bindparams(sa.bindparam("keys", type_=ARRAY(sa.Text)), sa.bindparam("prompts", type_=ARRAY(sa.Text)),
                 sa.bindparam("priorities", type_=ARRAY(sa.Integer)), sa.bindparam("estimated", type_=ARRAY(sa.Integer)),
                 sa.bindparam("allowed", type_=ARRAY(sa.Text)))
 
 
 def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed: tuple[str, ...] | None,
-                        rows: list[TaskRow]) -> int:
+                        rows: list[TaskRow], *, dedup: bool = False) -> int:
     """Insert one batch of a source's tasks (all with its ``max_tokens`` and allowed
-    models), skipping keys already present; returns how many were inserted."""
+    models), skipping keys already present; returns how many were inserted. With
+    ``dedup``, they may take identical tasks' answers (:func:`balancer.storage.intake.share_answers`)."""
     if not rows:
         return 0
-    return int(conn.execute(_INSERT_BATCH, {
+    ids = list(conn.execute(_INSERT_BATCH, {
         "source": source, "max_tokens": max_tokens, "allowed": list(allowed) if allowed else None,
         "keys": [r.key for r in rows], "prompts": [r.prompt for r in rows],
         "priorities": [r.priority for r in rows], "estimated": [r.estimated_tokens for r in rows],
     }).scalar_one())
+    if dedup:
+        share_answers(conn, ids)
+    return len(ids)
 
 
 @dataclass(frozen=True)

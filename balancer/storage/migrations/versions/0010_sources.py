@@ -1,8 +1,10 @@
 """source tables: ``sources`` (each declared source, its read cursor), the
 write-back outbox ``source_outbox`` filled by a trigger on ``tasks`` in the
 same transaction as a task's end, ``tasks.finished_xid`` (the transaction
-that ended a task: the results export's cursor) and the ``balancer_results``
-view
+that ended a task: the results export's cursor), the ``balancer_results``
+view, and answer reuse: ``tasks.dedup`` (the task may take, and give, the
+answer of an identical task) and ``tasks.reused_from`` (the task whose answer
+it took)
 
 Revision ID: 0010
 Revises: 0009
@@ -25,6 +27,23 @@ BEGIN
     NEW.finished_xid := pg_current_xact_id();
     IF NEW.key IS NOT NULL AND EXISTS (SELECT 1 FROM sources WHERE name = NEW.source) THEN
         INSERT INTO source_outbox (task_id, source, outcome) VALUES (NEW.id, NEW.source, NEW.status);
+    END IF;
+    IF NEW.dedup AND NEW.reused_from IS NULL THEN
+        IF NEW.status = 'solved' THEN
+            -- its identical tasks waiting on it take its answer (a reused one gives none on: no recursion)
+            UPDATE tasks SET status = 'solved', answer = NEW.answer, model = NEW.model, prompt_tokens = 0,
+                             completion_tokens = 0, error = NULL, not_before = NULL, solved_at = now(),
+                             updated_at = now(), reused_from = NEW.id
+            WHERE dedup AND status = 'pending' AND id <> NEW.id AND md5(prompt) = md5(NEW.prompt)
+              AND prompt = NEW.prompt AND max_tokens = NEW.max_tokens
+              AND allowed_models IS NOT DISTINCT FROM NEW.allowed_models;
+        ELSE
+            -- it failed: those waiting on it are dispatched after all
+            UPDATE tasks SET not_before = NULL
+            WHERE dedup AND status = 'pending' AND not_before > now() AND md5(prompt) = md5(NEW.prompt)
+              AND prompt = NEW.prompt AND max_tokens = NEW.max_tokens
+              AND allowed_models IS NOT DISTINCT FROM NEW.allowed_models;
+        END IF;
     END IF;
     RETURN NEW;
 END
@@ -74,6 +93,9 @@ def upgrade() -> None:
     op.create_index("source_outbox_waiting", "source_outbox", ["source", "id"],
                     postgresql_where=sa.text("state = 'waiting'"))
     op.execute("ALTER TABLE tasks ADD COLUMN finished_xid xid8")
+    op.add_column("tasks", sa.Column("dedup", sa.Boolean, nullable=False, server_default=sa.false()))
+    op.add_column("tasks", sa.Column("reused_from", sa.BigInteger, nullable=True))
+    op.execute("CREATE INDEX tasks_dedup ON tasks (md5(prompt), max_tokens) WHERE dedup")
     op.execute("UPDATE tasks SET finished_xid = pg_current_xact_id() WHERE status IN ('solved', 'failed')")
     op.execute("CREATE INDEX tasks_finished ON tasks (finished_xid, id) WHERE finished_xid IS NOT NULL")
     op.execute(TRIGGER_FUNCTION)
@@ -86,6 +108,9 @@ def downgrade() -> None:
     op.execute("DROP TRIGGER tasks_finished ON tasks")
     op.execute("DROP FUNCTION balancer_task_finished()")
     op.execute("DROP INDEX tasks_finished")
+    op.execute("DROP INDEX tasks_dedup")
+    op.drop_column("tasks", "reused_from")
+    op.drop_column("tasks", "dedup")
     op.execute("ALTER TABLE tasks DROP COLUMN finished_xid")
     op.drop_index("source_outbox_waiting", table_name="source_outbox")
     op.drop_table("source_outbox")
