@@ -35,24 +35,27 @@ _INSERT = (
 #: The longest a new task waits on an identical task in flight before it is dispatched itself.
 HOLD_SECONDS = 600
 
-_SAME = """md5({o}.prompt) = md5({t}.prompt) AND {o}.max_tokens = {t}.max_tokens AND {o}.prompt = {t}.prompt
-           AND {o}.allowed_models IS NOT DISTINCT FROM {t}.allowed_models"""
+# "Identical": the same prompt (its md5 first, for the tasks_dedup index), max_tokens and allowed models.
 _MARK_DEDUP = sa.text("UPDATE tasks SET dedup = true WHERE id = ANY(:ids)")
-_REUSE = sa.text(f"""
+_REUSE = sa.text("""
 UPDATE tasks t SET status = 'solved', answer = s.answer, model = s.model, prompt_tokens = 0, completion_tokens = 0,
                    solved_at = now(), updated_at = now(), reused_from = coalesce(s.reused_from, s.id)
 FROM tasks s
-WHERE t.id = ANY(:ids) AND s.id = (SELECT o.id FROM tasks o WHERE o.dedup AND o.status = 'solved' AND o.id <> t.id
-                                   AND {_SAME.format(o="o", t="t")} ORDER BY o.id LIMIT 1)
+WHERE t.id = ANY(:ids) AND s.id = (
+    SELECT o.id FROM tasks o
+    WHERE o.dedup AND o.status = 'solved' AND o.id <> t.id AND md5(o.prompt) = md5(t.prompt)
+      AND o.max_tokens = t.max_tokens AND o.prompt = t.prompt AND o.allowed_models IS NOT DISTINCT FROM t.allowed_models
+    ORDER BY o.id LIMIT 1)
 RETURNING t.id
-""")  # noqa: S608 - _SAME is this module's text, no value in it
-_HOLD = sa.text(f"""
+""")
+_HOLD = sa.text("""
 UPDATE tasks t SET not_before = now() + make_interval(secs => :hold)
-WHERE t.id = ANY(:ids) AND t.status = 'pending'
-  AND EXISTS (SELECT 1 FROM tasks o WHERE o.dedup AND o.id < t.id AND o.status IN ('pending', 'queued', 'running')
-              AND {_SAME.format(o="o", t="t")})
+WHERE t.id = ANY(:ids) AND t.status = 'pending' AND EXISTS (
+    SELECT 1 FROM tasks o
+    WHERE o.dedup AND o.id < t.id AND o.status IN ('pending', 'queued', 'running') AND md5(o.prompt) = md5(t.prompt)
+      AND o.max_tokens = t.max_tokens AND o.prompt = t.prompt AND o.allowed_models IS NOT DISTINCT FROM t.allowed_models)
 RETURNING t.id
-""")  # noqa: S608 - as above
+""")
 
 
 def share_answers(conn: Connection, ids: Sequence[int]) -> tuple[int, int]:
