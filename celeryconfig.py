@@ -73,7 +73,6 @@ def from_settings(settings: Settings) -> dict[str, Any]:
                          "options": {"expires": 10}},
             "sweep": {"task": "balancer.sweep", "schedule": settings.sweep_tick, "options": {"expires": 60}},
             "ingest": {"task": "balancer.ingest", "schedule": settings.ingest_tick, "options": {"expires": 60}},
-            "writeback": {"task": "balancer.writeback", "schedule": settings.writeback_tick, "options": {"expires": 10}},
         },
     }
 

@@ -47,7 +47,7 @@ ENVIRONMENT: dict[str, str] = {
     "BALANCER_SWEEP_TICK": "seconds between sweep ticks (return tasks past their deadline, repair quota drift)",
     "BALANCER_INGEST_TICK": "seconds between inbox and source table polls",
     "BALANCER_DEDUP": "on: every new task may take the answer of an identical solved task instead of a call",
-    "BALANCER_WRITEBACK_TICK": "seconds between write-backs of ended tasks to their source tables",
+    "BALANCER_WRITEBACK_TICK": "seconds the dispatcher's write-back loop waits when no ended task of a source table is waiting",
     "BALANCER_ROUTER_TOKEN": "bearer token the router requires (required when it binds beyond loopback; never logged)",
     "BALANCER_ROUTER_LEASE_SECONDS": "how long a router admission lives without a heartbeat",
 }
@@ -243,7 +243,7 @@ class Settings:
     dispatch_tick: float = 1.0
     sweep_tick: float = 10.0
     ingest_tick: float = 5.0
-    writeback_tick: float = 0.5
+    writeback_tick: float = 0.2
     router_token: str | None = field(default=None, repr=False)
     router_lease_seconds: float = 30.0
 
@@ -337,7 +337,7 @@ class Settings:
             dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),
             sweep_tick=_seconds("BALANCER_SWEEP_TICK", 10.0, 0.1, 86_400),
             ingest_tick=_seconds("BALANCER_INGEST_TICK", 5.0, 0.1, 86_400),
-            writeback_tick=_seconds("BALANCER_WRITEBACK_TICK", 0.5, 0.05, 3600),
+            writeback_tick=_seconds("BALANCER_WRITEBACK_TICK", 0.2, 0.01, 3600),
             router_token=env.get("BALANCER_ROUTER_TOKEN") or None,
             router_lease_seconds=_seconds("BALANCER_ROUTER_LEASE_SECONDS", 30.0, 1, 86_400),
         )

@@ -23,7 +23,7 @@ def test_delivery_settings(env: dict[str, str]) -> None:
     assert settings.backend_timeout < conf.task_time_limit < visibility
     assert settings.heartbeat_seconds * 3 == settings.lease_seconds  # a live call's lease is renewed, not outlasted
     assert max(e["schedule"] for e in conf.beat_schedule.values()) < visibility
-    assert set(conf.beat_schedule) == {"dispatch", "sweep", "ingest", "writeback"}
+    assert set(conf.beat_schedule) == {"dispatch", "sweep", "ingest"}
 
 
 @pytest.mark.parametrize("change", [{"visibility_timeout": 100}, {"visibility_timeout": 180}])

@@ -14,14 +14,21 @@ balancer dies before removing the outbox row, the retry's guarded UPDATE
 matches nothing (the written row no longer matches ``where``) and the row is
 read back: holding exactly what was to be written, it counts as done, not as
 a conflict. A failed attempt (the database away) is retried with a back-off.
+
+:class:`WritebackLoop` drains in every dispatcher process (the consumer of the
+``control`` queue), on a thread of its own: again at once while there was
+work, else after ``BALANCER_WRITEBACK_TICK``. Two dispatchers drain side by
+side without taking the same row.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+from celery import bootsteps
 from sqlalchemy.engine import Connection
 
 from balancer.domain.sourcefile import SourceDef
@@ -74,15 +81,16 @@ def _write_batch(services: Services, definition: SourceDef, conn: Connection, cl
     """Write ``claimed`` back; the outbox ids done and those refused (someone else changed the row)."""
     done: list[int] = []
     conflicts: list[int] = []
+    rendered: dict[str, str | None] = {}
     if definition.database_url_env is None:  # balancer's own database: one transaction for both
         with conn.begin_nested():
             for row in claimed:
-                written = write_back(conn, definition, row["outcome"], row)
+                written = write_back(conn, definition, row["outcome"], row, rendered)
                 (conflicts if written is False else done).append(row["id"])
         return done, conflicts
     with team_connection(definition, services.engine) as team, team.begin():
         for row in claimed:
-            written = write_back(team, definition, row["outcome"], row)
+            written = write_back(team, definition, row["outcome"], row, rendered)
             if written is False and not holds(team, definition, row["outcome"], row):
                 conflicts.append(row["id"])
             else:
@@ -128,3 +136,35 @@ def drain(services: Services) -> Drained:
         total.conflicts += report.conflicts
         total.retrying += report.retrying
     return total
+
+
+class WritebackLoop(bootsteps.StartStopStep):
+    """In the dispatcher: :func:`drain`, in a loop on a thread of its own."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, parent, **kwargs) -> None:  # noqa: ANN001
+        super().__init__(parent, **kwargs)
+        self._stop = threading.Event()
+
+    def start(self, consumer) -> None:  # noqa: ANN001
+        if "control" not in {q.name for q in consumer.task_consumer.queues}:
+            return  # a model worker
+        self._stop.clear()
+        threading.Thread(target=self._run, name="source-writeback", daemon=True).start()
+
+    def stop(self, consumer) -> None:  # noqa: ANN001
+        self._stop.set()
+
+    def _run(self) -> None:
+        from balancer.pipeline.runtime import services
+
+        idle = services().settings.writeback_tick
+        wait = idle
+        while not self._stop.wait(wait):
+            try:
+                drained = drain(services())
+                wait = 0.0 if drained.written or drained.conflicts else idle
+            except Exception:  # keep going through a PostgreSQL blip
+                log.exception("write-back failed; retrying")
+                wait = max(idle, 1.0)

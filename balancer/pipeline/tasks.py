@@ -17,6 +17,7 @@ from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
+from balancer.pipeline.source_writeback import WritebackLoop
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
 from balancer.storage.leases import return_expired
@@ -136,20 +137,13 @@ def ingest_task() -> int:
     return created
 
 
-@app.task(name="balancer.writeback")
-def writeback_task() -> int:
-    """Write every ended task of a source table back to its row (the outbox)."""
-    from balancer.pipeline.source_writeback import drain
-
-    return drain(runtime.services()).written
-
-
 class DispatcherTicks(FallbackTicks):
     """Beat's ticks, sent by the dispatcher while beat is absent (see :mod:`balancer.pipeline.fallback`)."""
 
     def ticks(self, settings: Settings) -> list[Tick]:
         return [(settings.dispatch_tick, trigger_dispatch), (settings.sweep_tick, sweep_task.delay),
-                (settings.ingest_tick, ingest_task.delay), (settings.writeback_tick, writeback_task.delay)]
+                (settings.ingest_tick, ingest_task.delay)]
 
 
 app.steps["consumer"].add(DispatcherTicks)
+app.steps["consumer"].add(WritebackLoop)  # source tables: ended tasks written back, in the dispatcher

@@ -135,13 +135,19 @@ def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) 
     return [value[role] for role, _ in _sets(definition, outcome)] + [task["key"]]
 
 
-def write_back(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any]) -> bool | None:
+def write_back(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any],
+               rendered: dict[str, str | None] | None = None) -> bool | None:
     """Write one task's end to its row in the caller's transaction. True: written;
-    False: the row no longer matches ``where`` (or is gone); None: nothing to write."""
-    query = writeback_query(definition, outcome)
-    if query is None:
+    False: the row no longer matches ``where`` (or is gone); None: nothing to write.
+    ``rendered`` keeps each outcome's statement text across the calls of one batch."""
+    rendered = {} if rendered is None else rendered
+    if outcome not in rendered:
+        query = writeback_query(definition, outcome)
+        rendered[outcome] = None if query is None else _render(conn, query)
+    text = rendered[outcome]
+    if text is None:
         return None
-    return conn.exec_driver_sql(_render(conn, query), tuple(writeback_values(definition, outcome, task))).first() is not None
+    return conn.exec_driver_sql(text, tuple(writeback_values(definition, outcome, task))).first() is not None
 
 
 def holds(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any]) -> bool:
