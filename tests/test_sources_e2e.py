@@ -35,7 +35,11 @@ def test_every_row_is_answered_and_written_back_once_through_a_kill_9(
         team = sa.create_engine(url)
         schema = legacy_schema(team)
         add_rows(team, 200, table=f"{schema}.prompts")
-        p = Pipeline(tmp_path / "logs", extra_env={"LEGACY_DATABASE_URL": url, "BALANCER_INGEST_TICK": "0.3"})
+        # Short timings (as tests/test_faults.py): tasks the killed dispatcher had queued come back in seconds.
+        p = Pipeline(tmp_path / "logs", extra_env={
+            "LEGACY_DATABASE_URL": url, "BALANCER_INGEST_TICK": "0.3", "BALANCER_BACKEND_TIMEOUT": "3",
+            "BALANCER_WRITE_GRACE": "2", "BALANCER_LEASE_SECONDS": "8", "BALANCER_VISIBILITY_TIMEOUT": "10",
+            "BALANCER_SWEEP_TICK": "1"})
         try:
             p.start()
             source_file = tmp_path / "sources.toml"
