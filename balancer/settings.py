@@ -302,6 +302,8 @@ class Settings:
     end_game: bool = _setting(
         "on: the last tasks go where they finish soonest (balancer.domain.endgame); off: greedy to the end", True,
         _switch)
+    dedup: bool = _setting(
+        "on: every new task may take the answer of an identical solved task instead of a call", False, _switch)
     hedge_budget: float = _setting("share of the run's tokens that hedges of straggling calls may use (0: none)", 0.05,
                                    _share)
     max_hedges: int = _setting("hedges per task at most", 1, partial(_int, minimum=0))
@@ -310,7 +312,11 @@ class Settings:
     sweep_tick: float = _setting(
         "seconds between sweep ticks (return tasks past their deadline, repair quota drift)", 10.0,
         partial(_seconds, low=0.1, high=86_400))
-    ingest_tick: float = _setting("seconds between inbox polls", 5.0, partial(_seconds, low=0.1, high=86_400))
+    ingest_tick: float = _setting("seconds between inbox and source table polls", 5.0,
+                                  partial(_seconds, low=0.1, high=86_400))
+    writeback_tick: float = _setting(
+        "seconds the dispatcher's write-back loop waits when no ended task of a source table is waiting", 0.2,
+        partial(_seconds, low=0.01, high=3600))
     router_token: str | None = _setting(
         "bearer token the router requires (required when it binds beyond loopback; never logged)", None, _text,
         secret=True)

@@ -73,6 +73,10 @@ def _register() -> None:
         cli.add_command(command)
     cli.add_command(tasks.tasks)
     cli.add_command(web.web)
+    from balancer.cli import results, source
+
+    cli.add_command(source.source)
+    cli.add_command(results.results)
 
 
 _register()

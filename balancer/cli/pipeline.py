@@ -29,7 +29,9 @@ def _migrated():  # noqa: ANN202
 def submit(file: Path, strict: bool, source: str) -> None:
     """Insert the tasks in FILE (JSONL, one {"prompt": ...} per line).
 
-    Exit 0: every line accepted. Exit 3: valid lines accepted, bad ones
+    A task whose (source, key) is already stored is not inserted again and is
+    counted as already present. Exit 0: every line accepted or already
+    present. Exit 3: valid lines accepted, bad ones
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
     from balancer.domain.intake import LineError, TaskRow, batches, parse_stream
@@ -43,7 +45,7 @@ def submit(file: Path, strict: bool, source: str) -> None:
     models = {q.name: q.burst for q in svc.quotas.all()}
     if not models:
         raise QuotaError("no models are configured: add quotas first (`balancer quota import FILE`)")
-    accepted = errors = 0
+    accepted = present = errors = 0
     with stream, svc.engine.begin() as conn:  # one transaction: all valid lines, or none
         items = parse_stream(stream, models=models, default_max_tokens=svc.settings.expected_output_tokens,
                              default_source=source)
@@ -54,15 +56,19 @@ def submit(file: Path, strict: bool, source: str) -> None:
                     click.echo(f"{printable(str(file))}:{error}", err=True)
                 errors += len(bad)
                 if not (errors and strict):
-                    accepted += len(insert_tasks(conn, [item for item in batch if isinstance(item, TaskRow)]))
+                    rows = [item for item in batch if isinstance(item, TaskRow)]
+                    inserted = len(insert_tasks(conn, rows, dedup=svc.settings.dedup))  # a keyed task already present is skipped
+                    accepted, present = accepted + inserted, present + len(rows) - inserted
         except OSError as exc:
             raise BalancerError(f"cannot read {printable(str(file))}: {exc.strerror or exc}") from None
         if errors and strict:  # (raising inside the transaction rolls it back)
             raise BalancerError(f"{errors} bad line(s); --strict: nothing accepted")
-        if not accepted:
+        if not accepted and not present:
             raise BalancerError(f"no valid tasks in {printable(str(file))}" + (f" ({errors} bad line(s))" if errors else ""))
-    click.echo(f"accepted {accepted} task(s)" + (f", rejected {errors} line(s)" if errors else ""))
-    _ask_for_dispatch()
+    click.echo(f"accepted {accepted} task(s)" + (f", already present {present}" if present else "")
+               + (f", rejected {errors} line(s)" if errors else ""))
+    if accepted:
+        _ask_for_dispatch()
     if errors:
         raise SystemExit(3)
 
@@ -281,10 +287,13 @@ def status(as_json: bool) -> None:
     buckets, 429s, latency, and the limit that holds it back now."""
     from rich.console import Console
 
+    from balancer.cli.source import source_line
     from balancer.domain.cost import spend_text
     from balancer.pipeline.fallback import beat_last_seen_s
     from balancer.pipeline.summary import read
+    from balancer.storage.intake import reused_count
     from balancer.storage.leases import overdue_count
+    from balancer.storage.sources import source_status
     from balancer.storage.spend import spend_so_far
 
     svc = _migrated()
@@ -292,14 +301,21 @@ def status(as_json: bool) -> None:
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
     spent = spend_so_far(svc.engine, svc.quotas.all())
+    sources = source_status(svc.engine)
+    with svc.engine.connect() as conn:
+        reused = reused_count(conn)
     if as_json:
-        click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
+        click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
-                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict()}))
+                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
+                               "sources": [s.as_dict() for s in sources]}))
         return
-    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
+               + f"  eta: {eta_text(eta)}")
     if spent.by_model or spent.unpriced_tokens:
         click.echo(spend_text(spent))
+    for s in sources:
+        click.echo(f"source {s.name}: {source_line(s)}")
     if beat is None:
         click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
     if overdue:

@@ -5,6 +5,10 @@ One task per line::
     {"prompt": "Summarise ...", "priority": 5, "model": "gpt-a", "max_tokens": 300, "source": "crm"}
 
 ``model`` pins one model, ``models`` allows a list; neither means any model.
+``key`` (1 to 256 printable characters) identifies the task within its
+source: a (source, key) already stored is not inserted again. ``metadata``
+(a JSON object of at most 64 KiB) is kept and returned with the answer.
+Tasks without a key are never taken for one another.
 Every bad line is reported with its number, so a user can fix the file, and
 a bad line never costs the good ones. Lines are split as JSONL says: on
 ``\\n`` only (a U+2028 inside a JSON string is text, not a line break), with
@@ -31,7 +35,11 @@ from balancer.domain.tokens import estimate_task_tokens
 from balancer.errors import printable
 
 MAX_PRIORITY = 1_000_000
-KNOWN_FIELDS = {"prompt", "priority", "model", "models", "max_tokens", "source"}
+KNOWN_FIELDS = {"prompt", "priority", "model", "models", "max_tokens", "source", "key", "metadata"}
+#: The longest task key, in characters.
+MAX_KEY_CHARS = 256
+#: The largest metadata object, in UTF-8 bytes of its JSON.
+MAX_METADATA_BYTES = 64 * 1024
 #: The longest line accepted, in UTF-8 bytes (a prompt of about 1 M tokens' worth of text would not fit a model).
 MAX_LINE_BYTES = 4 * 1024 * 1024
 #: How deeply a line's JSON may nest (a task needs 2: the object and the models list).
@@ -48,6 +56,8 @@ class TaskRow:
     max_tokens: int
     estimated_tokens: int
     source: str
+    key: str | None = None
+    metadata: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,35 @@ def _check_text(field: str, value: str) -> None:
         raise ValueError(f"{field} is not valid UTF-8 (an invalid byte or a lone surrogate)") from None
 
 
+def check_key(value: object) -> str:
+    """A task key: a string of 1 to :data:`MAX_KEY_CHARS` printable characters.
+
+    >>> check_key("crm-17")
+    'crm-17'
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"key must be a string, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_KEY_CHARS:
+        raise ValueError(f"key must be 1 to {MAX_KEY_CHARS} characters, got {len(value)}")
+    if not value.isprintable():
+        raise ValueError("key must be printable characters only")
+    _check_text("key", value)
+    return value
+
+
+def check_metadata(value: object) -> dict[str, Any]:
+    """Task metadata: a JSON object of at most :data:`MAX_METADATA_BYTES`, storable by PostgreSQL."""
+    if not isinstance(value, dict):
+        raise ValueError(f"metadata must be a JSON object, got {type(value).__name__}")
+    text = json.dumps(value, ensure_ascii=False)
+    if len(text.encode("utf-8", "surrogateescape")) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is larger than {MAX_METADATA_BYTES // 1024} KiB")
+    if "\\u0000" in text:
+        raise ValueError("metadata contains a NUL character")
+    _check_text("metadata", text)
+    return value
+
+
 def parse_line(
     text: str, *, models: Mapping[str, int], default_max_tokens: int, default_source: str
 ) -> TaskRow:
@@ -153,6 +192,8 @@ def parse_line(
     if not isinstance(source, str) or not source:
         raise ValueError("source must be a non-empty string")
     _check_text("source", source)
+    key = check_key(data["key"]) if "key" in data else None
+    metadata = check_metadata(data["metadata"]) if data.get("metadata") is not None else None
     estimated = estimate_task_tokens(prompt, max_tokens)
     candidates = allowed if allowed is not None else tuple(models)
     if not candidates:
@@ -162,7 +203,7 @@ def parse_line(
         raise ValueError(
             f"needs ~{estimated} tokens, more than the largest burst_tokens ({largest}) of its allowed models"
         )
-    return TaskRow(prompt, priority, allowed, max_tokens, estimated, source)
+    return TaskRow(prompt, priority, allowed, max_tokens, estimated, source, key, metadata)
 
 
 def jsonl_lines(text: str) -> list[str]:

@@ -233,8 +233,8 @@ def _ingest_file(services: Services, path: Path, fh: BinaryIO, digest: str, mode
                 rows = [item for item in batch if isinstance(item, TaskRow)]
                 bad = [item for item in batch if isinstance(item, LineError)]
                 out.writelines(f"{e}\n" for e in bad)
-                insert_tasks(conn, rows)
-                created, errors = created + len(rows), errors + len(bad)
+                inserted = insert_tasks(conn, rows, dedup=services.settings.dedup)  # a keyed task already present is skipped
+                created, errors = created + len(inserted), errors + len(bad)
                 time.sleep(0)  # let the dispatcher's other thread run
         conn.execute(ingested_files.update()
                      .where(ingested_files.c.name == path.name, ingested_files.c.sha256 == digest)

@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
+from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_drain
 from balancer.services import Services
 from balancer.storage.reads import pending_groups
@@ -162,6 +163,7 @@ class BalancerCollector(Collector):
         eta = estimate_drain(svc, view, groups)
         if eta is not None:
             families["balancer_drain_eta_seconds"].add_metric([], eta)
+        add_source_metrics(families, svc.engine)
         return iter(families.values())
 
     @staticmethod
@@ -205,6 +207,7 @@ class BalancerCollector(Collector):
             "balancer_dispatch_rounds", "Admission rounds (admit calls) run by dispatchers")
         families["balancer_drain_eta_seconds"] = GaugeMetricFamily(
             "balancer_drain_eta_seconds", "Predicted seconds until the backlog is solved (balancer.domain.eta)")
+        families.update(source_families())
         return families
 
 

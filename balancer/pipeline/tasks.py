@@ -18,6 +18,7 @@ from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.pipeline.heartbeat import live_calls
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
+from balancer.pipeline.source_writeback import WritebackLoop
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
 from balancer.storage.leases import sweep_expired
@@ -134,8 +135,11 @@ def sweep_task() -> int:
 @app.task(name="balancer.ingest")
 def ingest_task() -> int:
     from balancer.pipeline.ingest import ingest_inbox
+    from balancer.pipeline.source_ingest import ingest_sources
 
     svc = runtime.services()
+    if sum(r.created for r in ingest_sources(svc)):  # source tables
+        trigger_dispatch()
     if not svc.settings.inbox:
         return 0
     files = ingest_inbox(svc, Path(svc.settings.inbox))
@@ -155,3 +159,4 @@ class DispatcherTicks(FallbackTicks):
 
 
 app.steps["consumer"].add(DispatcherTicks)
+app.steps["consumer"].add(WritebackLoop)  # source tables: ended tasks written back, in the dispatcher

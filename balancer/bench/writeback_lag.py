@@ -1,0 +1,104 @@
+"""Write-back lag: how long after a task is solved its answer is in the team's row.
+
+    python -m balancer.bench.writeback_lag [--scenario fast] [--tasks N]
+
+The scenario's models and simulator (``fast.toml``: about 130 answers per
+second at the bound), but the backlog is a source table in an isolated schema:
+``prompts`` with the scenario's prompts as rows, declared as a source (balancer's
+own database), ingested by beat's ingest tick and written back by its
+write-back tick (``BALANCER_WRITEBACK_TICK``, default 0.5 s). A trigger on
+``prompts`` stamps each write with ``clock_timestamp()``. Reported: the lag
+from ``tasks.solved_at`` to that stamp (one server clock), p50 / p99 / max
+(target: p99 under 2 s), and how many rows were written more than once (0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+
+from balancer.bench.scenarios import locate
+from balancer.devtools.runner import IsolatedServices, wait_until_consuming
+from balancer.devtools.scenario import parse_scenario
+from balancer.domain.sourcefile import parse_source_file
+from balancer.storage.sources import import_sources
+
+TEAM_TABLE = """
+CREATE TABLE prompts (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved',
+                      answer text, solved_by text);
+CREATE TABLE writes (row_id bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION count_write() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN EXECUTE format('INSERT INTO %I.writes (row_id) VALUES ($1)', TG_TABLE_SCHEMA) USING NEW.id; RETURN NEW; END $$;
+CREATE TRIGGER prompts_written AFTER UPDATE ON prompts FOR EACH ROW EXECUTE FUNCTION count_write();
+"""
+
+LAG = """
+SELECT count(*) AS written, count(DISTINCT w.row_id) AS rows,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM w.at - t.solved_at)) AS p50,
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM w.at - t.solved_at)) AS p99,
+       max(extract(epoch FROM w.at - t.solved_at)) AS worst
+FROM writes w JOIN tasks t ON t.source = 'team' AND t.key = CAST(w.row_id AS text)
+"""
+
+
+def run(scenario_name: str, tasks: int | None, console: Console) -> dict[str, float]:
+    name, text = locate(scenario_name)
+    scenario = parse_scenario(text, name)
+    lines = scenario.task_lines()[: tasks or None]
+    with IsolatedServices(console, "writeback") as iso:
+        svc = iso.services
+        svc.quotas.replace_all(scenario.quotas(), by="bench")
+        with svc.engine.begin() as conn:
+            conn.connection.cursor().execute(TEAM_TABLE)  # no parameters: the trigger's '%I' stays as it is
+            conn.exec_driver_sql("INSERT INTO prompts (id, body) SELECT * FROM unnest(%s, %s)",
+                                 (list(range(1, len(lines) + 1)), [line["prompt"] for line in lines]))
+        [definition] = parse_source_file(
+            f'[sources.team]\ntable = "{iso.schema}.prompts"\nkey = "id"\nprompt = "body"\n'
+            "where = \"status = 'unsolved'\"\nanswer = \"answer\"\nstatus = \"status\"\nmodel = \"solved_by\"\n"
+            "max_tokens = 100\npoll_seconds = 0.5\nbatch = 1000\n")
+        supervisor = iso.supervisor()
+        iso.start_sim(supervisor, ["--scenario", scenario_name,
+                                   "--seed", str(scenario.seed)])
+        supervisor.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
+        supervisor.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])
+        supervisor.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
+        wait_until_consuming(supervisor, nodes=2)
+        started = time.monotonic()
+        import_sources(svc.engine, [definition], by="bench", replace=False, dry_run=False)
+        console.print(f"{len(lines)} rows declared as a source; draining ...")
+        while True:
+            supervisor.check_alive()
+            with svc.engine.connect() as conn:
+                left = conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE status = 'unsolved'").scalar_one()
+            if left == 0:
+                break
+            if time.monotonic() - started > 1800:
+                raise RuntimeError(f"{left} rows not written back after 30 min; logs in {iso.workdir}")
+            time.sleep(0.5)
+        elapsed = time.monotonic() - started
+        time.sleep(2)  # a second write of any row would land within a few ticks
+        with svc.engine.connect() as conn:
+            row = conn.exec_driver_sql(LAG).one()
+    return {"rows": len(lines), "seconds": round(elapsed, 1), "written": int(row.written), "distinct_rows": int(row.rows),
+            "lag_p50_s": round(float(row.p50), 3), "lag_p99_s": round(float(row.p99), 3),
+            "lag_max_s": round(float(row.worst), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", default="fast")
+    parser.add_argument("--tasks", type=int, help="only the first N of the scenario's tasks")
+    args = parser.parse_args()
+    console = Console(stderr=True)
+    result = run(args.scenario, args.tasks, console)
+    console.print(f"{result['rows']} rows in {result['seconds']} s; write-back lag p50 {result['lag_p50_s']} s, "
+                  f"p99 {result['lag_p99_s']} s, max {result['lag_max_s']} s; "
+                  f"{result['written'] - result['distinct_rows']} row(s) written twice")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""``balancer results export``: ended tasks out as JSONL or CSV, from a resumable cursor."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import click
+
+from balancer.errors import BalancerError, printable
+
+
+@click.group()
+def results() -> None:
+    """Answers out, for any other consumer (see also the SQL view balancer_results)."""
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, dict | list):
+        return json.dumps(value, ensure_ascii=False)
+    return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+@results.command("export")
+@click.option("--source", help="Only this source's tasks.")
+@click.option("--since", "since", help="Resume after this cursor (printed by the previous export).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--follow", is_flag=True, help="Keep going: write tasks as they end, until Ctrl-C.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Append to FILE (default: stdout).")
+@click.option("--poll", default=1.0, show_default=True, type=click.FloatRange(0.05, 60), help="Seconds between polls with --follow.")
+def results_export(source: str | None, since: str | None, fmt: str, follow: bool, out: Path | None, poll: float) -> None:
+    """Solved and failed tasks with key, source, metadata, answer, model, tokens and times.
+
+    The last line on stderr is `cursor: XID-ID`: pass it to --since to resume
+    with no gap and no repeat."""
+    from balancer.cli.pipeline import _migrated
+    from balancer.storage.results import COLUMNS, START, page, parse_cursor
+
+    after = parse_cursor(since or START)
+    engine = _migrated().engine
+    try:
+        sink: IO[str] = open(out, "a", encoding="utf-8", newline="") if out else sys.stdout  # noqa: SIM115
+    except OSError as exc:
+        raise BalancerError(f"cannot write {printable(str(out))}: {exc.strerror or exc}") from None
+    writer = csv.writer(sink) if fmt == "csv" else None
+    if writer is not None and (out is None or sink.tell() == 0):
+        writer.writerow(COLUMNS)
+    written = 0
+    try:
+        while True:
+            rows, after = page(engine, after, source=source)
+            for row in rows:
+                if writer is not None:
+                    writer.writerow([_text(row[c]) for c in COLUMNS])
+                else:
+                    sink.write(json.dumps({c: _text(row[c]) for c in COLUMNS}, ensure_ascii=False) + "\n")
+            written += len(rows)
+            if rows:
+                sink.flush()
+                if follow:
+                    click.echo(f"cursor: {after}", err=True)
+                continue
+            if not follow:
+                break
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if out:
+            sink.close()
+    click.echo(f"exported {written} task(s)", err=True)
+    click.echo(f"cursor: {after}", err=True)
+
+

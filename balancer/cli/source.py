@@ -1,0 +1,128 @@
+"""``balancer source ...``: declare the team's own tables as sources (see
+:mod:`balancer.domain.sourcefile` for the file's format)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from balancer.errors import BalancerError, printable
+
+
+def _migrated():  # noqa: ANN202 - (balancer.cli.pipeline's own imports this module's source_line)
+    from balancer.cli import services
+    from balancer.storage.migrate import require_migrated
+
+    svc = services()
+    require_migrated(svc.engine)
+    return svc
+
+
+@click.group()
+def source() -> None:
+    """Source tables: rows of the team's PostgreSQL table in, answers written back."""
+
+
+@source.command("import")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--replace", is_flag=True, help="Also remove the sources FILE does not list.")
+@click.option("--dry-run", is_flag=True, help="Check FILE against each database and print what would change; change nothing.")
+@click.option("--by", help="Who made the change (default: the OS user), for the audit.")
+def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
+    """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
+    from balancer.domain.sourcefile import SourceFileError, parse_source_file
+    from balancer.storage.quotas import default_actor
+    from balancer.storage.sources import import_sources
+    from balancer.storage.sources_catalog import check_source, team_connection
+
+    name = printable(str(file))
+    try:
+        text = sys.stdin.read() if str(file) == "-" else file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise BalancerError(f"cannot read {name}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BalancerError(f"{name}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        definitions = parse_source_file(text)
+    except SourceFileError as exc:
+        raise BalancerError(f"{name}: {exc}") from None
+    if not definitions and not replace:
+        raise BalancerError(f"{name} lists no sources")
+    svc = _migrated()
+    for definition in definitions:
+        with team_connection(definition, svc.engine) as conn:
+            check_source(conn, definition)
+    summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run)
+    counts = (f"{len(summary.created)} created, {len(summary.updated)} updated, "
+              f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged")
+    if dry_run:
+        for verb, names in (("create", summary.created), ("update", summary.updated), ("remove", summary.removed)):
+            for source_name in names:
+                click.echo(f"would {verb} {source_name}")
+        click.echo(f"dry run, nothing changed: {len(definitions)} source(s) in {name}: {counts}")
+        return
+    click.echo(f"imported {len(definitions)} source(s): {counts}")
+
+
+@source.command("export")
+@click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
+def source_export(file: Path | None) -> None:
+    """Write every source as TOML to FILE (default: stdout)."""
+    from balancer.domain.sourcefile import format_source_file
+    from balancer.storage.sources import all_sources
+
+    with _migrated().engine.connect() as conn:
+        text = format_source_file(all_sources(conn))
+    if file is None or str(file) == "-":
+        click.echo(text, nl=False)
+        return
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(file)
+    except OSError as exc:
+        raise BalancerError(f"cannot write {printable(str(file))}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {printable(str(file))}")
+
+
+@source.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def source_list(as_json: bool) -> None:
+    """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag."""
+    from balancer.storage.sources import all_sources, source_status
+
+    svc = _migrated()
+    with svc.engine.connect() as conn:
+        definitions = {d.name: d for d in all_sources(conn)}
+    rows = source_status(svc.engine)
+    if as_json:
+        click.echo(json.dumps([{**definitions[r.name].as_dict(), **r.as_dict()} for r in rows if r.name in definitions]))
+        return
+    for r in rows:
+        d = definitions.get(r.name)
+        if d is None:
+            continue
+        where = d.database_url_env or "balancer's database"
+        click.echo(f"{r.name}: {d.table} ({where}) key {d.key}, weight {d.weight}; {source_line(r)}")
+
+
+def source_line(r) -> str:  # noqa: ANN001 - a storage.sources.SourceStatus
+    """One source's counts, as ``status`` and ``source list`` print them."""
+    lag = "never read to its end" if r.lag_s is None else f"{r.lag_s:g} s"
+    return (f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
+            f"write-backs waiting {r.writebacks_waiting}, not overwritten {r.conflicts}, cursor lag {lag}")
+
+
+@source.command("remove")
+@click.argument("name")
+@click.option("--by", help="Who made the change (default: the OS user), for the audit.")
+def source_remove(name: str, by: str | None) -> None:
+    """Stop reading NAME (its tasks stay); refused while write-backs of it are waiting."""
+    from balancer.storage.quotas import default_actor
+    from balancer.storage.sources import remove_source
+
+    remove_source(_migrated().engine, name, by=by or default_actor())
+    click.echo(f"{printable(name)}: removed")

@@ -1,0 +1,228 @@
+"""The sources file: source tables as TOML, for ``balancer source import/export``.
+
+Format::
+
+    [sources.crm]
+    database_url_env = "CRM_DATABASE_URL"   # optional; default: balancer's own database
+    table = "public.prompts"                 # (schema-qualified) table the rows are read from
+    key = "id"                               # unique, orderable column: the cursor and the write-back key
+    prompt = "body"
+    where = "status = 'unsolved'"            # which rows are work; a written-back row must stop matching it
+    answer = "answer"
+    status = "status"                        # optional, with solved / failed
+    solved = "solved"
+    failed = "failed"
+    error = "error"                          # optional
+    model = "solved_by"                      # optional
+    priority = "priority"                    # optional: a column read as the task's priority
+    weight = 1
+    poll_seconds = 5
+    batch = 1000
+    max_tokens = 256                         # optional: each task's max_tokens (default BALANCER_EXPECTED_OUTPUT_TOKENS)
+    models = ["gpt-a"]                       # optional: the models its tasks may use (default: any)
+    dedup = false                            # optional: take an identical solved task's answer, no call
+
+Parsing is pure. Identifiers must be plain SQL identifiers (letters, digits,
+``_`` and ``$``, at most 63 characters); they are quoted when used and checked
+against the database's catalog at import (:mod:`balancer.storage.sources_catalog`).
+``where`` is SQL the team owns: it may not contain ``;`` or a comment, so it
+is one condition inside balancer's one statement, never a statement of its own.
+It guards each write-back (a row that no longer matches it is not
+overwritten), so a row written back must stop matching it: that is what makes
+a write-back retried after a crash a no-op rather than a second write.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import tomli_w
+
+from balancer.errors import BalancerError, printable
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_LINE = re.compile(r"\(at line (\d+), column \d+\)")
+MAX_WHERE_CHARS = 4000
+MAX_BATCH = 100_000
+
+
+class SourceFileError(BalancerError):
+    """A sources file or a source definition is invalid."""
+
+
+@dataclass(frozen=True)
+class SourceDef:
+    """One source table, as declared (never a secret: the URL's variable name only)."""
+
+    name: str
+    table: str
+    key: str
+    prompt: str
+    answer: str
+    where: str = "TRUE"
+    database_url_env: str | None = None
+    status: str | None = None
+    solved: str = "solved"
+    failed: str = "failed"
+    error: str | None = None
+    model: str | None = None
+    priority: str | None = None
+    weight: int = 1
+    poll_seconds: float = 5.0
+    batch: int = 1000
+    max_tokens: int | None = None
+    models: tuple[str, ...] | None = field(default=None)
+    dedup: bool = False
+
+    @property
+    def schema_and_table(self) -> tuple[str | None, str]:
+        """``("public", "prompts")`` for ``public.prompts``; ``(None, "prompts")`` when unqualified."""
+        schema, _, table = self.table.rpartition(".")
+        return (schema or None), table
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """Each role (key, prompt, answer, ...) and the column that plays it."""
+        roles = ("key", "prompt", "answer", "status", "error", "model", "priority")
+        return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
+
+    def same_table(self, other: SourceDef) -> bool:
+        return (self.database_url_env, self.table) == (other.database_url_env, other.table)
+
+    def reads_same_rows(self, other: SourceDef) -> bool:
+        """Whether ``other`` reads the same rows in the same order (its cursor stays valid)."""
+        return self.same_table(other) and self.key == other.key
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if v is not None and k != "name"}
+        if self.models is not None:
+            data["models"] = list(self.models)
+        return data
+
+
+_STRING_FIELDS = ("table", "key", "prompt", "answer", "where", "database_url_env", "status", "solved", "failed",
+                  "error", "model", "priority")
+_KNOWN = {*_STRING_FIELDS, "weight", "poll_seconds", "batch", "max_tokens", "models", "dedup"}
+_REQUIRED = ("table", "key", "prompt", "answer", "where")
+_IDENTIFIER_FIELDS = ("key", "prompt", "answer", "status", "error", "model", "priority")
+
+
+def check_identifier(what: str, value: str) -> str:
+    """A plain SQL identifier, or :class:`SourceFileError`.
+
+    >>> check_identifier("key", "id")
+    'id'
+    """
+    if not _IDENTIFIER.match(value):
+        raise SourceFileError(f"{what} {printable(value, 80)!r} is not a plain SQL identifier "
+                              "(letters, digits, _ and $, at most 63 characters)")
+    return value
+
+
+def check_where(where: str) -> str:
+    """A condition that stays one condition inside balancer's statement.
+
+    >>> check_where("status = 'unsolved'")
+    "status = 'unsolved'"
+    """
+    if not where.strip() or len(where) > MAX_WHERE_CHARS:
+        raise SourceFileError(f"where must be a non-empty SQL condition of at most {MAX_WHERE_CHARS} characters")
+    for bad, what in ((";", "a ';'"), ("--", "a comment"), ("/*", "a comment"), ("\x00", "a NUL character")):
+        if bad in where:
+            raise SourceFileError(f"where may not contain {what}: it is one condition, not a statement")
+    if where.count("(") != where.count(")"):
+        raise SourceFileError("where has unbalanced parentheses")
+    return where
+
+
+def _int(name: str, fields: dict[str, Any], key: str, default: int | None, low: int, high: int) -> int | None:
+    value = fields.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SourceFileError(f"sources.{name}.{key} must be a whole number from {low} to {high}")
+    return value
+
+
+def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
+    """One ``[sources.NAME]`` table to a :class:`SourceDef`, checked (without the database)."""
+    if not _SOURCE_NAME.match(name):
+        raise SourceFileError(f"source name {printable(name, 80)!r} must be 1 to 64 letters, digits, '_', '.' or '-'")
+    unknown = set(fields) - _KNOWN
+    if unknown:
+        raise SourceFileError(f"sources.{name}: unknown field(s): {', '.join(printable(k, 40) for k in sorted(unknown))}")
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        raise SourceFileError(f"sources.{name}: missing {', '.join(missing)}")
+    for key in _STRING_FIELDS:
+        if key in fields and not isinstance(fields[key], str):
+            raise SourceFileError(f"sources.{name}.{key} must be a string")
+    table = fields["table"]
+    parts = table.split(".")
+    if len(parts) > 2:
+        raise SourceFileError(f"sources.{name}.table must be TABLE or SCHEMA.TABLE, not {printable(table, 80)!r}")
+    try:
+        for part in parts:
+            check_identifier("table", part)
+        for key in _IDENTIFIER_FIELDS:
+            if key in fields:
+                check_identifier(f"sources.{name}.{key}", fields[key])
+        check_where(fields["where"])
+    except SourceFileError as exc:
+        raise SourceFileError(f"sources.{name}: {exc}") from None
+    env = fields.get("database_url_env")
+    if env is not None and not _ENV_NAME.match(env):
+        raise SourceFileError(f"sources.{name}.database_url_env must name an environment variable")
+    for key in ("solved", "failed"):
+        if key in fields and (not fields[key] or "\x00" in fields[key]):
+            raise SourceFileError(f"sources.{name}.{key} must be a non-empty string")
+    poll = fields.get("poll_seconds", 5.0)
+    if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0.1 <= poll <= 86_400:
+        raise SourceFileError(f"sources.{name}.poll_seconds must be a number from 0.1 to 86400")
+    if not isinstance(fields.get("dedup", False), bool):
+        raise SourceFileError(f"sources.{name}.dedup must be true or false")
+    models = fields.get("models")
+    if models is not None and (not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models)):
+        raise SourceFileError(f"sources.{name}.models must be a non-empty list of model names")
+    return SourceDef(
+        name=name, table=table, key=fields["key"], prompt=fields["prompt"], answer=fields["answer"],
+        where=fields["where"], database_url_env=env, status=fields.get("status"),
+        solved=fields.get("solved", "solved"), failed=fields.get("failed", "failed"), error=fields.get("error"),
+        model=fields.get("model"), priority=fields.get("priority"),
+        weight=_int(name, fields, "weight", 1, 1, 1_000_000) or 1, poll_seconds=float(poll),
+        batch=_int(name, fields, "batch", 1000, 1, MAX_BATCH) or 1000,
+        max_tokens=_int(name, fields, "max_tokens", None, 1, 1_000_000),
+        models=tuple(dict.fromkeys(models)) if models is not None else None, dedup=fields.get("dedup", False),
+    )
+
+
+def parse_source_file(text: str) -> list[SourceDef]:
+    """Every source in a sources file, sorted by name; :class:`SourceFileError` on the first problem.
+
+    >>> [s.name for s in parse_source_file('[sources.a]\\ntable="t"\\nkey="id"\\nprompt="p"\\nanswer="a"\\nwhere="a IS NULL"\\n')]
+    ['a']
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        match = _LINE.search(str(exc))
+        where = f"line {match.group(1)}: " if match else ""
+        raise SourceFileError(f"{where}invalid TOML: {_LINE.sub('', str(exc)).strip()}") from None
+    unknown = set(data) - {"sources"}
+    if unknown:
+        raise SourceFileError(f"unknown top-level key(s): {', '.join(printable(k, 40) for k in sorted(unknown))}; "
+                              "expected [sources.NAME] tables")
+    table = data.get("sources", {})
+    if not isinstance(table, dict) or not all(isinstance(v, dict) for v in table.values()):
+        raise SourceFileError("'sources' must be a table of [sources.NAME] sections")
+    return sorted((source_from_dict(name, fields) for name, fields in table.items()), key=lambda s: s.name)
+
+
+def format_source_file(definitions: list[SourceDef]) -> str:
+    """Render sources as TOML that :func:`parse_source_file` reads back identically."""
+    return tomli_w.dumps({"sources": {d.name: d.as_dict() for d in sorted(definitions, key=lambda d: d.name)}})

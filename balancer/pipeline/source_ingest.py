@@ -1,0 +1,117 @@
+"""Source tables into the backlog: every row matching a source's ``where`` becomes a task once.
+
+Each tick reads each source past its cursor, in batches of at most ``batch``
+rows, each batch one short READ ONLY read of the team's table (no lock held
+beyond it). The batch's tasks are inserted and the cursor moved in one
+transaction of balancer's database; a (source, key) already present is
+skipped (the ``tasks_source_key`` index). So a crash mid-batch re-reads the
+batch, and two ingesters at once insert each row once: the cursor only moves
+from where it was read (:func:`balancer.storage.sources.advance`). Once a
+source is caught up, each tick also rescans one batch behind the cursor, for
+rows that committed behind it (a writer's transaction that took a smaller key
+and committed late); those are inserted then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from balancer.domain.source_rows import after_read, after_rescan, row_to_task
+from balancer.domain.sourcefile import SourceDef
+from balancer.services import Services
+from balancer.storage.sources import Cursor, advance, all_sources, insert_source_tasks, read_cursor
+from balancer.storage.sources_catalog import read_rows, team_connection
+from balancer.storage.sources_schema import sources
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SourceIngest:
+    source: str
+    read: int = 0
+    created: int = 0
+    skipped: int = 0
+    caught_up: bool = False
+
+
+def _insert(services: Services, definition: SourceDef, rows: list[tuple], models: dict[str, int], start: Cursor,
+            end: Cursor, caught_up: bool, report: SourceIngest) -> bool:
+    max_tokens = definition.max_tokens or services.settings.expected_output_tokens
+    tasks = []
+    for key, prompt, priority in rows:
+        task = row_to_task(definition.name, key, prompt, priority, models=models, allowed=definition.models,
+                           max_tokens=max_tokens)
+        if isinstance(task, str):
+            report.skipped += 1
+            log.warning("source %s: row %.80r is not a task: %s", definition.name, key, task)
+        else:
+            tasks.append(task)
+    with services.engine.begin() as conn:
+        # No wait for the WAL flush: a batch lost in a server crash loses its cursor move with it, and is read again.
+        conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+        conn.execute(sa.select(sources.c.name).where(sources.c.name == definition.name).with_for_update())
+        if read_cursor(conn, definition.name) != start:
+            return False  # another ingester moved the cursor first; its batch held these rows
+        inserted = insert_source_tasks(conn, definition.name, max_tokens, definition.models, tasks,
+                                       dedup=definition.dedup or services.settings.dedup)
+        if not advance(conn, definition.name, start, end, inserted=inserted, caught_up=caught_up):
+            raise RuntimeError(f"source {definition.name}: its cursor moved under a row lock")
+    report.created += inserted
+    return True
+
+
+def ingest_source(services: Services, definition: SourceDef, models: dict[str, int], *,
+                  budget_s: float = 2.0) -> SourceIngest:
+    """Read ``definition`` past its cursor until caught up (or ``budget_s`` is spent), then one rescan batch."""
+    report = SourceIngest(definition.name)
+    deadline = time.monotonic() + budget_s
+    with team_connection(definition, services.engine) as team:
+        while True:
+            with services.engine.connect() as conn:
+                start = read_cursor(conn, definition.name)
+            if start is None:
+                return report  # removed meanwhile
+            rows = read_rows(team, definition, start.position, None, definition.batch)
+            report.read += len(rows)
+            position, caught_up = after_read(start.position, [r[0] for r in rows], definition.batch)
+            moved = _insert(services, definition, rows, models, start, Cursor(position, start.rescan), caught_up, report)
+            if caught_up and moved:
+                report.caught_up = True
+                break
+            if time.monotonic() > deadline:
+                return report
+        if start.position is not None:
+            start = Cursor(position, start.rescan)
+            rows = read_rows(team, definition, start.rescan, position, definition.batch)
+            rescan = after_rescan([r[0] for r in rows], definition.batch)
+            _insert(services, definition, rows, models, start, Cursor(position, rescan), True, report)
+    return report
+
+
+def ingest_sources(services: Services, *, budget_s: float = 2.0) -> list[SourceIngest]:
+    """One tick: every declared source whose ``poll_seconds`` have passed since it was last read."""
+    with services.engine.connect() as conn:
+        due = set(conn.execute(sa.select(sources.c.name).where(sa.or_(
+            sources.c.read_at.is_(None),
+            sources.c.read_at <= sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0,
+                                                                      sa.cast(sources.c.definition["poll_seconds"].astext, sa.Float))
+        ))).scalars())
+        definitions = [d for d in all_sources(conn) if d.name in due]
+    if not definitions:
+        return []
+    models = {q.name: q.burst for q in services.quotas.all()}
+    reports = []
+    for definition in definitions:
+        try:
+            reports.append(report := ingest_source(services, definition, models, budget_s=budget_s))
+            if report.created or report.skipped:
+                log.info("source %s: %d task(s) created, %d row(s) not tasks", definition.name, report.created,
+                         report.skipped)
+        except Exception as exc:  # noqa: BLE001 - one unreachable source must not starve the others
+            log.warning("source %s not read this tick: %s", definition.name, str(exc).splitlines()[0] if str(exc) else exc)
+    return reports

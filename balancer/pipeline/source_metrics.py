@@ -1,0 +1,41 @@
+"""The source tables' Prometheus metrics, added to ``balancer metrics``' families at every scrape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy.engine import Engine
+
+from balancer.storage.intake import reused_count
+from balancer.storage.sources import source_status
+
+
+def source_families() -> dict[str, Any]:
+    source = ["source"]
+    return {
+        "balancer_source_tasks": GaugeMetricFamily(
+            "balancer_source_tasks", "A source table's tasks by state (pending, in_flight, solved, failed)",
+            labels=["source", "state"]),
+        "balancer_source_writebacks_waiting": GaugeMetricFamily(
+            "balancer_source_writebacks_waiting", "Ended tasks not yet written back to their rows", labels=source),
+        "balancer_source_not_overwritten": GaugeMetricFamily(
+            "balancer_source_not_overwritten", "Write-backs refused: the row no longer matched where "
+            "(someone else changed it)", labels=source),
+        "balancer_source_cursor_lag_seconds": GaugeMetricFamily(
+            "balancer_source_cursor_lag_seconds", "Seconds since the source was last read to its end", labels=source),
+        "balancer_tasks_reused": GaugeMetricFamily(
+            "balancer_tasks_reused", "Tasks that took an identical task's answer instead of a call (dedup)"),
+    }
+
+
+def add_source_metrics(families: dict[str, Any], engine: Engine) -> None:
+    with engine.connect() as conn:
+        families["balancer_tasks_reused"].add_metric([], reused_count(conn))
+    for s in source_status(engine):
+        for state in ("pending", "in_flight", "solved", "failed"):
+            families["balancer_source_tasks"].add_metric([s.name, state], getattr(s, state))
+        families["balancer_source_writebacks_waiting"].add_metric([s.name], s.writebacks_waiting)
+        families["balancer_source_not_overwritten"].add_metric([s.name], s.conflicts)
+        if s.lag_s is not None:
+            families["balancer_source_cursor_lag_seconds"].add_metric([s.name], s.lag_s)

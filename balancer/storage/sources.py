@@ -1,0 +1,238 @@
+"""Declared sources in balancer's database: import (audited, like quotas), list,
+remove, and each source's read cursor.
+
+A source's row holds its definition (never a secret: only the name of the
+variable holding its URL) and its cursor: ``position``, the largest key read,
+and ``rescan``, how far the pass behind the cursor has come (it finds rows
+that committed behind the cursor, e.g. a writer's transaction that took a
+smaller id and committed late). The cursor moves only from the value it was
+read at, in the transaction that inserts the batch's tasks
+(:func:`advance`), so two ingesters never skip a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Connection, Engine
+
+from balancer.domain.intake import TaskRow
+from balancer.domain.sourcefile import SourceDef, SourceFileError, source_from_dict
+from balancer.storage.intake import share_answers
+from balancer.storage.schema import source_changes, tasks
+from balancer.storage.source_weights import set_weight
+from balancer.storage.sources_schema import source_outbox, sources
+
+
+def _definition(row: Any) -> SourceDef:
+    return source_from_dict(row.name, dict(row.definition))
+
+
+def all_sources(conn: Connection) -> list[SourceDef]:
+    """Every declared source, by name."""
+    return [_definition(r) for r in conn.execute(sa.select(sources.c.name, sources.c.definition).order_by(sources.c.name))]
+
+
+@dataclass
+class ImportSummary:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+def _same_table_clash(wanted: Sequence[SourceDef], kept: Sequence[SourceDef]) -> str | None:
+    everyone = {d.name: d for d in kept} | {d.name: d for d in wanted}
+    seen: dict[tuple[str | None, str], str] = {}
+    for d in sorted(everyone.values(), key=lambda d: d.name):
+        spot = (d.database_url_env, d.table)
+        if spot in seen:
+            return (f"sources {seen[spot]} and {d.name} read the same table {d.table}: a table is one source "
+                    "(import it once, under one name)")
+        seen[spot] = d.name
+    return None
+
+
+def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, replace: bool,
+                   dry_run: bool) -> ImportSummary:
+    """Store ``wanted`` (create or update each), in one transaction, audited;
+    with ``replace``, remove the sources not in it. Each source's weight is set
+    in the same transaction. A changed table or key resets that source's cursor."""
+    summary = ImportSummary()
+    with engine.begin() as conn:
+        conn.execute(sa.text("LOCK TABLE sources IN SHARE ROW EXCLUSIVE MODE"))
+        current = {d.name: d for d in all_sources(conn)}
+        names = {d.name for d in wanted}
+        gone = sorted(set(current) - names)
+        kept = [] if replace else [current[n] for n in gone]
+        clash = _same_table_clash(wanted, kept)
+        if clash:
+            raise SourceFileError(clash)
+        for d in wanted:
+            old = current.get(d.name)
+            (summary.unchanged if old == d else summary.updated if old else summary.created).append(d.name)
+        if replace:
+            summary.removed = gone
+            waiting = _waiting(conn, gone)
+            if waiting:
+                raise SourceFileError(f"source {waiting[0]} still has write-backs waiting; remove it once they are done")
+        if dry_run:
+            return summary
+        for d in wanted:
+            old = current.get(d.name)
+            if old == d:
+                set_weight(conn, d.name, d.weight, by=by)
+                continue
+            values: dict[str, Any] = {"definition": d.as_dict(), "updated_at": sa.func.now()}
+            if old is None:
+                conn.execute(sa.insert(sources).values(name=d.name, **values))
+            else:
+                if not old.reads_same_rows(d):
+                    values |= {"position": sa.null(), "rescan": sa.null(), "caught_up_at": None}
+                conn.execute(sa.update(sources).where(sources.c.name == d.name).values(**values))
+            conn.execute(sa.insert(source_changes).values(
+                source=d.name, changed_by=by, action="import" if old is None else "update",
+                old_value=None if old is None else old.as_dict(), new_value=d.as_dict()))
+            set_weight(conn, d.name, d.weight, by=by)
+        for name in summary.removed:
+            _remove(conn, current[name], by)
+    return summary
+
+
+def _waiting(conn: Connection, names: Sequence[str]) -> list[str]:
+    if not names:
+        return []
+    return list(conn.execute(sa.select(source_outbox.c.source).distinct()
+                             .where(source_outbox.c.source.in_(list(names)), source_outbox.c.state == "waiting")).scalars())
+
+
+def _remove(conn: Connection, definition: SourceDef, by: str) -> None:
+    conn.execute(sa.delete(sources).where(sources.c.name == definition.name))
+    conn.execute(sa.delete(source_outbox).where(source_outbox.c.source == definition.name))
+    conn.execute(sa.insert(source_changes).values(source=definition.name, changed_by=by, action="remove",
+                                                  old_value=definition.as_dict(), new_value=None))
+
+
+def remove_source(engine: Engine, name: str, *, by: str) -> None:
+    """Remove a source (its tasks stay); refused while write-backs of it are waiting."""
+    with engine.begin() as conn:
+        row = conn.execute(sa.select(sources.c.name, sources.c.definition)
+                           .where(sources.c.name == name).with_for_update()).first()
+        if row is None:
+            raise SourceFileError(f"no source {name!r}")
+        if _waiting(conn, [name]):
+            raise SourceFileError(f"source {name} still has write-backs waiting; remove it once they are done")
+        _remove(conn, _definition(row), by)
+
+
+# One statement for a whole batch: its columns as arrays, unnested into rows (a
+# VALUES list of thousands of rows costs more to send and parse than to insert).
+_INSERT_BATCH = sa.text("""
+WITH inserted AS (
+    INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models)
+    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed
+    FROM unnest(:keys, :prompts, :priorities, :estimated) AS r(key, prompt, priority, estimated)
+    ON CONFLICT (source, key) WHERE key IS NOT NULL DO NOTHING
+    RETURNING id
+)
+SELECT coalesce(array_agg(id), '{}') FROM inserted
+""").bindparams(sa.bindparam("keys", type_=ARRAY(sa.Text)), sa.bindparam("prompts", type_=ARRAY(sa.Text)),
+                sa.bindparam("priorities", type_=ARRAY(sa.Integer)), sa.bindparam("estimated", type_=ARRAY(sa.Integer)),
+                sa.bindparam("allowed", type_=ARRAY(sa.Text)))
+
+
+def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed: tuple[str, ...] | None,
+                        rows: list[TaskRow], *, dedup: bool = False) -> int:
+    """Insert one batch of a source's tasks (all with its ``max_tokens`` and allowed
+    models), skipping keys already present; returns how many were inserted. With
+    ``dedup``, they may take identical tasks' answers (:func:`balancer.storage.intake.share_answers`)."""
+    if not rows:
+        return 0
+    ids = list(conn.execute(_INSERT_BATCH, {
+        "source": source, "max_tokens": max_tokens, "allowed": list(allowed) if allowed else None,
+        "keys": [r.key for r in rows], "prompts": [r.prompt for r in rows],
+        "priorities": [r.priority for r in rows], "estimated": [r.estimated_tokens for r in rows],
+    }).scalar_one())
+    if dedup:
+        share_answers(conn, ids)
+    return len(ids)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a source's reading stands (keys as the team's database spells them, as text)."""
+
+    position: str | None
+    rescan: str | None
+
+
+def read_cursor(conn: Connection, name: str) -> Cursor | None:
+    row = conn.execute(sa.select(sources.c.position, sources.c.rescan).where(sources.c.name == name)).first()
+    return None if row is None else Cursor(row.position, row.rescan)
+
+
+def advance(conn: Connection, name: str, start: Cursor, end: Cursor, *, inserted: int, caught_up: bool) -> bool:
+    """In the caller's transaction (the one inserting the batch's tasks): move the
+    cursor from ``start`` to ``end``, only if it is still at ``start``. False: another
+    ingester moved it first (the batch's tasks are then already present)."""
+    def stored(value: str | None) -> Any:
+        return sa.null() if value is None else sa.func.to_jsonb(sa.cast(value, sa.Text))
+
+    def same(column: Any, value: str | None) -> Any:
+        return column.is_(None) if value is None else column == stored(value)
+
+    moved = conn.execute(
+        sa.update(sources)
+        .where(sources.c.name == name, same(sources.c.position, start.position), same(sources.c.rescan, start.rescan))
+        .values(position=stored(end.position), rescan=stored(end.rescan), ingested=sources.c.ingested + inserted,
+                read_at=sa.func.now(), **({"caught_up_at": sa.func.now()} if caught_up else {}))
+    ).rowcount
+    return bool(moved)
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    name: str
+    pending: int
+    in_flight: int
+    solved: int
+    failed: int
+    writebacks_waiting: int
+    conflicts: int
+    ingested: int
+    lag_s: float | None  # seconds since the source was last read to its end (None: never)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def source_status(engine: Engine) -> list[SourceStatus]:
+    """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
+    in_flight = tasks.c.status.in_(("queued", "running"))
+    counts = (sa.select(tasks.c.source,
+                        sa.func.count().filter(tasks.c.status == "pending").label("pending"),
+                        sa.func.count().filter(in_flight).label("in_flight"),
+                        sa.func.count().filter(tasks.c.status == "solved").label("solved"),
+                        sa.func.count().filter(tasks.c.status == "failed").label("failed"))
+              .where(tasks.c.source.in_(sa.select(sources.c.name))).group_by(tasks.c.source))
+    outbox = (sa.select(source_outbox.c.source,
+                        sa.func.count().filter(source_outbox.c.state == "waiting").label("waiting"),
+                        sa.func.count().filter(source_outbox.c.state == "conflict").label("conflicts"))
+              .group_by(source_outbox.c.source))
+    with engine.connect() as conn:
+        by_task = {r.source: r for r in conn.execute(counts)}
+        by_outbox = {r.source: r for r in conn.execute(outbox)}
+        rows = conn.execute(sa.select(sources.c.name, sources.c.ingested,
+                                      sa.extract("epoch", sa.func.now() - sources.c.caught_up_at).label("lag"))
+                            .order_by(sources.c.name)).all()
+    out = []
+    for r in rows:
+        t, o = by_task.get(r.name), by_outbox.get(r.name)
+        out.append(SourceStatus(r.name, t.pending if t else 0, t.in_flight if t else 0, t.solved if t else 0,
+                                t.failed if t else 0, o.waiting if o else 0, o.conflicts if o else 0, int(r.ingested),
+                                None if r.lag is None else round(float(r.lag), 1)))
+    return out

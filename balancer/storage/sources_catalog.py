@@ -1,0 +1,221 @@
+"""The team's table: its database, its catalog checks, and the only SQL balancer
+runs on it (one read of a batch, one guarded write-back per row).
+
+Every identifier comes from the source's definition, is a plain identifier
+(:func:`balancer.domain.sourcefile.check_identifier`), was found in the
+catalog at import, and is quoted with :class:`psycopg2.sql.Identifier`. Values
+(keys, answers, statuses) are always bound parameters; keys are bound as
+text and compared as the key column's own type, so an integer, text or uuid
+key works alike. ``where`` is the team's own condition, placed in
+parentheses; the read runs in a ``READ ONLY`` transaction.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from psycopg2 import sql
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from balancer.domain.sourcefile import SourceDef, SourceFileError
+from balancer.errors import ConfigError, ServiceUnavailable, printable
+from balancer.settings import mask_url, scrub
+from balancer.storage.db import cached_engine
+
+
+def team_url(definition: SourceDef, own_url: str) -> str:
+    """The URL of the source's database: its ``database_url_env`` variable's value, or balancer's own."""
+    if definition.database_url_env is None:
+        return own_url
+    url = os.environ.get(definition.database_url_env)
+    if not url:
+        raise ConfigError(f"source {definition.name}: the environment variable {definition.database_url_env} "
+                          "(its database URL) is not set")
+    return url
+
+
+def team_engine(definition: SourceDef, own: Engine) -> Engine:
+    """An engine on the source's database (``own`` when it is balancer's)."""
+    if definition.database_url_env is None:
+        return own
+    return cached_engine(team_url(definition, ""), pool_size=2)
+
+
+def describe(definition: SourceDef, exc: BaseException) -> str:
+    """A database error in one line, without any secret of the source's URL."""
+    text = str(getattr(exc, "orig", exc)).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    if definition.database_url_env is not None:
+        url = os.environ.get(definition.database_url_env, "")
+        if url:
+            first = scrub(first, url)
+    return printable(first, 300)
+
+
+@contextmanager
+def team_connection(definition: SourceDef, own: Engine) -> Iterator[Connection]:
+    """A connection on the source's database; an unreachable one is a one-line :class:`ServiceUnavailable`."""
+    engine = team_engine(definition, own)
+    try:
+        conn = engine.connect()
+    except DBAPIError as exc:
+        where = mask_url(team_url(definition, "")) if definition.database_url_env else "balancer's database"
+        raise ServiceUnavailable(f"source {definition.name}: cannot reach {where}: {describe(definition, exc)}") from None
+    with conn:
+        yield conn
+
+
+def _render(conn: Connection, query: sql.Composable) -> str:
+    return query.as_string(conn.connection.dbapi_connection)
+
+
+def _table(definition: SourceDef) -> sql.Composable:
+    schema, table = definition.schema_and_table
+    return sql.Identifier(schema, table) if schema else sql.Identifier(table)
+
+
+def _where(definition: SourceDef) -> sql.Composable:
+    # Bound parameters go with this text, so a '%' of the team's condition is doubled to stay a '%'.
+    return sql.SQL("({})").format(sql.SQL(definition.where.replace("%", "%%")))
+
+
+def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composable:
+    """Rows of work past a key (and up to one): key as text, prompt, priority; in key order."""
+    key = sql.Identifier(definition.key)
+    conditions = [_where(definition)]
+    if after:
+        conditions.append(sql.SQL("{} > %s").format(key))
+    if upto:
+        conditions.append(sql.SQL("{} <= %s").format(key))
+    priority = sql.Identifier(definition.priority) if definition.priority else sql.SQL("NULL")
+    # ORDER BY the qualified column: a bare name would take the output column of
+    # that name, the key's text form, and order 10 before 9.
+    return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, {prompt} AS balancer_prompt, {priority} AS balancer_priority "
+                   "FROM {table} WHERE {cond} ORDER BY {table}.{key} LIMIT %s").format(
+        key=key, prompt=sql.Identifier(definition.prompt), priority=priority, table=_table(definition),
+        cond=sql.SQL(" AND ").join(conditions))
+
+
+def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, limit: int) -> list[tuple]:
+    """One batch of work rows with key > ``after`` (and <= ``upto``), in one READ ONLY transaction:
+    the only lock taken on the team's table is this read's."""
+    params: list[Any] = [p for p in (after, upto) if p is not None] + [limit]
+    query = _render(conn, read_query(definition, after=after is not None, upto=upto is not None))
+    with conn.begin():
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        return [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
+
+
+def _sets(definition: SourceDef, outcome: str) -> list[tuple[str, str]]:
+    """The (role, column) pairs a write-back of ``outcome`` sets."""
+    roles = ["answer", "model"] if outcome == "solved" else ["error"]
+    roles += ["status"]
+    return [(role, col) for role in roles if (col := definition.columns.get(role)) is not None]
+
+
+def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | None:
+    """The guarded UPDATE of one row: it changes the row only while the row still
+    matches ``where`` (someone else's change is never overwritten). None: nothing to write."""
+    sets = _sets(definition, outcome)
+    if not sets:
+        return None
+    assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(col)) for _, col in sets)
+    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND {cond} RETURNING 1").format(
+        table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition))
+
+
+def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
+    """The values :func:`writeback_query` binds, in its order (the key last)."""
+    value = {"answer": task.get("answer"), "model": task.get("model"), "error": task.get("error"),
+             "status": definition.solved if outcome == "solved" else definition.failed}
+    return [value[role] for role, _ in _sets(definition, outcome)] + [task["key"]]
+
+
+def write_back(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any],
+               rendered: dict[str, str | None] | None = None) -> bool | None:
+    """Write one task's end to its row in the caller's transaction. True: written;
+    False: the row no longer matches ``where`` (or is gone); None: nothing to write.
+    ``rendered`` keeps each outcome's statement text across the calls of one batch."""
+    rendered = {} if rendered is None else rendered
+    if outcome not in rendered:
+        query = writeback_query(definition, outcome)
+        rendered[outcome] = None if query is None else _render(conn, query)
+    text = rendered[outcome]
+    if text is None:
+        return None
+    return conn.exec_driver_sql(text, tuple(writeback_values(definition, outcome, task))).first() is not None
+
+
+def holds(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any]) -> bool:
+    """Whether the row already holds exactly what the write-back of ``task`` writes
+    (a write-back committed before a crash, its outbox row not yet removed)."""
+    sets = _sets(definition, outcome)
+    if not sets:
+        return True
+    wanted = writeback_values(definition, outcome, task)
+    columns = sql.SQL(", ").join(sql.SQL("CAST({} AS text)").format(sql.Identifier(c)) for _, c in sets)
+    query = sql.SQL("SELECT {cols} FROM {table} WHERE {key} = %s").format(
+        cols=columns, table=_table(definition), key=sql.Identifier(definition.key))
+    row = conn.exec_driver_sql(_render(conn, query), (task["key"],)).first()
+    return row is not None and [None if v is None else str(v) for v in row] == [
+        None if v is None else str(v) for v in wanted[:-1]]
+
+
+# -- checks at import ------------------------------------------------------------------
+
+_RELATION = """
+SELECT c.oid, n.nspname, c.relname, c.relkind FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(CASE WHEN %(schema)s IS NULL THEN quote_ident(%(table)s)
+                               ELSE quote_ident(%(schema)s) || '.' || quote_ident(%(table)s) END)
+"""
+_COLUMNS = "SELECT attname, attnum FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped"
+_UNIQUE = """
+SELECT 1 FROM pg_index WHERE indrelid = %s AND indisunique AND indpred IS NULL AND indexprs IS NULL
+AND indnkeyatts = 1 AND indkey[0] = %s
+"""
+
+
+def check_source(conn: Connection, definition: SourceDef) -> None:
+    """Check the definition against the source's catalog: the table, every column,
+    a unique key, a ``where`` that is a condition on it, write-backs that would
+    parse. :class:`SourceFileError` in one line when anything is wrong; changes nothing."""
+    name = definition.name
+    schema, table = definition.schema_and_table
+    with conn.begin():
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        relation = conn.exec_driver_sql(_RELATION, {"schema": schema, "table": table}).first()
+        if relation is None or relation.relkind not in ("r", "p", "v", "m", "f"):
+            raise SourceFileError(f"sources.{name}: no table {printable(definition.table, 130)} in its database")
+        columns = {r.attname: r.attnum for r in conn.exec_driver_sql(_COLUMNS, (relation.oid,))}
+        for role, column in definition.columns.items():
+            if column not in columns:
+                raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}")
+        if relation.relkind in ("r", "p") and conn.exec_driver_sql(
+                _UNIQUE, (relation.oid, columns[definition.key])).first() is None:
+            raise SourceFileError(f"sources.{name}: key column {definition.key!r} of {definition.table} is not unique "
+                                  "(give a column with a primary key or a unique index of its own)")
+        try:
+            with conn.begin_nested():
+                conn.exec_driver_sql("EXPLAIN " + _render(conn, read_query(definition, after=True, upto=False)),
+                                     (None, 1))
+        except DBAPIError as exc:
+            raise SourceFileError(f"sources.{name}: where is not a condition on {definition.table}: "
+                                  f"{describe(definition, exc)}") from None
+    with conn.begin() as transaction:  # EXPLAIN plans the UPDATE, never runs it; rolled back all the same
+        for outcome in ("solved", "failed"):
+            query = writeback_query(definition, outcome)
+            if query is None:
+                continue
+            values = writeback_values(definition, outcome, {"key": None, "answer": "", "model": "", "error": ""})
+            try:
+                with conn.begin_nested():
+                    conn.exec_driver_sql("EXPLAIN " + _render(conn, query), tuple(values))
+            except DBAPIError as exc:
+                raise SourceFileError(f"sources.{name}: the write-back of a {outcome} task would fail: "
+                                      f"{describe(definition, exc)}") from None
+        transaction.rollback()
+

@@ -1,0 +1,42 @@
+"""The source tables (SQLAlchemy Core), created by migration 0010.
+
+``sources``: each declared source (its TOML definition as JSON, never a
+secret) and its read cursor. ``source_outbox``: the write-backs still to do,
+one row per task that ended, inserted by the ``tasks_finished`` trigger in the
+transaction that ended it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import BigInteger, Column, DateTime, Integer, Table, Text, func
+from sqlalchemy.dialects.postgresql import JSONB
+
+from balancer.storage.schema import metadata
+
+sources = Table(
+    "sources",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("definition", JSONB, nullable=False),
+    Column("position", JSONB, nullable=True),
+    Column("rescan", JSONB, nullable=True),
+    Column("ingested", BigInteger, nullable=False, server_default="0"),
+    Column("read_at", DateTime(timezone=True), nullable=True),
+    Column("caught_up_at", DateTime(timezone=True), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+source_outbox = Table(
+    "source_outbox",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("task_id", BigInteger, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("outcome", Text, nullable=False),
+    Column("state", Text, nullable=False, server_default="waiting"),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("last_error", Text, nullable=True),
+    Column("next_attempt_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
