@@ -12,9 +12,11 @@ nothing the tests did not create.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -90,13 +92,59 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_url: str, database_url: str, name
     return values
 
 
-@pytest.fixture
-def migrated(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the schema migrated to head."""
-    from balancer.storage.db import cached_engine
+#: One recorded statement of the migration: (SQL, DBAPI parameters, executemany).
+Statement = tuple[str, Any, bool]
+
+
+@pytest.fixture(scope="session")
+def migration_script(service_urls: tuple[str, str]) -> list[Statement]:
+    """Every statement but the reads that ``alembic upgrade head`` sends to an empty
+    schema, in order.
+
+    Recorded once per session (per xdist worker) from a real upgrade of a schema of
+    its own, so each test replays the same DDL instead of running the revisions
+    again. The schema is named only through the URL's search_path, never in the SQL
+    (checked here), so the script is valid for any fresh schema."""
+    from balancer.settings import normalize_database_url
     from balancer.storage.migrate import upgrade
 
-    upgrade(cached_engine(env["BALANCER_DATABASE_URL"]))
+    base = normalize_database_url(service_urls[1])
+    schema = "t_" + uuid.uuid4().hex[:12]
+    admin = sa.create_engine(base)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    engine = sa.create_engine(with_schema(base, schema))
+    script: list[Statement] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany) -> None:  # noqa: ANN001
+        if not statement.lstrip().lower().startswith("select"):  # reads change nothing (and may fail)
+            script.append((statement, parameters, executemany))
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    try:
+        upgrade(engine)
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+    assert not [s for s, params, _ in script if schema in s or schema in repr(params)], "schema named in the DDL"
+    return script
+
+
+@pytest.fixture
+def migrated(env: dict[str, str], migration_script: list[Statement]) -> dict[str, str]:
+    """``env`` with the schema migrated to head (the recorded upgrade, replayed)."""
+    engine = sa.create_engine(env["BALANCER_DATABASE_URL"], poolclass=sa.pool.NullPool)
+    raw = engine.raw_connection()
+    try:
+        cursor = raw.cursor()
+        for statement, parameters, many in migration_script:
+            (cursor.executemany if many else cursor.execute)(statement, parameters)
+        raw.commit()
+    finally:
+        raw.close()
+        engine.dispose()
     return env
 
 
@@ -112,6 +160,10 @@ def reliability():  # noqa: ANN201
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: its rows go to the controller
+        workeroutput["reliability_rows"] = json.dumps(_RELIABILITY_ROWS)
+        return
     path = os.environ.get("BALANCER_RELIABILITY_REPORT")
     if not path or not _RELIABILITY_ROWS:
         return
@@ -119,6 +171,42 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     with open(path, "w") as fh:
         fh.write(render(_RELIABILITY_ROWS, passed=exitstatus == 0))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's controller, as each worker ends
+    _RELIABILITY_ROWS.extend(json.loads(getattr(node, "workeroutput", {}).get("reliability_rows", "[]")))
+
+
+# -- scheduling under pytest-xdist (.ci/run: -n 3) -------------------------------------
+#: Modules whose tests share something outside their own namespace and schema run
+#: one after another on one xdist worker: the demo tests check that no ``demo-*``
+#: key and no ``balancer_demo_*`` schema is left anywhere, so no other demo may run
+#: beside them (and test_wheel's module fixture builds its wheel once).
+SERIAL_GROUPS = {"test_demo.py": "demo", "test_wheel.py": "demo"}
+#: Modules that run real processes for seconds per test; handed out first, so the
+#: short tests fill the gaps at the end instead of one long test running alone.
+LONG_FIRST = ("test_faults.py", "test_e2e.py", "test_endgame.py", "test_router_pipeline.py", "test_metrics.py",
+              "test_hostile.py", "test_cli_fuzz.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    """Every test is a unit of work of its own but those of SERIAL_GROUPS, one unit
+    per group (xdist's own ``--dist loadgroup`` marks do not reach pytest 9's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL_GROUPS.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1], nodeid)
+
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller hands tests out in this order
+        rank = {name: i for i, name in enumerate(LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture

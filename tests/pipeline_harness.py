@@ -8,6 +8,8 @@ time scale.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,6 +78,17 @@ class Pipeline:
         return self
 
     def stop(self) -> None:
+        # As Supervisor.stop_all (SIGTERM, 5 s, then SIGKILL), but for every process at
+        # once rather than one after another; stop_all then reaps them and their groups.
+        running = [c for c in self.supervisor.children if c.process.poll() is None]
+        for child in running:
+            self.supervisor.kill(child, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for child in running:
+            try:
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.supervisor.kill(child, signal.SIGKILL)
         self.supervisor.stop_all()
         for key, value in self._saved_env.items():  # later tests must not inherit this run's broker etc.
             if value is None:

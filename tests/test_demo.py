@@ -62,7 +62,6 @@ def check_summary(stdout: str, tasks: int) -> dict:
     return summary
 
 
-@pytest.mark.smoke
 def test_demo_on_embedded_services() -> None:
     """The README's main command on a machine with no services configured."""
     before = pipeline_pids()

@@ -1,0 +1,62 @@
+"""``balancer db upgrade`` builds the very schema the ``migrated`` fixture replays.
+
+The fixture records one real upgrade per test session and replays its statements
+into each test's schema; this test holds the two equal, catalog entry for entry.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+from balancer.cli import main
+from balancer.storage.db import dispose_engines
+from balancer.storage.migrate import head_revision
+from tests.conftest import with_schema
+
+
+def catalog(url: str) -> dict[str, object]:
+    """Tables, columns, indexes, constraints and sequences of the URL's schema, and its revision."""
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        def rows(sql: str) -> list[tuple]:
+            return sorted(tuple(r) for r in conn.execute(sa.text(sql)))
+
+        found = {
+            "columns": rows("SELECT table_name, column_name, data_type, column_default, is_nullable"
+                            " FROM information_schema.columns WHERE table_schema = current_schema()"),
+            "indexes": rows("SELECT tablename, indexname, replace(indexdef, current_schema() || '.', '')"
+                            " FROM pg_indexes WHERE schemaname = current_schema()"),
+            "constraints": rows("SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid)"
+                                " FROM pg_constraint c WHERE c.connamespace = current_schema()::regnamespace"),
+            "sequences": rows("SELECT sequence_name FROM information_schema.sequences"
+                              " WHERE sequence_schema = current_schema()"),
+            "version": conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one(),
+        }
+    engine.dispose()
+    return found
+
+
+def test_db_upgrade_builds_the_schema_the_fixture_replays(
+    migrated: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replayed = catalog(migrated["BALANCER_DATABASE_URL"])
+    assert replayed["version"] == head_revision() and replayed["columns"] and replayed["indexes"]
+    schema = "t_" + uuid.uuid4().hex[:12]
+    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).difference_update_query(["options"])
+    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        upgraded_url = with_schema(url.render_as_string(hide_password=False), schema)
+        monkeypatch.setenv("BALANCER_DATABASE_URL", upgraded_url)
+        assert main(["db", "upgrade"]) == 0
+        capsys.readouterr()
+        assert catalog(upgraded_url) == replayed
+    finally:
+        dispose_engines()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
