@@ -233,6 +233,8 @@ class Settings:
     expected_latency_s: float = 30.0
     #: Finish-time-aware dispatch of the last tasks (balancer.domain.endgame); off: greedy to the end.
     end_game: bool = True
+    #: Fill the dispatch window across sources by weight (balancer.domain.fairshare); off: priority, then age.
+    source_fairness: bool = True
     #: Hedge tokens may reach this share of the run's tokens (0: no hedging).
     hedge_budget: float = 0.05
     #: Hedges per task at most.
@@ -327,6 +329,7 @@ class Settings:
             expected_output_tokens=_int("BALANCER_EXPECTED_OUTPUT_TOKENS", 256),
             expected_latency_s=_seconds("BALANCER_EXPECTED_LATENCY_S", 30.0, 0.01, 3600),
             end_game=_switch("BALANCER_END_GAME", True),
+            source_fairness=_switch("BALANCER_SOURCE_FAIRNESS", True),
             hedge_budget=_share("BALANCER_HEDGE_BUDGET", 0.05),
             max_hedges=_int("BALANCER_MAX_HEDGES", 1, minimum=0),
             dispatch_tick=_seconds("BALANCER_DISPATCH_TICK", 1.0, 0.05, 3600),

@@ -32,6 +32,7 @@ DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
 BEAT_SEEN = ":beat:seen"
 BENCH_COUNTER = ":bench:incr"
+FAIR_SHARES = ":fairshare"
 
 
 def tag(namespace: str) -> str:
@@ -104,6 +105,12 @@ def broker_prefix(namespace: str) -> str:
 def bench_counter(namespace: str) -> str:
     """The counter a benchmark's bare endpoint increments (``balancer.bench.router_load``)."""
     return tag(namespace) + BENCH_COUNTER
+
+
+def fair_shares(namespace: str) -> str:
+    """The fair share's state across dispatch rounds (hash): ``d:<source>`` -> deficit
+    in tokens, ``last`` -> the source served last (see :mod:`balancer.domain.fairshare`)."""
+    return tag(namespace) + FAIR_SHARES
 
 
 def namespace_patterns(namespace: str) -> tuple[str, str]:

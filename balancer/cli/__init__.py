@@ -72,6 +72,9 @@ def _register() -> None:
     for command in pipeline.COMMANDS:
         cli.add_command(command)
     cli.add_command(tasks.tasks)
+    from balancer.cli import source_weight
+
+    source_weight.attach(cli)  # last: it joins a `source` group registered above, if any
 
 
 _register()

@@ -7,7 +7,9 @@ work in a queue.
 
 Each round locks two sets of pending tasks, skipping rows another dispatcher
 holds: the *pinned lane* (for each model with free slots, up to that many tasks
-pinned to it alone) and a window of the rest by priority, then age. Pinned
+pinned to it alone) and a window of the rest: priority first, and within a
+priority, turns across sources by weight (:mod:`balancer.pipeline.fairness`),
+so a backfill from one source does not stand ahead of a live one. Pinned
 tasks have nowhere else to go, so they get first claim on their model: they
 go first in the batch, and while a model still has pinned tasks pending
 (counting those another dispatcher holds) it takes no flexible work. So a slow
@@ -51,12 +53,12 @@ from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import ModelLive, open_slots
 from balancer.domain import endgame
 from balancer.domain import ready as ready_lists
+from balancer.pipeline import fairness
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.claims import (
     PendingTask,
     claim_pinned,
-    claim_window,
     fail_pending,
     mark_queued,
     models_with_pinned_backlog,
@@ -152,7 +154,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             # A model with ready tasks takes those first (take_from_ready), not new flexible work.
             reserved |= {name for name, m in view.items() if m.ready}
             limit = claim_limit(free, window)
-            claimed = claim_window(conn, limit, free)
+            fair = fairness.claim_flexible(services, conn, limit, free)
+            claimed = fair.tasks
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:
                 kept = finish_time_aware(
@@ -180,6 +183,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                         report.retry_in_ms = wait
             mark_queued(conn, [(a.task_id, a.model, a.admission_id) for a in admitted], services.settings.lease_seconds)
             fail_pending(conn, failed)
+        fairness.settle(services, fair, {a.task_id for a in admitted} | {task_id for task_id, _ in failed})
         publish(admitted)
         if round_no == 0 and stocking:
             # Refill the lists now, not only at the end: the next rounds publish
@@ -248,8 +252,8 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     wanted = sum(targets.values())
     with services.engine.begin() as conn:
         pinned = claim_pinned(conn, targets)
-        flexible = claim_window(conn, wanted, targets)
-        placed = place_ready(pinned, flexible, targets)
+        fair = fairness.claim_flexible(services, conn, wanted, targets)
+        placed = place_ready(pinned, fair.tasks, targets)
         if not placed:
             return 0
         mean_tokens = sum(t.estimated_tokens for t, _ in placed) / len(placed)
@@ -267,6 +271,7 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     # deadline, when the sweep returns them, as with a lost publish.
     stocked = services.core.stock(entries, round(settings.ready_ttl * 1000))
     lost = [(task_id, lid) for (_, task_id, _, lid), done in zip(entries, stocked, strict=True) if not done]
+    fairness.settle(services, fair, {task_id for (_, task_id, _, _), done in zip(entries, stocked, strict=True) if done})
     if lost:  # the model was removed meanwhile
         with services.engine.begin() as conn:
             unstock(conn, lost)

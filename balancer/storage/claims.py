@@ -19,6 +19,8 @@ class PendingTask:
     estimated_tokens: int
     allowed_models: tuple[str, ...] | None
     avoid_model: str | None = None  # its last call failed there: retry elsewhere if another model has room
+    source: str = "submit"
+    priority: int = 0
 
 
 def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
@@ -39,10 +41,10 @@ def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[Pendin
     rows = conn.execute(
         sa.text(
             """
-            SELECT t.id, t.estimated_tokens, t.allowed_models
+            SELECT t.id, t.estimated_tokens, t.allowed_models, t.source, t.priority
               FROM unnest(CAST(:models AS text[]), CAST(:limits AS int[])) AS o(model, k)
              CROSS JOIN LATERAL (
-                   SELECT id, estimated_tokens, allowed_models, priority
+                   SELECT id, estimated_tokens, allowed_models, priority, source
                      FROM tasks
                     WHERE status = 'pending' AND allowed_models IS NOT NULL
                       AND allowed_models = ARRAY[o.model]
@@ -55,7 +57,7 @@ def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[Pendin
         ),
         {"models": list(wanted), "limits": list(wanted.values())},
     ).all()
-    return [PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models)) for r in rows]
+    return [PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models), None, r.source, r.priority) for r in rows]
 
 
 def pending_backlog(conn: Connection) -> tuple[int, float]:
@@ -97,7 +99,8 @@ def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude:
 
 # Built once, like the solve path's statements below: the dispatcher runs it every round.
 _CLAIM_WINDOW = (
-    sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model)
+    sa.select(tasks.c.id, tasks.c.estimated_tokens, tasks.c.allowed_models, tasks.c.avoid_model,
+              tasks.c.source, tasks.c.priority)
     .where(tasks.c.status == "pending")
     .where(sa.or_(tasks.c.not_before.is_(None), tasks.c.not_before <= sa.func.now()))
     .where(sa.or_(tasks.c.allowed_models.is_(None),
@@ -118,9 +121,61 @@ def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> li
     """
     rows = conn.execute(_CLAIM_WINDOW, {"b_open_models": list(open_models), "b_limit": limit}).all()
     return [
-        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model)
+        PendingTask(r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model,
+                    r.source, r.priority)
         for r in rows
     ]
+
+
+# Every source with pending work (a skip scan: one probe of tasks_pending_source
+# per source), then each one's head, priority then age, that an open model could
+# take (one range scan each, LATERAL). Locked like the window above.
+_CLAIM_BY_SOURCE = sa.text(
+    """
+    WITH RECURSIVE sources AS (
+        (SELECT source FROM tasks WHERE status = 'pending' ORDER BY source LIMIT 1)
+        UNION ALL
+        SELECT (SELECT t.source FROM tasks t
+                 WHERE t.status = 'pending' AND t.source > s.source ORDER BY t.source LIMIT 1)
+          FROM sources s WHERE s.source IS NOT NULL
+    )
+    SELECT h.id, h.estimated_tokens, h.allowed_models, h.avoid_model, h.source, h.priority
+      FROM sources s
+     CROSS JOIN LATERAL (
+           SELECT id, estimated_tokens, allowed_models, avoid_model, source, priority
+             FROM tasks
+            WHERE status = 'pending' AND source = s.source
+              AND (not_before IS NULL OR not_before <= now())
+              AND (allowed_models IS NULL OR allowed_models && CAST(:open_models AS text[]))
+            ORDER BY priority DESC, id
+            LIMIT :k
+              FOR UPDATE SKIP LOCKED) AS h
+     WHERE s.source IS NOT NULL
+    """
+)
+
+
+def claim_by_source(conn: Connection, limit: int, open_models: Iterable[str]) -> dict[str, list[PendingTask]]:
+    """Lock, for every source with pending work, up to ``limit`` of its tasks,
+    priority then age, that an open model could take: the queues the fair
+    share (:mod:`balancer.domain.fairshare`) fills the window from.
+
+    The cost grows with the number of sources that have pending work, not with
+    the backlog: a 1,000,000-row backfill is one probe and one short range scan
+    of ``tasks_pending_source``. Rows come back in each source's order.
+    """
+    if limit <= 0:
+        return {}
+    rows = conn.execute(_CLAIM_BY_SOURCE, {"open_models": list(open_models), "k": limit}).all()
+    queues: dict[str, list[PendingTask]] = {}
+    for r in rows:
+        queues.setdefault(r.source, []).append(PendingTask(
+            r.id, r.estimated_tokens, tuple(r.allowed_models) if r.allowed_models else None, r.avoid_model,
+            r.source, r.priority,
+        ))
+    for queue in queues.values():
+        queue.sort(key=lambda t: (-t.priority, t.id))
+    return queues
 
 
 def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], lease_seconds: int) -> None:
