@@ -76,7 +76,7 @@ def fill(queues: Mapping[str, Sequence[W]], limit: int, weights: Mapping[str, in
     Weights set the shares; priority comes first; a source alone takes everything:
 
     >>> [t.name for t in fill({"a": a, "b": b}, 9, {"a": 2}, Shares())[0]]
-    ['a0', 'b0', 'a1', 'b1', 'a2', 'a3', 'a4', 'b2', 'a5']
+    ['a0', 'b0', 'a1', 'a2', 'b1', 'a3', 'a4', 'b2', 'a5']
     >>> urgent = [T("u0", 5, 400)]
     >>> [t.name for t in fill({"a": a, "u": urgent}, 3, {}, Shares())[0]]
     ['u0', 'a0', 'a1']
