@@ -33,6 +33,7 @@ CANCEL_CHANNEL = ":cancel"
 BEAT_SEEN = ":beat:seen"
 BENCH_COUNTER = ":bench:incr"
 FAIR_SHARES = ":fairshare"
+FAIR_SHARED = ":fairshare:shared"
 
 
 def tag(namespace: str) -> str:
@@ -111,6 +112,12 @@ def fair_shares(namespace: str) -> str:
     """The fair share's state across dispatch rounds (hash): ``d:<source>`` -> deficit
     in tokens, ``last`` -> the source served last (see :mod:`balancer.domain.fairshare`)."""
     return tag(namespace) + FAIR_SHARES
+
+
+def fair_shared(namespace: str) -> str:
+    """Set (with an expiry) while several sources have shared the dispatch window recently:
+    the ready lists stay shallow meanwhile (:data:`balancer.domain.fairshare.SHARED_READY_PER_SLOT`)."""
+    return tag(namespace) + FAIR_SHARED
 
 
 def namespace_patterns(namespace: str) -> tuple[str, str]:

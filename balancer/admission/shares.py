@@ -12,6 +12,7 @@ Redis loses it (a deficit is at most a few tasks' worth).
 from __future__ import annotations
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from balancer.admission import keys
 from balancer.domain.fairshare import Shares
@@ -22,7 +23,7 @@ _LAST = "last"
 
 def load(client: redis.Redis, namespace: str) -> Shares:
     """The state as the last dispatcher left it (empty if none)."""
-    raw = client.hgetall(keys.fair_shares(namespace))
+    raw: dict[bytes, bytes] = client.hgetall(keys.fair_shares(namespace))  # type: ignore[assignment]  # sync client
     deficits: dict[str, int] = {}
     last: str | None = None
     for name, value in raw.items():
@@ -37,14 +38,21 @@ def load(client: redis.Redis, namespace: str) -> Shares:
     return Shares(deficits, last)
 
 
-def save(client: redis.Redis, namespace: str, shares: Shares) -> None:
-    """Replace the state in one transaction (sources that left drop out)."""
+def save(client: redis.Redis, namespace: str, shares: Shares, shared_for_ms: int) -> None:
+    """Replace the state in one transaction (sources that left drop out), and
+    mark the window shared for ``shared_for_ms``."""
     key = keys.fair_shares(namespace)
-    mapping: dict[str, str | int] = {_DEFICIT + source: int(d) for source, d in shares.deficits.items()}
+    mapping: dict[FieldT, EncodableT] = {_DEFICIT + source: int(d) for source, d in shares.deficits.items()}
     if shares.last is not None:
         mapping[_LAST] = shares.last
     pipe = client.pipeline(transaction=True)
     pipe.delete(key)
     if mapping:
         pipe.hset(key, mapping=mapping)
+    pipe.set(keys.fair_shared(namespace), 1, px=max(1, shared_for_ms))
     pipe.execute()
+
+
+def recently_shared(client: redis.Redis, namespace: str) -> bool:
+    """Whether a dispatcher filled its window from several sources within the marked time."""
+    return bool(client.exists(keys.fair_shared(namespace)))

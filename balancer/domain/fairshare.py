@@ -38,6 +38,28 @@ from typing import Protocol, TypeVar
 #: step whatever its size.
 DEFAULT_QUANTUM = 100
 
+#: Ready-list entries per slot while several sources share the models (see
+#: :mod:`balancer.domain.ready`). A task stocked behind a list of ``d`` entries
+#: per slot waits about ``d`` calls before its own; at the default 3 (or the 2.5
+#: a 1 s model's TTL allows) a live source's task waited 2 to 3 calls behind
+#: the backfill's, whatever its turn (bench/scenarios/sources.toml: 2.35x its
+#: calls' p95). Half a slot keeps that wait to half a call.
+SHARED_READY_PER_SLOT = 0.5
+#: How long, after a round that filled the window from several sources, the
+#: ready lists stay shallow: a trickling source has nothing pending most of the
+#: time, between its arrivals.
+SHARED_FOR_MS = 10_000
+
+
+def ready_per_slot(configured: float, shared: bool) -> float:
+    """Ready-list entries per slot: as configured, or at most :data:`SHARED_READY_PER_SLOT`
+    while sources share.
+
+    >>> ready_per_slot(3.0, False), ready_per_slot(3.0, True), ready_per_slot(0.2, True)
+    (3.0, 0.5, 0.2)
+    """
+    return min(configured, SHARED_READY_PER_SLOT) if shared else configured
+
 
 class Work(Protocol):
     """What the rule reads of a claimed task."""

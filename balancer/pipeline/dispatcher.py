@@ -215,8 +215,9 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
     return len(assignments)
 
 
-def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, int]:
-    """For each model whose slots bind it, how many tasks its ready list lacks.
+def stock_targets(view: dict[str, ModelLive], settings: Settings, per_slot: float | None = None) -> dict[str, int]:
+    """For each model whose slots bind it, how many tasks its ready list lacks
+    (at ``per_slot`` entries per slot, default ``settings.ready_per_slot``).
 
     Only models that concurrency binds: enabled, not paused, a token bucket at
     least half full and requests in hand. A model that tokens or requests
@@ -230,7 +231,9 @@ def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, i
         if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
             continue
         mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms if m.latency_known else None
-        room = ready_lists.depth(q.max_concurrent_requests, mean_ms, settings.ready_per_slot, settings.ready_ttl) - m.ready
+        depth = ready_lists.depth(q.max_concurrent_requests, mean_ms,
+                                  settings.ready_per_slot if per_slot is None else per_slot, settings.ready_ttl)
+        room = depth - m.ready
         if room > 0:
             targets[name] = room
     return targets
@@ -246,13 +249,16 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     model's call even without the stocked tasks: the end game decides the rest.
     """
     settings = services.settings
-    targets = stock_targets(view, settings)
+    per_slot = fairness.ready_per_slot(services)  # shallow while sources share (balancer.domain.fairshare)
+    targets = stock_targets(view, settings, per_slot)
     if not targets:
         return 0
     wanted = sum(targets.values())
     with services.engine.begin() as conn:
         pinned = claim_pinned(conn, targets)
         fair = fairness.claim_flexible(services, conn, wanted, targets)
+        if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
+            targets = stock_targets(view, settings, shallow)  # sources met in this very claim
         placed = place_ready(pinned, fair.tasks, targets)
         if not placed:
             return 0

@@ -50,4 +50,15 @@ def settle(services: Services, window: Window, served: Collection[int]) -> None:
     if window.shares is None:
         return
     unserved: Sequence[tuple[str, int]] = [(t.source, t.estimated_tokens) for t in window.tasks if t.id not in served]
-    shared_state.save(services.redis, services.settings.namespace, fairshare.refund(window.shares, unserved))
+    shared_state.save(services.redis, services.settings.namespace, fairshare.refund(window.shares, unserved),
+                      fairshare.SHARED_FOR_MS)
+
+
+def ready_per_slot(services: Services, *, shared_now: bool = False) -> float:
+    """Ready-list entries per slot: shallow while sources share the window (in
+    this claim, ``shared_now``, or within :data:`balancer.domain.fairshare.SHARED_FOR_MS`)."""
+    settings = services.settings
+    if not settings.source_fairness or settings.ready_per_slot <= fairshare.SHARED_READY_PER_SLOT:
+        return settings.ready_per_slot
+    shared = shared_now or shared_state.recently_shared(services.redis, settings.namespace)
+    return fairshare.ready_per_slot(settings.ready_per_slot, shared)
