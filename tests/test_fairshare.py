@@ -238,3 +238,20 @@ def test_source_set_sets_the_weight_with_an_audit_and_refuses_bad_input(svc) -> 
         assert conn.execute(sa.select(source_weights.c.source, source_weights.c.weight)).all() == [("crm", 4)]
         audit = conn.execute(sa.select(source_changes.c.changed_by, source_changes.c.new_value)).all()
     assert audit == [("ops", {"weight": 4})]
+
+
+@pytest.mark.parametrize(("sources", "stocked"), [(("backfill",), 8), (("backfill", "live"), 4)])
+def test_ready_lists_stay_shallow_while_sources_share(svc, sources: tuple[str, ...], stocked: int) -> None:  # noqa: ANN001
+    """A model of 8 slots keeps one ready task per slot (latency not measured
+    yet); with two sources pending, half a slot, so a live source's next task
+    is never stocked behind 8 of the backfill's."""
+    from balancer.domain.quota import Quota
+    from balancer.pipeline.dispatcher import Assignment, dispatch
+
+    svc.quotas.replace_all([Quota("m", 8, 10**9)])
+    for source in sources:
+        add(svc, source, 100)
+    sent: list[Assignment] = []
+    report = dispatch(svc, sent.extend)
+    assert len(sent) == 8
+    assert report.stocked == svc.core.live()["m"].ready == stocked
