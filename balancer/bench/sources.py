@@ -24,11 +24,13 @@ backfill should use the rest)::
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from rich.console import Console
 
@@ -81,11 +83,11 @@ def bound_per_s(scenario: Scenario) -> float:
 
 
 def run_side(scenario: Scenario, path: Path, specs: list[SourceSpec], fairness: str, console: Console) -> dict[str, Any]:
-    from balancer.bench.run import environment
     from balancer.storage.source_weights import set_weight
 
     seconds = float(scenario.extra.get("trickle_seconds", 60))
-    with environment({"BALANCER_SOURCE_FAIRNESS": fairness}), IsolatedServices(console, f"sources-{fairness}") as iso:
+    # The processes started inside inherit the switch; the environment is restored after.
+    with mock.patch.dict(os.environ, {"BALANCER_SOURCE_FAIRNESS": fairness}), IsolatedServices(console, f"sources-{fairness}") as iso:
         svc = iso.services
         svc.quotas.replace_all(scenario.quotas(), by="bench")
         with svc.engine.begin() as conn:
