@@ -42,8 +42,9 @@ DEFAULT_QUANTUM = 100
 #: :mod:`balancer.domain.ready`). A task stocked behind a list of ``d`` entries
 #: per slot waits about ``d`` calls before its own; at the default 3 (or the 2.5
 #: a 1 s model's TTL allows) a live source's task waited 2 to 3 calls behind
-#: the backfill's, whatever its turn (bench/scenarios/sources.toml: 2.35x its
-#: calls' p95). Half a slot keeps that wait to half a call.
+#: the backfill's, whatever its turn (bench/scenarios/sources.toml with a 20 s
+#: trickle: insert to answer 2.35x its calls' p95 at p95). Half a slot keeps
+#: that wait to half a call (1.83x over 60 s, docs/benchmarks.md).
 SHARED_READY_PER_SLOT = 0.5
 #: How long, after a round that filled the window from several sources, the
 #: ready lists stay shallow: a trickling source has nothing pending most of the
