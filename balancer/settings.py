@@ -302,6 +302,9 @@ class Settings:
     end_game: bool = _setting(
         "on: the last tasks go where they finish soonest (balancer.domain.endgame); off: greedy to the end", True,
         _switch)
+    source_fairness: bool = _setting(
+        "on: fill the dispatch window across sources by weight (balancer.domain.fairshare); off: priority, then age",
+        True, _switch)
     dedup: bool = _setting(
         "on: every new task may take the answer of an identical solved task instead of a call", False, _switch)
     hedge_budget: float = _setting("share of the run's tokens that hedges of straggling calls may use (0: none)", 0.05,

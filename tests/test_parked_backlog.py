@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.domain.quota import Quota
-from balancer.pipeline import dispatcher
+from balancer.pipeline import dispatcher, fairness
 from balancer.services import Services
 from balancer.settings import Settings
 
@@ -44,7 +44,7 @@ def test_tasks_pinned_to_a_disabled_model_are_not_read(migrated, parked: int) ->
     with svc.engine.begin() as conn:  # one round's reads, as the dispatcher makes them
         pinned = dispatcher.claim_pinned(conn, {"on": 4})
         reserved = dispatcher.models_with_pinned_backlog(conn, ["on", "off"], exclude=[t.id for t in pinned])
-        window = dispatcher.claim_window(conn, 16, {"on": 4})
+        window = fairness.claim_flexible(svc, conn, 16, {"on": 4}).tasks
         read = rows_read(conn)
     assert [t.allowed_models for t in pinned] == [("on",)] * 4
     assert reserved == {"on", "off"}

@@ -34,6 +34,8 @@ BEAT_SEEN = ":beat:seen"
 ROUTER_ADMISSION_INFIX = ":router:admission:"
 ROUTER_IDEMPOTENCY_INFIX = ":router:idempotency:"
 LIVE_CALLS = ":calls:live"
+FAIR_SHARES = ":fairshare"
+FAIR_SHARED = ":fairshare:shared"
 
 
 def tag(namespace: str) -> str:
@@ -120,6 +122,18 @@ def router_idempotency(namespace: str, key: str) -> str:
 def broker_prefix(namespace: str) -> str:
     """kombu's ``global_keyprefix`` for this namespace's broker keys."""
     return namespace + ":"
+
+
+def fair_shares(namespace: str) -> str:
+    """The fair share's state across dispatch rounds (hash): ``d:<source>`` -> deficit
+    in tokens, ``last`` -> the source served last (see :mod:`balancer.domain.fairshare`)."""
+    return tag(namespace) + FAIR_SHARES
+
+
+def fair_shared(namespace: str) -> str:
+    """Set (with an expiry) while several sources have shared the dispatch window recently:
+    the ready lists stay shallow meanwhile (:data:`balancer.domain.fairshare.SHARED_READY_PER_SLOT`)."""
+    return tag(namespace) + FAIR_SHARED
 
 
 def namespace_patterns(namespace: str) -> tuple[str, str]:

@@ -358,6 +358,10 @@ def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = 
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_text(text, encoding="utf-8")
+    if scenario.kind == "sources":
+        from balancer.bench import sources
+
+        return sources.main(scenario, path, out, console)
     if scenario.kind in ("overhead", "backlog"):
         from balancer.bench import backlog, overhead
 

@@ -73,8 +73,9 @@ def _register() -> None:
         cli.add_command(command)
     cli.add_command(tasks.tasks)
     cli.add_command(web.web)
-    from balancer.cli import results, source
+    from balancer.cli import results, source, source_weight
 
+    source.source.add_command(source_weight.set_command)
     cli.add_command(source.source)
     cli.add_command(results.results)
 

@@ -78,7 +78,7 @@ class Scenario:
     workload: Workload
     time_scale: float = 1.0
     seed: int = 0
-    kind: str = "makespan"  # makespan | overhead | backlog
+    kind: str = "makespan"  # makespan | overhead | backlog | sources
     extra: dict = field(default_factory=dict)
 
     def quotas(self) -> list[Quota]:
@@ -183,8 +183,8 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
     if workload.tasks < 1 or not 0 <= workload.pinned_fraction <= 1:
         raise ScenarioError("workload.tasks must be >= 1 and pinned_fraction in [0, 1]")
     kind = data.get("kind", "makespan")
-    if kind not in ("makespan", "overhead", "backlog"):
-        raise ScenarioError(f"kind must be makespan, overhead or backlog, got {kind!r}")
+    if kind not in ("makespan", "overhead", "backlog", "sources"):
+        raise ScenarioError(f"kind must be makespan, overhead, backlog or sources, got {kind!r}")
     known = {"name", "seed", "time_scale", "kind", "models", "workload"}
     return Scenario(
         name=str(data.get("name", name)),

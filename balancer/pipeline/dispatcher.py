@@ -7,7 +7,9 @@ work in a queue.
 
 Each round locks two sets of pending tasks, skipping rows another dispatcher
 holds: the *pinned lane* (for each model with free slots, up to that many tasks
-pinned to it alone) and a window of the rest by priority, then age. Pinned
+pinned to it alone) and a window of the rest: priority first, and within a
+priority, turns across sources by weight (:mod:`balancer.pipeline.fairness`),
+so a backfill from one source does not stand ahead of a live one. Pinned
 tasks have nowhere else to go, so they get first claim on their model: they
 go first in the batch, and while a model still has pinned tasks pending
 (counting those another dispatcher holds) it takes no flexible work. So a slow
@@ -54,12 +56,12 @@ from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import AdmissionCore, ModelLive, open_slots
 from balancer.domain import endgame
 from balancer.domain import ready as ready_lists
+from balancer.pipeline import fairness
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.claims import (
     PendingTask,
     claim_pinned,
-    claim_window,
     fail_pending,
     mark_queued,
     models_with_pinned_backlog,
@@ -176,7 +178,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             # A model with ready tasks takes those first (take_from_ready), not new flexible work.
             reserved |= {name for name, m in view.items() if m.ready}
             limit = claim_limit(free, window)
-            claimed = claim_window(conn, limit, free)
+            fair = fairness.claim_flexible(services, conn, limit, free)
+            claimed = fair.tasks
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:
                 kept = finish_time_aware(
@@ -205,6 +208,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                         report.retry_in_ms = wait
             mark_queued(conn, [(a.task_id, a.model, a.admission_id) for a in admitted], services.settings.lease_seconds)
             fail_pending(conn, failed)
+        fairness.settle(services, fair, {a.task_id for a in admitted} | {task_id for task_id, _ in failed})
         publish(admitted)
         if round_no == 0 and stocking:
             # Refill the lists now, not only at the end: the next rounds publish
@@ -236,8 +240,9 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
     return len(assignments)
 
 
-def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, int]:
-    """For each model whose slots bind it, how many tasks its ready list lacks.
+def stock_targets(view: dict[str, ModelLive], settings: Settings, per_slot: float | None = None) -> dict[str, int]:
+    """For each model whose slots bind it, how many tasks its ready list lacks
+    (at ``per_slot`` entries per slot, default ``settings.ready_per_slot``).
 
     Only models that concurrency binds: enabled, not paused, a token bucket at
     least half full and requests in hand. A model that tokens or requests
@@ -251,7 +256,9 @@ def stock_targets(view: dict[str, ModelLive], settings: Settings) -> dict[str, i
         if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
             continue
         mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms if m.latency_known else None
-        room = ready_lists.depth(q.max_concurrent_requests, mean_ms, settings.ready_per_slot, settings.ready_ttl) - m.ready
+        depth = ready_lists.depth(q.max_concurrent_requests, mean_ms,
+                                  settings.ready_per_slot if per_slot is None else per_slot, settings.ready_ttl)
+        room = depth - m.ready
         if room > 0:
             targets[name] = room
     return targets
@@ -267,14 +274,17 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     model's call even without the stocked tasks: the end game decides the rest.
     """
     settings = services.settings
-    targets = stock_targets(view, settings)
+    per_slot = fairness.ready_per_slot(services)  # shallow while sources share (balancer.domain.fairshare)
+    targets = stock_targets(view, settings, per_slot)
     if not targets:
         return 0
     wanted = sum(targets.values())
     with services.engine.begin() as conn:
         pinned = claim_pinned(conn, targets)
-        flexible = claim_window(conn, wanted, targets)
-        placed = place_ready(pinned, flexible, targets)
+        fair = fairness.claim_flexible(services, conn, wanted, targets)
+        if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
+            targets = stock_targets(view, settings, shallow)  # sources met in this very claim
+        placed = place_ready(pinned, fair.tasks, targets)
         if not placed:
             return 0
         mean_tokens = sum(t.estimated_tokens for t, _ in placed) / len(placed)
@@ -292,6 +302,7 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     # deadline, when the sweep returns them, as with a lost publish.
     stocked = services.core.stock(entries, round(settings.ready_ttl * 1000))
     lost = [(task_id, lid) for (_, task_id, _, lid), done in zip(entries, stocked, strict=True) if not done]
+    fairness.settle(services, fair, {task_id for (_, task_id, _, _), done in zip(entries, stocked, strict=True) if done})
     if lost:  # the model was removed meanwhile
         with services.engine.begin() as conn:
             unstock(conn, lost)

@@ -1,0 +1,67 @@
+"""The dispatcher's flexible window, filled fairly across sources.
+
+:func:`claim_flexible` claims each source's head (:func:`balancer.storage.claims.claim_by_source`)
+and orders the window by weighted deficit round robin
+(:mod:`balancer.domain.fairshare`), with the weights of ``balancer source
+set`` and the round robin's state from Redis (:mod:`balancer.admission.shares`).
+:func:`settle` then gives back what the admission did not take and stores the
+state. With one source pending there is nothing to share: the window is
+claimed as with fairness off (:func:`balancer.storage.claims.claim_window`,
+which never reads tasks no open model may take), and no state is read or
+written. ``BALANCER_SOURCE_FAIRNESS=off``
+claims the window by priority, then age, across all sources (the old rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Connection
+
+from balancer.admission import shares as shared_state
+from balancer.domain import fairshare
+from balancer.services import Services
+from balancer.storage.claims import PendingTask, claim_by_source, claim_window, pending_sources
+from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
+
+
+@dataclass(frozen=True)
+class Window:
+    """The flexible tasks a round claimed, in admission order, and the share
+    state after charging all of them (``None``: no sharing took place)."""
+
+    tasks: list[PendingTask]
+    shares: fairshare.Shares | None = None
+
+
+def claim_flexible(services: Services, conn: Connection, limit: int, open_models: Iterable[str]) -> Window:
+    """Lock and order up to ``limit`` flexible tasks for this round."""
+    sources = pending_sources(conn) if services.settings.source_fairness else []
+    if len(sources) <= 1:
+        return Window(claim_window(conn, limit, open_models))
+    queues = claim_by_source(conn, sources, limit, open_models)
+    if len(queues) <= 1:
+        return Window([task for queue in queues.values() for task in queue][:limit])
+    state = shared_state.load(services.redis, services.settings.namespace)
+    order, after = fairshare.fill(queues, limit, weights(conn), state, default_weight=DEFAULT_WEIGHT)
+    return Window(order, after)
+
+
+def settle(services: Services, window: Window, served: Collection[int]) -> None:
+    """Refund the window's tasks not in ``served`` (task ids) and store the state."""
+    if window.shares is None:
+        return
+    unserved: Sequence[tuple[str, int]] = [(t.source, t.estimated_tokens) for t in window.tasks if t.id not in served]
+    shared_state.save(services.redis, services.settings.namespace, fairshare.refund(window.shares, unserved),
+                      fairshare.SHARED_FOR_MS)
+
+
+def ready_per_slot(services: Services, *, shared_now: bool = False) -> float:
+    """Ready-list entries per slot: shallow while sources share the window (in
+    this claim, ``shared_now``, or within :data:`balancer.domain.fairshare.SHARED_FOR_MS`)."""
+    settings = services.settings
+    if not settings.source_fairness or settings.ready_per_slot <= fairshare.SHARED_READY_PER_SLOT:
+        return settings.ready_per_slot
+    shared = shared_now or shared_state.recently_shared(services.redis, settings.namespace)
+    return fairshare.ready_per_slot(settings.ready_per_slot, shared)
