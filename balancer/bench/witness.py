@@ -200,7 +200,7 @@ def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_ans
         before = bisect.bisect_left(answers, f.start) - bisect.bisect_left(answers, f.start - 3 * RATE_WINDOW_S)
         target = RATE_SHARE * before / 3  # answers per RATE_WINDOW_S
         back: float | None = None
-        t = f.end
+        t = f.end if first is None else answers[i]  # the rate is not back before the first answer
         while t + RATE_WINDOW_S <= last_answer:  # past it, the backlog ran out: no rate to return to
             done = bisect.bisect_left(answers, t + RATE_WINDOW_S) - bisect.bisect_left(answers, t)
             if done >= target:
