@@ -16,6 +16,7 @@ from balancer.bench.witness import (
     FaultWindow,
     TaskRow,
     WriteEvent,
+    overlapping_calls,
     quota_breaches,
     recoveries,
     repeated_calls,
@@ -38,6 +39,15 @@ def test_a_repeat_is_explained_only_by_a_kill_of_the_worker_running_the_first_ca
     # b's first call ran on model n, whose worker nobody killed; a kill of worker-m after it explains nothing
     assert by_task[2].explained_by is None
     assert orphans == 0
+
+
+def test_two_calls_of_one_task_at_once_are_an_overlap_unless_its_worker_was_killed() -> None:
+    calls = [call(0.0, 2.0, "a"), call(1.0, 3.0, "a", status=500), call(0.0, 2.0, "b"), call(1.5, 2.5, "b"),
+             call(3.0, 4.0, "b", status=429)]
+    overlaps = overlapping_calls(calls, {"a": 1, "b": 2}, kills=[("worker-m", 1.2)])
+    # task 1's second call started before the kill: nothing explains it; task 2's started after it
+    assert [(o.task_id, o.explained_by) for o in overlaps] == [(1, None), (2, "worker-m killed at 1.200")]
+    assert overlapping_calls([call(0.0, 1.0, "a"), call(1.0, 2.0, "a")], {"a": 1}, kills=[]) == []
 
 
 def test_calls_of_no_task_are_counted_apart_and_429s_pay_nothing() -> None:

@@ -103,8 +103,8 @@ def _beliefs(iso: IsolatedServices, backend_url: str, label: str) -> str:
     except Exception as exc:  # noqa: BLE001 - Redis may be down: that is the belief then
         leases = {"?": f"unreadable ({type(exc).__name__})"}
     with iso.services.engine.connect() as conn:
-        running: dict[str, int] = dict(conn.execute(sa.text(
-            "SELECT model, count(*) FROM tasks WHERE status = 'running' GROUP BY model")).tuples().all())
+        running: dict[str, int] = {model: int(n) for model, n in conn.execute(sa.text(
+            "SELECT model, count(*) FROM tasks WHERE status = 'running' GROUP BY model")).all()}
     truth = httpx.get(f"{backend_url}/stats", timeout=10).json()["in_flight"]
     models = sorted(set(truth) | {m for m in running if m})
     diff = [f"{m}: leases {leases.get(m, 0)}, running rows {running.get(m, 0)}, backend {truth.get(m, 0)}"

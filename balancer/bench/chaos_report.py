@@ -28,6 +28,8 @@ def render(result: ChaosResult) -> str:
         ("calls started over the concurrency quota in force", str(len(r.quota_breaches)), not r.quota_breaches),
         ("answered calls repeated", f"{len(r.repeats)} ({len(r.repeats) - len(unexplained)} explained by a kill)", True),
         ("unexplained repeated calls", str(len(unexplained)), not unexplained),
+        ("one task's calls overlapping (unexplained)",
+         f"{len(r.overlaps)} ({len(r.unexplained_overlaps)})", not r.unexplained_overlaps),
         ("429s", ", ".join(f"{k} {v}" for k, v in sorted(r.rate_limited.items())) or "0", True),
         ("recovery after a fault's end, p99 (s)", "none" if p99 is None else f"{p99:.1f}", p99 is None or p99 <= 60),
         ("processes that died on their own", ", ".join(r.deaths) or "none", not r.deaths),
@@ -60,7 +62,10 @@ def render(result: ChaosResult) -> str:
     for rep in r.repeats:
         lines.append(f"- task {rep.task_id}: first on {rep.model} {rep.first_call[0]:.3f}–{rep.first_call[1]:.3f},"
                      f" again at {rep.repeat_at:.3f}: {rep.explained_by or 'UNEXPLAINED'}")
+    overlaps = [f"task {o.task_id}: {o.first[0]:.3f}–{o.first[1]:.3f} on {o.model} and {o.second[0]:.3f}–{o.second[1]:.3f}:"
+                f" {o.explained_by or 'UNEXPLAINED'}" for o in r.overlaps]
     for title, items in (("Limit breaches", r.provider_violations + r.quota_breaches),
+                         ("Overlapping calls of one task", overlaps),
                          ("Tasks ended twice", [str(t) for t in r.ended_twice[:50]]),
                          ("What the parts believed after each fault (leases in Redis, running rows in PostgreSQL,"
                           " calls in flight at the backend; only disagreements are listed)", result.beliefs)):

@@ -12,8 +12,8 @@ processes that died). Times are Unix seconds.
 >>> writes = [WriteEvent(1, "running", "solved", True, 1.1)]
 >>> report = witness(calls, tasks, writes, expected_tasks=1, quota_caps={"m": [(0.0, 1)]}, provider={},
 ...                  faults=[], kills=[], deaths=[])
->>> report.passed, report.lost, report.double_written, report.repeats
-(True, 0, 0, [])
+>>> report.passed, report.lost, report.double_written, report.repeats, report.overlaps
+(True, 0, 0, [], [])
 """
 
 from __future__ import annotations
@@ -70,6 +70,15 @@ class Repeat:
 
 
 @dataclass(frozen=True)
+class Overlap:
+    task_id: int
+    model: str
+    first: tuple[float, float]
+    second: tuple[float, float]
+    explained_by: str | None
+
+
+@dataclass(frozen=True)
 class Recovery:
     fault: str
     first_answer_s: float | None  # from the fault's end to the first answer written after it
@@ -93,6 +102,7 @@ class WitnessReport:
     provider_violations: list[str]
     quota_breaches: list[str]
     repeats: list[Repeat]
+    overlaps: list[Overlap]
     rate_limited: dict[str, int]
     recoveries: list[Recovery]
     deaths: list[str]
@@ -102,6 +112,10 @@ class WitnessReport:
     @property
     def unexplained_repeats(self) -> list[Repeat]:
         return [r for r in self.repeats if r.explained_by is None]
+
+    @property
+    def unexplained_overlaps(self) -> list[Overlap]:
+        return [o for o in self.overlaps if o.explained_by is None]
 
     @property
     def recovery_p99(self) -> float | None:
@@ -114,7 +128,8 @@ class WitnessReport:
     def passed(self) -> bool:
         p99 = self.recovery_p99
         return (self.lost == 0 and not self.ended_twice and self.double_written == 0 and not self.provider_violations
-                and not self.quota_breaches and not self.unexplained_repeats and not self.deaths
+                and not self.quota_breaches and not self.unexplained_repeats and not self.unexplained_overlaps
+                and not self.deaths
                 and self.tasks == self.expected_tasks and (p99 is None or p99 <= 60.0))
 
 
@@ -189,6 +204,36 @@ def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int
     return repeats, orphans
 
 
+def _kill_during(kill_times: Mapping[str, list[float]], model: str, start: float, end: float) -> str | None:
+    times = kill_times.get(f"worker-{model}", [])
+    j = bisect.bisect_left(times, start)
+    return f"worker-{model} killed at {times[j]:.3f}" if j < len(times) and times[j] <= end else None
+
+
+def overlapping_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int],
+                      kills: Sequence[tuple[str, float]]) -> list[Overlap]:
+    """Two accepted calls of one task running at once (whatever they answered), each
+    explained only by a kill of the worker that ran the earlier one, during it."""
+    kill_times: dict[str, list[float]] = {}
+    for name, at in sorted(kills, key=lambda k: k[1]):
+        kill_times.setdefault(name, []).append(at)
+    by_task: dict[int, list[Mapping[str, Any]]] = {}
+    for c in calls:
+        task = task_of.get(c.get("prompt_key", ""))
+        if c["status"] != 429 and task is not None:
+            by_task.setdefault(task, []).append(c)
+    out = []
+    for task, own in sorted(by_task.items()):
+        own.sort(key=lambda c: c["start"])
+        for i, later in enumerate(own[1:], start=1):
+            for earlier in own[:i]:
+                if later["start"] < earlier["end"]:
+                    out.append(Overlap(task, earlier["model"], (earlier["start"], earlier["end"]),
+                                       (later["start"], later["end"]),
+                                       _kill_during(kill_times, earlier["model"], earlier["start"], later["start"])))
+    return out
+
+
 def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_answer: float) -> list[Recovery]:
     """Per fault: the first answer after its end, and when the answer rate over
     RATE_WINDOW_S came back to RATE_SHARE of the rate before the fault began."""
@@ -247,11 +292,12 @@ def witness(
             refused[kind] = refused.get(kind, 0) + 1
     task_of = {t.prompt_key: t.id for t in tasks}
     repeats, orphans = repeated_calls(calls, task_of, kills)
+    overlaps = overlapping_calls(calls, task_of, kills)
     answers = [w.at for w in writes if w.new_status == "solved" and w.old_status != "solved"]
     last = max(answers, default=0.0)
     return WitnessReport(
         tasks=len(tasks), expected_tasks=expected_tasks, ended=ended, lost=lost + max(0, expected_tasks - len(tasks)),
         ended_twice=twice, failed_without_reason=no_reason, double_written=double, provider_violations=violations,
-        quota_breaches=quota_breaches(calls, quota_caps), repeats=repeats, rate_limited=refused,
+        quota_breaches=quota_breaches(calls, quota_caps), repeats=repeats, overlaps=overlaps, rate_limited=refused,
         recoveries=recoveries(faults, answers, last), deaths=list(deaths), calls_of_no_task=orphans,
     )
