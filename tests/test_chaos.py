@@ -101,6 +101,11 @@ def test_recovery_is_the_first_answer_and_the_return_to_the_rate_before() -> Non
     assert rec.rate_back_s == 5.0  # from 45 on, 10 answers every 10 s: the rate before
     (never,) = recoveries([FaultWindow("f", "pg_stall", 30.0, 40.0)], before + [41.0, 60.0, 79.0], last_answer=79.0)
     assert never.rate_back_s == float("inf")
+    # arrivals slowed after the fault: the rate stays low, but the backlog is back to its size at the fault's start
+    opened = [float(t) for t in range(0, 36)]  # a task an s until 35, then none
+    closed = before + [41.0, 50.0, 55.0, 60.0, 70.0, 79.0]
+    (caught_up,) = recoveries([FaultWindow("f", "pg_stall", 30.0, 40.0)], closed, 79.0, opened, closed)
+    assert caught_up.rate_back_s == 30.0  # at 70: 36 stored, 35 ended; 1 open, as at 30 (31 stored, 30 ended)
 
 
 # -- the schedule ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ flight. Loopback only; every loop is bounded in time.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -31,7 +32,7 @@ import httpx
 import sqlalchemy as sa
 from rich.console import Console
 
-from balancer.bench.chaos_faults import Injector
+from balancer.bench.chaos_faults import Injector, RouterCallers
 from balancer.bench.chaos_plan import Fault, draw_schedule, kind_counts
 from balancer.bench.chaos_report import render
 from balancer.bench.witness import FaultWindow, TaskRow, WitnessReport, WriteEvent, witness
@@ -40,10 +41,11 @@ from balancer.devtools.runner import IsolatedServices, fetch_log, wait_until_con
 from balancer.devtools.sim.audit import limits_for
 from balancer.devtools.sim.config import SimModel, default_models
 from balancer.devtools.sim.server import prompt_key
+from balancer.devtools.supervisor import wait_for_http
 from balancer.devtools.tcpproxy import StallProxy
 
 #: Seconds between the loop's steps, and between reads of the simulator's log.
-STEP_S, LOG_EVERY_S = 0.25, 5.0
+STEP_S, LOG_EVERY_S, PROGRESS_EVERY_S = 0.25, 5.0, 30.0
 #: After a fault ends, when the parts' beliefs are compared.
 BELIEF_DELAY_S = 5.0
 
@@ -169,7 +171,11 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
         for name in names:
             supervisor.start(f"worker-{name}", ["worker", "--model", name, "--loglevel", "WARNING"], worker_db)
         supervisor.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
+        router_port = free_port()
+        router = supervisor.start("router", ["router", "--port", str(router_port)])
+        wait_for_http(f"http://127.0.0.1:{router_port}/advice", child=router)
         wait_until_consuming(supervisor, nodes=1 + len(names))
+        callers = RouterCallers(f"http://127.0.0.1:{router_port}", backend_url, seed).start()
         injector = Injector(
             supervisor, servers, redis_port, redis_dir, proxy, backend_url, quotas, inbox, dict(supervisor.env),
             lambda n, count: prompt_lines(f"chaos-{seed}-inbox{n}", count, names, rng))
@@ -182,7 +188,7 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
         begun: dict[int, float] = {}
         checks: list[tuple[float, str]] = []
         t0 = time.time()
-        log_read_at = drained_at = 0.0
+        log_read_at = drained_at = said_at = 0.0
         deadline = t0 + window + drain_timeout
         try:
             while time.time() < deadline:
@@ -212,6 +218,12 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                     new, cursor = fetch_log(backend_url, cursor)
                     entries.extend(new)
                     log_read_at = time.monotonic()
+                if time.monotonic() - said_at >= PROGRESS_EVERY_S:
+                    with iso.services.engine.connect() as conn:
+                        counts = dict(conn.execute(sa.text("SELECT status, count(*) FROM tasks GROUP BY status")).all())
+                    console.print(f"+{now:6.0f}s  tasks {counts}  faults to start {len(starts)}, to end {len(ends)}"
+                                  f"  deaths {len(deaths)}")
+                    said_at = time.monotonic()
                 if not starts and not ends and not per_batch:
                     with iso.services.engine.connect() as conn:
                         open_tasks = conn.execute(sa.text(
@@ -222,6 +234,7 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                         break
                 time.sleep(STEP_S)
         finally:
+            callers.stop()
             injector.restart_all()
             injector.settle()
             elapsed = time.time() - t0
@@ -232,7 +245,8 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
     console.print(f"logs were in {iso.workdir / 'logs'}")
     return ChaosResult(seed, command, minutes, len(names), schedule, report, beliefs, injector.actions, elapsed,
                        drained_at > 0, {"faults": kind_counts(schedule), "submitted": submitted,
-                                        "inbox_tasks": injector.inbox_tasks, "calls": len(entries)})
+                                        "inbox_tasks": injector.inbox_tasks, "calls": len(entries),
+                                        "router_answered": callers.answered, "router_failed": callers.failed})
 
 
 def _witness(iso: IsolatedServices, entries: list[dict[str, Any]], expected: int, quotas: dict, windows: list[FaultWindow],
@@ -243,6 +257,12 @@ def _witness(iso: IsolatedServices, entries: list[dict[str, Any]], expected: int
             "SELECT task_id, old_status, new_status, answer_written, extract(epoch FROM at) FROM chaos_writes")).all()
         changes = conn.execute(sa.text(
             "SELECT model, extract(epoch FROM changed_at), action, new_value FROM quota_changes ORDER BY id")).all()
+    evidence = {"calls": entries, "tasks": [[r.id, prompt_key(r.prompt), r.status, r.error] for r in rows],
+                "writes": [[w[0], w[1], w[2], bool(w[3]), float(w[4])] for w in writes],
+                "quota_changes": [[m, float(at), action, new] for m, at, action, new in changes],
+                "faults": [list(vars(f).values()) for f in windows], "kills": kills, "deaths": deaths}
+    with gzip.open(iso.workdir / "evidence.json.gz", "wt") as fh:  # the witness's inputs, to check again by hand
+        json.dump(evidence, fh)
     caps: dict[str, list[tuple[float, int | None]]] = {}
     for model, at, action, new in changes:
         caps.setdefault(model, []).append((float(at), None if action == "remove" else int(new["max_concurrent_requests"])))

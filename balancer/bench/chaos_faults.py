@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -207,3 +208,49 @@ class Injector:
         for future in self._pending:
             future.result(timeout=120)
         self._pool.shutdown(wait=True)
+
+
+class RouterCallers:
+    """Callers outside Celery: each takes a slot from ``balancer router``, calls the
+    backend itself with a prompt of its own, and completes the slot, one call after
+    another until :meth:`stop`. Faults hit them as they hit the pipeline; what
+    fails is counted, never retried beyond the client's own retries."""
+
+    def __init__(self, router_url: str, backend_url: str, seed: int, callers: int = 2) -> None:
+        self.router_url, self.backend_url, self.seed = router_url, backend_url, seed
+        self.answered = self.failed = 0
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(n,), name=f"router-caller-{n}", daemon=True)
+                         for n in range(callers)]
+
+    def start(self) -> RouterCallers:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def _run(self, caller: int) -> None:
+        from balancer.client import RouterClient
+        from balancer.domain.tokens import heuristic_prompt_tokens
+
+        count = 0
+        with RouterClient(self.router_url) as client, httpx.Client(timeout=30) as http:
+            while not self._stop.is_set():
+                count += 1
+                prompt = f"router-{self.seed}-{caller}-{count} " + "word " * 40
+                try:
+                    with client.slot(heuristic_prompt_tokens(prompt) + 64, timeout=20) as slot:
+                        reply = http.post(f"{self.backend_url}/single",
+                                          json={"model": slot.model, "prompt": prompt, "max_tokens": 64})
+                        usage = reply.json().get("usage") or {}
+                        slot.actual_tokens = sum(usage.values()) or None
+                    self.answered += reply.status_code == 200
+                    self.failed += reply.status_code != 200
+                except Exception:  # noqa: BLE001 - the router or the backend is down: count it, go on
+                    self.failed += 1
+                    self._stop.wait(1.0)
+                self._stop.wait(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)

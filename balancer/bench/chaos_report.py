@@ -41,7 +41,9 @@ def render(result: ChaosResult) -> str:
         f"Seed {result.seed}; {result.models} models (one worker process each); fault window {result.minutes:g} min;"
         f" run {result.elapsed_s:.0f} s; {result.extra.get('calls', 0)} backend calls;"
         f" faults: {sum(result.extra.get('faults', {}).values())}"
-        f" ({', '.join(f'{k} {v}' for k, v in sorted(result.extra.get('faults', {}).items()))}).",
+        f" ({', '.join(f'{k} {v}' for k, v in sorted(result.extra.get('faults', {}).items()))});"
+        f" router callers: {result.extra.get('router_answered', 0)} calls answered,"
+        f" {result.extra.get('router_failed', 0)} failed (their calls count in the limits, not as tasks).",
         f"Verdict: {'PASSED' if r.passed and result.drained else 'FAILED'}.",
         "",
         "| figure | value | target |",

@@ -82,7 +82,7 @@ class Overlap:
 class Recovery:
     fault: str
     first_answer_s: float | None  # from the fault's end to the first answer written after it
-    rate_back_s: float | None  # from the fault's end until the rate returned (inf: it never did; None: the backlog ran out first)
+    rate_back_s: float | None  # from the fault's end until the pipeline was back (inf: never)
 
     @property
     def seconds(self) -> float | None:
@@ -234,28 +234,35 @@ def overlapping_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, 
     return out
 
 
-def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_answer: float) -> list[Recovery]:
-    """Per fault: the first answer after its end, and when the answer rate over
-    RATE_WINDOW_S came back to RATE_SHARE of the rate before the fault began."""
-    answers = sorted(answers)
+def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_answer: float,
+               opened: Sequence[float] = (), closed: Sequence[float] = ()) -> list[Recovery]:
+    """Per fault: the first answer after its end, and when the pipeline was back:
+    the answer rate over RATE_WINDOW_S at RATE_SHARE of the rate before the fault
+    began, or its backlog (tasks stored and not ended; ``opened``/``closed`` are
+    those times) no larger than when the fault began. A pipeline that keeps up
+    with its arrivals answers at their rate, not at its pre-fault one."""
+    answers, opened, closed = sorted(answers), sorted(opened), sorted(closed)
+
+    def backlog(t: float) -> int:
+        return bisect.bisect_right(opened, t) - bisect.bisect_right(closed, t)
+
     out = []
     for f in faults:
         i = bisect.bisect_right(answers, f.end)
         first = answers[i] - f.end if i < len(answers) else None
         before = bisect.bisect_left(answers, f.start) - bisect.bisect_left(answers, f.start - 3 * RATE_WINDOW_S)
         target = RATE_SHARE * before / 3  # answers per RATE_WINDOW_S
+        start_backlog = backlog(f.start) if opened else -1
         back: float | None = None
-        t = f.end if first is None else answers[i]  # the rate is not back before the first answer
-        while t + RATE_WINDOW_S <= last_answer:  # past it, the backlog ran out: no rate to return to
+        t = f.end if first is None else answers[i]  # not back before the first answer
+        while t <= last_answer:
             done = bisect.bisect_left(answers, t + RATE_WINDOW_S) - bisect.bisect_left(answers, t)
-            if done >= target:
+            if done >= target or backlog(t) <= start_backlog:
                 back = t - f.end
                 break
             t += 1.0
-        if back is None and target == 0:
-            back = 0.0
-        elif back is None and last_answer >= f.end + RATE_WINDOW_S:
-            back = float("inf")  # work remained and the rate never came back
+        if back is None:
+            back = 0.0 if target == 0 else float("inf")  # work remained and the pipeline never caught up
         out.append(Recovery(f.label, first, back))
     return out
 
@@ -295,9 +302,11 @@ def witness(
     overlaps = overlapping_calls(calls, task_of, kills)
     answers = [w.at for w in writes if w.new_status == "solved" and w.old_status != "solved"]
     last = max(answers, default=0.0)
+    opened = [w.at for w in writes if w.old_status is None]
+    closed = [w.at for w in writes if w.new_status in TERMINAL and w.old_status not in TERMINAL]
     return WitnessReport(
         tasks=len(tasks), expected_tasks=expected_tasks, ended=ended, lost=lost + max(0, expected_tasks - len(tasks)),
         ended_twice=twice, failed_without_reason=no_reason, double_written=double, provider_violations=violations,
         quota_breaches=quota_breaches(calls, quota_caps), repeats=repeats, overlaps=overlaps, rate_limited=refused,
-        recoveries=recoveries(faults, answers, last), deaths=list(deaths), calls_of_no_task=orphans,
+        recoveries=recoveries(faults, answers, last, opened, closed), deaths=list(deaths), calls_of_no_task=orphans,
     )
