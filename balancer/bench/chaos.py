@@ -220,7 +220,8 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                     log_read_at = time.monotonic()
                 if time.monotonic() - said_at >= PROGRESS_EVERY_S:
                     with iso.services.engine.connect() as conn:
-                        counts = dict(conn.execute(sa.text("SELECT status, count(*) FROM tasks GROUP BY status")).all())
+                        counts = {status: int(n) for status, n in conn.execute(
+                            sa.text("SELECT status, count(*) FROM tasks GROUP BY status")).all()}
                     console.print(f"+{now:6.0f}s  tasks {counts}  faults to start {len(starts)}, to end {len(ends)}"
                                   f"  deaths {len(deaths)}")
                     said_at = time.monotonic()
