@@ -23,7 +23,6 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from rich.console import Console
 
 from balancer.bench.chaos_faults import Injector, RouterCallers
 from balancer.bench.chaos_plan import Fault, draw_schedule, kind_counts
-from balancer.bench.chaos_report import render
+from balancer.bench.chaos_report import ChaosResult, render
 from balancer.bench.witness import FaultWindow, TaskRow, WitnessReport, WriteEvent, witness
 from balancer.devtools.embedded import RedisProcess, free_port, start_redis
 from balancer.devtools.runner import IsolatedServices, fetch_log, wait_until_consuming
@@ -63,21 +62,6 @@ WRITE_LOG_SQL = [
     " (OLD.status IS DISTINCT FROM NEW.status OR OLD.answer IS DISTINCT FROM NEW.answer) EXECUTE FUNCTION chaos_note_write()",
     "CREATE TRIGGER chaos_witness_insert AFTER INSERT ON tasks FOR EACH ROW EXECUTE FUNCTION chaos_note_write()",
 ]
-
-
-@dataclass
-class ChaosResult:
-    seed: int
-    command: str
-    minutes: float
-    models: int
-    schedule: list[Fault]
-    report: WitnessReport
-    beliefs: list[str]
-    actions: list[str]
-    elapsed_s: float
-    drained: bool
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def prompt_lines(prefix: str, count: int, models: list[str], rng: random.Random) -> list[str]:

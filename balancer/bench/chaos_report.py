@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from balancer.bench.chaos import ChaosResult
+from balancer.bench.chaos_plan import Fault
+from balancer.bench.witness import WitnessReport
+
+
+@dataclass
+class ChaosResult:
+    seed: int
+    command: str
+    minutes: float
+    models: int
+    schedule: list[Fault]
+    report: WitnessReport
+    beliefs: list[str]
+    actions: list[str]
+    elapsed_s: float
+    drained: bool
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _mark(ok: bool) -> str:
