@@ -192,7 +192,7 @@ def test_a_short_chaos_run_holds_every_target(which: str, service_urls: tuple[st
     assert report.unexplained_overlaps == [], text
     known = [what for what, missed in (
         ("unexplained repeated calls", report.unexplained_repeats),
-        ("recovery p99 over 60 s", report.recovery_p99 is None or report.recovery_p99 > 60),
+        ("recovery p99 over 60 s", report.recovery_p99 is not None and report.recovery_p99 > 60),
         ("processes dead on their own", report.deaths)) if missed]
     if known:  # the open findings of docs/reliability.md (Chaos under load); strict once they are fixed
         pytest.xfail(f"seed {seed}: {', '.join(known)} (known open findings, see docs/reliability.md)")
