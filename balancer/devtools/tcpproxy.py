@@ -75,6 +75,7 @@ class StallProxy:
             pass
         finally:
             with contextlib.suppress(Exception):
+                await self._open.wait()  # a close crosses a partition no sooner than the bytes before it
                 writer.close()
 
     def stall(self) -> None:
