@@ -106,6 +106,9 @@ def test_recovery_is_the_first_answer_and_the_return_to_the_rate_before() -> Non
     closed = before + [41.0, 50.0, 55.0, 60.0, 70.0, 79.0]
     (caught_up,) = recoveries([FaultWindow("f", "pg_stall", 30.0, 40.0)], closed, 79.0, opened, closed)
     assert caught_up.rate_back_s == 30.0  # at 70: 36 stored, 35 ended; 1 open, as at 30 (31 stored, 30 ended)
+    # a fault after the last task ended has nothing to recover
+    (idle,) = recoveries([FaultWindow("f", "kill_beat", 90.0, 95.0)], closed, 79.0, opened, closed)
+    assert (idle.first_answer_s, idle.rate_back_s, idle.seconds) == (None, None, None)
 
 
 # -- the schedule ----------------------------------------------------------------------

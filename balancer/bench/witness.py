@@ -82,7 +82,7 @@ class Overlap:
 class Recovery:
     fault: str
     first_answer_s: float | None  # from the fault's end to the first answer written after it
-    rate_back_s: float | None  # from the fault's end until the pipeline was back (inf: never)
+    rate_back_s: float | None  # from the fault's end until the pipeline was back (inf: never; None: no work left)
 
     @property
     def seconds(self) -> float | None:
@@ -119,7 +119,9 @@ class WitnessReport:
 
     @property
     def recovery_p99(self) -> float | None:
-        values = sorted(r.seconds if r.seconds is not None else float("inf") for r in self.recoveries)
+        # A fault after which nothing was left to do has nothing to recover (both figures None).
+        values = sorted(r.seconds if r.seconds is not None else float("inf") for r in self.recoveries
+                        if r.first_answer_s is not None or r.rate_back_s is not None)
         if not values:
             return None
         return values[min(len(values) - 1, max(0, -(-99 * len(values) // 100) - 1))]
@@ -254,13 +256,16 @@ def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_ans
         target = RATE_SHARE * before / 3  # answers per RATE_WINDOW_S
         start_backlog = backlog(f.start) if opened else -1
         back: float | None = None
+        if first is None and opened and backlog(f.end) == 0:
+            out.append(Recovery(f.label, None, None))  # nothing was left to do after it
+            continue
         t = f.end if first is None else answers[i]  # not back before the first answer
         while t <= last_answer:
             done = bisect.bisect_left(answers, t + RATE_WINDOW_S) - bisect.bisect_left(answers, t)
             if done >= target or backlog(t) <= start_backlog:
                 back = t - f.end
                 break
-            t += 1.0
+            t = last_answer + 1.0 if t == last_answer else min(t + 1.0, last_answer)  # the last answer is checked too
         if back is None:
             back = 0.0 if target == 0 else float("inf")  # work remained and the pipeline never caught up
         out.append(Recovery(f.label, first, back))
