@@ -111,6 +111,16 @@ def test_recovery_is_the_first_answer_and_the_return_to_the_rate_before() -> Non
     assert (idle.first_answer_s, idle.rate_back_s, idle.seconds) == (None, None, None)
 
 
+def test_a_bad_option_is_one_line_and_exit_2() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "balancer.bench.chaos", "--minutes", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: Invalid value for '--minutes': 0.0 is not in the range 0.5<=x<=180."]
+
+
 # -- the schedule ----------------------------------------------------------------------
 def test_the_schedule_replays_from_its_seed_and_covers_every_kind() -> None:
     one = draw_schedule(seed=99, window_s=600, models=["a", "b", "c"])

@@ -282,5 +282,16 @@ def main(minutes: float, tasks: int, seed: int | None, model_count: int, time_sc
     sys.exit(0 if result.report.passed and result.drained else 1)
 
 
+def run_cli(argv: list[str] | None = None) -> None:
+    """``main`` with a bad option reported in one line (``error: ...``, exit 2), as ``balancer`` does."""
+    try:
+        main.main(args=argv, standalone_mode=False)
+    except click.UsageError as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    main()
+    run_cli()
