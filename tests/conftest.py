@@ -167,10 +167,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = os.environ.get("BALANCER_RELIABILITY_REPORT")
     if not path or not _RELIABILITY_ROWS:
         return
-    from tests.reliability import render
+    from tests.reliability import kept_chaos_section, render
 
+    previous = open(path).read() if os.path.exists(path) else ""
     with open(path, "w") as fh:
-        fh.write(render(_RELIABILITY_ROWS, passed=exitstatus == 0))
+        fh.write(render(_RELIABILITY_ROWS, passed=exitstatus == 0, tail=kept_chaos_section(previous)))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -19,7 +19,18 @@ COLUMNS = [
 ]
 
 
-def render(rows: list[dict], *, passed: bool) -> str:
+#: The heading of the chaos run's section, written by hand from `python -m balancer.bench.chaos`;
+#: regenerating the table above keeps it.
+CHAOS_HEADING = "## Chaos under load"
+
+
+def kept_chaos_section(previous: str) -> str:
+    """The chaos section of the file being regenerated, or ''."""
+    at = previous.find(CHAOS_HEADING)
+    return "" if at < 0 else "\n" + previous[at:]
+
+
+def render(rows: list[dict], *, passed: bool, tail: str = "") -> str:
     lines = [
         "# Reliability under faults",
         "",
@@ -40,4 +51,4 @@ def render(rows: list[dict], *, passed: bool) -> str:
     ]
     for row in rows:
         lines.append("| " + " | ".join(str(row.get(key, "")) for key, _ in COLUMNS) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + tail

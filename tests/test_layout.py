@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "web": {"admission", "domain", "errors", "settings", "services", "storage", "pipeline", "router"},
     "devtools": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline"},
     "bench": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline", "devtools",
-              "router", "web"},
+              "router", "web", "client"},
     "cli": {"admission", "storage", "backends", "domain", "errors", "settings", "services", "pipeline",
             "devtools", "bench", "router", "client", "web"},
 }

@@ -48,6 +48,11 @@ from balancer.domain.tokens import heuristic_prompt_tokens
 DEFAULT_MAX_TOKENS = 256
 
 
+def prompt_key(prompt: str) -> str:
+    """The key of a prompt in the call log (``prompt_key``): a witness maps calls to tasks by it."""
+    return hashlib.blake2b(prompt.encode(), digest_size=8).hexdigest()
+
+
 @dataclass
 class Faults:
     """Injected misbehaviour, per model ('*' = all)."""
@@ -162,17 +167,20 @@ class Simulator:
         prompt_tokens = heuristic_prompt_tokens(prompt)
         charge = prompt_tokens + max_tokens
         start = time.time()
+        key = prompt_key(prompt)
         forced = self.faults.get(self.faults.status, model)
         if forced == 429:
             retry_after = self.faults.get(self.faults.retry_after, model)
-            self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint, "injected": True})
+            self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint, "injected": True,
+                         "prompt_key": key})
             return 429, {"error": "rate limited (injected)"}, {} if retry_after is None else {"Retry-After": f"{retry_after:.3f}"}
         with self._lock:
             accepted, retry_after = limiter.try_start(start, charge)
         if not accepted:
             self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint,
                          "prompt_tokens": prompt_tokens, "charge": charge, "counted": 0, "limit": limiter.refused_by,
-                         "available_tokens": round(limiter.tokens, 1), "in_flight": limiter.in_flight})
+                         "available_tokens": round(limiter.tokens, 1), "in_flight": limiter.in_flight,
+                         "prompt_key": key})
             headers = {"Retry-After": f"{retry_after:.3f}", "retry-after-ms": str(math.ceil(retry_after * 1000))}
             return 429, {"error": "rate limited"}, {**headers, **self.rate_limit_headers(model, start)}
         drawn_latency, completion_tokens = self.draw(model, prompt, max_tokens)
@@ -210,7 +218,7 @@ class Simulator:
             counted = used if spec.accounting == "settle" else charge
             self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,
                          "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status in (200, 499) else 0,
-                         "charge": charge, "counted": counted, "client_gone": client_gone})
+                         "charge": charge, "counted": counted, "client_gone": client_gone, "prompt_key": key})
         return status, body, self.rate_limit_headers(model, end)
 
     def next_model(self) -> str:

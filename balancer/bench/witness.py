@@ -1,0 +1,317 @@
+"""The chaos run's independent witness: pure maths over what the backend and PostgreSQL saw.
+
+It never reads balancer's own counters. Its inputs are the simulated
+backend's call log (every call it accepted or refused, with a key of the
+prompt), the tasks' final rows, a log of every status and answer change that
+a PostgreSQL trigger wrote (``WriteEvent``), the quota changes PostgreSQL
+audited, the backend's own limits, and what the chaos run did (faults, kills,
+processes that died). Times are Unix seconds.
+
+>>> calls = [{"start": 0.0, "end": 1.0, "model": "m", "status": 200, "prompt_key": "k1", "counted": 10}]
+>>> tasks = [TaskRow(1, "k1", "solved", None)]
+>>> writes = [WriteEvent(1, "running", "solved", True, 1.1)]
+>>> report = witness(calls, tasks, writes, expected_tasks=1, quota_caps={"m": [(0.0, 1)]}, provider={},
+...                  faults=[], kills=[], deaths=[])
+>>> report.passed, report.lost, report.double_written, report.repeats, report.overlaps
+(True, 0, 0, [], [])
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from balancer.devtools.sim.audit import Limits, audit, calls_from_log
+
+TERMINAL = ("solved", "failed", "cancelled")
+#: A quota change reaches calls already admitted a moment later: a call is
+#: checked against the largest cap in force during this many seconds before it.
+QUOTA_SLACK_S = 1.0
+#: The rate a fault's recovery must return to: this share of the pre-fault rate,
+#: over a window of RATE_WINDOW_S, measured against the RATE_WINDOW_S * 3 before it.
+RATE_SHARE = 0.8
+RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    id: int
+    prompt_key: str
+    status: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class WriteEvent:
+    task_id: int
+    old_status: str | None
+    new_status: str
+    answer_written: bool  # the answer column changed to a value
+    at: float
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    label: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Repeat:
+    task_id: int
+    model: str  # the model of the earlier paid call
+    first_call: tuple[float, float]
+    repeat_at: float
+    explained_by: str | None  # the kill that was running it, or None
+
+
+@dataclass(frozen=True)
+class Overlap:
+    task_id: int
+    model: str
+    first: tuple[float, float]
+    second: tuple[float, float]
+    explained_by: str | None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    fault: str
+    first_answer_s: float | None  # from the fault's end to the first answer written after it
+    rate_back_s: float | None  # from the fault's end until the pipeline was back (inf: never; None: no work left)
+
+    @property
+    def seconds(self) -> float | None:
+        parts = [p for p in (self.first_answer_s, self.rate_back_s) if p is not None]
+        return max(parts) if parts else None
+
+
+@dataclass
+class WitnessReport:
+    tasks: int
+    expected_tasks: int
+    ended: dict[str, int]
+    lost: int
+    ended_twice: list[int]
+    failed_without_reason: list[int]
+    double_written: int
+    provider_violations: list[str]
+    quota_breaches: list[str]
+    repeats: list[Repeat]
+    overlaps: list[Overlap]
+    rate_limited: dict[str, int]
+    recoveries: list[Recovery]
+    deaths: list[str]
+    calls_of_no_task: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def unexplained_repeats(self) -> list[Repeat]:
+        return [r for r in self.repeats if r.explained_by is None]
+
+    @property
+    def unexplained_overlaps(self) -> list[Overlap]:
+        return [o for o in self.overlaps if o.explained_by is None]
+
+    @property
+    def recovery_p99(self) -> float | None:
+        # A fault after which nothing was left to do has nothing to recover (both figures None).
+        values = sorted(r.seconds if r.seconds is not None else float("inf") for r in self.recoveries
+                        if r.first_answer_s is not None or r.rate_back_s is not None)
+        if not values:
+            return None
+        return values[min(len(values) - 1, max(0, -(-99 * len(values) // 100) - 1))]
+
+    @property
+    def passed(self) -> bool:
+        p99 = self.recovery_p99
+        return (self.lost == 0 and not self.ended_twice and self.double_written == 0 and not self.provider_violations
+                and not self.quota_breaches and not self.unexplained_repeats and not self.unexplained_overlaps
+                and not self.deaths
+                and self.tasks == self.expected_tasks and (p99 is None or p99 <= 60.0))
+
+
+def _ends(writes: Sequence[WriteEvent]) -> dict[int, int]:
+    ends: dict[int, int] = {}
+    for w in writes:
+        if w.new_status in TERMINAL and w.old_status not in TERMINAL:
+            ends[w.task_id] = ends.get(w.task_id, 0) + 1
+    return ends
+
+
+def quota_breaches(calls: Sequence[Mapping[str, Any]], caps: Mapping[str, Sequence[tuple[float, int | None]]]) -> list[str]:
+    """Accepted calls that started with more calls in flight on their model than any
+    concurrency cap in force during the QUOTA_SLACK_S before (a removed model: 0)."""
+    out = []
+    by_model: dict[str, list[tuple[float, float]]] = {}
+    for c in calls:
+        if c["status"] != 429 and not c.get("injected"):
+            by_model.setdefault(c["model"], []).append((c["start"], c["end"]))
+    for model, spans in sorted(by_model.items()):
+        timeline = sorted(caps.get(model, ()), key=lambda t: t[0])
+        if not timeline:
+            continue
+        times = [t for t, _ in timeline]
+        spans.sort()
+        ends: list[float] = []  # a min-heap would do; sorted insertion keeps it simple and exact
+        for start, end in spans:
+            cut = bisect.bisect_right(ends, start)
+            del ends[:cut]
+            bisect.insort(ends, end)
+            level = len(ends)
+            first = max(0, bisect.bisect_right(times, start - QUOTA_SLACK_S) - 1)
+            last = bisect.bisect_right(times, start) - 1
+            allowed = max(((timeline[i][1] or 0) for i in range(first, last + 1)), default=0)
+            if level > allowed:
+                out.append(f"{model}: {level} in flight > cap {allowed} at t={start:.3f}")
+    return out
+
+
+def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int],
+                   kills: Sequence[tuple[str, float]]) -> tuple[list[Repeat], int]:
+    """Every answered call beyond a task's first, and whether a kill of the worker
+    running the earlier call explains it; plus how many answered calls belong to no task."""
+    kill_times: dict[str, list[float]] = {}
+    for name, at in kills:
+        kill_times.setdefault(name, []).append(at)
+    for times in kill_times.values():
+        times.sort()
+    answered: dict[int, list[Mapping[str, Any]]] = {}
+    orphans = 0
+    for c in calls:
+        if c["status"] != 200:
+            continue
+        task = task_of.get(c.get("prompt_key", ""))
+        if task is None:
+            orphans += 1
+            continue
+        answered.setdefault(task, []).append(c)
+    repeats = []
+    for task, own in sorted(answered.items()):
+        own.sort(key=lambda c: c["start"])
+        for i, later in enumerate(own[1:], start=1):
+            explained = None
+            for earlier in own[:i]:
+                times = kill_times.get(f"worker-{earlier['model']}", [])
+                j = bisect.bisect_left(times, earlier["start"])
+                if j < len(times) and times[j] <= earlier["end"]:
+                    explained = f"worker-{earlier['model']} killed at {times[j]:.3f}"
+                    break
+            first = own[0]
+            repeats.append(Repeat(task, first["model"], (first["start"], first["end"]), later["start"], explained))
+    return repeats, orphans
+
+
+def _kill_during(kill_times: Mapping[str, list[float]], model: str, start: float, end: float) -> str | None:
+    times = kill_times.get(f"worker-{model}", [])
+    j = bisect.bisect_left(times, start)
+    return f"worker-{model} killed at {times[j]:.3f}" if j < len(times) and times[j] <= end else None
+
+
+def overlapping_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int],
+                      kills: Sequence[tuple[str, float]]) -> list[Overlap]:
+    """Two accepted calls of one task running at once (whatever they answered), each
+    explained only by a kill of the worker that ran the earlier one, during it."""
+    kill_times: dict[str, list[float]] = {}
+    for name, at in sorted(kills, key=lambda k: k[1]):
+        kill_times.setdefault(name, []).append(at)
+    by_task: dict[int, list[Mapping[str, Any]]] = {}
+    for c in calls:
+        task = task_of.get(c.get("prompt_key", ""))
+        if c["status"] != 429 and task is not None:
+            by_task.setdefault(task, []).append(c)
+    out = []
+    for task, own in sorted(by_task.items()):
+        own.sort(key=lambda c: c["start"])
+        for i, later in enumerate(own[1:], start=1):
+            for earlier in own[:i]:
+                if later["start"] < earlier["end"]:
+                    out.append(Overlap(task, earlier["model"], (earlier["start"], earlier["end"]),
+                                       (later["start"], later["end"]),
+                                       _kill_during(kill_times, earlier["model"], earlier["start"], later["start"])))
+    return out
+
+
+def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_answer: float,
+               opened: Sequence[float] = (), closed: Sequence[float] = ()) -> list[Recovery]:
+    """Per fault: the first answer after its end, and when the pipeline was back:
+    the answer rate over RATE_WINDOW_S at RATE_SHARE of the rate before the fault
+    began, or its backlog (tasks stored and not ended; ``opened``/``closed`` are
+    those times) no larger than when the fault began. A pipeline that keeps up
+    with its arrivals answers at their rate, not at its pre-fault one."""
+    answers, opened, closed = sorted(answers), sorted(opened), sorted(closed)
+
+    def backlog(t: float) -> int:
+        return bisect.bisect_right(opened, t) - bisect.bisect_right(closed, t)
+
+    out = []
+    for f in faults:
+        i = bisect.bisect_right(answers, f.end)
+        first = answers[i] - f.end if i < len(answers) else None
+        before = bisect.bisect_left(answers, f.start) - bisect.bisect_left(answers, f.start - 3 * RATE_WINDOW_S)
+        target = RATE_SHARE * before / 3  # answers per RATE_WINDOW_S
+        start_backlog = backlog(f.start) if opened else -1
+        back: float | None = None
+        if first is None and opened and backlog(f.end) == 0:
+            out.append(Recovery(f.label, None, None))  # nothing was left to do after it
+            continue
+        t = f.end if first is None else answers[i]  # not back before the first answer
+        while t <= last_answer:
+            done = bisect.bisect_left(answers, t + RATE_WINDOW_S) - bisect.bisect_left(answers, t)
+            if done >= target or backlog(t) <= start_backlog:
+                back = t - f.end
+                break
+            t = last_answer + 1.0 if t == last_answer else min(t + 1.0, last_answer)  # the last answer is checked too
+        if back is None:
+            back = 0.0 if target == 0 else float("inf")  # work remained and the pipeline never caught up
+        out.append(Recovery(f.label, first, back))
+    return out
+
+
+def witness(
+    calls: Sequence[Mapping[str, Any]],
+    tasks: Sequence[TaskRow],
+    writes: Sequence[WriteEvent],
+    *,
+    expected_tasks: int,
+    quota_caps: Mapping[str, Sequence[tuple[float, int | None]]],
+    provider: Mapping[str, Limits],
+    faults: Sequence[FaultWindow],
+    kills: Sequence[tuple[str, float]],
+    deaths: Sequence[str],
+) -> WitnessReport:
+    ended: dict[str, int] = {}
+    for t in tasks:
+        ended[t.status] = ended.get(t.status, 0) + 1
+    ends = _ends(writes)
+    lost = sum(1 for t in tasks if t.status not in TERMINAL)
+    twice = sorted(task for task, n in ends.items() if n > 1)
+    no_reason = [t.id for t in tasks if t.status == "failed" and not (t.error or "").strip()]
+    written: dict[int, int] = {}
+    for w in writes:
+        if w.answer_written:
+            written[w.task_id] = written.get(w.task_id, 0) + 1
+    double = sum(n - 1 for n in written.values() if n > 1)
+    violations = [str(v) for v in audit(calls_from_log([c for c in calls if not c.get("injected")]), provider)]
+    refused: dict[str, int] = {}
+    for c in calls:
+        if c["status"] == 429:
+            kind = "injected" if c.get("injected") else str(c.get("limit") or "unknown")
+            refused[kind] = refused.get(kind, 0) + 1
+    task_of = {t.prompt_key: t.id for t in tasks}
+    repeats, orphans = repeated_calls(calls, task_of, kills)
+    overlaps = overlapping_calls(calls, task_of, kills)
+    answers = [w.at for w in writes if w.new_status == "solved" and w.old_status != "solved"]
+    last = max(answers, default=0.0)
+    opened = [w.at for w in writes if w.old_status is None]
+    closed = [w.at for w in writes if w.new_status in TERMINAL and w.old_status not in TERMINAL]
+    return WitnessReport(
+        tasks=len(tasks), expected_tasks=expected_tasks, ended=ended, lost=lost + max(0, expected_tasks - len(tasks)),
+        ended_twice=twice, failed_without_reason=no_reason, double_written=double, provider_violations=violations,
+        quota_breaches=quota_breaches(calls, quota_caps), repeats=repeats, overlaps=overlaps, rate_limited=refused,
+        recoveries=recoveries(faults, answers, last, opened, closed), deaths=list(deaths), calls_of_no_task=orphans,
+    )

@@ -1,0 +1,211 @@
+"""The chaos run (balancer.bench.chaos): its witness on hand-made cases, its schedule,
+its stall proxy on real sockets, and a short run in CI (marked ``faults``)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from balancer.bench.chaos_plan import KINDS, draw_schedule
+from balancer.bench.witness import (
+    FaultWindow,
+    TaskRow,
+    WriteEvent,
+    overlapping_calls,
+    quota_breaches,
+    recoveries,
+    repeated_calls,
+    witness,
+)
+from balancer.devtools.sim.audit import Limits
+from balancer.devtools.tcpproxy import StallProxy
+
+
+def call(start: float, end: float, key: str, model: str = "m", status: int = 200, **extra: object) -> dict:
+    return {"start": start, "end": end, "model": model, "status": status, "prompt_key": key, "counted": 10, **extra}
+
+
+# -- the witness ---------------------------------------------------------------------
+def test_a_repeat_is_explained_only_by_a_kill_of_the_worker_running_the_first_call() -> None:
+    calls = [call(0.0, 2.0, "a"), call(5.0, 6.0, "a"), call(0.0, 1.0, "b", model="n"), call(3.0, 4.0, "b")]
+    repeats, orphans = repeated_calls(calls, {"a": 1, "b": 2}, kills=[("worker-m", 1.5), ("worker-m", 3.5)])
+    by_task = {r.task_id: r for r in repeats}
+    assert by_task[1].explained_by == "worker-m killed at 1.500"
+    # b's first call ran on model n, whose worker nobody killed; a kill of worker-m after it explains nothing
+    assert by_task[2].explained_by is None
+    assert orphans == 0
+
+
+def test_two_calls_of_one_task_at_once_are_an_overlap_unless_its_worker_was_killed() -> None:
+    calls = [call(0.0, 2.0, "a"), call(1.0, 3.0, "a", status=500), call(0.0, 2.0, "b"), call(1.5, 2.5, "b"),
+             call(3.0, 4.0, "b", status=429)]
+    overlaps = overlapping_calls(calls, {"a": 1, "b": 2}, kills=[("worker-m", 1.2)])
+    # task 1's second call started before the kill: nothing explains it; task 2's started after it
+    assert [(o.task_id, o.explained_by) for o in overlaps] == [(1, None), (2, "worker-m killed at 1.200")]
+    assert overlapping_calls([call(0.0, 1.0, "a"), call(1.0, 2.0, "a")], {"a": 1}, kills=[]) == []
+
+
+def test_calls_of_no_task_are_counted_apart_and_429s_pay_nothing() -> None:
+    calls = [call(0.0, 1.0, "a"), call(0.5, 0.5, "a", status=429), call(0.0, 1.0, "zz")]
+    repeats, orphans = repeated_calls(calls, {"a": 1}, kills=[])
+    assert repeats == [] and orphans == 1
+
+
+def test_a_cap_lowered_binds_calls_started_after_the_slack() -> None:
+    caps = {"m": [(0.0, 2), (10.0, 1)]}
+    inside_slack = [call(9.0, 20.0, "a"), call(10.5, 20.0, "b")]  # 2 in flight, 0.5 s after the change
+    assert quota_breaches(inside_slack, caps) == []
+    late = [call(9.0, 20.0, "a"), call(12.0, 20.0, "b")]
+    assert quota_breaches(late, caps) == ["m: 2 in flight > cap 1 at t=12.000"]
+    removed = {"m": [(0.0, 2), (5.0, None)]}
+    assert quota_breaches([call(7.0, 8.0, "a")], removed) == ["m: 1 in flight > cap 0 at t=7.000"]
+
+
+def test_a_task_solved_twice_or_written_twice_or_never_ended_is_reported() -> None:
+    tasks = [TaskRow(1, "a", "solved", None), TaskRow(2, "b", "running", None), TaskRow(3, "c", "failed", "")]
+    writes = [
+        WriteEvent(1, "running", "solved", True, 1.0),
+        WriteEvent(1, "solved", "pending", False, 2.0),
+        WriteEvent(1, "running", "solved", True, 3.0),
+        WriteEvent(3, "running", "failed", False, 3.0),
+    ]
+    report = witness([], tasks, writes, expected_tasks=4, quota_caps={}, provider={}, faults=[], kills=[], deaths=[])
+    assert report.ended_twice == [1]
+    assert report.double_written == 1
+    assert report.lost == 2  # task 2 never ended; a fourth task never reached PostgreSQL
+    assert report.failed_without_reason == [3]
+    assert not report.passed
+
+
+def test_provider_limits_are_audited_and_a_death_fails_the_run() -> None:
+    calls = [call(0.0, 1.0, "a"), call(0.5, 1.5, "b")]
+    tasks = [TaskRow(1, "a", "solved", None), TaskRow(2, "b", "solved", None)]
+    writes = [WriteEvent(1, "running", "solved", True, 1.1), WriteEvent(2, "running", "solved", True, 1.6)]
+    provider = {"m": Limits(cap=1, tpm=6000, rpm=None, burst=1000)}
+    report = witness(calls, tasks, writes, expected_tasks=2, quota_caps={}, provider=provider, faults=[], kills=[],
+                     deaths=["beat exit 1 at +3.0s"])
+    assert [v.split(" at ")[0] for v in report.provider_violations] == ["m: concurrency 2 > 1"]
+    assert report.deaths and not report.passed
+
+
+def test_recovery_is_the_first_answer_and_the_return_to_the_rate_before() -> None:
+    before = [float(t) for t in range(0, 30)]  # one answer a second before the fault
+    after = [45.0 + i for i in range(40)]  # the fault ends at 40; answers resume at 45
+    (rec,) = recoveries([FaultWindow("f", "pg_stall", 30.0, 40.0)], before + after, last_answer=84.0)
+    assert rec.first_answer_s == 5.0
+    assert rec.rate_back_s == 5.0  # from 45 on, 10 answers every 10 s: the rate before
+    (never,) = recoveries([FaultWindow("f", "pg_stall", 30.0, 40.0)], before + [41.0, 60.0, 79.0], last_answer=79.0)
+    assert never.rate_back_s == float("inf")
+    # arrivals slowed after the fault: the rate stays low, but the backlog is back to its size at the fault's start
+    opened = [float(t) for t in range(0, 36)]  # a task an s until 35, then none
+    closed = before + [41.0, 50.0, 55.0, 60.0, 70.0, 79.0]
+    (caught_up,) = recoveries([FaultWindow("f", "pg_stall", 30.0, 40.0)], closed, 79.0, opened, closed)
+    assert caught_up.rate_back_s == 30.0  # at 70: 36 stored, 35 ended; 1 open, as at 30 (31 stored, 30 ended)
+    # a fault after the last task ended has nothing to recover
+    (idle,) = recoveries([FaultWindow("f", "kill_beat", 90.0, 95.0)], closed, 79.0, opened, closed)
+    assert (idle.first_answer_s, idle.rate_back_s, idle.seconds) == (None, None, None)
+
+
+def test_a_bad_option_is_one_line_and_exit_2() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "balancer.bench.chaos", "--minutes", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["error: Invalid value for '--minutes': 0.0 is not in the range 0.5<=x<=180."]
+
+
+# -- the schedule ----------------------------------------------------------------------
+def test_the_schedule_replays_from_its_seed_and_covers_every_kind() -> None:
+    one = draw_schedule(seed=99, window_s=600, models=["a", "b", "c"])
+    assert one == draw_schedule(seed=99, window_s=600, models=["a", "b", "c"])
+    assert one != draw_schedule(seed=100, window_s=600, models=["a", "b", "c"])
+    assert len(one) >= 40 and {f.kind for f in one} == set(KINDS)
+    assert all(0 <= f.at <= 0.85 * 600 and f.duration <= 200 for f in one)
+    assert all(f.model in ("a", "b", "c") for f in one if f.kind in ("kill_worker", "quota_remove"))
+
+
+# -- the stall proxy -----------------------------------------------------------------
+@pytest.fixture
+def echo_server() -> Iterator[int]:
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                while data := conn.recv(4096):
+                    conn.sendall(data)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join(timeout=5)
+    server.close()
+
+
+def test_a_stalled_proxy_holds_the_bytes_with_the_socket_open_and_delivers_them_on_resume(echo_server: int) -> None:
+    proxy = StallProxy("127.0.0.1", echo_server).start()
+    try:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as client:
+            client.sendall(b"before")
+            assert client.recv(100) == b"before"
+            proxy.stall()
+            client.sendall(b"during")
+            client.settimeout(0.5)
+            with pytest.raises(TimeoutError):  # held back, and the connection is not closed either
+                client.recv(100)
+            proxy.resume()
+            client.settimeout(5)
+            assert client.recv(100) == b"during"
+    finally:
+        proxy.close()
+
+
+# -- the short chaos run (CI) -------------------------------------------------------------
+#: CI's chaos run: a 30 s fault window per seed (60 to 90 s each with start-up and
+#: drain), one fixed seed and one new seed per run (BALANCER_CHAOS_SEED replays a failure).
+CI_WINDOW_MIN, CI_TASKS, FIXED_SEED = 0.5, 400, 2026
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("which", ["fixed", "fresh"])
+def test_a_short_chaos_run_holds_every_target(which: str, service_urls: tuple[str, str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from balancer.bench.chaos import run_chaos
+    from balancer.bench.chaos_report import render
+
+    seed = FIXED_SEED if which == "fixed" else int(os.environ.get("BALANCER_CHAOS_SEED") or random.randrange(1, 2**31))
+    print(f"chaos seed {seed}; replay: BALANCER_CHAOS_SEED={seed} pytest -m faults tests/test_chaos.py, or"
+          f" python -m balancer.bench.chaos --minutes {CI_WINDOW_MIN} --tasks {CI_TASKS} --models 3 --seed {seed}")
+    monkeypatch.setenv("BALANCER_DATABASE_URL", service_urls[1])
+    result = run_chaos(CI_WINDOW_MIN, CI_TASKS, seed, model_count=3, time_scale=0.02, console=Console(),
+                       drain_timeout=240)
+    text = render(result)
+    print(text)
+    assert result.drained, text
+    report = result.report
+    assert report.tasks == report.expected_tasks and report.lost == 0 and not report.failed_without_reason, text
+    assert report.double_written == 0 and not report.ended_twice, text
+    assert report.provider_violations == [] and report.quota_breaches == [], text
+    assert report.unexplained_overlaps == [], text
+    known = [what for what, missed in (
+        ("unexplained repeated calls", report.unexplained_repeats),
+        ("recovery p99 over 60 s", report.recovery_p99 is not None and report.recovery_p99 > 60),
+        ("processes dead on their own", report.deaths)) if missed]
+    if known:  # the open findings of docs/reliability.md (Chaos under load); strict once they are fixed
+        pytest.xfail(f"seed {seed}: {', '.join(known)} (known open findings, see docs/reliability.md)")
