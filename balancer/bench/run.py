@@ -390,6 +390,8 @@ def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = 
         # The simulator's whole call log, for any question the report does not answer.
         with (out / f"{side}-calls.jsonl").open("w") as fh:
             fh.writelines(json.dumps(e) + "\n" for e in result.entries)
+        with (out / f"{side}-eta.jsonl").open("w") as fh:  # the ETA polled through the run, with its inputs
+            fh.writelines(json.dumps({**e, "makespan_s": result.makespan}, default=str) + "\n" for e in result.eta_samples)
         report["makespan_s"][side] = report[side]["makespan_s"]
     if "pipeline" in results:
         report["rate_limited"] = report["pipeline"]["rate_limited"]

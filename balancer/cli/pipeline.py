@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -250,6 +251,25 @@ def eta_text(eta: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
+def band_fields(drain: Any) -> dict[str, float | None]:
+    """The ETA's band for ``status --json``: ``eta_low_s`` and ``eta_high_s`` (None when there is no ETA)."""
+    low = None if drain is None or drain.low is None else round(drain.low, 1)
+    high = None if drain is None or drain.high is None else round(drain.high, 1)
+    return {"eta_low_s": low, "eta_high_s": high}
+
+
+def band_text(drain: Any) -> str:
+    """The ETA's band for a person, after the ETA: `` (3 min 10 s to 4 min 40 s)``; empty when done or unknown.
+
+    >>> from balancer.domain.eta import Forecast
+    >>> band_text(Forecast(245.0, 190.0, 280.0)), band_text(Forecast(0.0, 0.0, 0.0)), band_text(None)
+    (' (3 min 10 s to 4 min 40 s)', '', '')
+    """
+    if drain is None or drain.eta is None or drain.eta <= 0 or drain.low is None or drain.high is None:
+        return ""
+    return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
+
+
 def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
     """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
     from rich.table import Table
@@ -279,25 +299,25 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
 def status(as_json: bool) -> None:
     """Task counts by status, and per model: calls in flight against the cap,
     buckets, 429s, latency, and the limit that holds it back now."""
-    from rich.console import Console
-
     from balancer.domain.cost import spend_text
-    from balancer.pipeline.fallback import beat_last_seen_s
+    from balancer.pipeline.beat_seen import beat_last_seen_s
     from balancer.pipeline.summary import read
     from balancer.storage.leases import overdue_count
     from balancer.storage.spend import spend_so_far
 
     svc = _migrated()
-    counts, rows, _, eta = read(svc)
+    counts, rows, _, drain = read(svc)
+    eta = None if drain is None else drain.eta
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
     spent = spend_so_far(svc.engine, svc.quotas.all())
     if as_json:
         click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
+                               **band_fields(drain),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
                                "models": [r.as_dict() for r in rows], "spend": spent.as_dict()}))
         return
-    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}{band_text(drain)}")
     if spent.by_model or spent.unpriced_tokens:
         click.echo(spend_text(spent))
     if beat is None:
@@ -306,6 +326,8 @@ def status(as_json: bool) -> None:
         click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
                    "the sweep tick returns them to pending")
     if rows:
+        from rich.console import Console
+
         Console(width=max(Console().width, 120)).print(_model_table(rows))
 
 
@@ -329,7 +351,8 @@ def top(interval: float, count: int | None) -> None:
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
 
     def frame() -> Group:
-        counts, rows, counters, eta = read(svc)
+        counts, rows, counters, drain = read(svc)
+        eta = None if drain is None else drain.eta
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -344,7 +367,7 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
+        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}{band_text(drain)}")
         return Group(_model_table(rows, rates), backlog)
 
     console = Console(width=max(Console().width, 140))

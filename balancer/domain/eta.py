@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
 
@@ -55,7 +56,7 @@ def efficiency(
     models: Mapping[str, ModelCapacity],
     solved: Sequence[tuple[Sequence[str] | None, int]],
     *,
-    in_flight: Mapping[str, int],
+    in_flight: Mapping[str, float],
     window_s: float,
     tokens_per_task: float,
 ) -> float:
@@ -87,7 +88,7 @@ def drain_eta(
     models: Mapping[str, ModelCapacity],
     groups: Sequence[tuple[Sequence[str] | None, int]],
     *,
-    in_flight: Mapping[str, int],
+    in_flight: Mapping[str, float],
     tokens_per_task: float,
     pace: float = 1.0,
     on_prior: Collection[str] = (),
@@ -176,3 +177,84 @@ def _bound(
                               any_model=any_model, pinned={i: held[n] for i, n in enumerate(names)})
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class DrainState:
+    """What the ETA is computed from, as read at one moment (see
+    :func:`balancer.pipeline.summary.drain_inputs`)."""
+
+    models: Mapping[str, ModelCapacity]  # the enabled models, on their live buckets and learned latencies
+    groups: Sequence[tuple[Sequence[str] | None, int]]  # pending (and ready-listed) tasks by allowed models
+    in_flight: Mapping[str, int]  # calls in flight by model (hedges and cut-off losers included)
+    tokens_per_task: float
+    solved: Sequence[tuple[Sequence[str] | None, int]] = ()  # solved in the last window_s, by allowed models
+    window_s: float = 0.0
+    on_prior: Collection[str] = ()  # models with no measured latency yet
+    unfinished: int | None = None  # tasks pending, queued or running (None: unknown)
+    extra: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The drain ETA (s) and the band it is expected in: ``low`` <= ``eta`` <= ``high``."""
+
+    eta: float | None
+    low: float | None
+    high: float | None
+
+
+#: The band around the ETA, as shares of it: below and above. The run's actual
+#: remaining time fell within these in the runs docs/benchmarks.md reports
+#: once the pace applies; before it does (a run's first 30 s, or a model still
+#: on its prior), the band is EARLY_WIDENING wider on each side.
+BAND = (0.15, 0.25)
+EARLY_WIDENING = 0.15
+
+
+def held_in_flight(in_flight: Mapping[str, int], running: int) -> dict[str, float]:
+    """The calls in flight that are still a task's work: at most ``running`` in all.
+
+    A hedged task has two calls in flight, and a hedge's loser may run on after
+    its task was solved (the backend was not told, or cannot stop): those calls
+    are no work left. When there are more calls than running tasks, each model's
+    count shrinks in proportion.
+
+    >>> held_in_flight({"a": 6, "b": 2}, running=4)
+    {'a': 3.0, 'b': 1.0}
+    >>> held_in_flight({"a": 3}, running=5)
+    {'a': 3.0}
+    >>> held_in_flight({"a": 3}, running=0)
+    {'a': 0.0}
+    """
+    calls = sum(in_flight.values())
+    share = 1.0 if calls <= running else max(0, running) / calls
+    return {name: n * share for name, n in in_flight.items()}
+
+
+def forecast(state: DrainState) -> Forecast:
+    """The drain ETA of ``state`` with its band: exactly 0 when no task is left
+    unfinished, whatever calls are still in flight.
+
+    >>> from balancer.domain.capacity import ModelCapacity
+    >>> fast = {"fast": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
+    >>> forecast(DrainState(fast, [], in_flight={"fast": 3}, tokens_per_task=500, unfinished=0))
+    Forecast(eta=0.0, low=0.0, high=0.0)
+    >>> f = forecast(DrainState(fast, [(None, 100)], in_flight={}, tokens_per_task=500, unfinished=100))
+    >>> round(f.eta, 1), round(f.low, 1), round(f.high, 1)   # no pace yet: the early band
+    (21.0, 14.7, 29.4)
+    """
+    if state.unfinished == 0:
+        return Forecast(0.0, 0.0, 0.0)
+    in_flight: Mapping[str, float] = state.in_flight
+    if state.unfinished is not None:
+        in_flight = held_in_flight(state.in_flight, state.unfinished - sum(n for _, n in state.groups))
+    pace = efficiency(state.models, state.solved, in_flight=in_flight, window_s=state.window_s,
+                      tokens_per_task=state.tokens_per_task)
+    eta = drain_eta(state.models, state.groups, in_flight=in_flight, tokens_per_task=state.tokens_per_task,
+                    pace=pace, on_prior=state.on_prior)
+    if eta is None:
+        return Forecast(None, None, None)
+    early = state.window_s < MIN_WINDOW_S or sum(n for _, n in state.solved) < MIN_SOLVED or bool(state.on_prior)
+    below, above = (share + (EARLY_WIDENING if early else 0.0) for share in BAND)
+    return Forecast(eta, eta * (1 - below), eta * (1 + above))

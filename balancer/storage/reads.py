@@ -36,6 +36,13 @@ def recent_solves(engine: Engine, window_s: float) -> tuple[list[tuple[list[str]
     return [(r[0], int(r[1])) for r in rows], covered
 
 
+def unfinished_count(engine: Engine) -> int:
+    """Tasks not finished yet: pending, queued or running (each counted once, however many calls it has)."""
+    with engine.connect() as conn:
+        return int(conn.execute(
+            sa.select(sa.func.count()).where(tasks.c.status.in_(("pending", "queued", "running")))).scalar_one())
+
+
 def status_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(tasks.c.status, sa.func.count()).group_by(tasks.c.status)).all()
