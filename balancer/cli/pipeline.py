@@ -251,6 +251,13 @@ def eta_text(eta: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
+def _projected_dict(projected: Any) -> dict[str, Any]:
+    """The backlog left's projected cost for ``status --json``: as ``spend``, without ``by_source``."""
+    out = projected.as_dict()
+    out.pop("by_source", None)
+    return out
+
+
 def band_fields(drain: Any) -> dict[str, float | None]:
     """The ETA's band for ``status --json``: ``eta_low_s`` and ``eta_high_s`` (None when there is no ETA)."""
     low = None if drain is None or drain.low is None else round(drain.low, 1)
@@ -299,27 +306,31 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
 def status(as_json: bool) -> None:
     """Task counts by status, and per model: calls in flight against the cap,
     buckets, 429s, latency, and the limit that holds it back now."""
-    from balancer.domain.cost import spend_text
+    from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.beat_seen import beat_last_seen_s
     from balancer.pipeline.summary import read
     from balancer.storage.leases import overdue_count
-    from balancer.storage.spend import spend_so_far
+    from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
     counts, rows, _, drain = read(svc)
     eta = None if drain is None else drain.eta
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
-    spent = spend_so_far(svc.engine, svc.quotas.all())
+    quotas = svc.quotas.all()
+    spent, projected = spend_so_far(svc.engine, quotas), projected_cost(svc.engine, quotas)
     if as_json:
         click.echo(json.dumps({**counts, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                **band_fields(drain),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
-                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict()}))
+                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
+                               "projected": _projected_dict(projected)}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}{band_text(drain)}")
     if spent.by_model or spent.unpriced_tokens:
         click.echo(spend_text(spent))
+    if projected.by_model or projected.unpriced_tokens:
+        click.echo(projection_text(projected))
     if beat is None:
         click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
     if overdue:
@@ -345,7 +356,9 @@ def top(interval: float, count: int | None) -> None:
     from rich.live import Live
     from rich.text import Text
 
+    from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.summary import read
+    from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
@@ -368,7 +381,10 @@ def top(interval: float, count: int | None) -> None:
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
         backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}{band_text(drain)}")
-        return Group(_model_table(rows, rates), backlog)
+        quotas = svc.quotas.all()
+        money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
+                                         projection_text(projected_cost(svc.engine, quotas)))]
+        return Group(_model_table(rows, rates), backlog, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

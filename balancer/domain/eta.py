@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
 
@@ -192,7 +192,7 @@ class DrainState:
     window_s: float = 0.0
     on_prior: Collection[str] = ()  # models with no measured latency yet
     unfinished: int | None = None  # tasks pending, queued or running (None: unknown)
-    extra: Mapping[str, float] = field(default_factory=dict)
+    solved_by_model: Mapping[str, int] = field(default_factory=dict)  # solved in the last window_s, by answering model
 
 
 @dataclass(frozen=True)
@@ -232,6 +232,47 @@ def held_in_flight(in_flight: Mapping[str, int], running: int) -> dict[str, floa
     return {name: n * share for name, n in in_flight.items()}
 
 
+#: Fewer calls answered by a model in the window than this: its latency is not checked by Little's law.
+MIN_MODEL_SOLVED = 10
+
+
+def little_latency(in_flight: float, solved: int, window_s: float) -> float | None:
+    """A model's mean latency by Little's law: it holds ``in_flight`` calls and
+    answered ``solved`` in the last ``window_s`` s, so a call takes about
+    in_flight × window_s / solved. None with too few answers or too short a window.
+
+    Unlike the latency sketch, which learns only from calls that ended (early
+    on, the short ones: the long calls of a heavy tail are still running), this
+    counts the calls still running too.
+
+    >>> little_latency(16, 40, 60.0)   # 16 slots busy, 40 answers a minute: 24 s a call
+    24.0
+    >>> little_latency(16, 5, 60.0) is None, little_latency(16, 40, 20.0) is None
+    (True, True)
+    """
+    if solved < MIN_MODEL_SOLVED or in_flight <= 0 or window_s < MIN_WINDOW_S:
+        return None
+    return in_flight * window_s / solved
+
+
+def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
+    """The models with each one's mean latency raised to its :func:`little_latency`
+    when that is longer: the sketch's bias runs one way (short calls end first).
+
+    >>> m = {"slow": ModelCapacity(concurrency=16, mean_latency=10.0, tpm=None, burst=0)}
+    >>> s = DrainState(m, [(None, 100)], in_flight={"slow": 16}, tokens_per_task=500, window_s=60.0,
+    ...                solved_by_model={"slow": 40})
+    >>> with_observed_latency(s)["slow"].mean_latency
+    24.0
+    """
+    out = dict(state.models)
+    for name, model in state.models.items():
+        little = little_latency(state.in_flight.get(name, 0), state.solved_by_model.get(name, 0), state.window_s)
+        if little is not None and little > model.mean_latency:
+            out[name] = replace(model, mean_latency=little)
+    return out
+
+
 def forecast(state: DrainState) -> Forecast:
     """The drain ETA of ``state`` with its band: exactly 0 when no task is left
     unfinished, whatever calls are still in flight.
@@ -249,9 +290,10 @@ def forecast(state: DrainState) -> Forecast:
     in_flight: Mapping[str, float] = state.in_flight
     if state.unfinished is not None:
         in_flight = held_in_flight(state.in_flight, state.unfinished - sum(n for _, n in state.groups))
-    pace = efficiency(state.models, state.solved, in_flight=in_flight, window_s=state.window_s,
+    models = with_observed_latency(state)
+    pace = efficiency(models, state.solved, in_flight=in_flight, window_s=state.window_s,
                       tokens_per_task=state.tokens_per_task)
-    eta = drain_eta(state.models, state.groups, in_flight=in_flight, tokens_per_task=state.tokens_per_task,
+    eta = drain_eta(models, state.groups, in_flight=in_flight, tokens_per_task=state.tokens_per_task,
                     pace=pace, on_prior=state.on_prior)
     if eta is None:
         return Forecast(None, None, None)

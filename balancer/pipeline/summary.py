@@ -21,7 +21,13 @@ from balancer.admission.live import ModelLive
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import DrainState, Forecast, forecast
 from balancer.services import Services
-from balancer.storage.reads import pending_groups, recent_solves, status_counts, unfinished_count
+from balancer.storage.reads import (
+    pending_groups,
+    recent_solves,
+    recent_solves_by_model,
+    status_counts,
+    unfinished_count,
+)
 
 #: The drain ETA's pace is measured over the last minute of solves.
 PACE_WINDOW_S = 60.0
@@ -134,6 +140,7 @@ def drain_inputs(
         solved=solved, window_s=window_s,
         on_prior=[name for name in models if not view[name].latency_estimate(prior_s).samples],
         unfinished=unfinished_count(services.engine),
+        solved_by_model=recent_solves_by_model(services.engine, window_s),
     )
 
 
