@@ -193,6 +193,9 @@ class DrainState:
     on_prior: Collection[str] = ()  # models with no measured latency yet
     unfinished: int | None = None  # tasks pending, queued or running (None: unknown)
     solved_by_model: Mapping[str, int] = field(default_factory=dict)  # solved in the last window_s, by answering model
+    #: Tasks on a measured model's ready list: that model's work, as its calls in flight are (not pinned:
+    #: the end game may hedge them, so they set no :func:`pinned_finish` of their own).
+    ready: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -289,11 +292,13 @@ def forecast(state: DrainState) -> Forecast:
         return Forecast(0.0, 0.0, 0.0)
     in_flight: Mapping[str, float] = state.in_flight
     if state.unfinished is not None:
-        in_flight = held_in_flight(state.in_flight, state.unfinished - sum(n for _, n in state.groups))
+        queued = sum(n for _, n in state.groups) + sum(state.ready.values())
+        in_flight = held_in_flight(state.in_flight, state.unfinished - queued)
+    held = {name: in_flight.get(name, 0) + state.ready.get(name, 0) for name in set(in_flight) | set(state.ready)}
     models = with_observed_latency(state)
     pace = efficiency(models, state.solved, in_flight=in_flight, window_s=state.window_s,
                       tokens_per_task=state.tokens_per_task)
-    eta = drain_eta(models, state.groups, in_flight=in_flight, tokens_per_task=state.tokens_per_task,
+    eta = drain_eta(models, state.groups, in_flight=held, tokens_per_task=state.tokens_per_task,
                     pace=pace, on_prior=state.on_prior)
     if eta is None:
         return Forecast(None, None, None)

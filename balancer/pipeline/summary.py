@@ -131,11 +131,11 @@ def drain_inputs(
     # still to do. On a model not measured yet they count as work for any model: its
     # latency is only the prior (30 s), and if it is slow they outlive their TTL and
     # go back to pending (counted as its own, they put tail.toml's ETA 67 % out at 25 %).
-    ready: list[tuple[list[str] | None, int]] = [
-        ([name] if live.latency_known else None, live.ready) for name, live in view.items() if live.ready
-    ]
+    unmeasured_ready = sum(live.ready for live in view.values() if live.ready and not live.latency_known)
     return DrainState(
-        models=models, groups=[(allowed, n) for allowed, n, _ in groups] + ready,
+        models=models,
+        groups=[(allowed, n) for allowed, n, _ in groups] + ([(None, unmeasured_ready)] if unmeasured_ready else []),
+        ready={name: live.ready for name, live in view.items() if live.ready and live.latency_known},
         in_flight={name: live.in_flight for name, live in view.items()}, tokens_per_task=tokens_per_task,
         solved=solved, window_s=window_s,
         on_prior=[name for name in models if not view[name].latency_estimate(prior_s).samples],
