@@ -72,8 +72,10 @@ def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[
     report = json.loads(capsys.readouterr().out)
     mean = 3.0 * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
     assert report["eta_s"] == pytest.approx(60 / 2 * mean + mean / 2, abs=0.1)
+    assert report["eta_low_s"] < report["eta_s"] < report["eta_high_s"]  # its band
     assert main(["status"]) == 0
-    assert "eta: 1 min" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "eta: 1 min" in out and " to " in out
 
 
 def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
@@ -139,3 +141,67 @@ def test_one_pinned_call_takes_its_latency_and_many_spread_at_the_end() -> None:
     # A token-bound model: TPM 6,000 at 1,000 tokens a task is 6 tasks a minute once its burst is spent.
     bucket = ModelCapacity(concurrency=4, mean_latency=10.0, tpm=6_000, burst=0)
     assert pinned_finish(bucket, 12, tokens_per_task=1_000) == pytest.approx(120 + 10 * (1 / 2 + 1 / 3 + 1 / 4))
+
+
+def test_nothing_left_is_zero_whatever_calls_are_still_running() -> None:
+    """The issue saw 9 s after the last task was solved: a hedge's loser, still
+    running on a slow model, counted as work. No task left: 0, band included."""
+    from balancer.domain.eta import DrainState, forecast
+
+    slow = {"slow": SLOW}
+    done = forecast(DrainState(slow, [], in_flight={"slow": 2}, tokens_per_task=500, unfinished=0))
+    assert (done.eta, done.low, done.high) == (0.0, 0.0, 0.0)
+    # One task still running but two calls in flight (it was hedged): one call of work, not two.
+    hedged = forecast(DrainState(slow, [], in_flight={"slow": 2}, tokens_per_task=500, unfinished=1))
+    assert hedged.eta == pytest.approx(10.0 + 5.0)
+    assert eta(slow, [], in_flight={"slow": 2}) == pytest.approx(2 * 10.0 + 5.0)  # without the task count: both
+
+
+def test_little_s_law_lengthens_a_latency_learned_from_the_short_calls_only() -> None:
+    """Early in a heavy-tailed run the sketch has seen the calls that ended: the
+    short ones. A model that keeps 16 calls in flight and answered 32 in the
+    last minute takes 30 s a call, not the 10 s its sketch says."""
+    from balancer.domain.eta import DrainState, forecast
+
+    learned = {"m": ModelCapacity(concurrency=16, mean_latency=10.0, tpm=None, burst=0)}
+    state = DrainState(learned, [(None, 160)], in_flight={"m": 16}, tokens_per_task=500, window_s=60.0,
+                       solved=[(None, 32)], solved_by_model={"m": 32}, unfinished=176)
+    value = forecast(state).eta
+    # 176 calls of 30 s on 16 slots: 330 s; pace: 32 solved + 8 half-done in flight on a 30 s bound over 60 s,
+    # applied to the 160 free tasks of the 176; plus half a call.
+    pace = (32 + 8) * 30 / 16 / 60
+    assert value == pytest.approx(330 / (1 + (pace - 1) * 160 / 176) + 15.0, rel=1e-3)
+    # The sketch alone would have said a third of that.
+    alone = forecast(DrainState(learned, [(None, 160)], in_flight={"m": 16}, tokens_per_task=500, unfinished=176))
+    assert alone.eta is not None and alone.eta < value / 2
+
+
+def test_ready_tasks_of_a_measured_model_are_its_work_but_set_no_finish_of_their_own() -> None:
+    """Eight tasks on a slow model's ready list: work it will do (the bound holds
+    them there), but free tasks the end game may hedge, not pinned ones: no
+    spread of its last calls is added for them."""
+    from balancer.domain.eta import DrainState, forecast, pinned_finish
+
+    models = {"fast": FAST, "slow": ModelCapacity(concurrency=4, mean_latency=20.0, tpm=None, burst=0)}
+    ready = forecast(DrainState(models, [(None, 10)], in_flight={}, tokens_per_task=500, ready={"slow": 8},
+                                unfinished=18)).eta
+    pinned = forecast(DrainState(models, [(None, 10), (["slow"], 8)], in_flight={}, tokens_per_task=500,
+                                 unfinished=18)).eta
+    assert ready is not None and pinned is not None
+    assert pinned == pytest.approx(pinned_finish(models["slow"], 8, tokens_per_task=500))
+    assert ready == pytest.approx(40.0 + 1.0)  # 8 calls on 4 slots of 20 s, plus half the fast model's latency
+    assert ready < pinned
+
+
+def test_the_band_holds_the_eta_and_narrows_once_the_pace_is_measured() -> None:
+    from balancer.domain.eta import BAND, EARLY_WIDENING, DrainState, forecast
+
+    early = forecast(DrainState({"fast": FAST}, [(None, 100)], in_flight={}, tokens_per_task=500, unfinished=100))
+    late = forecast(DrainState({"fast": FAST}, [(None, 100)], in_flight={}, tokens_per_task=500, unfinished=100,
+                               solved=[(None, 300)], window_s=60.0))
+    for f in (early, late):
+        assert f.eta is not None and f.low is not None and f.high is not None
+        assert f.low < f.eta < f.high
+    assert late.high / late.eta == pytest.approx(1 + BAND[1])
+    assert early.high / early.eta == pytest.approx(1 + BAND[1] + EARLY_WIDENING)
+    assert early.low / early.eta == pytest.approx(1 - BAND[0] - EARLY_WIDENING)

@@ -197,10 +197,13 @@ def eta_sample(svc: Any, at: float, done: int) -> dict[str, Any]:
 
     from balancer.domain.eta import forecast
     from balancer.pipeline.summary import drain_inputs
+    from balancer.storage.spend import projected_cost, spend_so_far
 
     state = drain_inputs(svc)
     result = forecast(state) if state is not None else None
-    return {"at_s": round(at, 3), "done": done, "eta_s": None if result is None else result.eta,
+    quotas = svc.quotas.all()
+    return {"at_s": round(at, 3), "done": done, "spent": spend_so_far(svc.engine, quotas).total,
+            "projected": projected_cost(svc.engine, quotas).total, "eta_s": None if result is None else result.eta,
             "low_s": None if result is None else result.low, "high_s": None if result is None else result.high,
             "state": None if state is None else {**asdict(state), "models": {k: asdict(v) for k, v in state.models.items()},
                                                  "on_prior": list(state.on_prior)}}

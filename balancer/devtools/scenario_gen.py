@@ -6,7 +6,8 @@ a lognormal latency whose median is drawn from 1.5 s to 25 s (log-uniform)
 and whose p99 is 4 to 15 times that (clipped to [1, 120] s: heavy-tailed), and
 one binding limit drawn among concurrency, tokens per minute and requests per
 minute. The workload's token sizes, pinned share, priorities and sources are
-drawn too. The same seed always gives the same text.
+drawn too, and each model's prices (a ``[prices]`` table, for the bench's cost
+projection). The same seed always gives the same text.
 
 >>> text = generate(7)
 >>> text == generate(7), text == generate(8)
@@ -58,6 +59,11 @@ def generate(seed: int, *, models: int = 10, tasks: int = 2000, time_scale: floa
     ]
     for i in range(models):
         lines += _model(rng, i, prompt_median, output_median)
+    prices = random.Random(-seed)  # its own draw: the models above stay as they were before prices existed
+    lines += ["", "[prices]", 'currency = "USD"']
+    for i in range(models):
+        price_in = round(math.exp(prices.uniform(math.log(0.1), math.log(15.0))), 2)
+        lines.append(f"gen-{i} = [{price_in}, {round(price_in * prices.choice([2, 3, 4, 5]), 2)}]")
     return "\n".join(lines) + "\n"
 
 
