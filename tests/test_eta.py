@@ -99,7 +99,7 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     assert round(drain_eta(true, [(["m"], 50), (None, 50)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == round(
         20 / 0.9 + 1, 3)
     # Too short a window (a run's first seconds) tells nothing yet.
-    assert efficiency(true, [(None, 100)], in_flight={}, window_s=20, tokens_per_task=100) == 1.0
+    assert efficiency(true, [(None, 100)], in_flight={}, window_s=10, tokens_per_task=100) == 1.0
     # Calls in flight count as half done; a burst cannot claim more than twice the bound.
     assert round(efficiency(true, [(None, 200)], in_flight={"m": 40}, window_s=60, tokens_per_task=100), 6) == 0.733333
     assert efficiency(true, [(None, 2_000)], in_flight={}, window_s=60, tokens_per_task=100) == 2.0
@@ -205,3 +205,18 @@ def test_the_band_holds_the_eta_and_narrows_once_the_pace_is_measured() -> None:
     assert late.high / late.eta == pytest.approx(1 + BAND[1])
     assert early.high / early.eta == pytest.approx(1 + BAND[1] + EARLY_WIDENING)
     assert early.low / early.eta == pytest.approx(1 - BAND[0] - EARLY_WIDENING)
+
+
+def test_a_window_that_starts_with_the_run_counts_the_full_buckets_as_capacity() -> None:
+    """A TPM-bound model (60,000 TPM, 1,000 tokens a task: 1 task/s at steady
+    state) solved 40 tasks in the run's first 30 s: 30 from its refill and 10
+    from its full bucket of 10,000 tokens. Read at steady state that is 4/3 of
+    its bound (a burst read as speed); with the bucket it started with, 1.0."""
+    from balancer.domain.eta import efficiency
+
+    bucket = {"m": ModelCapacity(concurrency=100, mean_latency=1.0, tpm=60_000, burst=0)}
+    steady = efficiency(bucket, [(None, 40)], in_flight={}, window_s=30, tokens_per_task=1_000)
+    started = efficiency(bucket, [(None, 40)], in_flight={}, window_s=30, tokens_per_task=1_000,
+                         start_buckets={"m": (10_000.0, None)})
+    assert steady == pytest.approx(4 / 3, rel=1e-6)
+    assert started == pytest.approx(1.0, rel=1e-6)

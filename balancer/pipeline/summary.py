@@ -136,6 +136,9 @@ def drain_inputs(
         models=models,
         groups=[(allowed, n) for allowed, n, _ in groups] + ([(None, unmeasured_ready)] if unmeasured_ready else []),
         ready={name: live.ready for name, live in view.items() if live.ready and live.latency_known},
+        start_buckets={name: (float(live.quota.burst), float(live.quota.request_burst)
+                              if live.quota.max_requests_per_minute else None)
+                       for name, live in view.items()} if window_s < PACE_WINDOW_S else None,
         in_flight={name: live.in_flight for name, live in view.items()}, tokens_per_task=tokens_per_task,
         solved=solved, window_s=window_s,
         on_prior=[name for name in models if not view[name].latency_estimate(prior_s).samples],
