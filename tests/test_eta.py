@@ -21,7 +21,8 @@ def test_free_work_spreads_over_every_model() -> None:
     both = eta({"fast": FAST, "slow": SLOW}, [(None, 102)])
     alone = eta({"fast": FAST}, [(None, 102)])
     assert both is not None and alone is not None
-    assert both == pytest.approx(102 / 5.1 + 1.0)  # 5.1 tasks/s together, plus half the fast model's latency
+    # 5.1 tasks/s together, plus half a call at the mean latency over the 11 slots
+    assert both == pytest.approx(102 / 5.1 + (10 * 2.0 + 1 * 10.0) / 11 / 2)
     assert both < alone
 
 
@@ -80,7 +81,7 @@ def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[
 
 def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     """A run at 80 % of its bound lately: the work left takes 1/0.8 of its bound.
-    A prior that is twice too slow inflates both bounds alike, so it cancels."""
+    No run beats its bound, so a pace above 1 (here a prior twice too slow) reads as 1."""
     from balancer.domain.capacity import ModelCapacity
     from balancer.domain.eta import drain_eta, efficiency
 
@@ -90,8 +91,8 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     pace = efficiency(true, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
     assert round(drain_eta(true, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace), 3) == 26.0
     pace_slow = efficiency(slow_prior, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
-    assert round(pace_slow, 6) == 1.6
-    assert round(drain_eta(slow_prior, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace_slow), 3) == 27.0
+    assert pace_slow == 1.0  # 1.6 measured
+    assert round(drain_eta(slow_prior, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace_slow), 3) == 42.0
     # Work held to one model runs at that model's pace: the run's pace applies to free work only,
     # and the model's own finish (20 s, plus the spread of its last 10 calls) is the ETA.
     assert round(drain_eta(true, [(["m"], 100)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == round(
@@ -100,9 +101,10 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
         20 / 0.9 + 1, 3)
     # Too short a window (a run's first seconds) tells nothing yet.
     assert efficiency(true, [(None, 100)], in_flight={}, window_s=10, tokens_per_task=100) == 1.0
-    # Calls in flight count as half done; a burst cannot claim more than twice the bound.
+    # Calls in flight count as half done; a stall cannot claim more than twice the bound, a burst no less.
     assert round(efficiency(true, [(None, 200)], in_flight={"m": 40}, window_s=60, tokens_per_task=100), 6) == 0.733333
-    assert efficiency(true, [(None, 2_000)], in_flight={}, window_s=60, tokens_per_task=100) == 2.0
+    assert efficiency(true, [(None, 2_000)], in_flight={}, window_s=60, tokens_per_task=100) == 1.0
+    assert efficiency(true, [(None, 30)], in_flight={}, window_s=60, tokens_per_task=100) == 0.5
     # Pinned work solved on its own model: the bound of the window holds it there.
     two = {**true, "n": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
     assert round(efficiency(two, [(["m"], 300)], in_flight={}, window_s=60, tokens_per_task=100), 6) == 1.0
@@ -167,10 +169,9 @@ def test_little_s_law_lengthens_a_latency_learned_from_the_short_calls_only() ->
     state = DrainState(learned, [(None, 160)], in_flight={"m": 16}, tokens_per_task=500, window_s=60.0,
                        solved=[(None, 32)], solved_by_model={"m": 32}, unfinished=176)
     value = forecast(state).eta
-    # 176 calls of 30 s on 16 slots: 330 s; pace: 32 solved + 8 half-done in flight on a 30 s bound over 60 s,
-    # applied to the 160 free tasks of the 176; plus half a call.
-    pace = (32 + 8) * 30 / 16 / 60
-    assert value == pytest.approx(330 / (1 + (pace - 1) * 160 / 176) + 15.0, rel=1e-3)
+    # 176 calls of 30 s on 16 slots: 330 s, plus half a call (the pace, 32 solved + 8 half-done in flight
+    # on a 30 s bound over 60 s, is 1.25: above the bound, so 1).
+    assert value == pytest.approx(330 + 15.0, rel=1e-3)
     # The sketch alone would have said a third of that.
     alone = forecast(DrainState(learned, [(None, 160)], in_flight={"m": 16}, tokens_per_task=500, unfinished=176))
     assert alone.eta is not None and alone.eta < value / 2
@@ -189,7 +190,7 @@ def test_ready_tasks_of_a_measured_model_are_its_work_but_set_no_finish_of_their
                                  unfinished=18)).eta
     assert ready is not None and pinned is not None
     assert pinned == pytest.approx(pinned_finish(models["slow"], 8, tokens_per_task=500))
-    assert ready == pytest.approx(40.0 + 1.0)  # 8 calls on 4 slots of 20 s, plus half the fast model's latency
+    assert ready == pytest.approx(40.0 + (10 * 2.0 + 4 * 20.0) / 14 / 2)  # 8 calls on 4 slots of 20 s, and the tail
     assert ready < pinned
 
 
@@ -209,14 +210,15 @@ def test_the_band_holds_the_eta_and_narrows_once_the_pace_is_measured() -> None:
 
 def test_a_window_that_starts_with_the_run_counts_the_full_buckets_as_capacity() -> None:
     """A TPM-bound model (60,000 TPM, 1,000 tokens a task: 1 task/s at steady
-    state) solved 40 tasks in the run's first 30 s: 30 from its refill and 10
-    from its full bucket of 10,000 tokens. Read at steady state that is 4/3 of
-    its bound (a burst read as speed); with the bucket it started with, 1.0."""
+    state) solved 36 tasks in the run's first 30 s, 10 of them from its full
+    bucket of 10,000 tokens. Read at steady state that is 36 s of bound in 30 s
+    (a burst read as speed: capped to 1); with the bucket it started with, the
+    bound is 26 s: the run went at 26/30 of it."""
     from balancer.domain.eta import efficiency
 
     bucket = {"m": ModelCapacity(concurrency=100, mean_latency=1.0, tpm=60_000, burst=0)}
-    steady = efficiency(bucket, [(None, 40)], in_flight={}, window_s=30, tokens_per_task=1_000)
-    started = efficiency(bucket, [(None, 40)], in_flight={}, window_s=30, tokens_per_task=1_000,
+    steady = efficiency(bucket, [(None, 36)], in_flight={}, window_s=30, tokens_per_task=1_000)
+    started = efficiency(bucket, [(None, 36)], in_flight={}, window_s=30, tokens_per_task=1_000,
                          start_buckets={"m": (10_000.0, None)})
-    assert steady == pytest.approx(4 / 3, rel=1e-6)
-    assert started == pytest.approx(1.0, rel=1e-6)
+    assert steady == 1.0
+    assert started == pytest.approx(26 / 30, rel=1e-6)
