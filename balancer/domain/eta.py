@@ -2,26 +2,31 @@
 
 It is the capacity bound (:mod:`balancer.domain.capacity`) applied to the
 work left, from now, on the live quotas: each model's concurrency over its
-learned mean latency, its token and request buckets as they are now plus
-their refill, pinned tasks held to their model. Four corrections turn that
-fluid bound into a forecast:
+mean latency, its token and request buckets as they are now plus their
+refill, pinned tasks held to their model. :func:`forecast` turns that fluid
+bound into a forecast with a band; its corrections, each measured in
+docs/benchmarks.md (issue 28):
 
-* calls in flight count as work still to do on their model (they hold a
-  slot until they end; counting each as a whole call over-states them by
-  about half a call each, a small bias on the safe side);
+* nothing left is 0: no task pending, queued or running, whatever calls still
+  run (a hedge's loser); calls in flight beyond the tasks running shrink in
+  proportion (:func:`held_in_flight`);
+* calls in flight, and tasks on a measured model's ready list, count as work
+  still to do on their model (a call holds a slot until it ends; counting each
+  as a whole call over-states it by about half a call, on the safe side);
+* each model's latency is its learned mean raised to its Little's-law latency
+  when that is longer (:func:`little_latency`: the sketch learns from the calls
+  that ended, early in a heavy-tailed run the short ones);
 * the last calls still take their latency after the fluid bound says the
-  work is "done": half the mean latency of the fastest model with capacity,
-  where the end game sends the last tasks;
-* the run does not reach the bound, and the bound is only as good as the
-  latencies it is given (early on, a slow model's are still its prior): the
-  :func:`efficiency` of the last minute, the bound of the work solved in it
-  over the time it took, scales the bound of the work left. The same
-  latencies enter both, so a prior that is too slow cancels out;
+  work is "done": half a call at the mean latency over every slot
+  (:func:`end_tail`);
+* the run does not reach the bound: the :func:`efficiency` of the last minute,
+  the bound of the work solved in it over the time it took (full buckets
+  counted while that minute starts with the run), never above 1, divides the
+  bound of the work left that is free to run on more than one model;
 * work held to one model cannot move to a faster one, so the end game cannot
   shorten its last calls: a model with pinned tasks left finishes no sooner
   than :func:`pinned_finish`, its own bound for them plus the spread of its
-  last calls, at that model's own latency (the run's pace applies to it only
-  while the model is still on its prior).
+  last calls, at that model's own latency (its prior while it has none).
 
 Tasks allowed on a subset of models count as "any model" (the bound's
 feasibility test knows only "any" and "exactly one"), so a backlog split
@@ -98,14 +103,13 @@ def drain_eta(
     in_flight: Mapping[str, float],
     tokens_per_task: float,
     pace: float = 1.0,
-    on_prior: Collection[str] = (),
 ) -> float | None:
     """Seconds until the backlog is solved; None if some pinned work has no capacity.
 
     ``groups``: pending task counts by allowed models (None: any model);
     ``pace``: the run's :func:`efficiency`; the bound of the work left is divided
-    by it, in the proportion of that work free to run on more than one model;
-    ``on_prior``: the models whose latency is still their prior (no calls yet).
+    by it, in the proportion of that work free to run on more than one model.
+    A model with pinned work left finishes no sooner than its :func:`pinned_finish`.
     """
     total = sum(n for _, n in groups) + sum(in_flight.values())
     if total == 0:
@@ -121,7 +125,7 @@ def drain_eta(
     eta = bound / scaled + end_tail(models)
     for name, pinned in _pinned_by_model(models, groups).items():
         own = pinned_finish(models[name], pinned + in_flight.get(name, 0), tokens_per_task)
-        eta = max(eta, own / pace if name in on_prior else own)
+        eta = max(eta, own)
     return eta
 
 
@@ -211,7 +215,7 @@ class DrainState:
     tokens_per_task: float
     solved: Sequence[tuple[Sequence[str] | None, int]] = ()  # solved in the last window_s, by allowed models
     window_s: float = 0.0
-    on_prior: Collection[str] = ()  # models with no measured latency yet
+    on_prior: Collection[str] = ()  # models with no measured latency yet (the band is wider while there are some)
     #: Each model's full buckets (tokens, requests or None), when the pace window starts with the run.
     start_buckets: Mapping[str, tuple[float, float | None]] | None = None
     unfinished: int | None = None  # tasks pending, queued or running (None: unknown)
