@@ -128,8 +128,8 @@ def test_pinned_work_left_on_a_slow_model_is_not_shortened_by_the_run_s_pace() -
     # about it: its own finish stays (dividing it by the pace put default.toml's ETA 22 % short).
     from balancer.domain.eta import DrainState, forecast
 
-    state = DrainState(models, groups, in_flight={"slow": 3}, tokens_per_task=500, solved=[(None, 20)],  # pace 0.5
-                       window_s=60.0, on_prior=["slow"], unfinished=414)
+    state = DrainState(models, [(["slow"], 11), (None, 40)], in_flight={"slow": 3}, tokens_per_task=500,
+                       solved=[(None, 20)], window_s=60.0, on_prior=["slow"], unfinished=54)  # a pace of 0.5
     assert forecast(state).eta == pytest.approx(own)
     # Free work left on the fast models is shared; the slow model's calls in flight alone set no floor.
     assert drain_eta(models, [(None, 400)], in_flight={"slow": 3}, tokens_per_task=500, pace=1.2) < own
