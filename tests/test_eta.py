@@ -125,12 +125,16 @@ def test_pinned_work_left_on_a_slow_model_is_not_shortened_by_the_run_s_pace() -
     value = drain_eta(models, groups, in_flight={"slow": 3}, tokens_per_task=500, pace=1.2)
     assert value == pytest.approx(own)
     # While the slow model is still on its prior, a pace measured on the other models says nothing
-    # about it: its own finish stays (dividing it by the pace put default.toml's ETA 22 % short).
-    from balancer.domain.eta import DrainState, forecast
+    # about it: its own finish is not divided by that pace (it put default.toml's ETA 22 % short
+    # when the pace was above 1). At a pace of 0.5 the ETA is the bound of all the work over the
+    # pace where free (14 × 25 / 3 s, over 1 − 0.5 × 40/54), plus the tail, not own / 0.5.
+    from balancer.domain.eta import DrainState, end_tail, forecast
 
     state = DrainState(models, [(["slow"], 11), (None, 40)], in_flight={"slow": 3}, tokens_per_task=500,
-                       solved=[(None, 20)], window_s=60.0, on_prior=["slow"], unfinished=54)  # a pace of 0.5
-    assert forecast(state).eta == pytest.approx(own)
+                       solved=[(None, 20)], window_s=60.0, on_prior=["slow"], unfinished=54)
+    on_prior = forecast(state).eta
+    assert on_prior == pytest.approx(14 * 25 / 3 / (1 - 0.5 * 40 / 54) + end_tail(models), rel=1e-6)
+    assert on_prior < own / 0.5
     # Free work left on the fast models is shared; the slow model's calls in flight alone set no floor.
     assert drain_eta(models, [(None, 400)], in_flight={"slow": 3}, tokens_per_task=500, pace=1.2) < own
 
