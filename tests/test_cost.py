@@ -142,3 +142,57 @@ def test_quota_set_changes_a_price_with_the_same_checks(tmp_path: Path, capsys: 
     assert capsys.readouterr().err.splitlines() == [
         "error: price_per_million_input must be a number from 0 to 1000000 (per million tokens), got -1.0"]
     assert svc.quotas.get("big") == big
+
+
+def test_the_projection_splits_free_work_by_the_models_observed_mix_and_output_ratio() -> None:
+    """Hand-made: model a answered 3 calls in 4 and used 20 % of its max_tokens;
+    b used half of its. 40 free tasks (2M prompt tokens estimated, 1M max_tokens)
+    and 10 pinned to b (1M max_tokens)."""
+    from balancer.domain.cost import Observed, project
+
+    seen = {"a": Observed(30, 3_000, 600, 3_000, 3_000), "b": Observed(10, 1_000, 500, 1_000, 1_000)}
+    prices = {"a": Price(1.0, 10.0), "b": Price(2.0, 20.0)}
+    p = project([(None, 40, 2_000_000, 1_000_000), (["b"], 10, 0, 1_000_000)], seen, prices, "USD")
+    # a: 3/4 × (2M × $1 + 1M × 0.2 × $10) = 3.0; b: 1/4 × (2M × $2 + 1M × 0.5 × $20) + 1M × 0.5 × $20 = 3.5 + 10
+    assert p.by_model == pytest.approx({"a": 3.0, "b": 13.5})
+    assert p.total == pytest.approx(16.5) and p.currency == "USD"
+    # A prompt estimate that ran 10 % high on a: its prompt tokens shrink with it.
+    high = {**seen, "a": Observed(30, 2_700, 600, 3_000, 3_000)}
+    assert project([(None, 40, 2_000_000, 1_000_000)], high, prices, "USD").by_model["a"] == pytest.approx(
+        0.75 * (2_000_000 * 0.9 * 1.0 + 1_000_000 * 0.2 * 10.0) / 1e6)
+    # Nothing answered yet: an equal split, at the estimates and the whole max_tokens (the ceiling).
+    fresh = project([(None, 10, 1_000_000, 1_000_000)], {}, prices, "USD")
+    assert fresh.by_model == pytest.approx({"a": 0.5 * (1 + 10), "b": 0.5 * (2 + 20)})
+    # A model with no price: its share is counted as unpriced tokens, not as free.
+    unpriced = project([(["c"], 5, 1_000, 2_000)], seen, {**prices, "c": None}, "USD")
+    assert unpriced.total == 0 and unpriced.unpriced_tokens == {"c": round(1_000 * 1.0 + 2_000 * (1_100 / 4_000))}
+
+
+@pytest.mark.usefixtures("migrated")
+def test_status_projects_the_cost_of_the_backlog_left(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two solved tasks teach the output ratio (big used 40 % of its max_tokens,
+    small 10 %); four tasks pending, two pinned to big, two to small."""
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.schema import tasks
+
+    (tmp_path / "quotas.toml").write_text(PRICED)
+    assert main(["quota", "import", str(tmp_path / "quotas.toml")]) == 0
+    svc = Services.connect(Settings.from_env())
+    solved = [("big", 1_000, 400), ("small", 1_000, 100)]  # (model, prompt tokens, completion tokens) of max 1,000
+    pending = [["big"], ["big"], ["small"], ["small"]]
+    with svc.engine.begin() as conn:
+        conn.execute(sa.insert(tasks), [
+            {"source": "s", "prompt": "p", "status": "solved", "model": m, "max_tokens": 1_000,
+             "estimated_tokens": 2_000, "prompt_tokens": pt, "completion_tokens": ct} for m, pt, ct in solved])
+        conn.execute(sa.insert(tasks), [
+            {"source": "s", "prompt": "p", "status": "pending", "allowed_models": allowed, "max_tokens": 100_000,
+             "estimated_tokens": 1_100_000} for allowed in pending])
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    projected = json.loads(capsys.readouterr().out)["projected"]
+    # big: 2 × (1M × 3 + 100k × 0.4 × 15) / 1M = 7.2; small: 2 × (1M × 0.25 + 100k × 0.1 × 0) / 1M = 0.5
+    assert projected["by_model"] == pytest.approx({"big": 7.2, "small": 0.5})
+    assert projected["total"] == pytest.approx(7.7) and projected["currency"] == "EUR"
+    assert main(["status"]) == 0
+    assert "backlog left, projected: 7.70 EUR" in capsys.readouterr().out

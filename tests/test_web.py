@@ -323,3 +323,22 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
         p.wait_done(len(ids), timeout=180)
     finally:
         p.stop()
+
+
+def test_the_drain_page_shows_the_eta_band_and_the_projected_cost(services: Any, supervisor: Supervisor) -> None:
+    """A pending backlog on priced models: the summary carries the ETA's band, the
+    burn-down shades it, and the page prices the backlog left."""
+    services.quotas.set("model-0", {"price_per_million_input": 2.0, "price_per_million_output": 8.0, "currency": "USD"},
+                        by="test")
+    add_tasks(services, [f"prompt {i}" for i in range(30)])
+    console = Console(supervisor)
+
+    def summary() -> dict[str, Any] | None:
+        body = httpx.get(f"{console.url}/api/summary", timeout=5).json()
+        return body if body.get("pending") == 30 and body.get("eta_s") else None
+
+    body = eventually(summary)
+    assert body["eta_low_s"] < body["eta_s"] < body["eta_high_s"]
+    page = eventually(lambda: (lambda t: t if 'class="band"' in t else None)(httpx.get(f"{console.url}/drain", timeout=5).text))
+    assert "backlog left, projected:" in page and "USD" in page
+    assert "likely between" in page

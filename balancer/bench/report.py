@@ -169,6 +169,50 @@ def eta_errors(etas: Iterable[tuple[float, float, float | None]], makespan: floa
     return out
 
 
+def polled_eta_errors(samples: Sequence[dict[str, Any]], makespan: float, total: int,
+                      marks: Sequence[float] = (0.10, 0.25, 0.50, 0.75)) -> list[dict[str, Any]]:
+    """The ETA polled through a run (``at_s``, ``done`` tasks, ``eta_s``, ``low_s``,
+    ``high_s``), judged at each mark: the first poll with at least that share of
+    the ``total`` tasks done, as :func:`eta_errors` judges it, plus whether the
+    actual time left fell inside the ETA's band (``in_band``).
+
+    >>> polls = [{"at_s": 5.0, "done": 10, "eta_s": 50.0, "low_s": 40.0, "high_s": 60.0},
+    ...          {"at_s": 20.0, "done": 30, "eta_s": 30.0, "low_s": 25.0, "high_s": 35.0}]
+    >>> [(r["done"], r["at_s"], r["finish_error"], r["in_band"]) for r in polled_eta_errors(polls, 60.0, 100, (0.1, 0.25, 0.9))]
+    [(0.1, 5.0, -0.0833, True), (0.25, 20.0, -0.1667, False)]
+    """
+    out = []
+    for mark in marks:
+        poll = next((p for p in samples if p["done"] >= mark * total), None)
+        if poll is None:
+            continue
+        row = eta_errors([(mark, poll["at_s"], poll["eta_s"])], makespan)[0]
+        left = makespan - poll["at_s"]
+        low, high = poll.get("low_s"), poll.get("high_s")
+        row["low_s"], row["high_s"] = low, high
+        row["in_band"] = None if low is None or high is None else low <= left <= high
+        out.append(row)
+    return out
+
+
+def projection_error(samples: Sequence[dict[str, Any]], total: int, final_spend: float, mark: float = 0.25) -> dict[str, Any] | None:
+    """The cost projection judged at ``mark`` done: spend so far then plus the
+    projected cost of the backlog left then, against the run's final spend.
+
+    >>> polls = [{"done": 10, "at_s": 3.0, "spent": 1.0, "projected": 9.0}, {"done": 30, "at_s": 9.0, "spent": 3.0, "projected": 8.0}]
+    >>> projection_error(polls, 100, final_spend=10.0)
+    {'done': 0.25, 'at_s': 9.0, 'spent': 3.0, 'projected': 8.0, 'final_spend': 10.0, 'error': 0.1}
+    >>> projection_error(polls, 100, final_spend=0.0) is None
+    True
+    """
+    poll = next((p for p in samples if p["done"] >= mark * total and p.get("projected") is not None), None)
+    if poll is None or final_spend <= 0:
+        return None
+    predicted = poll["spent"] + poll["projected"]
+    return {"done": mark, "at_s": poll["at_s"], "spent": round(poll["spent"], 6), "projected": round(poll["projected"], 6),
+            "final_spend": round(final_spend, 6), "error": round((predicted - final_spend) / final_spend, 4)}
+
+
 def hedge_figures(rows: Iterable[Any]) -> dict[str, Any]:
     """Hedges sent and won, and the tokens they were admitted with, against the run's.
 

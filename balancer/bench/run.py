@@ -34,6 +34,8 @@ from balancer.bench.report import (
     limit_utilization,
     observed_latency,
     percentile,
+    polled_eta_errors,
+    projection_error,
     refill_gaps,
     rolling_series,
     size_dependence,
@@ -121,13 +123,26 @@ def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_ac
     that shows what crediting back usage costs against a provider that reserves.
     ``worker_layout`` is "one" (every pool in one worker process, the default)
     or "per-model" (one process per model, as docker-compose.yml deploys)."""
-    quotas = scenario.quotas()
+    quotas = priced(scenario)
     if quota_accounting is not None:
         quotas = [q.replace(token_accounting=quota_accounting) for q in quotas]
     with environment(env or {}), IsolatedServices(console, "bench") as iso:
         return run_pipeline(iso, quotas=quotas, sim_args=["--scenario", str(path), "--seed", str(scenario.seed),
                             "--grace", str(GRACE)], backlog_jsonl=scenario.backlog_jsonl(), console=console,
                             worker_layout=worker_layout or scenario.extra.get("worker_layout", "one"))
+
+
+def priced(scenario: Scenario) -> list[Any]:
+    """The scenario's quotas with the prices of its optional ``[prices]`` table
+    (``currency = "USD"``, ``<model> = [input, output]`` per million tokens)."""
+    table = scenario.extra.get("prices", {})
+    currency = table.get("currency")
+    out = []
+    for q in scenario.quotas():
+        price = table.get(q.name)
+        out.append(q if price is None else q.replace(price_per_million_input=float(price[0]),
+                                                     price_per_million_output=float(price[1]), currency=currency))
+    return out
 
 
 def run_side_baseline(scenario: Scenario, path: Path, console: Console) -> RunResult:
@@ -183,6 +198,10 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "latency_s": latency_table(result),
         "hedges": {**hedge_figures(result.rows), "cut_off": calls_cut_off(result.entries)},
         "eta": eta_errors(result.etas, result.makespan),
+        "eta_polled": polled_eta_errors(result.eta_samples, result.makespan, scenario.workload.tasks),
+        "eta_after_end_s": result.eta_samples[-1]["eta_s"] if result.eta_samples else None,
+        "cost_projection": projection_error(result.eta_samples, scenario.workload.tasks,
+                                            result.eta_samples[-1]["spent"] if result.eta_samples else 0.0),
         "last_solved": last_solved(result.rows, result.started),
     }
 
@@ -306,6 +325,22 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
               + (f"{e['remaining_error']:+.1%} |" if e['remaining_error'] is not None else "- |")
               for e in p.get("eta", [])),
             "",
+            "The ETA polled every few seconds through the run (`<side>-eta.jsonl` holds every poll and its inputs), "
+            "at the first poll past each mark, and whether the time actually left fell inside its band:",
+            "",
+            "| done | at (s) | ETA (s) | band (s) | finish error | remaining-time error | in band |",
+            "|---:|---:|---:|---|---:|---:|---|",
+            *(f"| {e['done']:.0%} | {e['at_s']} | {e['eta_s']} | "
+              + (f"{e['low_s']:.1f}–{e['high_s']:.1f}" if e['low_s'] is not None else "-")
+              + (f" | {e['finish_error']:+.1%}" if e['finish_error'] is not None else " | -")
+              + (f" | {e['remaining_error']:+.1%}" if e['remaining_error'] is not None else " | -")
+              + f" | {'yes' if e['in_band'] else 'no'} |" for e in p.get("eta_polled", [])),
+            "",
+            f"ETA once every task was finished: {p.get('eta_after_end_s')} s.",
+            *([f"Cost at {c['done']:.0%} done ({c['at_s']} s): spent {c['spent']:.4f} + projected {c['projected']:.4f} "
+               f"against the run's final spend {c['final_spend']:.4f}: error {c['error']:+.1%}."]
+              if (c := p.get("cost_projection")) else []),
+            "",
             f"The backlog ran out (last call started) at {p['backlog_out_s']} s; the tail (calls still running) took "
             f"{p['tail_s']} s more (grey dotted line in in_flight.png). While the backlog lasted, each model used this "
             f"share of what its provider allows, at its binding limit (mean **{p['limit_utilization_bulk']['mean']}**):",
@@ -394,6 +429,8 @@ def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = 
         # The simulator's whole call log, for any question the report does not answer.
         with (out / f"{side}-calls.jsonl").open("w") as fh:
             fh.writelines(json.dumps(e) + "\n" for e in result.entries)
+        with (out / f"{side}-eta.jsonl").open("w") as fh:  # the ETA polled through the run, with its inputs
+            fh.writelines(json.dumps({**e, "makespan_s": result.makespan}, default=str) + "\n" for e in result.eta_samples)
         report["makespan_s"][side] = report[side]["makespan_s"]
     if "pipeline" in results:
         report["rate_limited"] = report["pipeline"]["rate_limited"]

@@ -7,9 +7,9 @@ bugs. Subcommands live one group per module.
 
 from __future__ import annotations
 
+import sys
+
 import click
-import redis
-import sqlalchemy.exc
 
 from balancer.errors import BalancerError, ConfigError, printable
 from balancer.settings import Settings
@@ -93,6 +93,25 @@ def _one_line(message: str) -> str:
     return printable(" ".join(str(message).split()), limit=4000)
 
 
+def _service_error(exc: Exception) -> int:
+    """A lost Redis or an unreachable database as one line and exit 2; any other exception is a bug: re-raised.
+    Matched through ``sys.modules``: an exception of a library this run never imported cannot have been raised."""
+    redis, sa_exc = sys.modules.get("redis"), sys.modules.get("sqlalchemy.exc")
+    if redis is not None and isinstance(exc, redis.RedisError):
+        from balancer.settings import mask_url, scrub
+
+        url = Settings.from_env().redis_url or "(embedded)"
+        click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(scrub(str(exc), url))}", err=True)
+        return 2
+    if sa_exc is not None and isinstance(exc, sa_exc.OperationalError):
+        from balancer.storage.db import describe_connect_error
+
+        url = Settings.from_env().database_url or "(embedded)"
+        click.echo(f"error: {_one_line(str(describe_connect_error(url, exc)))}", err=True)
+        return 2
+    raise exc
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, mapping user errors to one line + exit 2."""
     try:
@@ -117,18 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         click.echo(f"error: this command needs {exc.name}: pip install 'balancer[{extra}]'", err=True)
         return 2
-    except redis.RedisError as exc:
-        from balancer.settings import mask_url, scrub
-
-        url = Settings.from_env().redis_url or "(embedded)"
-        click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(scrub(str(exc), url))}", err=True)
-        return 2
-    except sqlalchemy.exc.OperationalError as exc:
-        from balancer.storage.db import describe_connect_error
-
-        url = Settings.from_env().database_url or "(embedded)"
-        click.echo(f"error: {_one_line(str(describe_connect_error(url, exc)))}", err=True)
-        return 2
+    except Exception as exc:  # Redis and SQLAlchemy are imported by the commands that use them, not here
+        return _service_error(exc)
     if isinstance(result, int):
         return result
     return 0

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -256,6 +257,32 @@ def eta_text(eta: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
+def _projected_dict(projected: Any) -> dict[str, Any]:
+    """The backlog left's projected cost for ``status --json``: as ``spend``, without ``by_source``."""
+    out = projected.as_dict()
+    out.pop("by_source", None)
+    return out
+
+
+def band_fields(drain: Any) -> dict[str, float | None]:
+    """The ETA's band for ``status --json``: ``eta_low_s`` and ``eta_high_s`` (None when there is no ETA)."""
+    low = None if drain is None or drain.low is None else round(drain.low, 1)
+    high = None if drain is None or drain.high is None else round(drain.high, 1)
+    return {"eta_low_s": low, "eta_high_s": high}
+
+
+def band_text(drain: Any) -> str:
+    """The ETA's band for a person, after the ETA: `` (3 min 10 s to 4 min 40 s)``; empty when done or unknown.
+
+    >>> from balancer.domain.eta import Forecast
+    >>> band_text(Forecast(245.0, 190.0, 280.0)), band_text(Forecast(0.0, 0.0, 0.0)), band_text(None)
+    (' (3 min 10 s to 4 min 40 s)', '', '')
+    """
+    if drain is None or drain.eta is None or drain.eta <= 0 or drain.low is None or drain.high is None:
+        return ""
+    return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
+
+
 def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
     """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
     from rich.table import Table
@@ -285,35 +312,38 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
 def status(as_json: bool) -> None:
     """Task counts by status, and per model: calls in flight against the cap,
     buckets, 429s, latency, and the limit that holds it back now."""
-    from rich.console import Console
-
     from balancer.cli.source import source_line
-    from balancer.domain.cost import spend_text
-    from balancer.pipeline.fallback import beat_last_seen_s
+    from balancer.domain.cost import projection_text, spend_text
+    from balancer.pipeline.beat_seen import beat_last_seen_s
     from balancer.pipeline.summary import read
     from balancer.storage.intake import reused_count
     from balancer.storage.leases import overdue_count
     from balancer.storage.sources import source_status
-    from balancer.storage.spend import spend_so_far
+    from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
-    counts, rows, _, eta = read(svc)
+    counts, rows, _, drain = read(svc)
+    eta = None if drain is None else drain.eta
     overdue = overdue_count(svc.engine)
     beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
-    spent = spend_so_far(svc.engine, svc.quotas.all())
+    quotas = svc.quotas.all()
+    spent, projected = spend_so_far(svc.engine, quotas), projected_cost(svc.engine, quotas)
     sources = source_status(svc.engine)
     with svc.engine.connect() as conn:
         reused = reused_count(conn)
     if as_json:
         click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
+                               **band_fields(drain),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
                                "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
-                               "sources": [s.as_dict() for s in sources]}))
+                               "projected": _projected_dict(projected), "sources": [s.as_dict() for s in sources]}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
-               + f"  eta: {eta_text(eta)}")
+               + f"  eta: {eta_text(eta)}{band_text(drain)}")
     if spent.by_model or spent.unpriced_tokens:
         click.echo(spend_text(spent))
+    if projected.by_model or projected.unpriced_tokens:
+        click.echo(projection_text(projected))
     for s in sources:
         click.echo(f"source {s.name}: {source_line(s)}")
     if beat is None:
@@ -322,6 +352,8 @@ def status(as_json: bool) -> None:
         click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
                    "the sweep tick returns them to pending")
     if rows:
+        from rich.console import Console
+
         Console(width=max(Console().width, 120)).print(_model_table(rows))
 
 
@@ -339,13 +371,16 @@ def top(interval: float, count: int | None) -> None:
     from rich.live import Live
     from rich.text import Text
 
+    from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.summary import read
+    from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
 
     def frame() -> Group:
-        counts, rows, counters, eta = read(svc)
+        counts, rows, counters, drain = read(svc)
+        eta = None if drain is None else drain.eta
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -360,8 +395,11 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}")
-        return Group(_model_table(rows, rates), backlog)
+        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}{band_text(drain)}")
+        quotas = svc.quotas.all()
+        money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
+                                         projection_text(projected_cost(svc.engine, quotas)))]
+        return Group(_model_table(rows, rates), backlog, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

@@ -9,15 +9,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from balancer.cli import services
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError, printable
-from balancer.services import Services
+
+if TYPE_CHECKING:
+    from balancer.services import Services
 
 POSITIVE = click.IntRange(min=1)
 
@@ -76,6 +77,9 @@ def quota_list(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
     table.add_column("model", no_wrap=True)
     for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",

@@ -11,8 +11,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from balancer.cli.pipeline import _ask_for_dispatch, _migrated
 from balancer.errors import BalancerError, printable
@@ -61,6 +59,9 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
     if as_json:
         click.echo(json.dumps([dict(r._mapping) for r in rows], default=str, indent=2))
         return
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title=f"tasks ({len(rows)} shown, newest first)")
     for col in ("id", "status", "model", "source", "attempts", "created", "prompt", "error"):
         table.add_column(col, overflow="fold")

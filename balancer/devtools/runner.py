@@ -186,6 +186,27 @@ def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
 
 #: Shares of the backlog done at which the bench records the drain ETA.
 ETA_MARKS = (0.10, 0.25, 0.50, 0.75)
+#: Seconds between the ETA polls the bench records (the marks are polled as well).
+ETA_POLL_S = 3.0
+
+
+def eta_sample(svc: Any, at: float, done: int) -> dict[str, Any]:
+    """One poll of the drain ETA as `balancer status --json` reads it: the forecast,
+    its band and the state it came from (to replay other estimators on it)."""
+    from dataclasses import asdict
+
+    from balancer.domain.eta import forecast
+    from balancer.pipeline.summary import drain_inputs
+    from balancer.storage.spend import projected_cost, spend_so_far
+
+    state = drain_inputs(svc)
+    result = forecast(state) if state is not None else None
+    quotas = svc.quotas.all()
+    return {"at_s": round(at, 3), "done": done, "spent": spend_so_far(svc.engine, quotas).total,
+            "projected": projected_cost(svc.engine, quotas).total, "eta_s": None if result is None else result.eta,
+            "low_s": None if result is None else result.low, "high_s": None if result is None else result.high,
+            "state": None if state is None else {**asdict(state), "models": {k: asdict(v) for k, v in state.models.items()},
+                                                 "on_prior": list(state.on_prior)}}
 
 
 @dataclass
@@ -199,6 +220,8 @@ class RunResult:
     learned_latency: dict[str, Any] = field(default_factory=dict)
     #: Drain ETAs made during the run: (share of tasks done, seconds since the start, the ETA in s or None).
     etas: list[tuple[float, float, float | None]] = field(default_factory=list)
+    #: The ETA polled through the run, every ETA_POLL_S and once after the end: see :func:`eta_sample`.
+    eta_samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def makespan(self) -> float:
@@ -265,7 +288,7 @@ def run_pipeline(
     progress = Progress(TextColumn("solving"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeElapsedColumn(), console=console)
     bar = progress.add_task("solve", total=total, info="")
-    eta_marks, etas = list(ETA_MARKS), []
+    eta_marks, etas, samples, polled_at = list(ETA_MARKS), [], [], 0.0
     with Live(Group(progress), console=console, refresh_per_second=4, transient=False) as live:
         while True:
             supervisor.check_alive()
@@ -278,6 +301,9 @@ def run_pipeline(
             done = counts["solved"] + counts["failed"]
             while eta_marks and done >= eta_marks[0] * total:  # the ETA a user would have read at that moment
                 etas.append((eta_marks.pop(0), time.time() - started, estimate_drain(svc)))
+            if time.monotonic() - polled_at >= ETA_POLL_S and done < total:
+                samples.append(eta_sample(svc, time.time() - started, done))
+                polled_at = time.monotonic()
             progress.update(bar, completed=done, info=f"failed {counts['failed']}  429s {rejected}")
             parts: list[Any] = [progress]
             if table is not None:
@@ -289,6 +315,7 @@ def run_pipeline(
             if time.time() - started > timeout:
                 raise RuntimeError(f"not finished within {timeout:.0f}s: {counts}")
             time.sleep(0.5)
+    samples.append(eta_sample(svc, time.time() - started, total))  # nothing left: it must say 0
     time.sleep(0.2)
     entries.extend(fetch_log(backend_url, cursor)[0])
     rows = iso.task_rows()
@@ -298,6 +325,6 @@ def run_pipeline(
     counts = status_counts(svc.engine)
     # Calls that started with no dispatcher in between: a finishing call took them from a ready list.
     counts["ready_taken"] = sum(c.get("ready_taken", 0) for c in svc.core.counters()[0].values())
-    result = RunResult(entries, started, finished, counts, rows, learned, etas)
+    result = RunResult(entries, started, finished, counts, rows, learned, etas, samples)
     supervisor.stop_all()
     return result

@@ -147,3 +147,87 @@ def spend_text(s: Spend) -> str:
     if s.unpriced_tokens:
         text += "; unpriced: " + ", ".join(f"{m} {n:,} tokens" for m, n in sorted(s.unpriced_tokens.items()))
     return text
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one model's answered calls used so far, against what was estimated
+    for their tasks: the heuristic prompt estimate and the ``max_tokens`` sent."""
+
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+    estimated_prompt: int
+    max_tokens: int
+
+
+def ratios(seen: Observed | None, fleet: Observed | None) -> tuple[float, float]:
+    """(prompt tokens used per prompt token estimated, completion tokens per ``max_tokens``) of a
+    model: its own, else the fleet's, else (1, 1), the estimate and the budget themselves.
+
+    >>> ratios(Observed(10, 900, 300, 1_000, 1_000), None)
+    (0.9, 0.3)
+    >>> ratios(None, Observed(10, 1_000, 500, 1_000, 1_000)), ratios(None, None)
+    ((1.0, 0.5), (1.0, 1.0))
+    """
+    for usage in (seen, fleet):
+        if usage is not None and usage.calls and usage.estimated_prompt and usage.max_tokens:
+            return usage.prompt_tokens / usage.estimated_prompt, usage.completion_tokens / usage.max_tokens
+    return 1.0, 1.0
+
+
+def project(
+    backlog: Iterable[tuple[Iterable[str] | None, int, int, int]],
+    observed: Mapping[str, Observed],
+    prices: Mapping[str, Price | None],
+    currency: str | None,
+) -> Spend:
+    """What the backlog left will cost, by model, as a :class:`Spend` (``by_source`` is left empty).
+
+    ``backlog``: (allowed models or None for any, tasks, their estimated prompt
+    tokens, their ``max_tokens``), per group. ``prices`` names the models that may
+    run work. A group's tasks split over the models it may run in proportion to
+    the calls each answered so far (equally when none answered yet); on each
+    model, its tokens are the estimates times that model's observed :func:`ratios`.
+
+    >>> seen = {"a": Observed(30, 3_000, 600, 3_000, 3_000), "b": Observed(10, 1_000, 500, 1_000, 1_000)}
+    >>> p = project([(None, 40, 2_000_000, 1_000_000), (["b"], 10, 0, 1_000_000)], seen,
+    ...             {"a": Price(1.0, 10.0), "b": Price(2.0, 20.0)}, "USD")
+    >>> round(p.total, 2), {m: round(v, 2) for m, v in p.by_model.items()}   # a: 3/4 of the free work at 0.2 out
+    (16.5, {'a': 3.0, 'b': 13.5})
+    """
+    fleet = Observed(*(sum(getattr(u, f) for u in observed.values()) for f in
+                       ("calls", "prompt_tokens", "completion_tokens", "estimated_prompt", "max_tokens")))
+    out = Spend(currency)
+    for allowed, count, prompt_estimate, max_tokens in backlog:
+        usable = [m for m in (prices if allowed is None else allowed) if m in prices]
+        if not count or not usable:
+            continue
+        weights = {m: observed[m].calls if m in observed else 0 for m in usable}
+        total_weight = sum(weights.values())
+        for model in usable:
+            share = weights[model] / total_weight if total_weight else 1 / len(usable)
+            if share == 0:
+                continue
+            prompt_ratio, output_ratio = ratios(observed.get(model), fleet)
+            prompt_tokens, completion_tokens = share * prompt_estimate * prompt_ratio, share * max_tokens * output_ratio
+            price = prices[model]
+            if price is None:
+                out.unpriced_tokens[model] = out.unpriced_tokens.get(model, 0) + round(prompt_tokens + completion_tokens)
+                continue
+            amount = (prompt_tokens * price.input + completion_tokens * price.output) / 1_000_000
+            out.total += amount
+            out.by_model[model] = out.by_model.get(model, 0.0) + amount
+    return out
+
+
+def projection_text(p: Spend) -> str:
+    """One line for ``balancer status`` and ``top``: the backlog left's projected cost.
+
+    >>> projection_text(Spend("USD", 12.0, {"a": 12.0}, {}, {"c": 5_000}))
+    'backlog left, projected: 12.00 USD; unpriced: c 5,000 tokens'
+    """
+    text = f"backlog left, projected: {money(p.total, p.currency)}"
+    if p.unpriced_tokens:
+        text += "; unpriced: " + ", ".join(f"{m} {n:,} tokens" for m, n in sorted(p.unpriced_tokens.items()))
+    return text

@@ -2,26 +2,31 @@
 
 It is the capacity bound (:mod:`balancer.domain.capacity`) applied to the
 work left, from now, on the live quotas: each model's concurrency over its
-learned mean latency, its token and request buckets as they are now plus
-their refill, pinned tasks held to their model. Four corrections turn that
-fluid bound into a forecast:
+mean latency, its token and request buckets as they are now plus their
+refill, pinned tasks held to their model. :func:`forecast` turns that fluid
+bound into a forecast with a band; its corrections, each measured in
+docs/benchmarks.md (issue 28):
 
-* calls in flight count as work still to do on their model (they hold a
-  slot until they end; counting each as a whole call over-states them by
-  about half a call each, a small bias on the safe side);
+* nothing left is 0: no task pending, queued or running, whatever calls still
+  run (a hedge's loser); calls in flight beyond the tasks running shrink in
+  proportion (:func:`held_in_flight`);
+* calls in flight, and tasks on a measured model's ready list, count as work
+  still to do on their model (a call holds a slot until it ends; counting each
+  as a whole call over-states it by about half a call, on the safe side);
+* each model's latency is its learned mean raised to its Little's-law latency
+  when that is longer (:func:`little_latency`: the sketch learns from the calls
+  that ended, early in a heavy-tailed run the short ones);
 * the last calls still take their latency after the fluid bound says the
-  work is "done": half the mean latency of the fastest model with capacity,
-  where the end game sends the last tasks;
-* the run does not reach the bound, and the bound is only as good as the
-  latencies it is given (early on, a slow model's are still its prior): the
-  :func:`efficiency` of the last minute, the bound of the work solved in it
-  over the time it took, scales the bound of the work left. The same
-  latencies enter both, so a prior that is too slow cancels out;
+  work is "done": half a call at the mean latency over every slot
+  (:func:`end_tail`);
+* the run does not reach the bound: the :func:`efficiency` of the last minute,
+  the bound of the work solved in it over the time it took (full buckets
+  counted while that minute starts with the run), never above 1, divides the
+  bound of the work left that is free to run on more than one model;
 * work held to one model cannot move to a faster one, so the end game cannot
   shorten its last calls: a model with pinned tasks left finishes no sooner
   than :func:`pinned_finish`, its own bound for them plus the spread of its
-  last calls, at that model's own latency (the run's pace applies to it only
-  while the model is still on its prior).
+  last calls, at that model's own latency (its prior while it has none).
 
 Tasks allowed on a subset of models count as "any model" (the bound's
 feasibility test knows only "any" and "exactly one"), so a backlog split
@@ -39,29 +44,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
 
 #: Fewer tasks solved in the window than this, or a window shorter than
-#: MIN_WINDOW_S (a run's first seconds, when its buckets' bursts outrun any
-#: steady state): no efficiency correction (1.0).
-MIN_SOLVED, MIN_WINDOW_S = 20, 30.0
-#: The efficiency is kept within these bounds: a burst or a stall of one minute
-#: must not multiply or divide the forecast by more than two.
-EFFICIENCY_RANGE = (0.5, 2.0)
+#: MIN_WINDOW_S (a run's first seconds): no efficiency correction (1.0).
+MIN_SOLVED, MIN_WINDOW_S = 20, 20.0
+#: The efficiency is kept within these bounds: a stall of one minute must not
+#: multiply the forecast by more than two, and no run beats its capacity bound
+#: (a lower bound on the time by construction), so a pace above 1 is an error of
+#: its inputs (latencies learned short, a burst spent in the window) and reads as 1.
+EFFICIENCY_RANGE = (0.5, 1.0)
 
 
 def efficiency(
     models: Mapping[str, ModelCapacity],
     solved: Sequence[tuple[Sequence[str] | None, int]],
     *,
-    in_flight: Mapping[str, int],
+    in_flight: Mapping[str, float],
     window_s: float,
     tokens_per_task: float,
+    start_buckets: Mapping[str, tuple[float, float | None]] | None = None,
 ) -> float:
     """How fast the run went lately, as a share of its capacity bound: the bound
     of the work solved in the last ``window_s`` seconds (calls in flight count
-    as half done), at steady state (no bucket contents), over ``window_s``.
+    as half done), over ``window_s``. The bound is at steady state (no bucket
+    contents) for a window inside the run; for a window that starts with the run,
+    ``start_buckets`` (each model's full token and request buckets) are what
+    its bursts could spend, so the first minute's bursts do not read as speed.
 
     >>> from balancer.domain.capacity import ModelCapacity
     >>> fast = {"fast": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
@@ -73,7 +84,9 @@ def efficiency(
     done = sum(n for _, n in solved)
     if done < MIN_SOLVED or window_s < MIN_WINDOW_S:
         return 1.0
-    steady = {name: ModelCapacity(m.concurrency, m.mean_latency, m.tpm, 0.0, m.rpm, 0.0, m.tokens_per_task)
+    full = start_buckets or {}
+    steady = {name: ModelCapacity(m.concurrency, m.mean_latency, m.tpm, full.get(name, (0.0, None))[0], m.rpm,
+                                  full.get(name, (0.0, None))[1] or 0.0, m.tokens_per_task)
               for name, m in models.items()}
     half_in_flight = {name: n / 2 for name, n in in_flight.items()}
     bound = _bound(steady, solved, half_in_flight, tokens_per_task)
@@ -87,17 +100,16 @@ def drain_eta(
     models: Mapping[str, ModelCapacity],
     groups: Sequence[tuple[Sequence[str] | None, int]],
     *,
-    in_flight: Mapping[str, int],
+    in_flight: Mapping[str, float],
     tokens_per_task: float,
     pace: float = 1.0,
-    on_prior: Collection[str] = (),
 ) -> float | None:
     """Seconds until the backlog is solved; None if some pinned work has no capacity.
 
     ``groups``: pending task counts by allowed models (None: any model);
     ``pace``: the run's :func:`efficiency`; the bound of the work left is divided
-    by it, in the proportion of that work free to run on more than one model;
-    ``on_prior``: the models whose latency is still their prior (no calls yet).
+    by it, in the proportion of that work free to run on more than one model.
+    A model with pinned work left finishes no sooner than its :func:`pinned_finish`.
     """
     total = sum(n for _, n in groups) + sum(in_flight.values())
     if total == 0:
@@ -110,12 +122,26 @@ def drain_eta(
     # in proportion to the work left that is free.
     free = sum(n for allowed, n in groups if allowed is None or len(allowed) > 1)
     scaled = 1 + (pace - 1) * free / total
-    tail = min(m.mean_latency for m in models.values()) / 2
-    eta = bound / scaled + tail
+    eta = bound / scaled + end_tail(models)
     for name, pinned in _pinned_by_model(models, groups).items():
         own = pinned_finish(models[name], pinned + in_flight.get(name, 0), tokens_per_task)
-        eta = max(eta, own / pace if name in on_prior else own)
+        eta = max(eta, own)
     return eta
+
+
+def end_tail(models: Mapping[str, ModelCapacity]) -> float:
+    """How long the last calls run after the fluid bound says the work is done:
+    half a call at the mean latency over every slot. When the backlog runs out,
+    a call is running in every slot, slow models' too, and the last of them ends
+    about half a call later (the end game's hedges cut the slowest short).
+
+    >>> fast = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)
+    >>> slow = ModelCapacity(concurrency=2, mean_latency=20.0, tpm=None, burst=0)
+    >>> end_tail({"fast": fast}), round(end_tail({"fast": fast, "slow": slow}), 3)   # (10 × 2 + 2 × 20) / 12 / 2
+    (1.0, 2.5)
+    """
+    slots = sum(m.concurrency for m in models.values())
+    return sum(m.concurrency * m.mean_latency for m in models.values()) / max(1, slots) / 2
 
 
 def pinned_finish(model: ModelCapacity, calls: float, tokens_per_task: float) -> float:
@@ -176,3 +202,134 @@ def _bound(
                               any_model=any_model, pinned={i: held[n] for i, n in enumerate(names)})
     except ValueError:
         return None
+
+
+@dataclass(frozen=True)
+class DrainState:
+    """What the ETA is computed from, as read at one moment (see
+    :func:`balancer.pipeline.summary.drain_inputs`)."""
+
+    models: Mapping[str, ModelCapacity]  # the enabled models, on their live buckets and learned latencies
+    groups: Sequence[tuple[Sequence[str] | None, int]]  # pending (and ready-listed) tasks by allowed models
+    in_flight: Mapping[str, int]  # calls in flight by model (hedges and cut-off losers included)
+    tokens_per_task: float
+    solved: Sequence[tuple[Sequence[str] | None, int]] = ()  # solved in the last window_s, by allowed models
+    window_s: float = 0.0
+    on_prior: Collection[str] = ()  # models with no measured latency yet (the band is wider while there are some)
+    #: Each model's full buckets (tokens, requests or None), when the pace window starts with the run.
+    start_buckets: Mapping[str, tuple[float, float | None]] | None = None
+    unfinished: int | None = None  # tasks pending, queued or running (None: unknown)
+    solved_by_model: Mapping[str, int] = field(default_factory=dict)  # solved in the last window_s, by answering model
+    #: Tasks on a measured model's ready list: that model's work, as its calls in flight are (not pinned:
+    #: the end game may hedge them, so they set no :func:`pinned_finish` of their own).
+    ready: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The drain ETA (s) and the band it is expected in: ``low`` <= ``eta`` <= ``high``."""
+
+    eta: float | None
+    low: float | None
+    high: float | None
+
+
+#: The band around the ETA, as shares of it: below and above. The run's actual
+#: remaining time fell within these in the runs docs/benchmarks.md reports
+#: once the pace applies; before it does (a run's first 30 s, or a model still
+#: on its prior), the band is EARLY_WIDENING wider on each side.
+BAND = (0.15, 0.25)
+EARLY_WIDENING = 0.15
+
+
+def held_in_flight(in_flight: Mapping[str, int], running: int) -> dict[str, float]:
+    """The calls in flight that are still a task's work: at most ``running`` in all.
+
+    A hedged task has two calls in flight, and a hedge's loser may run on after
+    its task was solved (the backend was not told, or cannot stop): those calls
+    are no work left. When there are more calls than running tasks, each model's
+    count shrinks in proportion.
+
+    >>> held_in_flight({"a": 6, "b": 2}, running=4)
+    {'a': 3.0, 'b': 1.0}
+    >>> held_in_flight({"a": 3}, running=5)
+    {'a': 3.0}
+    >>> held_in_flight({"a": 3}, running=0)
+    {'a': 0.0}
+    """
+    calls = sum(in_flight.values())
+    share = 1.0 if calls <= running else max(0, running) / calls
+    return {name: n * share for name, n in in_flight.items()}
+
+
+#: Fewer calls answered by a model in the window than this: its latency is not checked by Little's law.
+MIN_MODEL_SOLVED = 10
+
+
+def little_latency(in_flight: float, solved: int, window_s: float) -> float | None:
+    """A model's mean latency by Little's law: it holds ``in_flight`` calls and
+    answered ``solved`` in the last ``window_s`` s, so a call takes about
+    in_flight × window_s / solved. None with too few answers or too short a window.
+
+    Unlike the latency sketch, which learns only from calls that ended (early
+    on, the short ones: the long calls of a heavy tail are still running), this
+    counts the calls still running too.
+
+    >>> little_latency(16, 40, 60.0)   # 16 slots busy, 40 answers a minute: 24 s a call
+    24.0
+    >>> little_latency(16, 5, 60.0) is None, little_latency(16, 40, 10.0) is None
+    (True, True)
+    """
+    if solved < MIN_MODEL_SOLVED or in_flight <= 0 or window_s < MIN_WINDOW_S:
+        return None
+    return in_flight * window_s / solved
+
+
+def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
+    """The models with each one's mean latency raised to its :func:`little_latency`
+    when that is longer: the sketch's bias runs one way (short calls end first).
+
+    >>> m = {"slow": ModelCapacity(concurrency=16, mean_latency=10.0, tpm=None, burst=0)}
+    >>> s = DrainState(m, [(None, 100)], in_flight={"slow": 16}, tokens_per_task=500, window_s=60.0,
+    ...                solved_by_model={"slow": 40})
+    >>> with_observed_latency(s)["slow"].mean_latency
+    24.0
+    """
+    out = dict(state.models)
+    for name, model in state.models.items():
+        little = little_latency(state.in_flight.get(name, 0), state.solved_by_model.get(name, 0), state.window_s)
+        if little is not None and little > model.mean_latency:
+            out[name] = replace(model, mean_latency=little)
+    return out
+
+
+def forecast(state: DrainState) -> Forecast:
+    """The drain ETA of ``state`` with its band: exactly 0 when no task is left
+    unfinished, whatever calls are still in flight.
+
+    >>> from balancer.domain.capacity import ModelCapacity
+    >>> fast = {"fast": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
+    >>> forecast(DrainState(fast, [], in_flight={"fast": 3}, tokens_per_task=500, unfinished=0))
+    Forecast(eta=0.0, low=0.0, high=0.0)
+    >>> f = forecast(DrainState(fast, [(None, 100)], in_flight={}, tokens_per_task=500, unfinished=100))
+    >>> round(f.eta, 1), round(f.low, 1), round(f.high, 1)   # no pace yet: the early band
+    (21.0, 14.7, 29.4)
+    """
+    if state.unfinished == 0:
+        return Forecast(0.0, 0.0, 0.0)
+    in_flight: Mapping[str, float] = state.in_flight
+    if state.unfinished is not None:
+        queued = sum(n for _, n in state.groups) + sum(state.ready.values())
+        in_flight = held_in_flight(state.in_flight, state.unfinished - queued)
+    held = {name: in_flight.get(name, 0) + state.ready.get(name, 0) for name in set(in_flight) | set(state.ready)}
+    models = with_observed_latency(state)
+    pace = efficiency(models, state.solved, in_flight=in_flight, window_s=state.window_s,
+                      tokens_per_task=state.tokens_per_task, start_buckets=state.start_buckets)
+    # A model still on its prior keeps its own pinned finish at the prior: a pace measured on the
+    # other models says nothing about it (on default.toml, dividing by it put the ETA 22 % short at 25 %).
+    eta = drain_eta(models, state.groups, in_flight=held, tokens_per_task=state.tokens_per_task, pace=pace)
+    if eta is None:
+        return Forecast(None, None, None)
+    early = state.window_s < MIN_WINDOW_S or sum(n for _, n in state.solved) < MIN_SOLVED or bool(state.on_prior)
+    below, above = (share + (EARLY_WIDENING if early else 0.0) for share in BAND)
+    return Forecast(eta, eta * (1 - below), eta * (1 + above))

@@ -19,31 +19,14 @@ import threading
 import time
 from collections.abc import Callable
 
-import redis
 from celery import bootsteps
 
-from balancer.admission import keys
+from balancer.pipeline.beat_seen import ABSENT_AFTER as ABSENT_AFTER
+from balancer.pipeline.beat_seen import beat_last_seen_s as beat_last_seen_s
+from balancer.pipeline.beat_seen import mark_beat_seen as mark_beat_seen
 from balancer.settings import Settings
 
 log = logging.getLogger(__name__)
-
-#: Beat counts as absent once its dispatch tick has not run for this many tick intervals.
-ABSENT_AFTER = 5
-
-
-def mark_beat_seen(client: redis.Redis, namespace: str, dispatch_tick: float) -> None:
-    """Called by beat's dispatch tick: beat is alive."""
-    ttl_ms = max(1_000, int(dispatch_tick * ABSENT_AFTER * 1000))
-    client.set(keys.beat_seen(namespace), str(int(time.time() * 1000)), px=ttl_ms)
-
-
-def beat_last_seen_s(client: redis.Redis, namespace: str) -> float | None:
-    """Seconds since beat's last dispatch tick, or None if beat counts as absent."""
-    raw = client.get(keys.beat_seen(namespace))
-    if raw is None:
-        return None
-    return max(0.0, time.time() - int(raw) / 1000)
-
 
 #: One of beat's ticks: its interval in seconds, and what sends it.
 Tick = tuple[float, Callable[[], object]]

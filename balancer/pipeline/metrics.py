@@ -16,7 +16,7 @@ scrape while the others report the last count (``balancer tasks prune`` keeps th
 recount short).
 
 >>> sorted(m.name for m in BalancerCollector(None).describe())[:3]
-['balancer_admission_decisions', 'balancer_dispatch_rounds', 'balancer_drain_eta_seconds']
+['balancer_admission_decisions', 'balancer_backlog_projected_cost', 'balancer_dispatch_rounds']
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
+from balancer.domain.cost import Observed, price_of, project
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
-from balancer.pipeline.summary import estimate_drain
+from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
 from balancer.storage.reads import pending_groups
 from balancer.storage.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
+from balancer.storage.spend import backlog_estimates, observed_usage, token_usage
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
 OUTCOMES = ("solved", "rate_limited", "transient", "failed")
@@ -98,6 +100,10 @@ class BalancerCollector(Collector):
         self.services = services
         self.finished_every = finished_every
         self._finished: dict[str, int] | None = None
+        # Read from the solved history with the finished counts, at the same pace: spend so far by
+        # (source, model), and what each model's answered calls used against their estimates.
+        self._usage: list[tuple[str, str, int, int]] = []
+        self._observed: dict[str, Observed] = {}
         self._finished_at = 0.0
         self._recount = threading.Lock()
 
@@ -108,6 +114,7 @@ class BalancerCollector(Collector):
             try:
                 if self._finished is None or time.monotonic() - self._finished_at >= self.finished_every:
                     self._finished = finished_counts(engine)
+                    self._usage, self._observed = token_usage(engine), observed_usage(engine)
                     self._finished_at = time.monotonic()
             finally:
                 self._recount.release()
@@ -160,11 +167,28 @@ class BalancerCollector(Collector):
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
-        eta = estimate_drain(svc, view, groups)
-        if eta is not None:
-            families["balancer_drain_eta_seconds"].add_metric([], eta)
+        drain = estimate_band(svc, view, groups)
+        if drain is not None and drain.eta is not None:
+            families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
+            families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
+            families["balancer_drain_eta_high_seconds"].add_metric([], drain.high or 0.0)
+        self._money(svc, families)
         add_source_metrics(families, svc.engine)
         return iter(families.values())
+
+    def _money(self, svc: Services, families: dict[str, Any]) -> None:
+        """Spend so far by model and source, and the backlog left's projected cost by model, in the quotas' currency."""
+        quotas = svc.quotas.all()
+        prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas}
+        currency = next((q.currency for q in quotas if q.currency), None) or ""
+        for source, model, prompt_tokens, completion_tokens in self._usage:
+            price = prices.get(model)
+            if price is not None:
+                families["balancer_spend"].add_metric([model, source, currency], price.cost(prompt_tokens, completion_tokens))
+        enabled = {q.name: prices[q.name] for q in quotas if q.enabled}
+        projected = project(backlog_estimates(svc.engine), self._observed, enabled, currency or None)
+        for model, amount in projected.by_model.items():
+            families["balancer_backlog_projected_cost"].add_metric([model, currency], amount)
 
     @staticmethod
     def _families() -> dict[str, Any]:
@@ -208,6 +232,15 @@ class BalancerCollector(Collector):
         families["balancer_drain_eta_seconds"] = GaugeMetricFamily(
             "balancer_drain_eta_seconds", "Predicted seconds until the backlog is solved (balancer.domain.eta)")
         families.update(source_families())
+        for side in ("low", "high"):
+            families[f"balancer_drain_eta_{side}_seconds"] = GaugeMetricFamily(
+                f"balancer_drain_eta_{side}_seconds", f"The {side} end of the drain ETA's band (balancer.domain.eta)")
+        families["balancer_spend"] = CounterMetricFamily(
+            "balancer_spend", "Money spent on answered calls, at the quotas' prices (recounted with the finished "
+            "tasks)", labels=["model", "source", "currency"])
+        families["balancer_backlog_projected_cost"] = GaugeMetricFamily(
+            "balancer_backlog_projected_cost", "Projected cost of the tasks left (balancer.domain.cost.project)",
+            labels=["model", "currency"])
         return families
 
 

@@ -19,9 +19,15 @@ from typing import Any
 
 from balancer.admission.live import ModelLive
 from balancer.domain.capacity import ModelCapacity
-from balancer.domain.eta import drain_eta, efficiency
+from balancer.domain.eta import DrainState, Forecast, forecast
 from balancer.services import Services
-from balancer.storage.reads import pending_groups, recent_solves, status_counts
+from balancer.storage.reads import (
+    pending_groups,
+    recent_solves,
+    recent_solves_by_model,
+    status_counts,
+    unfinished_count,
+)
 
 #: The drain ETA's pace is measured over the last minute of solves.
 PACE_WINDOW_S = 60.0
@@ -97,12 +103,13 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
     return rows
 
 
-def estimate_drain(
+def drain_inputs(
     services: Services, view: Mapping[str, ModelLive] | None = None,
     groups: list[tuple[list[str] | None, int, int]] | None = None,
-) -> float | None:
-    """The drain ETA in seconds (:func:`balancer.domain.eta.drain_eta`) from the live
-    quotas, buckets and learned latencies and the backlog's composition now."""
+) -> DrainState | None:
+    """What the drain ETA is computed from, read now: the live quotas, buckets and
+    learned latencies, the backlog's composition, the last minute's solves and
+    the tasks not finished. None when no model is enabled."""
     view = services.core.live() if view is None else view
     groups = pending_groups(services.engine) if groups is None else groups
     prior_s = services.settings.expected_latency_s
@@ -119,25 +126,49 @@ def estimate_drain(
     }
     if not models:
         return None
-    in_flight = {name: live.in_flight for name, live in view.items()}
     solved, window_s = recent_solves(services.engine, PACE_WINDOW_S)
-    pace = efficiency(models, solved, in_flight=in_flight, window_s=window_s, tokens_per_task=tokens_per_task)
-    on_prior = [name for name in models if not view[name].latency_estimate(prior_s).samples]
     # Tasks on a ready list are no longer pending, nor in flight yet: their model's work
     # still to do. On a model not measured yet they count as work for any model: its
     # latency is only the prior (30 s), and if it is slow they outlive their TTL and
     # go back to pending (counted as its own, they put tail.toml's ETA 67 % out at 25 %).
-    ready: list[tuple[list[str] | None, int]] = [
-        ([name] if live.latency_known else None, live.ready) for name, live in view.items() if live.ready
-    ]
-    return drain_eta(models, [(allowed, n) for allowed, n, _ in groups] + ready, in_flight=in_flight,
-                     tokens_per_task=tokens_per_task, pace=pace, on_prior=on_prior)
+    unmeasured_ready = sum(live.ready for live in view.values() if live.ready and not live.latency_known)
+    return DrainState(
+        models=models,
+        groups=[(allowed, n) for allowed, n, _ in groups] + ([(None, unmeasured_ready)] if unmeasured_ready else []),
+        ready={name: live.ready for name, live in view.items() if live.ready and live.latency_known},
+        start_buckets={name: (float(live.quota.burst), float(live.quota.request_burst)
+                              if live.quota.max_requests_per_minute else None)
+                       for name, live in view.items()} if window_s < PACE_WINDOW_S else None,
+        in_flight={name: live.in_flight for name, live in view.items()}, tokens_per_task=tokens_per_task,
+        solved=solved, window_s=window_s,
+        on_prior=[name for name in models if not view[name].latency_estimate(prior_s).samples],
+        unfinished=unfinished_count(services.engine),
+        solved_by_model=recent_solves_by_model(services.engine, window_s),
+    )
 
 
-def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], float | None]:
-    """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA in s) now."""
+def estimate_drain(
+    services: Services, view: Mapping[str, ModelLive] | None = None,
+    groups: list[tuple[list[str] | None, int, int]] | None = None,
+) -> float | None:
+    """The drain ETA in seconds (:func:`balancer.domain.eta.forecast`) now."""
+    state = drain_inputs(services, view, groups)
+    return None if state is None else forecast(state).eta
+
+
+def estimate_band(
+    services: Services, view: Mapping[str, ModelLive] | None = None,
+    groups: list[tuple[list[str] | None, int, int]] | None = None,
+) -> Forecast | None:
+    """The drain ETA with its band (low, high) now; None when no model is enabled."""
+    state = drain_inputs(services, view, groups)
+    return None if state is None else forecast(state)
+
+
+def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], Forecast | None]:
+    """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA and its band) now."""
     counters, _ = services.core.counters()
     view = services.core.live()
     rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
-    return status_counts(services.engine), rows, counters, estimate_drain(services, view)
+    return status_counts(services.engine), rows, counters, estimate_band(services, view)

@@ -36,6 +36,25 @@ def recent_solves(engine: Engine, window_s: float) -> tuple[list[tuple[list[str]
     return [(r[0], int(r[1])) for r in rows], covered
 
 
+def recent_solves_by_model(engine: Engine, window_s: float) -> dict[str, int]:
+    """Tasks solved in the last ``window_s`` seconds, by the model that answered them."""
+    since = sa.func.now() - timedelta(seconds=window_s)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.model, sa.func.count())
+            .where(tasks.c.status == "solved", tasks.c.updated_at >= since, tasks.c.model.is_not(None))
+            .group_by(tasks.c.model)
+        ).all()
+    return {r[0]: int(r[1]) for r in rows}
+
+
+def unfinished_count(engine: Engine) -> int:
+    """Tasks not finished yet: pending, queued or running (each counted once, however many calls it has)."""
+    with engine.connect() as conn:
+        return int(conn.execute(
+            sa.select(sa.func.count()).where(tasks.c.status.in_(("pending", "queued", "running")))).scalar_one())
+
+
 def status_counts(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(tasks.c.status, sa.func.count()).group_by(tasks.c.status)).all()

@@ -5,6 +5,10 @@ solved task (``prompt_tokens`` and ``completion_tokens``), grouped by source
 and by the model that answered; :func:`balancer.domain.cost.spend` prices
 them. Calls that did not answer (a failed attempt, a hedge that lost) left no
 token counts in PostgreSQL, so they are not in this figure.
+
+:func:`projected_cost` prices the backlog left the same way, from its token
+estimates and what each model's answered calls used against theirs
+(:func:`balancer.domain.cost.project`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from balancer.domain.cost import Spend, price_of, spend
+from balancer.domain.cost import Observed, Spend, price_of, project, spend
 from balancer.domain.quota import Quota
 from balancer.storage.schema import tasks
 
@@ -33,3 +37,36 @@ def spend_so_far(engine: Engine, quotas: Sequence[Quota]) -> Spend:
     prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas}
     currency = next((q.currency for q in quotas if q.currency), None)
     return spend(token_usage(engine), prices, currency)
+
+
+#: Task statuses whose tokens are still to be spent.
+LEFT = ("pending", "queued", "running")
+
+
+def backlog_estimates(engine: Engine) -> list[tuple[list[str] | None, int, int, int]]:
+    """The tasks left by allowed models: (allowed or None, tasks, estimated prompt tokens, ``max_tokens``)."""
+    prompt = tasks.c.estimated_tokens - tasks.c.max_tokens
+    query = (sa.select(tasks.c.allowed_models, sa.func.count(), sa.func.coalesce(sa.func.sum(prompt), 0),
+                       sa.func.coalesce(sa.func.sum(tasks.c.max_tokens), 0))
+             .where(tasks.c.status.in_(LEFT)).group_by(tasks.c.allowed_models))
+    with engine.connect() as conn:
+        return [(r[0], int(r[1]), int(r[2]), int(r[3])) for r in conn.execute(query)]
+
+
+def observed_usage(engine: Engine) -> dict[str, Observed]:
+    """Per answering model: what its answered calls used against their tasks' estimates."""
+    query = (sa.select(tasks.c.model, sa.func.count(), sa.func.sum(tasks.c.prompt_tokens),
+                       sa.func.sum(tasks.c.completion_tokens), sa.func.sum(tasks.c.estimated_tokens - tasks.c.max_tokens),
+                       sa.func.sum(tasks.c.max_tokens))
+             .where(tasks.c.status == "solved", tasks.c.model.is_not(None), tasks.c.prompt_tokens.is_not(None),
+                    tasks.c.completion_tokens.is_not(None))
+             .group_by(tasks.c.model))
+    with engine.connect() as conn:
+        return {r[0]: Observed(int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5])) for r in conn.execute(query)}
+
+
+def projected_cost(engine: Engine, quotas: Sequence[Quota]) -> Spend:
+    """The backlog left's projected cost by model, over the enabled models, in the quotas' currency."""
+    prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas if q.enabled}
+    currency = next((q.currency for q in quotas if q.currency), None)
+    return project(backlog_estimates(engine), observed_usage(engine), prices, currency)

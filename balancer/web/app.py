@@ -110,7 +110,8 @@ class Console:
         sample = self.sampler.latest()
         history = self.sampler.history() or [sample]
         start = history[0].at
-        chart = charts.burn_down([(s.at - start, s.left) for s in history], sample.eta_s)
+        chart = charts.burn_down([(s.at - start, s.left) for s in history], sample.eta_s,
+                                 band=(sample.eta_low_s, sample.eta_high_s))
         return {"sample": sample, "chart": chart, "history_s": self._history_s()}
 
     def sources_context(self) -> dict[str, Any]:
@@ -154,6 +155,7 @@ def create_app(services: Services, *, token: str | None = None, sample_interval:
     def summary(request: Request) -> Response:
         sample = console.sampler.latest()
         return JSONResponse({"at": sample.at, **sample.counts, "eta_s": sample.eta_s,
+                             "eta_low_s": sample.eta_low_s, "eta_high_s": sample.eta_high_s,
                              "models": [r.as_dict() for r in sample.rows]})
 
     def task_search(request: Request) -> Response:

@@ -47,15 +47,21 @@ class BurnDown:
     projection: str  # polyline points: from the last sample to zero at the ETA ("" if unknown)
     top: int  # the y axis' top value (tasks)
     span_s: float  # seconds the x axis covers
+    band: str = ""  # polygon points: from the last sample to zero anywhere between the ETA's low and high ("" if none)
 
 
-def burn_down(samples: Sequence[tuple[float, int]], eta_s: float | None, width: float = 600, height: float = 200) -> BurnDown:
+def burn_down(samples: Sequence[tuple[float, int]], eta_s: float | None, width: float = 600, height: float = 200,
+              band: tuple[float | None, float | None] = (None, None)) -> BurnDown:
     """Tasks left over time (``(seconds, tasks left)`` samples, oldest first) and,
-    from the last sample, a straight line to zero at ``eta_s`` seconds later.
+    from the last sample, a straight line to zero at ``eta_s`` seconds later, in
+    a shaded triangle to zero between the ETA's ``band`` (low, high seconds).
 
     >>> b = burn_down([(0, 100), (10, 80)], eta_s=40, width=50, height=100)
-    >>> b.seen, b.projection, b.top, b.span_s
-    ('0,0 10,20', '10,20 50,100', 100, 50)
+    >>> b.seen, b.projection, b.top, b.span_s, b.band
+    ('0,0 10,20', '10,20 50,100', 100, 50, '')
+    >>> b = burn_down([(0, 100), (10, 80)], eta_s=30, width=60, height=100, band=(20, 50))
+    >>> b.projection, b.band, b.span_s
+    ('10,20 40,100', '10,20 30,100 60,100', 60)
     >>> burn_down([(0, 10)], eta_s=None, width=50, height=100).projection
     ''
     """
@@ -63,7 +69,10 @@ def burn_down(samples: Sequence[tuple[float, int]], eta_s: float | None, width: 
         return BurnDown(width, height, "", "", 0, 0.0)
     start, end = samples[0][0], samples[-1][0]
     last = samples[-1][1]
-    horizon = end + (eta_s if eta_s is not None and eta_s > 0 and last > 0 else 0.0)
+    live = eta_s is not None and eta_s > 0 and last > 0
+    low, high = band
+    banded = live and low is not None and high is not None
+    horizon = end + (max(eta_s or 0.0, high or 0.0) if banded else eta_s or 0.0 if live else 0.0)
     span = max(horizon - start, 1e-9)
     top = max(1, max(n for _, n in samples))
 
@@ -71,8 +80,9 @@ def burn_down(samples: Sequence[tuple[float, int]], eta_s: float | None, width: 
         return f"{_num((t - start) / span * width)},{_num(height - n / top * height)}"
 
     seen = " ".join(point(t, n) for t, n in samples)
-    projection = f"{point(end, last)} {point(horizon, 0)}" if horizon > end else ""
-    return BurnDown(width, height, seen, projection, top, round(horizon - start, 3))
+    projection = f"{point(end, last)} {point(end + (eta_s or 0.0), 0)}" if live else ""
+    shade = f"{point(end, last)} {point(end + (low or 0.0), 0)} {point(end + (high or 0.0), 0)}" if banded else ""
+    return BurnDown(width, height, seen, projection, top, round(horizon - start, 3), shade)
 
 
 def _num(x: float) -> str:

@@ -26,7 +26,7 @@ from balancer.domain.cost import Spend
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
 from balancer.settings import scrub
-from balancer.storage.spend import spend_so_far
+from balancer.storage.spend import projected_cost, spend_so_far
 from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,11 @@ class Sample:
     rows: list[ModelSummary]
     counters: dict[str, dict[str, int]]
     eta_s: float | None
+    eta_low_s: float | None = None  # the ETA's band (balancer.domain.eta.Forecast)
+    eta_high_s: float | None = None
     sources: list[SourceCounts] = field(default_factory=list)
     spend: Spend = field(default_factory=lambda: Spend(None))  # so far, by model and source (balancer.storage.spend)
+    projected: Spend = field(default_factory=lambda: Spend(None))  # the backlog left's projected cost, by model
     error_groups: list[ErrorGroup] | None = field(default_factory=list)  # None: too many failed tasks to group in time
 
     @property
@@ -160,7 +163,10 @@ class Sampler:
 
 
 def take_sample(services: Services) -> Sample:
-    counts, rows, counters, eta = read(services)
-    return Sample(time.time(), counts, rows, counters, eta, source_counts(services.engine),
-                  spend_so_far(services.engine, services.quotas.all()),
+    counts, rows, counters, drain = read(services)
+    quotas = services.quotas.all()
+    return Sample(time.time(), counts, rows, counters, None if drain is None else drain.eta,
+                  None if drain is None else drain.low, None if drain is None else drain.high,
+                  source_counts(services.engine), spend_so_far(services.engine, quotas),
+                  projected_cost(services.engine, quotas),
                   error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS))
