@@ -72,9 +72,24 @@ def test_demo_on_embedded_services() -> None:
     assert pipeline_pids() <= before
 
 
+def demo_leftovers(redis_url: str, database_url: str) -> tuple[set[str], set[bytes]]:
+    """The demo schemas and Redis keys on these services now (other runs' included)."""
+    engine = sa.create_engine(normalize_database_url(database_url))
+    with engine.connect() as conn:
+        schemas = set(conn.execute(sa.text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'balancer_demo_%'")).scalars())
+    engine.dispose()
+    client = redis.Redis.from_url(redis_url)
+    keys = set(client.scan_iter(match="{demo-*")) | set(client.scan_iter(match="demo-*"))
+    client.close()
+    return schemas, keys
+
+
 def test_demo_on_existing_services_cleans_up(service_urls: tuple[str, str], tmp_path: Path) -> None:
+    """The demo leaves nothing behind: no process, work directory, schema or Redis key
+    of its own (what other runs on the same services left is not this run's)."""
     redis_url, database_url = service_urls
     before = pipeline_pids()
+    schemas_before, keys_before = demo_leftovers(redis_url, database_url)
     temp = tmp_path / "tmp"  # the demo's TMPDIR: its work directory must not outlive it
     temp.mkdir()
     proc = subprocess.run([sys.executable, "-m", "balancer", "demo", "--tasks", "80", "--json"],
@@ -84,13 +99,9 @@ def test_demo_on_existing_services_cleans_up(service_urls: tuple[str, str], tmp_
     check_summary(proc.stdout, 80)
     assert pipeline_pids() <= before
     assert [p.name for p in temp.iterdir() if p.name.startswith("balancer-demo-")] == []
-    engine = sa.create_engine(normalize_database_url(database_url))
-    with engine.connect() as conn:
-        schemas = conn.execute(sa.text("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'balancer_demo_%'")).all()
-    engine.dispose()
-    assert schemas == []
-    client = redis.Redis.from_url(redis_url)
-    assert list(client.scan_iter(match="{demo-*")) == [] and list(client.scan_iter(match="demo-*")) == []
+    schemas_after, keys_after = demo_leftovers(redis_url, database_url)
+    assert schemas_after - schemas_before == set()
+    assert keys_after - keys_before == set()
 
 
 def test_ctrl_c_stops_everything(service_urls: tuple[str, str]) -> None:

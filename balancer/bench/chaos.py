@@ -64,6 +64,13 @@ WRITE_LOG_SQL = [
 ]
 
 
+def pinnable(iso: IsolatedServices, names: list[str]) -> list[str]:
+    """The models a new task may be pinned to now: a `quota remove` fault may have
+    taken one away, and a line pinned to a missing model is refused at submit."""
+    present = {q.name for q in iso.services.quotas.all()}
+    return [name for name in names if name in present] or names
+
+
 def prompt_lines(prefix: str, count: int, models: list[str], rng: random.Random) -> list[str]:
     """Unique prompts (the witness maps calls to tasks by them); every tenth pinned to one model."""
     lines = []
@@ -162,7 +169,7 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
         callers = RouterCallers(f"http://127.0.0.1:{router_port}", backend_url, seed).start()
         injector = Injector(
             supervisor, servers, redis_port, redis_dir, proxy, backend_url, quotas, inbox, dict(supervisor.env),
-            lambda n, count: prompt_lines(f"chaos-{seed}-inbox{n}", count, names, rng))
+            lambda n, count: prompt_lines(f"chaos-{seed}-inbox{n}", count, pinnable(iso, names), rng))
         batches = max(1, int(window * 0.7 / 2))
         per_batch = [tasks // batches + (1 if i < tasks % batches else 0) for i in range(batches)]
         submitted, deaths, beliefs, entries, cursor = 0, [], [], [], 0
@@ -179,7 +186,8 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                 now = time.time() - t0
                 while per_batch and now >= 2.0 * (batches - len(per_batch)):
                     count = per_batch.pop(0)
-                    iso.insert("\n".join(prompt_lines(f"chaos-{seed}-b{batches - len(per_batch)}", count, names, rng)))
+                    lines = prompt_lines(f"chaos-{seed}-b{batches - len(per_batch)}", count, pinnable(iso, names), rng)
+                    iso.insert("\n".join(lines))
                     submitted += count
                 while starts and starts[0].at <= now:
                     fault = starts.pop(0)

@@ -96,6 +96,8 @@ def upgrade() -> None:
     op.add_column("tasks", sa.Column("dedup", sa.Boolean, nullable=False, server_default=sa.false()))
     op.add_column("tasks", sa.Column("reused_from", sa.BigInteger, nullable=True))
     op.execute("CREATE INDEX tasks_dedup ON tasks (md5(prompt), max_tokens) WHERE dedup")
+    # `status` and the metrics count reused tasks on every read: from this index, not the table.
+    op.execute("CREATE INDEX tasks_reused ON tasks (id) WHERE reused_from IS NOT NULL")
     op.execute("UPDATE tasks SET finished_xid = pg_current_xact_id() WHERE status IN ('solved', 'failed')")
     op.execute("CREATE INDEX tasks_finished ON tasks (finished_xid, id) WHERE finished_xid IS NOT NULL")
     op.execute(TRIGGER_FUNCTION)
@@ -108,6 +110,7 @@ def downgrade() -> None:
     op.execute("DROP TRIGGER tasks_finished ON tasks")
     op.execute("DROP FUNCTION balancer_task_finished()")
     op.execute("DROP INDEX tasks_finished")
+    op.execute("DROP INDEX tasks_reused")
     op.execute("DROP INDEX tasks_dedup")
     op.drop_column("tasks", "reused_from")
     op.drop_column("tasks", "dedup")
