@@ -36,6 +36,7 @@ quotas = st.builds(
     burst_requests=st.none() | st.integers(1, 40),
     expected_latency_s=st.none() | st.floats(0.01, 3600.0),
     on_disconnect=st.sampled_from(["continue", "stop"]),
+    learn=st.booleans() | st.just(True),
 )
 candidates = st.builds(
     Candidate,
@@ -52,6 +53,8 @@ settlements = st.builds(
     remaining_requests=st.none() | st.none() | st.integers(0, 40),
     latency_ms=st.none() | st.integers(0, 400_000),
     completion_tokens=st.none() | st.integers(0, 9_000),
+    limit_tokens=st.none() | st.none() | st.integers(1, 30_000),
+    limit_requests=st.none() | st.none() | st.integers(1, 40),
 )
 operations = st.lists(
     st.one_of(
@@ -72,7 +75,10 @@ operations = st.lists(
         st.tuples(st.just("hold"), st.integers(0, 50), st.integers(0, 400_000)),
         st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000)),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
-                  st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40)),
+                  st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40),
+                  st.none() | st.integers(1, 30_000), st.none() | st.integers(1, 40)),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES), st.integers(0, 5_000), st.none(), st.none(),
+                  st.none(), st.none()),
         st.tuples(st.just("trip"), st.sampled_from(NAMES + ["nope"])),
         st.tuples(st.just("trip"), st.sampled_from(NAMES)),
         st.tuples(st.just("advance"), st.integers(0, 70_000)),
@@ -105,7 +111,8 @@ ready_operations = st.lists(
         st.tuples(st.just("take_ready"),),
         st.tuples(st.just("release"), st.integers(0, 50)),
         st.tuples(st.just("renew"), st.integers(0, 50)),
-        st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 5_000), st.none(), st.none()),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 5_000), st.none(), st.none(),
+                  st.none(), st.none()),
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
         st.tuples(st.just("set"), quotas.filter(lambda q: q.name in NAMES[:2])),
         st.tuples(st.just("remove"), st.sampled_from(NAMES[:2])),
@@ -152,7 +159,7 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
             elif kind == "heartbeat" and issued:
                 twin.heartbeat(issued[op[1] % len(issued)][0], op[2])
             elif kind == "penalize":
-                twin.penalize(op[1], op[2], op[3], op[4])
+                twin.penalize(*op[1:])
             elif kind == "trip":
                 twin.trip(op[1])
             elif kind == "advance":

@@ -131,6 +131,8 @@ def latency_cell(latency: dict | None) -> str:
 @click.option("--price-output", type=float, metavar="PRICE",
               help="price_per_million_output: what a million completion tokens cost")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
+@click.option("--learn/--no-learn", "learn", default=None,
+              help="learn: lower the effective limits on 429s and adopt x-ratelimit-limit-* headers (or not)")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
 def quota_set(
@@ -147,6 +149,7 @@ def quota_set(
     price_input: float | None,
     price_output: float | None,
     enabled: bool | None,
+    learn: bool | None,
     create: bool,
     by: str | None,
 ) -> None:
@@ -164,12 +167,13 @@ def quota_set(
         "price_per_million_input": price_input,
         "price_per_million_output": price_output,
         "enabled": enabled,
+        "learn": learn,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable"
+            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn"
         )
     from balancer.domain.quota import check_model_name
 
