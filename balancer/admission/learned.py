@@ -18,7 +18,7 @@ learned field means nothing learned.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 
 from balancer.domain.quota import Quota
@@ -76,6 +76,39 @@ def effective(quota: Quota, learned: Learned) -> Quota:
         rburst = max(1, math.floor(float(quota.request_burst) * erpm / rpm))
     return quota.replace(max_tokens_per_minute=etpm, burst_tokens=burst, max_requests_per_minute=erpm or None,
                          burst_requests=rburst or None, max_concurrent_requests=ecap)
+
+
+def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
+    """``learned`` after the clean windows up to ``now`` (lib.lua, relax): each
+    window of CLEAN_MS (or the doubled ``window``) since the last raise or
+    lowering raises every learned limit by 1/20 of the level its last 429
+    lowered it from; at the limit without learning it is forgotten (0).
+
+    >>> q = Quota("m", 10, 60_000, max_requests_per_minute=600)
+    >>> relaxed(q, Learned(lrpm=294, prpm=420, lowered_at=0), now=10_000).lrpm   # two windows, + 21 each
+    336
+    """
+    k = learned
+    if not quota.learn or not (k.ltpm or k.lrpm or k.lcap):
+        return k
+    since, w = max(k.raised_at, k.lowered_at), k.window or CLEAN_MS
+    if now - since < w:
+        return k
+    steps = (now - since) // w
+
+    def raised(level: int, peak: int, ceiling: int) -> int:
+        if level == 0:
+            return 0
+        level += steps * max(1, -(-peak // 20))
+        return 0 if ceiling == 0 or level >= ceiling else level
+
+    return replace(
+        k,
+        ltpm=raised(k.ltpm, k.ptpm, lower_of(quota.max_tokens_per_minute, k.htpm)),
+        lrpm=raised(k.lrpm, k.prpm, lower_of(quota.max_requests_per_minute or 0, k.hrpm)),
+        lcap=raised(k.lcap, k.pcap, quota.max_concurrent_requests),
+        raised_at=since + steps * w,
+    )
 
 
 def reason(quota: Quota, learned: Learned) -> str:

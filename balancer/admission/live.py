@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from balancer.admission import fields, keys
-from balancer.admission.learned import Learned, effective, reason
+from balancer.admission.learned import Learned, effective, reason, relaxed
 from balancer.admission.values import UNITS, refilled
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
 from balancer.domain.quota import Quota
@@ -88,6 +88,7 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         learned = Learned.from_fields(m)
         limits = effective(quota, learned)
         tokens, requests = refilled(limits, m["tokens"], m["requests"], m["refilled_at"], m["ext"], now_ms)
+        learned = relaxed(quota, learned, now_ms)  # as the next script will see it (refill, then relax)
         paused_ms = max(0, m["paused"] - now_ms)
         latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
         view[name] = ModelLive(quota, in_flight, tokens / UNITS,

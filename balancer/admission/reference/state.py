@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, lower_of
+from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, relaxed
 from balancer.admission.values import (
     GATE_HOP_MS,
     UNITS,
@@ -57,27 +57,8 @@ class ModelState:
         return self.learned.window or CLEAN_MS
 
     def relax(self, now: int) -> None:
-        """Each clean window since the last raise or lowering raises every learned
-        limit by 1/20 of the level its last 429 lowered it from; at the limit
-        without learning it is forgotten (lib.lua, relax)."""
-        k = self.learned
-        if not self.quota.learn or not (k.ltpm or k.lrpm or k.lcap):
-            return
-        since, w = max(k.raised_at, k.lowered_at), self.window_ms()
-        if now - since < w:
-            return
-        steps = (now - since) // w
-
-        def raised(level: int, peak: int, ceiling: int) -> int:
-            if level == 0:
-                return 0
-            level += steps * max(1, -(-peak // 20))
-            return 0 if ceiling == 0 or level >= ceiling else level
-
-        k.ltpm = raised(k.ltpm, k.ptpm, lower_of(self.quota.max_tokens_per_minute, k.htpm))
-        k.lrpm = raised(k.lrpm, k.prpm, lower_of(self.quota.max_requests_per_minute or 0, k.hrpm))
-        k.lcap = raised(k.lcap, k.pcap, self.quota.max_concurrent_requests)
-        k.raised_at = since + steps * w
+        """The clean windows up to now raise the learned limits (lib.lua, relax)."""
+        self.learned = relaxed(self.quota, self.learned, now)
 
     def learn_from_429(self, now: int, kind: str, in_flight: int) -> None:
         """A 429 that paused the model lowers its kind's effective limit to 7/10
