@@ -92,7 +92,8 @@ def pinned_floor(scenario: Scenario) -> float:
 
 
 def limits(scenario: Scenario) -> dict[str, Limits]:
-    return limits_for(scenario.quotas(), GRACE)
+    """The providers' real limits (the audit and the utilization are measured against them)."""
+    return limits_for(scenario.real_quotas(), GRACE)
 
 
 #: The pipeline as it was before the end game: greedy to the last task, no hedges.
