@@ -8,8 +8,9 @@ generated from both, so lib.lua loads, creates and saves a model from these
 lists and spells no field list itself.
 
 >>> q = Quota("gpt-a", 8, 60_000, max_requests_per_minute=600, on_disconnect="stop")
->>> quota_fields(q)
-{'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600, 'prior': 0, 'stops': 1, 'learn': 1}
+>>> quota_fields(q)  # doctest: +NORMALIZE_WHITESPACE
+{'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600,
+ 'prior': 0, 'stops': 1, 'learn': 1}
 >>> back = quota_from_fields("gpt-a", quota_fields(q))   # the same limits, defaults spelled out
 >>> back.burst_tokens, back.on_disconnect, quota_fields(back) == quota_fields(q)
 (60000, 'stop', True)

@@ -61,6 +61,13 @@ def quota_list(as_json: bool) -> None:
                     "deficit": state.deficit,
                     "paused_ms": state.paused_ms,
                     "external_tpm": state.external_tpm,
+                    # The limits in force: the quota's, or lower where the model learned so (and why).
+                    "in_force": {
+                        "max_concurrent_requests": state.limits.max_concurrent_requests,
+                        "max_tokens_per_minute": state.limits.max_tokens_per_minute,
+                        "max_requests_per_minute": state.limits.max_requests_per_minute,
+                    },
+                    "learned": state.limits_reason,
                 },
                 # p50/p90/p99 in seconds, learned from finished calls; "samples": 0 means the prior.
                 "latency_s": None
@@ -79,7 +86,7 @@ def quota_list(as_json: bool) -> None:
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
     table.add_column("model", no_wrap=True)
     for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",
-                "p50 / p90 / p99 s"):
+                "p50 / p90 / p99 s", "learned: in force"):
         table.add_column(col, justify="right")
     for row in rows:
         lv = row["live"] or {}
@@ -95,8 +102,23 @@ def quota_list(as_json: bool) -> None:
             "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
             str(lv.get("deficit", "-")),
             latency_cell(row["latency_s"]),
+            learned_text(lv),
         )
     Console(width=max(Console().width, 120)).print(table)
+
+
+def learned_text(live: dict) -> str:
+    """The limits in force where learning changed them, and why ('' where it did not).
+
+    >>> learned_text({"in_force": {"max_concurrent_requests": 4, "max_tokens_per_minute": 60000,
+    ...               "max_requests_per_minute": 42}, "learned": "requests lowered by 429s at 12:03 UTC, recovering"})
+    'cap 4, TPM 60,000, RPM 42: requests lowered by 429s at 12:03 UTC, recovering'
+    """
+    if not live.get("learned"):
+        return ""
+    f = live["in_force"]
+    return (f"cap {f['max_concurrent_requests']}, TPM {f['max_tokens_per_minute']:,}, "
+            f"RPM {f['max_requests_per_minute'] or '-'}: {live['learned']}")
 
 
 def latency_cell(latency: dict | None) -> str:
