@@ -295,3 +295,16 @@ def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) ->
     assert limits.max_tokens_per_minute == 60_000                # never above the configured TPM
     twin.penalize("m-a", 500, limit_tokens=30_000)               # a lower limit header caps it
     assert limits_of(twin).max_tokens_per_minute == 30_000
+
+
+def test_every_429_for_concurrency_caps_the_calls_in_flight_less_one(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    admitted = [d for d in twin.admit([Candidate(100)] * 40) if isinstance(d, Admitted)]
+    assert len(admitted) == 40
+    # The provider allows 4: 36 calls come back 429 (tokens left, so concurrency), one after another.
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    assert limits_of(twin).max_concurrent_requests == 28                 # the pause's 40 x 7/10
+    for refused in admitted[:36]:
+        twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+        twin.release(refused.admission_id)
+    assert limits_of(twin).max_concurrent_requests == 4                  # 5 in flight at the last 429, less one

@@ -402,13 +402,23 @@ local function limit_kind(m, remaining_tokens, remaining_requests)
   return 'concurrency', n
 end
 
--- A 429 that paused the model (once per window) lowers the effective limit of
--- its kind to 7/10 of what it was (concurrency: of the calls in flight, if
--- fewer), at least 1, and remembers that level (the raises' step). A 429
--- within a window of a raise says the raise went too far: the next raise waits
--- twice as long (up to MAX_WINDOW_MS). m must be refilled to now.
-local function learn_from_429(m, now, kind, in_flight)
+-- A 429 that paused the model (once per window: `started`) lowers the
+-- effective limit of its kind to 7/10 of what it was (concurrency: of the calls
+-- in flight, if fewer), at least 1, and remembers that level (the raises'
+-- step). A 429 within a window of a raise says the raise went too far: the
+-- next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for
+-- concurrency says the calls in flight were at least one too many: the cap
+-- goes no higher than that, less one. m must be refilled to now.
+local function learn_from_429(m, now, kind, in_flight, started)
   if m.learn ~= 1 then return end
+  if not started then
+    if kind == 'concurrency' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
+      if m.lcap == 0 then m.pcap = eff_cap(m) end
+      m.lcap = math.max(1, in_flight - 1)
+      m.lowered_at = now
+    end
+    return
+  end
   local w = window_ms(m)
   if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
   if kind == 'tokens' then

@@ -14,8 +14,9 @@
 -- applies to every 429: a 429 is the surest sign that someone else is using
 -- the quota, and without it the bucket would still be too full after the pause.
 -- A 429 that starts a pause also lowers the effective limit of the kind that
--- caused it (limit_kind, learn_from_429 in lib.lua), so that once per window too;
--- the limit headers are synced first (sync_limits).
+-- caused it (limit_kind, learn_from_429 in lib.lua), so that once per window
+-- too; any other 429 for concurrency caps it at the calls in flight less one.
+-- The limit headers are synced first (sync_limits).
 -- Returns 1 if this call started a pause, 0 if one was running (or no model).
 
 local m = load_model(ARGV[2])
@@ -28,10 +29,10 @@ sync_limits(m, ARGV[6] or '', ARGV[7] or '')
 if m.paused <= now then
   m.paused = now + tonumber(ARGV[3])
   started = 1
-  if m.learn == 1 then
-    local kind, in_flight = limit_kind(m, ARGV[4], ARGV[5])
-    learn_from_429(m, now, kind, in_flight)
-  end
+end
+if m.learn == 1 then
+  local kind, in_flight = limit_kind(m, ARGV[4], ARGV[5])
+  learn_from_429(m, now, kind, in_flight, started == 1)
 end
 sync_to_headers(m, now, ARGV[4], ARGV[5])
 save_model(m)

@@ -149,9 +149,9 @@ class Signals(ReferenceState):
         started = state.paused_until <= now
         if started:
             state.paused_until = now + retry_after_ms
-            if state.quota.learn:
-                kind, in_flight = self._limit_kind(model, remaining_tokens, remaining_requests)
-                state.learn_from_429(now, kind, in_flight)
+        if state.quota.learn:
+            kind, in_flight = self._limit_kind(model, remaining_tokens, remaining_requests)
+            state.learn_from_429(now, kind, in_flight, started)
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
         return started
 

@@ -60,13 +60,21 @@ class ModelState:
         """The clean windows up to now raise the learned limits (lib.lua, relax)."""
         self.learned = relaxed(self.quota, self.learned, now)
 
-    def learn_from_429(self, now: int, kind: str, in_flight: int) -> None:
-        """A 429 that paused the model lowers its kind's effective limit to 7/10
-        (concurrency: of the calls in flight, if fewer), at least 1; a 429 within a
-        window of a raise doubles the window (lib.lua, learn_from_429)."""
+    def learn_from_429(self, now: int, kind: str, in_flight: int, started: bool) -> None:
+        """A 429 that paused the model (``started``) lowers its kind's effective
+        limit to 7/10 (concurrency: of the calls in flight, if fewer), at least 1; a
+        429 within a window of a raise doubles the window. Any other 429 for
+        concurrency caps it at the calls in flight less one (lib.lua, learn_from_429)."""
         if not self.quota.learn:
             return
         k, limits = self.learned, self.limits
+        if not started:
+            if kind == "concurrency" and 1 < in_flight <= limits.max_concurrent_requests:
+                if k.lcap == 0:
+                    k.pcap = limits.max_concurrent_requests
+                k.lcap = max(1, in_flight - 1)
+                k.lowered_at = now
+            return
         w = self.window_ms()
         if k.raised_at > k.lowered_at and now - k.raised_at < w:
             k.window = min(w * 2, MAX_WINDOW_MS)
