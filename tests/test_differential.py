@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from balancer.admission import Admitted, Candidate, Settlement, keys
 from balancer.admission.fields import quota_fields
+from balancer.admission.learned import CLEAN_MS
 from balancer.domain.quota import Quota
 from tests.twin import LEASE_MS, Twin, delete_keys
 
@@ -229,13 +230,13 @@ def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> 
     twin.advance(1_000)
     assert twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0)
     assert limits_of(twin).max_requests_per_minute == 294            # 420 x 7/10
-    twin.advance(4_999)                                               # not yet a clean window
+    twin.advance(CLEAN_MS - 1)                                        # not yet a clean window
     assert limits_of(twin).max_requests_per_minute == 294
     twin.advance(1)
     assert limits_of(twin).max_requests_per_minute == 294 + 21        # + 420 / 20
-    twin.advance(5_000 * 3)
+    twin.advance(CLEAN_MS * 3)
     assert limits_of(twin).max_requests_per_minute == 294 + 4 * 21
-    twin.advance(5_000 * 20)                                          # back at the quota: forgotten
+    twin.advance(CLEAN_MS * 20)                                       # back at the quota: forgotten
     assert limits_of(twin).max_requests_per_minute == 600
     assert twin.core.live(twin.now)["m-a"].learned.lrpm == 0
 
@@ -243,13 +244,13 @@ def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> 
 def test_a_429_soon_after_a_raise_doubles_the_window(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 8, 600_000, max_requests_per_minute=600))
     twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # 420
-    twin.advance(5_000)                                                           # raised: + 600 / 20
+    twin.advance(CLEAN_MS)                                                        # raised: + 600 / 20
     assert limits_of(twin).max_requests_per_minute == 450
     twin.advance(1_000)
     twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # the raise drew a 429
     assert limits_of(twin).max_requests_per_minute == 315                         # 450 x 7/10
-    assert twin.core.live(twin.now)["m-a"].learned.window == 10_000
-    twin.advance(9_999)
+    assert twin.core.live(twin.now)["m-a"].learned.window == 2 * CLEAN_MS
+    twin.advance(2 * CLEAN_MS - 1)
     assert limits_of(twin).max_requests_per_minute == 315
     twin.advance(1)
     assert limits_of(twin).max_requests_per_minute == 315 + 23                    # + ceil(450 / 20)

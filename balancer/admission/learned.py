@@ -25,7 +25,7 @@ from balancer.domain.quota import Quota
 
 #: A clean window (no 429 lowered a limit) raises learned limits one step; a
 #: raise that draws a 429 within its window doubles the window, up to the max.
-CLEAN_MS, MAX_WINDOW_MS = 5_000, 160_000
+CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 
 
 @dataclass
@@ -85,7 +85,7 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     lowered it from; at the limit without learning it is forgotten (0).
 
     >>> q = Quota("m", 10, 60_000, max_requests_per_minute=600)
-    >>> relaxed(q, Learned(lrpm=294, prpm=420, lowered_at=0), now=10_000).lrpm   # two windows, + 21 each
+    >>> relaxed(q, Learned(lrpm=294, prpm=420, lowered_at=0), now=20_000).lrpm   # two windows, + 21 each
     336
     """
     k = learned

@@ -128,7 +128,7 @@ end
 -- raise it back (relax). Bucket sizes scale with their rates. Every rule below
 -- reads these, never the quota's fields directly, except the burst that
 -- decides whether a task can ever fit (the configured one).
-local CLEAN_MS, MAX_WINDOW_MS = 5000, 160000
+local CLEAN_MS, MAX_WINDOW_MS = 10000, 320000
 local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
   if other > 0 and (limit == 0 or other < limit) then return other end
   return limit
