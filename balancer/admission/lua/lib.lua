@@ -374,7 +374,7 @@ local function sync_limits(m, limit_tokens, limit_requests)
   end
 end
 
--- The kind of limit behind a 429: 'requests', 'tokens' or 'concurrency'.
+-- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
 -- From the headers when they say: no request left; fewer tokens left than
 -- the model's calls in flight average; both left (so the provider counted
 -- calls in progress). Otherwise the lowest of our own buckets, as a share of
@@ -386,9 +386,9 @@ local function limit_kind(m, remaining_tokens, remaining_requests)
     local raw = redis.call('HGET', LEASES, lid)
     if raw then sum = sum + cjson.decode(raw).e end
   end
-  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then return 'requests', n end
-  if remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then return 'tokens', n end
-  if remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then return 'concurrency', n end
+  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then return 'REQUESTS', n end
+  if remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then return 'TOKENS', n end
+  if remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then return 'CONCURRENCY', n end
   local ft = m.tokens / token_cap(m)
   if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
   local fr = math.huge
@@ -397,9 +397,9 @@ local function limit_kind(m, remaining_tokens, remaining_requests)
     if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
   end
   local fc = (eff_cap(m) - n) / eff_cap(m)
-  if fr <= ft and fr <= fc then return 'requests', n end
-  if ft <= fc then return 'tokens', n end
-  return 'concurrency', n
+  if fr <= ft and fr <= fc then return 'REQUESTS', n end
+  if ft <= fc then return 'TOKENS', n end
+  return 'CONCURRENCY', n
 end
 
 -- A 429 that paused the model (once per window: `started`) lowers the
@@ -412,7 +412,7 @@ end
 local function learn_from_429(m, now, kind, in_flight, started)
   if m.learn ~= 1 then return end
   if not started then
-    if kind == 'concurrency' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
+    if kind == 'CONCURRENCY' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
       if m.lcap == 0 then m.pcap = eff_cap(m) end
       m.lcap = math.max(1, in_flight - 1)
       m.lowered_at = now
@@ -421,10 +421,10 @@ local function learn_from_429(m, now, kind, in_flight, started)
   end
   local w = window_ms(m)
   if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
-  if kind == 'tokens' then
+  if kind == 'TOKENS' then
     m.ptpm = eff_tpm(m)
     m.ltpm = math.max(1, math.floor(m.ptpm * 7 / 10))
-  elseif kind == 'requests' then
+  elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
     m.prpm = eff_rpm(m)
     m.lrpm = math.max(1, math.floor(m.prpm * 7 / 10))
