@@ -309,3 +309,13 @@ def test_every_429_for_concurrency_caps_the_calls_in_flight_less_one(twin: Twin)
         twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
         twin.release(refused.admission_id)
     assert limits_of(twin).max_concurrent_requests == 4                  # 5 in flight at the last 429, less one
+
+
+def test_a_limit_the_provider_states_is_not_lowered_by_its_429s(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 8, 300_000, max_requests_per_minute=600))
+    twin.penalize("m-a", 500, remaining_tokens=100, remaining_requests=50, limit_tokens=30_000, limit_requests=60)
+    limits = limits_of(twin)
+    assert (limits.max_tokens_per_minute, limits.max_requests_per_minute) == (30_000, 60)   # adopted, not lowered
+    twin.advance(1_000)
+    twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 60

@@ -85,8 +85,9 @@ def quota_list(as_json: bool) -> None:
         return
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
     table.add_column("model", no_wrap=True)
+    learned = any(learned_text(row["live"] or {}) for row in rows)  # the column only when a model learned
     for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",
-                "p50 / p90 / p99 s", "learned: in force"):
+                "p50 / p90 / p99 s", *(["learned: in force"] if learned else [])):
         table.add_column(col, justify="right")
     for row in rows:
         lv = row["live"] or {}
@@ -102,7 +103,7 @@ def quota_list(as_json: bool) -> None:
             "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
             str(lv.get("deficit", "-")),
             latency_cell(row["latency_s"]),
-            learned_text(lv),
+            *([learned_text(lv)] if learned else []),
         )
     Console(width=max(Console().width, 120)).print(table)
 

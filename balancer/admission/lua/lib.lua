@@ -408,9 +408,12 @@ end
 -- step). A 429 within a window of a raise says the raise went too far: the
 -- next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for
 -- concurrency says the calls in flight were at least one too many: the cap
--- goes no higher than that, less one. m must be refilled to now.
+-- goes no higher than that, less one. A kind whose limit the provider states
+-- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
+-- was a race the pause covers. m must be refilled to now.
 local function learn_from_429(m, now, kind, in_flight, started)
   if m.learn ~= 1 then return end
+  if (kind == 'TOKENS' and m.htpm > 0) or (kind == 'REQUESTS' and m.hrpm > 0) then return end
   if not started then
     if kind == 'CONCURRENCY' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
       if m.lcap == 0 then m.pcap = eff_cap(m) end

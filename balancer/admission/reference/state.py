@@ -64,10 +64,13 @@ class ModelState:
         """A 429 that paused the model (``started``) lowers its kind's effective
         limit to 7/10 (concurrency: of the calls in flight, if fewer), at least 1; a
         429 within a window of a raise doubles the window. Any other 429 for
-        concurrency caps it at the calls in flight less one (lib.lua, learn_from_429)."""
+        concurrency caps it at the calls in flight less one. A kind whose limit
+        the provider states in its headers is not lowered (lib.lua, learn_from_429)."""
         if not self.quota.learn:
             return
         k, limits = self.learned, self.limits
+        if (kind == "tokens" and k.htpm) or (kind == "requests" and k.hrpm):
+            return  # the provider states that limit: its 429 was a race the pause covers
         if not started:
             if kind == "concurrency" and 1 < in_flight <= limits.max_concurrent_requests:
                 if k.lcap == 0:
