@@ -356,12 +356,15 @@ end
 -- The provider's x-ratelimit-limit-tokens / -requests ('' = not sent), with
 -- learn = 1: they cap the effective limits, and give an RPM to a quota that
 -- has none. A changed one makes what 429s taught of that kind stale: forgotten.
+-- A new token limit also restarts the outside-use estimate (ext, synced_at):
+-- the gaps seen while the old limit held measured our own overdraft, not others.
 local function sync_limits(m, limit_tokens, limit_requests)
   if m.learn ~= 1 then return end
   if limit_tokens ~= '' then
     local h = tonumber(limit_tokens)
     if h > 0 and h ~= m.htpm then
       if m.htpm > 0 then m.ltpm, m.ptpm, m.window = 0, 0, 0 end
+      if lower_of(m.tpm, h) ~= lower_of(m.tpm, m.htpm) then m.ext, m.synced_at = 0, 0 end
       m.htpm = h
     end
   end

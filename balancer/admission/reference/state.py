@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, relaxed
+from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, lower_of, relaxed
 from balancer.admission.values import (
     GATE_HOP_MS,
     UNITS,
@@ -96,13 +96,17 @@ class ModelState:
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
-        one makes what 429s taught of that kind stale."""
+        one makes what 429s taught of that kind stale; a new token limit restarts
+        the outside-use estimate (its gaps measured our own overdraft)."""
         if not self.quota.learn:
             return
         k = self.learned
         if limit_tokens is not None and limit_tokens > 0 and limit_tokens != k.htpm:
             if k.htpm > 0:
                 k.ltpm, k.ptpm, k.window = 0, 0, 0
+            tpm = self.quota.max_tokens_per_minute
+            if lower_of(tpm, limit_tokens) != lower_of(tpm, k.htpm):  # a new token limit: others' use is re-learned
+                self.external, self.synced_at = 0, 0
             k.htpm = limit_tokens
         if limit_requests is not None and limit_requests > 0 and limit_requests != k.hrpm:
             if k.hrpm > 0:
