@@ -80,3 +80,22 @@ def test_limits_learn_a_provider_ten_times_stricter_and_discover_an_unset_rpm(pi
     assert p.services.quotas.get("open-rpm").max_requests_per_minute is None  # type: ignore[union-attr]
     assert discovered.limits.max_requests_per_minute == 3000
     assert "discovered" in discovered.limits_reason
+
+
+def test_the_audit_records_a_learned_change_once_it_has_stood_a_minute(migrated: dict[str, str]) -> None:
+    from balancer.admission.learned import Learned
+    from balancer.admission.live import ModelLive
+    from balancer.domain.quota import Quota
+    from balancer.storage.db import cached_engine
+    from balancer.storage.learned_audit import STEADY_MS, record_learned
+    from balancer.storage.quotas import QuotaStore
+
+    engine = cached_engine(migrated["BALANCER_DATABASE_URL"])
+    quota = Quota("m", 40, 600_000, max_requests_per_minute=600)
+    lowered = ModelLive(quota, 0, 0.0, 0.0, 0, learned=Learned(lrpm=420, prpm=600, lowered_at=1_000_000))
+    assert record_learned(engine, {"m": lowered}, 1_000_000 + STEADY_MS - 1) == []       # not a minute yet
+    assert record_learned(engine, {"m": lowered}, 1_000_000 + STEADY_MS) == ["m"]
+    assert record_learned(engine, {"m": lowered}, 1_000_000 + 2 * STEADY_MS) == []       # audited once
+    [row] = [r for r in QuotaStore(engine).history("m") if r["changed_by"] == "learned"]
+    assert row["old_value"]["max_requests_per_minute"] == 600
+    assert row["new_value"]["max_requests_per_minute"] == 420 and "lowered by 429s" in row["new_value"]["reason"]
