@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from balancer.admission import Admitted, Candidate, Settlement, keys
+from balancer.admission.fields import quota_fields
+from balancer.admission.learned import CLEAN_MS
 from balancer.domain.quota import Quota
 from tests.twin import LEASE_MS, Twin, delete_keys
 
@@ -36,6 +38,7 @@ quotas = st.builds(
     burst_requests=st.none() | st.integers(1, 40),
     expected_latency_s=st.none() | st.floats(0.01, 3600.0),
     on_disconnect=st.sampled_from(["continue", "stop"]),
+    learn=st.booleans() | st.just(True),
 )
 candidates = st.builds(
     Candidate,
@@ -52,6 +55,8 @@ settlements = st.builds(
     remaining_requests=st.none() | st.none() | st.integers(0, 40),
     latency_ms=st.none() | st.integers(0, 400_000),
     completion_tokens=st.none() | st.integers(0, 9_000),
+    limit_tokens=st.none() | st.none() | st.integers(1, 30_000),
+    limit_requests=st.none() | st.none() | st.integers(1, 40),
 )
 operations = st.lists(
     st.one_of(
@@ -72,7 +77,10 @@ operations = st.lists(
         st.tuples(st.just("hold"), st.integers(0, 50), st.integers(0, 400_000)),
         st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000)),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
-                  st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40)),
+                  st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40),
+                  st.none() | st.integers(1, 30_000), st.none() | st.integers(1, 40)),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES), st.integers(0, 5_000), st.none(), st.none(),
+                  st.none(), st.none()),
         st.tuples(st.just("trip"), st.sampled_from(NAMES + ["nope"])),
         st.tuples(st.just("trip"), st.sampled_from(NAMES)),
         st.tuples(st.just("advance"), st.integers(0, 70_000)),
@@ -105,7 +113,8 @@ ready_operations = st.lists(
         st.tuples(st.just("take_ready"),),
         st.tuples(st.just("release"), st.integers(0, 50)),
         st.tuples(st.just("renew"), st.integers(0, 50)),
-        st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 5_000), st.none(), st.none()),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 5_000), st.none(), st.none(),
+                  st.none(), st.none()),
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
         st.tuples(st.just("set"), quotas.filter(lambda q: q.name in NAMES[:2])),
         st.tuples(st.just("remove"), st.sampled_from(NAMES[:2])),
@@ -152,7 +161,7 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
             elif kind == "heartbeat" and issued:
                 twin.heartbeat(issued[op[1] % len(issued)][0], op[2])
             elif kind == "penalize":
-                twin.penalize(op[1], op[2], op[3], op[4])
+                twin.penalize(*op[1:])
             elif kind == "trip":
                 twin.trip(op[1])
             elif kind == "advance":
@@ -197,3 +206,116 @@ def test_twin_detects_a_divergence(redis_client: redis.Redis) -> None:
             twin.check_same_state()
     finally:
         delete_keys(redis_client, namespace)
+
+
+# -- Limits that learn: hand-made sequences of 429s and clean windows ----------------
+# Each step runs on both cores (the twin asserts equal answers and equal state
+# after every step), and the effective limits are checked against the rule
+# (balancer.admission.learned, lib.lua): a 429 that starts a pause lowers its
+# kind to 7/10, a clean window of CLEAN_MS raises it by 1/20 of the level it
+# was lowered from, back to the quota.
+
+def limits_of(twin: Twin, name: str = "m-a") -> Quota:
+    twin.check_same_state()
+    return twin.core.live(twin.now)[name].limits
+
+
+def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 8, 600_000, max_requests_per_minute=600))
+    twin.admit([Candidate(100)])
+    assert twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 420            # 600 x 7/10
+    assert not twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 420            # once per pause
+    twin.advance(1_000)
+    assert twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 294            # 420 x 7/10
+    twin.advance(CLEAN_MS - 1)                                        # not yet a clean window
+    assert limits_of(twin).max_requests_per_minute == 294
+    twin.advance(1)
+    assert limits_of(twin).max_requests_per_minute == 294 + 21        # + 420 / 20
+    twin.advance(CLEAN_MS * 3)
+    assert limits_of(twin).max_requests_per_minute == 294 + 4 * 21
+    twin.advance(CLEAN_MS * 20)                                       # back at the quota: forgotten
+    assert limits_of(twin).max_requests_per_minute == 600
+    assert twin.core.live(twin.now)["m-a"].learned.lrpm == 0
+
+
+def test_a_429_soon_after_a_raise_doubles_the_window(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 8, 600_000, max_requests_per_minute=600))
+    twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # 420
+    twin.advance(CLEAN_MS)                                                        # raised: + 600 / 20
+    assert limits_of(twin).max_requests_per_minute == 450
+    twin.advance(1_000)
+    twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # the raise drew a 429
+    assert limits_of(twin).max_requests_per_minute == 315                         # 450 x 7/10
+    assert twin.core.live(twin.now)["m-a"].learned.window == 2 * CLEAN_MS
+    twin.advance(2 * CLEAN_MS - 1)
+    assert limits_of(twin).max_requests_per_minute == 315
+    twin.advance(1)
+    assert limits_of(twin).max_requests_per_minute == 315 + 23                    # + ceil(450 / 20)
+
+
+def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
+    for _ in range(5):
+        twin.admit([Candidate(1_000)])
+    # Tokens and requests both left: the provider counted calls in progress.
+    twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=100)
+    assert limits_of(twin).max_concurrent_requests == 3               # 5 in flight x 7/10
+    twin.advance(600)
+    # Fewer tokens left than the calls in flight average (1,000): tokens.
+    twin.penalize("m-a", 500, remaining_tokens=900, remaining_requests=100)
+    assert limits_of(twin).max_tokens_per_minute == 42_000
+    twin.advance(600)
+    # No headers: the lowest of our buckets. Drain the tokens, requests stay high.
+    twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))   # a quota change forgets
+    assert quota_fields(limits_of(twin)) == quota_fields(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
+    for _ in range(20):
+        twin.admit([Candidate(2_500)])
+    twin.penalize("m-a", 500)
+    assert limits_of(twin).max_tokens_per_minute == 42_000
+    assert limits_of(twin).max_requests_per_minute == 600
+
+
+def test_a_model_that_does_not_learn_keeps_its_quota(twin: Twin) -> None:
+    quota = Quota("m-a", 8, 600_000, max_requests_per_minute=600, learn=False)
+    twin.set_quota(quota)
+    twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0, limit_requests=60)
+    twin.finish("none", Settlement(limit_requests=60, limit_tokens=6_000))
+    assert quota_fields(limits_of(twin)) == quota_fields(quota)
+
+
+def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 8, 60_000))                     # no RPM set
+    [admitted] = twin.admit([Candidate(100)])
+    assert isinstance(admitted, Admitted)
+    twin.finish(admitted.admission_id, Settlement(used_tokens=100, limit_tokens=90_000, limit_requests=120))
+    limits = limits_of(twin)
+    assert limits.max_requests_per_minute == 120 and limits.request_burst == 120
+    assert limits.max_tokens_per_minute == 60_000                # never above the configured TPM
+    twin.penalize("m-a", 500, limit_tokens=30_000)               # a lower limit header caps it
+    assert limits_of(twin).max_tokens_per_minute == 30_000
+
+
+def test_every_429_for_concurrency_caps_the_calls_in_flight_less_one(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    admitted = [d for d in twin.admit([Candidate(100)] * 40) if isinstance(d, Admitted)]
+    assert len(admitted) == 40
+    # The provider allows 4: 36 calls come back 429 (tokens left, so concurrency), one after another.
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    assert limits_of(twin).max_concurrent_requests == 28                 # the pause's 40 x 7/10
+    for refused in admitted[:36]:
+        twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+        twin.release(refused.admission_id)
+    assert limits_of(twin).max_concurrent_requests == 4                  # 5 in flight at the last 429, less one
+
+
+def test_a_limit_the_provider_states_is_not_lowered_by_its_429s(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 8, 300_000, max_requests_per_minute=600))
+    twin.penalize("m-a", 500, remaining_tokens=100, remaining_requests=50, limit_tokens=30_000, limit_requests=60)
+    limits = limits_of(twin)
+    assert (limits.max_tokens_per_minute, limits.max_requests_per_minute) == (30_000, 60)   # adopted, not lowered
+    twin.advance(1_000)
+    twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 60

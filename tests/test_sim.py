@@ -118,3 +118,25 @@ def test_audit_flags_each_kind_of_breach() -> None:
     rapid = [Call(i * 0.2, i * 0.2 + 0.1, "m", 1) for i in range(8)]
     assert {v.kind for v in audit(rapid, limits)} == {"requests"}
     assert peaks(spaced, window=60.0)["m"].tokens_per_60s == 120
+
+
+def test_real_limits_are_shares_of_the_quota_and_change_mid_run() -> None:
+    """A model whose provider really allows a tenth of its quota's RPM and of its
+    cap, halved 10 s after its first call and restored 10 s later; its limit
+    headers can be hidden while the remaining counts are sent."""
+    model = SimModel("m", 40, 600_000, max_requests_per_minute=600, real_requests=0.1, real_concurrency=0.1,
+                     limit_changes=((10.0, 0.5), (20.0, 1.0)), limit_headers=False, latency=FAST)
+    assert model.quota().max_requests_per_minute == 600                      # what balancer is given
+    real = model.real_quota()
+    assert (real.max_requests_per_minute, real.request_burst, real.max_concurrent_requests) == (60, 60, 4)
+    lim = model.limiter(time_scale=1.0, grace=0.0, now=0.0)
+    assert sum(lim.try_start(0.0, 1)[0] for _ in range(10)) == 4             # cap 4
+    assert lim.refused_by == "concurrency"
+    lim.in_flight = 0
+    lim.try_start(10.0, 1)                                                   # 10 s after the first call: halved
+    assert (lim.cap, lim.rpm, lim.request_burst) == (2, 30, 30)
+    lim.in_flight = 0
+    lim.try_start(20.0, 1)                                                   # restored
+    assert (lim.cap, lim.rpm, lim.request_burst) == (4, 60, 60)
+    headers = Simulator([model]).rate_limit_headers("m", 0.0)
+    assert "x-ratelimit-remaining-requests" in headers and "x-ratelimit-limit-requests" not in headers

@@ -54,7 +54,7 @@ def reference_fields(ref: ReferenceCore, name: str) -> dict:
         "tokens": s.tokens, "requests": s.requests, "refilled_at": s.refilled_at, "deficit": s.deficit,
         "gen": s.generation, "paused": s.paused_until, "tat": s.tat, "ext": s.external, "synced_at": s.synced_at,
         "ptokens": s.started_tokens, "prefilled_at": s.started_refilled_at, "fails": s.failures,
-        "probing": int(s.probing), "backoff": s.backoff_ms,
+        "probing": int(s.probing), "backoff": s.backoff_ms, **s.learned.as_dict(),
     }
     assert set(state) == set(STATE_FIELDS), "the twin must compare every state field the scripts keep"
     return {
@@ -77,8 +77,8 @@ def canonical_ref(ref: ReferenceCore) -> dict:
 
 def live_lua(core: AdmissionCore, now: int) -> dict:
     """The live view (what the dispatcher and ``balancer quota list`` read) at ``now``."""
-    return {name: (quota_fields(m.quota), m.in_flight, m.tokens_available, m.requests_available, m.deficit,
-                   m.paused_ms, m.external_tpm) for name, m in core.live(now).items()}
+    return {name: (quota_fields(m.quota), quota_fields(m.limits), m.in_flight, m.tokens_available,
+                   m.requests_available, m.deficit, m.paused_ms, m.external_tpm) for name, m in core.live(now).items()}
 
 
 def live_ref(ref: ReferenceCore, now: int) -> dict:
@@ -88,8 +88,8 @@ def live_ref(ref: ReferenceCore, now: int) -> dict:
     for name, s in ref.models.items():
         ref._refill(name, now)
         live = sum(1 for deadline, _ in ref._inflight(name) if deadline > now)
-        view[name] = (quota_fields(s.quota), live, s.tokens / UNITS,
-                      s.requests / UNITS if s.quota.max_requests_per_minute else None,
+        view[name] = (quota_fields(s.quota), quota_fields(s.limits), live, s.tokens / UNITS,
+                      s.requests / UNITS if s.limits.max_requests_per_minute else None,
                       s.deficit, max(0, s.paused_until - now), s.external)
     return view
 
@@ -180,9 +180,12 @@ class Twin:
         return lua
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
-                 remaining_requests: int | None = None) -> bool:
-        lua = self.core.penalize(model, retry_after_ms, remaining_tokens, remaining_requests)
-        ref = self._ref(lambda: self.ref.penalize(model, max(1, retry_after_ms), self.now, remaining_tokens, remaining_requests))
+                 remaining_requests: int | None = None, limit_tokens: int | None = None,
+                 limit_requests: int | None = None) -> bool:
+        lua = self.core.penalize(model, retry_after_ms, remaining_tokens, remaining_requests,
+                                 limit_tokens=limit_tokens, limit_requests=limit_requests)
+        ref = self._ref(lambda: self.ref.penalize(model, max(1, retry_after_ms), self.now, remaining_tokens,
+                                                  remaining_requests, limit_tokens, limit_requests))
         assert lua == ref
         return lua
 

@@ -36,7 +36,7 @@ from balancer.admission.values import (
     rejection_reason,
 )
 from balancer.domain.latency import bucket_of
-from balancer.domain.quota import Quota
+from balancer.domain.quota import MAX_LIMIT, Quota
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
 RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
@@ -53,6 +53,14 @@ def _load_scripts() -> dict[str, str]:
 
 
 _SCRIPTS = _load_scripts()
+
+
+def header_limit(value: int | None) -> int | None:
+    """A provider's x-ratelimit-limit-* as the scripts take it: a whole number
+    from 1 to MAX_LIMIT (bucket arithmetic stays exact), None if absent or 0."""
+    if value is None or value < 1:
+        return None
+    return min(int(value), MAX_LIMIT)
 
 
 def quota_args(quota: Quota) -> list[str | int]:
@@ -216,7 +224,8 @@ class AdmissionCore:
         return cast(list, self._run("finish", [
             self._now(), admission_id, opt(s.used_tokens), opt(s.reserved_tokens),
             opt(s.remaining_tokens), opt(s.remaining_requests), *sample,
-            "" if take_lease_ms is None else take_lease_ms,
+            "" if take_lease_ms is None else take_lease_ms, opt(header_limit(s.limit_tokens)),
+            opt(header_limit(s.limit_requests)),
         ]))
 
     def stock(self, entries: Sequence[tuple[str, int, int, str]], ttl_ms: int) -> list[bool]:
@@ -276,11 +285,18 @@ class AdmissionCore:
         return self._run("heartbeat", [self._now(), admission_id, max(1, int(lease_ms or self.lease_ms))]) == 1
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
-                 remaining_requests: int | None = None) -> bool:
+                 remaining_requests: int | None = None, *, limit_tokens: int | None = None,
+                 limit_requests: int | None = None) -> bool:
         """Pause ``model`` for a 429's Retry-After and sync its buckets to the 429's
-        headers; True if this started the pause (a 429 during a running pause adds none)."""
-        args = [self._now(), model, max(1, int(retry_after_ms)),
-                "" if remaining_tokens is None else remaining_tokens, "" if remaining_requests is None else remaining_requests]
+        headers; True if this started the pause (a 429 during a running pause adds none).
+        A pause it starts also lowers the effective limit of the kind behind the
+        429, if the model learns (penalize.lua); ``limit_*`` are the 429's
+        ``x-ratelimit-limit-*`` headers."""
+        def opt(value: int | None) -> object:
+            return "" if value is None else value
+
+        args = [self._now(), model, max(1, int(retry_after_ms)), opt(remaining_tokens), opt(remaining_requests),
+                opt(header_limit(limit_tokens)), opt(header_limit(limit_requests))]
         return self._run("penalize", args) == 1
 
     def trip(self, model: str) -> tuple[bool, bool]:

@@ -8,8 +8,9 @@ generated from both, so lib.lua loads, creates and saves a model from these
 lists and spells no field list itself.
 
 >>> q = Quota("gpt-a", 8, 60_000, max_requests_per_minute=600, on_disconnect="stop")
->>> quota_fields(q)
-{'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600, 'prior': 0, 'stops': 1}
+>>> quota_fields(q)  # doctest: +NORMALIZE_WHITESPACE
+{'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600,
+ 'prior': 0, 'stops': 1, 'learn': 1}
 >>> back = quota_from_fields("gpt-a", quota_fields(q))   # the same limits, defaults spelled out
 >>> back.burst_tokens, back.on_disconnect, quota_fields(back) == quota_fields(q)
 (60000, 'stop', True)
@@ -35,6 +36,7 @@ def quota_fields(quota: Quota) -> dict[str, int]:
         "rburst": quota.request_burst,  # request bucket capacity (0 without an RPM limit)
         "prior": prior_ms(quota),  # the latency prior's median in ms (0: the global default)
         "stops": int(quota.on_disconnect == "stop"),  # 1: the provider stops a call whose client went
+        "learn": int(quota.learn),  # 1: learn effective limits below these (lib.lua, "Limits that learn")
     }
 
 
@@ -52,6 +54,7 @@ def quota_from_fields(name: str, m: Mapping[str, int]) -> Quota:
         burst_requests=m["rburst"] or None,
         expected_latency_s=m["prior"] / 1000 if m["prior"] else None,
         on_disconnect="stop" if m["stops"] else "continue",
+        learn=bool(m["learn"]),
     )
 
 
@@ -81,6 +84,18 @@ STATE_FIELDS: dict[str, str] = {
     "fails": "consecutive transient failures (the circuit breaker)",
     "probing": "1: the circuit is open, one call at a time",
     "backoff": "ms of the circuit's last pause",
+    # Limits that learn (lib.lua): 0 in any of these means nothing learned.
+    "ltpm": "learned TPM below the quota's, lowered by 429s (0: the quota's)",
+    "lrpm": "learned RPM below the quota's or the discovered one (0: none learned)",
+    "lcap": "learned concurrency cap below the quota's (0: the quota's)",
+    "ptpm": "the effective TPM when a 429 last lowered it (its raises step by 1/20 of this)",
+    "prpm": "the effective RPM when a 429 last lowered it",
+    "pcap": "the effective concurrency cap when a 429 last lowered it",
+    "htpm": "the provider's x-ratelimit-limit-tokens, per minute (0: never sent)",
+    "hrpm": "the provider's x-ratelimit-limit-requests, per minute (0: never sent)",
+    "lowered_at": "ms a 429 last lowered a learned limit",
+    "raised_at": "ms a clean window last raised one",
+    "window": "ms of clean traffic a raise needs now (0: CLEAN_MS); doubled by a raise that drew a 429",
 }
 
 #: Every field of a model's hash.

@@ -8,11 +8,12 @@ the quota is read back through :mod:`balancer.admission.fields`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
 from balancer.admission import fields, keys
+from balancer.admission.learned import Learned, effective, reason, relaxed
 from balancer.admission.values import UNITS, refilled
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
 from balancer.domain.quota import Quota
@@ -31,6 +32,17 @@ class ModelLive:
     external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
     latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
     ready: int = 0  # tasks on its ready list, waiting for a slot (see AdmissionCore.stock)
+    learned: Learned = field(default_factory=Learned)  # what it learned of the provider's real limits (balancer.admission.learned)
+
+    @property
+    def limits(self) -> Quota:
+        """The effective limits the scripts hold it to now: the quota's, or lower where it learned so."""
+        return effective(self.quota, self.learned)
+
+    @property
+    def limits_reason(self) -> str:
+        """Why :attr:`limits` differ from the quota ('' if they do not)."""
+        return reason(self.quota, self.learned)
 
     def latency_estimate(self, prior_s: float) -> LatencyEstimate:
         """What the model's calls take: its sketch, or until it has enough calls its
@@ -73,12 +85,15 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
             continue  # removed between the two reads
         m = {k.decode(): int(v) for k, v in raw.items()}
         quota = fields.quota_from_fields(name, m)
-        tokens, requests = refilled(quota, m["tokens"], m["requests"], m["refilled_at"], m["ext"], now_ms)
+        learned = Learned.from_fields(m)
+        limits = effective(quota, learned)
+        tokens, requests = refilled(limits, m["tokens"], m["requests"], m["refilled_at"], m["ext"], now_ms)
+        learned = relaxed(quota, learned, now_ms)  # as the next script will see it (refill, then relax)
         paused_ms = max(0, m["paused"] - now_ms)
         latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
         view[name] = ModelLive(quota, in_flight, tokens / UNITS,
-                               requests / UNITS if quota.max_requests_per_minute else None,
-                               m["deficit"], paused_ms, m["ext"], latency, ready)
+                               requests / UNITS if limits.max_requests_per_minute else None,
+                               m["deficit"], paused_ms, m["ext"], latency, ready, learned)
     return view
 
 
@@ -87,11 +102,11 @@ def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
     enabled, not paused by a 429, a free slot, tokens above zero and (with
     RPM) a request. The dispatcher reads only tasks that one of these could take."""
     return {
-        name: m.quota.max_concurrent_requests - m.in_flight
+        name: m.limits.max_concurrent_requests - m.in_flight
         for name, m in view.items()
         if m.quota.enabled
         and m.paused_ms == 0
-        and m.in_flight < m.quota.max_concurrent_requests
+        and m.in_flight < m.limits.max_concurrent_requests
         and m.tokens_available >= 1
         and (m.requests_available is None or m.requests_available >= 1)
     }

@@ -7,6 +7,7 @@ model (:mod:`balancer.admission.reference`) follow.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from balancer.domain.quota import Quota
@@ -82,6 +83,9 @@ class Settlement:
     reserved_tokens: int | None = None
     remaining_tokens: int | None = None
     remaining_requests: int | None = None
+    #: The provider's ``x-ratelimit-limit-tokens`` / ``-requests``: the limits a learning model adopts (lib.lua).
+    limit_tokens: int | None = None
+    limit_requests: int | None = None
     #: An answered call's latency and completion tokens: a sample for the model's latency sketch.
     latency_ms: int | None = None
     completion_tokens: int | None = None
@@ -145,7 +149,7 @@ def token_cap(quota: Quota) -> int:
 
 def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, external: int, now: int) -> tuple[int, int]:
     """The buckets (units) refilled from ``refilled_at`` to ``now``: tokens at TPM
-    less what others use (``external``), up to :func:`token_cap`; requests at
+    less what others use (``external``, at most 9/10 of TPM), up to :func:`token_cap`; requests at
     RPM, up to the request burst (untouched without an RPM limit).
 
     The rule ``refill`` in lib.lua applies; the reference model and the live
@@ -156,7 +160,8 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
     [20.0, 2.0]
     """
     dt = max(0, now - refilled_at)
-    tokens = min(token_cap(quota), tokens + dt * (quota.max_tokens_per_minute - external))
+    tpm = quota.max_tokens_per_minute
+    tokens = min(token_cap(quota), tokens + dt * (tpm - min(external, math.floor(tpm * 9 / 10))))
     if quota.max_requests_per_minute:
         requests = min(quota.request_burst * UNITS, requests + dt * quota.max_requests_per_minute)
     return tokens, requests

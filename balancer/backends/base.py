@@ -19,6 +19,9 @@ class Remaining:
 
     tokens: int | None = None
     requests: int | None = None
+    #: The provider's limits (``x-ratelimit-limit-tokens`` / ``-requests``), when sent.
+    limit_tokens: int | None = None
+    limit_requests: int | None = None
 
 
 @dataclass(frozen=True)

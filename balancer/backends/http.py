@@ -40,14 +40,18 @@ def parse_retry_after(value: str | None, value_ms: str | None = None) -> float |
 
 
 def parse_remaining(headers: httpx.Headers) -> Remaining:
-    """The provider's ``x-ratelimit-remaining-tokens`` / ``-requests``, when sent.
+    """The provider's ``x-ratelimit-remaining-tokens`` / ``-requests``, and its
+    ``x-ratelimit-limit-tokens`` / ``-requests``, when sent.
 
     >>> parse_remaining(httpx.Headers({"x-ratelimit-remaining-tokens": "8000"}))
-    Remaining(tokens=8000, requests=None)
+    Remaining(tokens=8000, requests=None, limit_tokens=None, limit_requests=None)
     """
-    tokens = _number(headers.get("x-ratelimit-remaining-tokens"))
-    requests = _number(headers.get("x-ratelimit-remaining-requests"))
-    return Remaining(None if tokens is None else int(tokens), None if requests is None else int(requests))
+    def whole(name: str) -> int | None:
+        value = _number(headers.get(name))
+        return None if value is None else int(value)
+
+    return Remaining(whole("x-ratelimit-remaining-tokens"), whole("x-ratelimit-remaining-requests"),
+                     whole("x-ratelimit-limit-tokens"), whole("x-ratelimit-limit-requests"))
 
 
 class HttpBackend:

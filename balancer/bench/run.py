@@ -66,15 +66,17 @@ def capacity_bound(scenario: Scenario) -> float:
     any_model = len(lines) - sum(pinned.values())
     models = [
         ModelCapacity(
-            concurrency=m.max_concurrent_requests,
+            concurrency=real.max_concurrent_requests,
             mean_latency=m.latency.mean(seed=scenario.seed),
-            tpm=m.max_tokens_per_minute * (1 - m.foreign_share),  # another client's share is not ours
-            burst=m.burst,
-            rpm=None if m.max_requests_per_minute is None else m.max_requests_per_minute * (1 - m.foreign_share),
-            request_burst=m.request_burst,
+            # another client's share is not ours; real_* shares: what the provider really allows
+            tpm=m.max_tokens_per_minute * m.real_tokens * (1 - m.foreign_share),
+            burst=real.burst,
+            rpm=None if m.max_requests_per_minute is None
+            else m.max_requests_per_minute * m.real_requests * (1 - m.foreign_share),
+            request_burst=real.burst_requests,
             tokens_per_task=mean_tokens if m.accounting == "settle" else mean_reserved,
         )
-        for m in scenario.models
+        for m, real in zip(scenario.models, (m.real_quota() for m in scenario.models), strict=True)
     ]
     return makespan_bound(models, tokens_per_task=mean_tokens, any_model=any_model, pinned=pinned) * scenario.time_scale
 
@@ -94,7 +96,8 @@ def pinned_floor(scenario: Scenario) -> float:
 
 
 def limits(scenario: Scenario) -> dict[str, Limits]:
-    return limits_for(scenario.quotas(), GRACE)
+    """The providers' real limits (the audit and the utilization are measured against them)."""
+    return limits_for(scenario.real_quotas(), GRACE)
 
 
 #: The pipeline as it was before the end game: greedy to the last task, no hedges.
@@ -124,6 +127,8 @@ def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_ac
     ``worker_layout`` is "one" (every pool in one worker process, the default)
     or "per-model" (one process per model, as docker-compose.yml deploys)."""
     quotas = priced(scenario)
+    if scenario.extra.get("learn") is False:  # the "before" side of limits that learn: the quotas, exactly
+        quotas = [q.replace(learn=False) for q in quotas]
     if quota_accounting is not None:
         quotas = [q.replace(token_accounting=quota_accounting) for q in quotas]
     with environment(env or {}), IsolatedServices(console, "bench") as iso:

@@ -288,7 +288,9 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
     from rich.table import Table
 
     table = Table(title="models")
+    learned = any(r.learned for r in rows)  # a column for limits in force below the quota, when a model has them
     columns = ["model", "in flight", "tokens now / burst", "requests now", "429s", "answered", "p50 / p99 s", "binds"]
+    columns += ["learned limits (in force / quota)"] if learned else []
     if rates is not None:
         columns[3:3] = ["tokens/min / TPM", "requests/min / RPM"]
     for i, col in enumerate(columns):
@@ -298,7 +300,7 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
             r.name, f"{r.in_flight}/{r.cap}", f"{r.tokens_available:,.0f} / {r.burst:,}",
             "-" if r.requests_available is None else f"{r.requests_available:,.1f}",
             str(r.rate_limited), str(r.solved), f"{r.p50_s:g} / {r.p99_s:g}" + ("" if r.latency_measured else " (prior)"),
-            r.binding,
+            r.binding, *([r.learned_cell()] if learned else []),
         ]
         if rates is not None:
             tokens, requests = rates.get(r.name, (0.0, 0.0))

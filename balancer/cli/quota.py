@@ -62,6 +62,13 @@ def quota_list(as_json: bool) -> None:
                     "deficit": state.deficit,
                     "paused_ms": state.paused_ms,
                     "external_tpm": state.external_tpm,
+                    # The limits in force: the quota's, or lower where the model learned so (and why).
+                    "in_force": {
+                        "max_concurrent_requests": state.limits.max_concurrent_requests,
+                        "max_tokens_per_minute": state.limits.max_tokens_per_minute,
+                        "max_requests_per_minute": state.limits.max_requests_per_minute,
+                    },
+                    "learned": state.limits_reason,
                 },
                 # p50/p90/p99 in seconds, learned from finished calls; "samples": 0 means the prior.
                 "latency_s": None
@@ -82,8 +89,9 @@ def quota_list(as_json: bool) -> None:
 
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
     table.add_column("model", no_wrap=True)
+    learned = any(learned_text(row["live"] or {}) for row in rows)  # the column only when a model learned
     for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",
-                "p50 / p90 / p99 s"):
+                "p50 / p90 / p99 s", *(["learned: in force"] if learned else [])):
         table.add_column(col, justify="right")
     for row in rows:
         lv = row["live"] or {}
@@ -99,8 +107,23 @@ def quota_list(as_json: bool) -> None:
             "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
             str(lv.get("deficit", "-")),
             latency_cell(row["latency_s"]),
+            *([learned_text(lv)] if learned else []),
         )
     Console(width=max(Console().width, 120)).print(table)
+
+
+def learned_text(live: dict) -> str:
+    """The limits in force where learning changed them, and why ('' where it did not).
+
+    >>> learned_text({"in_force": {"max_concurrent_requests": 4, "max_tokens_per_minute": 60000,
+    ...               "max_requests_per_minute": 42}, "learned": "requests lowered by 429s at 12:03 UTC, recovering"})
+    'cap 4, TPM 60,000, RPM 42: requests lowered by 429s at 12:03 UTC, recovering'
+    """
+    if not live.get("learned"):
+        return ""
+    f = live["in_force"]
+    return (f"cap {f['max_concurrent_requests']}, TPM {f['max_tokens_per_minute']:,}, "
+            f"RPM {f['max_requests_per_minute'] or '-'}: {live['learned']}")
 
 
 def latency_cell(latency: dict | None) -> str:
@@ -135,6 +158,8 @@ def latency_cell(latency: dict | None) -> str:
 @click.option("--price-output", type=float, metavar="PRICE",
               help="price_per_million_output: what a million completion tokens cost")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
+@click.option("--learn/--no-learn", "learn", default=None,
+              help="learn: lower the effective limits on 429s and adopt x-ratelimit-limit-* headers (or not)")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
 def quota_set(
@@ -151,6 +176,7 @@ def quota_set(
     price_input: float | None,
     price_output: float | None,
     enabled: bool | None,
+    learn: bool | None,
     create: bool,
     by: str | None,
 ) -> None:
@@ -168,12 +194,13 @@ def quota_set(
         "price_per_million_input": price_input,
         "price_per_million_output": price_output,
         "enabled": enabled,
+        "learn": learn,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable"
+            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn"
         )
     from balancer.domain.quota import check_model_name
 

@@ -28,6 +28,11 @@ The format is a public interface; docs/scenarios.md documents it. Example::
     headers = true                         # optional: send x-ratelimit-* headers
     foreign_share = 0.0                    # optional: share of the quota another client uses
     on_disconnect = "continue"             # optional: continue (default, strict; "finish" also accepted) | stop: a cancelled call
+    real_tokens = 0.1                      # optional: the provider really allows this share of TPM (and token burst)
+    real_requests = 0.1                    # optional: ... of RPM (and request burst)
+    real_concurrency = 0.1                 # optional: ... of max_concurrent_requests
+    limit_changes = [[30, 0.5], [90, 1.0]] # optional: [seconds after the model's first call, factor of the real limits]
+    limit_headers = true                   # optional: with headers, send x-ratelimit-limit-* too
 """
 
 from __future__ import annotations
@@ -82,7 +87,12 @@ class Scenario:
     extra: dict = field(default_factory=dict)
 
     def quotas(self) -> list[Quota]:
+        """The quotas balancer is given."""
         return [m.quota(time_scale=self.time_scale) for m in self.models]
+
+    def real_quotas(self) -> list[Quota]:
+        """What the providers really allow at the start (the quotas, unless a model sets real_* shares)."""
+        return [m.real_quota(time_scale=self.time_scale) for m in self.models]
 
     def task_lines(self) -> list[dict]:
         """The workload as JSONL-ready dicts, reproducible from ``seed``.
@@ -156,6 +166,11 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
                 headers=bool(m.get("headers", True)),
                 foreign_share=float(m.get("foreign_share", 0.0)),
                 on_disconnect=m.get("on_disconnect", "continue"),
+                real_tokens=float(m.get("real_tokens", 1.0)),
+                real_requests=float(m.get("real_requests", 1.0)),
+                real_concurrency=float(m.get("real_concurrency", 1.0)),
+                limit_changes=tuple((float(at), float(f)) for at, f in m.get("limit_changes", [])),
+                limit_headers=bool(m.get("limit_headers", True)),
             )
             model.quota(time_scale=time_scale)  # validates every limit
         except BalancerError as exc:
@@ -166,6 +181,9 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
             raise ScenarioError(f"{where}.rpm_window must be 1, 10 or 60 (seconds)")
         if not 0 <= model.foreign_share < 1:
             raise ScenarioError(f"{where}.foreign_share must be in [0, 1)")
+        shares = (model.real_tokens, model.real_requests, model.real_concurrency, *(f for _, f in model.limit_changes))
+        if not all(0 < share <= 1 for share in shares) or any(at < 0 for at, _ in model.limit_changes):
+            raise ScenarioError(f"{where}: real_* shares and limit_changes factors must be in (0, 1], times >= 0")
         models.append(model)
     if not models:
         raise ScenarioError("a scenario needs at least one [[models]] table")

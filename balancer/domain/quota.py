@@ -120,6 +120,10 @@ class Quota:
     price_per_million_output: float | None = None
     #: The prices' currency, named once in the quota file (three capital letters).
     currency: str | None = None
+    #: Learn the provider's real limits below these ones (429s lower an effective
+    #: limit, clean windows raise it back; x-ratelimit-limit-* headers are
+    #: adopted): README, "Limits that learn". False: the limits above, exactly.
+    learn: bool = True
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -138,6 +142,8 @@ class Quota:
             raise QuotaError(f"on_disconnect must be one of {', '.join(ON_DISCONNECT)}, got {self.on_disconnect!r}")
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.learn, bool):
+            raise QuotaError(f"learn must be true or false, got {self.learn!r}")
         check_price("price_per_million_input", self.price_per_million_input)
         check_price("price_per_million_output", self.price_per_million_output)
         check_currency(self.currency)

@@ -9,6 +9,7 @@ Format::
     max_requests_per_minute = 600   # optional
     burst_tokens = 120000           # optional, default one minute of TPM
     enabled = true                  # optional, default true
+    learn = true                    # optional, default true: learn real limits below these
     price_per_million_input = 2.5   # optional, in the file's currency
     price_per_million_output = 10.0 # optional
 

@@ -370,7 +370,8 @@ def trip(core: AdmissionCore, model: str, error: str) -> bool:
 def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
     """Pause the model for the 429's Retry-After (1 s if absent) and sync to its headers."""
     retry_after = exc.retry_after if exc.retry_after is not None else 1.0
-    core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests)
+    core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests,
+                  limit_tokens=exc.remaining.limit_tokens, limit_requests=exc.remaining.limit_requests)
 
 
 def answer_of(msg: SolveMessage, completion: Completion, *, hedge: bool = False) -> Answer:
@@ -386,6 +387,8 @@ def answered(completion: Completion, ctx: SolveContext, latency_ms: int) -> Sett
         reserved_tokens=completion.prompt_tokens + ctx.max_tokens,
         remaining_tokens=completion.remaining.tokens,
         remaining_requests=completion.remaining.requests,
+        limit_tokens=completion.remaining.limit_tokens,
+        limit_requests=completion.remaining.limit_requests,
         latency_ms=latency_ms,
         completion_tokens=completion.completion_tokens,
     )

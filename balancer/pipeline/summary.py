@@ -49,9 +49,29 @@ class ModelSummary:
     p99_s: float
     latency_measured: bool  # False: the p50/p99 are the prior
     binding: str  # which limit holds the model back now: see binding_limit
+    #: The effective limits (learned: balancer.admission.learned) where they differ
+    #: from the quota's cap, tpm and rpm above, and why ('' when they do not).
+    limit_cap: int = 0
+    limit_tpm: int = 0
+    limit_rpm: int | None = None
+    learned: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def learned_cell(self) -> str:
+        """The limits in force against the quota's, and why, where the model learned
+        them ('' where it did not).
+
+        >>> row = ModelSummary("m", 1, 40, 0.0, 30_000, 300_000, None, None, 0, 0, 1.0, 1.0, True, "none",
+        ...                    limit_cap=4, limit_tpm=300_000, learned="concurrency lowered by 429s at 12:03 UTC, recovering")
+        >>> row.learned_cell()
+        'cap 4/40, TPM 300,000/300,000, RPM -/-: concurrency lowered by 429s at 12:03 UTC, recovering'
+        """
+        if not self.learned:
+            return ""
+        return (f"cap {self.limit_cap}/{self.cap}, TPM {self.limit_tpm:,}/{self.tpm:,}, "
+                f"RPM {self.limit_rpm or '-'}/{self.rpm or '-'}: {self.learned}")
 
 
 def binding_limit(live: ModelLive, tokens_per_call: float) -> str:
@@ -69,7 +89,7 @@ def binding_limit(live: ModelLive, tokens_per_call: float) -> str:
     >>> binding_limit(ModelLive(q, 1, 9_000.0, 5.0, 0), tokens_per_call=500)
     'none'
     """
-    q = live.quota
+    q = live.limits  # the effective limits: the quota's, or lower where the model learned so
     if live.paused_ms > 0:
         return "paused"
     if live.in_flight >= q.max_concurrent_requests:
@@ -99,6 +119,8 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
             rpm=q.max_requests_per_minute, solved=solved, rate_limited=stats.get("rate_limited", 0),
             p50_s=round(latency.p50_ms / 1000, 2), p99_s=round(latency.p99_ms / 1000, 2),
             latency_measured=latency.samples > 0, binding=binding_limit(live, tokens_per_call),
+            limit_cap=live.limits.max_concurrent_requests, limit_tpm=live.limits.max_tokens_per_minute,
+            limit_rpm=live.limits.max_requests_per_minute, learned=live.limits_reason,
         ))
     return rows
 

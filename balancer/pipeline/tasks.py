@@ -116,12 +116,19 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
 @app.task(name="balancer.sweep")
 def sweep_task() -> int:
     """Return tasks past their deadline to pending (a dead worker, a lost
-    message), except those whose calls a worker still keeps alive, and make
-    the live quotas match PostgreSQL's."""
+    message), except those whose calls a worker still keeps alive, make the
+    live quotas match PostgreSQL's, and audit learned limits that have stood
+    for a minute (balancer.storage.learned_audit)."""
+    from balancer.storage.learned_audit import record_learned
+
     svc = runtime.services()
     repaired = svc.quotas.repair_drift()
     if repaired:
         log.warning("live quotas differed from PostgreSQL for %s; repaired", ", ".join(repaired))
+    if svc.core.is_loaded():
+        learned = record_learned(svc.engine, svc.core.live(), int(svc.redis.time()[0]) * 1000)
+        if learned:
+            log.info("limits in force changed by learning (audited): %s", ", ".join(learned))
     returned, kept = sweep_expired(svc.engine, live_calls(svc.redis, svc.settings.namespace), svc.settings.lease_seconds)
     if kept:
         log.warning("kept %d task(s) past their deadline: their workers still keep their calls alive (in Redis), "

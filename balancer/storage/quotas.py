@@ -73,6 +73,7 @@ def _row_to_quota(row: Any) -> Quota:
         price_per_million_input=row.price_per_million_input,
         price_per_million_output=row.price_per_million_output,
         currency=row.currency,
+        learn=row.learn,
     )
 
 

@@ -40,6 +40,7 @@ quotas = Table(
     Column("price_per_million_input", Float, nullable=True),
     Column("price_per_million_output", Float, nullable=True),
     Column("currency", Text, nullable=True),
+    Column("learn", Boolean, nullable=False, server_default="true"),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

@@ -11,6 +11,7 @@
 -- ARGV[7] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
 -- ARGV[8] its latency in ms, ARGV[9] prompt tokens, ARGV[10] completion tokens (with ARGV[7])
 -- ARGV[11] lease ms for a next call from the model's ready list, or '' to take none
+-- ARGV[12] x-ratelimit-limit-tokens, ARGV[13] x-ratelimit-limit-requests ('' if absent: sync_limits in lib.lua)
 -- Settling: the provider's charge is the usage (settle) or the reservation
 -- (reserve). A charge above the estimate is always debited. A charge below it
 -- is credited only by a `settle` model, and only within the quota generation
@@ -50,6 +51,7 @@ if m then
     end
     settled = 1
   end
+  sync_limits(m, ARGV[12] or '', ARGV[13] or '')
   sync_to_headers(m, now, ARGV[5], ARGV[6])
   if ARGV[7] ~= '' then m.fails, m.probing, m.backoff = 0, 0, 0 end
   save_model(m)
@@ -62,7 +64,7 @@ if m then
     if ARGV[3] ~= '' then count(lease.m, 'tokens_used', tonumber(ARGV[3])) end
   end
 end
-if m and redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= m.cap then
+if m and redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= eff_cap(m) then
   mark_freed(lease.m, now)  -- a slot of a full model: the refill gap starts (metrics only)
 end
 redis.call('ZREM', inflight_key(lease.m), lid)
@@ -78,7 +80,7 @@ if m and ARGV[11] ~= '' then
     measure_refill(m.name, now)
     count(m.name, 'ready_taken', 1)
     save_model(m)
-    local restock = redis.call('LLEN', ready_key(m.name)) < m.cap and 1 or 0
+    local restock = redis.call('LLEN', ready_key(m.name)) < eff_cap(m) and 1 or 0
     return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay), restock}
   end
   save_model(m)

@@ -121,6 +121,74 @@ local function new_model(name, q, now)
   return m
 end
 
+-- Limits that learn. A model's effective limits are its quota's, or lower:
+-- with learn = 1, the provider's x-ratelimit-limit-* headers (htpm, hrpm) cap
+-- them, and give an RPM to a quota that leaves it unset; a 429 lowers the kind
+-- that caused it (ltpm, lrpm, lcap: see learn_from_429), and clean windows
+-- raise it back (relax). Bucket sizes scale with their rates. Every rule below
+-- reads these, never the quota's fields directly, except the burst that
+-- decides whether a task can ever fit (the configured one).
+local CLEAN_MS, MAX_WINDOW_MS = 10000, 320000
+local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
+  if other > 0 and (limit == 0 or other < limit) then return other end
+  return limit
+end
+local function eff_tpm(m)
+  if m.learn ~= 1 then return m.tpm end
+  return lower_of(lower_of(m.tpm, m.htpm), m.ltpm)
+end
+local function eff_rpm(m)
+  if m.learn ~= 1 then return m.rpm end
+  return lower_of(lower_of(m.rpm, m.hrpm), m.lrpm)
+end
+local function eff_cap(m)
+  if m.learn ~= 1 then return m.cap end
+  return lower_of(m.cap, m.lcap)
+end
+local function eff_burst(m)
+  local t = eff_tpm(m)
+  if t == m.tpm then return m.burst end
+  return math.max(1, math.floor(m.burst * t / m.tpm))
+end
+local function eff_rburst(m)
+  local r = eff_rpm(m)
+  if r == m.rpm then return m.rburst end
+  if m.rpm == 0 then return r end  -- discovered: one minute of it
+  return math.max(1, math.floor(m.rburst * r / m.rpm))
+end
+-- Tokens per minute the bucket refills at: TPM less what others use (never below a tenth of TPM).
+local function token_rate(m)
+  local t = eff_tpm(m)
+  return t - math.min(m.ext, math.floor(t * 9 / 10))
+end
+local function window_ms(m)
+  if m.window > 0 then return m.window end
+  return CLEAN_MS
+end
+
+-- One clean window's raise of learned limit l (0: none), by 1/20 of the level
+-- the last 429 lowered it from; at `ceiling` (the limit without learning, 0:
+-- none) it is forgotten.
+local function raised(l, peak, steps, ceiling)
+  if l == 0 then return 0 end
+  l = l + steps * math.max(1, math.ceil(peak / 20))
+  if ceiling == 0 or l >= ceiling then return 0 end
+  return l
+end
+
+-- Each window of clean traffic (no 429 lowered anything) since the last raise
+-- or lowering raises every learned limit one step, back toward the quota.
+local function relax(m, now)
+  if m.learn ~= 1 or (m.ltpm == 0 and m.lrpm == 0 and m.lcap == 0) then return end
+  local since, w = math.max(m.raised_at, m.lowered_at), window_ms(m)
+  if now - since < w then return end
+  local steps = math.floor((now - since) / w)
+  m.ltpm = raised(m.ltpm, m.ptpm, steps, lower_of(m.tpm, m.htpm))
+  m.lrpm = raised(m.lrpm, m.prpm, steps, lower_of(m.rpm, m.hrpm))
+  m.lcap = raised(m.lcap, m.pcap, steps, m.cap)
+  m.raised_at = since + steps * w
+end
+
 -- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
 -- admission charged our bucket. While the provider's bucket sits full it
 -- wastes refill that ours, charged earlier, keeps, so a bucket as large as the
@@ -128,15 +196,21 @@ end
 -- that much lower (never by more than half the burst); a task larger than the
 -- cap needs a full bucket.
 local TRANSIT_MS = 250
-local function token_cap(m) return m.burst * UNITS - math.min(m.tpm * TRANSIT_MS, math.floor(m.burst * UNITS / 2)) end
+local function token_cap(m)
+  local b = eff_burst(m) * UNITS
+  return b - math.min(eff_tpm(m) * TRANSIT_MS, math.floor(b / 2))
+end
 local function tokens_needed(m, est) return math.min(est * UNITS, token_cap(m)) end
 
+-- Refill the buckets at the effective rates up to now, then raise learned limits (relax).
 local function refill(m, now)
   local dt = now - m.refilled_at
   if dt < 0 then dt = 0 end
-  m.tokens = math.min(token_cap(m), m.tokens + dt * (m.tpm - m.ext))
-  if m.rpm > 0 then m.requests = math.min(m.rburst * UNITS, m.requests + dt * m.rpm) end
+  m.tokens = math.min(token_cap(m), m.tokens + dt * token_rate(m))
+  local rpm = eff_rpm(m)
+  if rpm > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + dt * rpm) end
   if now > m.refilled_at then m.refilled_at = now end
+  relax(m, now)
 end
 
 -- Credits (refunds, settlement surpluses) go back only to the quota generation
@@ -149,7 +223,7 @@ local function refund(m, lease)
   if not same_generation(m, lease) then return end
   local est = lease.e
   m.tokens = math.min(token_cap(m), m.tokens + est * UNITS)
-  if m.rpm > 0 then m.requests = math.min(m.rburst * UNITS, m.requests + UNITS) end
+  if eff_rpm(m) > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + UNITS) end
 end
 
 -- Drop expired leases. One never started (no worker renewed it) made no call,
@@ -172,7 +246,7 @@ end
 -- then probed with one call at a time until a call is answered.
 local function slot_cap(m)
   if m.probing == 1 then return 1 end
-  return m.cap
+  return eff_cap(m)
 end
 
 -- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
@@ -180,16 +254,17 @@ local function has_capacity(m, est, now)
   return m.paused <= now
      and redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m)
      and m.tokens >= tokens_needed(m, est)
-     and (m.rpm == 0 or m.requests >= UNITS)
+     and (eff_rpm(m) == 0 or m.requests >= UNITS)
 end
 
 -- ms until m has a slot, the tokens and a request for est, and no pause.
 local function wait_ms(m, est, now)
   local w = math.max(0, m.paused - now)
   local need = tokens_needed(m, est)
-  if m.tokens < need then w = math.max(w, math.ceil((need - m.tokens) / (m.tpm - m.ext))) end
-  if m.rpm > 0 and m.requests < UNITS then
-    w = math.max(w, math.ceil((UNITS - m.requests) / m.rpm))
+  if m.tokens < need then w = math.max(w, math.ceil((need - m.tokens) / token_rate(m))) end
+  local rpm = eff_rpm(m)
+  if rpm > 0 and m.requests < UNITS then
+    w = math.max(w, math.ceil((UNITS - m.requests) / rpm))
   end
   local key = inflight_key(m.name)
   local n, cap = redis.call('ZCARD', key), slot_cap(m)
@@ -202,7 +277,7 @@ end
 
 local function charge(m, est)
   m.tokens = m.tokens - est * UNITS
-  if m.rpm > 0 then m.requests = m.requests - UNITS end
+  if eff_rpm(m) > 0 then m.requests = m.requests - UNITS end
 end
 
 -- The token gate: a second token bucket, charged when a call *starts* (renew),
@@ -213,7 +288,7 @@ end
 local function refill_started(m, now)
   local dt = now - m.prefilled_at
   if dt < 0 then dt = 0 end
-  m.ptokens = math.min(token_cap(m), m.ptokens + dt * (m.tpm - m.ext))
+  m.ptokens = math.min(token_cap(m), m.ptokens + dt * token_rate(m))
   if now > m.prefilled_at then m.prefilled_at = now end
 end
 
@@ -221,7 +296,7 @@ local function token_gate(m, est, now)
   refill_started(m, now)
   local need = tokens_needed(m, est)
   local wait = 0
-  if m.ptokens < need then wait = math.ceil((need - m.ptokens) / (m.tpm - m.ext)) end
+  if m.ptokens < need then wait = math.ceil((need - m.ptokens) / token_rate(m)) end
   m.ptokens = m.ptokens - est * UNITS
   return wait
 end
@@ -232,10 +307,11 @@ end
 -- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
 -- those bunches. Returns ms the caller must wait before calling (0 = now).
 local function start_gate(m, now)
-  if m.rpm <= 0 then return 0 end
-  local interval = math.ceil(60000 / m.rpm)
+  local rpm = eff_rpm(m)
+  if rpm <= 0 then return 0 end
+  local interval = math.ceil(60000 / rpm)
   -- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
-  local tolerance = math.max(0, (m.rburst - 1) * interval - math.min(math.ceil(interval / 2), 20))
+  local tolerance = math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
   local start = math.max(now, m.tat - tolerance)
   m.tat = math.max(m.tat, start) + interval
   return start - now
@@ -265,16 +341,104 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
       local gain = 4
       if gap < 0 then gain = 32 end
       local error_rate = math.floor(gap / (gain * (now - m.synced_at)))
-      m.ext = math.max(0, math.min(math.floor(m.tpm * 9 / 10), m.ext + error_rate))
+      m.ext = math.max(0, math.min(math.floor(eff_tpm(m) * 9 / 10), m.ext + error_rate))
     end
     m.synced_at = now
     m.tokens = math.min(m.tokens, remaining)
     refill_started(m, now)
     m.ptokens = math.min(m.ptokens, remaining)
   end
-  if remaining_requests ~= '' and m.rpm > 0 then
+  if remaining_requests ~= '' and eff_rpm(m) > 0 then
     m.requests = math.min(m.requests, tonumber(remaining_requests) * UNITS)
   end
+end
+
+-- The provider's x-ratelimit-limit-tokens / -requests ('' = not sent), with
+-- learn = 1: they cap the effective limits, and give an RPM to a quota that
+-- has none. A changed one makes what 429s taught of that kind stale: forgotten.
+-- A new token limit also restarts the outside-use estimate (ext, synced_at):
+-- the gaps seen while the old limit held measured our own overdraft, not others.
+local function sync_limits(m, limit_tokens, limit_requests)
+  if m.learn ~= 1 then return end
+  if limit_tokens ~= '' then
+    local h = tonumber(limit_tokens)
+    if h > 0 and h ~= m.htpm then
+      if m.htpm > 0 then m.ltpm, m.ptpm, m.window = 0, 0, 0 end
+      if lower_of(m.tpm, h) ~= lower_of(m.tpm, m.htpm) then m.ext, m.synced_at = 0, 0 end
+      m.htpm = h
+    end
+  end
+  if limit_requests ~= '' then
+    local h = tonumber(limit_requests)
+    if h > 0 and h ~= m.hrpm then
+      if m.hrpm > 0 then m.lrpm, m.prpm, m.window = 0, 0, 0 end
+      m.hrpm = h
+    end
+  end
+end
+
+-- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
+-- From the headers when they say: no request left; fewer tokens left than
+-- the model's calls in flight average; both left (so the provider counted
+-- calls in progress). Otherwise the lowest of our own buckets, as a share of
+-- its size (free slots for concurrency); ties go to requests, then tokens.
+local function limit_kind(m, remaining_tokens, remaining_requests)
+  local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
+  local sum, n = 0, #lids
+  for _, lid in ipairs(lids) do
+    local raw = redis.call('HGET', LEASES, lid)
+    if raw then sum = sum + cjson.decode(raw).e end
+  end
+  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then return 'REQUESTS', n end
+  if remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then return 'TOKENS', n end
+  if remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then return 'CONCURRENCY', n end
+  local ft = m.tokens / token_cap(m)
+  if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
+  local fr = math.huge
+  if eff_rpm(m) > 0 then
+    fr = m.requests / (eff_rburst(m) * UNITS)
+    if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
+  end
+  local fc = (eff_cap(m) - n) / eff_cap(m)
+  if fr <= ft and fr <= fc then return 'REQUESTS', n end
+  if ft <= fc then return 'TOKENS', n end
+  return 'CONCURRENCY', n
+end
+
+-- A 429 that paused the model (once per window: `started`) lowers the
+-- effective limit of its kind to 7/10 of what it was (concurrency: of the calls
+-- in flight, if fewer), at least 1, and remembers that level (the raises'
+-- step). A 429 within a window of a raise says the raise went too far: the
+-- next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for
+-- concurrency says the calls in flight were at least one too many: the cap
+-- goes no higher than that, less one. A kind whose limit the provider states
+-- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
+-- was a race the pause covers. m must be refilled to now.
+local function learn_from_429(m, now, kind, in_flight, started)
+  if m.learn ~= 1 then return end
+  if (kind == 'TOKENS' and m.htpm > 0) or (kind == 'REQUESTS' and m.hrpm > 0) then return end
+  if not started then
+    if kind == 'CONCURRENCY' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
+      if m.lcap == 0 then m.pcap = eff_cap(m) end
+      m.lcap = math.max(1, in_flight - 1)
+      m.lowered_at = now
+    end
+    return
+  end
+  local w = window_ms(m)
+  if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
+  if kind == 'TOKENS' then
+    m.ptpm = eff_tpm(m)
+    m.ltpm = math.max(1, math.floor(m.ptpm * 7 / 10))
+  elseif kind == 'REQUESTS' then
+    if eff_rpm(m) == 0 then return end
+    m.prpm = eff_rpm(m)
+    m.lrpm = math.max(1, math.floor(m.prpm * 7 / 10))
+  else
+    m.pcap = math.min(eff_cap(m), math.max(1, in_flight))
+    m.lcap = math.max(1, math.floor(m.pcap * 7 / 10))
+  end
+  m.lowered_at = now
 end
 
 local function put_lease(lid, m, est, deadline, started)

@@ -6,12 +6,17 @@
 -- ARGV[3] Retry-After in ms
 -- ARGV[4] x-ratelimit-remaining-tokens, or '' if absent
 -- ARGV[5] x-ratelimit-remaining-requests, or '' if absent
+-- ARGV[6] x-ratelimit-limit-tokens, ARGV[7] x-ratelimit-limit-requests ('' if absent)
 -- The pause holds the model whatever limit the provider applied (tokens,
 -- requests or concurrency): admit and renew take nothing from it until it
 -- ends. A 429 that arrives while the model is already paused adds no pause,
 -- so N concurrent 429s pause it once, not N times as long. The header sync
 -- applies to every 429: a 429 is the surest sign that someone else is using
 -- the quota, and without it the bucket would still be too full after the pause.
+-- A 429 that starts a pause also lowers the effective limit of the kind that
+-- caused it (limit_kind, learn_from_429 in lib.lua), so that once per window
+-- too; any other 429 for concurrency caps it at the calls in flight less one.
+-- The limit headers are synced first (sync_limits).
 -- Returns 1 if this call started a pause, 0 if one was running (or no model).
 
 local m = load_model(ARGV[2])
@@ -20,9 +25,14 @@ count(ARGV[2], 'rate_limited', 1)  -- every 429, paused or not (metrics)
 local now = clock(ARGV[1])
 refill(m, now)
 local started = 0  -- (sync_to_headers refills the token gate's bucket itself)
+sync_limits(m, ARGV[6] or '', ARGV[7] or '')
 if m.paused <= now then
   m.paused = now + tonumber(ARGV[3])
   started = 1
+end
+if m.learn == 1 then
+  local kind, in_flight = limit_kind(m, ARGV[4], ARGV[5])
+  learn_from_429(m, now, kind, in_flight, started == 1)
 end
 sync_to_headers(m, now, ARGV[4], ARGV[5])
 save_model(m)

@@ -8,7 +8,9 @@
 -- clipped to the new capacities, and a change of rate or size starts a new
 -- quota generation so that in-flight calls charged under the old quota do not
 -- credit the new bucket when they finish. A running 429 pause is kept, and so
--- is the circuit breaker's state.
+-- is the circuit breaker's state. What 429s taught (learned limits, their
+-- steps and window) is forgotten: the new quota starts clean. The provider's
+-- limit headers (htpm, hrpm) are kept: they are facts, not guesses.
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
@@ -26,10 +28,12 @@ else
   -- A new rate or bucket size starts a new generation: credits for calls
   -- charged under the old quota are forfeited (see same_generation in lib.lua).
   if q.tpm ~= m.tpm or q.rpm ~= m.rpm or q.burst ~= m.burst or q.rburst ~= m.rburst then m.gen = m.gen + 1 end
-  local had_rpm = m.rpm > 0
+  local had_rpm = eff_rpm(m) > 0
   for _, f in ipairs(QUOTA_FIELDS) do m[f] = q[f] end
+  m.ltpm, m.lrpm, m.lcap, m.ptpm, m.prpm, m.pcap = 0, 0, 0, 0, 0, 0
+  m.lowered_at, m.raised_at, m.window = 0, 0, 0
   m.tokens, m.ptokens = math.min(m.tokens, token_cap(m)), math.min(m.ptokens, token_cap(m))
-  if had_rpm then m.requests = math.min(m.requests, m.rburst * UNITS) else m.requests = m.rburst * UNITS end
+  if had_rpm then m.requests = math.min(m.requests, eff_rburst(m) * UNITS) else m.requests = eff_rburst(m) * UNITS end
   m.deficit = math.min(m.deficit, m.burst)
   m.ext = math.min(m.ext, math.floor(m.tpm * 9 / 10))
 end

@@ -113,7 +113,7 @@ class ReferenceCore(Signals):
                         earliest = at
                     if (
                         n not in held
-                        and self.models[n].tokens < tokens_needed(self.models[n].quota, est)
+                        and self.models[n].tokens < tokens_needed(self.models[n].limits, est)
                         and (starved_at is None or at < starved_at)
                     ):
                         starved, starved_at = n, at
@@ -250,7 +250,7 @@ class ReferenceCore(Signals):
             return None
         head = taken[0]
         delay = self._start_delay(name, head.estimated_tokens, True, now)
-        restock = len(self.ready.get(name, [])) < self.models[name].quota.max_concurrent_requests
+        restock = len(self.ready.get(name, [])) < self.models[name].limits.max_concurrent_requests
         return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay, restock)
 
     def take_ready(self, now: int, lease_ms: int) -> tuple[list[ReadyTask], list[ReadyTask]]:
@@ -282,15 +282,19 @@ class ReferenceCore(Signals):
         self._refill(quota.name, now)
         self._refill_started(state, now)
         old = state.quota
-        had_rpm = bool(old.max_requests_per_minute)
+        had_rpm = bool(state.limits.max_requests_per_minute)
         if (old.max_tokens_per_minute, old.max_requests_per_minute or 0, old.burst, old.request_burst) != (
             quota.max_tokens_per_minute, quota.max_requests_per_minute or 0, quota.burst, quota.request_burst
         ):
             state.generation += 1
         state.quota = quota
-        state.tokens = min(state.tokens, token_cap(quota))
-        state.started_tokens = min(state.started_tokens, token_cap(quota))
-        rburst = quota.request_burst
+        # What 429s taught is forgotten; the provider's limit headers are kept.
+        k = state.learned
+        k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
+        limits = state.limits
+        state.tokens = min(state.tokens, token_cap(limits))
+        state.started_tokens = min(state.started_tokens, token_cap(limits))
+        rburst = limits.request_burst
         state.requests = min(state.requests, rburst * UNITS) if had_rpm else rburst * UNITS
         state.deficit = min(state.deficit, quota.burst)
         state.external = min(state.external, math.floor(quota.max_tokens_per_minute * 9 / 10))

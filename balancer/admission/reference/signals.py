@@ -91,9 +91,10 @@ class Signals(ReferenceState):
                 charged = settlement.reserved_tokens if settlement.reserved_tokens is not None else lease.estimated_tokens
             surplus = lease.estimated_tokens - charged
             if surplus < 0 or (state.quota.settles and self._same_generation(lease)):
-                state.tokens = min(token_cap(state.quota), state.tokens + surplus * UNITS)
-                state.started_tokens = min(token_cap(state.quota), state.started_tokens + surplus * UNITS)
+                state.tokens = min(token_cap(state.limits), state.tokens + surplus * UNITS)
+                state.started_tokens = min(token_cap(state.limits), state.started_tokens + surplus * UNITS)
             settled = True
+        state.sync_limits(settlement.limit_tokens, settlement.limit_requests)
         self._sync_to_headers(state, now, settlement.remaining_tokens, settlement.remaining_requests)
         return settled
 
@@ -115,18 +116,19 @@ class Signals(ReferenceState):
             if state.synced_at > 0 and now > state.synced_at:
                 gap = state.tokens - remaining
                 error_rate = math.floor(gap / ((4 if gap >= 0 else 32) * (now - state.synced_at)))
-                ceiling = math.floor(state.quota.max_tokens_per_minute * 9 / 10)
+                ceiling = math.floor(state.limits.max_tokens_per_minute * 9 / 10)
                 state.external = max(0, min(ceiling, state.external + error_rate))
             state.synced_at = now
             state.tokens = min(state.tokens, remaining)
             ReferenceState._refill_started(state, now)
             state.started_tokens = min(state.started_tokens, remaining)
-        if remaining_requests is not None and state.quota.max_requests_per_minute:
+        if remaining_requests is not None and state.limits.max_requests_per_minute:
             state.requests = min(state.requests, remaining_requests * UNITS)
 
     def penalize(
         self, model: str, retry_after_ms: int, now: int,
         remaining_tokens: int | None = None, remaining_requests: int | None = None,
+        limit_tokens: int | None = None, limit_requests: int | None = None,
     ) -> bool:
         """A 429: pause ``model`` until now + Retry-After, unless a pause is running,
         and lower its buckets to the provider's remaining counts.
@@ -135,17 +137,53 @@ class Signals(ReferenceState):
         times as long. The pause holds the model whichever limit (tokens,
         requests, concurrency) the provider applied. The header sync applies to
         every 429: it is the surest sign that someone else uses the quota.
-        Returns True if it started a pause.
+        A pause it starts also lowers the effective limit of the kind behind
+        the 429 (:meth:`_limit_kind`), if the model learns; the limit headers
+        are synced first. Returns True if it started a pause.
         """
         state = self.models.get(model)
         if state is None:
             return False
         self._refill(model, now)
+        state.sync_limits(limit_tokens, limit_requests)
         started = state.paused_until <= now
         if started:
             state.paused_until = now + retry_after_ms
+        if state.quota.learn:
+            kind, in_flight = self._limit_kind(model, remaining_tokens, remaining_requests)
+            state.learn_from_429(now, kind, in_flight, started)
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
         return started
+
+    def _limit_kind(self, model: str, remaining_tokens: int | None, remaining_requests: int | None) -> tuple[str, int]:
+        """The kind of limit behind a 429, and the model's calls in flight (lib.lua, limit_kind).
+
+        From the headers when they say: no request left; fewer tokens left than
+        the calls in flight average; both left (the provider counted calls in
+        progress). Otherwise the lowest of our own buckets as a share of its
+        size (free slots for concurrency); ties go to requests, then tokens."""
+        state = self.models[model]
+        limits = state.limits
+        inflight = self._inflight(model)
+        n = len(inflight)
+        total = sum(self.leases[lid].estimated_tokens for _, lid in inflight)
+        rpm = limits.max_requests_per_minute or 0
+        if remaining_requests is not None and remaining_requests < 1:
+            return "requests", n
+        if remaining_tokens is not None and remaining_tokens * n < total:
+            return "tokens", n
+        if remaining_tokens is not None and (remaining_requests is not None or rpm == 0):
+            return "concurrency", n
+        cap = token_cap(limits)
+        ft = (remaining_tokens * UNITS if remaining_tokens is not None else state.tokens) / cap
+        fr = math.inf
+        if rpm > 0:
+            size = limits.request_burst * UNITS
+            fr = (remaining_requests * UNITS if remaining_requests is not None else state.requests) / size
+        fc = (limits.max_concurrent_requests - n) / limits.max_concurrent_requests
+        if fr <= ft and fr <= fc:
+            return "requests", n
+        return ("tokens" if ft <= fc else "concurrency"), n
 
     def trip(self, model: str, now: int) -> tuple[bool, bool]:
         """A transient failure (5xx, timeout, refused connection) on ``model``:

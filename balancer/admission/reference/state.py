@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, lower_of, relaxed
 from balancer.admission.values import (
     GATE_HOP_MS,
     UNITS,
@@ -31,6 +33,7 @@ class ModelState:
     failures: int = 0  # consecutive transient failures (the circuit breaker)
     probing: bool = False  # the circuit is open: paused, then one call at a time until one is answered
     backoff_ms: int = 0  # the circuit's last pause
+    learned: Learned = field(default_factory=Learned)  # limits that learn (balancer.admission.learned)
     #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
     started_tokens: int = field(init=False)
     started_refilled_at: int = field(init=False)
@@ -39,9 +42,76 @@ class ModelState:
         self.started_tokens, self.started_refilled_at = self.tokens, self.refilled_at
 
     @property
+    def limits(self) -> Quota:
+        """The effective limits: the quota, or lower where the model learned so (lib.lua, eff_*)."""
+        return effective(self.quota, self.learned)
+
+    @property
     def refill_rate(self) -> int:
-        """Units per ms (= tokens per minute) the bucket refills at: TPM less what others use."""
-        return self.quota.max_tokens_per_minute - self.external
+        """Units per ms (= tokens per minute) the bucket refills at: TPM less what others
+        use (at most 9/10 of it)."""
+        tpm = self.limits.max_tokens_per_minute
+        return tpm - min(self.external, math.floor(tpm * 9 / 10))
+
+    def window_ms(self) -> int:
+        return self.learned.window or CLEAN_MS
+
+    def relax(self, now: int) -> None:
+        """The clean windows up to now raise the learned limits (lib.lua, relax)."""
+        self.learned = relaxed(self.quota, self.learned, now)
+
+    def learn_from_429(self, now: int, kind: str, in_flight: int, started: bool) -> None:
+        """A 429 that paused the model (``started``) lowers its kind's effective
+        limit to 7/10 (concurrency: of the calls in flight, if fewer), at least 1; a
+        429 within a window of a raise doubles the window. Any other 429 for
+        concurrency caps it at the calls in flight less one. A kind whose limit
+        the provider states in its headers is not lowered (lib.lua, learn_from_429)."""
+        if not self.quota.learn:
+            return
+        k, limits = self.learned, self.limits
+        if (kind == "tokens" and k.htpm) or (kind == "requests" and k.hrpm):
+            return  # the provider states that limit: its 429 was a race the pause covers
+        if not started:
+            if kind == "concurrency" and 1 < in_flight <= limits.max_concurrent_requests:
+                if k.lcap == 0:
+                    k.pcap = limits.max_concurrent_requests
+                k.lcap = max(1, in_flight - 1)
+                k.lowered_at = now
+            return
+        w = self.window_ms()
+        if k.raised_at > k.lowered_at and now - k.raised_at < w:
+            k.window = min(w * 2, MAX_WINDOW_MS)
+        if kind == "tokens":
+            k.ptpm = limits.max_tokens_per_minute
+            k.ltpm = max(1, math.floor(k.ptpm * 7 / 10))
+        elif kind == "requests":
+            if not limits.max_requests_per_minute:
+                return
+            k.prpm = limits.max_requests_per_minute
+            k.lrpm = max(1, math.floor(k.prpm * 7 / 10))
+        else:
+            k.pcap = min(limits.max_concurrent_requests, max(1, in_flight))
+            k.lcap = max(1, math.floor(k.pcap * 7 / 10))
+        k.lowered_at = now
+
+    def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
+        """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
+        one makes what 429s taught of that kind stale; a new token limit restarts
+        the outside-use estimate (its gaps measured our own overdraft)."""
+        if not self.quota.learn:
+            return
+        k = self.learned
+        if limit_tokens is not None and limit_tokens > 0 and limit_tokens != k.htpm:
+            if k.htpm > 0:
+                k.ltpm, k.ptpm, k.window = 0, 0, 0
+            tpm = self.quota.max_tokens_per_minute
+            if lower_of(tpm, limit_tokens) != lower_of(tpm, k.htpm):  # a new token limit: others' use is re-learned
+                self.external, self.synced_at = 0, 0
+            k.htpm = limit_tokens
+        if limit_requests is not None and limit_requests > 0 and limit_requests != k.hrpm:
+            if k.hrpm > 0:
+                k.lrpm, k.prpm, k.window = 0, 0, 0
+            k.hrpm = limit_requests
 
 
 @dataclass
@@ -91,9 +161,10 @@ class ReferenceState:
 
     def _refill(self, name: str, now: int) -> None:
         state = self.models[name]
-        state.tokens, state.requests = refilled(state.quota, state.tokens, state.requests, state.refilled_at,
+        state.tokens, state.requests = refilled(state.limits, state.tokens, state.requests, state.refilled_at,
                                                 state.external, now)
         state.refilled_at = max(state.refilled_at, now)
+        state.relax(now)
 
     def _purge(self, name: str, now: int) -> None:
         for deadline, lid in self._inflight(name):
@@ -117,7 +188,7 @@ class ReferenceState:
         if not self._same_generation(lease):
             return
         state = self.models[name]
-        quota = state.quota
+        quota = state.limits
         state.tokens = min(token_cap(quota), state.tokens + lease.estimated_tokens * UNITS)
         if quota.max_requests_per_minute:
             state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
@@ -125,11 +196,11 @@ class ReferenceState:
     def _slot_cap(self, name: str) -> int:
         """The concurrency cap, or 1 while the circuit is open (a probe at a time)."""
         state = self.models[name]
-        return 1 if state.probing else state.quota.max_concurrent_requests
+        return 1 if state.probing else state.limits.max_concurrent_requests
 
     def _has_capacity(self, name: str, est: int, now: int) -> bool:
         state = self.models[name]
-        quota = state.quota
+        quota = state.limits
         return (
             state.paused_until <= now
             and len(self._inflight(name)) < self._slot_cap(name)
@@ -140,7 +211,7 @@ class ReferenceState:
     def _wait(self, name: str, est: int, now: int) -> int:
         """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``, and no pause."""
         state = self.models[name]
-        quota = state.quota
+        quota = state.limits
         token_wait = 0
         need = tokens_needed(quota, est)
         if state.tokens < need:
@@ -157,7 +228,7 @@ class ReferenceState:
     @staticmethod
     def _refill_started(state: ModelState, now: int) -> None:
         dt = max(0, now - state.started_refilled_at)
-        state.started_tokens = min(token_cap(state.quota), state.started_tokens + dt * state.refill_rate)
+        state.started_tokens = min(token_cap(state.limits), state.started_tokens + dt * state.refill_rate)
         state.started_refilled_at = max(state.started_refilled_at, now)
 
     def _token_gate(self, state: ModelState, est: int, now: int) -> int:
@@ -169,7 +240,7 @@ class ReferenceState:
         This second bucket refills, settles and syncs like the first.
         """
         self._refill_started(state, now)
-        need = tokens_needed(state.quota, est)
+        need = tokens_needed(state.limits, est)
         wait = ceil_div(need - state.started_tokens, state.refill_rate) if state.started_tokens < need else 0
         state.started_tokens -= est * UNITS
         return wait
@@ -189,11 +260,11 @@ class ReferenceState:
         those bunches. Without an RPM limit the gate is open.
         """
         state = self.models[name]
-        rpm = state.quota.max_requests_per_minute
+        rpm = state.limits.max_requests_per_minute
         if not rpm:
             return 0
         interval = ceil_div(60_000, rpm)
-        tolerance = max(0, (state.quota.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
+        tolerance = max(0, (state.limits.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
         start = max(now, state.tat - tolerance)
         state.tat = max(state.tat, start) + interval
         return start - now
@@ -201,7 +272,7 @@ class ReferenceState:
     def _charge(self, name: str, est: int) -> None:
         state = self.models[name]
         state.tokens -= est * UNITS
-        if state.quota.max_requests_per_minute:
+        if state.limits.max_requests_per_minute:
             state.requests -= UNITS
 
     def _new_lease(self, name: str, est: int, deadline: int, started: bool) -> str:

@@ -12,6 +12,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from balancer.devtools.sim.limiter import ModelLimiter
 from balancer.domain.quota import Quota
 
 #: z-score of the 99th percentile of a standard normal.
@@ -62,6 +63,50 @@ class SimModel:
     #: providers do with non-streamed requests) or "stop" (the slot is free at once;
     #: the prompt and the tokens generated so far are charged).
     on_disconnect: str = "continue"
+    #: What the provider really allows, as a share of the limits above (which are
+    #: the quota balancer is given): tokens (TPM and the token burst), requests
+    #: (RPM and the request burst), concurrency. 1.0: exactly the quota.
+    real_tokens: float = 1.0
+    real_requests: float = 1.0
+    real_concurrency: float = 1.0
+    #: Mid-run changes: (seconds after the model's first call, factor); from then on
+    #: the real limits are the shares above times factor (0.5: cut to half; 1.0: restored).
+    limit_changes: tuple[tuple[float, float], ...] = ()
+    #: With ``headers``, also send x-ratelimit-limit-tokens / -requests (False: only the remaining counts).
+    limit_headers: bool = True
+
+    def provider_limits(self, factor: float = 1.0, time_scale: float = 1.0) -> dict[str, float | None]:
+        """The provider's real limits at ``factor`` (rates in real-time per minute):
+        cap, tpm, rpm, burst and request_burst, as :class:`ModelLimiter` takes them."""
+        rpm, rburst = self.max_requests_per_minute, self.request_burst
+        return {
+            "cap": max(1, round(self.max_concurrent_requests * self.real_concurrency * factor)),
+            "tpm": self.max_tokens_per_minute * self.real_tokens * factor / time_scale,
+            "rpm": None if rpm is None else rpm * self.real_requests * factor / time_scale,
+            "burst": max(1.0, self.burst * self.real_tokens * factor),
+            "request_burst": None if rburst is None else max(1, int(rburst * self.real_requests * factor)),
+        }
+
+    def limiter(self, *, time_scale: float, grace: float, now: float) -> ModelLimiter:
+        """The provider's limiter for this model: its real limits now, and its mid-run changes."""
+        first = self.provider_limits(1.0, time_scale)
+        return ModelLimiter(cap=int(first["cap"] or 1), tpm=float(first["tpm"] or 0), rpm=first["rpm"],
+                            burst=float(first["burst"] or 0), now=now, grace=grace,
+                            request_burst=first["request_burst"], settle=self.accounting == "settle",
+                            schedule=[(at, self.provider_limits(f, time_scale)) for at, f in sorted(self.limit_changes)])
+
+    def real_quota(self, *, time_scale: float = 1.0) -> Quota:
+        """What the provider really allows at the start, as a quota (the benchmark's
+        audit and utilization are measured against it; mid-run changes aside)."""
+        quota = self.quota(time_scale=time_scale)
+        real = self.provider_limits(1.0, time_scale)
+        rpm = quota.max_requests_per_minute
+        return quota.replace(
+            max_concurrent_requests=int(real["cap"] or 1), max_tokens_per_minute=max(1, round(real["tpm"] or 1)),
+            burst_tokens=max(1, int(real["burst"] or 1)),
+            max_requests_per_minute=None if rpm is None else max(1, round(real["rpm"] or 1)),
+            burst_requests=None if rpm is None else int(real["request_burst"] or 1),
+        )
 
     @property
     def burst(self) -> int:

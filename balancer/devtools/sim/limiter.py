@@ -25,6 +25,7 @@ False
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -39,6 +40,9 @@ class ModelLimiter:
     settle: bool = False
     in_flight: int = 0
     refused_by: str | None = None  # the limit behind the last refusal: concurrency, tokens or requests
+    #: Limit changes: (seconds after the first call, keyword arguments of :meth:`update`), in time order.
+    schedule: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    first_call: float | None = None
     tokens: float = field(init=False)
     requests: float = field(init=False)
 
@@ -66,6 +70,10 @@ class ModelLimiter:
 
     def try_start(self, now: float, charge: float) -> tuple[bool, float]:
         """(accepted, retry_after seconds)."""
+        if self.first_call is None:
+            self.first_call = now
+        while self.schedule and self.first_call + self.schedule[0][0] <= now:
+            self.update(now, **self.schedule.pop(0)[1])
         self._refill(now)
         if self.in_flight >= self.cap:
             self.refused_by = "concurrency"
@@ -108,8 +116,11 @@ class ModelLimiter:
         self._refill(now)
         return max(0, int(self.tokens)), None if not self.rpm else max(0, int(self.requests))
 
-    def update(self, now: float, *, cap: int, tpm: float, rpm: float | None, burst: float) -> None:
+    def update(self, now: float, *, cap: int, tpm: float, rpm: float | None, burst: float,
+               request_burst: float | None = None) -> None:
         self._refill(now)
         self.cap, self.tpm, self.rpm, self.burst = cap, tpm, rpm, burst
+        if request_burst is not None:
+            self.request_burst = request_burst
         self.tokens = min(self.tokens, self.token_capacity)
         self.requests = min(self.requests, self.request_capacity) if rpm else 0.0

@@ -42,7 +42,6 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from balancer.devtools.sim.config import SimModel
-from balancer.devtools.sim.limiter import ModelLimiter
 from balancer.domain.tokens import heuristic_prompt_tokens
 
 DEFAULT_MAX_TOKENS = 256
@@ -82,19 +81,7 @@ class Simulator:
         self.seed = seed
         self.rng = random.Random(seed)  # error draws
         now = time.time()
-        self.limiters = {
-            m.name: ModelLimiter(
-                cap=m.max_concurrent_requests,
-                tpm=m.max_tokens_per_minute / time_scale,
-                rpm=None if m.max_requests_per_minute is None else m.max_requests_per_minute / time_scale,
-                burst=m.burst,
-                grace=grace,
-                now=now,
-                request_burst=m.request_burst,
-                settle=m.accounting == "settle",
-            )
-            for m in models
-        }
+        self.limiters = {m.name: m.limiter(time_scale=time_scale, grace=grace, now=now) for m in models}
         self.grace = grace
         self.log: list[dict[str, Any]] = []
         self.log_path = log_path
@@ -127,6 +114,8 @@ class Simulator:
         if requests is not None:
             headers["x-ratelimit-limit-requests"] = str(int(limiter.rpm or 0))
             headers["x-ratelimit-remaining-requests"] = str(requests)
+        if not self.models[model].limit_headers:
+            return {k: v for k, v in headers.items() if not k.startswith("x-ratelimit-limit-")}
         return headers
 
     def record(self, entry: dict[str, Any]) -> None:

@@ -1,0 +1,129 @@
+"""Limits that learn: a model's effective limits from its quota and what it learned.
+
+The rule the scripts apply (lib.lua, ``eff_tpm`` ... ``eff_rburst``), shared by
+the reference model and the live view. With ``learn`` on, the provider's
+``x-ratelimit-limit-*`` headers cap the quota's limits (and give an RPM to a
+quota that leaves it unset), and what 429s taught (``ltpm``, ``lrpm``,
+``lcap``) lowers them further; bucket sizes scale with their rates. 0 in any
+learned field means nothing learned.
+
+>>> q = Quota("m", 10, 60_000, max_requests_per_minute=600)
+>>> e = effective(q, Learned(lrpm=60, htpm=6_000))
+>>> e.max_tokens_per_minute, e.burst, e.max_requests_per_minute, e.request_burst, e.max_concurrent_requests
+(6000, 6000, 60, 60, 10)
+>>> reason(q, Learned(lrpm=60, lowered_at=1_700_000_000_000))
+'requests lowered by 429s at 22:13 UTC, recovering'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from datetime import UTC, datetime
+
+from balancer.domain.quota import Quota
+
+#: A clean window (no 429 lowered a limit) raises learned limits one step; a
+#: raise that draws a 429 within its window doubles the window, up to the max.
+CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
+
+
+@dataclass
+class Learned:
+    """What a model learned of its provider's real limits (the hash's fields of the same names)."""
+
+    ltpm: int = 0
+    lrpm: int = 0
+    lcap: int = 0
+    ptpm: int = 0
+    prpm: int = 0
+    pcap: int = 0
+    htpm: int = 0
+    hrpm: int = 0
+    lowered_at: int = 0
+    raised_at: int = 0
+    window: int = 0
+
+    @classmethod
+    def from_fields(cls, m: dict[str, int]) -> Learned:
+        return cls(**{f.name: m.get(f.name, 0) for f in fields(cls)})
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def lower_of(limit: int, other: int) -> int:
+    """The lower of two limits, 0 meaning none."""
+    return other if other > 0 and (limit == 0 or other < limit) else limit
+
+
+def effective(quota: Quota, learned: Learned) -> Quota:
+    """The limits the model is held to now: ``quota`` itself if it does not learn or learned nothing."""
+    if not quota.learn:
+        return quota
+    tpm, rpm = quota.max_tokens_per_minute, quota.max_requests_per_minute or 0
+    etpm = lower_of(lower_of(tpm, learned.htpm), learned.ltpm)
+    erpm = lower_of(lower_of(rpm, learned.hrpm), learned.lrpm)
+    ecap = lower_of(quota.max_concurrent_requests, learned.lcap)
+    if (etpm, erpm, ecap) == (tpm, rpm, quota.max_concurrent_requests):
+        return quota
+    burst = quota.burst if etpm == tpm else max(1, math.floor(float(quota.burst) * etpm / tpm))
+    if erpm == rpm:
+        rburst = quota.request_burst
+    elif rpm == 0:
+        rburst = erpm  # discovered: one minute of it
+    else:
+        rburst = max(1, math.floor(float(quota.request_burst) * erpm / rpm))
+    return quota.replace(max_tokens_per_minute=etpm, burst_tokens=burst, max_requests_per_minute=erpm or None,
+                         burst_requests=rburst or None, max_concurrent_requests=ecap)
+
+
+def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
+    """``learned`` after the clean windows up to ``now`` (lib.lua, relax): each
+    window of CLEAN_MS (or the doubled ``window``) since the last raise or
+    lowering raises every learned limit by 1/20 of the level its last 429
+    lowered it from; at the limit without learning it is forgotten (0).
+
+    >>> q = Quota("m", 10, 60_000, max_requests_per_minute=600)
+    >>> relaxed(q, Learned(lrpm=294, prpm=420, lowered_at=0), now=20_000).lrpm   # two windows, + 21 each
+    336
+    """
+    k = learned
+    if not quota.learn or not (k.ltpm or k.lrpm or k.lcap):
+        return k
+    since, w = max(k.raised_at, k.lowered_at), k.window or CLEAN_MS
+    if now - since < w:
+        return k
+    steps = (now - since) // w
+
+    def raised(level: int, peak: int, ceiling: int) -> int:
+        if level == 0:
+            return 0
+        level += steps * max(1, -(-peak // 20))
+        return 0 if ceiling == 0 or level >= ceiling else level
+
+    return replace(
+        k,
+        ltpm=raised(k.ltpm, k.ptpm, lower_of(quota.max_tokens_per_minute, k.htpm)),
+        lrpm=raised(k.lrpm, k.prpm, lower_of(quota.max_requests_per_minute or 0, k.hrpm)),
+        lcap=raised(k.lcap, k.pcap, quota.max_concurrent_requests),
+        raised_at=since + steps * w,
+    )
+
+
+def reason(quota: Quota, learned: Learned) -> str:
+    """Why the effective limits differ from the quota ('' if they do not), for people."""
+    if not quota.learn:
+        return ""
+    parts = []
+    lowered = [kind for kind, value in (("tokens", learned.ltpm), ("requests", learned.lrpm),
+                                         ("concurrency", learned.lcap)) if value]
+    if lowered:
+        at = datetime.fromtimestamp(learned.lowered_at / 1000, UTC).strftime("%H:%M")
+        parts.append(f"{', '.join(lowered)} lowered by 429s at {at} UTC, recovering")
+    if learned.htpm and learned.htpm < quota.max_tokens_per_minute:
+        parts.append(f"provider says {learned.htpm:,} TPM")
+    rpm = quota.max_requests_per_minute or 0
+    if learned.hrpm and (rpm == 0 or learned.hrpm < rpm):
+        parts.append(f"provider says {learned.hrpm:,} RPM" + ("" if rpm else " (discovered)"))
+    return "; ".join(parts)

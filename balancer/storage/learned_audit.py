@@ -1,0 +1,58 @@
+"""The audit table's record of learned limits (``quota_changes`` rows by ``learned``).
+
+A model's effective limits move on their own (balancer.admission.learned): 429s
+lower them, clean windows raise them back. Each sweep tick compares them with
+the last ones audited for the model and, where they differ and have stood for
+over :data:`STEADY_MS` (so the steps of one recovery are not each a row), writes
+one row: action ``learn``, changed_by ``learned``, the limits before and after
+(with why they differ from the quota).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from balancer.admission.live import ModelLive
+from balancer.storage.schema import quota_changes
+
+#: A learned change is audited once it has lasted this long.
+STEADY_MS = 60_000
+LEARNED_BY = "learned"
+LIMIT_FIELDS = ("max_concurrent_requests", "max_tokens_per_minute", "max_requests_per_minute")
+
+
+def limits_value(live: ModelLive) -> dict[str, Any]:
+    """What a learned row stores: the limits in force, and why they differ from the quota."""
+    return {**{f: getattr(live.limits, f) for f in LIMIT_FIELDS}, "reason": live.limits_reason}
+
+
+def record_learned(engine: Engine, view: Mapping[str, ModelLive], now_ms: int) -> list[str]:
+    """Write a row for each model whose limits in force changed since its last
+    learned row and have stood for STEADY_MS; returns those models."""
+    with engine.begin() as conn:
+        last = {
+            row.model: row.new_value
+            for row in conn.execute(
+                sa.select(quota_changes.c.model, quota_changes.c.new_value)
+                .where(quota_changes.c.changed_by == LEARNED_BY)
+                .order_by(quota_changes.c.model, quota_changes.c.id.desc())
+                .distinct(quota_changes.c.model)
+            )
+        }
+        written = []
+        for name, live in sorted(view.items()):
+            now_value = limits_value(live)
+            before = last.get(name) or {**{f: getattr(live.quota, f) for f in LIMIT_FIELDS}, "reason": ""}
+            if {f: before.get(f) for f in LIMIT_FIELDS} == {f: now_value[f] for f in LIMIT_FIELDS}:
+                continue
+            changed_at = max(live.learned.lowered_at, live.learned.raised_at)
+            if now_ms - changed_at < STEADY_MS:
+                continue
+            conn.execute(sa.insert(quota_changes).values(model=name, changed_by=LEARNED_BY, action="learn",
+                                                         old_value=before, new_value=now_value))
+            written.append(name)
+    return written
