@@ -24,7 +24,7 @@ def _when(value: datetime | None) -> datetime | None:
 def filters(command: Any) -> Any:
     """The filter options every ``tasks`` subcommand takes."""
     for option in reversed([
-        click.option("--status", help="pending, queued, running, solved, failed or cancelled"),
+        click.option("--status", help="pending, ready, queued, running, solved, failed or cancelled"),
         click.option("--model", help="tasks that ran on MODEL or may use it"),
         click.option("--source", help="the source recorded at submit or ingestion"),
         click.option("--created-after", type=click.DateTime(), help="UTC, e.g. 2026-11-21 or 2026-11-21T09:00:00"),
