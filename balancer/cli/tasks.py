@@ -1,7 +1,7 @@
 """``balancer tasks ...``: see, retry, cancel and prune tasks while the pipeline runs.
 
 ``retry``, ``cancel`` and ``prune`` are dry runs unless ``--yes``; they never
-touch a queued or running task (balancer.storage.operations, balancer.storage.retention).
+touch a ready, queued or running task (balancer.storage.operations, balancer.storage.retention).
 """
 
 from __future__ import annotations
