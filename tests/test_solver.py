@@ -611,7 +611,7 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
     with svc.engine.connect() as conn:
         got = dict(conn.execute(sa.select(tasks.c.id, sa.func.concat(tasks.c.status, ":", tasks.c.answer))
                                 .where(tasks.c.id.in_(ids))).all())
-    assert got == {ids[0]: "solved:a0", ids[1]: "solved:a1", ids[2]: "queued:", ids[3]: "solved:a3", ids[4]: "solved:a4"}
+    assert got == {ids[0]: "solved:a0", ids[1]: "solved:a1", ids[2]: "ready:", ids[3]: "solved:a3", ids[4]: "solved:a4"}
     with pytest.raises(RuntimeError, match="closed"):  # never queued where no one would write it
         writer.submit(Answer(ids[4], f"r{ids[4]}", "late", 5, 1), named)
 
