@@ -139,7 +139,7 @@ def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
 @click.option("--by", help="Who acts (default: the OS user), for the audit.")
 def tasks_prune(before: datetime, yes: bool, by: str | None) -> None:
     """Delete solved, failed and cancelled tasks last changed before --before
-    (never a pending, queued or running one); audited, batch by batch."""
+    (never a pending, ready, queued or running one); audited, batch by batch."""
     from balancer.storage.quotas import default_actor
     from balancer.storage.retention import prune
 
