@@ -60,3 +60,35 @@ def test_db_upgrade_builds_the_schema_the_fixture_replays(
         with admin.begin() as conn:
             conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def test_0016_makes_ready_list_entries_ready_and_keeps_published_tasks_queued(migrated: dict[str, str]) -> None:
+    """Before 0016 a ready-list entry was ``queued`` under an ``r...`` admission id;
+    after it, that task is ``ready`` and a published one stays ``queued``."""
+    from balancer.domain.intake import parse_tasks
+    from balancer.storage.intake import insert_tasks
+    from balancer.storage.migrate import upgrade
+
+    schema = "t_" + uuid.uuid4().hex[:12]
+    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).difference_update_query(["options"])
+    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    engine = sa.create_engine(with_schema(url.render_as_string(hide_password=False), schema), poolclass=sa.pool.NullPool)
+    try:
+        assert upgrade(engine, "0015") == "0015"
+        rows, _ = parse_tasks('{"prompt": "a"}\n{"prompt": "b"}\n', models={"m": 100_000})
+        with engine.begin() as conn:
+            stocked, published = insert_tasks(conn, rows)
+            for task_id, lid in ((stocked, "r0123abcd"), (published, "1700000000-7")):
+                conn.execute(sa.text("UPDATE tasks SET status = 'queued', model = 'm', admission_id = :lid WHERE id = :id"),
+                             {"lid": lid, "id": task_id})
+        assert upgrade(engine) == "0016"
+        with engine.connect() as conn:
+            status = dict(conn.execute(sa.text("SELECT id, status FROM tasks")).all())
+        assert status == {stocked: "ready", published: "queued"}
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()

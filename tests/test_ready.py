@@ -54,7 +54,8 @@ def test_a_busy_model_gets_a_ready_list_and_a_free_slot_takes_it(svc: Services) 
     assert report.stocked == 1 and svc.core.live()["m"].ready == 1
     ready_task = ids[1]
     status, lid = statuses(svc)[ready_task]
-    assert status == "queued" and lid is not None  # claimed: no other round takes it
+    assert status == "ready" and lid is not None  # claimed: no other round takes it
+    assert statuses(svc)[ids[0]] == ("queued", sent[0].admission_id)  # published: queued, not ready
     # A second round stocks nothing more (the list is full) and admits nothing (no slot).
     more: list[Assignment] = []
     assert dispatch(svc, more.extend).stocked == 0 and more == []
@@ -92,7 +93,7 @@ def test_lists_for_concurrency_bound_models_only_and_none_when_turned_off(svc: S
 def test_a_disabled_models_ready_tasks_go_back_to_pending(svc: Services) -> None:
     ids = add_tasks(svc, 8)
     dispatch(svc, [].extend)
-    assert statuses(svc)[ids[1]][0] == "queued"
+    assert statuses(svc)[ids[1]][0] == "ready"
     svc.quotas.set("m", {"enabled": False})
     report = dispatch(svc, [].extend)
     assert report.unstocked == 1 and svc.core.live()["m"].ready == 0
@@ -103,7 +104,7 @@ def test_an_expired_ready_task_goes_back_to_pending(svc: Services) -> None:
     ids = add_tasks(svc, 8)
     dispatch(svc, [].extend)
     status, lid = statuses(svc)[ids[1]]
-    assert status == "queued"
+    assert status == "ready"
     seconds, micros = svc.core.redis.time()
     svc.core.clock = lambda: seconds * 1000 + micros // 1000 + 6_000  # past the entry's 5 s (the lease's 60 s are not)
     no_stocking = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
@@ -159,15 +160,18 @@ def test_a_restore_after_redis_lost_its_data_seeds_no_lease_for_a_ready_task(svc
     """No call runs under a ready entry: after the loss it must not hold a slot."""
     from balancer.services import delete_namespace_keys
 
-    add_tasks(svc, 12)
+    ids = add_tasks(svc, 12)
     sent: list[Assignment] = []
     dispatch(svc, sent.extend)
     assert svc.core.live()["m"].ready == 1 and len(sent) == 1
+    ready_status, ready_lid = statuses(svc)[ids[1]]
+    assert ready_status == "ready" and statuses(svc)[ids[0]][0] == "queued"
     delete_namespace_keys(svc.redis, svc.settings.namespace)  # Redis lost everything
     svc.core.restore()
     view = svc.core.live()
     assert view["m"].in_flight == 1 and view["m"].ready == 0  # the dispatched call's lease only
-    assert set(svc.core.raw_state()["leases"]) == {sent[0].admission_id}
+    assert set(svc.core.raw_state()["leases"]) == {sent[0].admission_id}  # not ready_lid
+    assert ready_lid not in svc.core.raw_state()["leases"]
 
 
 def test_a_run_that_stocks_in_its_first_round_and_stops_there_does_not_stock_again(svc: Services) -> None:

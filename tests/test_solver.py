@@ -427,7 +427,7 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
     import sqlalchemy as sa
 
     from balancer.pipeline import runtime
-    from balancer.storage.claims import mark_queued
+    from balancer.storage.ready import mark_ready
     from balancer.storage.schema import tasks
 
     monkeypatch.setenv("BALANCER_BACKEND_URL", sim[0])
@@ -445,7 +445,7 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
     assert [a.task_id for a in sent] == ids[:1]
     ready = [("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids[1:], rows[1:], strict=True)]
     with svc.engine.begin() as conn:
-        mark_queued(conn, [(task_id, "m", lid) for _, task_id, _, lid in ready], 60)
+        mark_ready(conn, [(task_id, "m", lid) for _, task_id, _, lid in ready], 60)
     assert svc.core.stock(ready, 60_000) == [True] * 3
     from balancer.storage.transitions import mark_solved_many
 
@@ -492,14 +492,14 @@ def test_a_chain_asks_for_a_dispatch_only_once_its_ready_list_runs_low(svc: Serv
     """While the model's ready list still holds an entry per slot after a take,
     the chain asks for no dispatch (the dispatcher would run after every call
     for nothing); below that, and when a slot frees with no next call, it does."""
-    from balancer.storage.claims import mark_queued
+    from balancer.storage.ready import mark_ready
 
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
     rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(6)),
                           models={"m": MODEL.quota().burst})
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
-        mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+        mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
     svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
                    60_000)
     left_when_asked: list[int] = []
@@ -522,7 +522,7 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
     returns only when every answer is stored (its message is acknowledged
     after them), even when the writes are slower than the calls."""
     from balancer.pipeline.answers import AnswerWriter
-    from balancer.storage.claims import mark_queued
+    from balancer.storage.ready import mark_ready
     from balancer.storage.transitions import mark_solved_many
 
     rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(3)),
@@ -530,7 +530,7 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
-        mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+        mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
     svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
                    60_000)
     writes: list[tuple[list[int], str]] = []
@@ -567,7 +567,7 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
     import sqlalchemy as sa
 
     from balancer.pipeline.answers import AnswerWriter
-    from balancer.storage.claims import mark_queued
+    from balancer.storage.ready import mark_ready
     from balancer.storage.schema import tasks
     from balancer.storage.transitions import Answer, Written, mark_solved_many
 
@@ -575,7 +575,7 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
                           models={"m": MODEL.quota().burst})
     with svc.engine.begin() as conn:
         ids = insert_tasks(conn, rows)
-        mark_queued(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+        mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
         conn.execute(sa.update(tasks).where(tasks.c.id == ids[1]).values(hedge_admission_id="h1"))
     statements: list[int] = []
     writing, release = threading.Event(), threading.Event()
@@ -612,7 +612,7 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
     with svc.engine.connect() as conn:
         got = dict(conn.execute(sa.select(tasks.c.id, sa.func.concat(tasks.c.status, ":", tasks.c.answer))
                                 .where(tasks.c.id.in_(ids))).all())
-    assert got == {ids[0]: "solved:a0", ids[1]: "solved:a1", ids[2]: "queued:", ids[3]: "solved:a3", ids[4]: "solved:a4"}
+    assert got == {ids[0]: "solved:a0", ids[1]: "solved:a1", ids[2]: "ready:", ids[3]: "solved:a3", ids[4]: "solved:a4"}
     with pytest.raises(RuntimeError, match="closed"):  # never queued where no one would write it
         writer.submit(Answer(ids[4], f"r{ids[4]}", "late", 5, 1), named)
 
@@ -622,15 +622,15 @@ def test_a_next_call_that_cannot_start_frees_its_slot_and_the_answer_is_still_wr
 ) -> None:
     """The next call's task is started before this call's answer is written: if
     that start fails for good, the answer is written all the same, the next
-    call's slot is freed at once, and its task waits (``queued``) for the sweep."""
-    from balancer.storage.claims import mark_queued
+    call's slot is freed at once, and its task waits (``ready``) for the sweep."""
+    from balancer.storage.ready import mark_ready
     from balancer.storage.transitions import start_solve
 
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
     rows, _ = parse_tasks(json.dumps({"prompt": "next", "model": "m"}), models={"m": MODEL.quota().burst})
     with svc.engine.begin() as conn:
         (other,) = insert_tasks(conn, rows)
-        mark_queued(conn, [(other, "m", "r-next")], 60)
+        mark_ready(conn, [(other, "m", "r-next")], 60)
     svc.core.stock([("m", other, rows[0].estimated_tokens, "r-next")], 60_000)
 
     def broken_for_the_next(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
@@ -640,7 +640,7 @@ def test_a_next_call_that_cannot_start_frees_its_slot_and_the_answer_is_still_wr
 
     monkeypatch.setattr(solver, "start_solve", broken_for_the_next)
     assert chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True) == ["solved"]
-    assert task_row(svc, first.task_id).status == "solved" and task_row(svc, other).status == "queued"
+    assert task_row(svc, first.task_id).status == "solved" and task_row(svc, other).status == "ready"
     assert svc.core.live()["m"].in_flight == 0 and svc.core.counters()[0]["m"]["ready_taken"] == 1
 
 

@@ -1,7 +1,7 @@
 """``balancer tasks ...``: see, retry, cancel and prune tasks while the pipeline runs.
 
 ``retry``, ``cancel`` and ``prune`` are dry runs unless ``--yes``; they never
-touch a queued or running task (balancer.storage.operations, balancer.storage.retention).
+touch a ready, queued or running task (balancer.storage.operations, balancer.storage.retention).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _when(value: datetime | None) -> datetime | None:
 def filters(command: Any) -> Any:
     """The filter options every ``tasks`` subcommand takes."""
     for option in reversed([
-        click.option("--status", help="pending, queued, running, solved, failed or cancelled"),
+        click.option("--status", help="pending, ready, queued, running, solved, failed or cancelled"),
         click.option("--model", help="tasks that ran on MODEL or may use it"),
         click.option("--source", help="the source recorded at submit or ingestion"),
         click.option("--created-after", type=click.DateTime(), help="UTC, e.g. 2026-11-21 or 2026-11-21T09:00:00"),
@@ -139,7 +139,7 @@ def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
 @click.option("--by", help="Who acts (default: the OS user), for the audit.")
 def tasks_prune(before: datetime, yes: bool, by: str | None) -> None:
     """Delete solved, failed and cancelled tasks last changed before --before
-    (never a pending, queued or running one); audited, batch by batch."""
+    (never a pending, ready, queued or running one); audited, batch by batch."""
     from balancer.storage.quotas import default_actor
     from balancer.storage.retention import prune
 

@@ -69,7 +69,7 @@ from balancer.storage.claims import (
     pending_backlog,
 )
 from balancer.storage.hedges import hedge_spending, mark_hedged, stragglers
-from balancer.storage.ready import ready_admission_id, unstock
+from balancer.storage.ready import mark_ready, ready_admission_id, unstock
 
 log = logging.getLogger(__name__)
 
@@ -294,8 +294,8 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
             return 0
         entries = [(model, task.id, task.estimated_tokens, ready_admission_id()) for task, model in placed]
         # The database deadline outlives the Redis entry, so a task taken at the
-        # last moment is still ``queued`` when its worker starts it.
-        mark_queued(conn, [(task_id, model, lid) for model, task_id, _, lid in entries],
+        # last moment is still ``ready`` when its worker starts it.
+        mark_ready(conn, [(task_id, model, lid) for model, task_id, _, lid in entries],
                     math.ceil(settings.ready_ttl) + settings.lease_seconds)
     # Committed: only now may a finishing call take them (it starts the task under
     # that id). A dispatcher that dies here leaves them queued until their

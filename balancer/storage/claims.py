@@ -221,8 +221,11 @@ def claim_by_source(conn: Connection, sources: list[str], limit: int, open_model
     return {source: queue for source, queue in queues.items() if queue}
 
 
-def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], lease_seconds: int) -> None:
-    """(task id, model, admission id) for each admitted task."""
+def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], lease_seconds: int,
+                status: str = "queued") -> None:
+    """(task id, model, admission id) for each admitted task: pending to ``status``
+    (``queued``, its solve message about to be published, or ``ready``, see
+    :func:`balancer.storage.ready.mark_ready`)."""
     if not assignments:
         return
     ids, models, admissions = zip(*assignments, strict=True)
@@ -230,7 +233,7 @@ def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], l
         sa.text(
             """
             UPDATE tasks AS t
-               SET status = 'queued', model = v.model, admission_id = v.admission_id,
+               SET status = :status, model = v.model, admission_id = v.admission_id,
                    queued_at = now(), updated_at = now(), error = NULL,
                    deadline = now() + make_interval(secs => :lease)
               FROM unnest(CAST(:ids AS bigint[]), CAST(:models AS text[]), CAST(:admissions AS text[]))
@@ -238,7 +241,8 @@ def mark_queued(conn: Connection, assignments: Sequence[tuple[int, str, str]], l
              WHERE t.id = v.id AND t.status = 'pending'
             """
         ),
-        {"ids": list(ids), "models": list(models), "admissions": list(admissions), "lease": lease_seconds},
+        {"ids": list(ids), "models": list(models), "admissions": list(admissions), "lease": lease_seconds,
+         "status": status},
     )
 
 

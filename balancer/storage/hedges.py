@@ -59,7 +59,7 @@ def hedge_spending(conn: Connection) -> tuple[int, int]:
     the tasks created since the oldest one still unfinished."""
     oldest = (
         sa.select(sa.func.min(tasks.c.created_at))
-        .where(tasks.c.status.in_(("pending", "queued", "running")))
+        .where(tasks.c.status.in_(("pending", "ready", "queued", "running")))
         .scalar_subquery()
     )
     row = conn.execute(

@@ -52,7 +52,7 @@ _HOLD = sa.text("""
 UPDATE tasks t SET not_before = now() + make_interval(secs => :hold)
 WHERE t.id = ANY(:ids) AND t.status = 'pending' AND EXISTS (
     SELECT 1 FROM tasks o
-    WHERE o.dedup AND o.id < t.id AND o.status IN ('pending', 'queued', 'running') AND md5(o.prompt) = md5(t.prompt)
+    WHERE o.dedup AND o.id < t.id AND o.status IN ('pending', 'ready', 'queued', 'running') AND md5(o.prompt) = md5(t.prompt)
       AND o.max_tokens = t.max_tokens AND o.prompt = t.prompt AND o.allowed_models IS NOT DISTINCT FROM t.allowed_models)
 RETURNING t.id
 """)

@@ -12,7 +12,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from balancer.admission import LeaseSeed
-from balancer.storage.ready import READY_ID_PREFIX
 from balancer.storage.schema import tasks
 
 
@@ -22,13 +21,13 @@ def return_expired(engine: Engine) -> int:
 
 
 def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) -> tuple[int, int]:
-    """The sweep: queued/running tasks past their deadline go back to pending (a
+    """The sweep: ready/queued/running tasks past their deadline go back to pending (a
     lost message, a dead worker), except those whose call or hedge is in
     ``alive``: a worker still keeps that call alive in Redis, though it could
     not renew the deadline in PostgreSQL (see :mod:`balancer.pipeline.heartbeat`);
     their deadline moves one lease on. One transaction, so both statements
     judge "past" by the same ``now()``. Returns (returned, kept)."""
-    expired = sa.and_(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+    expired = sa.and_(tasks.c.status.in_(("ready", "queued", "running")), tasks.c.deadline < sa.func.now())
     ids = list(alive)
     with engine.begin() as conn:
         kept = 0
@@ -58,7 +57,7 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
     """Calls PostgreSQL believes are in flight, to re-seed a restored Redis.
 
-    Not a ready-list entry still ``queued``: no call runs under it and its list
+    Not a ``ready`` task (a ready-list entry): no call runs under it and its list
     is gone with the data, so it would only hold a slot; the sweep returns it
     to pending at its deadline."""
     with engine.connect() as conn:
@@ -68,8 +67,7 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
                 tasks.c.model,
                 tasks.c.estimated_tokens,
                 (sa.extract("epoch", sa.func.coalesce(tasks.c.deadline, sa.func.now()) - sa.func.now()) * 1000).label("remaining_ms"),
-            ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None),
-                    sa.not_(sa.and_(tasks.c.status == "queued", tasks.c.admission_id.startswith(READY_ID_PREFIX))))
+            ).where(tasks.c.status.in_(("queued", "running")), tasks.c.admission_id.is_not(None))
         ).all()
         hedges = conn.execute(
             sa.select(
@@ -87,5 +85,5 @@ def overdue_count(engine: Engine) -> int:
     worker is gone) and the sweep tick has not returned them to pending yet."""
     with engine.connect() as conn:
         return int(conn.execute(
-            sa.select(sa.func.count()).where(tasks.c.status.in_(("queued", "running")), tasks.c.deadline < sa.func.now())
+            sa.select(sa.func.count()).where(tasks.c.status.in_(("ready", "queued", "running")), tasks.c.deadline < sa.func.now())
         ).scalar_one())

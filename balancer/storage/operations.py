@@ -2,7 +2,7 @@
 
 Safe while the pipeline runs. ``retry`` changes only ``failed`` tasks and
 ``cancel`` only ``pending`` ones, each in one UPDATE whose WHERE holds that
-status, so a task a worker holds (``queued`` or ``running``) is never changed
+status, so a task a worker holds (``ready``, ``queued`` or ``running``) is never changed
 whatever the filter says, and a task that a dispatcher takes meanwhile is
 simply not matched. Every applied retry or cancel is audited in
 ``task_operations`` (who, when, the filter, the task ids), as quota changes

@@ -49,10 +49,10 @@ def recent_solves_by_model(engine: Engine, window_s: float) -> dict[str, int]:
 
 
 def unfinished_count(engine: Engine) -> int:
-    """Tasks not finished yet: pending, queued or running (each counted once, however many calls it has)."""
+    """Tasks not finished yet: pending, ready, queued or running (each counted once, however many calls it has)."""
     with engine.connect() as conn:
         return int(conn.execute(
-            sa.select(sa.func.count()).where(tasks.c.status.in_(("pending", "queued", "running")))).scalar_one())
+            sa.select(sa.func.count()).where(tasks.c.status.in_(("pending", "ready", "queued", "running")))).scalar_one())
 
 
 def status_counts(engine: Engine) -> dict[str, int]:

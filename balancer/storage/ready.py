@@ -1,5 +1,7 @@
-"""Ready-list entries in PostgreSQL: the admission ids the dispatcher names for
-them, and returning entries dropped before any call to ``pending``."""
+"""Ready-list entries in PostgreSQL: tasks with status ``ready`` (a task waiting
+on its model's ready list; ``queued`` is a task whose solve message was
+published). The admission ids the dispatcher names for them, marking them
+``ready``, and returning entries dropped before any call to ``pending``."""
 
 from __future__ import annotations
 
@@ -9,18 +11,23 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-#: Admission ids the dispatcher names for ready-list entries (admit.lua's are ``epoch-seq``).
-READY_ID_PREFIX = "r"
+from balancer.storage.claims import mark_queued
 
 
 def ready_admission_id() -> str:
-    """A new admission id for a ready-list entry (see :func:`in_flight_leases`)."""
-    return READY_ID_PREFIX + uuid.uuid4().hex[:20]
+    """A new admission id for a ready-list entry (admit.lua's are ``epoch-seq``:
+    never the same, as this one has no ``-``)."""
+    return uuid.uuid4().hex[:21]
+
+
+def mark_ready(conn: Connection, entries: Sequence[tuple[int, str, str]], lease_seconds: int) -> None:
+    """(task id, model, admission id) of tasks about to be stocked: pending to ``ready``."""
+    mark_queued(conn, entries, lease_seconds, status="ready")
 
 
 def unstock(conn: Connection, entries: Sequence[tuple[int, str]]) -> int:
     """(task id, admission id) of ready-list entries dropped before any call:
-    back to pending, each only if still queued under that admission."""
+    back to pending, each only if still ``ready`` under that admission."""
     if not entries:
         return 0
     ids, admissions = zip(*entries, strict=True)
@@ -30,7 +37,7 @@ def unstock(conn: Connection, entries: Sequence[tuple[int, str]]) -> int:
             UPDATE tasks AS t
                SET status = 'pending', model = NULL, admission_id = NULL, deadline = NULL, updated_at = now()
               FROM unnest(CAST(:ids AS bigint[]), CAST(:admissions AS text[])) AS v(id, admission_id)
-             WHERE t.id = v.id AND t.admission_id = v.admission_id AND t.status = 'queued'
+             WHERE t.id = v.id AND t.admission_id = v.admission_id AND t.status = 'ready'
             """
         ),
         {"ids": list(ids), "admissions": list(admissions)},

@@ -29,7 +29,7 @@ def model_occupancy(conn: Connection, model: str) -> tuple[int, int]:
     others = _other_models(conn, model)
     in_flight = conn.execute(
         sa.select(sa.func.count()).where(
-            tasks.c.status.in_(("queued", "running")), sa.or_(tasks.c.model == model, tasks.c.hedge_model == model)
+            tasks.c.status.in_(("ready", "queued", "running")), sa.or_(tasks.c.model == model, tasks.c.hedge_model == model)
         )
     ).scalar_one()
     pinned = conn.execute(sa.select(sa.func.count()).where(_pinned_to(model, others))).scalar_one()

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 
 from balancer.storage.schema import task_operations, tasks
 
-LIVE_STATUSES = ("pending", "queued", "running")
+LIVE_STATUSES = ("pending", "ready", "queued", "running")
 FINISHED_STATUSES = ("solved", "failed", "cancelled")
 #: Tasks one prune statement deletes (and one audit row lists).
 PRUNE_BATCH = 10_000
@@ -34,12 +34,12 @@ FINISHED_RECOUNT_S = 60.0
 
 
 def live_status_counts(engine: Engine) -> dict[str, int]:
-    """Pending, queued and running tasks, each counted from its partial index."""
+    """Pending, ready, queued and running tasks, each counted from its partial index."""
     with engine.connect() as conn:
         pending = conn.execute(sa.select(sa.func.count()).where(tasks.c.status == "pending")).scalar_one()
         rows = conn.execute(
             sa.select(tasks.c.status, sa.func.count())
-            .where(tasks.c.status.in_(("queued", "running"))).group_by(tasks.c.status)
+            .where(tasks.c.status.in_(("ready", "queued", "running"))).group_by(tasks.c.status)
         ).all()
     counts = dict.fromkeys(LIVE_STATUSES, 0)
     counts["pending"] = int(pending)

@@ -58,7 +58,7 @@ quota_changes = Table(
 
 #: Every status a task can have (the ``tasks_status_known`` check). ``cancelled``:
 #: taken out of the backlog by an operator (``balancer tasks cancel``).
-TASK_STATUSES = ("pending", "queued", "running", "solved", "failed", "cancelled")
+TASK_STATUSES = ("pending", "ready", "queued", "running", "solved", "failed", "cancelled")
 
 tasks = Table(
     "tasks",

@@ -212,7 +212,7 @@ class SourceStatus:
 
 def source_status(engine: Engine) -> list[SourceStatus]:
     """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
-    in_flight = tasks.c.status.in_(("queued", "running"))
+    in_flight = tasks.c.status.in_(("ready", "queued", "running"))
     counts = (sa.select(tasks.c.source,
                         sa.func.count().filter(tasks.c.status == "pending").label("pending"),
                         sa.func.count().filter(in_flight).label("in_flight"),

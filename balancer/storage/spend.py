@@ -40,7 +40,7 @@ def spend_so_far(engine: Engine, quotas: Sequence[Quota]) -> Spend:
 
 
 #: Task statuses whose tokens are still to be spent.
-LEFT = ("pending", "queued", "running")
+LEFT = ("pending", "ready", "queued", "running")
 
 
 def backlog_estimates(engine: Engine) -> list[tuple[list[str] | None, int, int, int]]:

@@ -35,7 +35,7 @@ class SolveContext:
 
 
 def admission_guard(task_id: Any, admission_id: Any):  # noqa: ANN202
-    return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("queued", "running")))
+    return sa.and_(tasks.c.id == task_id, tasks.c.admission_id == admission_id, tasks.c.status.in_(("ready", "queued", "running")))
 
 
 def context_columns(model: Any) -> tuple[Any, ...]:

@@ -2,13 +2,14 @@
 
 Status flow (``balancer.storage.schema.TASK_STATUSES``)::
 
-    pending --dispatch--> queued --worker starts--> running --answer--> solved
-     |  ^                  |  (or waits on its model's    |  \\--> failed (4xx, max attempts, 50 429s)
-     |  |                  |   ready list, queued under   |
-     |  |                  |   an ``r...`` id)            |
+    pending --dispatch (publish)--> queued --worker starts--> running --answer--> solved
+     |  ^   \\--stock--> ready ------/ (a finishing call  |   \\--> failed (4xx, max attempts, 50 429s)
+     |  |            (waits on its   takes it off its     |
+     |  |             model's ready  model's ready list)  |
+     |  |             list)                               |
      |  +---- 429, 5xx, timeout (with back-off), circuit open, no room, ----+
-     |        deadline passed (the sweep), ready entry dropped (unstock),
-     |        an operator's retry of a failed task
+     |        deadline passed (the sweep: ready, queued or running),
+     |        ready entry dropped (unstock), an operator's retry of a failed task
      +--operator cancel--> cancelled
      +--never admissible--> failed
 
@@ -51,7 +52,7 @@ _NO_FLUSH = sa.func.set_config("synchronous_commit", "off", sa.true())
 _START_SOLVE = (
     sa.update(tasks)
     .where(tasks.c.id == TASK_ID, tasks.c.admission_id == ADMISSION_ID,
-           sa.or_(tasks.c.status == "queued", sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now())))
+           sa.or_(tasks.c.status.in_(("ready", "queued")), sa.and_(tasks.c.status == "running", tasks.c.deadline < sa.func.now())))
     .values(status="running", started_at=sa.func.now(), updated_at=sa.func.now(), attempts=tasks.c.attempts + 1,
             deadline=sa.func.now() + sa.bindparam("b_lease", type_=sa.Interval()))
     .returning(*context_columns(tasks.c.model), _NO_FLUSH)
@@ -113,7 +114,7 @@ def extend_deadlines(engine: Engine, admission_ids: Sequence[str], lease_seconds
         result = conn.execute(
             sa.update(tasks)
             .where(sa.or_(tasks.c.admission_id.in_(ids), tasks.c.hedge_admission_id.in_(ids)),
-                   tasks.c.status.in_(("queued", "running")))
+                   tasks.c.status.in_(("ready", "queued", "running")))
             .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds))
         )
     return result.rowcount

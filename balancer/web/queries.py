@@ -23,7 +23,7 @@ ERROR_PREFIX = 120
 class SourceCounts:
     source: str
     pending: int
-    in_flight: int  # queued or running
+    in_flight: int  # ready, queued or running
     solved: int
     failed: int
     cancelled: int
@@ -40,15 +40,15 @@ class SourceCounts:
 def fold_source_counts(rows: list[tuple[str, str, int]]) -> list[SourceCounts]:
     """``(source, status, count)`` rows to one :class:`SourceCounts` per source, by name.
 
-    >>> fold_source_counts([("b", "solved", 2), ("a", "queued", 1), ("a", "running", 2), ("a", "failed", 1)])
+    >>> fold_source_counts([("b", "solved", 2), ("a", "ready", 1), ("a", "running", 2), ("a", "failed", 1)])
     [SourceCounts(source='a', pending=0, in_flight=3, solved=0, failed=1, cancelled=0), \
 SourceCounts(source='b', pending=0, in_flight=0, solved=2, failed=0, cancelled=0)]
     """
     per: dict[str, dict[str, int]] = {}
     for source, status, n in rows:
         per.setdefault(source, {})[status] = int(n)
-    return [SourceCounts(source, c.get("pending", 0), c.get("queued", 0) + c.get("running", 0), c.get("solved", 0),
-                         c.get("failed", 0), c.get("cancelled", 0)) for source, c in sorted(per.items())]
+    return [SourceCounts(source, c.get("pending", 0), c.get("ready", 0) + c.get("queued", 0) + c.get("running", 0),
+                         c.get("solved", 0), c.get("failed", 0), c.get("cancelled", 0)) for source, c in sorted(per.items())]
 
 
 def source_counts(engine: Engine) -> list[SourceCounts]:

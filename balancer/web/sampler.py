@@ -38,7 +38,7 @@ RATE_WINDOW_S = 60.0
 #: Grouping failed tasks by error gives up after this long (hundreds of thousands failed).
 GROUPING_TIMEOUT_MS = 2000
 #: Task statuses that are work still to do.
-LEFT = ("pending", "queued", "running")
+LEFT = ("pending", "ready", "queued", "running")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Sample:
 
     @property
     def left(self) -> int:
-        """Tasks not finished: pending, queued or running."""
+        """Tasks not finished: pending, ready, queued or running."""
         return sum(self.counts.get(s, 0) for s in LEFT)
 
 
