@@ -15,10 +15,11 @@ from sqlalchemy.engine import Engine
 from balancer.admission import AdmissionCore, LeaseSeed, keys
 from balancer.domain.quota import Quota
 from balancer.errors import ConfigError, ServiceUnavailable
-from balancer.settings import Settings, mask_url, scrub
+from balancer.settings import Settings
 from balancer.storage.db import cached_engine
 from balancer.storage.leases import in_flight_leases
 from balancer.storage.quotas import QuotaStore
+from balancer.urls import mask_url, scrub
 
 
 def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:

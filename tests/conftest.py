@@ -65,7 +65,7 @@ def with_schema(url: str, schema: str) -> str:
 @pytest.fixture
 def database_url(service_urls: tuple[str, str]) -> Iterator[str]:
     """A URL whose search_path is a fresh schema, dropped afterwards."""
-    from balancer.settings import normalize_database_url
+    from balancer.urls import normalize_database_url
 
     base = normalize_database_url(service_urls[1])
     schema = "t_" + uuid.uuid4().hex[:12]
@@ -105,8 +105,8 @@ def migration_script(service_urls: tuple[str, str]) -> list[Statement]:
     its own, so each test replays the same DDL instead of running the revisions
     again. The schema is named only through the URL's search_path, never in the SQL
     (checked here), so the script is valid for any fresh schema."""
-    from balancer.settings import normalize_database_url
     from balancer.storage.migrate import upgrade
+    from balancer.urls import normalize_database_url
 
     base = normalize_database_url(service_urls[1])
     schema = "t_" + uuid.uuid4().hex[:12]

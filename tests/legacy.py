@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import sqlalchemy as sa
 
-from balancer.settings import normalize_database_url
+from balancer.urls import normalize_database_url
 
 LEGACY_TABLE = """
 CREATE TABLE prompts (id bigserial PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved',

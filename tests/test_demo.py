@@ -15,7 +15,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from balancer.settings import normalize_database_url
+from balancer.urls import normalize_database_url
 
 pytestmark = pytest.mark.e2e
 

@@ -20,7 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from balancer.errors import ConfigError
-from balancer.settings import Settings, mask_url, scrub
+from balancer.settings import Settings
+from balancer.urls import mask_url, scrub
 
 BAD_SETTINGS = [
     ("BALANCER_BACKEND_TIMEOUT", "nan"),

@@ -14,7 +14,8 @@ import balancer.settings
 from balancer.domain.quota import MAX_CONCURRENCY, MAX_LIMIT, Quota
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import ConfigError, QuotaError
-from balancer.settings import Settings, mask_url, normalize_database_url
+from balancer.settings import Settings
+from balancer.urls import mask_url, normalize_database_url
 
 
 @pytest.mark.parametrize("module", [balancer.settings, balancer.domain.quota, balancer.domain.quotafile])

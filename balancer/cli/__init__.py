@@ -98,7 +98,7 @@ def _service_error(exc: Exception) -> int:
     Matched through ``sys.modules``: an exception of a library this run never imported cannot have been raised."""
     redis, sa_exc = sys.modules.get("redis"), sys.modules.get("sqlalchemy.exc")
     if redis is not None and isinstance(exc, redis.RedisError):
-        from balancer.settings import mask_url, scrub
+        from balancer.urls import mask_url, scrub
 
         url = Settings.from_env().redis_url or "(embedded)"
         click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(scrub(str(exc), url))}", err=True)

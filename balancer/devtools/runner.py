@@ -34,8 +34,9 @@ from balancer.devtools.supervisor import Supervisor, wait_for_http
 from balancer.domain.intake import parse_tasks
 from balancer.domain.quota import Quota
 from balancer.services import Services, delete_namespace_keys
-from balancer.settings import Settings, normalize_database_url
+from balancer.settings import Settings
 from balancer.storage.schema import tasks as tasks_table
+from balancer.urls import normalize_database_url
 
 
 class IsolatedServices:

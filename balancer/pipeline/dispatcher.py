@@ -44,38 +44,28 @@ an idle slow one (:func:`finish_time_aware`, :mod:`balancer.domain.endgame`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-
-from sqlalchemy.engine import Connection
 
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import AdmissionCore, ModelLive, open_slots
 from balancer.domain import endgame
-from balancer.domain import ready as ready_lists
 from balancer.pipeline import fairness
+from balancer.pipeline.placement import finish_time_aware, outlooks, planned_latency_field
+from balancer.pipeline.stocking import stock_ready
 from balancer.services import Services
-from balancer.settings import Settings
 from balancer.storage.claims import (
     PendingTask,
     claim_pinned,
     fail_pending,
     mark_queued,
     models_with_pinned_backlog,
-    pending_at_least,
-    pending_backlog,
 )
 from balancer.storage.hedges import hedge_spending, mark_hedged, stragglers
-from balancer.storage.ready import mark_ready, ready_admission_id, unstock
+from balancer.storage.ready import unstock
 
 log = logging.getLogger(__name__)
-
-#: The end game plans at most this many tasks beyond the claimed window (as
-#: stand-ins of average size): enough to see where the backlog will go.
-MAX_UNCLAIMED_PLANNED = 5_000
 
 
 @dataclass(frozen=True)
@@ -240,111 +230,6 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
     return len(assignments)
 
 
-def stock_targets(view: dict[str, ModelLive], settings: Settings, per_slot: float | None = None) -> dict[str, int]:
-    """For each model whose slots bind it, how many tasks its ready list lacks
-    (at ``per_slot`` entries per slot, default ``settings.ready_per_slot``).
-
-    Only models that concurrency binds: enabled, not paused, a token bucket at
-    least half full and requests in hand. A model that tokens or requests
-    bind runs its bucket low; a freed slot there waits for tokens, not for a
-    dispatch round, and a list would only bind its tasks early."""
-    targets = {}
-    for name, m in view.items():
-        q = m.quota
-        if not q.enabled or m.paused_ms > 0:
-            continue
-        if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
-            continue
-        mean_ms = m.latency_estimate(settings.expected_latency_s).mean_ms if m.latency_known else None
-        depth = ready_lists.depth(q.max_concurrent_requests, mean_ms,
-                                  settings.ready_per_slot if per_slot is None else per_slot, settings.ready_ttl)
-        room = depth - m.ready
-        if room > 0:
-            targets[name] = room
-    return targets
-
-
-def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
-    """Fill the ready lists of the models their concurrency caps bind (see the
-    module docstring and :mod:`balancer.domain.ready`). Returns how many were stocked.
-
-    Each model takes its pinned tasks first; flexible tasks go to a model only
-    if it has no more pinned ones, in the window's order, to the model with the
-    most room. Nothing is stocked unless the backlog outlasts the slowest
-    model's call even without the stocked tasks: the end game decides the rest.
-    """
-    settings = services.settings
-    per_slot = fairness.ready_per_slot(services)  # shallow while sources share (balancer.domain.fairshare)
-    targets = stock_targets(view, settings, per_slot)
-    if not targets:
-        return 0
-    wanted = sum(targets.values())
-    with services.engine.begin() as conn:
-        pinned = claim_pinned(conn, targets)
-        fair = fairness.claim_flexible(services, conn, wanted, targets)
-        if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
-            targets = stock_targets(view, settings, shallow)  # sources met in this very claim
-        placed = place_ready(pinned, fair.tasks, targets)
-        if not placed:
-            return 0
-        mean_tokens = sum(t.estimated_tokens for t, _ in placed) / len(placed)
-        enough = ready_lists.backlog_to_stock(mean_tokens, outlooks(view, settings.expected_latency_s),
-                                              planned_latency_field(settings))
-        if not pending_at_least(conn, enough + len(placed)):
-            return 0
-        entries = [(model, task.id, task.estimated_tokens, ready_admission_id()) for task, model in placed]
-        # The database deadline outlives the Redis entry, so a task taken at the
-        # last moment is still ``ready`` when its worker starts it.
-        mark_ready(conn, [(task_id, model, lid) for model, task_id, _, lid in entries],
-                    math.ceil(settings.ready_ttl) + settings.lease_seconds)
-    # Committed: only now may a finishing call take them (it starts the task under
-    # that id). A dispatcher that dies here leaves them queued until their
-    # deadline, when the sweep returns them, as with a lost publish.
-    stocked = services.core.stock(entries, round(settings.ready_ttl * 1000))
-    lost = [(task_id, lid) for (_, task_id, _, lid), done in zip(entries, stocked, strict=True) if not done]
-    fairness.settle(services, fair, {task_id for (_, task_id, _, _), done in zip(entries, stocked, strict=True) if done})
-    if lost:  # the model was removed meanwhile
-        with services.engine.begin() as conn:
-            unstock(conn, lost)
-    return len(entries) - len(lost)
-
-
-def place_ready(pinned: Sequence[PendingTask], flexible: Sequence[PendingTask],
-                targets: dict[str, int]) -> list[tuple[PendingTask, str]]:
-    """Which claimed task goes on which model's ready list.
-
-    >>> pinned = [PendingTask(1, 10, ("a",))]
-    >>> flexible = [PendingTask(2, 10, None), PendingTask(3, 10, ("b",)), PendingTask(4, 10, None)]
-    >>> [(t.id, m) for t, m in place_ready(pinned, flexible, {"a": 2, "b": 2})]
-    [(1, 'a'), (2, 'b'), (3, 'b'), (4, 'a')]
-
-    Pinned tasks fill their model's room first. Only a model whose pinned lane
-    came back short (no more pinned tasks pending for it) has room left for
-    flexible ones: "a" asked for 2 and got 1 pinned, so task 4 may use it.
-    """
-    room = dict(targets)
-    placed: list[tuple[PendingTask, str]] = []
-    seen: set[int] = set()
-    for task in pinned:
-        model = task.allowed_models[0] if task.allowed_models else None
-        if model in room and room[model] > 0:
-            placed.append((task, model))
-            room[model] -= 1
-            seen.add(task.id)
-    for task in flexible:
-        if task.id in seen:
-            continue
-        options = [m for m, n in room.items() if n > 0 and (task.allowed_models is None or m in task.allowed_models)
-                   and m != task.avoid_model]
-        if not options:
-            continue
-        model = max(options, key=lambda m: room[m])
-        placed.append((task, model))
-        room[model] -= 1
-        seen.add(task.id)
-    return placed
-
-
 def plan_batch(
     pinned: Sequence[PendingTask],
     window: Sequence[PendingTask],
@@ -382,66 +267,6 @@ def plan_batch(
                 allowed = usable
         batch.append((task, Candidate(task.estimated_tokens, allowed, task.avoid_model)))
     return batch
-
-
-def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOutlook]:
-    """Each enabled model's outlook for the end-game plan, from the live view."""
-    free = open_slots(view)
-    out = []
-    for name, m in view.items():
-        q = m.quota
-        if not q.enabled:
-            continue
-        rpm = q.max_requests_per_minute
-        out.append(endgame.ModelOutlook(
-            name,
-            cap=q.max_concurrent_requests,
-            free_slots=free.get(name, 0),
-            in_flight=m.in_flight,
-            latency=m.latency_estimate(prior_s),
-            tokens_available=m.tokens_available,
-            tokens_per_ms=(q.max_tokens_per_minute - m.external_tpm) / 60_000,
-            requests_available=math.inf if m.requests_available is None else m.requests_available,
-            requests_per_ms=rpm / 60_000 if rpm else math.inf,
-            paused_ms=m.paused_ms,
-        ))
-    return out
-
-
-def planned_latency_field(settings: Settings) -> str:
-    """Plan a call's length at the mean latency when hedges can overtake stragglers, else at p90."""
-    return endgame.HEDGED if settings.hedging else endgame.CAUTIOUS
-
-
-def finish_time_aware(
-    conn: Connection, batch: list[tuple[PendingTask, Candidate]], view: dict[str, ModelLive], *,
-    window_full: bool, prior_s: float, latency_field: str = endgame.CAUTIOUS,
-) -> list[tuple[PendingTask, Candidate]]:
-    """The batch as the end game would bind it (see :mod:`balancer.domain.endgame`).
-
-    In the bulk of the run it is returned unchanged. In the end game each task
-    is bound to the model that would finish it soonest, or left pending if
-    that model has no free slot now. A full window means more is pending than
-    was claimed: the backlog's size and mean estimate then come from one count
-    query, and the unclaimed rest is planned as stand-ins of average size.
-    """
-    models = outlooks(view, prior_s)
-    pending = len(batch)
-    mean_tokens = sum(c.estimated_tokens for _, c in batch) / len(batch)
-    if not endgame.in_end_game(pending, mean_tokens, models, latency_field):
-        return batch  # a larger backlog drains later still: the bulk of the run, no count needed
-    if window_full:
-        pending, mean_tokens = pending_backlog(conn)
-        if not endgame.in_end_game(pending, mean_tokens, models, latency_field):
-            return batch
-    jobs = [endgame.Job(t.id, c.estimated_tokens, c.allowed, c.avoid) for t, c in batch]
-    unclaimed = min(MAX_UNCLAIMED_PLANNED, max(0, pending - len(jobs)))
-    placed = endgame.plan(jobs, models, [endgame.Job(-1 - i, round(mean_tokens)) for i in range(unclaimed)], latency_field)
-    return [
-        (task, dataclasses.replace(candidate, allowed=(model,)))
-        for (task, candidate), model in zip(batch, placed, strict=True)
-        if model is not None
-    ]
 
 
 def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, ModelLive]) -> int:

@@ -7,7 +7,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from balancer.errors import ConfigError, ServiceUnavailable
-from balancer.settings import Settings, mask_url, normalize_database_url, scrub
+from balancer.settings import Settings
+from balancer.urls import mask_url, normalize_database_url, scrub
 
 
 def make_engine(url: str, pool_size: int = Settings.db_pool_size, **kwargs: object) -> Engine:

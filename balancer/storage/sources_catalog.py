@@ -23,8 +23,8 @@ from sqlalchemy.exc import DBAPIError
 
 from balancer.domain.sourcefile import SourceDef, SourceFileError
 from balancer.errors import ConfigError, ServiceUnavailable, printable
-from balancer.settings import mask_url, scrub
 from balancer.storage.db import cached_engine
+from balancer.urls import mask_url, scrub
 
 
 def team_url(definition: SourceDef, own_url: str) -> str:

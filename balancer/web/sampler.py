@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from balancer.domain.cost import Spend
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
-from balancer.settings import scrub
 from balancer.storage.spend import projected_cost, spend_so_far
+from balancer.urls import scrub
 from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts
 
 log = logging.getLogger(__name__)
