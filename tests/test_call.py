@@ -241,3 +241,34 @@ def test_the_heartbeat_keeps_a_next_calls_slot_through_a_stalled_start(
     assert len(left_ms) > 10 and min(left_ms) > 0  # the next call's lease never ran out
     assert [e["status"] for e in simulator.log] == [200, 200]
     assert task_row(short, other).status == "solved" and short.core.live()["m"].in_flight == 0
+
+
+def test_a_redis_error_freeing_an_answered_slot_still_writes_the_answer(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,  # noqa: F811
+) -> None:
+    """Issue 26, 1. The call answers; freeing its slot (and taking the next call)
+    raises a Redis ConnectionError, and so does every ask for a dispatch. The paid
+    answer is still written (once, one backend call), the chain returns its
+    outcome, and no next call is taken."""
+    import redis
+
+    from balancer.admission import AdmissionCore
+
+    def lost(self, admission_id, settlement):  # noqa: ANN001, ANN202
+        raise redis.ConnectionError("Connection closed by server.")
+
+    def no_dispatch() -> None:
+        raise redis.ConnectionError("Connection closed by server.")
+
+    url, simulator = sim
+    a = dispatch_one(svc, {"prompt": "paid once", "model": "m", "max_tokens": 20})
+    monkeypatch.setattr(AdmissionCore, "finish_and_take", lost)
+    caplog.set_level(logging.WARNING)
+    outcomes = chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: True,
+                     ask_for_dispatch=no_dispatch)
+    assert outcomes == ["solved"]
+    row = task_row(svc, a.task_id)
+    assert row.status == "solved" and row.answer.startswith("[m]")
+    assert [e["status"] for e in simulator.log] == [200]
+    assert "answered but freeing its slot failed" in caplog.text
+    assert "could not ask for a dispatch" in caplog.text
