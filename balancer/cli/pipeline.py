@@ -15,12 +15,21 @@ from balancer.cli import resolved_settings, services
 from balancer.errors import BalancerError, ConfigError, QuotaError, printable
 
 
-def _migrated():  # noqa: ANN202
+def _migrated(*, wait: bool = False):  # noqa: ANN202
+    """Connected services on a migrated schema. ``wait``: a long-running process's
+    start, which waits for an unreachable Redis or PostgreSQL (``BALANCER_START_WAIT``)."""
     from balancer.storage.migrate import require_migrated
 
-    svc = services()
-    require_migrated(svc.engine)
-    return svc
+    def start():  # noqa: ANN202
+        svc = services()
+        require_migrated(svc.engine)
+        return svc
+
+    if not wait:
+        return start()
+    from balancer.cli.startwait import wait_until_reachable
+
+    return wait_until_reachable(start, resolved_settings().start_wait)
 
 
 @click.command()
@@ -117,7 +126,7 @@ def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> N
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
-    svc = _migrated()
+    svc = _migrated(wait=True)
     known = {q.name: q for q in svc.quotas.all()}
     chosen = sorted(known) if all_models else list(models)
     if not chosen:
@@ -140,7 +149,7 @@ def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
 @click.option("--loglevel", default="INFO", show_default=True)
 def dispatcher(loglevel: str) -> None:
     """The dispatcher: consumes the control queue (dispatch, ingest, sweep)."""
-    _migrated()
+    _migrated(wait=True)
     _celery_worker([
         "worker", "-Q", "control", "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",
         "--without-gossip", "--without-mingle", "-l", loglevel,
@@ -152,6 +161,9 @@ def dispatcher(loglevel: str) -> None:
 def beat(loglevel: str) -> None:
     """Celery beat: periodic dispatch, sweep and ingest ticks."""
     home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
+    from balancer.cli.startwait import wait_until_reachable
+
+    wait_until_reachable(services, resolved_settings().start_wait)  # its ticks need both: wait, not crash-loop
     from balancer.pipeline.app import app
 
     home.mkdir(parents=True, exist_ok=True)
