@@ -49,3 +49,19 @@ def wait_until_reachable(start: Callable[[], T], wait_seconds: float, *,
             click.echo(f"waiting for a service (attempt {attempt}, retrying in {pause:.1f}s, giving up in "
                        f"{left:.0f}s): {exc}", err=True)
             sleep(pause)
+
+
+def migrated(*, wait: bool = False):  # noqa: ANN201 - Services, imported lazily to keep `balancer --help` fast
+    """Connected services on a migrated schema. ``wait``: a long-running process's
+    start, which waits for an unreachable Redis or PostgreSQL (``BALANCER_START_WAIT``)."""
+    from balancer.cli import resolved_settings, services
+    from balancer.storage.migrate import require_migrated
+
+    def start():  # noqa: ANN202
+        svc = services()
+        require_migrated(svc.engine)
+        return svc
+
+    if not wait:
+        return start()
+    return wait_until_reachable(start, resolved_settings().start_wait)
