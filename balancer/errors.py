@@ -21,6 +21,12 @@ class ServiceUnavailable(BalancerError):
     """Redis or PostgreSQL could not be reached; the message names the masked URL."""
 
 
+class Unreachable(ServiceUnavailable):
+    """Redis or PostgreSQL refused or timed out a connection: it may come back
+    (a restart, a network blip), unlike a bad URL or a refused password. A
+    worker, dispatcher or beat starting waits for it (``BALANCER_START_WAIT``)."""
+
+
 def printable(text: str, limit: int = 200) -> str:
     """User-supplied text made safe to echo in a terminal: control characters
     (C0, C1, DEL) and bidi overrides escaped, and long text shortened.

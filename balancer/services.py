@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 
 from balancer.admission import AdmissionCore, LeaseSeed, keys
 from balancer.domain.quota import Quota
-from balancer.errors import ConfigError, ServiceUnavailable
+from balancer.errors import ConfigError, ServiceUnavailable, Unreachable
 from balancer.settings import Settings
 from balancer.storage.db import cached_engine
 from balancer.storage.leases import in_flight_leases
@@ -47,8 +47,12 @@ def redis_client(url: str, *, check: bool = True) -> redis.Redis:
         client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, health_check_interval=30)
         if check:
             client.ping()
-    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError, ValueError) as exc:
+    except (redis.AuthenticationError, ValueError) as exc:  # a bad URL or password: no wait helps
         raise ServiceUnavailable(
+            f"cannot reach Redis at {mask_url(url)} (BALANCER_REDIS_URL): {scrub((str(exc).splitlines() or [''])[0], url)}"
+        ) from None
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise Unreachable(
             f"cannot reach Redis at {mask_url(url)} (BALANCER_REDIS_URL): {scrub((str(exc).splitlines() or [''])[0], url)}"
         ) from None
     except redis.ResponseError as exc:

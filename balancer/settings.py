@@ -124,6 +124,8 @@ class Settings:
     backend_timeout: float = _setting("seconds one backend call may take", 150.0, partial(_seconds, low=0.1, high=3600))
     write_grace: float = _setting("seconds a solve may take after the call (writing the answer)", 30.0,
                                   partial(_seconds, low=1, high=3600))
+    start_wait: float = _setting("seconds a worker, dispatcher or beat waits at start for an unreachable Redis or "
+                                 "PostgreSQL (then exit 2)", 300.0, partial(_seconds, low=0, high=86400))
     namespace: str = _setting("Redis key prefix / hash tag, so several deployments share a Redis", "balancer")
     home: str = _setting("directory for the embedded stack's data", ".balancer", _text)
     lease_seconds: int = _setting(

@@ -241,3 +241,71 @@ def test_the_heartbeat_keeps_a_next_calls_slot_through_a_stalled_start(
     assert len(left_ms) > 10 and min(left_ms) > 0  # the next call's lease never ran out
     assert [e["status"] for e in simulator.log] == [200, 200]
     assert task_row(short, other).status == "solved" and short.core.live()["m"].in_flight == 0
+
+
+def test_a_redis_error_freeing_an_answered_slot_still_writes_the_answer(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,  # noqa: F811
+) -> None:
+    """Issue 26, 1. The call answers; freeing its slot (and taking the next call)
+    raises a Redis ConnectionError, and so does every ask for a dispatch. The paid
+    answer is still written (once, one backend call), the chain returns its
+    outcome, and no next call is taken."""
+    import redis
+
+    from balancer.admission import AdmissionCore
+
+    def lost(self, admission_id, settlement):  # noqa: ANN001, ANN202
+        raise redis.ConnectionError("Connection closed by server.")
+
+    def no_dispatch() -> None:
+        raise redis.ConnectionError("Connection closed by server.")
+
+    url, simulator = sim
+    a = dispatch_one(svc, {"prompt": "paid once", "model": "m", "max_tokens": 20})
+    monkeypatch.setattr(AdmissionCore, "finish_and_take", lost)
+    caplog.set_level(logging.WARNING)
+    outcomes = chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: True,
+                     ask_for_dispatch=no_dispatch)
+    assert outcomes == ["solved"]
+    row = task_row(svc, a.task_id)
+    assert row.status == "solved" and row.answer.startswith("[m]")
+    assert [e["status"] for e in simulator.log] == [200]
+    assert "answered but freeing its slot failed" in caplog.text
+    assert "could not ask for a dispatch" in caplog.text
+
+
+def test_the_heartbeat_extends_task_deadlines_while_redis_is_unreachable(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    """Issue 26, 2. The heartbeat's Redis is unreachable (a port that refuses
+    connections) for three leases while a call runs. Every Redis renewal fails,
+    yet each pass still extends the task's deadline in PostgreSQL: the sweep
+    never returns the task, so no second call can start on it."""
+    import socket
+
+    import redis
+
+    from balancer.admission import AdmissionCore
+
+    short = with_settings(svc, monkeypatch, BALANCER_LEASE_SECONDS="2")
+    a = dispatch_one(short, {"prompt": "long call", "model": "m", "max_tokens": 20})
+    assert start_solve(short.engine, a.task_id, a.admission_id, short.settings.lease_seconds) is not None
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=1)
+    cut_off = dataclasses.replace(short, redis=dead, core=AdmissionCore(
+        dead, short.settings.namespace, lease_ms=short.settings.lease_seconds * 1000))
+    heartbeat = Heartbeat(cut_off)
+    try:
+        heartbeat.register(a.admission_id, until=time.monotonic() + 60)
+        heartbeat.started(a.admission_id)
+        until = time.monotonic() + 3 * short.settings.lease_seconds
+        while time.monotonic() < until:
+            assert return_expired(short.engine) == 0, "the sweep took the task from its live call"
+            time.sleep(0.2)
+    finally:
+        heartbeat.close()
+    row = task_row(short, a.task_id)
+    assert (row.status, row.admission_id) == ("running", a.admission_id)
+    short.core.finish(a.admission_id)

@@ -203,9 +203,9 @@ def test_a_short_chaos_run_holds_every_target(which: str, service_urls: tuple[st
     assert report.double_written == 0 and not report.ended_twice, text
     assert report.provider_violations == [] and report.quota_breaches == [], text
     assert report.unexplained_overlaps == [], text
+    assert not report.deaths, text  # a restart during an outage waits for it (BALANCER_START_WAIT)
     known = [what for what, missed in (
         ("unexplained repeated calls", report.unexplained_repeats),
-        ("recovery p99 over 60 s", report.recovery_p99 is not None and report.recovery_p99 > 60),
-        ("processes dead on their own", report.deaths)) if missed]
+        ("recovery p99 over 60 s", report.recovery_p99 is not None and report.recovery_p99 > 60)) if missed]
     if known:  # the open findings of docs/reliability.md (Chaos under load); strict once they are fixed
         pytest.xfail(f"seed {seed}: {', '.join(known)} (known open findings, see docs/reliability.md)")

@@ -581,7 +581,7 @@ def test_a_worker_that_cannot_continue_exits_non_zero(tmp_path: Path) -> None:
     import sys
 
     code = (
-        "import sys; from balancer.cli import main; from balancer.cli.pipeline import _celery_worker\n"
+        "import sys; from balancer.cli import main; from balancer.cli.processes import _celery_worker\n"
         "sys.exit(main(['quota', 'list']) or _celery_worker(['worker', '-Q', 'nothing', '-c', '1', '-n', 'broken@%h', "
         "'--without-gossip', '--without-mingle'], pool='tests.broken_pool:BrokenPool'))"
     )

@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
+import redis
+
 from balancer.admission import AdmissionCore, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion
 from balancer.pipeline.answers import AnswerWriter
@@ -127,6 +129,19 @@ class Call:
     def free(self, settlement: Settlement | None = None) -> None:
         """Free the slot (once); the heartbeat renews only the task's deadline from now on."""
         if self.slot.free(settlement):
+            self.heartbeat.slot_freed(self.admission_id)
+
+    def free_answered(self, settlement: Settlement) -> None:
+        """Free the slot of a call that answered. A Redis error here must not lose
+        the paid answer: it is logged, the slot's lease expires on its own, and
+        no next call is taken; the answer is still handed to the writer."""
+        try:
+            self.free(settlement)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("task %d: its call on %s answered but freeing its slot failed (%s); the answer is still "
+                        "written, the slot's lease expires on its own, and no next call is taken",
+                        self.msg.task_id, self.msg.model, exc)
+            self.slot.next = None
             self.heartbeat.slot_freed(self.admission_id)
 
     def disown(self) -> None:

@@ -19,7 +19,9 @@ registered call holds:
   is also what tells a redelivered message that the call is still running in
   a live worker (:func:`balancer.storage.transitions.start_solve` refuses it).
   This write runs on a thread of its own, so a stalled PostgreSQL never holds
-  up the renewals in Redis.
+  up the renewals in Redis; and the Redis renewals run on another, so a
+  Redis that refuses or drops connections never holds up the deadlines.
+  Each slot is renewed on its own: a Redis error on one does not skip the rest.
 
 A registration lapses at its ``until`` (the solve's deadline plus one write
 grace) even if it was never released: no call is kept alive for ever by a
@@ -90,6 +92,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._writing_deadlines = threading.Lock()  # one deadline write at a time
+        self._beating_redis = threading.Lock()  # one Redis half at a time
 
     # -- a call's registration ---------------------------------------------------------
     def register(self, admission_id: str, *, until: float) -> None:
@@ -123,9 +126,14 @@ class Heartbeat:
 
     # -- the beat ------------------------------------------------------------------------
     def beat(self) -> tuple[int, int]:
-        """One pass, both halves in this thread: (slots extended, task deadlines extended)."""
-        calls = self._beat_redis()
-        return calls[0], self._extend_deadlines(calls[1])
+        """One pass, both halves in this thread: (slots extended, task deadlines extended).
+        The deadlines are extended whatever the Redis half does."""
+        calls, gone = self._take()
+        try:
+            slots = self._beat_redis(calls, gone)
+        finally:
+            extended = self._extend_deadlines(list(calls))
+        return slots, extended
 
     def _take(self) -> tuple[dict[str, _Registration], list[str]]:
         now = time.monotonic()
@@ -141,24 +149,43 @@ class Heartbeat:
                         len(lapsed), ", ".join(lapsed[:5]))
         return calls, gone
 
-    def _beat_redis(self) -> tuple[int, list[str]]:
-        """The Redis half: slots and the live-call set. Returns (slots extended, calls to keep)."""
-        calls, gone = self._take()
+    def _beat_redis(self, calls: dict[str, _Registration], gone: list[str]) -> int:
+        """The Redis half: slots and the live-call set. Returns the slots extended.
+
+        A Redis error never ends the pass early: each slot's renewal is tried on
+        its own (one failing lease does not skip the rest). The PostgreSQL half
+        does not wait for this one (a Redis that refuses connections can hold a
+        call for seconds of client retries)."""
         if not calls and not gone:
-            return 0, []
+            return 0
         core, lease_ms = self.services.core, self.lease_seconds * 1000
-        slots = lost = 0
+        slots = lost = failed = 0
+        error: Exception | None = None
         for aid, reg in calls.items():
             if not reg.slot:
                 continue
-            if core.heartbeat(aid, lease_ms):
+            try:
+                renewed = core.heartbeat(aid, lease_ms)
+            except (redis.RedisError, OSError) as exc:
+                failed, error = failed + 1, exc
+                continue
+            if renewed:
                 slots += 1
             elif reg.started:
                 lost += 1
         if lost:
             log.warning("%d running call(s) had lost their slot lease (expired, or Redis lost its data)", lost)
-        mark_live(self.services.redis, self.services.settings.namespace, list(calls), gone, lease_ms)
-        return slots, list(calls)
+        if failed:
+            log.warning("renewing %d slot lease(s) failed on Redis, the others went on; their task deadlines are "
+                        "still extended: %s", failed, _first_line(error))
+        try:
+            mark_live(self.services.redis, self.services.settings.namespace, list(calls), gone, lease_ms)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("updating the live-call set failed on Redis; task deadlines are still extended: %s",
+                        _first_line(exc))
+            with self._lock:  # forgotten next time
+                self._gone.extend(gone)
+        return slots
 
     def _extend_deadlines(self, admission_ids: list[str]) -> int:
         with self._writing_deadlines:
@@ -190,9 +217,28 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            calls, gone = self._take()
+            self._extend_in_background(list(calls))  # a Redis half that fails or hangs never holds it up
+            self._beat_redis_in_background(calls, gone)
+
+    def _beat_redis_in_background(self, calls: dict[str, _Registration], gone: list[str]) -> None:
+        """The Redis half, off the beat's thread; skipped while the last one still runs
+        (a Redis that refuses connections holds each command through the client's retries)."""
+        if not self._beating_redis.acquire(blocking=False):
+            with self._lock:  # forgotten next time
+                self._gone.extend(gone)
+            return
+
+        def run() -> None:
             try:
-                _, keep = self._beat_redis()
-                self._extend_in_background(keep)
-            except Exception as exc:  # Redis away: the next beat tries again
-                log.warning("lease heartbeat failed, retrying in %.1fs: %s", self.interval,
-                            (str(exc).splitlines() or [""])[0])
+                self._beat_redis(calls, gone)
+            except Exception as exc:  # an unforeseen error: the next beat tries again
+                log.warning("lease heartbeat failed, retrying in %.1fs: %s", self.interval, _first_line(exc))
+            finally:
+                self._beating_redis.release()
+
+        threading.Thread(target=run, name="lease-slots", daemon=True).start()
+
+
+def _first_line(exc: BaseException | None) -> str:
+    return (str(exc).splitlines() or [""])[0]

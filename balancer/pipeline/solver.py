@@ -91,6 +91,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import redis
+
 from balancer.admission import AdmissionCore, Admitted, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
 from balancer.pipeline.answers import AnswerWriter
@@ -246,10 +248,19 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
         if call is not None and not call.restock:
             continue
         if isinstance(outcome, tuple):
-            outcome[0].add_done_callback(lambda _: ask_for_dispatch())  # on the writer, off the path to the next call
+            outcome[0].add_done_callback(lambda _: _ask(ask_for_dispatch))  # on the writer, off the path to the next call
         else:
-            ask_for_dispatch()
+            _ask(ask_for_dispatch)
     return [o if isinstance(o, str) else _written(writer, *o) for o in outcomes]
+
+
+def _ask(ask_for_dispatch: Callable[[], object]) -> None:
+    """Ask for a dispatch; a Redis error is logged and the chain goes on (the
+    dispatcher's own tick refills the lists)."""
+    try:
+        ask_for_dispatch()
+    except (redis.RedisError, OSError) as exc:
+        log.warning("could not ask for a dispatch (%s); the chain goes on, and the dispatcher's tick refills", exc)
 
 
 def _written(writer: AnswerWriter, answer: Future[str], deadline: float) -> str:
@@ -300,7 +311,7 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
     # exactly-once guard. If the finish took the slot's next call, that call is
     # registered with the heartbeat and its task started at once (a start does
     # not wait for the WAL flush); this answer is stored while the next call runs.
-    call.free(answered(completion, ctx, latency_ms))
+    call.free_answered(answered(completion, ctx, latency_ms))
     if call.slot.next is not None:
         taken.extend(_start_next(services, call.heartbeat, call.slot.next))
     answer = call.hand_over(writer, answer_of(msg, completion), "solved")
@@ -353,7 +364,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
         log.info("task %d: its hedge on %s got no answer (%s); the task is its first call's again", msg.task_id,
                  msg.model, exc)
         return "hedge_failed"
-    call.free(answered(completion, ctx, latency_ms))
+    call.free_answered(answered(completion, ctx, latency_ms))
     answer = call.hand_over(writer, answer_of(msg, completion, hedge=True), "hedge_won")
     return answer, call.deadline
 

@@ -6,7 +6,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from balancer.errors import ConfigError, ServiceUnavailable
+from balancer.errors import ConfigError, ServiceUnavailable, Unreachable
 from balancer.settings import Settings
 from balancer.urls import mask_url, normalize_database_url, scrub
 
@@ -67,7 +67,15 @@ def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
     """Turn a driver error into one line that names the masked URL, never the password."""
     detail = str(getattr(exc, "orig", exc)).strip().splitlines()
     first = scrub(detail[0] if detail else type(exc).__name__, url)
-    return ServiceUnavailable(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
+    kind = Unreachable if any(sign in first.lower() for sign in _MAY_COME_BACK) else ServiceUnavailable
+    return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
+
+
+#: libpq's words for a server that is down, starting or out of reach (not a bad
+#: URL, user or password): a process starting waits for it.
+_MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the database system is starting up",
+                  "the database system is shutting down", "server closed the connection", "no route to host",
+                  "network is unreachable", "connection reset")
 
 
 def check_reachable(engine: Engine) -> None:

@@ -1,0 +1,172 @@
+"""The long-running processes' commands: worker, dispatcher, beat, sim, metrics, router."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import click
+
+from balancer.cli import resolved_settings, services
+from balancer.cli.startwait import migrated as _migrated
+from balancer.errors import BalancerError, ConfigError, QuotaError, printable
+
+
+def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> None:
+    import balancer.pipeline.tasks  # noqa: F401 - registers tasks and the quota watcher
+    from balancer.pipeline.app import app
+
+    # A class path is accepted by the worker_pool setting, not by `-P` (a fixed choice list).
+    app.conf.worker_pool = pool
+    app.conf.balancer_all_models = all_models  # the quota watcher adds queues of models created later
+    # Not app.worker_main (nor app.start), which drop the exit code that click's
+    # non-standalone main returns: after an "Unrecoverable error" the process
+    # would exit 0, and a restart-on-failure supervisor (compose, systemd)
+    # would leave it down. This is app.start, keeping the code.
+    from celery.bin.celery import celery
+
+    celery.params[0].default = app
+    try:
+        code = celery.main(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    finally:
+        celery.params[0].default = None
+    if code:
+        raise SystemExit(code)
+
+
+@click.command()
+@click.option("--model", "models", multiple=True, help="Model whose queue model.<name> to consume (repeatable).")
+@click.option("--all-models", is_flag=True, help="Consume every configured model's queue in one process.")
+@click.option("--loglevel", default="INFO", show_default=True)
+def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
+    """A worker pool for one or more models, sized to their max_concurrent_requests."""
+    svc = _migrated(wait=True)
+    known = {q.name: q for q in svc.quotas.all()}
+    chosen = sorted(known) if all_models else list(models)
+    if not chosen:
+        raise BalancerError("give --model NAME (repeatable) or --all-models")
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise QuotaError(f"unknown model(s): {', '.join(unknown)}")
+    concurrency = sum(known[m].max_concurrent_requests for m in chosen)
+    queues = ",".join(f"model.{m}" for m in chosen)
+    name = "models" if all_models else "+".join(chosen)
+    # The pid keeps node names unique when several processes share a host
+    # (RabbitMQ's exclusive pidbox queue refuses a second node of the same name).
+    _celery_worker([
+        "worker", "-Q", queues, "-c", str(concurrency),
+        "-n", f"{name[:50]}-{os.getpid()}@%h", "--without-gossip", "--without-mingle", "-l", loglevel,
+    ], pool="balancer.pipeline.pool:ResizableThreadPool", all_models=all_models)
+
+
+@click.command()
+@click.option("--loglevel", default="INFO", show_default=True)
+def dispatcher(loglevel: str) -> None:
+    """The dispatcher: consumes the control queue (dispatch, ingest, sweep)."""
+    _migrated(wait=True)
+    _celery_worker([
+        "worker", "-Q", "control", "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",
+        "--without-gossip", "--without-mingle", "-l", loglevel,
+    ], pool="threads")
+
+
+@click.command()
+@click.option("--loglevel", default="INFO", show_default=True)
+def beat(loglevel: str) -> None:
+    """Celery beat: periodic dispatch, sweep and ingest ticks."""
+    home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
+    from balancer.cli.startwait import wait_until_reachable
+
+    wait_until_reachable(services, resolved_settings().start_wait)  # its ticks need both: wait, not crash-loop
+    from balancer.pipeline.app import app
+
+    home.mkdir(parents=True, exist_ok=True)
+    app.Beat(loglevel=loglevel, schedule=str(home / "celerybeat-schedule")).run()
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8900, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--models", "count", default=10, show_default=True, type=click.IntRange(1, 100), help="How many default models.")
+@click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0001),
+              help="Multiplies latencies and per-minute windows.")
+@click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--accounting", type=click.Choice(["reserve", "settle"]), default="reserve", show_default=True,
+              help="How the default models count tokens: reserve (kept, strict) or settle (unused part refunded).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--grace", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds of refill tolerated above the buckets (0: strict, as providers are).")
+@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), help="Append every call to this JSONL file.")
+@click.option("--scenario", help="Take models and time scale from a scenario (bundled name or TOML file).")
+def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, accounting: str, seed: int, grace: float,
+        log_path: Path | None, scenario: str | None) -> None:
+    """Run the simulated Models Backend."""
+    import dataclasses
+
+    import uvicorn
+
+    from balancer.devtools.sim.config import default_models
+    from balancer.devtools.sim.server import Simulator, create_app
+
+    if scenario is not None:
+        from balancer.bench.scenarios import locate
+        from balancer.devtools.scenario import parse_scenario
+
+        file_name, text = locate(scenario)
+        spec = parse_scenario(text, file_name)
+        models, time_scale, count = list(spec.models), spec.time_scale, len(spec.models)
+    else:
+        models = [dataclasses.replace(m, error_rate=error_rate, accounting=accounting) for m in default_models(count)]
+    simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path)
+    click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
+    uvicorn.run(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 to expose it).")
+@click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--finished-every", default=60.0, show_default=True, type=click.FloatRange(0, 86_400),
+              help="Seconds between recounts of solved, failed and cancelled tasks (they read the whole history).")
+def metrics(host: str, port: int, finished_every: float) -> None:
+    """Serve Prometheus metrics at http://HOST:PORT/metrics, read from Redis and
+    PostgreSQL at every scrape (stateless: run one anywhere)."""
+    import threading
+
+    from balancer.pipeline.metrics import serve
+
+    svc = _migrated()
+    try:
+        serve(svc, host, port, finished_every=finished_every)
+    except OSError as exc:
+        raise BalancerError(f"cannot serve metrics on {printable(host)}:{port}: {exc.strerror or exc}") from None
+    click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics", err=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a deploy's stop is a clean exit (0), not a kill
+    stop.wait()
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; beyond loopback BALANCER_ROUTER_TOKEN is required.")
+@click.option("--port", default=8700, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--access-log", is_flag=True, help="Log every request (method, path, status; never the token).")
+def router(host: str, port: int, access_log: bool) -> None:
+    """Serve the router API (/schedule, /complete, /heartbeat, /advice) on the
+    pipeline's quotas, for callers outside Celery. OpenAPI at /docs."""
+    try:
+        from balancer.router.app import asgi, create_app, is_loopback
+        from balancer.router.server import serve
+    except ImportError as exc:
+        raise BalancerError(f"the router needs its extra: pip install 'balancer[router]' ({exc.name} is missing)") from None
+    svc = _migrated()
+    token = svc.settings.router_token
+    if token is None and not is_loopback(host):
+        raise ConfigError(f"BALANCER_ROUTER_TOKEN must be set to serve the router beyond loopback (--host {printable(host)})")
+    core = svc.core.with_lease(round(svc.settings.router_lease_seconds * 1000))
+    app = create_app(core, lease_ms=core.lease_ms, token=token)
+    click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
+               f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
+    serve(asgi(app), host, port, log_level="info" if access_log else "warning", access_log=access_log)

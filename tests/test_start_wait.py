@@ -1,0 +1,82 @@
+"""Issue 26, 3: a long-running process started while Redis or PostgreSQL is
+down waits for it (``BALANCER_START_WAIT``) instead of exiting 2 and
+crash-looping; a bad URL still exits 2 at once."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from balancer.devtools.tcpproxy import StallProxy
+
+pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("migrated")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:  # nothing listens here once closed: connections are refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(env: dict[str, str], log: Path, *argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "balancer", *argv], env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"))
+
+
+def wait_for(condition, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_dispatcher_started_while_postgresql_refuses_waits_and_then_runs(env: dict[str, str], tmp_path: Path) -> None:
+    """PostgreSQL's port refuses connections when the dispatcher starts: it logs
+    one line per attempt and keeps trying; once the port forwards to
+    PostgreSQL, it starts and consumes its queue."""
+    url = make_url(env["BALANCER_DATABASE_URL"])
+    port = free_port()
+    log = tmp_path / "dispatcher.log"
+    proc = start({"BALANCER_DATABASE_URL": url.set(host="127.0.0.1", port=port).render_as_string(hide_password=False),
+                  "BALANCER_START_WAIT": "120"}, log, "dispatcher", "--loglevel", "INFO")
+    proxy: StallProxy | None = None
+    try:
+        wait_for(lambda: log.read_text().count("waiting for a service") >= 2, 60, "two waiting lines")
+        assert proc.poll() is None, log.read_text()
+        assert "cannot reach PostgreSQL" in log.read_text() and "Traceback" not in log.read_text()
+        proxy = StallProxy(url.host or "127.0.0.1", url.port or 5432, port=port).start()
+        wait_for(lambda: "ready." in log.read_text() or proc.poll() is not None, 90, "the dispatcher's start")
+        assert proc.poll() is None and "ready." in log.read_text(), log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        if proxy is not None:
+            proxy.close()
+
+
+def test_an_unreachable_service_past_the_start_wait_exits_2(env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "worker.log"
+    started = time.monotonic()
+    proc = start({"BALANCER_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "BALANCER_START_WAIT": "2"}, log,
+                 "worker", "--all-models")
+    assert proc.wait(60) == 2
+    lines = log.read_text().strip().splitlines()
+    assert "Traceback" not in log.read_text()
+    assert lines[-1].startswith("error: cannot reach Redis") and any("waiting for a service" in x for x in lines)
+    assert 2 <= time.monotonic() - started < 30
+
+
+def test_a_bad_url_exits_2_at_once_without_waiting(env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "dispatcher.log"
+    proc = start({"BALANCER_DATABASE_URL": "mysql://root:hunter2@db/x", "BALANCER_START_WAIT": "120"}, log,
+                 "dispatcher")
+    assert proc.wait(30) == 2
+    text = log.read_text()
+    assert "waiting for a service" not in text and text.strip().startswith("error: ") and "hunter2" not in text
