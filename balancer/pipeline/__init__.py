@@ -4,6 +4,7 @@
 * ``tasks`` — the Celery task entry points, thin wrappers over:
 * ``dispatcher`` — pending tasks → admission core → ``solve`` messages, and the ready lists' stock
 * ``solver`` — each outcome of a call and the status change it makes
+* ``signals`` — what a call's end tells the admission core (429 pause, circuit, settlement)
 * ``call`` — one call's life: its admission, slot, heartbeat registration and answer
 * ``answers`` — the answer writer, the only way an answer reaches PostgreSQL
 * ``heartbeat`` — renews the leases of the calls this process owns

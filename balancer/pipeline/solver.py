@@ -85,7 +85,6 @@ until it is written. Every wait ends by the solve's deadline.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -93,12 +92,13 @@ from dataclasses import dataclass
 
 import redis
 
-from balancer.admission import AdmissionCore, Admitted, ReadyTask, Settlement
+from balancer.admission import AdmissionCore, Admitted, ReadyTask
 from balancer.backends import Backend, Cancelled, Completion, Permanent, RateLimited, Transient
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.call import Call, Change, SolveMessage
 from balancer.pipeline.cancellation import CancelListener
 from balancer.pipeline.heartbeat import Heartbeat
+from balancer.pipeline.signals import answered, pause_for, trip
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.hedges import start_hedge
@@ -369,37 +369,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
     return answer, call.deadline
 
 
-def trip(core: AdmissionCore, model: str, error: str) -> bool:
-    """Tell the model's circuit breaker about a transient failure; True if it
-    counts against the task (the circuit was closed and stays closed)."""
-    counted, opened = core.trip(model)
-    if opened:
-        log.warning("%s: circuit open after repeated transient failures (%s); pausing it, then probing", model, error)
-    return counted
-
-
-def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
-    """Pause the model for the 429's Retry-After (1 s if absent) and sync to its headers."""
-    retry_after = exc.retry_after if exc.retry_after is not None else 1.0
-    core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests,
-                  limit_tokens=exc.remaining.limit_tokens, limit_requests=exc.remaining.limit_requests)
-
-
 def answer_of(msg: SolveMessage, completion: Completion, *, hedge: bool = False) -> Answer:
     """The answer to store for this message's call (a hedge's names its model)."""
     return Answer(msg.task_id, msg.admission_id, completion.answer, completion.prompt_tokens,
                   completion.completion_tokens, hedge_model=msg.model if hedge else None)
-
-
-def answered(completion: Completion, ctx: SolveContext, latency_ms: int) -> Settlement:
-    """What an answered call tells the admission core (usage, headers, latency)."""
-    return Settlement(
-        used_tokens=completion.total_tokens,
-        reserved_tokens=completion.prompt_tokens + ctx.max_tokens,
-        remaining_tokens=completion.remaining.tokens,
-        remaining_requests=completion.remaining.requests,
-        limit_tokens=completion.remaining.limit_tokens,
-        limit_requests=completion.remaining.limit_requests,
-        latency_ms=latency_ms,
-        completion_tokens=completion.completion_tokens,
-    )
