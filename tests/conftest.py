@@ -16,6 +16,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,3 +229,20 @@ def new_twin(redis_client: redis.Redis) -> Iterator:
 @pytest.fixture
 def twin(new_twin) -> Twin:  # noqa: ANN001
     return new_twin()
+
+
+@pytest.fixture
+def pipeline(tmp_path: Path) -> Iterator:
+    """A factory of pipelines (tests/pipeline_harness.py), each stopped afterwards.
+    Fault tests that need more (a write witness, no hedges) define their own."""
+    from tests.pipeline_harness import Pipeline
+
+    made: list[Pipeline] = []
+
+    def make(**kwargs: object) -> Pipeline:
+        made.append(Pipeline(tmp_path / "logs", **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.stop()

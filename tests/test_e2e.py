@@ -21,19 +21,6 @@ from tests.pipeline_harness import Pipeline, prompt_lines
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("migrated")]
 
 
-@pytest.fixture
-def pipeline(tmp_path: Path):
-    made: list[Pipeline] = []
-
-    def make(**kwargs) -> Pipeline:
-        made.append(Pipeline(tmp_path / "logs", **kwargs))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.stop()
-
-
 def assert_solved_exactly_once(p: Pipeline, total: int) -> None:
     rows = p.rows()
     assert len(rows) == total

@@ -7,22 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline_harness import Pipeline, prompt_lines
+from tests.pipeline_harness import prompt_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("migrated")]
-
-
-@pytest.fixture
-def pipeline(tmp_path: Path):
-    made: list[Pipeline] = []
-
-    def make(**kwargs) -> Pipeline:
-        made.append(Pipeline(tmp_path / "logs", **kwargs))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.stop()
 
 
 SCENARIO = """

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from balancer.cli import services
+from balancer.cli.startwait import migrated
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError, printable
 
@@ -21,14 +21,6 @@ if TYPE_CHECKING:
     from balancer.services import Services
 
 POSITIVE = click.IntRange(min=1)
-
-
-def _migrated_services():  # noqa: ANN202
-    from balancer.storage.migrate import require_migrated
-
-    svc = services()
-    require_migrated(svc.engine)
-    return svc
 
 
 @click.group()
@@ -40,7 +32,7 @@ def quota() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def quota_list(as_json: bool) -> None:
     """Limits from PostgreSQL with the live state from Redis."""
-    svc = _migrated_services()
+    svc = migrated()
     stored = svc.quotas.all()
     live = svc.core.live() if svc.core.is_loaded() else {}
     rows = []
@@ -205,7 +197,7 @@ def quota_set(
     from balancer.domain.quota import check_model_name
 
     check_model_name(model)
-    svc = _migrated_services()
+    svc = migrated()
     old, new = svc.quotas.set(model, changes, create=create, by=by)
     if old == new:
         click.echo(f"{model}: unchanged")
@@ -240,7 +232,7 @@ def quota_remove(model: str, force: bool, by: str | None) -> None:
 
     from balancer.storage.removal import fail_pinned, model_occupancy
 
-    svc = _migrated_services()
+    svc = migrated()
     failed = 0
 
     def check(conn: Connection) -> None:
@@ -282,7 +274,7 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
         raise QuotaError(f"{name}: {exc}") from None
     if not quotas:
         raise QuotaError(f"{name} lists no models: refusing to remove every model (use `quota remove MODEL`)")
-    svc = _migrated_services()
+    svc = migrated()
     summary = svc.quotas.replace_all(quotas, by=by, allow_removal=replace, dry_run=dry_run)
     counts = (f"{len(summary.created)} created, {len(summary.updated)} updated, "
               f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged")
@@ -301,7 +293,7 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
 @click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
 def quota_export(file: Path | None) -> None:
     """Write the whole quota set as TOML to FILE (default: stdout)."""
-    svc = _migrated_services()
+    svc = migrated()
     text = format_quota_file(svc.quotas.all())
     if file is None or str(file) == "-":
         click.echo(text, nl=False)

@@ -9,16 +9,8 @@ from pathlib import Path
 
 import click
 
+from balancer.cli.startwait import migrated
 from balancer.errors import BalancerError, printable
-
-
-def _migrated():  # noqa: ANN202 - (balancer.cli.pipeline's own imports this module's source_line)
-    from balancer.cli import services
-    from balancer.storage.migrate import require_migrated
-
-    svc = services()
-    require_migrated(svc.engine)
-    return svc
 
 
 @click.group()
@@ -51,7 +43,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
         raise BalancerError(f"{name}: {exc}") from None
     if not definitions and not replace:
         raise BalancerError(f"{name} lists no sources")
-    svc = _migrated()
+    svc = migrated()
     for definition in definitions:
         with team_connection(definition, svc.engine) as conn:
             check_source(conn, definition)
@@ -74,7 +66,7 @@ def source_export(file: Path | None) -> None:
     from balancer.domain.sourcefile import format_source_file
     from balancer.storage.sources import all_sources
 
-    with _migrated().engine.connect() as conn:
+    with migrated().engine.connect() as conn:
         text = format_source_file(all_sources(conn))
     if file is None or str(file) == "-":
         click.echo(text, nl=False)
@@ -94,7 +86,7 @@ def source_list(as_json: bool) -> None:
     """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag."""
     from balancer.storage.sources import all_sources, source_status
 
-    svc = _migrated()
+    svc = migrated()
     with svc.engine.connect() as conn:
         definitions = {d.name: d for d in all_sources(conn)}
     rows = source_status(svc.engine)
@@ -124,5 +116,5 @@ def source_remove(name: str, by: str | None) -> None:
     from balancer.storage.quotas import default_actor
     from balancer.storage.sources import remove_source
 
-    remove_source(_migrated().engine, name, by=by or default_actor())
+    remove_source(migrated().engine, name, by=by or default_actor())
     click.echo(f"{printable(name)}: removed")

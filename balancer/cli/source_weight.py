@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from balancer.cli import services
+from balancer.cli.startwait import migrated
 from balancer.errors import ConfigError, printable
 from balancer.storage.source_weights import MAX_WEIGHT
 
@@ -32,13 +32,11 @@ def check_source_name(name: str) -> str:
 @click.option("--by", help="Who made the change (default: the OS user).")
 def set_command(name: str, weight: int, by: str | None) -> None:
     """Set a source's weight: its share of the dispatch window within a priority."""
-    from balancer.storage.migrate import require_migrated
     from balancer.storage.quotas import default_actor
     from balancer.storage.source_weights import set_weight
 
     check_source_name(name)
-    svc = services()
-    require_migrated(svc.engine)
+    svc = migrated()
     with svc.engine.begin() as conn:
         changed = set_weight(conn, name, weight, by=by or default_actor())
     click.echo(f"{name}: weight {weight}" if changed else f"{name}: unchanged (weight {weight})")
