@@ -223,13 +223,22 @@ def test_compose_services_run_as_processes_and_drain_50_tasks(migrated: dict[str
             assert time.monotonic() < deadline, f"not drained: {counts}"
             time.sleep(0.25)
         assert counts["failed"] == 0 and sum(counts.values()) == 50
-        metrics = httpx.get(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).text
-        solved = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith('balancer_model_calls_total{') and 'outcome="solved"' in line)
-        # A hedged task's losing call is cut off when the other answers; the backend
-        # still finishes it (strict providers do) and logs a 200 with the client gone.
-        answered = sum(1 for e in httpx.get(f"http://127.0.0.1:{sim_port}/log", timeout=10).json()["entries"]
-                       if e["status"] == 200 and not e["client_gone"])
+        def calls() -> tuple[float, int]:
+            metrics = httpx.get(f"http://127.0.0.1:{ports['metrics']}/metrics", timeout=10).text
+            solved = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                         if line.startswith('balancer_model_calls_total{') and 'outcome="solved"' in line)
+            # A hedged task's losing call is cut off when the other answers; the backend
+            # still finishes it (strict providers do) and logs a 200 with the client gone.
+            answered = sum(1 for e in httpx.get(f"http://127.0.0.1:{sim_port}/log", timeout=10).json()["entries"]
+                           if e["status"] == 200 and not e["client_gone"])
+            return solved, answered
+
+        # A hedge's other call may end after the drain: the backend logs its 200 a
+        # moment before the worker's finish counts it, so read until both have it.
+        settle_by = time.monotonic() + 15
+        while (pair := calls())[0] != pair[1] and time.monotonic() < settle_by:
+            time.sleep(0.25)
+        solved, answered = pair
         assert solved == answered >= 50  # every call answered to balancer, hedges included, as the backend saw them
         flower = f"http://127.0.0.1:{ports['flower']}/api/workers"
         wait_for_http(flower)
