@@ -21,6 +21,11 @@ the model (or the set of models) as a value the planner sees:
   once per model.
 
 A set that no open model is in costs nothing but its probe in the skip scan.
+The pinned lane and the pinned-backlog check take the sources over their
+budget (``held``, :mod:`balancer.pipeline.budgets`) and leave their tasks out;
+the window leaves them out by claiming the other sources' heads
+(:func:`claim_by_source`, :mod:`balancer.pipeline.fairness`).
+
 Each branch locks at most its limit (``FOR UPDATE SKIP LOCKED``, so two
 dispatchers still work side by side); rows a branch locked but the merged
 window did not keep stay locked only until the round's commit.
