@@ -214,3 +214,8 @@ def test_status_and_source_list_show_the_budget_spent_today_and_the_wait(svc, ca
     assert "budget web: 100 tokens per day; spent 0 of 100 tokens today" in out
     assert main(["source", "list"]) == 0
     assert "crm: budget 3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)" in capsys.readouterr().out
+    from balancer.pipeline.metrics import BalancerCollector
+
+    scraped = {m.name: {s.labels.get("source"): s.value for s in m.samples} for m in BalancerCollector(svc).collect()}
+    assert scraped["balancer_source_over_budget"] == {"crm": 1, "web": 0}
+    assert scraped["balancer_source_spent_tokens_today"] == {"crm": 3_000_000, "web": 0}
