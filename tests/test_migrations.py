@@ -83,7 +83,7 @@ def test_0016_makes_ready_list_entries_ready_and_keeps_published_tasks_queued(mi
             for task_id, lid in ((stocked, "r0123abcd"), (published, "1700000000-7")):
                 conn.execute(sa.text("UPDATE tasks SET status = 'queued', model = 'm', admission_id = :lid WHERE id = :id"),
                              {"lid": lid, "id": task_id})
-        assert upgrade(engine) == "0016"
+        assert upgrade(engine, "0016") == "0016"
         with engine.connect() as conn:
             status = dict(conn.execute(sa.text("SELECT id, status FROM tasks")).all())
         assert status == {stocked: "ready", published: "queued"}

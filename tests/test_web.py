@@ -342,3 +342,29 @@ def test_the_drain_page_shows_the_eta_band_and_the_projected_cost(services: Any,
     page = eventually(lambda: (lambda t: t if 'class="band"' in t else None)(httpx.get(f"{console.url}/drain", timeout=5).text))
     assert "backlog left, projected:" in page and "USD" in page
     assert "likely between" in page
+
+
+def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any, supervisor: Supervisor) -> None:
+    """A source over its budget per day: the Sources page shows the budget, what was
+    spent today, and why its tasks wait; a source under budget shows no wait."""
+    from datetime import UTC, datetime
+
+    from balancer.cli import main
+    from balancer.storage.schema import tasks
+
+    services.quotas.set("model-0", {"price_per_million_input": 2.0, "price_per_million_output": 8.0, "currency": "USD"},
+                        by="test")
+    with services.engine.begin() as conn:
+        conn.execute(sa.insert(tasks), [
+            {"source": src, "prompt": "p", "status": "solved", "model": "model-0", "max_tokens": 10,
+             "estimated_tokens": 20, "prompt_tokens": 500_000, "completion_tokens": 250_000,
+             "solved_at": datetime.now(UTC)} for src in ("crm", "etl")])  # 3.00 USD each
+    add_tasks(services, ["waits"], source="crm")
+    assert main(["source", "set", "crm", "--budget-per-day", "2.50"]) == 0
+    assert main(["source", "set", "etl", "--budget-tokens-per-day", "2000000"]) == 0
+    console = Console(supervisor)
+    page = eventually(lambda: (lambda t: t if "waiting: budget spent" in t else None)(
+        httpx.get(f"{console.url}/sources", timeout=5).text))
+    assert "2.50 USD per day: 3.00 of 2.50 USD today" in page
+    assert '<span class="waiting">waiting: budget spent (3.00 of 2.50 USD today)</span>' in page
+    assert "2,000,000 tokens per day: 750,000 of 2,000,000 tokens today" in page and page.count("waiting: budget") == 1

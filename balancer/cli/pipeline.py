@@ -151,9 +151,10 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
 def status(as_json: bool) -> None:
     """Task counts by status, and per model: calls in flight against the cap,
     buckets, 429s, latency, and the limit that holds it back now."""
-    from balancer.cli.source import source_line
+    from balancer.cli.source import budget_line, source_line
     from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.beat_seen import beat_last_seen_s
+    from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
     from balancer.storage.intake import reused_count
     from balancer.storage.leases import overdue_count
@@ -168,6 +169,7 @@ def status(as_json: bool) -> None:
     quotas = svc.quotas.all()
     spent, projected = spend_so_far(svc.engine, quotas), projected_cost(svc.engine, quotas)
     sources = source_status(svc.engine)
+    budgets = read_standings(svc)
     with svc.engine.connect() as conn:
         reused = reused_count(conn)
     if as_json:
@@ -175,7 +177,8 @@ def status(as_json: bool) -> None:
                                **band_fields(drain),
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
                                "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
-                               "projected": _projected_dict(projected), "sources": [s.as_dict() for s in sources]}))
+                               "projected": _projected_dict(projected), "sources": [s.as_dict() for s in sources],
+                               "budgets": [b.as_dict() for b in budgets.values()]}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
                + f"  eta: {eta_text(eta)}{band_text(drain)}")
@@ -185,6 +188,8 @@ def status(as_json: bool) -> None:
         click.echo(projection_text(projected))
     for s in sources:
         click.echo(f"source {s.name}: {source_line(s)}")
+    for b in budgets.values():
+        click.echo(printable(f"budget {b.budget.source}: {budget_line(b)}", limit=400))
     if beat is None:
         click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
     if overdue:

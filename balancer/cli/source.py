@@ -83,22 +83,32 @@ def source_export(file: Path | None) -> None:
 @source.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def source_list(as_json: bool) -> None:
-    """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag."""
+    """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag;
+    and every source with a budget per day, what it spent today and whether its tasks wait."""
+    from balancer.pipeline.budgets import read_standings
     from balancer.storage.sources import all_sources, source_status
 
     svc = migrated()
     with svc.engine.connect() as conn:
         definitions = {d.name: d for d in all_sources(conn)}
     rows = source_status(svc.engine)
+    budgets = read_standings(svc)
+    others = [b for name, b in budgets.items() if name not in definitions]  # JSONL and inbox sources with a budget
     if as_json:
-        click.echo(json.dumps([{**definitions[r.name].as_dict(), **r.as_dict()} for r in rows if r.name in definitions]))
+        listed = [{**definitions[r.name].as_dict(), **r.as_dict(),
+                   "budget": budgets[r.name].as_dict() if r.name in budgets else None}
+                  for r in rows if r.name in definitions]
+        click.echo(json.dumps(listed + [{"name": b.budget.source, "budget": b.as_dict()} for b in others]))
         return
     for r in rows:
         d = definitions.get(r.name)
         if d is None:
             continue
         where = d.database_url_env or "balancer's database"
-        click.echo(f"{r.name}: {d.table} ({where}) key {d.key}, weight {d.weight}; {source_line(r)}")
+        budget = f"; budget {budget_line(budgets[r.name])}" if r.name in budgets else ""
+        click.echo(f"{r.name}: {d.table} ({where}) key {d.key}, weight {d.weight}; {source_line(r)}{budget}")
+    for b in others:
+        click.echo(printable(f"{b.budget.source}: budget {budget_line(b)}", limit=400))
 
 
 def source_line(r) -> str:  # noqa: ANN001 - a storage.sources.SourceStatus
@@ -106,6 +116,18 @@ def source_line(r) -> str:  # noqa: ANN001 - a storage.sources.SourceStatus
     lag = "never read to its end" if r.lag_s is None else f"{r.lag_s:g} s"
     return (f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
             f"write-backs waiting {r.writebacks_waiting}, not overwritten {r.conflicts}, cursor lag {lag}")
+
+
+def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing
+    """One source's budget per day, as ``status`` and ``source list`` print it.
+
+    >>> from balancer.domain.budget import Budget, Standing
+    >>> budget_line(Standing(Budget("crm", 5.0), 10, 5.2, 0, "USD"))
+    '5.00 USD per day; waiting: budget spent (5.20 of 5.00 USD today)'
+    >>> budget_line(Standing(Budget("crm", None, 100), 10, 0.0, 0, None))
+    '100 tokens per day; spent 10 of 100 tokens today'
+    """
+    return f"{b.budget.text(b.currency)}; {b.waiting() or 'spent ' + b.spent_text()}"
 
 
 @source.command("remove")

@@ -1,9 +1,13 @@
-"""``balancer source set NAME --weight N``: a source's share of the dispatch window.
+"""``balancer source set NAME ...``: a source's weight and its budget per day.
 
 Any source has a weight, JSONL and inbox ones included (default 1); the
 dispatcher fills its window across sources in proportion
-(:mod:`balancer.domain.fairshare`). The change is audited in
-``source_changes`` and applies to the next dispatch round.
+(:mod:`balancer.domain.fairshare`). Any source may also have a budget per day,
+in the quotas' currency (``--budget-per-day``) or in tokens
+(``--budget-tokens-per-day``), each cleared with ``none`` (``--no-budget``
+clears both): once it is spent, the source's tasks wait
+(:mod:`balancer.domain.budget`, :mod:`balancer.pipeline.budgets`). Each change
+is audited in ``source_changes`` and applies to the next dispatch run.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import click
 
 from balancer.cli.startwait import migrated
-from balancer.errors import ConfigError, printable
+from balancer.errors import BalancerError, ConfigError, printable
 from balancer.storage.source_weights import MAX_WEIGHT
 
 #: The longest source name (as a task's ``key``).
@@ -27,16 +31,44 @@ def check_source_name(name: str) -> str:
 
 @click.command("set")
 @click.argument("name")
-@click.option("--weight", type=click.IntRange(1, MAX_WEIGHT), required=True,
+@click.option("--weight", type=click.IntRange(1, MAX_WEIGHT),
               help=f"The source's share relative to others (1 to {MAX_WEIGHT:,}; a source with none set has 1).")
+@click.option("--budget-per-day", "money", metavar="AMOUNT|none",
+              help="Spend per UTC day, in the quotas' currency, after which the source's tasks wait; none clears it.")
+@click.option("--budget-tokens-per-day", "tokens", metavar="N|none",
+              help="Prompt + completion tokens per UTC day after which the source's tasks wait; none clears it.")
+@click.option("--no-budget", is_flag=True, help="Clear both budgets.")
 @click.option("--by", help="Who made the change (default: the OS user).")
-def set_command(name: str, weight: int, by: str | None) -> None:
-    """Set a source's weight: its share of the dispatch window within a priority."""
+def set_command(name: str, weight: int | None, money: str | None, tokens: str | None, no_budget: bool,
+                by: str | None) -> None:
+    """Set a source's weight (its share of the dispatch window within a priority) and its budget per day."""
+    from balancer.domain.budget import Budget, check_money, check_tokens
+    from balancer.domain.cost import price_list
     from balancer.storage.quotas import default_actor
+    from balancer.storage.source_budgets import budgets, set_budget
     from balancer.storage.source_weights import set_weight
 
     check_source_name(name)
+    if no_budget and (money is not None or tokens is not None):
+        raise BalancerError("--no-budget clears both budgets: give it without --budget-per-day or --budget-tokens-per-day")
+    if weight is None and money is None and tokens is None and not no_budget:
+        raise BalancerError("nothing to set: give --weight, --budget-per-day, --budget-tokens-per-day or --no-budget")
+    new_money, new_tokens = check_money(money), check_tokens(tokens)  # before anything changes
     svc = migrated()
-    with svc.engine.begin() as conn:
-        changed = set_weight(conn, name, weight, by=by or default_actor())
-    click.echo(f"{name}: weight {weight}" if changed else f"{name}: unchanged (weight {weight})")
+    actor = by or default_actor()
+    lines = []
+    with svc.engine.begin() as conn:  # one transaction: every change, or none
+        if weight is not None:
+            changed = set_weight(conn, name, weight, by=actor)
+            lines.append(f"{name}: weight {weight}" if changed else f"{name}: unchanged (weight {weight})")
+        if money is not None or tokens is not None or no_budget:
+            old = next((b for b in budgets(conn) if b.source == name), Budget(name))
+            budget = Budget(name) if no_budget else Budget(
+                name, new_money if money is not None else old.money_per_day,
+                new_tokens if tokens is not None else old.tokens_per_day)
+            changed = set_budget(conn, budget, by=actor)
+            _, currency = price_list(svc.quotas.all())
+            text = f"budget {budget.text(currency)}" if budget != Budget(name) else "no budget"
+            lines.append(f"{name}: {text}" if changed else f"{name}: unchanged ({text})")
+    for line in lines:
+        click.echo(printable(line, limit=400))

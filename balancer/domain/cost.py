@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from balancer.errors import QuotaError
 
@@ -74,6 +74,31 @@ class Price:
         0.0025
         """
         return (prompt_tokens * self.input + completion_tokens * self.output) / 1_000_000
+
+
+class Priced(Protocol):
+    """What a price list reads of a quota (:class:`balancer.domain.quota.Quota`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def price_per_million_input(self) -> float | None: ...
+    @property
+    def price_per_million_output(self) -> float | None: ...
+    @property
+    def currency(self) -> str | None: ...
+
+
+def price_list(quotas: Iterable[Priced]) -> tuple[dict[str, Price | None], str | None]:
+    """Each model's :class:`Price` (None: it has none), and the currency the quotas name (None if none does).
+
+    >>> from balancer.domain.quota import Quota
+    >>> price_list([Quota("a", 1, 1_000, price_per_million_input=2.0, currency="EUR"), Quota("b", 1, 1_000)])
+    ({'a': Price(input=2.0, output=0.0), 'b': None}, 'EUR')
+    """
+    listed = list(quotas)
+    prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in listed}
+    return prices, next((q.currency for q in listed if q.currency), None)
 
 
 def price_of(price_per_million_input: float | None, price_per_million_output: float | None) -> Price | None:

@@ -33,6 +33,10 @@ lists what free slots can take now and returns what expired or can no longer
 run to pending (:func:`take_from_ready`). How many tasks and for how long:
 :mod:`balancer.domain.ready`.
 
+A source whose budget per day is spent takes no new calls: the run reads
+which sources are over budget once, at its start, and its claims, stock and
+hedges leave their tasks pending (:mod:`balancer.pipeline.budgets`).
+
 The end of the backlog is different: a task handed to a slow model in the
 last minute can end long after every other model has gone idle. When the
 backlog would drain before a call started now on the slowest open model
@@ -52,6 +56,7 @@ from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import AdmissionCore, ModelLive, open_slots
 from balancer.domain import endgame
 from balancer.pipeline import fairness
+from balancer.pipeline.budgets import held_sources
 from balancer.pipeline.placement import finish_time_aware, outlooks, planned_latency_field
 from balancer.pipeline.stocking import stock_ready
 from balancer.services import Services
@@ -89,6 +94,8 @@ class DispatchReport:
     stocked: int = 0
     unstocked: int = 0
     rounds: int = 0
+    #: sources over their budget: none of their tasks was claimed (balancer.pipeline.budgets)
+    held: frozenset[str] = frozenset()
     #: ms until the earliest refused task could be admitted (None: unknown or nothing waits)
     retry_in_ms: int | None = None
     by_model: dict[str, int] = field(default_factory=dict)
@@ -143,7 +150,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     core = services.core
     window = window or services.settings.dispatch_window
     stocking = services.settings.ready_per_slot > 0
-    report = DispatchReport()
+    report = DispatchReport(held=held_sources(services))  # over budget: their tasks wait this run
+    held = report.held
     idle = False  # the last round found nothing pending that a free slot could take
     view_predates_stock = False  # the round stocked after reading ``view``: its ready counts are old
     for round_no in range(max_rounds):
@@ -161,14 +169,14 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not free:
             break
         with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-            pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()})
+            pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()}, held)
             # Every model, not only the open ones: a full model's slot can free
             # between the live read and the admit call.
-            reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned])
+            reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned], held=held)
             # A model with ready tasks takes those first (take_from_ready), not new flexible work.
             reserved |= {name for name, m in view.items() if m.ready}
             limit = claim_limit(free, window)
-            fair = fairness.claim_flexible(services, conn, limit, free)
+            fair = fairness.claim_flexible(services, conn, limit, free, held)
             claimed = fair.tasks
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:
@@ -203,7 +211,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if round_no == 0 and stocking:
             # Refill the lists now, not only at the end: the next rounds publish
             # for a while, and every call that ends meanwhile takes its next from them.
-            report.stocked += stock_ready(services, core.live())  # as the round left the buckets
+            report.stocked += stock_ready(services, core.live(), held)  # as the round left the buckets
             view_predates_stock = True
         report.rounds += 1
         report.count_admitted(admitted)
@@ -211,9 +219,9 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not admitted and not failed:
             break
     if idle and services.settings.hedging:
-        report.hedges = hedge_stragglers(services, publish, view)  # the view of the round that found nothing
+        report.hedges = hedge_stragglers(services, publish, view, held)  # the view of the round that found nothing
     if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)
-        report.stocked += stock_ready(services, view)
+        report.stocked += stock_ready(services, view, held)
     return report
 
 
@@ -269,8 +277,10 @@ def plan_batch(
     return batch
 
 
-def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, ModelLive]) -> int:
-    """Send hedges for straggling calls to free slots that no pending task can use.
+def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, ModelLive],
+                     held: Collection[str] = ()) -> int:
+    """Send hedges for straggling calls to free slots that no pending task can use
+    (none for a task of a ``held`` source: a hedge is a call its budget pays for).
 
     Which calls and where is :func:`balancer.domain.endgame.pick_hedges`; each
     hedge is admitted like any call (so it never breaks a quota), recorded on
@@ -283,7 +293,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
         return 0
     sent: list[Assignment] = []
     with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-        calls = {c.id: c for c in stragglers(conn, settings.max_hedges)}
+        calls = {c.id: c for c in stragglers(conn, settings.max_hedges) if c.source not in held}
         if not calls:
             return 0
         spent, run_tokens = hedge_spending(conn)

@@ -10,6 +10,8 @@ claimed as with fairness off (:func:`balancer.storage.claims.claim_window`,
 which never reads tasks no open model may take), and no state is read or
 written. ``BALANCER_SOURCE_FAIRNESS=off``
 claims the window by priority, then age, across all sources (the old rule).
+A source over its budget (``held``) has none of its tasks claimed: while one
+has pending work, the others' heads are claimed by source, fairness on or off.
 """
 
 from __future__ import annotations
@@ -35,14 +37,20 @@ class Window:
     shares: fairshare.Shares | None = None
 
 
-def claim_flexible(services: Services, conn: Connection, limit: int, open_models: Iterable[str]) -> Window:
-    """Lock and order up to ``limit`` flexible tasks for this round."""
-    sources = pending_sources(conn) if services.settings.source_fairness else []
-    if len(sources) <= 1:
+def claim_flexible(services: Services, conn: Connection, limit: int, open_models: Iterable[str],
+                   held: Collection[str] = ()) -> Window:
+    """Lock and order up to ``limit`` flexible tasks for this round, none of a
+    ``held`` source (over its budget: :mod:`balancer.pipeline.budgets`)."""
+    fair = services.settings.source_fairness
+    sources = pending_sources(conn) if fair or held else []
+    kept = [source for source in sources if source not in held]
+    if len(kept) == len(sources) and (not fair or len(sources) <= 1):
         return Window(claim_window(conn, limit, open_models))
-    queues = claim_by_source(conn, sources, limit, open_models)
-    if len(queues) <= 1:
-        return Window([task for queue in queues.values() for task in queue][:limit])
+    # A held source has pending work: each other source's head, over its own index.
+    queues = claim_by_source(conn, kept, limit, open_models)
+    if not fair or len(queues) <= 1:
+        return Window(sorted((task for queue in queues.values() for task in queue),
+                             key=lambda t: (-t.priority, t.id))[:limit])
     state = shared_state.load(services.redis, services.settings.namespace)
     order, after = fairshare.fill(queues, limit, weights(conn), state, default_weight=DEFAULT_WEIGHT)
     return Window(order, after)

@@ -32,6 +32,7 @@ from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
 from balancer.domain.cost import Observed, price_of, project
+from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
@@ -177,7 +178,7 @@ class BalancerCollector(Collector):
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
             families["balancer_drain_eta_high_seconds"].add_metric([], drain.high or 0.0)
         self._money(svc, families)
-        add_source_metrics(families, svc.engine)
+        add_source_metrics(families, svc.engine, read_standings(svc))
         return iter(families.values())
 
     def _money(self, svc: Services, families: dict[str, Any]) -> None:

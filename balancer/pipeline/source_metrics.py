@@ -1,12 +1,14 @@
-"""The source tables' Prometheus metrics, added to ``balancer metrics``' families at every scrape."""
+"""The sources' Prometheus metrics (source tables, and budgets per day), added to ``balancer metrics``' families at every scrape."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.engine import Engine
 
+from balancer.domain.budget import Standing
 from balancer.storage.intake import reused_count
 from balancer.storage.sources import source_status
 
@@ -24,12 +26,21 @@ def source_families() -> dict[str, Any]:
             "(someone else changed it)", labels=source),
         "balancer_source_cursor_lag_seconds": GaugeMetricFamily(
             "balancer_source_cursor_lag_seconds", "Seconds since the source was last read to its end", labels=source),
+        "balancer_source_over_budget": GaugeMetricFamily(
+            "balancer_source_over_budget", "1 while a source's budget per day is spent (its tasks wait), else 0; "
+            "sources with a budget only", labels=source),
+        "balancer_source_spent_tokens_today": GaugeMetricFamily(
+            "balancer_source_spent_tokens_today", "A budgeted source's prompt + completion tokens since 00:00 UTC",
+            labels=source),
         "balancer_tasks_reused": GaugeMetricFamily(
             "balancer_tasks_reused", "Tasks that took an identical task's answer instead of a call (dedup)"),
     }
 
 
-def add_source_metrics(families: dict[str, Any], engine: Engine) -> None:
+def add_source_metrics(families: dict[str, Any], engine: Engine, budgets: Mapping[str, Standing]) -> None:
+    for name, b in budgets.items():
+        families["balancer_source_over_budget"].add_metric([name], 1 if b.over else 0)
+        families["balancer_source_spent_tokens_today"].add_metric([name], b.tokens)
     with engine.connect() as conn:
         families["balancer_tasks_reused"].add_metric([], reused_count(conn))
     for s in source_status(engine):

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from balancer.admission.core import ModelLive
 from balancer.domain import ready as ready_lists
@@ -45,7 +45,7 @@ def stock_targets(view: dict[str, ModelLive], settings: Settings, per_slot: floa
     return targets
 
 
-def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
+def stock_ready(services: Services, view: dict[str, ModelLive], held: Collection[str] = ()) -> int:
     """Fill the ready lists of the models their concurrency caps bind (see the
     module docstring and :mod:`balancer.domain.ready`). Returns how many were stocked.
 
@@ -53,6 +53,7 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
     if it has no more pinned ones, in the window's order, to the model with the
     most room. Nothing is stocked unless the backlog outlasts the slowest
     model's call even without the stocked tasks: the end game decides the rest.
+    The tasks of ``held`` sources (over their budget) are not stocked.
     """
     settings = services.settings
     per_slot = fairness.ready_per_slot(services)  # shallow while sources share (balancer.domain.fairshare)
@@ -61,8 +62,8 @@ def stock_ready(services: Services, view: dict[str, ModelLive]) -> int:
         return 0
     wanted = sum(targets.values())
     with services.engine.begin() as conn:
-        pinned = claim_pinned(conn, targets)
-        fair = fairness.claim_flexible(services, conn, wanted, targets)
+        pinned = claim_pinned(conn, targets, held)
+        fair = fairness.claim_flexible(services, conn, wanted, targets, held)
         if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
             targets = stock_targets(view, settings, shallow)  # sources met in this very claim
         placed = place_ready(pinned, fair.tasks, targets)

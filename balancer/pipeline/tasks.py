@@ -77,7 +77,8 @@ def dispatch_task(from_beat: bool = False) -> dict:
     if report.retry_in_ms is not None and report.retry_in_ms < svc.settings.dispatch_tick * 1000:
         trigger_dispatch(delay_ms=max(report.retry_in_ms, 10))
     if report.admitted or report.failed:
-        log.info("dispatched %d, failed %d, by model %s", report.admitted, report.failed, report.by_model)
+        log.info("dispatched %d, failed %d, by model %s%s", report.admitted, report.failed, report.by_model,
+                 f"; over budget, waiting: {', '.join(sorted(report.held))}" if report.held else "")
     return {"admitted": report.admitted, "failed": report.failed}
 
 

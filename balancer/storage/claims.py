@@ -21,6 +21,11 @@ the model (or the set of models) as a value the planner sees:
   once per model.
 
 A set that no open model is in costs nothing but its probe in the skip scan.
+The pinned lane and the pinned-backlog check take the sources over their
+budget (``held``, :mod:`balancer.pipeline.budgets`) and leave their tasks out;
+the window leaves them out by claiming the other sources' heads
+(:func:`claim_by_source`, :mod:`balancer.pipeline.fairness`).
+
 Each branch locks at most its limit (``FOR UPDATE SKIP LOCKED``, so two
 dispatchers still work side by side); rows a branch locked but the merged
 window did not keep stay locked only until the round's commit.
@@ -28,7 +33,7 @@ window did not keep stay locked only until the round's commit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +78,15 @@ def pending_model_sets(conn: Connection) -> list[tuple[str, ...]]:
     return [tuple(r.allowed) for r in conn.execute(_SETS)]
 
 
-def _branch(i: int, *, flexible: bool = False) -> str:
-    """One locked probe: the flexible lane (``flexible``) or the tasks whose allowed models are ``:set<i>``."""
+#: Leaves out the tasks of the sources in ``:held`` (over their budget: balancer.pipeline.budgets).
+_NOT_HELD = " AND NOT (source = ANY(CAST(:held AS text[])))"
+
+
+def _branch(i: int, *, flexible: bool = False, held: bool = False) -> str:
+    """One locked probe: the flexible lane (``flexible``) or the tasks whose allowed
+    models are ``:set<i>``; without the tasks of ``:held`` sources if ``held``."""
     where = "allowed_models IS NULL" if flexible else f"allowed_models IS NOT NULL AND allowed_models = CAST(:set{i} AS text[])"
+    where += _NOT_HELD if held else ""
     order = "priority DESC, id" if flexible else "allowed_models, priority DESC, id"
     # Built from fixed fragments and the branch number only; every value is a bound parameter.
     return (f"SELECT * FROM (SELECT {_COLUMNS} FROM tasks WHERE {_READY} AND {where} "  # noqa: S608
@@ -110,35 +121,39 @@ def claim_window(conn: Connection, limit: int, open_models: Iterable[str]) -> li
     return _rows(conn, branches, params, limit)
 
 
-def claim_pinned(conn: Connection, free_slots: Mapping[str, int]) -> list[PendingTask]:
+def claim_pinned(conn: Connection, free_slots: Mapping[str, int], held: Collection[str] = ()) -> list[PendingTask]:
     """Lock, for each model, up to ``free_slots[model]`` pending tasks pinned to
-    it alone (the dispatcher's pinned lane), priority then age: one probe of
-    ``tasks_pending_pinned`` per model."""
+    it alone (the dispatcher's pinned lane), priority then age, none of a
+    ``held`` source: one probe of ``tasks_pending_pinned`` per model."""
     wanted = {name: n for name, n in free_slots.items() if n > 0}
     branches: list[str] = []
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = {"held": list(held)}
     for i, (name, n) in enumerate(wanted.items(), start=1):
-        branches.append(_branch(i))
+        branches.append(_branch(i, held=bool(held)))
         params[f"set{i}"], params[f"limit{i}"] = [name], n
     return _rows(conn, branches, params)
 
 
-def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = ()) -> set[str]:
+def models_with_pinned_backlog(conn: Connection, models: Iterable[str], exclude: Iterable[int] = (),
+                               held: Collection[str] = ()) -> set[str]:
     """Which of ``models`` still have pending tasks pinned to them alone, not
-    counting the tasks in ``exclude`` (what this dispatcher just claimed);
-    tasks another dispatcher holds do count. One probe per model."""
+    counting the tasks in ``exclude`` (what this dispatcher just claimed) nor
+    those of ``held`` sources (they wait, so they reserve nothing); tasks
+    another dispatcher holds do count. One probe per model."""
     names = list(models)
     if not names:
         return set()
     skip = list(exclude)
+    not_held = _NOT_HELD if held else ""
     branches = [  # fixed fragments and branch numbers; the names are bound parameters
         f"SELECT CAST(:m{i} AS text) AS model WHERE EXISTS (SELECT 1 FROM tasks WHERE {_READY} "  # noqa: S608
         f"AND allowed_models IS NOT NULL AND allowed_models = ARRAY[CAST(:m{i} AS text)] "
-        f"AND NOT (id = ANY(CAST(:exclude AS bigint[]))))"
+        f"AND NOT (id = ANY(CAST(:exclude AS bigint[]))){not_held})"
         for i in range(len(names))
     ]
     params: dict[str, Any] = {f"m{i}": name for i, name in enumerate(names)}
-    return {r.model for r in conn.execute(sa.text(" UNION ALL ".join(branches)), {**params, "exclude": skip})}
+    return {r.model for r in conn.execute(sa.text(" UNION ALL ".join(branches)),
+                                          {**params, "exclude": skip, "held": list(held)})}
 
 
 def pending_backlog(conn: Connection) -> tuple[int, float]:

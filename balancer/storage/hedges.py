@@ -33,6 +33,7 @@ class Straggler:
     estimated_tokens: int
     allowed_models: tuple[str, ...] | None
     elapsed_ms: float
+    source: str = "submit"
 
 
 def stragglers(conn: Connection, max_hedges: int, limit: int = 50) -> list[Straggler]:
@@ -40,7 +41,7 @@ def stragglers(conn: Connection, max_hedges: int, limit: int = 50) -> list[Strag
     rows = conn.execute(
         sa.select(
             tasks.c.id, tasks.c.model, tasks.c.admission_id, tasks.c.estimated_tokens, tasks.c.allowed_models,
-            (sa.extract("epoch", sa.func.now() - tasks.c.started_at) * 1000).label("elapsed_ms"),
+            (sa.extract("epoch", sa.func.now() - tasks.c.started_at) * 1000).label("elapsed_ms"), tasks.c.source,
         )
         .where(tasks.c.status == "running", tasks.c.hedge_admission_id.is_(None), tasks.c.hedges < max_hedges,
                tasks.c.started_at.is_not(None))
@@ -49,7 +50,7 @@ def stragglers(conn: Connection, max_hedges: int, limit: int = 50) -> list[Strag
     ).all()
     return [
         Straggler(r.id, r.model, r.admission_id, r.estimated_tokens,
-                  tuple(r.allowed_models) if r.allowed_models else None, float(r.elapsed_ms))
+                  tuple(r.allowed_models) if r.allowed_models else None, float(r.elapsed_ms), r.source)
         for r in rows
     ]
 

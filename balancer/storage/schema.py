@@ -107,7 +107,18 @@ source_weights = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
-#: Every change to a source (its definition or its weight), audited as quota changes are.
+#: A source's budget per day (balancer.domain.budget): money in the quotas'
+#: currency, tokens, or both; a source with no row (or NULLs) has none.
+source_budgets = Table(
+    "source_budgets",
+    metadata,
+    Column("source", Text, primary_key=True),
+    Column("money_per_day", Float, nullable=True),
+    Column("tokens_per_day", BigInteger, nullable=True),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+#: Every change to a source (its definition, weight or budget), audited as quota changes are.
 source_changes = Table(
     "source_changes",
     metadata,
@@ -115,7 +126,7 @@ source_changes = Table(
     Column("source", Text, nullable=False),
     Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("changed_by", Text, nullable=False),
-    Column("action", Text, nullable=False),  # import | update | remove | weight
+    Column("action", Text, nullable=False),  # import | update | remove | weight | budget
     Column("old_value", JSONB, nullable=True),
     Column("new_value", JSONB, nullable=True),
 )

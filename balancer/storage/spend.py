@@ -14,9 +14,10 @@ estimates and what each model's answered calls used against theirs
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from balancer.domain.cost import Observed, Spend, price_of, project, spend
 from balancer.domain.quota import Quota
@@ -30,6 +31,26 @@ def token_usage(engine: Engine) -> list[tuple[str, str, int, int]]:
              .where(tasks.c.status == "solved", tasks.c.model.is_not(None)).group_by(tasks.c.source, tasks.c.model))
     with engine.connect() as conn:
         return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn.execute(query)]
+
+
+def spent_by_source_since(conn_or_engine: Connection | Engine, since: datetime) -> list[tuple[str, str, int, int]]:
+    """``(source, model, prompt tokens, completion tokens)`` spent since ``since``, per
+    source and answering model: what a source's budget per day is held against
+    (:mod:`balancer.domain.budget`, priced by :mod:`balancer.domain.cost`).
+
+    For now the solved tasks' token counts, by ``solved_at``: calls that did not
+    answer are not counted (as in :func:`token_usage`). ``updated_at >= since``
+    is implied by ``solved_at >= since`` and lets the ``(status, updated_at)``
+    index find today's solves."""
+    query = (sa.select(tasks.c.source, tasks.c.model, sa.func.coalesce(sa.func.sum(tasks.c.prompt_tokens), 0),
+                       sa.func.coalesce(sa.func.sum(tasks.c.completion_tokens), 0))
+             .where(tasks.c.status == "solved", tasks.c.updated_at >= since, tasks.c.solved_at >= since,
+                    tasks.c.model.is_not(None))
+             .group_by(tasks.c.source, tasks.c.model))
+    if isinstance(conn_or_engine, Engine):
+        with conn_or_engine.connect() as conn:
+            return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn.execute(query)]
+    return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn_or_engine.execute(query)]
 
 
 def spend_so_far(engine: Engine, quotas: Sequence[Quota]) -> Spend:

@@ -3,7 +3,8 @@
 One thread per console reads :func:`balancer.pipeline.summary.read` (task
 counts, per-model rows, counters, the drain ETA) and the per-source counts
 (:func:`balancer.web.queries.source_counts`) and the spend so far
-(:func:`balancer.storage.spend.spend_so_far`) and failed tasks grouped by
+(:func:`balancer.storage.spend.spend_so_far`), the sources' budgets against
+today's spend (:func:`balancer.pipeline.budgets.read_standings`) and failed tasks grouped by
 error (:func:`balancer.web.queries.error_groups`) every ``interval`` seconds
 (or, when a read takes longer than half of that, as long again as the read
 took) into a ring buffer. Pages render from the newest sample, so a page costs no scan
@@ -22,7 +23,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from balancer.domain.budget import Standing
 from balancer.domain.cost import Spend
+from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
 from balancer.storage.spend import projected_cost, spend_so_far
@@ -54,6 +57,7 @@ class Sample:
     spend: Spend = field(default_factory=lambda: Spend(None))  # so far, by model and source (balancer.storage.spend)
     projected: Spend = field(default_factory=lambda: Spend(None))  # the backlog left's projected cost, by model
     error_groups: list[ErrorGroup] | None = field(default_factory=list)  # None: too many failed tasks to group in time
+    budgets: dict[str, Standing] = field(default_factory=dict)  # per source with a budget per day: spent today, waiting
 
     @property
     def left(self) -> int:
@@ -169,4 +173,4 @@ def take_sample(services: Services) -> Sample:
                   None if drain is None else drain.low, None if drain is None else drain.high,
                   source_counts(services.engine), spend_so_far(services.engine, quotas),
                   projected_cost(services.engine, quotas),
-                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS))
+                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), read_standings(services))

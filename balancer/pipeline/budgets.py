@@ -1,0 +1,43 @@
+"""Budgets per day, enforced by the dispatcher: a source whose budget is spent takes no new calls.
+
+Once per dispatch run, :func:`held_sources` reads the budgets (a small table;
+with none set that is the only read) and what the budgeted sources spent since
+00:00 UTC (:func:`balancer.storage.spend.spent_by_source_since`, priced by the
+quotas), and :func:`balancer.domain.budget.held` names the sources over budget.
+The run's claims leave those sources' pending tasks where they are: the
+pinned lane, the window, the ready lists' stock (:mod:`balancer.storage.claims`,
+:mod:`balancer.pipeline.fairness`) and hedges skip them, and a model whose
+only pinned work is held is not kept from flexible work. So a budget change,
+or the day turning, applies at the next dispatch run, and nothing is lost:
+the tasks stay pending until then.
+
+Quotas are untouched. Calls already in flight when a budget is reached finish,
+and so do tasks already on a ready list (at most a few per slot, for at most
+``BALANCER_READY_TTL`` seconds), so a budget can be overshot by those calls.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from balancer.domain.budget import Standing, day_start, held, standings
+from balancer.domain.cost import price_list
+from balancer.services import Services
+from balancer.storage.source_budgets import budgets
+from balancer.storage.spend import spent_by_source_since
+
+
+def read_standings(services: Services, now: datetime | None = None) -> dict[str, Standing]:
+    """Every budgeted source's budget against what it spent today (empty: no budget set)."""
+    with services.engine.connect() as conn:
+        set_now = budgets(conn)
+        if not set_now:
+            return {}
+        usage = spent_by_source_since(conn, day_start(now or datetime.now(UTC)))
+    prices, currency = price_list(services.quotas.all())
+    return standings(set_now, usage, prices, currency)
+
+
+def held_sources(services: Services) -> frozenset[str]:
+    """The sources whose budget is spent: their tasks wait this dispatch run."""
+    return held(read_standings(services))
