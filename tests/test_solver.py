@@ -451,9 +451,9 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
 
     statements: list[int] = []  # the answer writer's: one per batch of answers
 
-    def counted(engine, answers_):  # noqa: ANN001, ANN202
+    def counted(engine, answers_, usage=()):  # noqa: ANN001, ANN202
         statements.append(len(answers_))
-        return mark_solved_many(engine, answers_)
+        return mark_solved_many(engine, answers_, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", counted)
     writer = AnswerWriter(svc.engine)  # made before counting: the writer's thread writes behind the calls
@@ -535,10 +535,10 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
                    60_000)
     writes: list[tuple[list[int], str]] = []
 
-    def slow_write(engine, answers):  # noqa: ANN001, ANN202
+    def slow_write(engine, answers, usage=()):  # noqa: ANN001, ANN202
         writes.append(([a.task_id for a in answers], threading.current_thread().name))
         time.sleep(0.3)  # a WAL flush on a busy disk
-        return mark_solved_many(engine, answers)
+        return mark_solved_many(engine, answers, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", slow_write)
     asked: list[str] = []  # ask_for_dispatch: the worker's dispatch request
@@ -580,11 +580,11 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
     statements: list[int] = []
     writing, release = threading.Event(), threading.Event()
 
-    def counted(engine, answers):  # noqa: ANN001, ANN202
+    def counted(engine, answers, usage=()):  # noqa: ANN001, ANN202
         statements.append(len(answers))
         writing.set()
         release.wait(10)  # the first write holds the thread while the others arrive
-        return mark_solved_many(engine, answers)
+        return mark_solved_many(engine, answers, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", counted)
     writer = AnswerWriter(svc.engine)
