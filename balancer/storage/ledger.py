@@ -91,3 +91,9 @@ def delete_usage(conn: Connection, task_ids: Sequence[int]) -> None:
     """Delete the rows of these tasks (pruned with them)."""
     if task_ids:
         conn.execute(sa.delete(call_usage).where(call_usage.c.task_id.in_(list(task_ids))))
+
+
+def calls_recorded(engine: Engine) -> int:
+    """How many calls the ledger holds."""
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(call_usage)).scalar_one())
