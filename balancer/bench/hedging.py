@@ -24,9 +24,8 @@ from typing import Any
 from rich.console import Console
 
 from balancer.bench.report import answered_usage, backend_usage, hedge_figures
-from balancer.bench.run import priced, run_side_pipeline
+from balancer.bench.run import prepare, priced, run_side_pipeline
 from balancer.devtools.runner import RunResult
-from balancer.devtools.scenario import Scenario
 from balancer.domain.cost import Price, price_of, spend
 
 #: The two sides, in the order they run: (name, environment).
@@ -73,7 +72,9 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     lines = [
         f"# What hedging cost: {report['scenario']}",
         "",
-        f"Command: `balancer bench {report['scenario_file']} --compare-hedging` ({report['tasks']} tasks, seed "
+        f"Command: `balancer bench {report['scenario_file']} --compare-hedging"
+        + (f" --worker-layout {report['worker_layout']}" if report["worker_layout"] else "")
+        + f"` ({report['tasks']} tasks, seed "
         f"{report['seed']}); the unhedged side runs with BALANCER_HEDGE_BUDGET=0.",
         "",
         "| | hedging off | hedging on | on − off |",
@@ -96,12 +97,15 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
-def main(scenario: Scenario, path: Path, out: Path, console: Console, worker_layout: str | None) -> dict[str, Any]:
+def main(spec: str, out: Path, worker_layout: str | None = None) -> dict[str, Any]:
+    """Run both sides of the scenario ``spec`` names; write report.json and report.md under ``out``."""
+    console = Console()
+    scenario, path = prepare(spec, out)
     quotas = priced(scenario)
     prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas}
     currency = next((q.currency for q in quotas if q.currency), None)
-    report: dict[str, Any] = {"scenario": scenario.name, "scenario_file": path.name, "tasks": scenario.workload.tasks,
-                              "seed": scenario.seed, "currency": currency}
+    report: dict[str, Any] = {"scenario": scenario.name, "scenario_file": spec, "tasks": scenario.workload.tasks,
+                              "seed": scenario.seed, "currency": currency, "worker_layout": worker_layout}
     for side, env in SIDES:
         console.print(f"{side} side ({env or 'as configured'}) ...")
         result = run_side_pipeline(scenario, path, console, None, worker_layout, env, settle_s=SETTLE_S)

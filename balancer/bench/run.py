@@ -387,23 +387,22 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
-def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = None,
-         worker_layout: str | None = None, compare_greedy: bool = False, compare_hedging: bool = False) -> dict[str, Any]:
-    """Run the scenario named (bundled) or given as a path by ``spec``; write the report under ``out``.
-
-    The scenario's TOML is copied into ``out`` first: the simulator reads it
-    from there, and the report stays reproducible after the package changes.
-    """
-    console = Console()
+def prepare(spec: str, out: Path) -> tuple[Scenario, Path]:
+    """The scenario named (bundled) or given as a path by ``spec``, and its copy in ``out``:
+    the simulator reads it from there, and the report stays reproducible after the package changes."""
     name, text = locate(spec)
     scenario = parse_scenario(text, name)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_text(text, encoding="utf-8")
-    if compare_hedging:
-        from balancer.bench import hedging
+    return scenario, path
 
-        return hedging.main(scenario, path, out, console, worker_layout)
+
+def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = None,
+         worker_layout: str | None = None, compare_greedy: bool = False) -> dict[str, Any]:
+    """Run the scenario named (bundled) or given as a path by ``spec``; write the report under ``out``."""
+    console = Console()
+    scenario, path = prepare(spec, out)
     if scenario.kind == "sources":
         from balancer.bench import sources
 

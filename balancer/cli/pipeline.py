@@ -291,7 +291,12 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     if out is None:
         out = Path("bench-out") / f"{name.removesuffix('.toml')}-{time.strftime('%Y%m%d-%H%M%S')}"
     click.echo(f"writing the report to {out.resolve()}", err=True)
-    run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy, compare_hedging)
+    if compare_hedging:
+        from balancer.bench.hedging import main as run_hedging
+
+        run_hedging(scenario, out, worker_layout)
+        return
+    run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
 
 COMMANDS = [submit, worker, dispatcher, beat, sim, status, top, metrics, router, demo, bench]
