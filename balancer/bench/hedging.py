@@ -90,6 +90,12 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
         row("tokens, answering calls only (spend before the ledger)", "answered_only", "total"),
         row("cost, answering calls only", "answered_only", "cost", money=True),
         "",
+        "Within each side, the calls that did not give their task's answer (ledger − answering calls: a "
+        "hedge's loser, either call of the two, or a retried call): "
+        + "; ".join(f"{name} {s['ledger']['total'] - s['answered_only']['total']:,} tokens, "
+                    f"{s['ledger']['cost'] - s['answered_only']['cost']:.4f} {cur}" for name, s in (("off", u), ("on", h)))
+        + ".",
+        "",
         f"Every call ended and was in the ledger when it was read: off {u['settled']}, on {h['settled']}. "
         f"429s: off {u['rate_limited']}, on {h['rate_limited']}.",
         "",
