@@ -90,9 +90,14 @@ def add(svc, source: str, count: int, model: str | None = None) -> list[int]:  #
 
 
 def solve(svc, ids: list[int], prompt: int, completion: int, at: str = "now()") -> None:  # noqa: ANN001
+    """Solve ``ids`` on model m at ``at``, each by one answered call in the ledger (what spend counts)."""
     with svc.engine.begin() as conn:
         conn.execute(sa.text(f"UPDATE tasks SET status = 'solved', model = 'm', prompt_tokens = :p, "  # noqa: S608
                              f"completion_tokens = :c, solved_at = {at}, updated_at = {at} WHERE id = ANY(:ids)"),
+                     {"p": prompt, "c": completion, "ids": ids})
+        conn.execute(sa.text("INSERT INTO call_usage (call_id, task_id, source, model, admission_id, prompt_tokens,"  # noqa: S608
+                             " completion_tokens, answered, hedge, ended_at) SELECT 'test-' || id, id, source, 'm',"
+                             f" 'a' || id, :p, :c, true, false, {at} FROM tasks WHERE id = ANY(:ids)"),
                      {"p": prompt, "c": completion, "ids": ids})
 
 

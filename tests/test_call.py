@@ -149,10 +149,10 @@ def test_a_write_that_hangs_past_the_deadline_returns_the_chain_and_keeps_the_ta
                           BALANCER_LEASE_SECONDS="2")
     stalled, writing = threading.Event(), threading.Event()
 
-    def hung(engine, batch):  # noqa: ANN001, ANN202
+    def hung(engine, batch, usage=()):  # noqa: ANN001, ANN202
         writing.set()
         stalled.wait(30)
-        return mark_solved_many(engine, batch)
+        return mark_solved_many(engine, batch, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", hung)
     monkeypatch.setattr(heartbeat_module, "extend_deadlines", lambda engine, ids, lease: stalled.wait(30) and 0)

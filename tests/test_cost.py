@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.cli import main
-from balancer.domain.cost import Price, money, price_of, spend
+from balancer.domain.cost import Price, billed_tokens, money, price_of, spend
 from balancer.domain.quota import Quota
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError
@@ -32,6 +32,24 @@ price_per_million_input = 0.25
 max_concurrent_requests = 1
 max_tokens_per_minute = 1000
 """
+
+
+@pytest.mark.parametrize("end, reported, expected", [
+    ("answered", (98, 40), (98, 40)),   # the backend's own counts, whatever the estimate
+    ("answered", (0, 0), (0, 0)),
+    ("cut_off", None, (120, 0)),        # timed out or cancelled: the prompt was read, the output is unknown
+    ("cut_off", (5, 5), (120, 0)),      # nothing reported counts for a call cut off
+    ("refused", None, (0, 0)),          # 429, 4xx, 5xx: not billed
+    ("unsent", None, None),             # never connected: no ledger row
+])
+def test_what_a_call_is_counted_for_in_spend(end: str, reported: tuple[int, int] | None,
+                                             expected: tuple[int, int] | None) -> None:
+    assert billed_tokens(end, 120, reported) == expected  # type: ignore[arg-type]
+
+
+def test_an_answered_call_without_its_counts_is_a_bug_not_a_zero() -> None:
+    with pytest.raises(ValueError, match="reported"):
+        billed_tokens("answered", 120)
 
 
 def test_spend_by_model_and_source_on_hand_made_counts() -> None:
@@ -94,27 +112,32 @@ def test_two_currencies_cannot_be_exported_into_one_file() -> None:
 @pytest.mark.usefixtures("migrated")
 def test_status_shows_spend_so_far_per_model_and_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Prices imported from the quota file are stored (and audited); `status` prices the
-    solved tasks' reported tokens by the model that answered, per model and per source."""
+    ledger's calls by the model called, per model and per source: a hedge that lost and
+    a call cut off count too."""
+    from datetime import UTC, datetime
+
     from balancer.services import Services
     from balancer.settings import Settings
-    from balancer.storage.schema import tasks
+    from balancer.storage.schema import call_usage
 
     (tmp_path / "quotas.toml").write_text(PRICED)
     assert main(["quota", "import", str(tmp_path / "quotas.toml")]) == 0
     svc = Services.connect(Settings.from_env())
     assert svc.quotas.get("big").price_per_million_output == 15.0  # type: ignore[union-attr]
     assert svc.quotas.history("big")[-1]["new_value"]["currency"] == "EUR"
-    rows = [  # (source, model, status, prompt tokens, completion tokens)
-        ("crm", "big", "solved", 100_000, 100_000),   # 0.3 + 1.5
-        ("crm", "small", "solved", 2_000_000, 50_000),  # 0.5
-        ("etl", "big", "solved", 0, 10_000),          # 0.15
-        ("etl", "free", "solved", 7, 3),              # unpriced
-        ("etl", "big", "failed", 900_000, 900_000),   # not answered: not spent
+    rows = [  # (source, model, answered, prompt tokens, completion tokens)
+        ("crm", "big", True, 100_000, 50_000),      # 0.3 + 0.75
+        ("crm", "big", True, 0, 50_000),            # 0.75: the same task's hedge, answered after the winner
+        ("crm", "small", True, 2_000_000, 50_000),  # 0.5
+        ("etl", "big", False, 0, 0),                # a 500: nothing
+        ("etl", "big", False, 50_000, 0),           # cut off at the timeout, then retried: 0.15
+        ("etl", "free", True, 7, 3),                # unpriced
     ]
     with svc.engine.begin() as conn:
-        conn.execute(sa.insert(tasks), [
-            {"source": s, "prompt": "p", "status": st, "model": m, "max_tokens": 10, "estimated_tokens": 20,
-             "prompt_tokens": pt, "completion_tokens": ct} for s, m, st, pt, ct in rows])
+        conn.execute(sa.insert(call_usage), [
+            {"call_id": f"c{i}", "task_id": i, "source": s, "model": m, "admission_id": f"a{i}", "prompt_tokens": pt,
+             "completion_tokens": ct, "answered": answered, "hedge": False, "ended_at": datetime.now(UTC)}
+            for i, (s, m, answered, pt, ct) in enumerate(rows)])
     capsys.readouterr()
     assert main(["status", "--json"]) == 0
     spent = json.loads(capsys.readouterr().out)["spend"]

@@ -92,3 +92,37 @@ def test_0016_makes_ready_list_entries_ready_and_keeps_published_tasks_queued(mi
         with admin.begin() as conn:
             conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(migrated: dict[str, str]) -> None:
+    """Spend reads the ledger from 0018 on: the history before it, each solved task's
+    answering call (all it recorded), is carried over, so spend so far does not drop."""
+    from balancer.domain.intake import parse_tasks
+    from balancer.storage.intake import insert_tasks
+    from balancer.storage.migrate import upgrade
+    from balancer.storage.spend import token_usage
+
+    schema = "t_" + uuid.uuid4().hex[:12]
+    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).difference_update_query(["options"])
+    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    engine = sa.create_engine(with_schema(url.render_as_string(hide_password=False), schema), poolclass=sa.pool.NullPool)
+    try:
+        assert upgrade(engine, "0016") == "0016"
+        rows, _ = parse_tasks('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n', models={"m": 100_000})
+        with engine.begin() as conn:
+            solved, failed, pending = insert_tasks(conn, rows)
+            conn.execute(sa.text("UPDATE tasks SET status = 'solved', model = 'm', admission_id = 'a1', prompt_tokens = 7,"
+                                 " completion_tokens = 3, solved_at = now() WHERE id = :id"), {"id": solved})
+            conn.execute(sa.text("UPDATE tasks SET status = 'failed', model = 'm' WHERE id = :id"), {"id": failed})
+        assert upgrade(engine) == "0018"
+        with engine.connect() as conn:
+            ledger = conn.execute(sa.text("SELECT task_id, model, admission_id, answered FROM call_usage")).all()
+        assert ledger == [(solved, "m", "a1", True)]
+        assert token_usage(engine) == [("submit", "m", 7, 3)]
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()

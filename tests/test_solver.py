@@ -387,7 +387,7 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
     each, no SCRIPT EXISTS), and two PostgreSQL statements, each its own
     transaction in autocommit (no BEGIN, no COMMIT, no pre-ping). One dispatch
     round for one task: the live view (two pipelined reads), one admission; on
-    PostgreSQL one transaction: its BEGIN, the pinned lane, the pinned-backlog
+    PostgreSQL one transaction: its BEGIN, the budgets, the pinned lane, the pinned-backlog
     probe, the window, the queued mark and the commit."""
     from balancer.pipeline import runtime
 
@@ -412,8 +412,9 @@ def test_round_trips_per_solved_task(sim, monkeypatch: pytest.MonkeyPatch) -> No
         # end game counts the backlog: one query more than a round in the bulk of a run.
         # The claims' skip scan of the pending model sets is one statement of its own
         # (balancer.storage.claims: planned per model set, so a parked backlog costs nothing),
-        # and so is the fair share's look for the sources with pending work (one source here).
-        assert len(sent) == 1 and counts.reset() == (3, 9)
+        # and so is the fair share's look for the sources with pending work (one source here),
+        # and the budgets' (none set: one read of their table, in the round's transaction).
+        assert len(sent) == 1 and counts.reset() == (3, 10)
         assert solve(svc, backend, message(sent[0])) == "solved"
         assert counts.reset() == (2, 2)
     runtime.reset()
@@ -451,9 +452,9 @@ def test_round_trips_per_task_taken_from_a_ready_list(sim, monkeypatch: pytest.M
 
     statements: list[int] = []  # the answer writer's: one per batch of answers
 
-    def counted(engine, answers_):  # noqa: ANN001, ANN202
+    def counted(engine, answers_, usage=()):  # noqa: ANN001, ANN202
         statements.append(len(answers_))
-        return mark_solved_many(engine, answers_)
+        return mark_solved_many(engine, answers_, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", counted)
     writer = AnswerWriter(svc.engine)  # made before counting: the writer's thread writes behind the calls
@@ -535,10 +536,10 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
                    60_000)
     writes: list[tuple[list[int], str]] = []
 
-    def slow_write(engine, answers):  # noqa: ANN001, ANN202
+    def slow_write(engine, answers, usage=()):  # noqa: ANN001, ANN202
         writes.append(([a.task_id for a in answers], threading.current_thread().name))
         time.sleep(0.3)  # a WAL flush on a busy disk
-        return mark_solved_many(engine, answers)
+        return mark_solved_many(engine, answers, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", slow_write)
     asked: list[str] = []  # ask_for_dispatch: the worker's dispatch request
@@ -580,11 +581,11 @@ def test_the_answer_writer_writes_what_waits_in_one_statement_each_under_its_gua
     statements: list[int] = []
     writing, release = threading.Event(), threading.Event()
 
-    def counted(engine, answers):  # noqa: ANN001, ANN202
+    def counted(engine, answers, usage=()):  # noqa: ANN001, ANN202
         statements.append(len(answers))
         writing.set()
         release.wait(10)  # the first write holds the thread while the others arrive
-        return mark_solved_many(engine, answers)
+        return mark_solved_many(engine, answers, usage)
 
     monkeypatch.setattr(answers, "mark_solved_many", counted)
     writer = AnswerWriter(svc.engine)

@@ -260,17 +260,25 @@ def test_a_retry_from_the_page_moves_a_failed_task_back_to_pending(browser: Any,
 
 
 def test_spend_so_far_shows_per_model_and_per_source(browser: Any, services: Any, supervisor: Supervisor) -> None:
-    from balancer.storage.schema import tasks
+    from datetime import UTC, datetime
+
+    from balancer.storage.schema import call_usage, tasks
 
     services.quotas.set("model-0", {"price_per_million_input": 2.0, "price_per_million_output": 8.0, "currency": "USD"},
                         by="test")
-    with services.engine.begin() as conn:
-        conn.execute(sa.insert(tasks), [
-            {"source": src, "prompt": "p", "status": "solved", "model": model, "max_tokens": 10, "estimated_tokens": 20,
-             "prompt_tokens": pt, "completion_tokens": ct}
-            for src, model, pt, ct in [("crm", "model-0", 500_000, 250_000),   # 1.00 + 2.00
-                                       ("etl", "model-0", 0, 125_000),         # 1.00
-                                       ("etl", "model-1", 9_000, 1_000)]])     # no price
+    with services.engine.begin() as conn:  # the ledger's calls: a hedge's loser and a call cut off count too
+        conn.execute(sa.insert(tasks), [{"source": src, "prompt": "p", "status": "solved", "model": "model-0",
+                                         "max_tokens": 10, "estimated_tokens": 20} for src in ("crm", "etl")])
+        conn.execute(sa.insert(call_usage), [
+            {"call_id": f"c{i}", "task_id": i, "source": src, "model": model, "admission_id": f"a{i}",
+             "prompt_tokens": pt, "completion_tokens": ct, "answered": answered, "hedge": False,
+             "ended_at": datetime.now(UTC)}
+            for i, (src, model, pt, ct, answered) in enumerate([
+                ("crm", "model-0", 500_000, 250_000, True),   # 1.00 + 2.00
+                ("etl", "model-0", 0, 62_500, True),          # 0.50
+                ("etl", "model-0", 0, 62_500, True),          # 0.50: the same task's hedge, answered second
+                ("etl", "model-0", 0, 0, False),              # a 500: nothing
+                ("etl", "model-1", 9_000, 1_000, True)])])    # no price
     console = Console(supervisor)
     browser.get(f"{console.url}/models")
     spent = {row.attribute("data-model"): row.find("td.spent").text for row in browser.find_all("table.models tbody tr")}
@@ -350,15 +358,19 @@ def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any,
     from datetime import UTC, datetime
 
     from balancer.cli import main
-    from balancer.storage.schema import tasks
+    from balancer.storage.schema import call_usage, tasks
 
     services.quotas.set("model-0", {"price_per_million_input": 2.0, "price_per_million_output": 8.0, "currency": "USD"},
                         by="test")
-    with services.engine.begin() as conn:
-        conn.execute(sa.insert(tasks), [
+    with services.engine.begin() as conn:  # a task solved today by one answered call each: 3.00 USD each
+        solved = conn.execute(sa.insert(tasks).returning(tasks.c.id, tasks.c.source), [
             {"source": src, "prompt": "p", "status": "solved", "model": "model-0", "max_tokens": 10,
              "estimated_tokens": 20, "prompt_tokens": 500_000, "completion_tokens": 250_000,
-             "solved_at": datetime.now(UTC)} for src in ("crm", "etl")])  # 3.00 USD each
+             "solved_at": datetime.now(UTC)} for src in ("crm", "etl")]).all()
+        conn.execute(sa.insert(call_usage), [
+            {"call_id": f"c{task_id}", "task_id": task_id, "source": src, "model": "model-0",
+             "admission_id": f"a{task_id}", "prompt_tokens": 500_000, "completion_tokens": 250_000, "answered": True,
+             "hedge": False, "ended_at": datetime.now(UTC)} for task_id, src in solved])
     add_tasks(services, ["waits"], source="crm")
     assert main(["source", "set", "crm", "--budget-per-day", "2.50"]) == 0
     assert main(["source", "set", "etl", "--budget-tokens-per-day", "2000000"]) == 0

@@ -37,7 +37,14 @@ class Completion:
 
 
 class BackendError(Exception):
-    """Base of every backend failure; the message never contains the API key."""
+    """Base of every backend failure; the message never contains the API key.
+
+    ``ended`` says how far the call got, for what the provider bills
+    (:func:`balancer.domain.cost.billed_tokens`): ``refused`` (an error status),
+    ``cut_off`` (the request reached the backend, no readable reply came) or
+    ``unsent`` (no connection was made)."""
+
+    ended = "refused"
 
 
 class RateLimited(BackendError):
@@ -48,7 +55,13 @@ class RateLimited(BackendError):
 
 
 class Transient(BackendError):
-    """Worth retrying after a back-off."""
+    """Worth retrying after a back-off: by default a call cut off (a timeout, a dropped
+    connection, a reply that could not be read); a 5xx is ``refused``, a refused
+    connection ``unsent``."""
+
+    def __init__(self, message: str, *, ended: str = "cut_off") -> None:
+        super().__init__(message)
+        self.ended = ended
 
 
 class Permanent(BackendError):
@@ -57,6 +70,8 @@ class Permanent(BackendError):
 
 class Cancelled(BackendError):
     """The call was cut off on purpose (its task was answered by a hedge): no answer, nothing to retry."""
+
+    ended = "cut_off"
 
 
 class Backend(Protocol):

@@ -120,17 +120,20 @@ class HttpBackend:
             try:
                 response = self._client(str(payload.get("model", ""))).post(self._url(path), json=payload)
             except (httpx.TimeoutException, httpx.TransportError) as exc:
+                # Never connected (or waited for a pooled connection): the request was not sent.
+                ended = "unsent" if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)) \
+                    else "cut_off"
                 if handle.reason == "deadline" or isinstance(exc, httpx.TimeoutException):
                     raise Transient(f"timeout calling {path}: no complete answer within {self.timeout:g}s "
-                                    f"({type(exc).__name__})") from None
+                                    f"({type(exc).__name__})", ended=ended) from None
                 if handle.cancelled:
                     raise Cancelled(f"call to {path} cancelled: the task was answered by its other call") from None
-                raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}") from None
+                raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}", ended=ended) from None
         if response.status_code == 429:
             retry_after = parse_retry_after(response.headers.get("Retry-After"), response.headers.get("retry-after-ms"))
             raise RateLimited(f"429 from {path}", retry_after, parse_remaining(response.headers))
         if response.status_code >= 500:
-            raise Transient(f"{response.status_code} from {path}: {response.text[:200]}")
+            raise Transient(f"{response.status_code} from {path}: {response.text[:200]}", ended="refused")
         if response.status_code >= 400:
             raise Permanent(f"{response.status_code} from {path}: {response.text[:200]}")
         try:

@@ -120,7 +120,8 @@ def environment(overrides: dict[str, str]) -> Iterator[None]:
 
 
 def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_accounting: str | None = None,
-                      worker_layout: str | None = None, env: dict[str, str] | None = None) -> RunResult:
+                      worker_layout: str | None = None, env: dict[str, str] | None = None,
+                      settle_s: float = 0.0) -> RunResult:
     """The pipeline against the scenario's simulator. ``quota_accounting`` overrides
     every balancer quota's token_accounting (not the simulator's): the ablation
     that shows what crediting back usage costs against a provider that reserves.
@@ -134,7 +135,8 @@ def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_ac
     with environment(env or {}), IsolatedServices(console, "bench") as iso:
         return run_pipeline(iso, quotas=quotas, sim_args=["--scenario", str(path), "--seed", str(scenario.seed),
                             "--grace", str(GRACE)], backlog_jsonl=scenario.backlog_jsonl(), console=console,
-                            worker_layout=worker_layout or scenario.extra.get("worker_layout", "one"))
+                            worker_layout=worker_layout or scenario.extra.get("worker_layout", "one"),
+                            settle_s=settle_s)
 
 
 def priced(scenario: Scenario) -> list[Any]:
@@ -385,19 +387,22 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
     (out / "report.md").write_text("\n".join(lines))
 
 
-def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = None,
-         worker_layout: str | None = None, compare_greedy: bool = False) -> dict[str, Any]:
-    """Run the scenario named (bundled) or given as a path by ``spec``; write the report under ``out``.
-
-    The scenario's TOML is copied into ``out`` first: the simulator reads it
-    from there, and the report stays reproducible after the package changes.
-    """
-    console = Console()
+def prepare(spec: str, out: Path) -> tuple[Scenario, Path]:
+    """The scenario named (bundled) or given as a path by ``spec``, and its copy in ``out``:
+    the simulator reads it from there, and the report stays reproducible after the package changes."""
     name, text = locate(spec)
     scenario = parse_scenario(text, name)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_text(text, encoding="utf-8")
+    return scenario, path
+
+
+def main(spec: str, out: Path, only: str | None, quota_accounting: str | None = None,
+         worker_layout: str | None = None, compare_greedy: bool = False) -> dict[str, Any]:
+    """Run the scenario named (bundled) or given as a path by ``spec``; write the report under ``out``."""
+    console = Console()
+    scenario, path = prepare(spec, out)
     if scenario.kind == "sources":
         from balancer.bench import sources
 

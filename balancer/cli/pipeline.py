@@ -281,8 +281,10 @@ def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -
               help="Pipeline workers: every pool in one process (default), or one process per model.")
 @click.option("--compare-greedy", is_flag=True,
               help="Also run the pipeline with the end game and hedging off, same seed: before and after in one run.")
+@click.option("--compare-hedging", is_flag=True,
+              help="Run the pipeline with hedging off, then on, same seed; report what hedging cost in tokens and money.")
 def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: str | None, worker_layout: str | None,
-          compare_greedy: bool) -> None:
+          compare_greedy: bool, compare_hedging: bool) -> None:
     """Benchmark SCENARIO (a bundled name such as `short`, or a TOML file):
     the pipeline against today's Airflow pattern and the capacity bound."""
     import time
@@ -294,6 +296,11 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     if out is None:
         out = Path("bench-out") / f"{name.removesuffix('.toml')}-{time.strftime('%Y%m%d-%H%M%S')}"
     click.echo(f"writing the report to {out.resolve()}", err=True)
+    if compare_hedging:
+        from balancer.bench.hedging import main as run_hedging
+
+        run_hedging(scenario, out, worker_layout)
+        return
     run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
 

@@ -223,6 +223,10 @@ class RunResult:
     etas: list[tuple[float, float, float | None]] = field(default_factory=list)
     #: The ETA polled through the run, every ETA_POLL_S and once after the end: see :func:`eta_sample`.
     eta_samples: list[dict[str, Any]] = field(default_factory=list)
+    #: The ledger at the end, ``(source, model, prompt tokens, completion tokens)``: every call, hedges' included.
+    ledger: list[tuple[str, str, int, int]] = field(default_factory=list)
+    #: Whether every call had ended and reached the ledger when it was read (see ``settle_s``).
+    settled: bool = False
 
     @property
     def makespan(self) -> float:
@@ -252,15 +256,21 @@ def run_pipeline(
     table: TableMaker | None = None,
     timeout: float = 1800.0,
     worker_layout: str = "one",
+    settle_s: float = 0.0,
 ) -> RunResult:
     """Start everything, submit the backlog, wait until every task is solved or failed.
 
     ``worker_layout`` is "one" (a single worker process holds every model's
     pool) or "per-model" (one process per model). The clock starts once the
     Celery processes answer a ping and stops at the last task's final write.
+    With ``settle_s``, the calls still running then (a hedge's loser runs to
+    its end) get up to that long to end and reach the ledger, which is read
+    last (:attr:`RunResult.ledger`).
     """
     from balancer.pipeline.summary import estimate_drain
+    from balancer.storage.ledger import calls_recorded
     from balancer.storage.reads import status_counts
+    from balancer.storage.spend import token_usage
 
     svc = iso.services
     svc.quotas.replace_all(list(quotas), by="runner")
@@ -318,7 +328,15 @@ def run_pipeline(
             time.sleep(0.5)
     samples.append(eta_sample(svc, time.time() - started, total))  # nothing left: it must say 0
     time.sleep(0.2)
-    entries.extend(fetch_log(backend_url, cursor)[0])
+    settle_until = time.monotonic() + settle_s
+    while True:
+        new, cursor = fetch_log(backend_url, cursor)
+        entries.extend(new)
+        # Every call the backend logged has its ledger row, and none is still running.
+        settled = not any(m.in_flight for m in svc.core.live().values()) and calls_recorded(svc.engine) >= len(entries)
+        if settled or time.monotonic() >= settle_until:
+            break
+        time.sleep(0.5)
     rows = iso.task_rows()
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))
@@ -326,6 +344,7 @@ def run_pipeline(
     counts = status_counts(svc.engine)
     # Calls that started with no dispatcher in between: a finishing call took them from a ready list.
     counts["ready_taken"] = sum(c.get("ready_taken", 0) for c in svc.core.counters()[0].values())
-    result = RunResult(entries, started, finished, counts, rows, learned, etas, samples)
+    result = RunResult(entries, started, finished, counts, rows, learned, etas, samples, token_usage(svc.engine),
+                       settled)
     supervisor.stop_all()
     return result

@@ -1,6 +1,7 @@
 """What calls cost: prices per million tokens, and spend by model and by source.
 
-Pure: token counts in, money out. A model's price is two optional numbers
+Pure: token counts in, money out; and the one rule of what a call that got no
+answer is counted for (:func:`billed_tokens`). A model's price is two optional numbers
 from its quota (``price_per_million_input`` for prompt tokens,
 ``price_per_million_output`` for completion tokens) in the one currency the
 quota file names. A model with no price costs nothing that can be counted:
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from balancer.errors import QuotaError
 
@@ -148,6 +149,44 @@ def spend(usage: Iterable[tuple[str, str, int, int]], prices: Mapping[str, Price
         out.by_model[model] = out.by_model.get(model, 0.0) + amount
         out.by_source[source] = out.by_source.get(source, 0.0) + amount
     return out
+
+
+#: How a call sent to the backend ended, as far as what the provider bills goes:
+#: ``answered`` (a reply with its token counts), ``cut_off`` (the request reached the
+#: backend and no readable reply came back: the client's timeout, a hedge's loser
+#: cancelled, the connection dropped mid-call, a reply that could not be read),
+#: ``refused`` (an error status: 429, 4xx, 5xx) or ``unsent`` (no connection was made).
+CallEnd = Literal["answered", "cut_off", "refused", "unsent"]
+
+
+def billed_tokens(end: CallEnd, estimated_prompt: int, reported: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """``(prompt tokens, completion tokens)`` a call is counted in spend for, or None
+    for a call that never reached the backend (it gets no ledger row).
+
+    The one rule of what the provider likely bills, for every call sent:
+
+    - ``answered``: what the backend reported, as it bills it;
+    - ``cut_off``: the prompt reached the provider, which read it, so the estimated
+      prompt tokens; its output is unknown (a provider that keeps working after its
+      client went bills it, one that stops bills part of it), so 0 completion
+      tokens. A floor, never a guess above what was seen;
+    - ``refused``: providers do not bill a request they answer with an error
+      status (a 429 is turned away before any work), so nothing.
+
+    >>> billed_tokens("answered", 120, (98, 40)), billed_tokens("cut_off", 120), billed_tokens("refused", 120)
+    ((98, 40), (120, 0), (0, 0))
+    >>> billed_tokens("unsent", 120) is None, billed_tokens("cut_off", -3)
+    (True, (0, 0))
+    """
+    if end == "answered":
+        if reported is None:
+            raise ValueError("an answered call has the token counts its backend reported")
+        return reported
+    if end == "cut_off":
+        return max(0, estimated_prompt), 0
+    if end == "refused":
+        return 0, 0
+    return None
 
 
 def money(amount: float, currency: str | None) -> str:

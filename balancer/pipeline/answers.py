@@ -10,7 +10,10 @@ and waits. Either way:
 
 - **one commit for many answers.** The thread takes every answer waiting and
   writes them in one guarded ``UPDATE`` (:func:`balancer.storage.transitions.mark_solved_many`):
-  one WAL flush however many calls ended during the last one;
+  one WAL flush however many calls ended during the last one. Every call's
+  ledger row (:mod:`balancer.storage.ledger`) rides in that statement: an
+  answered call's with its answer, a call's that got no answer
+  (:meth:`AnswerWriter.record`, waited for by no one) with the next batch;
 - **a bounded pool.** At most one connection of the process's pool waits for
   a flush; the others stay free for the calls' starts, which do not wait for
   it. (When every thread wrote its own answer, 120 threads in one process
@@ -40,9 +43,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 
 from sqlalchemy.engine import Engine
 
+from balancer.storage.ledger import Usage, record_usage
 from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
 from balancer.storage.transitions import Answer, Written, mark_solved, mark_solved_many
 
@@ -58,16 +63,32 @@ DEFAULT_DEADLINE_S = 120.0
 CLOSE_GRACE_S = 5.0
 
 
+def _aligned(group: list[_Pending], written: list[Written | None]) -> list[Written | None]:
+    """What was written for each of ``group``, ``written`` being its answers' in order (None for a row alone)."""
+    answers = iter(written)
+    return [next(answers) if p.answer is not None else None for p in group]
+
+
+def _solved_one(engine: Engine, answer: Answer, usage: tuple[Usage, ...]) -> list[Written | None]:
+    return [mark_solved(engine, answer, usage)]
+
+
+def _log_unrecorded(outcome: Future[str]) -> None:
+    if outcome.exception() is not None:
+        log.error("a call's ledger row was not written (spend undercounts that call): %r", outcome.exception())
+
+
 class WriterDied(RuntimeError):
     """The answer writer's thread is gone: nothing handed to it will be written."""
 
 
 @dataclass(frozen=True)
 class _Pending:
-    answer: Answer
+    answer: Answer | None  # None: only ledger rows (calls that got no answer)
     then: Callable[[Written | None], str]
     deadline: float | None
     outcome: Future[str]
+    usage: tuple[Usage, ...] = ()
 
 
 class AnswerWriter:
@@ -87,10 +108,22 @@ class AnswerWriter:
         return self._thread.is_alive() and self._died is None
 
     def submit(self, answer: Answer, then: Callable[[Written | None], str], *,
-               deadline: float | None = None) -> Future[str]:
-        """Write ``answer``; the future's result is ``then(what was written)``
+               deadline: float | None = None, usage: Usage | None = None) -> Future[str]:
+        """Write ``answer`` (and its call's ledger row, ``usage``, in the same statement,
+        written even for a duplicate); the future's result is ``then(what was written)``
         (``then`` runs on the writer's thread, None for a duplicate). Its
         retries give up at ``deadline`` (monotonic; the running solve's by default)."""
+        return self._put(answer, then, deadline, (usage,) if usage is not None else ())
+
+    def record(self, usage: Usage, *, deadline: float | None = None) -> Future[str]:
+        """Write the ledger row of a call that got no answer, in the next batch; nothing
+        waits for it (the future's result is ``recorded``; a failure is logged)."""
+        outcome = self._put(None, lambda _: "recorded", deadline, (usage,))
+        outcome.add_done_callback(_log_unrecorded)
+        return outcome
+
+    def _put(self, answer: Answer | None, then: Callable[[Written | None], str], deadline: float | None,
+             usage: tuple[Usage, ...]) -> Future[str]:
         outcome: Future[str] = Future()
         with self._lock:  # nothing is queued behind the closing mark, where no one would write it
             if self._died is not None:
@@ -99,7 +132,7 @@ class AnswerWriter:
                 raise RuntimeError("the answer writer is closed")
             deadline = deadline if deadline is not None else SOLVE_DEADLINE.get()
             self._latest = max(self._latest, deadline if deadline is not None else time.monotonic() + DEFAULT_DEADLINE_S)
-            self._queue.put(_Pending(answer, then, deadline, outcome))
+            self._queue.put(_Pending(answer, then, deadline, outcome, usage))
         return outcome
 
     def wait(self, outcome: Future[str], deadline: float) -> str | None:
@@ -160,7 +193,7 @@ class AnswerWriter:
                 if first is None:
                     return
                 batch.append(first)
-            tasks = {p.answer.task_id for p in batch}
+            tasks = {p.answer.task_id for p in batch if p.answer is not None}
             while not stop and len(batch) < self.max_batch:
                 try:
                     more = self._queue.get_nowait()
@@ -168,6 +201,8 @@ class AnswerWriter:
                     break
                 if more is None:
                     stop = True
+                elif more.answer is None:
+                    batch.append(more)
                 elif more.answer.task_id in tasks:
                     # One row per task in a statement: PostgreSQL would update the
                     # task from either row (unpredictably) and return it once.
@@ -179,11 +214,23 @@ class AnswerWriter:
             batch.clear()
 
     def _write(self, batch: list[_Pending]) -> None:
-        plain = [p for p in batch if p.answer.hedge_model is None]
+        """The plain answers in one statement, with every ledger row of theirs and of the
+        calls that got no answer (alone in a statement when no plain answer waits);
+        each hedge's answer in a statement of its own, with its row."""
+        plain = [p.answer for p in batch if p.answer is not None and p.answer.hedge_model is None]
+        rows = [p for p in batch if p.answer is None or p.answer.hedge_model is None]
+        usage = [u for p in rows for u in p.usage]
         if plain:
-            self._write_group(plain, lambda: mark_solved_many(self.engine, [p.answer for p in plain]))
-        for hedge in (p for p in batch if p.answer.hedge_model is not None):  # each under the hedge's guard
-            self._write_group([hedge], lambda hedge=hedge: [mark_solved(self.engine, hedge.answer)])  # type: ignore[misc]
+            self._write_group(rows, lambda: _aligned(rows, mark_solved_many(self.engine, plain, usage)))
+        elif rows:
+            def rows_alone() -> list[Written | None]:
+                record_usage(self.engine, usage)
+                return [None] * len(rows)
+
+            self._write_group(rows, rows_alone)
+        for hedge in batch:  # each under the hedge's guard
+            if hedge.answer is not None and hedge.answer.hedge_model is not None:
+                self._write_group([hedge], partial(_solved_one, self.engine, hedge.answer, hedge.usage))
 
     @staticmethod
     def _write_group(group: list[_Pending], write: Callable[[], list[Written | None]]) -> None:

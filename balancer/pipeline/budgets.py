@@ -1,7 +1,7 @@
 """Budgets per day, enforced by the dispatcher: a source whose budget is spent takes no new calls.
 
-Once per dispatch run, :func:`held_sources` reads the budgets (a small table;
-with none set that is the only read) and what the budgeted sources spent since
+Once per dispatch run, in its first transaction, :func:`held_sources` reads the
+budgets (a small table; with none set that is the only read) and what the budgeted sources spent since
 00:00 UTC (:func:`balancer.storage.spend.spent_by_source_since`, priced by the
 quotas), and :func:`balancer.domain.budget.held` names the sources over budget.
 The run's claims leave those sources' pending tasks where they are: the
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from sqlalchemy.engine import Connection
+
 from balancer.domain.budget import Standing, day_start, held, standings
 from balancer.domain.cost import price_list
 from balancer.services import Services
@@ -27,17 +29,20 @@ from balancer.storage.source_budgets import budgets
 from balancer.storage.spend import spent_by_source_since
 
 
-def read_standings(services: Services, now: datetime | None = None) -> dict[str, Standing]:
-    """Every budgeted source's budget against what it spent today (empty: no budget set)."""
-    with services.engine.connect() as conn:
-        set_now = budgets(conn)
-        if not set_now:
-            return {}
-        usage = spent_by_source_since(conn, day_start(now or datetime.now(UTC)))
+def read_standings(services: Services, conn: Connection | None = None, now: datetime | None = None) -> dict[str, Standing]:
+    """Every budgeted source's budget against what it spent today (empty: no budget set),
+    read on ``conn`` (in the caller's transaction) or on a connection of its own."""
+    if conn is None:
+        with services.engine.connect() as own:
+            return read_standings(services, own, now)
+    set_now = budgets(conn)
+    if not set_now:
+        return {}
+    usage = spent_by_source_since(conn, day_start(now or datetime.now(UTC)))
     prices, currency = price_list(services.quotas.all())
     return standings(set_now, usage, prices, currency)
 
 
-def held_sources(services: Services) -> frozenset[str]:
+def held_sources(services: Services, conn: Connection | None = None) -> frozenset[str]:
     """The sources whose budget is spent: their tasks wait this dispatch run."""
-    return held(read_standings(services))
+    return held(read_standings(services, conn))

@@ -4,7 +4,8 @@ answer's durable write.
 It holds the admission id, its :class:`Slot` (freed once, on every path), its
 registration with the process's :class:`~balancer.pipeline.heartbeat.Heartbeat`,
 and its answer's future on the process's
-:class:`~balancer.pipeline.answers.AnswerWriter`. The registration is taken
+:class:`~balancer.pipeline.answers.AnswerWriter`, which also writes its ledger
+row (:meth:`Call.usage`), answered or not. The registration is taken
 when the worker takes the call on (a message received, or a next call taken
 from a ready list, before its start is written) and released only when the
 answer is durably written, or when the call ends with no answer to write: so
@@ -18,19 +19,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from datetime import UTC, datetime
+from typing import Literal, cast
 
 import redis
 
 from balancer.admission import AdmissionCore, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion
+from balancer.domain.cost import CallEnd, billed_tokens
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
 from balancer.storage.hedges import clear_hedge, hedge_in_flight
+from balancer.storage.ledger import Usage
 from balancer.storage.retry import with_db_retry
 from balancer.storage.statements import SolveContext
 from balancer.storage.transitions import Answer, Written, back_to_pending, mark_failed
@@ -114,6 +119,8 @@ class Call:
         settings = services.settings
         self.services, self.heartbeat, self.msg = services, heartbeat, msg
         self.admission_id = msg.admission_id
+        #: This call's own id: its ledger row's key (a redelivered message may call again under its admission).
+        self.call_id = uuid.uuid4().hex
         self.taken_at = time.monotonic()
         #: The solve's deadline (monotonic): the call ends within it, and its writes' retries give up there.
         self.deadline = self.taken_at + settings.hard_time_limit
@@ -211,10 +218,30 @@ class Call:
         """A hedge that got no answer: the task is again its first call's alone."""
         with_db_retry(lambda: clear_hedge(self.services.engine, self.msg.task_id, self.admission_id))
 
+    # -- the ledger ----------------------------------------------------------------------
+    def usage(self, ctx: SolveContext, end: CallEnd, completion: Completion | None = None) -> Usage | None:
+        """This call's ledger row: the tokens it is counted for
+        (:func:`~balancer.domain.cost.billed_tokens`); None if it never reached the backend."""
+        msg = self.msg
+        reported = (completion.prompt_tokens, completion.completion_tokens) if completion is not None else None
+        tokens = billed_tokens(end, msg.estimated_tokens - ctx.max_tokens, reported)
+        if tokens is None:
+            return None
+        return Usage(self.call_id, msg.task_id, ctx.source, msg.model, msg.admission_id, *tokens,
+                     answered=end == "answered", hedge=msg.hedge, ended_at=datetime.now(UTC))
+
+    def unanswered(self, writer: AnswerWriter, ctx: SolveContext, exc: BaseException) -> None:
+        """A call that got no answer: its ledger row, written behind it (an unexpected
+        error is counted as cut off: the request may have reached the backend)."""
+        usage = self.usage(ctx, cast(CallEnd, getattr(exc, "ended", "cut_off")))
+        if usage is not None:
+            writer.record(usage, deadline=self.deadline)
+
     # -- the answer ----------------------------------------------------------------------
-    def hand_over(self, writer: AnswerWriter, answer: Answer, outcome: str) -> Future[str]:
-        """Hand the answer to the writer; the call is over once it is written."""
-        self.answer = writer.submit(answer, lambda written: self._won(outcome, written), deadline=self.deadline)
+    def hand_over(self, writer: AnswerWriter, answer: Answer, outcome: str, usage: Usage | None = None) -> Future[str]:
+        """Hand the answer (and the call's ledger row) to the writer; the call is over once it is written."""
+        self.answer = writer.submit(answer, lambda written: self._won(outcome, written), deadline=self.deadline,
+                                    usage=usage)
         self.answer.add_done_callback(lambda _: self.end())
         return self.answer
 

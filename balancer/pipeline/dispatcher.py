@@ -150,8 +150,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     core = services.core
     window = window or services.settings.dispatch_window
     stocking = services.settings.ready_per_slot > 0
-    report = DispatchReport(held=held_sources(services))  # over budget: their tasks wait this run
-    held = report.held
+    report = DispatchReport()
+    held: frozenset[str] | None = None  # over budget: their tasks wait this run (read in its first transaction)
     idle = False  # the last round found nothing pending that a free slot could take
     view_predates_stock = False  # the round stocked after reading ``view``: its ready counts are old
     for round_no in range(max_rounds):
@@ -169,6 +169,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not free:
             break
         with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
+            if held is None:
+                held = report.held = held_sources(services, conn)
             pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()}, held)
             # Every model, not only the open ones: a full model's slot can free
             # between the live read and the admit call.
@@ -218,6 +220,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         report.failed += len(failed)
         if not admitted and not failed:
             break
+    if held is None:  # no round reached a transaction: only the stock below needs it
+        held = report.held = held_sources(services) if stocking else frozenset()
     if idle and services.settings.hedging:
         report.hedges = hedge_stragglers(services, publish, view, held)  # the view of the round that found nothing
     if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)

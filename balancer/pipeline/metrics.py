@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
-from balancer.domain.cost import Observed, price_of, project
+from balancer.domain.cost import Observed, price_list, project
 from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
@@ -184,8 +184,8 @@ class BalancerCollector(Collector):
     def _money(self, svc: Services, families: dict[str, Any]) -> None:
         """Spend so far by model and source, and the backlog left's projected cost by model, in the quotas' currency."""
         quotas = svc.quotas.all()
-        prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas}
-        currency = next((q.currency for q in quotas if q.currency), None) or ""
+        prices, named = price_list(quotas)
+        currency = named or ""
         for source, model, prompt_tokens, completion_tokens in self._usage:
             price = prices.get(model)
             if price is not None:

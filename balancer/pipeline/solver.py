@@ -49,7 +49,8 @@ solved             as soon as the backend answers: settle the tokens as the
                    to the writer (answer, usage and ``solved`` in one guarded
                    UPDATE) while the next call runs
 duplicate          the answer's write found the task finished, or no longer
-                   under this admission: nothing written (logged)
+                   under this admission: nothing written (logged) but the
+                   call's ledger row
 cancelled          the task's other call answered first and cut this one off
 =================  ==============================================================
 
@@ -74,6 +75,11 @@ Whether the loser is cut off follows its model's ``on_disconnect``:
   written. (A model switched to ``finish`` while one of its calls is being
   cut off holds that slot, charged, until the call would have hit the backend
   timeout: :meth:`AdmissionCore.hold`.)
+
+Every call sent to the backend leaves a ledger row (:mod:`balancer.storage.ledger`),
+written by the answer writer: an answered call's in its answer's statement,
+the others' behind them, with the tokens the provider likely bills
+(:func:`balancer.domain.cost.billed_tokens`). So spend counts hedges and retries.
 
 The slot is freed as soon as the call ends, before any database write, and
 in every case (``finally``), so nothing leaks even on an unexpected exception.
@@ -300,11 +306,13 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
         time.sleep(start_delay_ms / 1000)
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
-    except Cancelled:
+    except Cancelled as exc:
+        call.unanswered(writer, ctx, exc)
         return "cancelled"  # the task's hedge answered it
     except Exception as exc:  # noqa: BLE001 - every failure is a row of the table
         outcome, failure = outcome_of(core, settings, msg, ctx, exc)  # a 429 pauses the model before its slot frees
         call.free()
+        call.unanswered(writer, ctx, exc)  # its ledger row, written behind it
         return call.change(outcome, CHANGES[outcome](failure))
     # The provider's slot is free the moment it answered, so ours is freed now,
     # before the write: the write needs no slot, and keeps its retry and its
@@ -314,7 +322,7 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
     call.free_answered(answered(completion, ctx, latency_ms))
     if call.slot.next is not None:
         taken.extend(_start_next(services, call.heartbeat, call.slot.next))
-    answer = call.hand_over(writer, answer_of(msg, completion), "solved")
+    answer = call.hand_over(writer, answer_of(msg, completion), "solved", call.usage(ctx, "answered", completion))
     return answer, call.deadline
 
 
@@ -350,9 +358,11 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
         time.sleep(renewed.start_delay_ms / 1000)
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
-    except Cancelled:
+    except Cancelled as exc:
+        call.unanswered(writer, ctx, exc)
         return "cancelled"  # the first call answered
     except (RateLimited, Transient, Permanent) as exc:
+        call.unanswered(writer, ctx, exc)
         if isinstance(exc, RateLimited):
             pause_for(core, msg.model, exc)
         elif isinstance(exc, Transient):
@@ -365,7 +375,8 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
                  msg.model, exc)
         return "hedge_failed"
     call.free_answered(answered(completion, ctx, latency_ms))
-    answer = call.hand_over(writer, answer_of(msg, completion, hedge=True), "hedge_won")
+    answer = call.hand_over(writer, answer_of(msg, completion, hedge=True), "hedge_won",
+                            call.usage(ctx, "answered", completion))
     return answer, call.deadline
 
 

@@ -11,7 +11,9 @@ the history. The finished ones are counted in full only by
 ``balancer tasks prune --before T`` deletes finished tasks last changed
 before ``T``, in batches of :data:`PRUNE_BATCH` (each its own transaction,
 through the ``tasks_status_updated`` index), and audits each batch in
-``task_operations`` (action ``prune``) as retries and cancels are. A task
+``task_operations`` (action ``prune``) as retries and cancels are. Their
+calls' ledger rows (``call_usage``) are deleted with them, in the same
+transaction: spend so far then counts the tasks kept, as it always did. A task
 that is pending, queued or running is never deleted, and a failed task a
 ``retry`` sends back to pending meanwhile is not matched.
 """
@@ -23,6 +25,7 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from balancer.storage.ledger import delete_usage
 from balancer.storage.schema import task_operations, tasks
 
 LIVE_STATUSES = ("pending", "ready", "queued", "running")
@@ -77,6 +80,7 @@ def prune(engine: Engine, before: datetime, *, by: str, apply: bool) -> int:
                 sa.delete(tasks).where(tasks.c.id.in_(batch), *_prunable(before)).returning(tasks.c.id)
             ).scalars())
             if ids:
+                delete_usage(conn, ids)  # their calls' ledger rows go with them
                 conn.execute(sa.insert(task_operations).values(
                     done_by=by, action="prune", filter={"before": before.isoformat()}, task_ids=ids))
         deleted += len(ids)

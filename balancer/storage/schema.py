@@ -97,6 +97,25 @@ tasks = Table(
     Column("metadata", JSONB, nullable=True),
 )
 
+#: The ledger: one row per call sent to the backend, answered or not (a hedge that
+#: lost, a call cut off, refused or retried), with the tokens it is counted for
+#: (:func:`balancer.domain.cost.billed_tokens`). ``call_id`` is the call's own,
+#: so a write retried after an unknown commit adds no second row.
+call_usage = Table(
+    "call_usage",
+    metadata,
+    Column("call_id", Text, primary_key=True),
+    Column("task_id", BigInteger, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("model", Text, nullable=False),
+    Column("admission_id", Text, nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("answered", Boolean, nullable=False),
+    Column("hedge", Boolean, nullable=False),
+    Column("ended_at", DateTime(timezone=True), nullable=False),
+)
+
 #: Every source's share of the dispatch window (weighted deficit round robin
 #: across sources); a source with no row has weight 1.
 source_weights = Table(

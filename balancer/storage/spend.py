@@ -1,14 +1,15 @@
-"""Spend so far: the token counts of answered calls, priced by each model's quota.
+"""Spend so far: the tokens of every call sent to the backend, priced by each model's quota.
 
-The tokens are those the backend reported for the call that answered each
-solved task (``prompt_tokens`` and ``completion_tokens``), grouped by source
-and by the model that answered; :func:`balancer.domain.cost.spend` prices
-them. Calls that did not answer (a failed attempt, a hedge that lost) left no
-token counts in PostgreSQL, so they are not in this figure.
+The tokens are the ledger's (``call_usage``, :mod:`balancer.storage.ledger`):
+one row per call, answered or not, so a hedge that lost, a call cut off and
+retried, and a duplicate answer all count; a call that got no answer counts
+what :func:`balancer.domain.cost.billed_tokens` says the provider likely
+bills. Grouped by source and by the model called;
+:func:`balancer.domain.cost.spend` prices them.
 
-:func:`projected_cost` prices the backlog left the same way, from its token
-estimates and what each model's answered calls used against theirs
-(:func:`balancer.domain.cost.project`).
+:func:`projected_cost` prices the backlog left from its token estimates and
+what each model's answered calls used against theirs
+(:func:`balancer.domain.cost.project`): the ratios stay on answered calls.
 """
 
 from __future__ import annotations
@@ -19,44 +20,35 @@ from datetime import datetime
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from balancer.domain.cost import Observed, Spend, price_of, project, spend
+from balancer.domain.cost import Observed, Spend, price_list, project, spend
 from balancer.domain.quota import Quota
-from balancer.storage.schema import tasks
+from balancer.storage.schema import call_usage, tasks
 
 
-def token_usage(engine: Engine) -> list[tuple[str, str, int, int]]:
-    """``(source, model, prompt tokens, completion tokens)`` of solved tasks, per source and answering model."""
-    query = (sa.select(tasks.c.source, tasks.c.model, sa.func.coalesce(sa.func.sum(tasks.c.prompt_tokens), 0),
-                       sa.func.coalesce(sa.func.sum(tasks.c.completion_tokens), 0))
-             .where(tasks.c.status == "solved", tasks.c.model.is_not(None)).group_by(tasks.c.source, tasks.c.model))
-    with engine.connect() as conn:
+def _usage(conn_or_engine: Connection | Engine, *where: sa.ColumnElement[bool]) -> list[tuple[str, str, int, int]]:
+    query = (sa.select(call_usage.c.source, call_usage.c.model, sa.func.sum(call_usage.c.prompt_tokens),
+                       sa.func.sum(call_usage.c.completion_tokens))
+             .where(*where).group_by(call_usage.c.source, call_usage.c.model))
+    if isinstance(conn_or_engine, Connection):
+        return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn_or_engine.execute(query)]
+    with conn_or_engine.connect() as conn:
         return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn.execute(query)]
 
 
-def spent_by_source_since(conn_or_engine: Connection | Engine, since: datetime) -> list[tuple[str, str, int, int]]:
-    """``(source, model, prompt tokens, completion tokens)`` spent since ``since``, per
-    source and answering model: what a source's budget per day is held against
-    (:mod:`balancer.domain.budget`, priced by :mod:`balancer.domain.cost`).
+def token_usage(engine: Engine) -> list[tuple[str, str, int, int]]:
+    """``(source, model, prompt tokens, completion tokens)`` of every call in the ledger, per source and model called."""
+    return _usage(engine)
 
-    For now the solved tasks' token counts, by ``solved_at``: calls that did not
-    answer are not counted (as in :func:`token_usage`). ``updated_at >= since``
-    is implied by ``solved_at >= since`` and lets the ``(status, updated_at)``
-    index find today's solves."""
-    query = (sa.select(tasks.c.source, tasks.c.model, sa.func.coalesce(sa.func.sum(tasks.c.prompt_tokens), 0),
-                       sa.func.coalesce(sa.func.sum(tasks.c.completion_tokens), 0))
-             .where(tasks.c.status == "solved", tasks.c.updated_at >= since, tasks.c.solved_at >= since,
-                    tasks.c.model.is_not(None))
-             .group_by(tasks.c.source, tasks.c.model))
-    if isinstance(conn_or_engine, Engine):
-        with conn_or_engine.connect() as conn:
-            return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn.execute(query)]
-    return [(r[0], r[1], int(r[2]), int(r[3])) for r in conn_or_engine.execute(query)]
+
+def spent_by_source_since(conn_or_engine: Connection | Engine, since: datetime) -> list[tuple[str, str, int, int]]:
+    """``(source, model, prompt tokens, completion tokens)`` of the calls that ended at or after ``since``
+    (hedges and retries included), per source and model called."""
+    return _usage(conn_or_engine, call_usage.c.ended_at >= since)
 
 
 def spend_so_far(engine: Engine, quotas: Sequence[Quota]) -> Spend:
     """Spend by model and by source, in the quotas' currency (None when no model names one)."""
-    prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas}
-    currency = next((q.currency for q in quotas if q.currency), None)
+    prices, currency = price_list(quotas)
     return spend(token_usage(engine), prices, currency)
 
 
@@ -88,6 +80,7 @@ def observed_usage(engine: Engine) -> dict[str, Observed]:
 
 def projected_cost(engine: Engine, quotas: Sequence[Quota]) -> Spend:
     """The backlog left's projected cost by model, over the enabled models, in the quotas' currency."""
-    prices = {q.name: price_of(q.price_per_million_input, q.price_per_million_output) for q in quotas if q.enabled}
-    currency = next((q.currency for q in quotas if q.currency), None)
-    return project(backlog_estimates(engine), observed_usage(engine), prices, currency)
+    prices, currency = price_list(quotas)
+    enabled = {q.name for q in quotas if q.enabled}
+    return project(backlog_estimates(engine), observed_usage(engine),
+                   {name: price for name, price in prices.items() if name in enabled}, currency)

@@ -29,6 +29,8 @@ class SolveContext:
     admission_id: str | None
     attempts: int
     rate_limited: int
+    #: The task's source (its calls' ledger rows name it).
+    source: str
     #: The call's model ends a request whose client went (``Quota.on_disconnect == "stop"``):
     #: only then is cutting the call off worth anything (see :mod:`balancer.pipeline.solver`).
     stops_on_disconnect: bool = False
@@ -45,7 +47,7 @@ def context_columns(model: Any) -> tuple[Any, ...]:
         sa.select(quotas.c.on_disconnect == "stop").where(quotas.c.name == model).scalar_subquery()
     )
     return (tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
-            tasks.c.attempts, tasks.c.rate_limited, sa.func.coalesce(stops, sa.false()))
+            tasks.c.attempts, tasks.c.rate_limited, tasks.c.source, sa.func.coalesce(stops, sa.false()))
 
 
 def hedge_guard(task_id: Any, hedge_admission_id: Any):  # noqa: ANN202

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
+from balancer.storage.ledger import Usage, usage_params, with_usage
 from balancer.storage.schema import tasks
 from balancer.storage.statements import (
     ADMISSION_ID,
@@ -66,7 +67,8 @@ def _solved(answer: Any, prompt_tokens: Any, completion_tokens: Any) -> dict[str
 
 
 # A hedge's answer: ``b_admission_id`` is the hedge's, and the task records the hedge's model.
-_MARK_HEDGE_SOLVED = (
+# Its call's ledger row rides in the same statement (:func:`balancer.storage.ledger.with_usage`).
+_MARK_HEDGE_SOLVED = with_usage(
     sa.update(tasks).where(hedge_guard(TASK_ID, ADMISSION_ID))
     .values(model=sa.bindparam("b_model"),
             **_solved(sa.bindparam("b_answer"), sa.bindparam("b_prompt_tokens"), sa.bindparam("b_completion_tokens")))
@@ -150,17 +152,18 @@ class Answer:
     hedge_model: str | None = None
 
 
-def mark_solved(engine: Engine, answer: Answer) -> Written | None:
+def mark_solved(engine: Engine, answer: Answer, usage: Sequence[Usage] = ()) -> Written | None:
     """Write the answer once. None if someone else already finished it (a duplicate).
+    ``usage``'s ledger rows are inserted in the same statement, written or not.
 
     With ``answer.hedge_model``, ``answer.admission_id`` is the hedge's: the first
     answer of the two calls wins, and the task records the model that gave it.
     """
     if answer.hedge_model is None:
-        return mark_solved_many(engine, [answer])[0]
+        return mark_solved_many(engine, [answer], usage)[0]
     params = {"b_task_id": answer.task_id, "b_admission_id": answer.admission_id, "b_answer": answer.answer,
               "b_prompt_tokens": answer.prompt_tokens, "b_completion_tokens": answer.completion_tokens,
-              "b_model": answer.hedge_model}
+              "b_model": answer.hedge_model, **usage_params(usage)}
     with one_statement(engine) as conn:
         row = conn.execute(_MARK_HEDGE_SOLVED, params).first()
     return None if row is None else Written(row[0])
@@ -177,7 +180,7 @@ def _mark_solved_many_statement() -> Any:
         .table_valued(*(sa.column(name, kind) for name, kind in fields))
         .render_derived(name="answers")
     )
-    return (
+    return with_usage(
         sa.update(tasks).where(admission_guard(rows.c.id, rows.c.admission_id))
         .values(**_solved(rows.c.answer, rows.c.prompt_tokens, rows.c.completion_tokens))
         .returning(tasks.c.id, tasks.c.hedge_admission_id)
@@ -187,9 +190,10 @@ def _mark_solved_many_statement() -> Any:
 _MARK_SOLVED_MANY = _mark_solved_many_statement()
 
 
-def mark_solved_many(engine: Engine, answers: Sequence[Answer]) -> list[Written | None]:
+def mark_solved_many(engine: Engine, answers: Sequence[Answer], usage: Sequence[Usage] = ()) -> list[Written | None]:
     """:func:`mark_solved` for several answers in one statement (one commit, one
-    WAL flush), each under its own guard (none a hedge's). In ``answers``' order: what was
+    WAL flush), each under its own guard (none a hedge's), with ``usage``'s ledger
+    rows (any calls', answered or not). In ``answers``' order: what was
     written, or None for a duplicate. One answer per task: a task twice in one
     statement would be updated from either row, unpredictably.
 
@@ -197,7 +201,7 @@ def mark_solved_many(engine: Engine, answers: Sequence[Answer]) -> list[Written 
     """
     params = {"b_id": [a.task_id for a in answers], "b_admission_id": [a.admission_id for a in answers],
               "b_answer": [a.answer for a in answers], "b_prompt_tokens": [a.prompt_tokens for a in answers],
-              "b_completion_tokens": [a.completion_tokens for a in answers]}
+              "b_completion_tokens": [a.completion_tokens for a in answers], **usage_params(usage)}
     with one_statement(engine) as conn:
         written = {row.id: Written(row.hedge_admission_id) for row in conn.execute(_MARK_SOLVED_MANY, params)}
     return [written.get(a.task_id) for a in answers]
