@@ -12,13 +12,15 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import subprocess
+import sys
 from collections.abc import Iterable
 
 import click
 import pytest
 
 import balancer.cli
-from balancer.bench.status_time import COMMANDS, UNWANTED, imported_by
+from balancer.bench.status_time import COMMANDS, HERE, UNWANTED, imported_by
 from balancer.cli import SUBCOMMANDS, cli
 
 #: Service clients ``--help`` has no use for (it reads nothing).
@@ -78,3 +80,12 @@ def test_every_command_is_reachable_under_its_own_name() -> None:
             if isinstance(value, click.Command) and value is not cli:
                 defined[id(value)] = f"{module.name}.{attr}"
     assert sorted(defined[i] for i in defined.keys() - reachable(cli)) == []
+
+
+def test_a_mistyped_command_is_answered_with_the_nearest() -> None:
+    """Click suggests from the commands it holds; the lazy group loads them all for a name it does not know.
+    (A child process: in this session, other tests have loaded every command already.)"""
+    done = subprocess.run([sys.executable, "-m", "balancer", "statsu"], capture_output=True, text=True, cwd=HERE,
+                          check=False)
+    assert done.returncode == 2
+    assert "Did you mean 'status'?" in done.stderr

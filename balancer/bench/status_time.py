@@ -110,7 +110,7 @@ def main() -> None:
     if args.compare is not None and not (args.compare / "balancer" / "__init__.py").is_file():
         parser.error(f"--compare {args.compare}: no balancer package there")
     trees = {"this tree": HERE, **({f"{args.compare}": args.compare.resolve()} if args.compare else {})}
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     with IsolatedServices(console, "status", keep_workdir=False) as iso:
         svc = iso.services
         svc.quotas.replace_all([Quota(f"model-{i}", max_concurrent_requests=8, max_tokens_per_minute=1_000_000,

@@ -39,6 +39,12 @@ class LazyGroup(click.Group):
             self.add_command(getattr(importlib.import_module(f"balancer.cli.{module}"), attr), cmd_name)
         return super().get_command(ctx, cmd_name)
 
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and self.get_command(ctx, args[0]) is None:  # a typo: load every command, so click names the nearest
+            for name in SUBCOMMANDS:
+                self.get_command(ctx, name)
+        return super().resolve_command(ctx, args)
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
