@@ -110,7 +110,7 @@ def test_database_password_never_in_json_output(migrated: dict[str, str]) -> Non
 
 
 def test_servers_bind_to_loopback_by_default() -> None:
-    from balancer.cli.pipeline import sim
+    from balancer.cli.processes import sim
 
     host = next(p for p in sim.params if p.name == "host")
     assert host.default == "127.0.0.1"

@@ -43,8 +43,9 @@ def resolve_click(argv: list[str]) -> click.Command:
         if word.startswith("-"):
             break
         if isinstance(command, click.Group):
-            assert word in command.commands, f"balancer has no command {word!r}"
-            command = command.commands[word]
+            found = command.get_command(click.Context(command), word)
+            assert found is not None, f"balancer has no command {word!r}"
+            command = found
     return command
 
 

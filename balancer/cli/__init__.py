@@ -14,8 +14,39 @@ import click
 from balancer.errors import BalancerError, ConfigError, printable
 from balancer.settings import Settings
 
+#: Every subcommand and where it is defined. A command's module is imported only when that command
+#: runs (or ``--help`` lists it), so ``balancer status`` does not pay for the other commands' imports.
+SUBCOMMANDS = {
+    "beat": "processes:beat", "bench": "pipeline:bench", "db": "db:db", "demo": "pipeline:demo",
+    "dispatcher": "processes:dispatcher", "embedded": "db:embedded", "metrics": "processes:metrics",
+    "quota": "quota:quota", "results": "results:results", "router": "processes:router", "sim": "processes:sim",
+    "source": "source:source", "status": "pipeline:status", "submit": "pipeline:submit", "tasks": "tasks:tasks",
+    "top": "pipeline:top", "web": "web:web", "worker": "processes:worker",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module (``balancer.cli.<module>``) when the subcommand is asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *SUBCOMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in SUBCOMMANDS:
+            import importlib
+
+            module, attr = SUBCOMMANDS[cmd_name].split(":")
+            self.add_command(getattr(importlib.import_module(f"balancer.cli.{module}"), attr), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and self.get_command(ctx, args[0]) is None:  # a typo: load every command, so click names the nearest
+            for name in SUBCOMMANDS:
+                self.get_command(ctx, name)
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
     """Quota-aware dispatch of an LLM prompt backlog through the Models Backend."""
 
@@ -59,28 +90,6 @@ def services():  # noqa: ANN201 - imported lazily to keep `balancer --help` fast
     from balancer.services import Services
 
     return Services.connect(resolved_settings())
-
-
-def _register() -> None:
-    from balancer.cli import db, quota
-
-    cli.add_command(db.db)
-    cli.add_command(quota.quota)
-    cli.add_command(db.embedded)
-    from balancer.cli import pipeline, tasks, web
-
-    for command in pipeline.COMMANDS:
-        cli.add_command(command)
-    cli.add_command(tasks.tasks)
-    cli.add_command(web.web)
-    from balancer.cli import results, source, source_weight
-
-    source.source.add_command(source_weight.set_command)
-    cli.add_command(source.source)
-    cli.add_command(results.results)
-
-
-_register()
 
 
 #: Third-party modules only the demo, simulator and benchmarks use, with the extra that brings each.

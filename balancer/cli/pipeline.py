@@ -10,7 +10,6 @@ from typing import Any
 
 import click
 
-from balancer.cli.processes import beat, dispatcher, metrics, router, sim, worker
 from balancer.cli.startwait import migrated as _migrated
 from balancer.errors import BalancerError, QuotaError, printable
 
@@ -303,5 +302,3 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
         return
     run_bench(scenario, out, only, quota_accounting, worker_layout, compare_greedy)
 
-
-COMMANDS = [submit, worker, dispatcher, beat, sim, status, top, metrics, router, demo, bench]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from balancer.cli.source_weight import set_command
 from balancer.cli.startwait import migrated
 from balancer.errors import BalancerError, printable
 
@@ -16,6 +17,9 @@ from balancer.errors import BalancerError, printable
 @click.group()
 def source() -> None:
     """Source tables: rows of the team's PostgreSQL table in, answers written back."""
+
+
+source.add_command(set_command)
 
 
 @source.command("import")

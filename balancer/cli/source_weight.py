@@ -15,8 +15,8 @@ from __future__ import annotations
 import click
 
 from balancer.cli.startwait import migrated
+from balancer.domain.fairshare import MAX_WEIGHT
 from balancer.errors import BalancerError, ConfigError, printable
-from balancer.storage.source_weights import MAX_WEIGHT
 
 #: The longest source name (as a task's ``key``).
 MAX_SOURCE_NAME = 256

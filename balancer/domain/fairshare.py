@@ -37,6 +37,8 @@ from typing import Protocol, TypeVar
 #: where a quantum of several tasks would hand out whole runs); a grant is one
 #: step whatever its size.
 DEFAULT_QUANTUM = 100
+#: The largest weight a source may have (``balancer source set --weight``).
+MAX_WEIGHT = 1_000_000
 
 #: Ready-list entries per slot while several sources share the models (see
 #: :mod:`balancer.domain.ready`). A task stocked behind a list of ``d`` entries

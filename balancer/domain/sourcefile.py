@@ -35,11 +35,8 @@ a write-back retried after a crash a no-op rather than a second write.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import tomli_w
 
 from balancer.errors import BalancerError, printable
 
@@ -207,6 +204,8 @@ def parse_source_file(text: str) -> list[SourceDef]:
     >>> [s.name for s in parse_source_file('[sources.a]\\ntable="t"\\nkey="id"\\nprompt="p"\\nanswer="a"\\nwhere="a IS NULL"\\n')]
     ['a']
     """
+    import tomllib  # here, not at the top: `status` reads sources (storage/sources) but never a sources file
+
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -225,4 +224,6 @@ def parse_source_file(text: str) -> list[SourceDef]:
 
 def format_source_file(definitions: list[SourceDef]) -> str:
     """Render sources as TOML that :func:`parse_source_file` reads back identically."""
+    import tomli_w
+
     return tomli_w.dumps({"sources": {d.name: d.as_dict() for d in sorted(definitions, key=lambda d: d.name)}})

@@ -11,12 +11,11 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import Connection
 
+from balancer.domain.fairshare import MAX_WEIGHT
 from balancer.storage.schema import source_changes, source_weights
 
 #: The weight of a source that has none set.
 DEFAULT_WEIGHT = 1
-#: The largest weight a source may have.
-MAX_WEIGHT = 1_000_000
 
 
 def weights(conn: Connection) -> dict[str, int]:
