@@ -224,3 +224,27 @@ def test_status_and_source_list_show_the_budget_spent_today_and_the_wait(svc, ca
     scraped = {m.name: {s.labels.get("source"): s.value for s in m.samples} for m in BalancerCollector(svc).collect()}
     assert scraped["balancer_source_over_budget"] == {"crm": 1, "web": 0}
     assert scraped["balancer_source_spent_tokens_today"] == {"crm": 3_000_000, "web": 0}
+
+
+def test_status_leaves_the_tasks_waiting_on_a_budget_out_of_the_eta(svc, capsys) -> None:  # noqa: ANN001
+    """60 tasks of a source over budget and 20 of another, on one model of 2 slots whose prior says
+    3 s a call: the ETA is the 20 tasks' (as if the 60 were not there), and the 60 are said to wait."""
+    from balancer.cli import main
+    from balancer.domain.quota import Quota
+
+    svc.quotas.replace_all([Quota("m", 2, 10_000_000, expected_latency_s=3.0)])
+    add(svc, "web", 20)
+    assert main(["status", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    add(svc, "capped", 60)
+    set_budget(svc, "capped", tokens=0)
+    assert main(["status", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pending"] == 80 and report["eta_s"] == pytest.approx(alone["eta_s"], abs=0.2)
+    assert report["waiting_on_budget"] == 60 and alone["waiting_on_budget"] == 0
+    assert main(["status"]) == 0
+    assert "; 60 pending task(s) wait on a budget, not in the eta" in capsys.readouterr().out
+    set_budget(svc, "capped", tokens=None)  # cleared: the 60 are work again
+    assert main(["status", "--json"]) == 0
+    raised = json.loads(capsys.readouterr().out)
+    assert raised["waiting_on_budget"] == 0 and raised["eta_s"] > 3 * alone["eta_s"]
