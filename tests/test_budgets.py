@@ -248,3 +248,27 @@ def test_status_leaves_the_tasks_waiting_on_a_budget_out_of_the_eta(svc, capsys)
     assert main(["status", "--json"]) == 0
     raised = json.loads(capsys.readouterr().out)
     assert raised["waiting_on_budget"] == 0 and raised["eta_s"] > 3 * alone["eta_s"]
+
+
+def test_pruning_today_s_tasks_does_not_give_their_spend_back_to_the_budget(svc) -> None:  # noqa: ANN001
+    """`tasks prune` deleted the pruned tasks' ledger rows, today's too: pruning the day's
+    solved tasks un-spent the day's budget, and the held source resumed, past its budget.
+    Today's rows stay until a prune after the day turns (older ones go with their tasks)."""
+    from balancer.domain.quota import Quota
+    from balancer.pipeline.budgets import held_sources
+    from balancer.storage.ledger import calls_recorded
+    from balancer.storage.retention import prune
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    today, old = add(svc, "crm", 2), add(svc, "crm", 3)
+    solve(svc, today, 600, 400)
+    solve(svc, old, 10, 10, at="now() - interval '2 days'")
+    set_budget(svc, "crm", tokens=2_000)
+    assert held_sources(svc) == {"crm"}
+    assert prune(svc.engine, datetime.now(UTC) + timedelta(seconds=1), by="test", apply=True) == 5
+    assert held_sources(svc) == {"crm"}  # still spent: 2,000 tokens today
+    assert calls_recorded(svc.engine) == 2  # the 3 calls of 2 days ago went with their tasks
+    with svc.engine.begin() as conn:  # the day turns
+        conn.execute(sa.text("UPDATE call_usage SET ended_at = ended_at - interval '1 day'"))
+    assert prune(svc.engine, datetime.now(UTC), by="test", apply=True) == 0
+    assert calls_recorded(svc.engine) == 0 and held_sources(svc) == frozenset()  # the kept rows went then
