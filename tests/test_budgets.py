@@ -44,6 +44,14 @@ def test_the_wait_says_why_with_what_was_spent_against_the_budget() -> None:
                            "over": True, "waiting": "waiting: budget spent (5.02 of 5.00 USD today)"}
 
 
+def test_a_money_budget_says_what_it_cannot_count() -> None:
+    """A money budget with the source's calls on models with no price: the wait's
+    text said '0.00 of 5.00 today' for ever, as if nothing had been spent."""
+    st = standings([Budget("s", 5.0)], [("s", "free", 600_000, 400_000), ("s", "cheap", 1_000_000, 0)], PRICES, "USD")
+    assert not st["s"].over
+    assert st["s"].spent_text() == "1.00 of 5.00 USD today (and 1,000,000 tokens on models with no price, not counted)"
+
+
 def test_the_day_starts_at_midnight_utc() -> None:
     east = datetime(2026, 3, 2, 1, 30, tzinfo=UTC).astimezone(__import__("zoneinfo").ZoneInfo("Asia/Tokyo"))
     assert day_start(east) == datetime(2026, 3, 2, tzinfo=UTC)
@@ -272,3 +280,14 @@ def test_pruning_today_s_tasks_does_not_give_their_spend_back_to_the_budget(svc)
         conn.execute(sa.text("UPDATE call_usage SET ended_at = ended_at - interval '1 day'"))
     assert prune(svc.engine, datetime.now(UTC), by="test", apply=True) == 0
     assert calls_recorded(svc.engine) == 0 and held_sources(svc) == frozenset()  # the kept rows went then
+
+
+def test_a_money_budget_with_no_model_priced_says_it_counts_nothing(svc, capsys) -> None:  # noqa: ANN001
+    from balancer.cli import main
+    from balancer.domain.quota import Quota
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    assert main(["source", "set", "crm", "--budget-per-day", "5"]) == 0
+    assert "note: no model has a price, so the money budget counts nothing" in capsys.readouterr().out
+    assert main(["source", "set", "crm", "--budget-per-day", "none", "--budget-tokens-per-day", "10"]) == 0
+    assert "note:" not in capsys.readouterr().out
