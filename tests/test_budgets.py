@@ -58,7 +58,7 @@ def test_the_day_starts_at_midnight_utc() -> None:
     assert day_start(datetime(2026, 3, 1, 23, 59, 59, tzinfo=UTC)) == datetime(2026, 3, 1, tzinfo=UTC)
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc", "", "1e10", True, -0.5])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc", "", "1e10", True, -0.5, "1_000", "١٢", "1e400"])
 def test_a_money_budget_is_a_finite_amount_in_range(value: object) -> None:
     with pytest.raises(BudgetError):
         check_money(value)

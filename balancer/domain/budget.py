@@ -56,8 +56,8 @@ def check_money(value: Any) -> float | None:
         return None
     number: float | None = None
     if isinstance(value, str):
-        try:
-            number = float(value)
+        try:  # as a token count is read: ASCII, no '_' (which float() would take, and other scripts' digits)
+            number = float(value) if value.isascii() and "_" not in value else None
         except ValueError:
             number = None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
