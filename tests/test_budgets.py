@@ -44,13 +44,21 @@ def test_the_wait_says_why_with_what_was_spent_against_the_budget() -> None:
                            "over": True, "waiting": "waiting: budget spent (5.02 of 5.00 USD today)"}
 
 
+def test_a_money_budget_says_what_it_cannot_count() -> None:
+    """A money budget with the source's calls on models with no price: the wait's
+    text said '0.00 of 5.00 today' for ever, as if nothing had been spent."""
+    st = standings([Budget("s", 5.0)], [("s", "free", 600_000, 400_000), ("s", "cheap", 1_000_000, 0)], PRICES, "USD")
+    assert not st["s"].over
+    assert st["s"].spent_text() == "1.00 of 5.00 USD today (and 1,000,000 tokens on models with no price, not counted)"
+
+
 def test_the_day_starts_at_midnight_utc() -> None:
     east = datetime(2026, 3, 2, 1, 30, tzinfo=UTC).astimezone(__import__("zoneinfo").ZoneInfo("Asia/Tokyo"))
     assert day_start(east) == datetime(2026, 3, 2, tzinfo=UTC)
     assert day_start(datetime(2026, 3, 1, 23, 59, 59, tzinfo=UTC)) == datetime(2026, 3, 1, tzinfo=UTC)
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc", "", "1e10", True, -0.5])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc", "", "1e10", True, -0.5, "1_000", "١٢", "1e400"])
 def test_a_money_budget_is_a_finite_amount_in_range(value: object) -> None:
     with pytest.raises(BudgetError):
         check_money(value)
@@ -224,3 +232,62 @@ def test_status_and_source_list_show_the_budget_spent_today_and_the_wait(svc, ca
     scraped = {m.name: {s.labels.get("source"): s.value for s in m.samples} for m in BalancerCollector(svc).collect()}
     assert scraped["balancer_source_over_budget"] == {"crm": 1, "web": 0}
     assert scraped["balancer_source_spent_tokens_today"] == {"crm": 3_000_000, "web": 0}
+
+
+def test_status_leaves_the_tasks_waiting_on_a_budget_out_of_the_eta(svc, capsys) -> None:  # noqa: ANN001
+    """60 tasks of a source over budget and 20 of another, on one model of 2 slots whose prior says
+    3 s a call: the ETA is the 20 tasks' (as if the 60 were not there), and the 60 are said to wait."""
+    from balancer.cli import main
+    from balancer.domain.quota import Quota
+
+    svc.quotas.replace_all([Quota("m", 2, 10_000_000, expected_latency_s=3.0)])
+    add(svc, "web", 20)
+    assert main(["status", "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    add(svc, "capped", 60)
+    set_budget(svc, "capped", tokens=0)
+    assert main(["status", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pending"] == 80 and report["eta_s"] == pytest.approx(alone["eta_s"], abs=0.2)
+    assert report["waiting_on_budget"] == 60 and alone["waiting_on_budget"] == 0
+    assert main(["status"]) == 0
+    assert "; 60 pending task(s) wait on a budget, not in the eta" in capsys.readouterr().out
+    set_budget(svc, "capped", tokens=None)  # cleared: the 60 are work again
+    assert main(["status", "--json"]) == 0
+    raised = json.loads(capsys.readouterr().out)
+    assert raised["waiting_on_budget"] == 0 and raised["eta_s"] > 3 * alone["eta_s"]
+
+
+def test_pruning_today_s_tasks_does_not_give_their_spend_back_to_the_budget(svc) -> None:  # noqa: ANN001
+    """`tasks prune` deleted the pruned tasks' ledger rows, today's too: pruning the day's
+    solved tasks un-spent the day's budget, and the held source resumed, past its budget.
+    Today's rows stay until a prune after the day turns (older ones go with their tasks)."""
+    from balancer.domain.quota import Quota
+    from balancer.pipeline.budgets import held_sources
+    from balancer.storage.ledger import calls_recorded
+    from balancer.storage.retention import prune
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    today, old = add(svc, "crm", 2), add(svc, "crm", 3)
+    solve(svc, today, 600, 400)
+    solve(svc, old, 10, 10, at="now() - interval '2 days'")
+    set_budget(svc, "crm", tokens=2_000)
+    assert held_sources(svc) == {"crm"}
+    assert prune(svc.engine, datetime.now(UTC) + timedelta(seconds=1), by="test", apply=True) == 5
+    assert held_sources(svc) == {"crm"}  # still spent: 2,000 tokens today
+    assert calls_recorded(svc.engine) == 2  # the 3 calls of 2 days ago went with their tasks
+    with svc.engine.begin() as conn:  # the day turns
+        conn.execute(sa.text("UPDATE call_usage SET ended_at = ended_at - interval '1 day'"))
+    assert prune(svc.engine, datetime.now(UTC), by="test", apply=True) == 0
+    assert calls_recorded(svc.engine) == 0 and held_sources(svc) == frozenset()  # the kept rows went then
+
+
+def test_a_money_budget_with_no_model_priced_says_it_counts_nothing(svc, capsys) -> None:  # noqa: ANN001
+    from balancer.cli import main
+    from balancer.domain.quota import Quota
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    assert main(["source", "set", "crm", "--budget-per-day", "5"]) == 0
+    assert "note: no model has a price, so the money budget counts nothing" in capsys.readouterr().out
+    assert main(["source", "set", "crm", "--budget-per-day", "none", "--budget-tokens-per-day", "10"]) == 0
+    assert "note:" not in capsys.readouterr().out

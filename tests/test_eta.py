@@ -166,6 +166,29 @@ def test_nothing_left_is_zero_whatever_calls_are_still_running() -> None:
     assert eta(slow, [], in_flight={"slow": 2}) == pytest.approx(2 * 10.0 + 5.0)  # without the task count: both
 
 
+def test_tasks_waiting_on_a_budget_are_left_out_of_the_eta_and_counted_apart() -> None:
+    """A source over its budget per day has its pending tasks claimed by no
+    dispatch: counted as work, they made the ETA promise a drain that cannot
+    happen (and, with only they left, a time for them). They are left out and
+    counted in ``waiting``."""
+    from balancer.domain.eta import DrainState, forecast
+
+    fast = {"fast": FAST}
+    # 100 pending, 60 of them a held source's, 20 pinned ones among them; 10 calls running.
+    groups = [(None, 80), (["fast"], 20)]
+    waiting = [(None, 40), (["fast"], 20)]
+    held = forecast(DrainState(fast, groups, in_flight={"fast": 10}, tokens_per_task=500, unfinished=110,
+                               waiting=waiting))
+    rest = forecast(DrainState(fast, [(None, 40)], in_flight={"fast": 10}, tokens_per_task=500, unfinished=50))
+    assert held.waiting == 60 and rest.waiting == 0
+    assert (held.eta, held.low, held.high) == (rest.eta, rest.low, rest.high)
+    assert held.eta == pytest.approx(50 / 5 + 1.0)  # the 40 free tasks and the 10 calls: 50 calls at 5 a second
+    # Only the held source's tasks left: nothing the drain can do, and they are said to wait.
+    only = forecast(DrainState(fast, [(None, 30)], in_flight={}, tokens_per_task=500, unfinished=30,
+                               waiting=[(None, 30)]))
+    assert (only.eta, only.waiting) == (0.0, 30)
+
+
 def test_little_s_law_lengthens_a_latency_learned_from_the_short_calls_only() -> None:
     """Early in a heavy-tailed run the sketch has seen the calls that ended: the
     short ones. A model that keeps 16 calls in flight and answered 32 in the

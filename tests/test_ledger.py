@@ -117,8 +117,9 @@ def test_a_call_retried_after_a_5xx_and_a_timeout_is_in_spend(
     since = spent_by_source_since(quick.engine, datetime.now(UTC) - timedelta(minutes=1))
     assert since == [("submit", "m", cut + prompt_tokens, completion_tokens)]
     assert spent_by_source_since(quick.engine, datetime.now(UTC) + timedelta(minutes=1)) == []
-    # Pruning the task takes its calls' rows with it.
+    # Pruning the task takes its calls' rows with it (calls of an earlier day: today's are budgets' spend).
     with quick.engine.begin() as conn:
         conn.execute(sa.update(tasks).where(tasks.c.id == a.task_id).values(updated_at=sa.func.now() - timedelta(days=2)))
+        conn.execute(sa.update(call_usage).values(ended_at=call_usage.c.ended_at - timedelta(days=2)))
     assert prune(quick.engine, datetime.now(UTC) - timedelta(days=1), by="test", apply=True) == 1
     assert ledger(quick, a.task_id) == [] and token_usage(quick.engine) == []

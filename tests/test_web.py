@@ -378,5 +378,8 @@ def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any,
     page = eventually(lambda: (lambda t: t if "waiting: budget spent" in t else None)(
         httpx.get(f"{console.url}/sources", timeout=5).text))
     assert "2.50 USD per day: 3.00 of 2.50 USD today" in page
+    # The task that waits is not in the ETA: the drain page and the summary say it waits.
+    assert httpx.get(f"{console.url}/api/summary", timeout=5).json()["waiting_on_budget"] == 1
+    assert "<b>1</b> pending task(s) waiting on a budget, not in the ETA" in httpx.get(f"{console.url}/drain", timeout=5).text
     assert '<span class="waiting">waiting: budget spent (3.00 of 2.50 USD today)</span>' in page
     assert "2,000,000 tokens per day: 750,000 of 2,000,000 tokens today" in page and page.count("waiting: budget") == 1

@@ -119,6 +119,23 @@ def band_text(drain: Any) -> str:
     return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
 
 
+def drain_text(drain: Any) -> str:
+    """The ETA, its band, and the pending tasks it leaves out because their source's budget is spent.
+
+    >>> from balancer.domain.eta import Forecast
+    >>> drain_text(Forecast(245.0, 190.0, 280.0)), drain_text(Forecast(0.0, 0.0, 0.0))
+    ('4 min 05 s (3 min 10 s to 4 min 40 s)', 'done')
+    >>> drain_text(Forecast(245.0, 190.0, 280.0, waiting=40))
+    '4 min 05 s (3 min 10 s to 4 min 40 s); 40 pending task(s) wait on a budget, not in the eta'
+    >>> drain_text(Forecast(0.0, 0.0, 0.0, waiting=40))
+    'nothing else to run; 40 pending task(s) wait on a budget, not in the eta'
+    """
+    waiting = 0 if drain is None else drain.waiting
+    eta = None if drain is None else drain.eta
+    text = "nothing else to run" if waiting and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
+    return text + (f"; {waiting} pending task(s) wait on a budget, not in the eta" if waiting else "")
+
+
 def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
     """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
     from rich.table import Table
@@ -173,14 +190,14 @@ def status(as_json: bool) -> None:
         reused = reused_count(conn)
     if as_json:
         click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
-                               **band_fields(drain),
+                               **band_fields(drain), "waiting_on_budget": 0 if drain is None else drain.waiting,
                                "beat_last_tick_s": None if beat is None else round(beat, 1),
                                "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
                                "projected": _projected_dict(projected), "sources": [s.as_dict() for s in sources],
                                "budgets": [b.as_dict() for b in budgets.values()]}))
         return
     click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
-               + f"  eta: {eta_text(eta)}{band_text(drain)}")
+               + f"  eta: {drain_text(drain)}")
     if spent.by_model or spent.unpriced_tokens:
         click.echo(spend_text(spent))
     if projected.by_model or projected.unpriced_tokens:
@@ -223,7 +240,6 @@ def top(interval: float, count: int | None) -> None:
 
     def frame() -> Group:
         counts, rows, counters, drain = read(svc)
-        eta = None if drain is None else drain.eta
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -238,7 +254,7 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta_text(eta)}{band_text(drain)}")
+        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
         quotas = svc.quotas.all()
         money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
                                          projection_text(projected_cost(svc.engine, quotas)))]

@@ -67,8 +67,11 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
                 name, new_money if money is not None else old.money_per_day,
                 new_tokens if tokens is not None else old.tokens_per_day)
             changed = set_budget(conn, budget, by=actor)
-            _, currency = price_list(svc.quotas.all())
+            prices, currency = price_list(svc.quotas.all())
             text = f"budget {budget.text(currency)}" if budget != Budget(name) else "no budget"
             lines.append(f"{name}: {text}" if changed else f"{name}: unchanged ({text})")
+            if budget.money_per_day is not None and all(p is None for p in prices.values()):
+                lines.append(f"{name}: note: no model has a price, so the money budget counts nothing until "
+                             "the quotas name prices (balancer quota set MODEL --price-input P --price-output P)")
     for line in lines:
         click.echo(printable(line, limit=400))

@@ -56,8 +56,8 @@ def check_money(value: Any) -> float | None:
         return None
     number: float | None = None
     if isinstance(value, str):
-        try:
-            number = float(value)
+        try:  # as a token count is read: ASCII, no '_' (which float() would take, and other scripts' digits)
+            number = float(value) if value.isascii() and "_" not in value else None
         except ValueError:
             number = None
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -148,10 +148,17 @@ class Standing:
 
         >>> Standing(Budget("crm", 5.0, 2_000_000), 2_100_000, 4.2, 0, "USD").spent_text()
         '4.20 of 5.00 USD today; 2,100,000 of 2,000,000 tokens today'
+
+        Tokens on models with no price cannot reach a money budget: they are said so, not hidden.
+
+        >>> Standing(Budget("crm", 5.0), 900_000, 0.0, 900_000, None).spent_text()
+        '0.00 of 5.00 today (and 900,000 tokens on models with no price, not counted)'
         """
         parts = []
         if self.budget.money_per_day is not None:
-            parts.append(f"{money(self.money, None)} of {money(self.budget.money_per_day, self.currency)} today")
+            unpriced = f" (and {self.unpriced_tokens:,} tokens on models with no price, not counted)" \
+                if self.unpriced_tokens else ""
+            parts.append(f"{money(self.money, None)} of {money(self.budget.money_per_day, self.currency)} today{unpriced}")
         if self.budget.tokens_per_day is not None:
             parts.append(f"{self.tokens:,} of {self.budget.tokens_per_day:,} tokens today")
         return "; ".join(parts)

@@ -10,6 +10,9 @@ docs/benchmarks.md (issue 28):
 * nothing left is 0: no task pending, queued or running, whatever calls still
   run (a hedge's loser); calls in flight beyond the tasks running shrink in
   proportion (:func:`held_in_flight`);
+* the pending tasks of a source over its budget per day wait, claimed by no
+  dispatch until the budget is raised or the day turns: they are no work the
+  drain can do, so they are left out and counted apart (``Forecast.waiting``);
 * calls in flight, and tasks on a measured model's ready list, count as work
   still to do on their model (a call holds a slot until it ends; counting each
   as a whole call over-states it by about half a call, on the safe side);
@@ -223,15 +226,21 @@ class DrainState:
     #: Tasks on a measured model's ready list: that model's work, as its calls in flight are (not pinned:
     #: the end game may hedge them, so they set no :func:`pinned_finish` of their own).
     ready: Mapping[str, int] = field(default_factory=dict)
+    #: The pending tasks of sources over their budget per day, by allowed models (a part of ``groups``
+    #: and ``unfinished``): no dispatch claims them until the budget is raised or the day turns, so they
+    #: are no work the drain can do; :func:`forecast` leaves them out and counts them in ``waiting``.
+    waiting: Sequence[tuple[Sequence[str] | None, int]] = ()
 
 
 @dataclass(frozen=True)
 class Forecast:
-    """The drain ETA (s) and the band it is expected in: ``low`` <= ``eta`` <= ``high``."""
+    """The drain ETA (s) and the band it is expected in: ``low`` <= ``eta`` <= ``high``; and the
+    pending tasks left out of it because their source's budget is spent (``waiting``)."""
 
     eta: float | None
     low: float | None
     high: float | None
+    waiting: int = 0
 
 
 #: The band around the ETA, as shares of it: below and above. The run's actual
@@ -240,6 +249,28 @@ class Forecast:
 #: on its prior), the band is EARLY_WIDENING wider on each side.
 BAND = (0.15, 0.25)
 EARLY_WIDENING = 0.15
+
+
+def without_waiting(
+    groups: Sequence[tuple[Sequence[str] | None, int]], waiting: Sequence[tuple[Sequence[str] | None, int]],
+) -> list[tuple[Sequence[str] | None, int]]:
+    """``groups`` less the tasks ``waiting`` on a budget, matched by allowed models (never below 0).
+
+    >>> without_waiting([(None, 100), (["a"], 5)], [(None, 60), (["a"], 9)])
+    [(None, 40)]
+    """
+    left: dict[tuple[str, ...] | None, int] = {}
+    for allowed, n in waiting:
+        key = None if allowed is None else tuple(allowed)
+        left[key] = left.get(key, 0) + n
+    out: list[tuple[Sequence[str] | None, int]] = []
+    for allowed, n in groups:
+        key = None if allowed is None else tuple(allowed)
+        taken = min(n, left.get(key, 0))
+        left[key] = left.get(key, 0) - taken
+        if n - taken:
+            out.append((allowed, n - taken))
+    return out
 
 
 def held_in_flight(in_flight: Mapping[str, int], running: int) -> dict[str, float]:
@@ -305,16 +336,22 @@ def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
 
 def forecast(state: DrainState) -> Forecast:
     """The drain ETA of ``state`` with its band: exactly 0 when no task is left
-    unfinished, whatever calls are still in flight.
+    unfinished, whatever calls are still in flight. The tasks of sources over
+    their budget (``state.waiting``) are left out of it and counted in ``waiting``.
 
     >>> from balancer.domain.capacity import ModelCapacity
     >>> fast = {"fast": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
     >>> forecast(DrainState(fast, [], in_flight={"fast": 3}, tokens_per_task=500, unfinished=0))
-    Forecast(eta=0.0, low=0.0, high=0.0)
+    Forecast(eta=0.0, low=0.0, high=0.0, waiting=0)
     >>> f = forecast(DrainState(fast, [(None, 100)], in_flight={}, tokens_per_task=500, unfinished=100))
     >>> round(f.eta, 1), round(f.low, 1), round(f.high, 1)   # no pace yet: the early band
     (21.0, 14.7, 29.4)
     """
+    waiting = sum(n for _, n in state.waiting)
+    if waiting:  # work no dispatch claims until its budget allows: not in the ETA, counted apart
+        unfinished = None if state.unfinished is None else max(0, state.unfinished - waiting)
+        state = replace(state, groups=without_waiting(state.groups, state.waiting), waiting=(), unfinished=unfinished)
+        return replace(forecast(state), waiting=waiting)
     if state.unfinished == 0:
         return Forecast(0.0, 0.0, 0.0)
     in_flight: Mapping[str, float] = state.in_flight

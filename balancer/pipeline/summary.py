@@ -13,16 +13,18 @@ rows, and :func:`binding_limit` says which limit holds a model back right now.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from balancer.admission.live import ModelLive
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import DrainState, Forecast, forecast
+from balancer.pipeline.budgets import held_sources
 from balancer.services import Services
 from balancer.storage.reads import (
     pending_groups,
+    pending_groups_of,
     recent_solves,
     recent_solves_by_model,
     status_counts,
@@ -127,11 +129,12 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
 
 def drain_inputs(
     services: Services, view: Mapping[str, ModelLive] | None = None,
-    groups: list[tuple[list[str] | None, int, int]] | None = None,
+    groups: list[tuple[list[str] | None, int, int]] | None = None, held: Collection[str] | None = None,
 ) -> DrainState | None:
     """What the drain ETA is computed from, read now: the live quotas, buckets and
-    learned latencies, the backlog's composition, the last minute's solves and
-    the tasks not finished. None when no model is enabled."""
+    learned latencies, the backlog's composition, the last minute's solves, the
+    tasks not finished, and the pending tasks of the sources over their budget
+    (``held``: read now as the dispatcher reads it, when not given). None when no model is enabled."""
     view = services.core.live() if view is None else view
     groups = pending_groups(services.engine) if groups is None else groups
     prior_s = services.settings.expected_latency_s
@@ -166,6 +169,7 @@ def drain_inputs(
         on_prior=[name for name in models if not view[name].latency_estimate(prior_s).samples],
         unfinished=unfinished_count(services.engine),
         solved_by_model=recent_solves_by_model(services.engine, window_s),
+        waiting=pending_groups_of(services.engine, held_sources(services) if held is None else held),
     )
 
 

@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection, Engine
 
-from balancer.storage.schema import call_usage
+from balancer.storage.schema import call_usage, tasks
 from balancer.storage.statements import one_statement
 
 
@@ -87,10 +87,19 @@ def record_usage(engine: Engine, usage: Sequence[Usage]) -> None:
         conn.execute(_INSERT, usage_params(usage))
 
 
-def delete_usage(conn: Connection, task_ids: Sequence[int]) -> None:
-    """Delete the rows of these tasks (pruned with them)."""
+def delete_usage(conn: Connection, task_ids: Sequence[int], ended_before: datetime) -> None:
+    """Delete the rows of these tasks (pruned with them) of calls that ended before ``ended_before``:
+    the rest are today's spend, which budgets per day read (:func:`delete_orphans` takes them later)."""
     if task_ids:
-        conn.execute(sa.delete(call_usage).where(call_usage.c.task_id.in_(list(task_ids))))
+        conn.execute(sa.delete(call_usage).where(call_usage.c.task_id.in_(list(task_ids)),
+                                                 call_usage.c.ended_at < ended_before))
+
+
+def delete_orphans(conn: Connection, ended_before: datetime) -> int:
+    """Delete the rows, of calls that ended before ``ended_before``, whose task is gone (pruned
+    while they were the day's spend). Returns how many."""
+    gone = ~sa.exists().where(tasks.c.id == call_usage.c.task_id)
+    return int(conn.execute(sa.delete(call_usage).where(call_usage.c.ended_at < ended_before, gone)).rowcount or 0)
 
 
 def calls_recorded(engine: Engine) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import timedelta
 
 import sqlalchemy as sa
@@ -19,6 +19,18 @@ def pending_groups(engine: Engine) -> list[tuple[list[str] | None, int, int]]:
             .where(tasks.c.status == "pending").group_by(tasks.c.allowed_models)
         ).all()
     return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
+def pending_groups_of(engine: Engine, sources: Collection[str]) -> list[tuple[list[str] | None, int]]:
+    """The pending tasks of ``sources`` by allowed models (no query when there are none)."""
+    if not sources:
+        return []
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.allowed_models, sa.func.count())
+            .where(tasks.c.status == "pending", tasks.c.source.in_(sorted(sources))).group_by(tasks.c.allowed_models)
+        ).all()
+    return [(r[0], int(r[1])) for r in rows]
 
 
 def recent_solves(engine: Engine, window_s: float) -> tuple[list[tuple[list[str] | None, int]], float]:

@@ -13,19 +13,23 @@ before ``T``, in batches of :data:`PRUNE_BATCH` (each its own transaction,
 through the ``tasks_status_updated`` index), and audits each batch in
 ``task_operations`` (action ``prune``) as retries and cancels are. Their
 calls' ledger rows (``call_usage``) are deleted with them, in the same
-transaction: spend so far then counts the tasks kept, as it always did. A task
+transaction, except the rows of calls that ended today (UTC): those are the
+day's spend against each source's budget per day, so pruning today's tasks
+gives nothing back to a budget; a prune after the day turns deletes them. So
+spend so far counts the tasks kept, plus the calls of today's pruned ones. A task
 that is pending, queued or running is never deleted, and a failed task a
 ``retry`` sends back to pending meanwhile is not matched.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from balancer.storage.ledger import delete_usage
+from balancer.domain.budget import day_start
+from balancer.storage.ledger import delete_orphans, delete_usage
 from balancer.storage.schema import task_operations, tasks
 
 LIVE_STATUSES = ("pending", "ready", "queued", "running")
@@ -72,6 +76,7 @@ def prune(engine: Engine, before: datetime, *, by: str, apply: bool) -> int:
         with engine.connect() as conn:
             return int(conn.execute(sa.select(sa.func.count()).where(*_prunable(before))).scalar_one())
     deleted = 0
+    today = day_start(datetime.now(UTC))  # the ledger rows since then are the budgets' spend today: kept
     while True:
         with engine.begin() as conn:
             batch = sa.select(tasks.c.id).where(*_prunable(before)).limit(PRUNE_BATCH) \
@@ -80,9 +85,11 @@ def prune(engine: Engine, before: datetime, *, by: str, apply: bool) -> int:
                 sa.delete(tasks).where(tasks.c.id.in_(batch), *_prunable(before)).returning(tasks.c.id)
             ).scalars())
             if ids:
-                delete_usage(conn, ids)  # their calls' ledger rows go with them
+                delete_usage(conn, ids, today)  # their calls' ledger rows go with them, but today's
                 conn.execute(sa.insert(task_operations).values(
                     done_by=by, action="prune", filter={"before": before.isoformat()}, task_ids=ids))
         deleted += len(ids)
         if len(ids) < PRUNE_BATCH:
+            with engine.begin() as conn:
+                delete_orphans(conn, today)  # the rows an earlier day's prune kept
             return deleted

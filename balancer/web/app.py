@@ -156,7 +156,7 @@ def create_app(services: Services, *, token: str | None = None, sample_interval:
         sample = console.sampler.latest()
         return JSONResponse({"at": sample.at, **sample.counts, "eta_s": sample.eta_s,
                              "eta_low_s": sample.eta_low_s, "eta_high_s": sample.eta_high_s,
-                             "models": [r.as_dict() for r in sample.rows]})
+                             "waiting_on_budget": sample.waiting, "models": [r.as_dict() for r in sample.rows]})
 
     def task_search(request: Request) -> Response:
         params = dict(request.query_params)

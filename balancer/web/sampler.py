@@ -58,6 +58,7 @@ class Sample:
     projected: Spend = field(default_factory=lambda: Spend(None))  # the backlog left's projected cost, by model
     error_groups: list[ErrorGroup] | None = field(default_factory=list)  # None: too many failed tasks to group in time
     budgets: dict[str, Standing] = field(default_factory=dict)  # per source with a budget per day: spent today, waiting
+    waiting: int = 0  # pending tasks of sources over their budget: not in the ETA (balancer.domain.eta.Forecast.waiting)
 
     @property
     def left(self) -> int:
@@ -173,4 +174,5 @@ def take_sample(services: Services) -> Sample:
                   None if drain is None else drain.low, None if drain is None else drain.high,
                   source_counts(services.engine), spend_so_far(services.engine, quotas),
                   projected_cost(services.engine, quotas),
-                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), read_standings(services))
+                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), read_standings(services),
+                  0 if drain is None else drain.waiting)
