@@ -363,6 +363,40 @@ def test_export_resumes_from_its_cursor_with_no_gap_and_no_repeat_while_tasks_ar
     assert code == 2 and "--since" in err
 
 
+def test_export_says_what_each_task_s_calls_cost_and_the_export_s_spend_by_model_and_source(
+        svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A task's cost counts every call the ledger holds for it (a hedge's loser too),
+    at the quotas' prices; a task on a model with no price has no cost (unpriced, not free)."""
+    from datetime import UTC, datetime
+
+    from balancer.storage.schema import call_usage
+
+    svc.quotas.set("a", {"price_per_million_input": 2.0, "price_per_million_output": 8.0, "currency": "USD"}, by="test")
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"p{i}", "key": f"c{i}", "source": src}) + "\n"
+                             for i, src in enumerate(["crm", "etl"])))
+    assert run(capsys, "submit", str(jsonl))[0] == 0
+    assert solve_pending(svc) == 2
+    with svc.engine.begin() as conn:
+        ids = dict(conn.execute(sa.select(tasks.c.key, tasks.c.id)).all())
+        conn.execute(sa.delete(call_usage))  # only the calls below: a hedged task and an unpriced one
+        conn.execute(sa.insert(call_usage), [
+            {"call_id": call, "task_id": ids[key], "source": src, "model": model, "admission_id": call,
+             "prompt_tokens": p, "completion_tokens": c, "answered": True, "hedge": hedge, "ended_at": datetime.now(UTC)}
+            for call, key, src, model, p, c, hedge in [
+                ("x", "c0", "crm", "a", 500_000, 125_000, False),     # 1.00 + 1.00
+                ("y", "c0", "crm", "a", 500_000, 0, True),            # the hedge that lost: 1.00
+                ("z", "c1", "etl", "free", 1_000, 10, False)]])       # no price
+    code, out, err = run(capsys, "results", "export")
+    assert code == 0
+    rows = {r["key"]: r for r in map(json.loads, out.splitlines())}
+    assert (rows["c0"]["calls"], rows["c0"]["billed_prompt_tokens"], rows["c0"]["billed_completion_tokens"]) == \
+        (2, 1_000_000, 125_000)
+    assert rows["c0"]["cost"] == pytest.approx(3.0) and rows["c1"]["cost"] is None and rows["c1"]["calls"] == 1
+    assert "exported tasks' calls, spent: 3.00 USD (a 3.00 USD); unpriced: free 1,010 tokens; by source: crm 3.00 USD" \
+        in err
+
+
 def test_a_row_committed_behind_the_cursor_is_found_by_the_rescan(svc: Services, legacy: Legacy, tmp_path: Path,
                                                                   capsys) -> None:  # noqa: ANN001
     """A writer whose transaction took a smaller id commits after the cursor passed

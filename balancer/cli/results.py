@@ -33,15 +33,20 @@ def _text(value: Any) -> Any:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Append to FILE (default: stdout).")
 @click.option("--poll", default=1.0, show_default=True, type=click.FloatRange(0.05, 60), help="Seconds between polls with --follow.")
 def results_export(source: str | None, since: str | None, fmt: str, follow: bool, out: Path | None, poll: float) -> None:
-    """Solved and failed tasks with key, source, metadata, answer, model, tokens and times.
+    """Solved and failed tasks with key, source, metadata, answer, model, tokens and times,
+    and what each task's calls cost (calls sent, billed tokens, cost at the quotas' prices).
 
-    The last line on stderr is `cursor: XID-ID`: pass it to --since to resume
-    with no gap and no repeat."""
+    On stderr: what the exported tasks' calls cost by model and source, then,
+    last, `cursor: XID-ID`: pass it to --since to resume with no gap and no repeat."""
     from balancer.cli.pipeline import _migrated
+    from balancer.domain.cost import money, price_list, spend, spend_text
     from balancer.storage.results import COLUMNS, START, page, parse_cursor
 
     after = parse_cursor(since or START)
-    engine = _migrated().engine
+    services = _migrated()
+    engine = services.engine
+    prices, currency = price_list(services.quotas.all())
+    usage: dict[tuple[str, str], list[int]] = {}  # (source, model) -> [prompt, completion]: the export's spend
     try:
         sink: IO[str] = open(out, "a", encoding="utf-8", newline="") if out else sys.stdout  # noqa: SIM115
     except OSError as exc:
@@ -52,8 +57,12 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
     written = 0
     try:
         while True:
-            rows, after = page(engine, after, source=source)
+            rows, after = page(engine, after, source=source, prices=prices)
             for row in rows:
+                for model, prompt_tokens, completion_tokens, _ in row["usage"]:
+                    tokens = usage.setdefault((row["source"], model), [0, 0])
+                    tokens[0] += prompt_tokens
+                    tokens[1] += completion_tokens
                 if writer is not None:
                     writer.writerow([_text(row[c]) for c in COLUMNS])
                 else:
@@ -73,6 +82,11 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
         if out:
             sink.close()
     click.echo(f"exported {written} task(s)", err=True)
+    if usage:
+        spent = spend([(src, model, p, c) for (src, model), (p, c) in sorted(usage.items())], prices, currency)
+        by_source = ", ".join(f"{src} {money(amount, currency)}" for src, amount in sorted(spent.by_source.items()))
+        click.echo(f"exported tasks' calls, {spend_text(spent)}" + (f"; by source: {by_source}" if by_source else ""),
+                   err=True)
     click.echo(f"cursor: {after}", err=True)
 
 

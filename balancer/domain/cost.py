@@ -151,6 +151,26 @@ def spend(usage: Iterable[tuple[str, str, int, int]], prices: Mapping[str, Price
     return out
 
 
+def task_cost(usage: Iterable[tuple[str, int, int]], prices: Mapping[str, Price | None]) -> float | None:
+    """What one task's calls cost, from ``(model, prompt tokens, completion tokens)``
+    per model called; None when a model with no price took tokens (not free: unpriced).
+
+    >>> task_cost([("a", 1_000_000, 0), ("b", 0, 0)], {"a": Price(1.0, 4.0), "b": None})
+    1.0
+    >>> task_cost([("a", 0, 1_000_000), ("b", 10, 0)], {"a": Price(1.0, 4.0)}) is None
+    True
+    """
+    total = 0.0
+    for model, prompt_tokens, completion_tokens in usage:
+        price = prices.get(model)
+        if price is None:
+            if prompt_tokens or completion_tokens:
+                return None
+            continue
+        total += price.cost(prompt_tokens, completion_tokens)
+    return total
+
+
 #: How a call sent to the backend ended, as far as what the provider bills goes:
 #: ``answered`` (a reply with its token counts), ``cut_off`` (the request reached the
 #: backend and no readable reply came back: the client's timeout, a hedge's loser

@@ -7,23 +7,34 @@ transaction still running (``pg_snapshot_xmin``), so no task can later appear
 behind a cursor already handed out: resuming from it gives no gap and no
 repeat, while tasks keep being solved. A task retried after it failed appears
 again when it ends again.
+
+Each task also carries what its calls cost, from the ledger
+(:func:`balancer.storage.spend.usage_by_task`): how many calls were sent
+(hedges and retries included), the tokens they are billed for, and their
+cost at the quotas' prices (:func:`balancer.domain.cost.task_cost`; empty
+when a model with no price took tokens).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from balancer.domain.cost import Price, task_cost
 from balancer.errors import BalancerError, printable
+from balancer.storage.spend import usage_by_task
 
 #: The columns of the ``balancer_results`` view that an export writes, in order.
-COLUMNS = ("id", "source", "key", "metadata", "status", "answer", "error", "model", "prompt_tokens",
-           "completion_tokens", "created_at", "started_at", "solved_at", "updated_at")
+VIEW_COLUMNS = ("id", "source", "key", "metadata", "status", "answer", "error", "model", "prompt_tokens",
+                "completion_tokens", "created_at", "started_at", "solved_at", "updated_at")
+#: What a task's calls cost, from the ledger: written after the view's columns.
+COST_COLUMNS = ("calls", "billed_prompt_tokens", "billed_completion_tokens", "cost")
+COLUMNS = VIEW_COLUMNS + COST_COLUMNS
 _CURSOR = re.compile(r"^(\d{1,20})-(\d{1,20})$")
 START = "0-0"
 
@@ -59,22 +70,35 @@ ORDER BY finished_xid, id LIMIT :page
 """)
 
 
-def page(engine: Engine, after: ResultCursor, *, source: str | None, size: int = 1000) -> tuple[list[dict[str, Any]], ResultCursor]:
-    """The next ``size`` ended tasks after ``after``, and the cursor after them."""
+def page(engine: Engine, after: ResultCursor, *, source: str | None, size: int = 1000,
+         prices: Mapping[str, Price | None] | None = None) -> tuple[list[dict[str, Any]], ResultCursor]:
+    """The next ``size`` ended tasks after ``after``, each with its calls' cost at ``prices``, and the cursor after them."""
     with engine.connect() as conn:
         rows = conn.execute(_PAGE, {"xid": str(after.xid), "task_id": after.task_id, "source": source,
                                     "page": size}).all()
+        usage = usage_by_task(conn, [r.id for r in rows]) if rows else {}
     if not rows:
         return [], after
     last = rows[-1]
-    return [{c: getattr(r, c) for c in COLUMNS} for r in rows], ResultCursor(int(last.xid), int(last.id))
+    return [_with_cost({c: getattr(r, c) for c in VIEW_COLUMNS}, usage.get(r.id, []), prices or {}) for r in rows], \
+        ResultCursor(int(last.xid), int(last.id))
 
 
-def pages(engine: Engine, after: ResultCursor, *, source: str | None,
-          size: int = 1000) -> Iterator[tuple[list[dict[str, Any]], ResultCursor]]:
+def _with_cost(row: dict[str, Any], usage: list[tuple[str, int, int, int]],
+               prices: Mapping[str, Price | None]) -> dict[str, Any]:
+    row["calls"] = sum(calls for *_, calls in usage)
+    row["billed_prompt_tokens"] = sum(prompt for _, prompt, _, _ in usage)
+    row["billed_completion_tokens"] = sum(completion for _, _, completion, _ in usage)
+    row["cost"] = task_cost([(model, prompt, completion) for model, prompt, completion, _ in usage], prices)
+    row["usage"] = usage  # per model called: what an export's spend summary adds up (not a written column)
+    return row
+
+
+def pages(engine: Engine, after: ResultCursor, *, source: str | None, size: int = 1000,
+          prices: Mapping[str, Price | None] | None = None) -> Iterator[tuple[list[dict[str, Any]], ResultCursor]]:
     """Every page from ``after`` until none is left (memory: one page)."""
     while True:
-        rows, after = page(engine, after, source=source, size=size)
+        rows, after = page(engine, after, source=source, size=size, prices=prices)
         if not rows:
             return
         yield rows, after

@@ -46,6 +46,18 @@ def spent_by_source_since(conn_or_engine: Connection | Engine, since: datetime) 
     return _usage(conn_or_engine, call_usage.c.ended_at >= since)
 
 
+def usage_by_task(conn: Connection, task_ids: Sequence[int]) -> dict[int, list[tuple[str, int, int, int]]]:
+    """Each task's calls in the ledger: ``(model, prompt tokens, completion tokens, calls)`` per model called."""
+    query = (sa.select(call_usage.c.task_id, call_usage.c.model, sa.func.sum(call_usage.c.prompt_tokens),
+                       sa.func.sum(call_usage.c.completion_tokens), sa.func.count())
+             .where(call_usage.c.task_id.in_(task_ids)).group_by(call_usage.c.task_id, call_usage.c.model)
+             .order_by(call_usage.c.task_id, call_usage.c.model))
+    out: dict[int, list[tuple[str, int, int, int]]] = {}
+    for task_id, model, prompt_tokens, completion_tokens, calls in conn.execute(query):
+        out.setdefault(task_id, []).append((model, int(prompt_tokens), int(completion_tokens), int(calls)))
+    return out
+
+
 def spend_so_far(engine: Engine, quotas: Sequence[Quota]) -> Spend:
     """Spend by model and by source, in the quotas' currency (None when no model names one)."""
     prices, currency = price_list(quotas)
