@@ -154,3 +154,16 @@ def prompt_lines(count: int, models: list[str], pinned_every: int = 10, seed: in
             line["model"] = models[i % len(models)]
         lines.append(line)
     return lines
+
+
+def scenario_file(path: Path, models: list[dict[str, Any]], time_scale: float = 1.0) -> Path:
+    """A scenario TOML at ``path`` for :class:`Pipeline`, of ``models`` (each a simulated model's
+    fields, as in docs/scenarios.md). A pipeline takes only the models and the time scale from it
+    (the test submits its own tasks; the simulator draws with ``sim --seed``), so its workload is
+    a placeholder."""
+    import tomli_w
+
+    placeholder = {"median": 50, "p99": 50, "min": 50, "max": 50}
+    workload = {"tasks": 1, "prompt_tokens": placeholder, "output_tokens": placeholder}
+    path.write_text(tomli_w.dumps({"name": path.stem, "time_scale": time_scale, "workload": workload, "models": models}))
+    return path

@@ -291,3 +291,35 @@ def test_a_money_budget_with_no_model_priced_says_it_counts_nothing(svc, capsys)
     assert "note: no model has a price, so the money budget counts nothing" in capsys.readouterr().out
     assert main(["source", "set", "crm", "--budget-per-day", "none", "--budget-tokens-per-day", "10"]) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  # noqa: ANN001
+    """``top``'s per-source block: a source table's tasks by state and weight, and its budget's wait;
+    a JSONL source with a budget, its weight and budget alone. Without the block no row names them."""
+    import subprocess
+    import sys
+
+    from balancer.cli import main
+    from balancer.domain.quota import Quota
+    from balancer.domain.sourcefile import parse_source_file
+    from balancer.storage.sources import import_sources
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9, price_per_million_input=1.0, price_per_million_output=2.0,
+                                  currency="USD")])
+    import_sources(svc.engine, parse_source_file('[sources.crm]\ntable = "t"\nkey = "id"\nprompt = "p"\n'
+                                                 'answer = "a"\nwhere = "a IS NULL"\nweight = 3\n'),
+                   by="test", replace=False, dry_run=False)
+    ids = add(svc, "crm", 6)
+    solve(svc, ids[:2], 1_000_000, 500_000)  # 2 × (1.00 + 1.00): over a 3.50 budget
+    with svc.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE tasks SET status = 'failed' WHERE id = :id"), {"id": ids[2]})
+        conn.execute(sa.text("UPDATE tasks SET status = 'running' WHERE id = :id"), {"id": ids[3]})
+    assert main(["source", "set", "crm", "--budget-per-day", "3.50"]) == 0
+    assert main(["source", "set", "web", "--budget-tokens-per-day", "100"]) == 0
+    done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "1"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = {cells[0]: cells[1:] for line in done.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 7}
+    assert rows["crm"] == ["2", "1", "2", "1", "3", "3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)"]
+    assert rows["web"] == ["-", "-", "-", "-", "1", "100 tokens per day; spent 0 of 100 tokens today"]

@@ -179,27 +179,10 @@ def test_finish_records_the_latency_in_the_same_call(redis_client, namespace: st
 
 # -- end to end ------------------------------------------------------------------------
 
-def two_models(slow: tuple[str, int, float], fast: tuple[str, int, float]) -> str:
-    """A scenario TOML with two models of constant latency: (name, cap, seconds) each."""
-    models = "".join(
-        f"""
-[[models]]
-name = "{name}"
-max_concurrent_requests = {cap}
-max_tokens_per_minute = 2000000
-latency = {{ median = {s}, p99 = {s}, min = {s}, max = {s} }}
-"""
-        for name, cap, s in (slow, fast)
-    )
-    return """
-name = "two-models"
-seed = 1
-time_scale = 1.0
-[workload]
-tasks = 1
-prompt_tokens = { median = 50, p99 = 50, min = 50, max = 50 }
-output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
-""" + models
+def two_models(slow: tuple[str, int, float], fast: tuple[str, int, float]) -> list[dict]:
+    """Two models of constant latency, for :func:`tests.pipeline_harness.scenario_file`: (name, cap, seconds) each."""
+    return [{"name": name, "max_concurrent_requests": cap, "max_tokens_per_minute": 2000000,
+             "latency": {"median": s, "p99": s, "min": s, "max": s}} for name, cap, s in (slow, fast)]
 
 
 
@@ -210,9 +193,9 @@ def test_with_one_very_slow_model_the_last_tasks_go_to_the_fast_one(tmp_path: Pa
     """24 tasks: the fast model alone solves them in about 2 s; a slow call takes 6 s.
     With the end game on, the slow model gets nothing; off (greedy), it takes
     three tasks at once and the run lasts 6 s: the contrast shows the test can fail."""
-    from tests.pipeline_harness import Pipeline, prompt_lines
+    from tests.pipeline_harness import Pipeline, prompt_lines, scenario_file
 
-    (tmp_path / "one-slow.toml").write_text(two_models(("slow", 3, 6.0), ("fast", 3, 0.2)))
+    scenario_file(tmp_path / "one-slow.toml", two_models(("slow", 3, 6.0), ("fast", 3, 0.2)))
     p = Pipeline(tmp_path / "logs", scenario=tmp_path / "one-slow.toml", extra_env={"BALANCER_END_GAME": end_game})
     try:
         p.start()
@@ -249,12 +232,11 @@ def test_a_hung_call_is_answered_by_a_hedge_on_another_model(tmp_path: Path, on_
     held to the backend timeout."""
     import time
 
-    from tests.pipeline_harness import Pipeline
+    from tests.pipeline_harness import Pipeline, scenario_file
 
     hang_s = 60.0 if on_disconnect == "stop" else 6.0
-    scenario = two_models(("stuck", 1, hang_s), ("fast", 1, 0.2))
-    scenario = scenario.replace('name = "stuck"', f'name = "stuck"\non_disconnect = "{on_disconnect}"')
-    (tmp_path / "hung.toml").write_text(scenario)
+    stuck, fast = two_models(("stuck", 1, hang_s), ("fast", 1, 0.2))
+    scenario_file(tmp_path / "hung.toml", [{**stuck, "on_disconnect": on_disconnect}, fast])
     timeout_s = 10
     env = {"BALANCER_BACKEND_TIMEOUT": str(timeout_s), "BALANCER_HEDGE_BUDGET": "1"}  # 5 % of one task buys no hedge
     p = Pipeline(tmp_path / "logs", scenario=tmp_path / "hung.toml", extra_env=env)

@@ -7,29 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline_harness import prompt_lines
+from tests.pipeline_harness import prompt_lines, scenario_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("migrated")]
 
 
-SCENARIO = """
-name = "two-models"
-time_scale = 1.0
-[workload]
-tasks = 1
-prompt_tokens = { median = 100, p99 = 200, min = 10, max = 400 }
-output_tokens = { median = 100, p99 = 200, min = 16, max = 400 }
-[[models]]
-name = "m-0"
-max_concurrent_requests = 10
-max_tokens_per_minute = 5000000
-latency = { median = 0.35, p99 = 0.5, min = 0.2, max = 1.0 }
-[[models]]
-name = "m-1"
-max_concurrent_requests = 10
-max_tokens_per_minute = 5000000
-latency = { median = 0.35, p99 = 0.5, min = 0.2, max = 1.0 }
-"""
+#: Two concurrency-bound models with narrow latencies.
+MODELS = [{"name": f"m-{i}", "max_concurrent_requests": 10, "max_tokens_per_minute": 5_000_000,
+           "latency": {"median": 0.35, "p99": 0.5, "min": 0.2, "max": 1.0}} for i in range(2)]
 
 
 def test_a_live_source_is_answered_before_half_the_backfill_drains(pipeline, tmp_path: Path) -> None:
@@ -39,9 +24,7 @@ def test_a_live_source_is_answered_before_half_the_backfill_drains(pipeline, tmp
     # Two concurrency-bound models with narrow latencies: about 55 calls/s, so the
     # backfill drains in about 25 s on any machine that keeps up, and the 3 s
     # and the live source's own calls stay small beside it.
-    spec = tmp_path / "two-models.toml"
-    spec.write_text(SCENARIO)
-    p = pipeline(scenario=spec).start()
+    p = pipeline(scenario=scenario_file(tmp_path / "two-models.toml", MODELS)).start()
     names = [m.name for m in p.models]
     backfill = p.submit([{**line, "source": "backfill"} for line in prompt_lines(1_400, names, pinned_every=0)])
     began = time.monotonic()

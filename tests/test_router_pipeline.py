@@ -15,27 +15,23 @@ import pytest
 
 from balancer.devtools.embedded import free_port
 from balancer.devtools.supervisor import wait_for_http
-from tests.pipeline_harness import Pipeline
+from tests.pipeline_harness import Pipeline, scenario_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "airflow" / "router_tasks.py"
 
 # One strict model, bound by concurrency (3), TPM and RPM at once.
-SCENARIO = """
-name = "shared"
-seed = 4
-time_scale = 1.0
-[workload]
-tasks = 1
-prompt_tokens = { median = 60, p99 = 60, min = 60, max = 60 }
-output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
-[[models]]
-name = "shared"
-max_concurrent_requests = 3
-max_tokens_per_minute = 24000
-max_requests_per_minute = 150
-rpm_window = 10
-latency = { median = 0.3, p99 = 0.6, min = 0.2, max = 0.8 }
-"""
+SHARED = {"name": "shared", "max_concurrent_requests": 3, "max_tokens_per_minute": 24000, "max_requests_per_minute": 150,
+          "rpm_window": 10, "latency": {"median": 0.3, "p99": 0.6, "min": 0.2, "max": 0.8}}
+
+
+def start_with_router(p: Pipeline) -> str:
+    """Start the pipeline and ``balancer router`` beside it; the router's URL once it answers."""
+    p.start()
+    port = free_port()
+    router = p.supervisor.start("router", ["router", "--port", str(port)])
+    router_url = f"http://127.0.0.1:{port}"
+    wait_for_http(f"{router_url}/healthz", child=router)
+    return router_url
 
 
 def example_tasks():  # noqa: ANN201
@@ -49,14 +45,10 @@ def example_tasks():  # noqa: ANN201
 @pytest.mark.e2e
 @pytest.mark.usefixtures("migrated")
 def test_router_callers_and_pipeline_workers_share_one_budget(tmp_path: Path) -> None:
-    (tmp_path / "shared.toml").write_text(SCENARIO)
-    p = Pipeline(tmp_path / "logs", scenario=tmp_path / "shared.toml", extra_env={"BALANCER_ROUTER_LEASE_SECONDS": "5"})
+    scenario = scenario_file(tmp_path / "shared.toml", [SHARED])
+    p = Pipeline(tmp_path / "logs", scenario=scenario, extra_env={"BALANCER_ROUTER_LEASE_SECONDS": "5"})
     try:
-        p.start()
-        port = free_port()
-        router = p.supervisor.start("router", ["router", "--port", str(port)])
-        router_url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{router_url}/healthz", child=router)
+        router_url = start_with_router(p)
 
         p.submit([{"prompt": f"pipeline prompt {i} " * 8, "max_tokens": 20} for i in range(30)])
         tasks = example_tasks()
@@ -88,20 +80,8 @@ def test_router_callers_and_pipeline_workers_share_one_budget(tmp_path: Path) ->
 
 
 # One strict model bound by concurrency alone, for the hostile caller below.
-CAPPED = """
-name = "capped"
-seed = 5
-time_scale = 1.0
-[workload]
-tasks = 1
-prompt_tokens = { median = 60, p99 = 60, min = 60, max = 60 }
-output_tokens = { median = 20, p99 = 20, min = 20, max = 20 }
-[[models]]
-name = "capped"
-max_concurrent_requests = 4
-max_tokens_per_minute = 10000000
-latency = { median = 0.4, p99 = 0.8, min = 0.3, max = 0.9 }
-"""
+CAPPED = {"name": "capped", "max_concurrent_requests": 4, "max_tokens_per_minute": 10000000,
+          "latency": {"median": 0.4, "p99": 0.8, "min": 0.3, "max": 0.9}}
 
 
 @pytest.mark.e2e
@@ -112,14 +92,9 @@ def test_a_router_caller_cannot_free_or_keep_a_pipeline_calls_slot(tmp_path: Pat
     and the model's cap holds at the simulator (no concurrency 429)."""
     import httpx
 
-    (tmp_path / "capped.toml").write_text(CAPPED)
-    p = Pipeline(tmp_path / "logs", scenario=tmp_path / "capped.toml")
+    p = Pipeline(tmp_path / "logs", scenario=scenario_file(tmp_path / "capped.toml", [CAPPED]))
     try:
-        p.start()
-        port = free_port()
-        router = p.supervisor.start("router", ["router", "--port", str(port)])
-        router_url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{router_url}/healthz", child=router)
+        router_url = start_with_router(p)
         p.submit([{"prompt": f"pipeline prompt {i} " * 8, "max_tokens": 20} for i in range(60)])
         replies: list[tuple[str, int, str]] = []
         stop = threading.Event()

@@ -272,7 +272,7 @@ def run(scenario_name: str, png: Path, every: float = 1.0) -> int:
 
     from rich.console import Console
 
-    from balancer.bench.run import GRACE
+    from balancer.bench.bounds import GRACE
     from balancer.bench.scenarios import locate
     from balancer.devtools.embedded import free_port
     from balancer.devtools.runner import IsolatedServices, run_pipeline

@@ -24,7 +24,8 @@ from typing import Any
 from rich.console import Console
 
 from balancer.bench.report import answered_usage, backend_usage, hedge_figures
-from balancer.bench.run import prepare, priced, run_side_pipeline
+from balancer.bench.run import prepare
+from balancer.bench.sides import priced, run_side_pipeline
 from balancer.devtools.runner import RunResult
 from balancer.domain.cost import Price, price_list, spend
 

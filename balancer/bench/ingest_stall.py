@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from balancer.devtools.embedded import free_port
-from balancer.devtools.runner import IsolatedServices
+from balancer.devtools.runner import IsolatedServices, environment
 from balancer.devtools.sim.config import Latency, SimModel
 from balancer.devtools.sim.server import Simulator, create_app
 
@@ -62,43 +61,37 @@ def main() -> None:
     server = uvicorn.Server(uvicorn.Config(create_app(simulator), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    saved = {k: os.environ.get(k) for k in [*SETTINGS, "BALANCER_BACKEND_URL", "BALANCER_INBOX"]}
     try:
         with IsolatedServices(console, "stall") as iso:
             inbox = iso.workdir / "inbox"
             inbox.mkdir()
-            os.environ.update({**SETTINGS, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}", "BALANCER_INBOX": str(inbox)})
-            iso.services.quotas.replace_all([m.quota() for m in models], by="bench")
-            sup = iso.supervisor()
-            sup.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
-            sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
-            sup.start("worker", ["worker", "--all-models", "--loglevel", "WARNING"])
-            iso.insert("\n".join(json.dumps({"prompt": f"p{i} " + "w " * 50, "max_tokens": 64}) for i in range(args.tasks)))
-            deadline = time.monotonic() + 60
-            while len(simulator.log) < 50:
-                sup.check_alive()
-                if time.monotonic() > deadline:
-                    raise SystemExit("calls never got going")
-                time.sleep(0.2)
-            console.print(f"writing {args.lines:,} lines into the inbox ...")
-            write_file(iso.workdir / "big.jsonl", args.lines)
-            dropped = time.time()
-            (iso.workdir / "big.jsonl").rename(inbox / "big.jsonl")
-            deadline = time.monotonic() + 600
-            while not (inbox / "done" / "big.jsonl").exists():
-                sup.check_alive()
-                if time.monotonic() > deadline or (inbox / "rejected").exists():
-                    raise SystemExit("the file was not ingested")
-                time.sleep(0.1)
-            done = time.time()
-            time.sleep(1.5)  # the calls running at ``done`` end and are logged
-            starts = [e["start"] for e in list(simulator.log) if e["status"] == 200]
+            with environment({**SETTINGS, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}", "BALANCER_INBOX": str(inbox)}):
+                iso.services.quotas.replace_all([m.quota() for m in models], by="bench")
+                sup = iso.supervisor()
+                sup.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
+                sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
+                sup.start("worker", ["worker", "--all-models", "--loglevel", "WARNING"])
+                iso.insert("\n".join(json.dumps({"prompt": f"p{i} " + "w " * 50, "max_tokens": 64}) for i in range(args.tasks)))
+                deadline = time.monotonic() + 60
+                while len(simulator.log) < 50:
+                    sup.check_alive()
+                    if time.monotonic() > deadline:
+                        raise SystemExit("calls never got going")
+                    time.sleep(0.2)
+                console.print(f"writing {args.lines:,} lines into the inbox ...")
+                write_file(iso.workdir / "big.jsonl", args.lines)
+                dropped = time.time()
+                (iso.workdir / "big.jsonl").rename(inbox / "big.jsonl")
+                deadline = time.monotonic() + 600
+                while not (inbox / "done" / "big.jsonl").exists():
+                    sup.check_alive()
+                    if time.monotonic() > deadline or (inbox / "rejected").exists():
+                        raise SystemExit("the file was not ingested")
+                    time.sleep(0.1)
+                done = time.time()
+                time.sleep(1.5)  # the calls running at ``done`` end and are logged
+                starts = [e["start"] for e in list(simulator.log) if e["status"] == 200]
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         server.should_exit = True
         thread.join(timeout=10)
     window = done - dropped

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from balancer.devtools.embedded import free_port
-from balancer.devtools.runner import IsolatedServices
+from balancer.devtools.runner import IsolatedServices, environment
 from balancer.devtools.sim.config import Latency, SimModel
 from balancer.devtools.sim.server import Simulator, create_app
 
@@ -63,10 +62,9 @@ def run_layout(layout: str, in_flight: int, console: Console) -> dict:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     result: dict = {"layout": layout}
-    saved_backend = os.environ.get("BALANCER_BACKEND_URL")
     try:
-        with IsolatedServices(console, "benchmem") as iso:
-            os.environ["BALANCER_BACKEND_URL"] = f"http://127.0.0.1:{port}"  # before the supervisor copies the env
+        with IsolatedServices(console, "benchmem") as iso, \
+                environment({"BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}"}):  # before the supervisor copies the env
             svc = iso.services
             svc.quotas.replace_all([m.quota() for m in models], by="bench")
             sup = iso.supervisor()
@@ -90,10 +88,6 @@ def run_layout(layout: str, in_flight: int, console: Console) -> dict:
             result["total_mb"] = round(sum(result["processes"].values()), 1)
             console.print(f"{layout}: {result['in_flight_at_backend']} calls open at the backend, {result['total_mb']} MB RSS")
     finally:
-        if saved_backend is None:
-            os.environ.pop("BALANCER_BACKEND_URL", None)
-        else:
-            os.environ["BALANCER_BACKEND_URL"] = saved_backend
         server.should_exit = True
         thread.join(timeout=10)
     return result

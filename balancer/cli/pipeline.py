@@ -162,6 +162,24 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
     return table
 
 
+def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
+    """``top``'s per-source table: each source table's tasks by state, as ``status`` reads them
+    (``storage.sources.SourceStatus``), its weight, and its budget per day and whether its tasks wait
+    (``domain.budget.Standing``); a source with a budget and no table, its weight and budget alone."""
+    from rich.table import Table
+
+    from balancer.cli.source import budget_line
+
+    table = Table(title="sources")
+    for i, col in enumerate(("source", "pending", "in flight", "solved", "failed", "weight", "budget per day")):
+        table.add_column(col, justify="left" if i in (0, 6) else "right", no_wrap=i == 0)
+    counts = {s.name: [str(n) for n in (s.pending, s.in_flight, s.solved, s.failed)] for s in sources}
+    for name in sorted(counts.keys() | budgets.keys()):
+        table.add_row(printable(name), *counts.get(name, ["-"] * 4), str(weights.get(name, default_weight)),
+                      printable(budget_line(budgets[name]), limit=400) if name in budgets else "-")
+    return table
+
+
 @click.command()
 @click.option("--json", "as_json", is_flag=True)
 def status(as_json: bool) -> None:
@@ -223,7 +241,8 @@ def status(as_json: bool) -> None:
 def top(interval: float, count: int | None) -> None:
     """A live view: per model, calls in flight against the cap, tokens and
     requests per minute against TPM and RPM (over the last minute this view
-    has seen), 429s, latency and the binding limit; the backlog below."""
+    has seen), 429s, latency and the binding limit; per source table (and source with a budget per
+    day): its tasks by state, weight and budget; the backlog below."""
     import time
     from collections import deque
 
@@ -232,7 +251,10 @@ def top(interval: float, count: int | None) -> None:
     from rich.text import Text
 
     from balancer.domain.cost import projection_text, spend_text
+    from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
+    from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
+    from balancer.storage.sources import source_status
     from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
@@ -258,7 +280,11 @@ def top(interval: float, count: int | None) -> None:
         quotas = svc.quotas.all()
         money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
                                          projection_text(projected_cost(svc.engine, quotas)))]
-        return Group(_model_table(rows, rates), backlog, *money)
+        sources, budgets = source_status(svc.engine), read_standings(svc)  # what `status` reads for them
+        with svc.engine.connect() as conn:
+            shares = weights(conn)
+        by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []
+        return Group(_model_table(rows, rates), *by_source, backlog, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

@@ -7,12 +7,12 @@ in one step, and applies to the very next admission; no restart.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
+from balancer.cli.import_export import echo_changes, read_text, write_text
 from balancer.cli.startwait import migrated
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError, printable
@@ -262,12 +262,7 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
 
     Removing models needs --replace; an empty FILE is refused."""
     name = printable(str(file))
-    try:
-        text = sys.stdin.read() if str(file) == "-" else file.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise QuotaError(f"cannot read {name}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise QuotaError(f"{name}: not UTF-8 text (byte {exc.start})") from None
+    text = read_text(file, QuotaError)
     try:
         quotas = parse_quota_file(text)
     except QuotaError as exc:
@@ -276,16 +271,8 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
         raise QuotaError(f"{name} lists no models: refusing to remove every model (use `quota remove MODEL`)")
     svc = migrated()
     summary = svc.quotas.replace_all(quotas, by=by, allow_removal=replace, dry_run=dry_run)
-    counts = (f"{len(summary.created)} created, {len(summary.updated)} updated, "
-              f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged")
-    if dry_run:
-        for verb, names in (("create", summary.created), ("update", summary.updated), ("remove", summary.removed)):
-            for model in names:
-                click.echo(f"would {verb} {model}")
-        click.echo(f"dry run, nothing changed: {len(quotas)} model(s) in {name}: {counts}")
-        return
-    click.echo(f"imported {len(quotas)} model(s): {counts}")
-    if summary.removed:
+    echo_changes(summary, f"{len(quotas)} model(s)", name, dry_run)
+    if summary.removed and not dry_run:
         _warn_stranded(svc)
 
 
@@ -293,15 +280,4 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
 @click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
 def quota_export(file: Path | None) -> None:
     """Write the whole quota set as TOML to FILE (default: stdout)."""
-    svc = migrated()
-    text = format_quota_file(svc.quotas.all())
-    if file is None or str(file) == "-":
-        click.echo(text, nl=False)
-    else:
-        tmp = file.with_name(file.name + ".tmp")
-        try:
-            tmp.write_text(text)
-            tmp.replace(file)
-        except OSError as exc:
-            raise QuotaError(f"cannot write {printable(str(file))}: {exc.strerror or exc}") from None
-        click.echo(f"wrote {printable(str(file))}")
+    write_text(file, format_quota_file(migrated().quotas.all()), QuotaError)

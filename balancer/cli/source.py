@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
+from balancer.cli.import_export import echo_changes, read_text, write_text
 from balancer.cli.source_weight import set_command
 from balancer.cli.startwait import migrated
 from balancer.errors import BalancerError, printable
@@ -35,12 +35,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
     from balancer.storage.sources_catalog import check_source, team_connection
 
     name = printable(str(file))
-    try:
-        text = sys.stdin.read() if str(file) == "-" else file.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise BalancerError(f"cannot read {name}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise BalancerError(f"{name}: not UTF-8 text (byte {exc.start})") from None
+    text = read_text(file)
     try:
         definitions = parse_source_file(text)
     except SourceFileError as exc:
@@ -52,15 +47,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
         with team_connection(definition, svc.engine) as conn:
             check_source(conn, definition)
     summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run)
-    counts = (f"{len(summary.created)} created, {len(summary.updated)} updated, "
-              f"{len(summary.removed)} removed, {len(summary.unchanged)} unchanged")
-    if dry_run:
-        for verb, names in (("create", summary.created), ("update", summary.updated), ("remove", summary.removed)):
-            for source_name in names:
-                click.echo(f"would {verb} {source_name}")
-        click.echo(f"dry run, nothing changed: {len(definitions)} source(s) in {name}: {counts}")
-        return
-    click.echo(f"imported {len(definitions)} source(s): {counts}")
+    echo_changes(summary, f"{len(definitions)} source(s)", name, dry_run)
 
 
 @source.command("export")
@@ -72,16 +59,7 @@ def source_export(file: Path | None) -> None:
 
     with migrated().engine.connect() as conn:
         text = format_source_file(all_sources(conn))
-    if file is None or str(file) == "-":
-        click.echo(text, nl=False)
-        return
-    tmp = file.with_name(file.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(file)
-    except OSError as exc:
-        raise BalancerError(f"cannot write {printable(str(file))}: {exc.strerror or exc}") from None
-    click.echo(f"wrote {printable(str(file))}")
+    write_text(file, text)
 
 
 @source.command("list")

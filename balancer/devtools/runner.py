@@ -15,8 +15,8 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,21 @@ from balancer.services import Services, delete_namespace_keys
 from balancer.settings import Settings
 from balancer.storage.schema import tasks as tasks_table
 from balancer.urls import normalize_database_url
+
+
+@contextmanager
+def environment(overrides: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the processes started inside, then restore them."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class IsolatedServices:
@@ -88,16 +103,7 @@ class IsolatedServices:
             "BALANCER_DISPATCH_TICK": "0.5",
             "BALANCER_SWEEP_TICK": "5",
         }
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        def restore_environment() -> None:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-        self._stack.callback(restore_environment)
+        self._stack.enter_context(environment(self.env))
         from balancer.storage.migrate import upgrade
 
         self.services = Services.connect(Settings.from_env())

@@ -24,16 +24,15 @@ the file without guessing.
 from __future__ import annotations
 
 import re
-import tomllib
 from typing import Any
 
 import tomli_w
 
 from balancer.domain.cost import check_currency
 from balancer.domain.quota import Quota, check_model_name
+from balancer.domain.toml_text import load_toml
 from balancer.errors import QuotaError
 
-_LINE = re.compile(r"\(at line (\d+), column \d+\)")
 #: A model's price fields; any of them needs the file's currency.
 PRICES = ("price_per_million_input", "price_per_million_output")
 
@@ -67,13 +66,7 @@ def parse_quota_file(text: str) -> list[Quota]:
     >>> [q.name for q in parse_quota_file("[models.a]\\nmax_concurrent_requests=1\\nmax_tokens_per_minute=5\\n")]
     ['a']
     """
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        match = _LINE.search(str(exc))
-        where = f"line {match.group(1)}: " if match else ""
-        message = _LINE.sub("", str(exc)).strip()
-        raise QuotaError(f"{where}invalid TOML: {message}") from None
+    data = load_toml(text, QuotaError)
     unknown_top = set(data) - {"models", "currency"}
     if unknown_top:
         raise QuotaError(f"unknown top-level key(s): {', '.join(sorted(unknown_top))}; expected [models.NAME] tables")

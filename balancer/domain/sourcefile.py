@@ -38,12 +38,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from balancer.domain.toml_text import load_toml
 from balancer.errors import BalancerError, printable
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_LINE = re.compile(r"\(at line (\d+), column \d+\)")
 MAX_WHERE_CHARS = 4000
 MAX_BATCH = 100_000
 
@@ -204,14 +204,7 @@ def parse_source_file(text: str) -> list[SourceDef]:
     >>> [s.name for s in parse_source_file('[sources.a]\\ntable="t"\\nkey="id"\\nprompt="p"\\nanswer="a"\\nwhere="a IS NULL"\\n')]
     ['a']
     """
-    import tomllib  # here, not at the top: `status` reads sources (storage/sources) but never a sources file
-
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        match = _LINE.search(str(exc))
-        where = f"line {match.group(1)}: " if match else ""
-        raise SourceFileError(f"{where}invalid TOML: {_LINE.sub('', str(exc)).strip()}") from None
+    data = load_toml(text, SourceFileError)
     unknown = set(data) - {"sources"}
     if unknown:
         raise SourceFileError(f"unknown top-level key(s): {', '.join(printable(k, 40) for k in sorted(unknown))}; "

@@ -1,0 +1,60 @@
+"""What ``quota import/export`` and ``source import/export`` share: FILE (``-``: stdin) read as
+UTF-8 text, the set written to FILE (``-`` or none: stdout) through a temporary file, and what an
+import changed (or, with ``--dry-run``, would change) told; each failure as one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import click
+
+from balancer.errors import BalancerError, printable
+
+
+class Changes(Protocol):
+    """An import's names by what it does to them (``storage.quotas`` and ``storage.sources`` each return one)."""
+
+    created: list[str]
+    updated: list[str]
+    removed: list[str]
+    unchanged: list[str]
+
+
+def read_text(file: Path, error: type[BalancerError] = BalancerError) -> str:
+    """FILE's text, or stdin's for ``-``; ``error`` if it cannot be read or is not UTF-8."""
+    name = printable(str(file))
+    try:
+        return sys.stdin.read() if str(file) == "-" else file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise error(f"cannot read {name}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{name}: not UTF-8 text (byte {exc.start})") from None
+
+
+def write_text(file: Path | None, text: str, error: type[BalancerError] = BalancerError) -> None:
+    """``text`` to stdout (no FILE, or ``-``), or to FILE whole: written beside it, then moved over it."""
+    if file is None or str(file) == "-":
+        click.echo(text, nl=False)
+        return
+    tmp = file.with_name(file.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(file)
+    except OSError as exc:
+        raise error(f"cannot write {printable(str(file))}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {printable(str(file))}")
+
+
+def echo_changes(changes: Changes, listed: str, name: str, dry_run: bool) -> None:
+    """What an import of ``listed`` (e.g. "3 model(s)") from the file ``name`` changed, or would change."""
+    counts = (f"{len(changes.created)} created, {len(changes.updated)} updated, "
+              f"{len(changes.removed)} removed, {len(changes.unchanged)} unchanged")
+    if dry_run:
+        for verb, names in (("create", changes.created), ("update", changes.updated), ("remove", changes.removed)):
+            for each in names:
+                click.echo(f"would {verb} {each}")
+        click.echo(f"dry run, nothing changed: {listed} in {name}: {counts}")
+        return
+    click.echo(f"imported {listed}: {counts}")
