@@ -58,7 +58,7 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
                f"calls): {p['counts']['ready_taken']:,} of {p['calls']:,}."] if "ready_taken" in p["counts"] else []),
             "",
             "Drain ETA (`balancer status`), made when this share of the tasks was done, against the actual finish "
-            "(target: within ±15 % at 25 % done, ±5 % at 75 %):",
+            "(target, issue 28: finish error within ±15 % at 25 % and 50 % done, ±25 % at 75 %):",
             "",
             "| done | at (s) | ETA (s) | finish error | remaining-time error |",
             "|---:|---:|---:|---:|---:|",
