@@ -37,6 +37,10 @@ from balancer.storage.transitions import Answer, Written, back_to_pending, mark_
 
 log = logging.getLogger(__name__)
 
+#: A call taken from a ready list that starts later than this after the take
+#: re-checks its lease and its model's cap first (a quota change reaches it).
+LATE_START_S = 1.0
+
 
 @dataclass(frozen=True)
 class SolveMessage:
@@ -152,11 +156,14 @@ class Call:
     def still_holds_its_lease(self) -> bool:
         """Re-assert the lease of a call taken from a ready list whose start took
         long (a stalled PostgreSQL): extended if alive, False if it expired (its
-        slot may be another call's by now). A quick start needs no round trip:
-        the lease taken with it has most of its length left."""
-        if time.monotonic() - self.taken_at < self.services.settings.heartbeat_seconds:
+        slot may be another call's by now), or if its model's cap was lowered
+        meanwhile below the calls holding slots (no new call starts above it).
+        A start within LATE_START_S of the take needs no round trip: the take
+        checked the cap, and the lease taken with it has most of its length left."""
+        if time.monotonic() - self.taken_at < min(LATE_START_S, self.services.settings.heartbeat_seconds):
             return True
-        return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000)
+        return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000,
+                                            starting=True)
 
     # -- the backend call ----------------------------------------------------------------
     def call_backend(self, backend: Backend, ctx: SolveContext, listener: CancelListener | None) -> tuple[Completion, int]:

@@ -16,9 +16,11 @@ no_room            the lease expired and its slot is taken (redelivery after a
                    crash), or the model was disabled: back to pending, no
                    attempt used, no call
 lease_lost         a next call taken from a ready list whose start waited past
-                   its lease (a stalled PostgreSQL) and whose lease is gone:
-                   back to pending, no attempt used, no call. A call never
-                   starts on a lease it no longer holds
+                   its lease (a stalled PostgreSQL) and whose lease is gone,
+                   or whose model's cap was lowered meanwhile below the calls
+                   holding slots: back to pending, no attempt used, no call.
+                   A call never starts on a lease it no longer holds, nor
+                   above a lowered cap
 rate_limited       a 429: the model is paused for Retry-After, once per window
                    (atomically in Lua), so *every* dispatcher holds it,
                    whichever limit caused the 429; back to pending at once, no
@@ -287,7 +289,8 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
     if started is not None:  # taken from a ready list: its lease was started with it
         if not call.still_holds_its_lease():
             call.free()
-            failure = Failure(msg.model, "its slot's lease expired while its start waited; not called", ctx.attempts)
+            failure = Failure(msg.model, "its slot's lease expired, or its model's cap was lowered below the calls "
+                                         "holding slots, while its start waited; not called", ctx.attempts)
             return call.change("lease_lost", CHANGES["lease_lost"](failure))
         start_delay_ms = msg.start_delay_ms or 0
     else:  # from the dispatcher: re-assert the slot
