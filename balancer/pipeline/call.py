@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -64,10 +65,12 @@ class Slot:
     """The call's admission: freed once, in one round trip, on every path, unless
     a cancelled call hands it over to a hold.
 
-    With ``take_next``, an answered call's slot also takes its next call from
-    the model's ready list in that round trip (:attr:`next`)."""
+    With ``take_next`` (a flag, or a question asked when the call ends, so a
+    worker's shutdown during the call is heard), an answered call's slot also
+    takes its next call from the model's ready list in that round trip
+    (:attr:`next`)."""
 
-    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool = False) -> None:
+    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool | Callable[[], bool] = False) -> None:
         self.core, self.admission_id, self.done = core, admission_id, False
         self.take_next = take_next
         self.next: ReadyTask | None = None
@@ -77,7 +80,7 @@ class Slot:
         if self.done:
             return False
         self.done = True
-        if self.take_next and settlement is not None:
+        if settlement is not None and (self.take_next() if callable(self.take_next) else self.take_next):
             self.next = self.core.finish_and_take(self.admission_id, settlement)
         else:
             self.core.finish(self.admission_id, settlement)
@@ -114,14 +117,15 @@ class Change:
 class Call:
     """One admission, from the moment its worker takes it on to its answer's durable write."""
 
-    def __init__(self, services: Services, heartbeat: Heartbeat, msg: SolveMessage, *, take_next: bool = False) -> None:
+    def __init__(self, services: Services, heartbeat: Heartbeat, msg: SolveMessage, *,
+                 take_next: bool | Callable[[], bool] = False) -> None:
         settings = services.settings
         self.services, self.heartbeat, self.msg = services, heartbeat, msg
         self.admission_id = msg.admission_id
         self.taken_at = time.monotonic()
         #: The solve's deadline (monotonic): the call ends within it, and its writes' retries give up there.
         self.deadline = self.taken_at + settings.hard_time_limit
-        self.slot = Slot(services.core, msg.admission_id, take_next=take_next and not msg.hedge)
+        self.slot = Slot(services.core, msg.admission_id, take_next=False if msg.hedge else take_next)
         #: The answer's write, once handed to the writer: its result is the outcome's name.
         self.answer: Future[str] | None = None
         self._over = False

@@ -193,10 +193,11 @@ Outcome = str | tuple[Future[str], float]
 
 
 def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall, listener: CancelListener | None,
-              heartbeat: Heartbeat, writer: AnswerWriter, *, take_next: bool = False) -> tuple[Outcome, NextCall | None]:
+              heartbeat: Heartbeat, writer: AnswerWriter, *,
+              take_next: bool | Callable[[], bool] = False) -> tuple[Outcome, NextCall | None]:
     """Solve a message, or a :class:`NextCall` (already started); and with
-    ``take_next``, the slot's next call if its finish took one from the
-    model's ready list: the caller must solve it (it is admitted, its task
+    ``take_next`` (asked when the call ends), the slot's next call if its
+    finish took one from the model's ready list: the caller must solve it (it is admitted, its task
     started, and it is kept alive by the heartbeat until it is solved)."""
     if isinstance(msg, NextCall):
         call, started = msg.call, msg
@@ -227,8 +228,9 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
                 heartbeat: Heartbeat, writer: AnswerWriter, *, may_continue: Callable[[], bool] = lambda: False,
                 ask_for_dispatch: Callable[[], object] = lambda: None) -> list[str]:
     """Solve ``msg``, then each next call its slot took, while ``may_continue()``
-    says so when a call ends (checked before the next is taken, so a taken
-    call is always solved). ``ask_for_dispatch`` runs after a solve whose slot
+    says so when a call ends (asked by the finish that would take the next, so
+    a SIGTERM during a call starts no new one, and a taken call is always
+    solved). ``ask_for_dispatch`` runs after a solve whose slot
     freed with no next call, or whose next call left its model's ready list
     below one entry per slot (the worker asks for a dispatch there). Above
     that the list still covers every slot, and a request per call only kept
@@ -245,7 +247,7 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
     outcomes: list[Outcome] = []
     call: SolveMessage | NextCall | None = msg
     while call is not None:
-        outcome, call = solve_one(services, backend, call, listener, heartbeat, writer, take_next=may_continue())
+        outcome, call = solve_one(services, backend, call, listener, heartbeat, writer, take_next=may_continue)
         outcomes.append(outcome)
         if call is not None and not call.restock:
             continue
