@@ -172,9 +172,19 @@ def quota_breaches(calls: Sequence[Mapping[str, Any]], caps: Mapping[str, Sequen
 
 
 def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int],
-                   kills: Sequence[tuple[str, float]]) -> tuple[list[Repeat], int]:
+                   kills: Sequence[tuple[str, float]],
+                   answers_written: Mapping[int, Sequence[float]] | None = None) -> tuple[list[Repeat], int]:
     """Every answered call beyond a task's first, and whether a kill of the worker
-    running the earlier call explains it; plus how many answered calls belong to no task."""
+    running the earlier call explains it; plus how many answered calls belong to no task.
+
+    A worker's call lives from its start to its answer's durable write (see
+    balancer.pipeline.call): a kill after the backend answered but before the
+    answer was written (``answers_written``: the times each task's answer was
+    written) loses the paid answer with the worker, and explains the repeat as
+    a kill during the call does. A kill after the write, or after the repeat
+    began, explains nothing; without ``answers_written`` only a kill during
+    the call explains."""
+    written = {task: sorted(times) for task, times in (answers_written or {}).items()}
     kill_times: dict[str, list[float]] = {}
     for name, at in kills:
         kill_times.setdefault(name, []).append(at)
@@ -197,9 +207,15 @@ def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int
             explained = None
             for earlier in own[:i]:
                 times = kill_times.get(f"worker-{earlier['model']}", [])
+                task_writes = written.get(task, [])
+                w = bisect.bisect_left(task_writes, earlier["end"])
+                held_until = min(later["start"], task_writes[w] if w < len(task_writes) else later["start"])
                 j = bisect.bisect_left(times, earlier["start"])
                 if j < len(times) and times[j] <= earlier["end"]:
                     explained = f"worker-{earlier['model']} killed at {times[j]:.3f}"
+                    break
+                if answers_written is not None and j < len(times) and times[j] < held_until:
+                    explained = f"worker-{earlier['model']} killed at {times[j]:.3f}, its answer not yet written"
                     break
             first = own[0]
             repeats.append(Repeat(task, first["model"], (first["start"], first["end"]), later["start"], explained))
@@ -303,7 +319,11 @@ def witness(
             kind = "injected" if c.get("injected") else str(c.get("limit") or "unknown")
             refused[kind] = refused.get(kind, 0) + 1
     task_of = {t.prompt_key: t.id for t in tasks}
-    repeats, orphans = repeated_calls(calls, task_of, kills)
+    answers_written: dict[int, list[float]] = {}
+    for w in writes:
+        if w.answer_written:
+            answers_written.setdefault(w.task_id, []).append(w.at)
+    repeats, orphans = repeated_calls(calls, task_of, kills, answers_written)
     overlaps = overlapping_calls(calls, task_of, kills)
     answers = [w.at for w in writes if w.new_status == "solved" and w.old_status != "solved"]
     last = max(answers, default=0.0)
