@@ -13,8 +13,8 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.devtools.sim.server import prompt_key
-from tests.pipeline_harness import prompt_lines
-from tests.test_fair_e2e import SCENARIO
+from tests.pipeline_harness import prompt_lines, scenario_file
+from tests.test_fair_e2e import MODELS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("migrated")]
 
@@ -37,9 +37,7 @@ def test_a_source_over_budget_stops_taking_calls_waits_visibly_and_resumes_when_
         pipeline, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     from balancer.cli import main
 
-    spec = tmp_path / "two-models.toml"
-    spec.write_text(SCENARIO)
-    p = pipeline(scenario=spec).start()
+    p = pipeline(scenario=scenario_file(tmp_path / "two-models.toml", MODELS)).start()
     names = [m.name for m in p.models]
     assert main(["source", "set", "capped", "--budget-tokens-per-day", str(BUDGET_TOKENS), "--by", "test"]) == 0
     capped = p.submit([{**line, "source": "capped", "prompt": "capped " + line["prompt"]}

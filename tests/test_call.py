@@ -17,6 +17,7 @@ from balancer.admission import Admitted, Candidate, keys
 from balancer.backends import make_backend
 from balancer.domain.intake import parse_tasks
 from balancer.pipeline import answers, solver
+from balancer.pipeline import call as call_module
 from balancer.pipeline import heartbeat as heartbeat_module
 from balancer.pipeline.answers import AnswerWriter, WriterDied
 from balancer.pipeline.heartbeat import Heartbeat, live_calls, redis_now_ms
@@ -213,6 +214,38 @@ def test_a_next_call_whose_lease_was_lost_during_a_stalled_start_is_not_called(
     assert row.status == "pending" and row.attempts == 0 and "lease expired" in row.error
     assert short.core.live()["m"].in_flight == 1  # only the call that took the slot over
     short.core.release(refilled[0])
+
+
+def test_a_next_call_whose_cap_was_lowered_during_a_stalled_start_is_not_called(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    """The chaos run's over-cap calls (seed 2026): a finishing call takes its next
+    task from the ready list, its start blocks (the workers' PostgreSQL stalled)
+    while ``quota set`` lowers the model's cap to 1 with another call running.
+    When the start returns, the next call would be a new call above the new cap:
+    it is not called, and its task goes back to pending with no attempt used.
+    Before, its lease was only extended and the call started (two in flight, cap 1)."""
+    url, simulator = sim
+    first = dispatch_one(svc, {"prompt": "first", "model": "m"})
+    other, _ = stock_next(svc, "next")
+    running: list[str] = []
+
+    def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
+        if task_id == other:
+            again = svc.core.admit([Candidate(1, allowed=("m",))])[0]  # another call holds a slot...
+            assert isinstance(again, Admitted) and isinstance(svc.core.renew(again.admission_id, "m", 1), Admitted)
+            running.append(again.admission_id)
+            svc.core.set_quota(dataclasses.replace(MODEL.quota(), max_concurrent_requests=1))  # ...and the cap drops
+            time.sleep(call_module.LATE_START_S + 0.2)  # a late start
+        return start_solve(engine, task_id, *args)
+
+    monkeypatch.setattr(solver, "start_solve", stalled_start)
+    assert chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True) == ["solved", "lease_lost"]
+    assert [e["status"] for e in simulator.log] == [200]  # the next task was never called
+    row = task_row(svc, other)
+    assert row.status == "pending" and row.attempts == 0 and "cap was lowered" in row.error
+    assert svc.core.live()["m"].in_flight == 1  # only the running call
+    svc.core.release(running[0])
 
 
 def test_the_heartbeat_keeps_a_next_calls_slot_through_a_stalled_start(

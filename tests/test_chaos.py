@@ -41,6 +41,23 @@ def test_a_repeat_is_explained_only_by_a_kill_of_the_worker_running_the_first_ca
     assert orphans == 0
 
 
+def test_a_kill_before_the_answer_was_written_explains_a_repeat_and_one_after_it_does_not() -> None:
+    """A call lives until its answer is durably written: the worker killed 0.04 s
+    after the backend answered, its answer still in the writer, explains the
+    repeat (seed 2026's three-minute run called this one unexplained); a kill
+    after the answer was written, or after the repeat began, explains nothing."""
+    calls = [call(0.0, 1.0, "a"), call(9.0, 10.0, "a"),  # killed at 1.04, answer never written: repeated at 9
+             call(0.0, 1.0, "b"), call(9.0, 10.0, "b"),  # answer written at 1.02, killed at 1.04: a real repeat
+             call(20.0, 21.0, "c"), call(22.0, 23.0, "c")]  # killed at 25, after the repeat began
+    written = {1: [10.1], 2: [1.02, 10.1], 3: [23.1]}
+    kills = [("worker-m", 1.04), ("worker-m", 25.0)]
+    repeats, _ = repeated_calls(calls, {"a": 1, "b": 2, "c": 3}, kills, written)
+    assert [(r.task_id, r.explained_by) for r in repeats] == [
+        (1, "worker-m killed at 1.040, its answer not yet written"), (2, None), (3, None)]
+    # without the write log, only a kill during the call explains
+    assert [r.explained_by for r in repeated_calls(calls, {"a": 1, "b": 2, "c": 3}, kills)[0]] == [None] * 3
+
+
 def test_two_calls_of_one_task_at_once_are_an_overlap_unless_its_worker_was_killed() -> None:
     calls = [call(0.0, 2.0, "a"), call(1.0, 3.0, "a", status=500), call(0.0, 2.0, "b"), call(1.5, 2.5, "b"),
              call(3.0, 4.0, "b", status=429)]
@@ -109,6 +126,23 @@ def test_recovery_is_the_first_answer_and_the_return_to_the_rate_before() -> Non
     # a fault after the last task ended has nothing to recover
     (idle,) = recoveries([FaultWindow("f", "kill_beat", 90.0, 95.0)], closed, 79.0, opened, closed)
     assert (idle.first_answer_s, idle.rate_back_s, idle.seconds) == (None, None, None)
+
+
+def test_recovery_does_not_count_the_time_a_blocking_fault_made_progress_impossible() -> None:
+    """A beat kill ends at 40; the workers' PostgreSQL then stalls from 41 to 80
+    (no answer can be written anywhere): answers resume at 82. From its own end,
+    42 s; less the 39 s of stall, 3 s. A fault of another kind (a quota lowered
+    meanwhile) is not subtracted. Seed 2026's ten-minute run: 246.8 s from the
+    Redis kill's own end, of which 222.6 s were outages and stalls after it."""
+    before = [float(t) for t in range(0, 30)]
+    after = [82.0 + i for i in range(40)]
+    beat = FaultWindow("beat", "kill_beat", 30.0, 40.0)
+    stall = FaultWindow("stall", "pg_stall", 41.0, 80.0)
+    lowered = FaultWindow("quota", "quota_lower", 41.0, 80.0)
+    (rec, _) = recoveries([beat, stall], before + after, last_answer=121.0)
+    assert (rec.first_answer_s, rec.own_end_seconds, rec.blocked_s, rec.seconds) == (42.0, 42.0, 39.0, 3.0)
+    (rec, _) = recoveries([beat, lowered], before + after, last_answer=121.0)
+    assert (rec.blocked_s, rec.seconds) == (0.0, 42.0)
 
 
 def test_a_bad_option_is_one_line_and_exit_2() -> None:
@@ -204,8 +238,6 @@ def test_a_short_chaos_run_holds_every_target(which: str, service_urls: tuple[st
     assert report.provider_violations == [] and report.quota_breaches == [], text
     assert report.unexplained_overlaps == [], text
     assert not report.deaths, text  # a restart during an outage waits for it (BALANCER_START_WAIT)
-    known = [what for what, missed in (
-        ("unexplained repeated calls", report.unexplained_repeats),
-        ("recovery p99 over 60 s", report.recovery_p99 is not None and report.recovery_p99 > 60)) if missed]
-    if known:  # the open findings of docs/reliability.md (Chaos under load); strict once they are fixed
-        pytest.xfail(f"seed {seed}: {', '.join(known)} (known open findings, see docs/reliability.md)")
+    assert report.unexplained_repeats == [], text
+    assert report.recovery_p99 is None or report.recovery_p99 <= 60, text
+    assert report.passed, text

@@ -75,7 +75,7 @@ operations = st.lists(
         st.tuples(st.just("finish_take"), st.integers(0, 50), settlements),
         st.tuples(st.just("take_ready"),),
         st.tuples(st.just("hold"), st.integers(0, 50), st.integers(0, 400_000)),
-        st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000)),
+        st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 400_000), st.booleans()),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES + ["nope"]), st.integers(0, 5_000),
                   st.none() | st.integers(0, 30_000), st.none() | st.integers(0, 40),
                   st.none() | st.integers(1, 30_000), st.none() | st.integers(1, 40)),
@@ -113,6 +113,7 @@ ready_operations = st.lists(
         st.tuples(st.just("take_ready"),),
         st.tuples(st.just("release"), st.integers(0, 50)),
         st.tuples(st.just("renew"), st.integers(0, 50)),
+        st.tuples(st.just("heartbeat"), st.integers(0, 50), st.integers(1, 10_000), st.just(True)),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 5_000), st.none(), st.none(),
                   st.none(), st.none()),
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
@@ -159,7 +160,7 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
             elif kind == "hold" and issued:
                 twin.hold(issued[op[1] % len(issued)][0], op[2])
             elif kind == "heartbeat" and issued:
-                twin.heartbeat(issued[op[1] % len(issued)][0], op[2])
+                twin.heartbeat(issued[op[1] % len(issued)][0], op[2], op[3])
             elif kind == "penalize":
                 twin.penalize(*op[1:])
             elif kind == "trip":
@@ -319,3 +320,40 @@ def test_a_limit_the_provider_states_is_not_lowered_by_its_429s(twin: Twin) -> N
     twin.advance(1_000)
     twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=0)
     assert limits_of(twin).max_requests_per_minute == 60
+
+
+# -- A cap lowered with calls admitted: running calls stay, no new one starts above it --
+
+def test_a_lowered_cap_lets_no_admitted_call_start_above_it(twin: Twin) -> None:
+    """Three calls admitted under a cap of 3, the cap lowered to 1 before any
+    starts (their worker's start waited on a stalled PostgreSQL): each start
+    (renew) finds the model's leases above the new cap and drops its own, until
+    one fits. Before, a live lease always started: three calls over a cap of 1."""
+    twin.set_quota(Quota("m-a", 3, 600_000))
+    admitted = [d for d in twin.admit([Candidate(100)] * 3) if isinstance(d, Admitted)]
+    assert len(admitted) == 3
+    twin.set_quota(Quota("m-a", 1, 600_000))
+    starts = [twin.renew(a.admission_id, "m-a", 100) for a in admitted]
+    assert [type(d).__name__ for d in starts] == ["NotNow", "NotNow", "Admitted"]
+    assert twin.core.live(twin.now)["m-a"].in_flight == 1
+    twin.check_same_state()
+
+
+def test_a_lowered_cap_lets_no_late_ready_start_above_it_and_recalls_no_running_call(twin: Twin) -> None:
+    """Two calls running under a cap of 2 (started leases), the cap lowered to 1:
+    the heartbeat of a running call still extends its lease (it cannot be
+    recalled), but a call about to start late on its lease (``starting``: taken
+    from a ready list, its start waited) is refused while the leases are above
+    the new cap, and its lease dropped; then the other one fits."""
+    twin.set_quota(Quota("m-a", 2, 600_000))
+    admitted = [d for d in twin.admit([Candidate(100)] * 2) if isinstance(d, Admitted)]
+    for a in admitted:
+        assert isinstance(twin.renew(a.admission_id, "m-a", 100), Admitted)
+    twin.set_quota(Quota("m-a", 1, 600_000))
+    first, second = (a.admission_id for a in admitted)
+    assert twin.heartbeat(first, 5_000) and twin.heartbeat(second, 5_000)   # running: kept
+    assert not twin.heartbeat(first, 5_000, starting=True)                   # 2 > 1: not started, dropped
+    assert twin.heartbeat(second, 5_000, starting=True)                      # 1 <= 1
+    twin.remove_quota("m-a")
+    assert not twin.heartbeat(second, 5_000, starting=True)                  # no model: no start
+    twin.check_same_state()

@@ -489,6 +489,36 @@ def test_a_chain_stops_taking_when_told(svc: Services) -> None:
     assert svc.core.live()["m"].ready == 1
 
 
+def test_a_shutdown_during_a_call_takes_no_next_call(svc: Services) -> None:
+    """The worker is told to stop (SIGTERM) while a call runs: the call's end
+    takes no next call. The question is asked when the call ends; asked before
+    the call (as it was), the chain took one more and called it after the signal."""
+
+    class StopsDuringTheCall:
+        def __init__(self, inner) -> None:  # noqa: ANN001
+            self.inner, self.calls, self.stopping = inner, 0, False
+
+        def complete(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            self.calls += 1
+            try:
+                return self.inner.complete(*args, **kwargs)
+            finally:
+                self.stopping = True  # the signal comes while the call runs
+
+    from balancer.storage.ready import mark_ready
+
+    a = dispatch_one(svc, {"prompt": "p", "model": "m"})
+    rows, _ = parse_tasks(json.dumps({"prompt": "q", "model": "m"}), models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        (other,) = insert_tasks(conn, rows)
+        mark_ready(conn, [(other, "m", "r1")], 60)
+    svc.core.stock([("m", other, rows[0].estimated_tokens, "r1")], 60_000)
+    backend = StopsDuringTheCall(make_backend(svc.settings))
+    assert chain(svc, backend, message(a), may_continue=lambda: not backend.stopping) == ["solved"]
+    assert backend.calls == 1
+    assert svc.core.live()["m"].ready == 1
+
+
 def test_a_chain_asks_for_a_dispatch_only_once_its_ready_list_runs_low(svc: Services) -> None:
     """While the model's ready list still holds an entry per slot after a take,
     the chain asks for no dispatch (the dispatcher would run after every call

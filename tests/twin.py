@@ -174,9 +174,9 @@ class Twin:
         assert lua == self.ref.hold(lid, hold_ms, self.now)
         return lua
 
-    def heartbeat(self, lid: str, lease_ms: int) -> bool:
-        lua = self.core.heartbeat(lid, lease_ms)
-        assert lua == self.ref.heartbeat(lid, max(1, lease_ms), self.now)
+    def heartbeat(self, lid: str, lease_ms: int, starting: bool = False) -> bool:
+        lua = self.core.heartbeat(lid, lease_ms, starting=starting)
+        assert lua == self.ref.heartbeat(lid, max(1, lease_ms), self.now, starting)
         return lua
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,

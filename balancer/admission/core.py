@@ -277,12 +277,16 @@ class AdmissionCore:
         True if a live lease is now held; it is freed when it expires."""
         return self._run("hold", [self._now(), admission_id, max(0, int(hold_ms))]) == 1
 
-    def heartbeat(self, admission_id: str, lease_ms: int | None = None) -> bool:
+    def heartbeat(self, admission_id: str, lease_ms: int | None = None, *, starting: bool = False) -> bool:
         """Extend a live lease to ``lease_ms`` from now (the core's lease by default).
 
         False if the lease is unknown or already expired: its slot is gone and
-        is not taken again (unlike :meth:`renew`)."""
-        return self._run("heartbeat", [self._now(), admission_id, max(1, int(lease_ms or self.lease_ms))]) == 1
+        is not taken again (unlike :meth:`renew`). With ``starting`` (a call
+        about to start on it), also False, and the lease dropped, if its model
+        is gone or holds more live leases than its concurrency cap (lowered
+        since the lease was taken)."""
+        return self._run("heartbeat", [self._now(), admission_id, max(1, int(lease_ms or self.lease_ms)),
+                                       "1" if starting else ""]) == 1
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
                  remaining_requests: int | None = None, *, limit_tokens: int | None = None,

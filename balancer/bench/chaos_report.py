@@ -30,7 +30,7 @@ def _mark(ok: bool) -> str:
 
 def render(result: ChaosResult) -> str:
     r = result.report
-    p99 = r.recovery_p99
+    p99, own_p99 = r.recovery_p99, r.own_end_recovery_p99
     unexplained = r.unexplained_repeats
     rows = [
         ("tasks (submitted + inbox)", f"{r.tasks} of {r.expected_tasks}", r.tasks == r.expected_tasks),
@@ -47,7 +47,11 @@ def render(result: ChaosResult) -> str:
         ("one task's calls overlapping (unexplained)",
          f"{len(r.overlaps)} ({len(r.unexplained_overlaps)})", not r.unexplained_overlaps),
         ("429s", ", ".join(f"{k} {v}" for k, v in sorted(r.rate_limited.items())) or "0", True),
-        ("recovery after a fault's end, p99 (s)", "none" if p99 is None else f"{p99:.1f}", p99 is None or p99 <= 60),
+        ("recovery after a fault's end, less the time blocking faults (workers' PostgreSQL stalled, backend out,"
+         " Redis down) made progress impossible, p99 (s)", "none" if p99 is None else f"{p99:.1f}",
+         p99 is None or p99 <= 60),
+        ("the same from each fault's own end, blocking faults included, p99 (s; for information)",
+         "none" if own_p99 is None else f"{own_p99:.1f}", True),
         ("processes that died on their own", ", ".join(r.deaths) or "none", not r.deaths),
         ("drained before the deadline", "yes" if result.drained else "no", result.drained),
     ]
@@ -67,15 +71,17 @@ def render(result: ChaosResult) -> str:
         *[f"| {name} | {value} | {_mark(ok)} |" for name, value, ok in rows],
         "",
         "Recovery per fault (s from its end: the first answer written after it, and until the pipeline was back:",
-        "the answer rate over 10 s at 80% of the 30 s before the fault, or the backlog no larger than at its start):",
+        "the answer rate over 10 s at 80% of the 30 s before the fault, or the backlog no larger than at its start;",
+        "then the part of that when a blocking fault was under way, and the recovery without it):",
         "",
-        "| fault | first answer | rate back |",
-        "|---|---|---|",
+        "| fault | first answer | rate back | of which blocked | recovery |",
+        "|---|---|---|---|---|",
     ]
     for rec in r.recoveries:
         def fmt(v: float | None) -> str:
             return "-" if v is None else ("never" if v == float("inf") else f"{v:.1f}")
-        lines.append(f"| {rec.fault} | {fmt(rec.first_answer_s)} | {fmt(rec.rate_back_s)} |")
+        lines.append(f"| {rec.fault} | {fmt(rec.first_answer_s)} | {fmt(rec.rate_back_s)} | {fmt(rec.blocked_s)}"
+                     f" | {fmt(rec.seconds)} |")
     lines += ["", "Repeated answered calls:" if r.repeats else "Repeated answered calls: none.", ""]
     for rep in r.repeats:
         lines.append(f"- task {rep.task_id}: first on {rep.model} {rep.first_call[0]:.3f}–{rep.first_call[1]:.3f},"

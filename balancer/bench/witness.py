@@ -33,6 +33,10 @@ QUOTA_SLACK_S = 1.0
 #: over a window of RATE_WINDOW_S, measured against the RATE_WINDOW_S * 3 before it.
 RATE_SHARE = 0.8
 RATE_WINDOW_S = 10.0
+#: Faults during which no answer can be written anywhere: the workers'
+#: PostgreSQL stalled, every backend call refused, Redis down. Their time is
+#: not counted in another fault's recovery: nothing can recover meanwhile.
+BLOCKING = ("pg_stall", "backend_outage", "redis_restart")
 
 
 @dataclass(frozen=True)
@@ -83,11 +87,20 @@ class Recovery:
     fault: str
     first_answer_s: float | None  # from the fault's end to the first answer written after it
     rate_back_s: float | None  # from the fault's end until the pipeline was back (inf: never; None: no work left)
+    blocked_s: float = 0.0  # of own_end_seconds, those when a BLOCKING fault was under way (progress impossible)
+
+    @property
+    def own_end_seconds(self) -> float | None:
+        """Recovery counted from the fault's own end, whatever else was still broken then."""
+        parts = [p for p in (self.first_answer_s, self.rate_back_s) if p is not None]
+        return max(parts) if parts else None
 
     @property
     def seconds(self) -> float | None:
-        parts = [p for p in (self.first_answer_s, self.rate_back_s) if p is not None]
-        return max(parts) if parts else None
+        """Recovery counted from the fault's end, less the time when a BLOCKING
+        fault (its own overlapping neighbours) made any progress impossible."""
+        own = self.own_end_seconds
+        return None if own is None else max(0.0, own - self.blocked_s)
 
 
 @dataclass
@@ -119,12 +132,14 @@ class WitnessReport:
 
     @property
     def recovery_p99(self) -> float | None:
-        # A fault after which nothing was left to do has nothing to recover (both figures None).
-        values = sorted(r.seconds if r.seconds is not None else float("inf") for r in self.recoveries
-                        if r.first_answer_s is not None or r.rate_back_s is not None)
-        if not values:
-            return None
-        return values[min(len(values) - 1, max(0, -(-99 * len(values) // 100) - 1))]
+        """p99 of :attr:`Recovery.seconds` (from when the pipeline could work again)."""
+        return _p99([r.seconds for r in self.recoveries if r.first_answer_s is not None or r.rate_back_s is not None])
+
+    @property
+    def own_end_recovery_p99(self) -> float | None:
+        """p99 of :attr:`Recovery.own_end_seconds` (from each fault's own end; for information)."""
+        return _p99([r.own_end_seconds for r in self.recoveries
+                     if r.first_answer_s is not None or r.rate_back_s is not None])
 
     @property
     def passed(self) -> bool:
@@ -133,6 +148,32 @@ class WitnessReport:
                 and not self.quota_breaches and not self.unexplained_repeats and not self.unexplained_overlaps
                 and not self.deaths
                 and self.tasks == self.expected_tasks and (p99 is None or p99 <= 60.0))
+
+
+def _p99(seconds: Sequence[float | None]) -> float | None:
+    # A fault after which nothing was left to do has nothing to recover (not counted).
+    values = sorted(v if v is not None else float("inf") for v in seconds)
+    if not values:
+        return None
+    return values[min(len(values) - 1, max(0, -(-99 * len(values) // 100) - 1))]
+
+
+def blocked_within(start: float, end: float, faults: Sequence[FaultWindow]) -> float:
+    """Seconds of [start, end] during which a BLOCKING fault was under way
+    (overlapping ones counted once).
+
+    >>> w = [FaultWindow("a", "pg_stall", 0, 10), FaultWindow("b", "backend_outage", 8, 20),
+    ...      FaultWindow("c", "kill_beat", 0, 30), FaultWindow("d", "pg_stall", 25, 40)]
+    >>> blocked_within(5, 30, w), blocked_within(20, 25, w), blocked_within(0, float("inf"), w)
+    (20.0, 0.0, 35.0)
+    """
+    spans = sorted((max(start, f.start), min(end, f.end)) for f in faults if f.kind in BLOCKING)
+    total, reached = 0.0, start
+    for a, b in spans:
+        a = max(a, reached)
+        if b > a:
+            total, reached = total + (b - a), b
+    return total
 
 
 def _ends(writes: Sequence[WriteEvent]) -> dict[int, int]:
@@ -172,9 +213,19 @@ def quota_breaches(calls: Sequence[Mapping[str, Any]], caps: Mapping[str, Sequen
 
 
 def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int],
-                   kills: Sequence[tuple[str, float]]) -> tuple[list[Repeat], int]:
+                   kills: Sequence[tuple[str, float]],
+                   answers_written: Mapping[int, Sequence[float]] | None = None) -> tuple[list[Repeat], int]:
     """Every answered call beyond a task's first, and whether a kill of the worker
-    running the earlier call explains it; plus how many answered calls belong to no task."""
+    running the earlier call explains it; plus how many answered calls belong to no task.
+
+    A worker's call lives from its start to its answer's durable write (see
+    balancer.pipeline.call): a kill after the backend answered but before the
+    answer was written (``answers_written``: the times each task's answer was
+    written) loses the paid answer with the worker, and explains the repeat as
+    a kill during the call does. A kill after the write, or after the repeat
+    began, explains nothing; without ``answers_written`` only a kill during
+    the call explains."""
+    written = {task: sorted(times) for task, times in (answers_written or {}).items()}
     kill_times: dict[str, list[float]] = {}
     for name, at in kills:
         kill_times.setdefault(name, []).append(at)
@@ -197,9 +248,15 @@ def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int
             explained = None
             for earlier in own[:i]:
                 times = kill_times.get(f"worker-{earlier['model']}", [])
+                task_writes = written.get(task, [])
+                w = bisect.bisect_left(task_writes, earlier["end"])
+                held_until = min(later["start"], task_writes[w] if w < len(task_writes) else later["start"])
                 j = bisect.bisect_left(times, earlier["start"])
                 if j < len(times) and times[j] <= earlier["end"]:
                     explained = f"worker-{earlier['model']} killed at {times[j]:.3f}"
+                    break
+                if answers_written is not None and j < len(times) and times[j] < held_until:
+                    explained = f"worker-{earlier['model']} killed at {times[j]:.3f}, its answer not yet written"
                     break
             first = own[0]
             repeats.append(Repeat(task, first["model"], (first["start"], first["end"]), later["start"], explained))
@@ -238,7 +295,9 @@ def overlapping_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, 
 
 def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_answer: float,
                opened: Sequence[float] = (), closed: Sequence[float] = ()) -> list[Recovery]:
-    """Per fault: the first answer after its end, and when the pipeline was back:
+    """Per fault: the first answer after its end, how much of its recovery
+    BLOCKING faults took up (other faults under way after its end), and when
+    the pipeline was back:
     the answer rate over RATE_WINDOW_S at RATE_SHARE of the rate before the fault
     began, or its backlog (tasks stored and not ended; ``opened``/``closed`` are
     those times) no larger than when the fault began. A pipeline that keeps up
@@ -268,7 +327,8 @@ def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_ans
             t = last_answer + 1.0 if t == last_answer else min(t + 1.0, last_answer)  # the last answer is checked too
         if back is None:
             back = 0.0 if target == 0 else float("inf")  # work remained and the pipeline never caught up
-        out.append(Recovery(f.label, first, back))
+        own = max(p for p in (first, back) if p is not None)
+        out.append(Recovery(f.label, first, back, blocked_within(f.end, f.end + own, faults) if own < float("inf") else 0.0))
     return out
 
 
@@ -303,7 +363,11 @@ def witness(
             kind = "injected" if c.get("injected") else str(c.get("limit") or "unknown")
             refused[kind] = refused.get(kind, 0) + 1
     task_of = {t.prompt_key: t.id for t in tasks}
-    repeats, orphans = repeated_calls(calls, task_of, kills)
+    answers_written: dict[int, list[float]] = {}
+    for w in writes:
+        if w.answer_written:
+            answers_written.setdefault(w.task_id, []).append(w.at)
+    repeats, orphans = repeated_calls(calls, task_of, kills, answers_written)
     overlaps = overlapping_calls(calls, task_of, kills)
     answers = [w.at for w in writes if w.new_status == "solved" and w.old_status != "solved"]
     last = max(answers, default=0.0)

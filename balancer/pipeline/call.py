@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -41,6 +42,10 @@ from balancer.storage.statements import SolveContext
 from balancer.storage.transitions import Answer, Written, back_to_pending, mark_failed
 
 log = logging.getLogger(__name__)
+
+#: A call taken from a ready list that starts later than this after the take
+#: re-checks its lease and its model's cap first (a quota change reaches it).
+LATE_START_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,12 @@ class Slot:
     """The call's admission: freed once, in one round trip, on every path, unless
     a cancelled call hands it over to a hold.
 
-    With ``take_next``, an answered call's slot also takes its next call from
-    the model's ready list in that round trip (:attr:`next`)."""
+    With ``take_next`` (a flag, or a question asked when the call ends, so a
+    worker's shutdown during the call is heard), an answered call's slot also
+    takes its next call from the model's ready list in that round trip
+    (:attr:`next`)."""
 
-    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool = False) -> None:
+    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool | Callable[[], bool] = False) -> None:
         self.core, self.admission_id, self.done = core, admission_id, False
         self.take_next = take_next
         self.next: ReadyTask | None = None
@@ -78,7 +85,7 @@ class Slot:
         if self.done:
             return False
         self.done = True
-        if self.take_next and settlement is not None:
+        if settlement is not None and (self.take_next() if callable(self.take_next) else self.take_next):
             self.next = self.core.finish_and_take(self.admission_id, settlement)
         else:
             self.core.finish(self.admission_id, settlement)
@@ -115,7 +122,8 @@ class Change:
 class Call:
     """One admission, from the moment its worker takes it on to its answer's durable write."""
 
-    def __init__(self, services: Services, heartbeat: Heartbeat, msg: SolveMessage, *, take_next: bool = False) -> None:
+    def __init__(self, services: Services, heartbeat: Heartbeat, msg: SolveMessage, *,
+                 take_next: bool | Callable[[], bool] = False) -> None:
         settings = services.settings
         self.services, self.heartbeat, self.msg = services, heartbeat, msg
         self.admission_id = msg.admission_id
@@ -124,7 +132,7 @@ class Call:
         self.taken_at = time.monotonic()
         #: The solve's deadline (monotonic): the call ends within it, and its writes' retries give up there.
         self.deadline = self.taken_at + settings.hard_time_limit
-        self.slot = Slot(services.core, msg.admission_id, take_next=take_next and not msg.hedge)
+        self.slot = Slot(services.core, msg.admission_id, take_next=False if msg.hedge else take_next)
         #: The answer's write, once handed to the writer: its result is the outcome's name.
         self.answer: Future[str] | None = None
         self._over = False
@@ -159,11 +167,14 @@ class Call:
     def still_holds_its_lease(self) -> bool:
         """Re-assert the lease of a call taken from a ready list whose start took
         long (a stalled PostgreSQL): extended if alive, False if it expired (its
-        slot may be another call's by now). A quick start needs no round trip:
-        the lease taken with it has most of its length left."""
-        if time.monotonic() - self.taken_at < self.services.settings.heartbeat_seconds:
+        slot may be another call's by now), or if its model's cap was lowered
+        meanwhile below the calls holding slots (no new call starts above it).
+        A start within LATE_START_S of the take needs no round trip: the take
+        checked the cap, and the lease taken with it has most of its length left."""
+        if time.monotonic() - self.taken_at < min(LATE_START_S, self.services.settings.heartbeat_seconds):
             return True
-        return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000)
+        return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000,
+                                            starting=True)
 
     # -- the backend call ----------------------------------------------------------------
     def call_backend(self, backend: Backend, ctx: SolveContext, listener: CancelListener | None) -> tuple[Completion, int]:

@@ -16,9 +16,11 @@ no_room            the lease expired and its slot is taken (redelivery after a
                    crash), or the model was disabled: back to pending, no
                    attempt used, no call
 lease_lost         a next call taken from a ready list whose start waited past
-                   its lease (a stalled PostgreSQL) and whose lease is gone:
-                   back to pending, no attempt used, no call. A call never
-                   starts on a lease it no longer holds
+                   its lease (a stalled PostgreSQL) and whose lease is gone,
+                   or whose model's cap was lowered meanwhile below the calls
+                   holding slots: back to pending, no attempt used, no call.
+                   A call never starts on a lease it no longer holds, nor
+                   above a lowered cap
 rate_limited       a 429: the model is paused for Retry-After, once per window
                    (atomically in Lua), so *every* dispatcher holds it,
                    whichever limit caused the 429; back to pending at once, no
@@ -197,10 +199,11 @@ Outcome = str | tuple[Future[str], float]
 
 
 def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall, listener: CancelListener | None,
-              heartbeat: Heartbeat, writer: AnswerWriter, *, take_next: bool = False) -> tuple[Outcome, NextCall | None]:
+              heartbeat: Heartbeat, writer: AnswerWriter, *,
+              take_next: bool | Callable[[], bool] = False) -> tuple[Outcome, NextCall | None]:
     """Solve a message, or a :class:`NextCall` (already started); and with
-    ``take_next``, the slot's next call if its finish took one from the
-    model's ready list: the caller must solve it (it is admitted, its task
+    ``take_next`` (asked when the call ends), the slot's next call if its
+    finish took one from the model's ready list: the caller must solve it (it is admitted, its task
     started, and it is kept alive by the heartbeat until it is solved)."""
     if isinstance(msg, NextCall):
         call, started = msg.call, msg
@@ -231,8 +234,9 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
                 heartbeat: Heartbeat, writer: AnswerWriter, *, may_continue: Callable[[], bool] = lambda: False,
                 ask_for_dispatch: Callable[[], object] = lambda: None) -> list[str]:
     """Solve ``msg``, then each next call its slot took, while ``may_continue()``
-    says so when a call ends (checked before the next is taken, so a taken
-    call is always solved). ``ask_for_dispatch`` runs after a solve whose slot
+    says so when a call ends (asked by the finish that would take the next, so
+    a SIGTERM during a call starts no new one, and a taken call is always
+    solved). ``ask_for_dispatch`` runs after a solve whose slot
     freed with no next call, or whose next call left its model's ready list
     below one entry per slot (the worker asks for a dispatch there). Above
     that the list still covers every slot, and a request per call only kept
@@ -249,7 +253,7 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
     outcomes: list[Outcome] = []
     call: SolveMessage | NextCall | None = msg
     while call is not None:
-        outcome, call = solve_one(services, backend, call, listener, heartbeat, writer, take_next=may_continue())
+        outcome, call = solve_one(services, backend, call, listener, heartbeat, writer, take_next=may_continue)
         outcomes.append(outcome)
         if call is not None and not call.restock:
             continue
@@ -293,7 +297,8 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
     if started is not None:  # taken from a ready list: its lease was started with it
         if not call.still_holds_its_lease():
             call.free()
-            failure = Failure(msg.model, "its slot's lease expired while its start waited; not called", ctx.attempts)
+            failure = Failure(msg.model, "its slot's lease expired, or its model's cap was lowered below the calls "
+                                         "holding slots, while its start waited; not called", ctx.attempts)
             return call.change("lease_lost", CHANGES["lease_lost"](failure))
         start_delay_ms = msg.start_delay_ms or 0
     else:  # from the dispatcher: re-assert the slot

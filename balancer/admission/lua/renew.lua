@@ -12,6 +12,11 @@
 -- (slot, tokens, request, outside WDRR) if there is room, else 'W': the caller
 -- must not call the backend. An 'A' answer carries a fourth value: ms to wait
 -- before calling, from the start gate (see start_gate in lib.lua).
+-- A cap lowered since admission: a live lease starts its call only while the
+-- model's live leases, itself included, are within its concurrency cap
+-- (eff_cap); calls already running are not recalled, but no new one starts
+-- above the new cap. Otherwise the lease is dropped (refunded if never
+-- started) and the answer is 'W' at the model's next room.
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
@@ -32,6 +37,14 @@ if raw and m.enabled ~= 1 then
 end
 if raw then
   local lease = cjson.decode(raw)
+  if redis.call('ZCARD', inflight_key(lease.m)) > eff_cap(m) then
+    redis.call('ZREM', inflight_key(lease.m), lid)
+    redis.call('HDEL', LEASES, lid)
+    if lease.s == 0 then refund(m, lease) end
+    local result = {'W', fmt(now + wait_ms(m, lease.e, now)), fmt(now)}
+    save_model(m)
+    return result
+  end
   redis.call('ZADD', inflight_key(lease.m), fmt(now + lease_ms), lid)
   local delay = start_delay(m, lease.e, lease.s == 0, now)
   lease.s = 1

@@ -146,6 +146,10 @@ class ReferenceCore(Signals):
 
         If the model has been disabled since, the call must not start: the
         lease is dropped (refunded if never started) and the answer is not-now.
+        So too if the model's live leases, this one included, are above its
+        concurrency cap (a cap lowered since admission: calls already running
+        are not recalled, but no new one starts above the new cap); the
+        not-now then names the model's next room.
         If the lease still exists it is extended and marked started. If it has
         expired, the slot is re-acquired like a fresh admission on that model
         (slot, tokens, request), outside WDRR; if there is no room the answer
@@ -165,6 +169,11 @@ class ReferenceCore(Signals):
             if not lease.started:
                 self._refund(model, lease)
             return NotNow(None, now)
+        if lease is not None and len(self._inflight(lease.model)) > self.models[model].limits.max_concurrent_requests:
+            del self.leases[admission_id]
+            if not lease.started:
+                self._refund(model, lease)
+            return NotNow(now + self._wait(model, lease.estimated_tokens, now), now)
         if lease is not None:
             lease.deadline = now + lease_ms
             delay = self._start_delay(model, lease.estimated_tokens, not lease.started, now)

@@ -55,14 +55,24 @@ class Signals(ReferenceState):
         lease.deadline = min(lease.deadline, now + hold_ms)
         return True
 
-    def heartbeat(self, admission_id: str, lease_ms: int, now: int) -> bool:
+    def heartbeat(self, admission_id: str, lease_ms: int, now: int, starting: bool = False) -> bool:
         """Extend a live lease to ``now + lease_ms``: what ``heartbeat.lua`` does.
 
         An expired lease is not revived: its slot may carry another call now.
+        With ``starting`` (a call about to start on it), the lease is dropped
+        instead if its model is gone or has more live leases, this one
+        included, than its concurrency cap as stored (lowered since the lease
+        was taken): no new call starts above a lowered cap. Nothing is refunded.
         Returns True if the lease was live and is extended.
         """
         lease = self.leases.get(admission_id)
         if lease is None or lease.deadline <= now:
+            return False
+        state = self.models.get(lease.model)
+        if starting and (state is None or sum(
+                1 for other in self.leases.values() if other.model == lease.model and other.deadline > now
+        ) > state.limits.max_concurrent_requests):
+            del self.leases[admission_id]
             return False
         lease.deadline = now + lease_ms
         return True
