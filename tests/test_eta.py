@@ -284,3 +284,31 @@ def test_the_early_mean_moves_from_the_prior_to_what_was_seen() -> None:
     assert early_mean_s(30.0, 0, 0.0, running=3, running_s=3 * 90.0) > 30.0
     # Running calls weigh as calls at their age so far: young ones pull it down no more than answered ones would.
     assert early_mean_s(30.0, 0, 0.0, running=5, running_s=5 * 10.0) == early_mean_s(30.0, 5, 50.0)
+
+
+@pytest.mark.usefixtures("migrated")
+def test_running_calls_are_read_by_model_with_the_time_they_have_run() -> None:
+    """What the early latency reads live: tasks running by model, and the seconds they have run."""
+    from datetime import timedelta
+
+    import sqlalchemy as sa
+
+    from balancer.domain.intake import parse_tasks
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.intake import insert_tasks
+    from balancer.storage.reads import running_calls
+    from balancer.storage.schema import tasks
+
+    svc = Services.connect(Settings.from_env())
+    rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(5)), models={"m": 10_000_000})
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+        ids = sorted(conn.execute(sa.select(tasks.c.id)).scalars())
+        for task_id, model, ran in zip(ids, ["a", "a", "b", None], [10, 20, 5, 7], strict=False):
+            conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(
+                status="running", model=model, started_at=sa.func.now() - timedelta(seconds=ran)))
+    running = running_calls(svc.engine)
+    assert sorted(running) == ["a", "b"]  # a running task with no model yet is no model's call; pending ones none
+    assert running["a"][0] == 2 and running["a"][1] == pytest.approx(30.0, abs=0.5)
+    assert running["b"][0] == 1 and running["b"][1] == pytest.approx(5.0, abs=0.5)
