@@ -86,6 +86,21 @@ def test_scenarios_parse_and_generate_reproducibly() -> None:
     assert len(lines) == short.workload.tasks and len({x["prompt"] for x in lines}) == len(lines)
     pinned = sum(1 for x in lines if "model" in x) / len(lines)
     assert abs(pinned - short.workload.pinned_fraction) < 0.05
+    scenario.check_pinned_fit()  # every bundled scenario's pinned tasks fit their model's burst
+
+
+def test_a_pinned_task_over_its_models_burst_stops_the_bench_before_it_starts(tmp_path: Path) -> None:
+    # Seed 9001's gen-1 in miniature: a task pinned to a model whose burst_tokens is below its estimate.
+    from balancer.bench.run import prepare
+
+    text = ("name='tight'\n[[models]]\nname='a'\nmax_concurrent_requests=1\nmax_tokens_per_minute=60000\n"
+            "burst_tokens={burst}\n[workload]\ntasks=3\npinned_fraction=1.0\n"
+            "prompt_tokens={{median=100,p99=100,min=100,max=100}}\noutput_tokens={{median=50,p99=50,min=50,max=50}}\n")
+    parse_scenario(text.format(burst=150), "fits").check_pinned_fit()  # 100 + 50 = 150 tokens: fits exactly
+    (tmp_path / "tight.toml").write_text(text.format(burst=149))
+    with pytest.raises(ScenarioError, match=r"3 task\(s\) pinned .* needs 150 tokens on a \(burst_tokens 149\)"):
+        prepare(str(tmp_path / "tight.toml"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written, nothing started
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -252,3 +253,62 @@ def test_a_window_that_starts_with_the_run_counts_the_full_buckets_as_capacity()
                          start_buckets={"m": (10_000.0, None)})
     assert steady == 1.0
     assert started == pytest.approx(26 / 30, rel=1e-6)
+
+
+def test_a_model_on_its_prior_reads_the_calls_it_answered_and_has_running() -> None:
+    # default.toml at 25 % done (9fb4de4): model-7 holds 16 pinned tasks and 3 calls in flight,
+    # on its 34 s prior; 2 calls answered (48.4 s in all), the 3 running for 56.2 s in all so far.
+    # Its pinned finish must be read at (5 × 34 + 48.4 + 56.2) / 10 = 27.46 s a call, not at 34 s.
+    from balancer.domain.eta import DrainState, forecast, pinned_finish
+    from balancer.domain.latency import early_mean_s
+
+    slow = ModelCapacity(concurrency=3, mean_latency=34.0, tpm=None, burst=0)
+    fast = ModelCapacity(concurrency=40, mean_latency=5.0, tpm=None, burst=0)
+    base = DrainState({"slow": slow, "fast": fast}, [(["slow"], 16), (None, 40)], in_flight={"slow": 3, "fast": 40},
+                      tokens_per_task=500, on_prior=["slow"], unfinished=99)
+    seen = replace(base, early_calls={"slow": (2, 48.4, 3, 56.2)})
+    early = early_mean_s(34.0, 2, 48.4, 3, 56.2)
+    assert early == pytest.approx(27.46)
+    assert forecast(seen).eta == pytest.approx(pinned_finish(replace(slow, mean_latency=early), 19, 500))
+    assert forecast(base).eta == pytest.approx(pinned_finish(slow, 19, 500))  # nothing seen: the prior
+    # A model measured (not on its prior) keeps its sketch's mean whatever early_calls says.
+    assert forecast(replace(seen, on_prior=[])).eta == forecast(replace(base, on_prior=[])).eta
+
+
+def test_the_early_mean_moves_from_the_prior_to_what_was_seen() -> None:
+    from balancer.domain.latency import MIN_SAMPLES, early_mean_s
+
+    assert early_mean_s(30.0, 0, 0.0) == 30.0
+    assert early_mean_s(30.0, MIN_SAMPLES, MIN_SAMPLES * 10.0) == pytest.approx(20.0)  # half way with as many calls
+    # A call running longer than the prior pulls the mean up though nothing ended: a slow model shows early.
+    assert early_mean_s(30.0, 0, 0.0, running=3, running_s=3 * 90.0) > 30.0
+    # Running calls weigh as calls at their age so far: young ones pull it down no more than answered ones would.
+    assert early_mean_s(30.0, 0, 0.0, running=5, running_s=5 * 10.0) == early_mean_s(30.0, 5, 50.0)
+
+
+@pytest.mark.usefixtures("migrated")
+def test_running_calls_are_read_by_model_with_the_time_they_have_run() -> None:
+    """What the early latency reads live: tasks running by model, and the seconds they have run."""
+    from datetime import timedelta
+
+    import sqlalchemy as sa
+
+    from balancer.domain.intake import parse_tasks
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.intake import insert_tasks
+    from balancer.storage.reads import running_calls
+    from balancer.storage.schema import tasks
+
+    svc = Services.connect(Settings.from_env())
+    rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(5)), models={"m": 10_000_000})
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+        ids = sorted(conn.execute(sa.select(tasks.c.id)).scalars())
+        for task_id, model, ran in zip(ids, ["a", "a", "b", None], [10, 20, 5, 7], strict=False):
+            conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(
+                status="running", model=model, started_at=sa.func.now() - timedelta(seconds=ran)))
+    running = running_calls(svc.engine)
+    assert sorted(running) == ["a", "b"]  # a running task with no model yet is no model's call; pending ones none
+    assert running["a"][0] == 2 and running["a"][1] == pytest.approx(30.0, abs=0.5)
+    assert running["b"][0] == 1 and running["b"][1] == pytest.approx(5.0, abs=0.5)

@@ -35,6 +35,7 @@ def prepare(spec: str, out: Path) -> tuple[Scenario, Path]:
     the simulator reads it from there, and the report stays reproducible after the package changes."""
     name, text = locate(spec)
     scenario = parse_scenario(text, name)
+    scenario.check_pinned_fit()  # before anything starts: such a task could never be admitted
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
     path.write_text(text, encoding="utf-8")

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from balancer.devtools.sim.config import Z99, Latency, SimModel
 from balancer.domain.quota import Quota
+from balancer.domain.tokens import estimate_task_tokens
 from balancer.errors import BalancerError
 
 
@@ -116,6 +117,19 @@ class Scenario:
                 line["model"] = rng.choice(names)
             lines.append(line)
         return lines
+
+    def check_pinned_fit(self) -> None:
+        """Raise ScenarioError when a task pinned to a model needs more tokens than that
+        model's ``burst_tokens`` (what admission charges: prompt plus ``max_tokens``): it can
+        never be admitted, so the run could never drain."""
+        bursts = {q.name: q.burst for q in self.quotas()}
+        unfit = [(i, line["model"], estimate_task_tokens(line["prompt"], line["max_tokens"]))
+                 for i, line in enumerate(self.task_lines()) if "model" in line]
+        unfit = [(i, model, need) for i, model, need in unfit if need > bursts[model]]
+        if unfit:
+            i, model, need = unfit[0]
+            raise ScenarioError(f"{self.name}: {len(unfit)} task(s) pinned to a model can never fit its burst, "
+                                f"e.g. task #{i} needs {need:,} tokens on {model} (burst_tokens {bursts[model]:,})")
 
     def backlog_jsonl(self) -> str:
         return "".join(json.dumps(line) + "\n" for line in self.task_lines())

@@ -29,7 +29,10 @@ docs/benchmarks.md (issue 28):
 * work held to one model cannot move to a faster one, so the end game cannot
   shorten its last calls: a model with pinned tasks left finishes no sooner
   than :func:`pinned_finish`, its own bound for them plus the spread of its
-  last calls, at that model's own latency (its prior while it has none).
+  last calls, at that model's own latency;
+* a model with too few calls measured for its sketch reads its prior shrunk
+  toward the calls it answered and the time its running calls have run
+  (:func:`balancer.domain.latency.early_mean_s`).
 
 Tasks allowed on a subset of models count as "any model" (the bound's
 feasibility test knows only "any" and "exactly one"), so a backlog split
@@ -50,6 +53,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
+from balancer.domain.latency import early_mean_s
 
 #: Fewer tasks solved in the window than this, or a window shorter than
 #: MIN_WINDOW_S (a run's first seconds): no efficiency correction (1.0).
@@ -230,6 +234,8 @@ class DrainState:
     #: and ``unfinished``): no dispatch claims them until the budget is raised or the day turns, so they
     #: are no work the drain can do; :func:`forecast` leaves them out and counts them in ``waiting``.
     waiting: Sequence[tuple[Sequence[str] | None, int]] = ()
+    #: Models on their prior: (calls answered, their seconds, calls running, the seconds they have run).
+    early_calls: Mapping[str, tuple[float, float, int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -317,7 +323,8 @@ def little_latency(in_flight: float, solved: int, window_s: float) -> float | No
 
 
 def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
-    """The models with each one's mean latency raised to its :func:`little_latency`
+    """The models with a model on its prior at :func:`~balancer.domain.latency.early_mean_s`
+    of its ``early_calls``, and each one's mean latency raised to its :func:`little_latency`
     when that is longer: the sketch's bias runs one way (short calls end first).
 
     >>> m = {"slow": ModelCapacity(concurrency=16, mean_latency=10.0, tpm=None, burst=0)}
@@ -326,8 +333,9 @@ def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
     >>> with_observed_latency(s)["slow"].mean_latency
     24.0
     """
-    out = dict(state.models)
-    for name, model in state.models.items():
+    out = {name: replace(model, mean_latency=early_mean_s(model.mean_latency, *state.early_calls[name]))
+           if name in state.on_prior and name in state.early_calls else model for name, model in state.models.items()}
+    for name, model in out.items():
         little = little_latency(state.in_flight.get(name, 0), state.solved_by_model.get(name, 0), state.window_s)
         if little is not None and little > model.mean_latency:
             out[name] = replace(model, mean_latency=little)
@@ -362,8 +370,8 @@ def forecast(state: DrainState) -> Forecast:
     models = with_observed_latency(state)
     pace = efficiency(models, state.solved, in_flight=in_flight, window_s=state.window_s,
                       tokens_per_task=state.tokens_per_task, start_buckets=state.start_buckets)
-    # A model still on its prior keeps its own pinned finish at the prior: a pace measured on the
-    # other models says nothing about it (on default.toml, dividing by it put the ETA 22 % short at 25 %).
+    # A model still on its prior keeps its own pinned finish at its early latency: a pace measured on
+    # the other models says nothing about it (on default.toml, dividing by it put the ETA 22 % short at 25 %).
     eta = drain_eta(models, state.groups, in_flight=held, tokens_per_task=state.tokens_per_task, pace=pace)
     if eta is None:
         return Forecast(None, None, None)

@@ -152,6 +152,23 @@ class LatencySketch:
         )
 
 
+def early_mean_s(prior_mean_s: float, answered: float, answered_s: float, running: int = 0,
+                 running_s: float = 0.0) -> float:
+    """A model's mean latency (s) while it has fewer than ``MIN_SAMPLES`` calls measured:
+    its prior weighs as ``MIN_SAMPLES`` calls at the prior's mean, beside the ``answered``
+    calls (``answered_s`` seconds in all) and the ``running`` calls still in flight, each
+    at the time it has run so far (``running_s`` in all: a call in flight for t s takes
+    at least t s). The answered calls alone are the short ones (the long ones of the same
+    start are still running), so the running ones weigh as lower bounds beside them.
+
+    >>> early_mean_s(34.0, 0, 0.0)   # nothing seen: the prior
+    34.0
+    >>> round(early_mean_s(34.0, 2, 48.4, running=3, running_s=56.2), 2)   # (5 × 34 + 48.4 + 56.2) / 10
+    27.46
+    """
+    return (MIN_SAMPLES * prior_mean_s + answered_s + running_s) / (MIN_SAMPLES + answered + running)
+
+
 def record(fields: dict[str, int], bucket: int, latency_ms: int, prompt_tokens: int, completion_tokens: int) -> None:
     """Add one call to a sketch's fields in place: decay every field, then add.
 

@@ -27,6 +27,7 @@ from balancer.storage.reads import (
     pending_groups_of,
     recent_solves,
     recent_solves_by_model,
+    running_calls,
     status_counts,
     unfinished_count,
 )
@@ -152,6 +153,8 @@ def drain_inputs(
     if not models:
         return None
     solved, window_s = recent_solves(services.engine, PACE_WINDOW_S)
+    on_prior = [name for name in models if not view[name].latency_estimate(prior_s).samples]
+    running = running_calls(services.engine) if on_prior else {}
     # Tasks on a ready list are no longer pending, nor in flight yet: their model's work
     # still to do. On a model not measured yet they count as work for any model: its
     # latency is only the prior (30 s), and if it is slow they outlive their TTL and
@@ -166,7 +169,9 @@ def drain_inputs(
                        for name, live in view.items()} if window_s < PACE_WINDOW_S else None,
         in_flight={name: live.in_flight for name, live in view.items()}, tokens_per_task=tokens_per_task,
         solved=solved, window_s=window_s,
-        on_prior=[name for name in models if not view[name].latency_estimate(prior_s).samples],
+        on_prior=on_prior,
+        early_calls={name: (view[name].latency.samples, view[name].latency.latency_ms_sum / 1000, *running.get(name, (0, 0.0)))
+                     for name in on_prior},
         unfinished=unfinished_count(services.engine),
         solved_by_model=recent_solves_by_model(services.engine, window_s),
         waiting=pending_groups_of(services.engine, held_sources(services) if held is None else held),

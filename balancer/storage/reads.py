@@ -60,6 +60,18 @@ def recent_solves_by_model(engine: Engine, window_s: float) -> dict[str, int]:
     return {r[0]: int(r[1]) for r in rows}
 
 
+def running_calls(engine: Engine) -> dict[str, tuple[int, float]]:
+    """Tasks running now, by model: how many, and the seconds they have run so far in all."""
+    age = sa.func.coalesce(sa.func.sum(sa.extract("epoch", sa.func.now() - tasks.c.started_at)), 0)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.model, sa.func.count(), age)
+            .where(tasks.c.status == "running", tasks.c.model.is_not(None), tasks.c.started_at.is_not(None))
+            .group_by(tasks.c.model)
+        ).all()
+    return {r[0]: (int(r[1]), max(0.0, float(r[2]))) for r in rows}
+
+
 def unfinished_count(engine: Engine) -> int:
     """Tasks not finished yet: pending, ready, queued or running (each counted once, however many calls it has)."""
     with engine.connect() as conn:
