@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import json
 from collections import namedtuple
 from pathlib import Path
 
@@ -176,3 +177,30 @@ def test_dashboard_quantiles_and_rates_on_hand_made_scrapes() -> None:
     assert math.isclose(p50[1][1], 1.0)  # rank 10 of 20, only 5 at or below 1 s: the highest finite edge
     rates = evaluate(Query("calls_total", "rate", {"outcome": "solved"}), history)["a"]
     assert rates == [(30.0, 2.0), (60.0, 10 / 30)]  # the drop to 10 is a counter reset: its increase is 10
+
+
+def test_eta_replay_reproduces_the_recorded_eta_and_replays_the_early_latency(tmp_path) -> None:  # noqa: ANN001
+    """A recorded run of one model on its prior (10 s a call): replayed with the prior, each
+    mark reads the ETA the run recorded; with the early latency, the calls the log shows
+    answered in 2 s pull the model's mean down, so the ETA is shorter."""
+    from dataclasses import asdict
+
+    from balancer.bench.eta_replay import VARIANTS, replay
+    from balancer.domain import eta
+    from balancer.domain.capacity import ModelCapacity
+
+    polls = []
+    for at, done in [(1.0, 1), (3.0, 3), (5.0, 5), (8.0, 8)]:
+        state = eta.DrainState({"m": ModelCapacity(1, 10.0, None, 1e9)}, [(None, 10 - done)], {"m": 0}, 100.0,
+                               on_prior=["m"], unfinished=10 - done)
+        forecast = eta.forecast(state)
+        polls.append({"at_s": at, "done": done, "makespan_s": 20.0, "eta_s": forecast.eta, "low_s": forecast.low,
+                      "high_s": forecast.high, "state": {**asdict(state), "on_prior": ["m"],
+                                                         "models": {"m": asdict(state.models["m"])}}})
+    calls = [{"model": "m", "status": 200, "start": 100.0 + 2 * i, "end": 102.0 + 2 * i} for i in range(10)]
+    (tmp_path / "pipeline-eta.jsonl").write_text("".join(json.dumps(p) + "\n" for p in polls))
+    (tmp_path / "pipeline-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    as_recorded = replay(tmp_path, VARIANTS["prior"])
+    assert [r["eta_s"] for r in as_recorded] == pytest.approx([p["eta_s"] for p in polls])
+    early = replay(tmp_path, VARIANTS["current"])
+    assert all(e["eta_s"] < r["eta_s"] for e, r in zip(early[1:], as_recorded[1:], strict=True))

@@ -1,0 +1,91 @@
+"""Replay a bench run's recorded ETA polls with the current estimator, or a variant of its early latency.
+
+``balancer bench`` records every ETA poll with the whole state it was computed
+from (``pipeline-eta.jsonl``) and the backend's call log (``pipeline-calls.jsonl``).
+This replays :func:`balancer.domain.eta.forecast` on each poll and judges it as
+the report does (:func:`balancer.bench.report.polled_eta_errors`). A model on its
+prior gets its early latency from the call log at the poll's moment (answered
+calls and running calls' ages), so runs recorded before the state carried
+``early_calls`` replay too; ``--variant`` swaps the early mean's formula::
+
+    python -m balancer.bench.eta_replay bench-out/default bench-out/tail --variant shrink
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from balancer.bench.report import polled_eta_errors
+from balancer.domain import eta
+from balancer.domain.capacity import ModelCapacity
+from balancer.domain.latency import MIN_SAMPLES, early_mean_s
+
+#: The early mean's formulas, from the prior's mean, the answered calls (count, seconds) and the running calls' ages.
+EarlyMean = Callable[[float, int, float, Sequence[float]], float]
+VARIANTS: dict[str, EarlyMean] = {
+    "prior": lambda prior, n, seconds, ages: prior,
+    "current": lambda prior, n, seconds, ages: early_mean_s(prior, n, seconds, len(ages), sum(ages)),
+    "shrink": lambda prior, n, seconds, ages: (MIN_SAMPLES * prior + seconds) / (MIN_SAMPLES + n),
+    "posterior": lambda prior, n, seconds, ages: (MIN_SAMPLES * prior + seconds + sum(ages)) / (MIN_SAMPLES + n),
+}
+
+
+def _state(recorded: dict[str, Any]) -> eta.DrainState:
+    models = {name: ModelCapacity(m["concurrency"], m["mean_latency"], m["tpm"], m["burst"], m["rpm"],
+                                  m["request_burst"], m["tokens_per_task"])
+              for name, m in recorded["models"].items()}
+    buckets = recorded.get("start_buckets")
+
+    def groups(key: str) -> list[tuple[Any, int]]:
+        return [(g[0], g[1]) for g in recorded.get(key, [])]
+
+    return eta.DrainState(models, groups("groups"), recorded["in_flight"], recorded["tokens_per_task"],
+                          groups("solved"), recorded["window_s"], recorded["on_prior"],
+                          {k: tuple(v) for k, v in buckets.items()} if buckets else None, recorded["unfinished"],
+                          recorded["solved_by_model"], recorded.get("ready", {}), groups("waiting"))
+
+
+def replay(run: Path, early: EarlyMean) -> list[dict[str, Any]]:
+    """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``."""
+    polls = [json.loads(line) for line in (run / "pipeline-eta.jsonl").read_text().splitlines()]
+    calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
+    makespan = polls[0]["makespan_s"]
+    total = polls[0]["done"] + polls[0]["state"]["unfinished"]
+    started = max(c["end"] for c in calls) - makespan  # the call log's clock at the run's start
+    replayed = []
+    for poll in polls:
+        if poll["state"] is None:
+            replayed.append(poll)
+            continue
+        state, now = _state(poll["state"]), started + poll["at_s"]
+        models = dict(state.models)
+        for name in state.on_prior:
+            answered = [c["end"] - c["start"] for c in calls
+                        if c["model"] == name and c["status"] == 200 and c["end"] <= now]
+            ages = [now - c["start"] for c in calls if c["model"] == name and c["start"] <= now < c["end"]]
+            models[name] = replace(models[name], mean_latency=early(models[name].mean_latency, len(answered),
+                                                                    sum(answered), ages))
+        forecast = eta.forecast(replace(state, models=models, early_calls={}))
+        replayed.append({**poll, "eta_s": forecast.eta, "low_s": forecast.low, "high_s": forecast.high})
+    return polled_eta_errors(replayed, makespan, total)
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--variant", type=click.Choice(sorted(VARIANTS)), default="current", show_default=True,
+              help="The early mean's formula ('prior': as before the early latency).")
+def main(runs: tuple[Path, ...], variant: str) -> None:
+    """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
+    for run in runs:
+        rows = replay(run, VARIANTS[variant])
+        click.echo(f"{run} ({variant}): " + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
