@@ -17,7 +17,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from balancer.admission import Admitted, Candidate, Settlement, keys
+from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
 from balancer.admission.fields import quota_fields
 from balancer.admission.learned import CLEAN_MS
 from balancer.domain.quota import Quota
@@ -220,6 +220,12 @@ def limits_of(twin: Twin, name: str = "m-a") -> Quota:
     return twin.core.live(twin.now)[name].limits
 
 
+def start(twin: Twin, admitted: list[Admitted], est: int = 100, model: str = "m-a") -> None:
+    """The workers start these calls (renew marks each lease started)."""
+    for a in admitted:
+        assert isinstance(twin.renew(a.admission_id, model, est), Admitted)
+
+
 def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 8, 600_000, max_requests_per_minute=600))
     twin.admit([Candidate(100)])
@@ -258,8 +264,9 @@ def test_a_429_soon_after_a_raise_doubles_the_window(twin: Twin) -> None:
 
 def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
-    for _ in range(5):
-        twin.admit([Candidate(1_000)])
+    admitted = [d for d in twin.admit([Candidate(1_000)] * 6) if isinstance(d, Admitted)]
+    start(twin, admitted, est=1_000)                                  # started: the provider saw them
+    twin.finish(admitted[0].admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000, latency_ms=900))
     # Tokens and requests both left: the provider counted calls in progress.
     twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=100)
     assert limits_of(twin).max_concurrent_requests == 3               # 5 in flight x 7/10
@@ -271,6 +278,7 @@ def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> Non
     # No headers: the lowest of our buckets. Drain the tokens, requests stay high.
     twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))   # a quota change forgets
     assert quota_fields(limits_of(twin)) == quota_fields(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
+    twin.finish(admitted[1].admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000, latency_ms=900))
     for _ in range(20):
         twin.admit([Candidate(2_500)])
     twin.penalize("m-a", 500)
@@ -298,24 +306,53 @@ def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) ->
     assert limits_of(twin).max_tokens_per_minute == 30_000
 
 
-def test_every_429_for_concurrency_caps_the_calls_in_flight_less_one(twin: Twin) -> None:
+def test_every_429_for_concurrency_caps_the_started_calls_in_flight_less_one(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 40, 6_000_000))
     admitted = [d for d in twin.admit([Candidate(100)] * 40) if isinstance(d, Admitted)]
     assert len(admitted) == 40
-    # The provider allows 4: 36 calls come back 429 (tokens left, so concurrency), one after another.
+    # The provider allows 4. Calls start one after another; 8 had started when the
+    # first 429 came back (tokens left, so concurrency), 32 admitted had not.
+    start(twin, admitted[:8])
     assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
-    assert limits_of(twin).max_concurrent_requests == 28                 # the pause's 40 x 7/10
-    for refused in admitted[:36]:
+    assert limits_of(twin).max_concurrent_requests == 5                  # the pause's 8 started x 7/10, not 40's
+    twin.release(admitted[4].admission_id)
+    for refused in admitted[5:8]:                                        # the other three come back 429 too
         twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
         twin.release(refused.admission_id)
-    assert limits_of(twin).max_concurrent_requests == 4                  # 5 in flight at the last 429, less one
+    assert limits_of(twin).max_concurrent_requests == 4                  # 5 started at the last 429, less one
 
 
-def test_a_limit_the_provider_states_is_not_lowered_by_its_429s(twin: Twin) -> None:
-    twin.set_quota(Quota("m-a", 8, 300_000, max_requests_per_minute=600))
-    twin.penalize("m-a", 500, remaining_tokens=100, remaining_requests=50, limit_tokens=30_000, limit_requests=60)
-    limits = limits_of(twin)
-    assert (limits.max_tokens_per_minute, limits.max_requests_per_minute) == (30_000, 60)   # adopted, not lowered
+def test_a_429s_pause_keeps_calls_admitted_before_it_from_starting(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    admitted = [d for d in twin.admit([Candidate(100)] * 10) if isinstance(d, Admitted)]
+    start(twin, admitted[:5])
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    held = twin.renew(admitted[5].admission_id, "m-a", 100)               # admitted before the pause, not started
+    assert isinstance(held, NotNow) and held.retry_at_ms == twin.now + 1_000
+    assert isinstance(twin.renew(admitted[0].admission_id, "m-a", 100), Admitted)   # a started call goes on
     twin.advance(1_000)
-    twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=0)
-    assert limits_of(twin).max_requests_per_minute == 60
+    assert isinstance(twin.renew(admitted[6].admission_id, "m-a", 100), Admitted)   # the pause is over
+    twin.set_quota(Quota("m-a", 40, 6_000_000, learn=False))             # without learning: as before
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    assert isinstance(twin.renew(admitted[7].admission_id, "m-a", 100), Admitted)
+
+
+def test_a_first_burst_429_lowers_tokens_and_requests_to_what_the_started_calls_took(twin: Twin) -> None:
+    # The provider's bucket is a tenth of ours: it ran out after 6 calls of 500 tokens (3,000 of our 30,000).
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
+    admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
+    assert len(admitted) == 56
+    start(twin, admitted[:6], est=500)
+    assert twin.penalize("m-a", 2_000)                                   # no headers: our lowest bucket, tokens
+    assert limits_of(twin).max_tokens_per_minute == 21_000               # 300,000 x 3,000 / 30,000 x 7/10
+    # After an answer, a 429 is no first burst: 7/10 of the level, as before.
+    twin.finish(admitted[0].admission_id, Settlement(used_tokens=500, reserved_tokens=500, latency_ms=900))
+    twin.advance(2_000)
+    assert twin.penalize("m-a", 2_000, remaining_tokens=100)            # fewer left than a call: tokens
+    assert limits_of(twin).max_tokens_per_minute == 14_700               # 21,000 x 7/10
+    # Requests: an RPM bucket of 600 ran out after 40 started calls.
+    twin.set_quota(Quota("m-b", 60, 6_000_000, max_requests_per_minute=600))
+    admitted = [d for d in twin.admit([Candidate(100)] * 50) if isinstance(d, Admitted) and d.model == "m-b"]
+    start(twin, admitted[:40], model="m-b")
+    assert twin.penalize("m-b", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    assert limits_of(twin, "m-b").max_requests_per_minute == 28          # 600 x 40 / 600 x 7/10

@@ -96,6 +96,7 @@ STATE_FIELDS: dict[str, str] = {
     "lowered_at": "ms a 429 last lowered a learned limit",
     "raised_at": "ms a clean window last raised one",
     "window": "ms of clean traffic a raise needs now (0: CLEAN_MS); doubled by a raise that drew a 429",
+    "answered": "1: a call was answered since the quota was set (0: still its first burst)",
 }
 
 #: Every field of a model's hash.

@@ -43,6 +43,7 @@ class Learned:
     lowered_at: int = 0
     raised_at: int = 0
     window: int = 0
+    answered: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -55,6 +56,21 @@ class Learned:
 def lower_of(limit: int, other: int) -> int:
     """The lower of two limits, 0 meaning none."""
     return other if other > 0 and (limit == 0 or other < limit) else limit
+
+
+def first_burst_level(rate: int, sent: int, size: int) -> int:
+    """The rate a 429 in the first burst (before any answer) shows (lib.lua, first_burst_level).
+
+    The provider's bucket ran out once our started calls had taken ``sent``
+    of our bucket's ``size``: it allows at most that share of ``rate``. No
+    started call (``sent`` 0) shows nothing: ``rate``.
+
+    >>> first_burst_level(300_000, 6_000, 30_000), first_burst_level(600, 40, 600), first_burst_level(600, 0, 600)
+    (60000, 40, 600)
+    """
+    if size <= 0 or sent <= 0 or sent >= size:
+        return rate
+    return max(1, math.floor(float(rate) * sent / size))
 
 
 def effective(quota: Quota, learned: Learned) -> Quota:

@@ -382,60 +382,88 @@ end
 -- the model's calls in flight average; both left (so the provider counted
 -- calls in progress). Otherwise the lowest of our own buckets, as a share of
 -- its size (free slots for concurrency); ties go to requests, then tokens.
+-- Also returns the calls in flight that started (reached for the provider:
+-- what it can have counted) and their estimated tokens.
 local function limit_kind(m, remaining_tokens, remaining_requests)
   local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
-  local sum, n = 0, #lids
+  local sum, n, sent, sent_tokens = 0, #lids, 0, 0
   for _, lid in ipairs(lids) do
     local raw = redis.call('HGET', LEASES, lid)
-    if raw then sum = sum + cjson.decode(raw).e end
+    if raw then
+      local lease = cjson.decode(raw)
+      sum = sum + lease.e
+      if lease.s == 1 then sent, sent_tokens = sent + 1, sent_tokens + lease.e end
+    end
   end
-  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then return 'REQUESTS', n end
-  if remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then return 'TOKENS', n end
-  if remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then return 'CONCURRENCY', n end
-  local ft = m.tokens / token_cap(m)
-  if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
-  local fr = math.huge
-  if eff_rpm(m) > 0 then
-    fr = m.requests / (eff_rburst(m) * UNITS)
-    if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
+  local kind
+  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then kind = 'REQUESTS'
+  elseif remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then kind = 'TOKENS'
+  elseif remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then kind = 'CONCURRENCY'
+  else
+    local ft = m.tokens / token_cap(m)
+    if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
+    local fr = math.huge
+    if eff_rpm(m) > 0 then
+      fr = m.requests / (eff_rburst(m) * UNITS)
+      if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
+    end
+    local fc = (eff_cap(m) - n) / eff_cap(m)
+    if fr <= ft and fr <= fc then kind = 'REQUESTS'
+    elseif ft <= fc then kind = 'TOKENS'
+    else kind = 'CONCURRENCY' end
   end
-  local fc = (eff_cap(m) - n) / eff_cap(m)
-  if fr <= ft and fr <= fc then return 'REQUESTS', n end
-  if ft <= fc then return 'TOKENS', n end
-  return 'CONCURRENCY', n
+  return kind, sent, sent_tokens
+end
+
+-- The level a first-burst 429 shows (balancer.admission.learned.first_burst_level):
+-- before any call of the model was answered, a provider whose bucket ran out
+-- after our started calls took `sent` of our bucket's `size` allows at most
+-- that share of `rate`. No started call (sent = 0) shows nothing.
+local function first_burst_level(rate, sent, size)
+  if size <= 0 or sent <= 0 or sent >= size then return rate end
+  return math.max(1, math.floor(rate * sent / size))
 end
 
 -- A 429 that paused the model (once per window: `started`) lowers the
--- effective limit of its kind to 7/10 of what it was (concurrency: of the calls
--- in flight, if fewer), at least 1, and remembers that level (the raises'
--- step). A 429 within a window of a raise says the raise went too far: the
--- next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for
--- concurrency says the calls in flight were at least one too many: the cap
--- goes no higher than that, less one. A kind whose limit the provider states
+-- effective limit of its kind to 7/10 of the level it was at (concurrency:
+-- of the started calls in flight, if any and fewer), at least 1, and remembers that
+-- level (the raises' step). Before any answer (answered = 0: the first
+-- burst), the level of tokens or requests is what the started calls took of
+-- the bucket, as a share of its size (first_burst_level), if lower. A 429
+-- within a window of a raise says the raise went too far: the next raise
+-- waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
+-- says the started calls in flight were at least one too many: the cap goes
+-- no higher than that, less one. A kind whose limit the provider states
 -- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
 -- was a race the pause covers. m must be refilled to now.
-local function learn_from_429(m, now, kind, in_flight, started)
+local function learn_from_429(m, now, kind, sent, sent_tokens, started)
   if m.learn ~= 1 then return end
   if (kind == 'TOKENS' and m.htpm > 0) or (kind == 'REQUESTS' and m.hrpm > 0) then return end
   if not started then
-    if kind == 'CONCURRENCY' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
+    if kind == 'CONCURRENCY' and sent > 1 and sent - 1 < eff_cap(m) then
       if m.lcap == 0 then m.pcap = eff_cap(m) end
-      m.lcap = math.max(1, in_flight - 1)
+      m.lcap = math.max(1, sent - 1)
       m.lowered_at = now
     end
     return
   end
   local w = window_ms(m)
   if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
+  local first = m.answered == 0
   if kind == 'TOKENS' then
-    m.ptpm = eff_tpm(m)
-    m.ltpm = math.max(1, math.floor(m.ptpm * 7 / 10))
+    local level = eff_tpm(m)
+    if first then level = first_burst_level(level, sent_tokens, eff_burst(m)) end
+    m.ptpm = level
+    m.ltpm = math.max(1, math.floor(level * 7 / 10))
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
-    m.prpm = eff_rpm(m)
-    m.lrpm = math.max(1, math.floor(m.prpm * 7 / 10))
+    local level = eff_rpm(m)
+    if first then level = first_burst_level(level, sent, eff_rburst(m)) end
+    m.prpm = level
+    m.lrpm = math.max(1, math.floor(level * 7 / 10))
   else
-    m.pcap = math.min(eff_cap(m), math.max(1, in_flight))
+    m.pcap = eff_cap(m)
+    if sent > 0 then m.pcap = math.min(m.pcap, sent) end
     m.lcap = math.max(1, math.floor(m.pcap * 7 / 10))
   end
   m.lowered_at = now

@@ -146,7 +146,11 @@ class ReferenceCore(Signals):
 
         If the model has been disabled since, the call must not start: the
         lease is dropped (refunded if never started) and the answer is not-now.
-        If the lease still exists it is extended and marked started. If it has
+        A model that learns and is paused by a 429 starts no call admitted
+        before the pause: a lease not started yet is dropped and refunded, and
+        the answer is not-now until the pause ends (the circuit breaker's pause
+        leaves its calls alone). If the lease still exists it is extended and
+        marked started. If it has
         expired, the slot is re-acquired like a fresh admission on that model
         (slot, tokens, request), outside WDRR; if there is no room the answer
         is not-now and the caller must not call the backend.
@@ -165,6 +169,13 @@ class ReferenceCore(Signals):
             if not lease.started:
                 self._refund(model, lease)
             return NotNow(None, now)
+        state = self.models[model]
+        if lease is not None and quota.learn and state.paused_until > now and not state.probing and not lease.started:
+            # Admitted before a 429's pause and not started: the provider refuses
+            # it now, and the limits it was admitted under were too high. Given back.
+            del self.leases[admission_id]
+            self._refund(model, lease)
+            return NotNow(state.paused_until, now)
         if lease is not None:
             lease.deadline = now + lease_ms
             delay = self._start_delay(model, lease.estimated_tokens, not lease.started, now)
@@ -291,6 +302,7 @@ class ReferenceCore(Signals):
         # What 429s taught is forgotten; the provider's limit headers are kept.
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
+        k.answered = 0  # the new quota's first burst
         limits = state.limits
         state.tokens = min(state.tokens, token_cap(limits))
         state.started_tokens = min(state.started_tokens, token_cap(limits))

@@ -32,6 +32,7 @@ class Signals(ReferenceState):
         if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
             state = self.models[lease.model]
             state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
+            state.learned.answered = 1  # and ends the first burst
             completion = settlement.completion_tokens or 0
             latency.record(
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
@@ -150,13 +151,15 @@ class Signals(ReferenceState):
         if started:
             state.paused_until = now + retry_after_ms
         if state.quota.learn:
-            kind, in_flight = self._limit_kind(model, remaining_tokens, remaining_requests)
-            state.learn_from_429(now, kind, in_flight, started)
+            kind, sent, sent_tokens = self._limit_kind(model, remaining_tokens, remaining_requests)
+            state.learn_from_429(now, kind, sent, sent_tokens, started)
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
         return started
 
-    def _limit_kind(self, model: str, remaining_tokens: int | None, remaining_requests: int | None) -> tuple[str, int]:
-        """The kind of limit behind a 429, and the model's calls in flight (lib.lua, limit_kind).
+    def _limit_kind(self, model: str, remaining_tokens: int | None,
+                    remaining_requests: int | None) -> tuple[str, int, int]:
+        """The kind of limit behind a 429, and the model's started calls in flight
+        and their estimated tokens (lib.lua, limit_kind).
 
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in
@@ -164,16 +167,18 @@ class Signals(ReferenceState):
         size (free slots for concurrency); ties go to requests, then tokens."""
         state = self.models[model]
         limits = state.limits
-        inflight = self._inflight(model)
-        n = len(inflight)
-        total = sum(self.leases[lid].estimated_tokens for _, lid in inflight)
+        leases = [self.leases[lid] for _, lid in self._inflight(model)]
+        n = len(leases)
+        total = sum(lease.estimated_tokens for lease in leases)
+        started = [lease.estimated_tokens for lease in leases if lease.started]
+        sent = len(started), sum(started)
         rpm = limits.max_requests_per_minute or 0
         if remaining_requests is not None and remaining_requests < 1:
-            return "requests", n
+            return "requests", *sent
         if remaining_tokens is not None and remaining_tokens * n < total:
-            return "tokens", n
+            return "tokens", *sent
         if remaining_tokens is not None and (remaining_requests is not None or rpm == 0):
-            return "concurrency", n
+            return "concurrency", *sent
         cap = token_cap(limits)
         ft = (remaining_tokens * UNITS if remaining_tokens is not None else state.tokens) / cap
         fr = math.inf
@@ -182,8 +187,8 @@ class Signals(ReferenceState):
             fr = (remaining_requests * UNITS if remaining_requests is not None else state.requests) / size
         fc = (limits.max_concurrent_requests - n) / limits.max_concurrent_requests
         if fr <= ft and fr <= fc:
-            return "requests", n
-        return ("tokens" if ft <= fc else "concurrency"), n
+            return "requests", *sent
+        return ("tokens" if ft <= fc else "concurrency"), *sent
 
     def trip(self, model: str, now: int) -> tuple[bool, bool]:
         """A transient failure (5xx, timeout, refused connection) on ``model``:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, lower_of, relaxed
+from balancer.admission.learned import (
+    CLEAN_MS,
+    MAX_WINDOW_MS,
+    Learned,
+    effective,
+    first_burst_level,
+    lower_of,
+    relaxed,
+)
 from balancer.admission.values import (
     GATE_HOP_MS,
     UNITS,
@@ -60,37 +68,44 @@ class ModelState:
         """The clean windows up to now raise the learned limits (lib.lua, relax)."""
         self.learned = relaxed(self.quota, self.learned, now)
 
-    def learn_from_429(self, now: int, kind: str, in_flight: int, started: bool) -> None:
+    def learn_from_429(self, now: int, kind: str, sent: int, sent_tokens: int, started: bool) -> None:
         """A 429 that paused the model (``started``) lowers its kind's effective
-        limit to 7/10 (concurrency: of the calls in flight, if fewer), at least 1; a
+        limit to 7/10 of its level (concurrency: of the ``sent`` calls in flight
+        that started, if any and fewer), at least 1. Before any answer (the first burst)
+        the level of tokens or requests is what the started calls took of the
+        bucket, as a share of its size (:func:`first_burst_level`), if lower. A
         429 within a window of a raise doubles the window. Any other 429 for
-        concurrency caps it at the calls in flight less one. A kind whose limit
-        the provider states in its headers is not lowered (lib.lua, learn_from_429)."""
+        concurrency caps it at the started calls in flight less one. A kind
+        whose limit the provider states in its headers is not lowered (lib.lua,
+        learn_from_429)."""
         if not self.quota.learn:
             return
         k, limits = self.learned, self.limits
         if (kind == "tokens" and k.htpm) or (kind == "requests" and k.hrpm):
             return  # the provider states that limit: its 429 was a race the pause covers
         if not started:
-            if kind == "concurrency" and 1 < in_flight <= limits.max_concurrent_requests:
+            if kind == "concurrency" and 1 < sent <= limits.max_concurrent_requests:
                 if k.lcap == 0:
                     k.pcap = limits.max_concurrent_requests
-                k.lcap = max(1, in_flight - 1)
+                k.lcap = max(1, sent - 1)
                 k.lowered_at = now
             return
         w = self.window_ms()
         if k.raised_at > k.lowered_at and now - k.raised_at < w:
             k.window = min(w * 2, MAX_WINDOW_MS)
+        first = k.answered == 0
         if kind == "tokens":
-            k.ptpm = limits.max_tokens_per_minute
+            level = limits.max_tokens_per_minute
+            k.ptpm = first_burst_level(level, sent_tokens, limits.burst) if first else level
             k.ltpm = max(1, math.floor(k.ptpm * 7 / 10))
         elif kind == "requests":
             if not limits.max_requests_per_minute:
                 return
-            k.prpm = limits.max_requests_per_minute
+            level = limits.max_requests_per_minute
+            k.prpm = first_burst_level(level, sent, limits.request_burst) if first else level
             k.lrpm = max(1, math.floor(k.prpm * 7 / 10))
         else:
-            k.pcap = min(limits.max_concurrent_requests, max(1, in_flight))
+            k.pcap = min(limits.max_concurrent_requests, sent) if sent else limits.max_concurrent_requests
             k.lcap = max(1, math.floor(k.pcap * 7 / 10))
         k.lowered_at = now
 
