@@ -264,9 +264,12 @@ def test_a_429_soon_after_a_raise_doubles_the_window(twin: Twin) -> None:
 
 def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
-    admitted = [d for d in twin.admit([Candidate(1_000)] * 6) if isinstance(d, Admitted)]
+    [first] = twin.admit([Candidate(1_000)])
+    start(twin, [first], est=1_000)
+    twin.finish(first.admission_id, 1_000)
+    twin.advance(60_000)                                              # past the first bucket (one minute here)
+    admitted = [d for d in twin.admit([Candidate(1_000)] * 5) if isinstance(d, Admitted)]
     start(twin, admitted, est=1_000)                                  # started: the provider saw them
-    twin.finish(admitted[0].admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000, latency_ms=900))
     # Tokens and requests both left: the provider counted calls in progress.
     twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=100)
     assert limits_of(twin).max_concurrent_requests == 3               # 5 in flight x 7/10
@@ -278,8 +281,7 @@ def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> Non
     # No headers: the lowest of our buckets. Drain the tokens, requests stay high.
     twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))   # a quota change forgets
     assert quota_fields(limits_of(twin)) == quota_fields(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
-    twin.finish(admitted[1].admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000, latency_ms=900))
-    for _ in range(20):
+    for _ in range(20):                                               # none started: no first bucket to read
         twin.admit([Candidate(2_500)])
     twin.penalize("m-a", 500)
     assert limits_of(twin).max_tokens_per_minute == 42_000
@@ -337,7 +339,7 @@ def test_a_429s_pause_keeps_calls_admitted_before_it_from_starting(twin: Twin) -
     assert isinstance(twin.renew(admitted[7].admission_id, "m-a", 100), Admitted)
 
 
-def test_a_first_burst_429_lowers_tokens_and_requests_to_what_the_started_calls_took(twin: Twin) -> None:
+def test_a_429_in_the_first_bucket_lowers_to_the_rate_it_shows(twin: Twin) -> None:
     # The provider's bucket is a tenth of ours: it ran out after 6 calls of 500 tokens (3,000 of our 30,000).
     twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
     admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
@@ -345,14 +347,29 @@ def test_a_first_burst_429_lowers_tokens_and_requests_to_what_the_started_calls_
     start(twin, admitted[:6], est=500)
     assert twin.penalize("m-a", 2_000)                                   # no headers: our lowest bucket, tokens
     assert limits_of(twin).max_tokens_per_minute == 21_000               # 300,000 x 3,000 / 30,000 x 7/10
-    # After an answer, a 429 is no first burst: 7/10 of the level, as before.
-    twin.finish(admitted[0].admission_id, Settlement(used_tokens=500, reserved_tokens=500, latency_ms=900))
-    twin.advance(2_000)
+    assert twin.ref.models["m-a"].tokens <= 0                            # and a 429 that says nothing left: empty
+    # Past the first bucket (30,000 / 300,000 of a minute: 6 s), 7/10 of the level, as before.
+    twin.advance(6_000)
     assert twin.penalize("m-a", 2_000, remaining_tokens=100)            # fewer left than a call: tokens
     assert limits_of(twin).max_tokens_per_minute == 14_700               # 21,000 x 7/10
-    # Requests: an RPM bucket of 600 ran out after 40 started calls.
-    twin.set_quota(Quota("m-b", 60, 6_000_000, max_requests_per_minute=600))
-    admitted = [d for d in twin.admit([Candidate(100)] * 50) if isinstance(d, Admitted) and d.model == "m-b"]
-    start(twin, admitted[:40], model="m-b")
+    # Requests, a one-minute bucket of 600 at 600 RPM: the provider's (60 RPM) ran out
+    # after 63 calls in 3 s, 60 of its burst and 3 of its refill.
+    twin.set_quota(Quota("m-b", 80, 6_000_000, max_requests_per_minute=600))
+    admitted = [d for d in twin.admit([Candidate(100)] * 63) if isinstance(d, Admitted) and d.model == "m-b"]
+    assert len(admitted) == 63
+    for i in range(0, 63, 21):
+        start(twin, admitted[i:i + 21], model="m-b")
+        twin.advance(1_000)
     assert twin.penalize("m-b", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
-    assert limits_of(twin, "m-b").max_requests_per_minute == 28          # 600 x 40 / 600 x 7/10
+    assert limits_of(twin, "m-b").max_requests_per_minute == 42          # 600 x 63 / (600 + 600 x 3/60) = 60, x 7/10
+
+
+def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
+    start(twin, [d for d in twin.admit([Candidate(500)] * 6) if isinstance(d, Admitted)], est=500)
+    twin.advance(10_000)                                                 # the first bucket is over
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, weight=2))
+    admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
+    start(twin, admitted[:6], est=500)
+    assert twin.penalize("m-a", 2_000)
+    assert limits_of(twin).max_tokens_per_minute == 21_000               # read from the new quota's first bucket

@@ -43,7 +43,9 @@ class Learned:
     lowered_at: int = 0
     raised_at: int = 0
     window: int = 0
-    answered: int = 0
+    first_at: int = 0
+    first_calls: int = 0
+    first_tokens: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -58,19 +60,22 @@ def lower_of(limit: int, other: int) -> int:
     return other if other > 0 and (limit == 0 or other < limit) else limit
 
 
-def first_burst_level(rate: int, sent: int, size: int) -> int:
-    """The rate a 429 in the first burst (before any answer) shows (lib.lua, first_burst_level).
+def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
+    """The provider's rate a 429 within the first bucket shows; 0 past it (lib.lua, first_bucket_rate).
 
-    The provider's bucket ran out once our started calls had taken ``sent``
-    of our bucket's ``size``: it allows at most that share of ``rate``. No
-    started call (``sent`` 0) shows nothing: ``rate``.
+    From a model's first call under its quota until one bucket's time
+    (``size`` / ``rate``) has passed, a provider whose bucket has the quota's
+    shape ran out once our calls had taken ``n`` (tokens or calls) in
+    ``elapsed_ms``: its rate is about ``rate * n / (size + rate * t)``.
 
-    >>> first_burst_level(300_000, 6_000, 30_000), first_burst_level(600, 40, 600), first_burst_level(600, 0, 600)
-    (60000, 40, 600)
+    >>> first_bucket_rate(600, 600, 63, 3_000)          # one-minute burst: 63 calls in 3 s -> 60 RPM
+    60
+    >>> first_bucket_rate(300_000, 30_000, 3_000, 0), first_bucket_rate(600, 600, 63, 60_000), first_bucket_rate(600, 600, 0, 0)
+    (30000, 0, 0)
     """
-    if size <= 0 or sent <= 0 or sent >= size:
-        return rate
-    return max(1, math.floor(float(rate) * sent / size))
+    if rate <= 0 or n <= 0 or elapsed_ms * rate >= size * 60_000:
+        return 0
+    return max(1, math.floor(float(rate) * n * 60_000 / (size * 60_000 + rate * elapsed_ms)))
 
 
 def effective(quota: Quota, learned: Learned) -> Quota:

@@ -317,11 +317,21 @@ local function start_gate(m, now)
   return start - now
 end
 
+-- The first bucket (see first_bucket_rate): the calls started under the quota, and their tokens.
+local function count_start(m, est, now)
+  if m.first_at == 0 then m.first_at = now end
+  m.first_calls, m.first_tokens = m.first_calls + 1, m.first_tokens + est
+end
+
 -- Both gates for a call about to start: ms to wait before calling. A first start
--- passes the token gate; a restart (redelivery) was charged there already.
+-- passes the token gate and counts toward the first bucket (count_start); a
+-- restart (redelivery) was counted already.
 local function start_delay(m, est, first_start, now)
   local wait = 0
-  if first_start then wait = token_gate(m, est, now) end
+  if first_start then
+    wait = token_gate(m, est, now)
+    count_start(m, est, now)
+  end
   return wait + start_gate(m, now + wait)
 end
 
@@ -382,17 +392,17 @@ end
 -- the model's calls in flight average; both left (so the provider counted
 -- calls in progress). Otherwise the lowest of our own buckets, as a share of
 -- its size (free slots for concurrency); ties go to requests, then tokens.
--- Also returns the calls in flight that started (reached for the provider:
--- what it can have counted) and their estimated tokens.
+-- Also returns how many calls in flight started (reached for the provider:
+-- what it can have counted).
 local function limit_kind(m, remaining_tokens, remaining_requests)
   local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
-  local sum, n, sent, sent_tokens = 0, #lids, 0, 0
+  local sum, n, sent = 0, #lids, 0
   for _, lid in ipairs(lids) do
     local raw = redis.call('HGET', LEASES, lid)
     if raw then
       local lease = cjson.decode(raw)
       sum = sum + lease.e
-      if lease.s == 1 then sent, sent_tokens = sent + 1, sent_tokens + lease.e end
+      if lease.s == 1 then sent = sent + 1 end
     end
   end
   local kind
@@ -412,31 +422,47 @@ local function limit_kind(m, remaining_tokens, remaining_requests)
     elseif ft <= fc then kind = 'TOKENS'
     else kind = 'CONCURRENCY' end
   end
-  return kind, sent, sent_tokens
+  return kind, sent
 end
 
--- The level a first-burst 429 shows (balancer.admission.learned.first_burst_level):
--- before any call of the model was answered, a provider whose bucket ran out
--- after our started calls took `sent` of our bucket's `size` allows at most
--- that share of `rate`. No started call (sent = 0) shows nothing.
-local function first_burst_level(rate, sent, size)
-  if size <= 0 or sent <= 0 or sent >= size then return rate end
-  return math.max(1, math.floor(rate * sent / size))
+-- The first bucket. From the first call a model starts under its quota
+-- (first_at; first_calls and first_tokens count the calls started since and
+-- their estimated tokens) until one bucket's time (size / rate) has passed, a
+-- 429 for tokens or requests shows the provider's rate: a provider whose
+-- bucket has the quota's shape ran out once our calls had taken `n` (tokens or
+-- calls) in `t` ms, so its rate is about rate * n / (size + rate * t); 0 once
+-- the first bucket is over or before any call
+-- (balancer.admission.learned.first_bucket_rate).
+local function first_bucket_rate(rate, size, n, t)
+  if rate <= 0 or n <= 0 or t * rate >= size * 60000 then return 0 end
+  return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
+end
+
+-- A 429 for tokens or requests from a provider that does not say what is left
+-- says nothing is: that bucket (both token buckets for tokens) is emptied, as
+-- sync_to_headers would with a remaining count of 0. m must be refilled to now.
+local function empty_after_429(m, now, kind, remaining_tokens, remaining_requests)
+  if m.learn ~= 1 then return end
+  if kind == 'TOKENS' and remaining_tokens == '' then
+    refill_started(m, now)
+    m.tokens, m.ptokens = math.min(m.tokens, 0), math.min(m.ptokens, 0)
+  elseif kind == 'REQUESTS' and remaining_requests == '' and eff_rpm(m) > 0 then
+    m.requests = math.min(m.requests, 0)
+  end
 end
 
 -- A 429 that paused the model (once per window: `started`) lowers the
 -- effective limit of its kind to 7/10 of the level it was at (concurrency:
 -- of the started calls in flight, if any and fewer), at least 1, and remembers that
--- level (the raises' step). Before any answer (answered = 0: the first
--- burst), the level of tokens or requests is what the started calls took of
--- the bucket, as a share of its size (first_burst_level), if lower. A 429
+-- level (the raises' step). Within the first bucket the level of tokens or
+-- requests is the rate the first bucket shows (first_bucket_rate), if lower. A 429
 -- within a window of a raise says the raise went too far: the next raise
 -- waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
 -- says the started calls in flight were at least one too many: the cap goes
 -- no higher than that, less one. A kind whose limit the provider states
 -- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
 -- was a race the pause covers. m must be refilled to now.
-local function learn_from_429(m, now, kind, sent, sent_tokens, started)
+local function learn_from_429(m, now, kind, sent, started)
   if m.learn ~= 1 then return end
   if (kind == 'TOKENS' and m.htpm > 0) or (kind == 'REQUESTS' and m.hrpm > 0) then return end
   if not started then
@@ -449,16 +475,18 @@ local function learn_from_429(m, now, kind, sent, sent_tokens, started)
   end
   local w = window_ms(m)
   if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
-  local first = m.answered == 0
+  local t = now - m.first_at
   if kind == 'TOKENS' then
     local level = eff_tpm(m)
-    if first then level = first_burst_level(level, sent_tokens, eff_burst(m)) end
+    local shown = first_bucket_rate(m.tpm, m.burst, m.first_tokens, t)
+    if shown > 0 and shown < level then level = shown end
     m.ptpm = level
     m.ltpm = math.max(1, math.floor(level * 7 / 10))
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
     local level = eff_rpm(m)
-    if first then level = first_burst_level(level, sent, eff_rburst(m)) end
+    local shown = first_bucket_rate(m.rpm, m.rburst, m.first_calls, t)
+    if shown > 0 and shown < level then level = shown end
     m.prpm = level
     m.lrpm = math.max(1, math.floor(level * 7 / 10))
   else

@@ -302,7 +302,7 @@ class ReferenceCore(Signals):
         # What 429s taught is forgotten; the provider's limit headers are kept.
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
-        k.answered = 0  # the new quota's first burst
+        k.first_at = k.first_calls = k.first_tokens = 0  # the new quota's first bucket
         limits = state.limits
         state.tokens = min(state.tokens, token_cap(limits))
         state.started_tokens = min(state.started_tokens, token_cap(limits))

@@ -32,7 +32,6 @@ class Signals(ReferenceState):
         if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
             state = self.models[lease.model]
             state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
-            state.learned.answered = 1  # and ends the first burst
             completion = settlement.completion_tokens or 0
             latency.record(
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
@@ -151,15 +150,30 @@ class Signals(ReferenceState):
         if started:
             state.paused_until = now + retry_after_ms
         if state.quota.learn:
-            kind, sent, sent_tokens = self._limit_kind(model, remaining_tokens, remaining_requests)
-            state.learn_from_429(now, kind, sent, sent_tokens, started)
+            kind, sent = self._limit_kind(model, remaining_tokens, remaining_requests)
+            state.learn_from_429(now, kind, sent, started)
+            self._empty_after_429(state, now, kind, remaining_tokens, remaining_requests)
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
         return started
 
+    @staticmethod
+    def _empty_after_429(state: ModelState, now: int, kind: str, remaining_tokens: int | None,
+                         remaining_requests: int | None) -> None:
+        """A 429 for tokens or requests that does not say what is left says nothing
+        is: that bucket (both token buckets for tokens) is emptied, as the header
+        sync would with a remaining count of 0 (lib.lua, empty_after_429)."""
+        if not state.quota.learn:
+            return
+        if kind == "tokens" and remaining_tokens is None:
+            ReferenceState._refill_started(state, now)
+            state.tokens, state.started_tokens = min(state.tokens, 0), min(state.started_tokens, 0)
+        elif kind == "requests" and remaining_requests is None and state.limits.max_requests_per_minute:
+            state.requests = min(state.requests, 0)
+
     def _limit_kind(self, model: str, remaining_tokens: int | None,
-                    remaining_requests: int | None) -> tuple[str, int, int]:
-        """The kind of limit behind a 429, and the model's started calls in flight
-        and their estimated tokens (lib.lua, limit_kind).
+                    remaining_requests: int | None) -> tuple[str, int]:
+        """The kind of limit behind a 429, and how many of the model's calls in
+        flight started (lib.lua, limit_kind).
 
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in
@@ -170,15 +184,14 @@ class Signals(ReferenceState):
         leases = [self.leases[lid] for _, lid in self._inflight(model)]
         n = len(leases)
         total = sum(lease.estimated_tokens for lease in leases)
-        started = [lease.estimated_tokens for lease in leases if lease.started]
-        sent = len(started), sum(started)
+        sent = sum(1 for lease in leases if lease.started)
         rpm = limits.max_requests_per_minute or 0
         if remaining_requests is not None and remaining_requests < 1:
-            return "requests", *sent
+            return "requests", sent
         if remaining_tokens is not None and remaining_tokens * n < total:
-            return "tokens", *sent
+            return "tokens", sent
         if remaining_tokens is not None and (remaining_requests is not None or rpm == 0):
-            return "concurrency", *sent
+            return "concurrency", sent
         cap = token_cap(limits)
         ft = (remaining_tokens * UNITS if remaining_tokens is not None else state.tokens) / cap
         fr = math.inf
@@ -187,8 +200,8 @@ class Signals(ReferenceState):
             fr = (remaining_requests * UNITS if remaining_requests is not None else state.requests) / size
         fc = (limits.max_concurrent_requests - n) / limits.max_concurrent_requests
         if fr <= ft and fr <= fc:
-            return "requests", *sent
-        return ("tokens" if ft <= fc else "concurrency"), *sent
+            return "requests", sent
+        return ("tokens" if ft <= fc else "concurrency"), sent
 
     def trip(self, model: str, now: int) -> tuple[bool, bool]:
         """A transient failure (5xx, timeout, refused connection) on ``model``:

@@ -10,7 +10,7 @@ from balancer.admission.learned import (
     MAX_WINDOW_MS,
     Learned,
     effective,
-    first_burst_level,
+    first_bucket_rate,
     lower_of,
     relaxed,
 )
@@ -68,12 +68,12 @@ class ModelState:
         """The clean windows up to now raise the learned limits (lib.lua, relax)."""
         self.learned = relaxed(self.quota, self.learned, now)
 
-    def learn_from_429(self, now: int, kind: str, sent: int, sent_tokens: int, started: bool) -> None:
+    def learn_from_429(self, now: int, kind: str, sent: int, started: bool) -> None:
         """A 429 that paused the model (``started``) lowers its kind's effective
         limit to 7/10 of its level (concurrency: of the ``sent`` calls in flight
-        that started, if any and fewer), at least 1. Before any answer (the first burst)
-        the level of tokens or requests is what the started calls took of the
-        bucket, as a share of its size (:func:`first_burst_level`), if lower. A
+        that started, if any and fewer), at least 1. Within the first bucket the
+        level of tokens or requests is the rate it shows
+        (:func:`first_bucket_rate`), if lower. A
         429 within a window of a raise doubles the window. Any other 429 for
         concurrency caps it at the started calls in flight less one. A kind
         whose limit the provider states in its headers is not lowered (lib.lua,
@@ -93,21 +93,27 @@ class ModelState:
         w = self.window_ms()
         if k.raised_at > k.lowered_at and now - k.raised_at < w:
             k.window = min(w * 2, MAX_WINDOW_MS)
-        first = k.answered == 0
+        q, t = self.quota, now - k.first_at
         if kind == "tokens":
-            level = limits.max_tokens_per_minute
-            k.ptpm = first_burst_level(level, sent_tokens, limits.burst) if first else level
+            shown = first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t)
+            k.ptpm = lower_of(limits.max_tokens_per_minute, shown)
             k.ltpm = max(1, math.floor(k.ptpm * 7 / 10))
         elif kind == "requests":
             if not limits.max_requests_per_minute:
                 return
-            level = limits.max_requests_per_minute
-            k.prpm = first_burst_level(level, sent, limits.request_burst) if first else level
+            shown = first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t)
+            k.prpm = lower_of(limits.max_requests_per_minute, shown)
             k.lrpm = max(1, math.floor(k.prpm * 7 / 10))
         else:
             k.pcap = min(limits.max_concurrent_requests, sent) if sent else limits.max_concurrent_requests
             k.lcap = max(1, math.floor(k.pcap * 7 / 10))
         k.lowered_at = now
+
+    def count_start(self, est: int, now: int) -> None:
+        """A call starts under the quota: the first bucket counts it (lib.lua, count_start)."""
+        k = self.learned
+        k.first_at = k.first_at or now
+        k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
@@ -261,8 +267,12 @@ class ReferenceState:
         return wait
 
     def _start_delay(self, name: str, est: int, first_start: bool, now: int) -> int:
-        """Both gates for a call about to start; a restart was charged at the token gate already."""
-        wait = self._token_gate(self.models[name], est, now) if first_start else 0
+        """Both gates for a call about to start; a restart was charged at the token
+        gate, and counted toward the first bucket, already."""
+        wait = 0
+        if first_start:
+            wait = self._token_gate(self.models[name], est, now)
+            self.models[name].count_start(est, now)
         return wait + self._start_gate(name, now + wait)
 
     def _start_gate(self, name: str, now: int) -> int:
