@@ -362,6 +362,11 @@ def test_a_429_in_the_first_bucket_lowers_to_the_rate_it_shows(twin: Twin) -> No
         twin.advance(1_000)
     assert twin.penalize("m-b", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
     assert limits_of(twin, "m-b").max_requests_per_minute == 42          # 600 x 63 / (600 + 600 x 3/60) = 60, x 7/10
+    start(twin, admitted[60:63], model="m-b")                            # (started again: a redelivery counts once)
+    twin.advance(1_000)
+    assert twin.penalize("m-b", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    # The same bucket shows about the same rate (63 in 4 s: 59): 41, not a second cut (42 x 7/10 = 29).
+    assert limits_of(twin, "m-b").max_requests_per_minute == 41
 
 
 def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:

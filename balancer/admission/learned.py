@@ -78,6 +78,22 @@ def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
     return max(1, math.floor(float(rate) * n * 60_000 / (size * 60_000 + rate * elapsed_ms)))
 
 
+def lowered(level: int, shown: int) -> tuple[int, int] | None:
+    """What a 429 that starts a pause does to a rate at ``level`` (lib.lua, lowered):
+    (the level remembered for the raises' step, the level it is lowered to), or
+    None to leave it. 7/10 of ``level``; within the first bucket (``shown`` > 0,
+    the rate it shows: :func:`first_bucket_rate`), 7/10 of that, once: a 429 that
+    would not take it below ``level`` leaves it.
+
+    >>> lowered(600, 0), lowered(600, 60), lowered(42, 61), lowered(42, 50)
+    ((600, 420), (60, 42), None, (42, 35))
+    """
+    if shown <= 0:
+        return level, max(1, math.floor(level * 7 / 10))
+    to = max(1, math.floor(shown * 7 / 10))
+    return (min(shown, level), to) if to < level else None
+
+
 def effective(quota: Quota, learned: Learned) -> Quota:
     """The limits the model is held to now: ``quota`` itself if it does not learn or learned nothing."""
     if not quota.learn:

@@ -438,6 +438,17 @@ local function first_bucket_rate(rate, size, n, t)
   return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
 end
 
+-- What a 429 that starts a pause does to a rate at `level` (balancer.admission.learned.lowered):
+-- lowers it to 7/10, remembering `level` (the raises' step); within the first
+-- bucket (`shown` > 0: the rate it shows) to 7/10 of that, once: a 429 that
+-- would not take it below `level` leaves it (nil).
+local function lowered(level, shown)
+  if shown <= 0 then return level, math.max(1, math.floor(level * 7 / 10)) end
+  local to = math.max(1, math.floor(shown * 7 / 10))
+  if to < level then return math.min(shown, level), to end
+  return nil
+end
+
 -- A 429 for tokens or requests from a provider that does not say what is left
 -- says nothing is: that bucket (both token buckets for tokens) is emptied, as
 -- sync_to_headers would with a remaining count of 0. m must be refilled to now.
@@ -454,8 +465,8 @@ end
 -- A 429 that paused the model (once per window: `started`) lowers the
 -- effective limit of its kind to 7/10 of the level it was at (concurrency:
 -- of the started calls in flight, if any and fewer), at least 1, and remembers that
--- level (the raises' step). Within the first bucket the level of tokens or
--- requests is the rate the first bucket shows (first_bucket_rate), if lower. A 429
+-- level (the raises' step). Within the first bucket tokens or requests go to
+-- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
 -- within a window of a raise says the raise went too far: the next raise
 -- waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
 -- says the started calls in flight were at least one too many: the cap goes
@@ -477,18 +488,12 @@ local function learn_from_429(m, now, kind, sent, started)
   if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
   local t = now - m.first_at
   if kind == 'TOKENS' then
-    local level = eff_tpm(m)
-    local shown = first_bucket_rate(m.tpm, m.burst, m.first_tokens, t)
-    if shown > 0 and shown < level then level = shown end
-    m.ptpm = level
-    m.ltpm = math.max(1, math.floor(level * 7 / 10))
+    local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t))
+    if from then m.ptpm, m.ltpm = from, to end
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
-    local level = eff_rpm(m)
-    local shown = first_bucket_rate(m.rpm, m.rburst, m.first_calls, t)
-    if shown > 0 and shown < level then level = shown end
-    m.prpm = level
-    m.lrpm = math.max(1, math.floor(level * 7 / 10))
+    local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t))
+    if from then m.prpm, m.lrpm = from, to end
   else
     m.pcap = eff_cap(m)
     if sent > 0 then m.pcap = math.min(m.pcap, sent) end

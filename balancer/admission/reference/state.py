@@ -12,6 +12,7 @@ from balancer.admission.learned import (
     effective,
     first_bucket_rate,
     lower_of,
+    lowered,
     relaxed,
 )
 from balancer.admission.values import (
@@ -71,9 +72,9 @@ class ModelState:
     def learn_from_429(self, now: int, kind: str, sent: int, started: bool) -> None:
         """A 429 that paused the model (``started``) lowers its kind's effective
         limit to 7/10 of its level (concurrency: of the ``sent`` calls in flight
-        that started, if any and fewer), at least 1. Within the first bucket the
-        level of tokens or requests is the rate it shows
-        (:func:`first_bucket_rate`), if lower. A
+        that started, if any and fewer), at least 1. Within the first bucket,
+        tokens or requests go to 7/10 of the rate it shows, once
+        (:func:`lowered`, :func:`first_bucket_rate`). A
         429 within a window of a raise doubles the window. Any other 429 for
         concurrency caps it at the started calls in flight less one. A kind
         whose limit the provider states in its headers is not lowered (lib.lua,
@@ -95,15 +96,17 @@ class ModelState:
             k.window = min(w * 2, MAX_WINDOW_MS)
         q, t = self.quota, now - k.first_at
         if kind == "tokens":
-            shown = first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t)
-            k.ptpm = lower_of(limits.max_tokens_per_minute, shown)
-            k.ltpm = max(1, math.floor(k.ptpm * 7 / 10))
+            change = lowered(limits.max_tokens_per_minute,
+                             first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t))
+            if change:
+                k.ptpm, k.ltpm = change
         elif kind == "requests":
             if not limits.max_requests_per_minute:
                 return
-            shown = first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t)
-            k.prpm = lower_of(limits.max_requests_per_minute, shown)
-            k.lrpm = max(1, math.floor(k.prpm * 7 / 10))
+            change = lowered(limits.max_requests_per_minute,
+                             first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t))
+            if change:
+                k.prpm, k.lrpm = change
         else:
             k.pcap = min(limits.max_concurrent_requests, sent) if sent else limits.max_concurrent_requests
             k.lcap = max(1, math.floor(k.pcap * 7 / 10))
