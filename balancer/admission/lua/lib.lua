@@ -306,12 +306,17 @@ end
 -- paces the request bucket, but the hops between admission and the call
 -- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
 -- those bunches. Returns ms the caller must wait before calling (0 = now).
+-- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
+-- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
+local function gate_shape(m)
+  local interval = math.ceil(60000 / eff_rpm(m))
+  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
+end
+
 local function start_gate(m, now)
   local rpm = eff_rpm(m)
   if rpm <= 0 then return 0 end
-  local interval = math.ceil(60000 / rpm)
-  -- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
-  local tolerance = math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
+  local interval, tolerance = gate_shape(m)
   local start = math.max(now, m.tat - tolerance)
   m.tat = math.max(m.tat, start) + interval
   return start - now
@@ -359,7 +364,13 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
     m.ptokens = math.min(m.ptokens, remaining)
   end
   if remaining_requests ~= '' and eff_rpm(m) > 0 then
-    m.requests = math.min(m.requests, tonumber(remaining_requests) * UNITS)
+    local left = tonumber(remaining_requests)
+    m.requests = math.min(m.requests, left * UNITS)
+    -- The start gate too: at most `left` more starts now. The bucket's count
+    -- forgets calls admitted but not started (charged here, unknown to the
+    -- provider); the gate counts starts, so they wait at their start.
+    local interval, tolerance = gate_shape(m)
+    m.tat = math.max(m.tat, now + tolerance - (left - 1) * interval)
   end
 end
 

@@ -12,6 +12,7 @@ from balancer.admission.values import (
     CIRCUIT_MAX_MS,
     UNITS,
     Settlement,
+    gate_shape,
     token_cap,
 )
 from balancer.domain import latency
@@ -124,6 +125,11 @@ class Signals(ReferenceState):
             state.started_tokens = min(state.started_tokens, remaining)
         if remaining_requests is not None and state.limits.max_requests_per_minute:
             state.requests = min(state.requests, remaining_requests * UNITS)
+            # The start gate too: at most that many more starts now. The bucket's
+            # count forgets calls admitted but not started (charged here, unknown
+            # to the provider); the gate counts starts, so they wait at their start.
+            interval, tolerance = gate_shape(state.limits)
+            state.tat = max(state.tat, now + tolerance - (remaining_requests - 1) * interval)
 
     def penalize(
         self, model: str, retry_after_ms: int, now: int,

@@ -16,10 +16,10 @@ from balancer.admission.learned import (
     relaxed,
 )
 from balancer.admission.values import (
-    GATE_HOP_MS,
     UNITS,
     NoState,
     ceil_div,
+    gate_shape,
     refilled,
     token_cap,
     tokens_needed,
@@ -291,8 +291,7 @@ class ReferenceState:
         rpm = state.limits.max_requests_per_minute
         if not rpm:
             return 0
-        interval = ceil_div(60_000, rpm)
-        tolerance = max(0, (state.limits.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
+        interval, tolerance = gate_shape(state.limits)
         start = max(now, state.tat - tolerance)
         state.tat = max(state.tat, start) + interval
         return start - now
