@@ -115,6 +115,12 @@ def effective(quota: Quota, learned: Learned) -> Quota:
                          burst_requests=rburst or None, max_concurrent_requests=ecap)
 
 
+def step_of(peak: int) -> int:
+    """One raise of a learned limit last lowered from ``peak``: 1/20 of it, at least 1 (lib.lua, step_of).
+    A raise that draws a 429 is undone by the same step."""
+    return max(1, -(-peak // 20))
+
+
 def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     """``learned`` after the clean windows up to ``now`` (lib.lua, relax): each
     window of CLEAN_MS (or the doubled ``window``) since the last raise or
@@ -136,7 +142,7 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     def raised(level: int, peak: int, ceiling: int) -> int:
         if level == 0:
             return 0
-        level += steps * max(1, -(-peak // 20))
+        level += steps * step_of(peak)
         return 0 if ceiling == 0 or level >= ceiling else level
 
     return replace(

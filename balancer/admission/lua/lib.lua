@@ -169,9 +169,10 @@ end
 -- One clean window's raise of learned limit l (0: none), by 1/20 of the level
 -- the last 429 lowered it from; at `ceiling` (the limit without learning, 0:
 -- none) it is forgotten.
+local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
 local function raised(l, peak, steps, ceiling)
   if l == 0 then return 0 end
-  l = l + steps * math.max(1, math.ceil(peak / 20))
+  l = l + steps * step_of(peak)
   if ceiling == 0 or l >= ceiling then return 0 end
   return l
 end
@@ -478,8 +479,9 @@ end
 -- of the started calls in flight, if any and fewer), at least 1, and remembers that
 -- level (the raises' step). Within the first bucket tokens or requests go to
 -- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
--- within a window of a raise says the raise went too far: the next raise
--- waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
+-- within a window of a raise says the raise went too far: a kind it raised
+-- goes back one step (the level before the raise worked), not to 7/10, and
+-- the next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
 -- says the started calls in flight were at least one too many: the cap goes
 -- no higher than that, less one. A kind whose limit the provider states
 -- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
@@ -496,15 +498,22 @@ local function learn_from_429(m, now, kind, sent, started)
     return
   end
   local w = window_ms(m)
-  if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
+  local probed = m.raised_at > m.lowered_at and now - m.raised_at < w
+  if probed then m.window = math.min(w * 2, MAX_WINDOW_MS) end
   local t = now - m.first_at
-  if kind == 'TOKENS' then
+  if kind == 'TOKENS' and probed and m.ltpm > 0 then
+    m.ltpm = math.max(1, m.ltpm - step_of(m.ptpm))
+  elseif kind == 'TOKENS' then
     local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t))
     if from then m.ptpm, m.ltpm = from, to end
+  elseif kind == 'REQUESTS' and probed and m.lrpm > 0 then
+    m.lrpm = math.max(1, m.lrpm - step_of(m.prpm))
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
     local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t))
     if from then m.prpm, m.lrpm = from, to end
+  elseif probed and m.lcap > 0 then
+    m.lcap = math.max(1, m.lcap - step_of(m.pcap))
   else
     m.pcap = eff_cap(m)
     if sent > 0 then m.pcap = math.min(m.pcap, sent) end

@@ -14,6 +14,7 @@ from balancer.admission.learned import (
     lower_of,
     lowered,
     relaxed,
+    step_of,
 )
 from balancer.admission.values import (
     UNITS,
@@ -75,7 +76,8 @@ class ModelState:
         that started, if any and fewer), at least 1. Within the first bucket,
         tokens or requests go to 7/10 of the rate it shows, once
         (:func:`lowered`, :func:`first_bucket_rate`). A
-        429 within a window of a raise doubles the window. Any other 429 for
+        429 within a window of a raise undoes that raise for a kind it raised
+        (one :func:`step_of` down, not 7/10) and doubles the window. Any other 429 for
         concurrency caps it at the started calls in flight less one. A kind
         whose limit the provider states in its headers is not lowered (lib.lua,
         learn_from_429)."""
@@ -92,10 +94,17 @@ class ModelState:
                 k.lowered_at = now
             return
         w = self.window_ms()
-        if k.raised_at > k.lowered_at and now - k.raised_at < w:
+        probed = k.raised_at > k.lowered_at and now - k.raised_at < w  # the last raise drew it: undone
+        if probed:
             k.window = min(w * 2, MAX_WINDOW_MS)
         q, t = self.quota, now - k.first_at
-        if kind == "tokens":
+        if kind == "tokens" and probed and k.ltpm:
+            k.ltpm = max(1, k.ltpm - step_of(k.ptpm))
+        elif kind == "requests" and probed and k.lrpm:
+            k.lrpm = max(1, k.lrpm - step_of(k.prpm))
+        elif kind == "concurrency" and probed and k.lcap:
+            k.lcap = max(1, k.lcap - step_of(k.pcap))
+        elif kind == "tokens":
             change = lowered(limits.max_tokens_per_minute,
                              first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t))
             if change:
