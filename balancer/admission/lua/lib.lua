@@ -302,11 +302,6 @@ local function token_gate(m, est, now)
   return wait
 end
 
--- The start gate (GCRA): calls *start* at most RPM per minute with at most
--- rburst at once, timed at renew, just before the HTTP call. Admission already
--- paces the request bucket, but the hops between admission and the call
--- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
--- those bunches. Returns ms the caller must wait before calling (0 = now).
 -- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
 -- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
 local function gate_shape(m)
@@ -314,6 +309,11 @@ local function gate_shape(m)
   return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
 end
 
+-- The start gate (GCRA): calls *start* at most RPM per minute with at most
+-- rburst at once, timed at renew, just before the HTTP call. Admission already
+-- paces the request bucket, but the hops between admission and the call
+-- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
+-- those bunches. Returns ms the caller must wait before calling (0 = now).
 local function start_gate(m, now)
   local rpm = eff_rpm(m)
   if rpm <= 0 then return 0 end

@@ -145,7 +145,10 @@ class Signals(ReferenceState):
         every 429: it is the surest sign that someone else uses the quota.
         A pause it starts also lowers the effective limit of the kind behind
         the 429 (:meth:`_limit_kind`), if the model learns; the limit headers
-        are synced first. Returns True if it started a pause.
+        are synced first, and a 429 for tokens or requests with no remaining
+        count empties that bucket (:meth:`_empty_after_429`). While the pause
+        runs, calls admitted before it do not start (``ReferenceCore.renew``).
+        Returns True if it started a pause.
         """
         state = self.models.get(model)
         if state is None:
