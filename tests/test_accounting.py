@@ -126,6 +126,19 @@ def test_the_start_gate_spaces_call_starts_at_the_provider_rate(twin: Twin) -> N
     assert delays == [0, 20, 120, 220]
 
 
+def test_the_remaining_requests_header_holds_back_calls_admitted_but_not_started(twin: Twin) -> None:
+    """The provider's x-ratelimit-remaining-requests counts the calls that reached it;
+    calls admitted but not started yet are charged to our bucket and unknown to it.
+    The header sync tells the start gate too: only that many more start now, the
+    next one interval after another (60 RPM: 1,000 ms), not the burst's worth."""
+    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=60))
+    first, *waiting = twin.admit([Candidate(1) for _ in range(4)])
+    assert twin.renew(first.admission_id, "a", 1).start_delay_ms == 0
+    twin.finish(first.admission_id, Settlement(used_tokens=1, reserved_tokens=1, remaining_requests=1))
+    delays = [twin.renew(d.admission_id, "a", 1).start_delay_ms for d in waiting]  # all three start now
+    assert delays == [0, 1_000, 2_000]   # one left at the provider: the others wait for its refill
+
+
 def test_the_start_gate_is_open_without_an_rpm_limit(twin: Twin) -> None:
     twin.set_quota(Quota("a", 10, 10_000_000))
     admitted = twin.admit([Candidate(1) for _ in range(5)])

@@ -17,7 +17,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from balancer.admission import Admitted, Candidate, Settlement, keys
+from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
 from balancer.admission.fields import quota_fields
 from balancer.admission.learned import CLEAN_MS
 from balancer.domain.quota import Quota
@@ -221,6 +221,12 @@ def limits_of(twin: Twin, name: str = "m-a") -> Quota:
     return twin.core.live(twin.now)[name].limits
 
 
+def start(twin: Twin, admitted: list[Admitted], est: int = 100, model: str = "m-a") -> None:
+    """The workers start these calls (renew marks each lease started)."""
+    for a in admitted:
+        assert isinstance(twin.renew(a.admission_id, model, est), Admitted)
+
+
 def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 8, 600_000, max_requests_per_minute=600))
     twin.admit([Candidate(100)])
@@ -242,25 +248,29 @@ def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> 
     assert twin.core.live(twin.now)["m-a"].learned.lrpm == 0
 
 
-def test_a_429_soon_after_a_raise_doubles_the_window(twin: Twin) -> None:
+def test_a_429_soon_after_a_raise_undoes_it_and_doubles_the_window(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 8, 600_000, max_requests_per_minute=600))
     twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # 420
     twin.advance(CLEAN_MS)                                                        # raised: + 600 / 20
     assert limits_of(twin).max_requests_per_minute == 450
     twin.advance(1_000)
     twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # the raise drew a 429
-    assert limits_of(twin).max_requests_per_minute == 315                         # 450 x 7/10
+    assert limits_of(twin).max_requests_per_minute == 420                         # undone (not 450 x 7/10 = 315)
     assert twin.core.live(twin.now)["m-a"].learned.window == 2 * CLEAN_MS
     twin.advance(2 * CLEAN_MS - 1)
-    assert limits_of(twin).max_requests_per_minute == 315
+    assert limits_of(twin).max_requests_per_minute == 420
     twin.advance(1)
-    assert limits_of(twin).max_requests_per_minute == 315 + 23                    # + ceil(450 / 20)
+    assert limits_of(twin).max_requests_per_minute == 450                         # + 600 / 20 again
 
 
 def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
-    for _ in range(5):
-        twin.admit([Candidate(1_000)])
+    [first] = twin.admit([Candidate(1_000)])
+    start(twin, [first], est=1_000)
+    twin.finish(first.admission_id, 1_000)
+    twin.advance(60_000)                                              # past the first bucket (one minute here)
+    admitted = [d for d in twin.admit([Candidate(1_000)] * 5) if isinstance(d, Admitted)]
+    start(twin, admitted, est=1_000)                                  # started: the provider saw them
     # Tokens and requests both left: the provider counted calls in progress.
     twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=100)
     assert limits_of(twin).max_concurrent_requests == 3               # 5 in flight x 7/10
@@ -272,7 +282,7 @@ def test_the_kind_comes_from_the_headers_or_the_lowest_bucket(twin: Twin) -> Non
     # No headers: the lowest of our buckets. Drain the tokens, requests stay high.
     twin.set_quota(Quota("m-a", 10, 60_000, max_requests_per_minute=600))   # a quota change forgets
     assert quota_fields(limits_of(twin)) == quota_fields(Quota("m-a", 10, 60_000, max_requests_per_minute=600))
-    for _ in range(20):
+    for _ in range(20):                                               # none started: no first bucket to read
         twin.admit([Candidate(2_500)])
     twin.penalize("m-a", 500)
     assert limits_of(twin).max_tokens_per_minute == 42_000
@@ -299,27 +309,79 @@ def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) ->
     assert limits_of(twin).max_tokens_per_minute == 30_000
 
 
-def test_every_429_for_concurrency_caps_the_calls_in_flight_less_one(twin: Twin) -> None:
+def test_every_429_for_concurrency_caps_the_started_calls_in_flight_less_one(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 40, 6_000_000))
     admitted = [d for d in twin.admit([Candidate(100)] * 40) if isinstance(d, Admitted)]
     assert len(admitted) == 40
-    # The provider allows 4: 36 calls come back 429 (tokens left, so concurrency), one after another.
+    # The provider allows 4. Calls start one after another; 8 had started when the
+    # first 429 came back (tokens left, so concurrency), 32 admitted had not.
+    start(twin, admitted[:8])
     assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
-    assert limits_of(twin).max_concurrent_requests == 28                 # the pause's 40 x 7/10
-    for refused in admitted[:36]:
+    assert limits_of(twin).max_concurrent_requests == 5                  # the pause's 8 started x 7/10, not 40's
+    twin.release(admitted[4].admission_id)
+    for refused in admitted[5:8]:                                        # the other three come back 429 too
         twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
         twin.release(refused.admission_id)
-    assert limits_of(twin).max_concurrent_requests == 4                  # 5 in flight at the last 429, less one
+    assert limits_of(twin).max_concurrent_requests == 4                  # 5 started at the last 429, less one
 
 
-def test_a_limit_the_provider_states_is_not_lowered_by_its_429s(twin: Twin) -> None:
-    twin.set_quota(Quota("m-a", 8, 300_000, max_requests_per_minute=600))
-    twin.penalize("m-a", 500, remaining_tokens=100, remaining_requests=50, limit_tokens=30_000, limit_requests=60)
-    limits = limits_of(twin)
-    assert (limits.max_tokens_per_minute, limits.max_requests_per_minute) == (30_000, 60)   # adopted, not lowered
+def test_a_429s_pause_keeps_calls_admitted_before_it_from_starting(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    admitted = [d for d in twin.admit([Candidate(100)] * 10) if isinstance(d, Admitted)]
+    start(twin, admitted[:5])
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    held = twin.renew(admitted[5].admission_id, "m-a", 100)               # admitted before the pause, not started
+    assert isinstance(held, NotNow) and held.retry_at_ms == twin.now + 1_000
+    assert twin.heartbeat(admitted[0].admission_id, 5_000)                # a started call goes on
     twin.advance(1_000)
-    twin.penalize("m-a", 500, remaining_tokens=50_000, remaining_requests=0)
-    assert limits_of(twin).max_requests_per_minute == 60
+    # The pause is over; the cap it learned (3) holds new starts until the calls live are within it.
+    for ended in (*admitted[:5], admitted[9]):
+        twin.release(ended.admission_id)
+    assert isinstance(twin.renew(admitted[6].admission_id, "m-a", 100), Admitted)   # 3 live, itself included
+    twin.set_quota(Quota("m-a", 40, 6_000_000, learn=False))             # without learning: as before
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    assert isinstance(twin.renew(admitted[7].admission_id, "m-a", 100), Admitted)
+
+
+def test_a_429_in_the_first_bucket_lowers_to_the_rate_it_shows(twin: Twin) -> None:
+    # The provider's bucket is a tenth of ours: it ran out after 6 calls of 500 tokens (3,000 of our 30,000).
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
+    admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
+    assert len(admitted) == 56
+    start(twin, admitted[:6], est=500)
+    assert twin.penalize("m-a", 2_000)                                   # no headers: our lowest bucket, tokens
+    assert limits_of(twin).max_tokens_per_minute == 21_000               # 300,000 x 3,000 / 30,000 x 7/10
+    assert twin.ref.models["m-a"].tokens <= 0                            # and a 429 that says nothing left: empty
+    # Past the first bucket (30,000 / 300,000 of a minute: 6 s), 7/10 of the level, as before.
+    twin.advance(6_000)
+    assert twin.penalize("m-a", 2_000, remaining_tokens=100)            # fewer left than a call: tokens
+    assert limits_of(twin).max_tokens_per_minute == 14_700               # 21,000 x 7/10
+    # Requests, a one-minute bucket of 600 at 600 RPM: the provider's (60 RPM) ran out
+    # after 63 calls in 3 s, 60 of its burst and 3 of its refill.
+    twin.set_quota(Quota("m-b", 80, 6_000_000, max_requests_per_minute=600))
+    admitted = [d for d in twin.admit([Candidate(100)] * 63) if isinstance(d, Admitted) and d.model == "m-b"]
+    assert len(admitted) == 63
+    for i in range(0, 63, 21):
+        start(twin, admitted[i:i + 21], model="m-b")
+        twin.advance(1_000)
+    assert twin.penalize("m-b", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    assert limits_of(twin, "m-b").max_requests_per_minute == 42          # 600 x 63 / (600 + 600 x 3/60) = 60, x 7/10
+    start(twin, admitted[60:63], model="m-b")                            # (started again: a redelivery counts once)
+    twin.advance(1_000)
+    assert twin.penalize("m-b", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    # The same bucket shows about the same rate (63 in 4 s: 59): 41, not a second cut (42 x 7/10 = 29).
+    assert limits_of(twin, "m-b").max_requests_per_minute == 41
+
+
+def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
+    start(twin, [d for d in twin.admit([Candidate(500)] * 6) if isinstance(d, Admitted)], est=500)
+    twin.advance(10_000)                                                 # the first bucket is over
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, weight=2))
+    admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
+    start(twin, admitted[:6], est=500)
+    assert twin.penalize("m-a", 2_000)
+    assert limits_of(twin).max_tokens_per_minute == 21_000               # read from the new quota's first bucket
 
 
 # -- A cap lowered with calls admitted: running calls stay, no new one starts above it --
@@ -357,3 +419,4 @@ def test_a_lowered_cap_lets_no_late_ready_start_above_it_and_recalls_no_running_
     twin.remove_quota("m-a")
     assert not twin.heartbeat(second, 5_000, starting=True)                  # no model: no start
     twin.check_same_state()
+

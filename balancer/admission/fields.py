@@ -96,6 +96,9 @@ STATE_FIELDS: dict[str, str] = {
     "lowered_at": "ms a 429 last lowered a learned limit",
     "raised_at": "ms a clean window last raised one",
     "window": "ms of clean traffic a raise needs now (0: CLEAN_MS); doubled by a raise that drew a 429",
+    "first_at": "ms the first call under the quota started (0: none yet): the first bucket starts",
+    "first_calls": "calls started under the quota (the first bucket's count)",
+    "first_tokens": "their estimated tokens",
 }
 
 #: Every field of a model's hash.

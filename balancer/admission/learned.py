@@ -43,6 +43,9 @@ class Learned:
     lowered_at: int = 0
     raised_at: int = 0
     window: int = 0
+    first_at: int = 0
+    first_calls: int = 0
+    first_tokens: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -55,6 +58,40 @@ class Learned:
 def lower_of(limit: int, other: int) -> int:
     """The lower of two limits, 0 meaning none."""
     return other if other > 0 and (limit == 0 or other < limit) else limit
+
+
+def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
+    """The provider's rate a 429 within the first bucket shows; 0 past it (lib.lua, first_bucket_rate).
+
+    From a model's first call under its quota until one bucket's time
+    (``size`` / ``rate``) has passed, a provider whose bucket has the quota's
+    shape ran out once our calls had taken ``n`` (tokens or calls) in
+    ``elapsed_ms``: its rate is about ``rate * n / (size + rate * t)``.
+
+    >>> first_bucket_rate(600, 600, 63, 3_000)          # one-minute burst: 63 calls in 3 s -> 60 RPM
+    60
+    >>> first_bucket_rate(300_000, 30_000, 3_000, 0), first_bucket_rate(600, 600, 63, 60_000), first_bucket_rate(600, 600, 0, 0)
+    (30000, 0, 0)
+    """
+    if rate <= 0 or n <= 0 or elapsed_ms * rate >= size * 60_000:
+        return 0
+    return max(1, math.floor(float(rate) * n * 60_000 / (size * 60_000 + rate * elapsed_ms)))
+
+
+def lowered(level: int, shown: int) -> tuple[int, int] | None:
+    """What a 429 that starts a pause does to a rate at ``level`` (lib.lua, lowered):
+    (the level remembered for the raises' step, the level it is lowered to), or
+    None to leave it. 7/10 of ``level``; within the first bucket (``shown`` > 0,
+    the rate it shows: :func:`first_bucket_rate`), 7/10 of that, once: a 429 that
+    would not take it below ``level`` leaves it.
+
+    >>> lowered(600, 0), lowered(600, 60), lowered(42, 61), lowered(42, 50)
+    ((600, 420), (60, 42), None, (42, 35))
+    """
+    if shown <= 0:
+        return level, max(1, math.floor(level * 7 / 10))
+    to = max(1, math.floor(shown * 7 / 10))
+    return (min(shown, level), to) if to < level else None
 
 
 def effective(quota: Quota, learned: Learned) -> Quota:
@@ -78,6 +115,12 @@ def effective(quota: Quota, learned: Learned) -> Quota:
                          burst_requests=rburst or None, max_concurrent_requests=ecap)
 
 
+def step_of(peak: int) -> int:
+    """One raise of a learned limit last lowered from ``peak``: 1/20 of it, at least 1 (lib.lua, step_of).
+    A raise that draws a 429 is undone by the same step."""
+    return max(1, -(-peak // 20))
+
+
 def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     """``learned`` after the clean windows up to ``now`` (lib.lua, relax): each
     window of CLEAN_MS (or the doubled ``window``) since the last raise or
@@ -99,7 +142,7 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     def raised(level: int, peak: int, ceiling: int) -> int:
         if level == 0:
             return 0
-        level += steps * max(1, -(-peak // 20))
+        level += steps * step_of(peak)
         return 0 if ceiling == 0 or level >= ceiling else level
 
     return replace(

@@ -133,6 +133,17 @@ TRANSIT_MS = 250
 GATE_HOP_MS = 20
 
 
+def gate_shape(limits: Quota) -> tuple[int, int]:
+    """The start gate's (interval, burst tolerance) in ms for an RPM limit (lib.lua, gate_shape):
+    calls start one per interval, up to ``request_burst`` at once less the last hop's jitter.
+
+    >>> gate_shape(Quota("m", 8, 60_000, max_requests_per_minute=60))
+    (1000, 58980)
+    """
+    interval = ceil_div(60_000, limits.max_requests_per_minute or 0)
+    return interval, max(0, (limits.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
+
+
 def token_cap(quota: Quota) -> int:
     """The token bucket's capacity in units: the burst less the transit allowance.
 

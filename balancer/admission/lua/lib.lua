@@ -169,9 +169,10 @@ end
 -- One clean window's raise of learned limit l (0: none), by 1/20 of the level
 -- the last 429 lowered it from; at `ceiling` (the limit without learning, 0:
 -- none) it is forgotten.
+local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
 local function raised(l, peak, steps, ceiling)
   if l == 0 then return 0 end
-  l = l + steps * math.max(1, math.ceil(peak / 20))
+  l = l + steps * step_of(peak)
   if ceiling == 0 or l >= ceiling then return 0 end
   return l
 end
@@ -301,6 +302,13 @@ local function token_gate(m, est, now)
   return wait
 end
 
+-- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
+-- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
+local function gate_shape(m)
+  local interval = math.ceil(60000 / eff_rpm(m))
+  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
+end
+
 -- The start gate (GCRA): calls *start* at most RPM per minute with at most
 -- rburst at once, timed at renew, just before the HTTP call. Admission already
 -- paces the request bucket, but the hops between admission and the call
@@ -309,19 +317,27 @@ end
 local function start_gate(m, now)
   local rpm = eff_rpm(m)
   if rpm <= 0 then return 0 end
-  local interval = math.ceil(60000 / rpm)
-  -- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
-  local tolerance = math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
+  local interval, tolerance = gate_shape(m)
   local start = math.max(now, m.tat - tolerance)
   m.tat = math.max(m.tat, start) + interval
   return start - now
 end
 
+-- The first bucket (see first_bucket_rate): the calls started under the quota, and their tokens.
+local function count_start(m, est, now)
+  if m.first_at == 0 then m.first_at = now end
+  m.first_calls, m.first_tokens = m.first_calls + 1, m.first_tokens + est
+end
+
 -- Both gates for a call about to start: ms to wait before calling. A first start
--- passes the token gate; a restart (redelivery) was charged there already.
+-- passes the token gate and counts toward the first bucket (count_start); a
+-- restart (redelivery) was counted already.
 local function start_delay(m, est, first_start, now)
   local wait = 0
-  if first_start then wait = token_gate(m, est, now) end
+  if first_start then
+    wait = token_gate(m, est, now)
+    count_start(m, est, now)
+  end
   return wait + start_gate(m, now + wait)
 end
 
@@ -349,7 +365,13 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
     m.ptokens = math.min(m.ptokens, remaining)
   end
   if remaining_requests ~= '' and eff_rpm(m) > 0 then
-    m.requests = math.min(m.requests, tonumber(remaining_requests) * UNITS)
+    local left = tonumber(remaining_requests)
+    m.requests = math.min(m.requests, left * UNITS)
+    -- The start gate too: at most `left` more starts now. The bucket's count
+    -- forgets calls admitted but not started (charged here, unknown to the
+    -- provider); the gate counts starts, so they wait at their start.
+    local interval, tolerance = gate_shape(m)
+    m.tat = math.max(m.tat, now + tolerance - (left - 1) * interval)
   end
 end
 
@@ -382,60 +404,119 @@ end
 -- the model's calls in flight average; both left (so the provider counted
 -- calls in progress). Otherwise the lowest of our own buckets, as a share of
 -- its size (free slots for concurrency); ties go to requests, then tokens.
+-- Also returns how many calls in flight started (reached for the provider:
+-- what it can have counted).
 local function limit_kind(m, remaining_tokens, remaining_requests)
   local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
-  local sum, n = 0, #lids
+  local sum, n, sent = 0, #lids, 0
   for _, lid in ipairs(lids) do
     local raw = redis.call('HGET', LEASES, lid)
-    if raw then sum = sum + cjson.decode(raw).e end
+    if raw then
+      local lease = cjson.decode(raw)
+      sum = sum + lease.e
+      if lease.s == 1 then sent = sent + 1 end
+    end
   end
-  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then return 'REQUESTS', n end
-  if remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then return 'TOKENS', n end
-  if remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then return 'CONCURRENCY', n end
-  local ft = m.tokens / token_cap(m)
-  if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
-  local fr = math.huge
-  if eff_rpm(m) > 0 then
-    fr = m.requests / (eff_rburst(m) * UNITS)
-    if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
+  local kind
+  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then kind = 'REQUESTS'
+  elseif remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then kind = 'TOKENS'
+  elseif remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then kind = 'CONCURRENCY'
+  else
+    local ft = m.tokens / token_cap(m)
+    if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
+    local fr = math.huge
+    if eff_rpm(m) > 0 then
+      fr = m.requests / (eff_rburst(m) * UNITS)
+      if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
+    end
+    local fc = (eff_cap(m) - n) / eff_cap(m)
+    if fr <= ft and fr <= fc then kind = 'REQUESTS'
+    elseif ft <= fc then kind = 'TOKENS'
+    else kind = 'CONCURRENCY' end
   end
-  local fc = (eff_cap(m) - n) / eff_cap(m)
-  if fr <= ft and fr <= fc then return 'REQUESTS', n end
-  if ft <= fc then return 'TOKENS', n end
-  return 'CONCURRENCY', n
+  return kind, sent
+end
+
+-- The first bucket. From the first call a model starts under its quota
+-- (first_at; first_calls and first_tokens count the calls started since and
+-- their estimated tokens) until one bucket's time (size / rate) has passed, a
+-- 429 for tokens or requests shows the provider's rate: a provider whose
+-- bucket has the quota's shape ran out once our calls had taken `n` (tokens or
+-- calls) in `t` ms, so its rate is about rate * n / (size + rate * t); 0 once
+-- the first bucket is over or before any call
+-- (balancer.admission.learned.first_bucket_rate).
+local function first_bucket_rate(rate, size, n, t)
+  if rate <= 0 or n <= 0 or t * rate >= size * 60000 then return 0 end
+  return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
+end
+
+-- What a 429 that starts a pause does to a rate at `level` (balancer.admission.learned.lowered):
+-- lowers it to 7/10, remembering `level` (the raises' step); within the first
+-- bucket (`shown` > 0: the rate it shows) to 7/10 of that, once: a 429 that
+-- would not take it below `level` leaves it (nil).
+local function lowered(level, shown)
+  if shown <= 0 then return level, math.max(1, math.floor(level * 7 / 10)) end
+  local to = math.max(1, math.floor(shown * 7 / 10))
+  if to < level then return math.min(shown, level), to end
+  return nil
+end
+
+-- A 429 for tokens or requests from a provider that does not say what is left
+-- says nothing is: that bucket (both token buckets for tokens) is emptied, as
+-- sync_to_headers would with a remaining count of 0. m must be refilled to now.
+local function empty_after_429(m, now, kind, remaining_tokens, remaining_requests)
+  if m.learn ~= 1 then return end
+  if kind == 'TOKENS' and remaining_tokens == '' then
+    refill_started(m, now)
+    m.tokens, m.ptokens = math.min(m.tokens, 0), math.min(m.ptokens, 0)
+  elseif kind == 'REQUESTS' and remaining_requests == '' and eff_rpm(m) > 0 then
+    m.requests = math.min(m.requests, 0)
+  end
 end
 
 -- A 429 that paused the model (once per window: `started`) lowers the
--- effective limit of its kind to 7/10 of what it was (concurrency: of the calls
--- in flight, if fewer), at least 1, and remembers that level (the raises'
--- step). A 429 within a window of a raise says the raise went too far: the
--- next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for
--- concurrency says the calls in flight were at least one too many: the cap
--- goes no higher than that, less one. A kind whose limit the provider states
+-- effective limit of its kind to 7/10 of the level it was at (concurrency:
+-- of the started calls in flight, if any and fewer), at least 1, and remembers that
+-- level (the raises' step). Within the first bucket tokens or requests go to
+-- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
+-- within a window of a raise says the raise went too far: a kind it raised
+-- goes back one step (the level before the raise worked), not to 7/10, and
+-- the next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
+-- says the started calls in flight were at least one too many: the cap goes
+-- no higher than that, less one. A kind whose limit the provider states
 -- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
 -- was a race the pause covers. m must be refilled to now.
-local function learn_from_429(m, now, kind, in_flight, started)
+local function learn_from_429(m, now, kind, sent, started)
   if m.learn ~= 1 then return end
   if (kind == 'TOKENS' and m.htpm > 0) or (kind == 'REQUESTS' and m.hrpm > 0) then return end
   if not started then
-    if kind == 'CONCURRENCY' and in_flight > 1 and in_flight - 1 < eff_cap(m) then
+    if kind == 'CONCURRENCY' and sent > 1 and sent - 1 < eff_cap(m) then
       if m.lcap == 0 then m.pcap = eff_cap(m) end
-      m.lcap = math.max(1, in_flight - 1)
+      m.lcap = math.max(1, sent - 1)
       m.lowered_at = now
     end
     return
   end
   local w = window_ms(m)
-  if m.raised_at > m.lowered_at and now - m.raised_at < w then m.window = math.min(w * 2, MAX_WINDOW_MS) end
-  if kind == 'TOKENS' then
-    m.ptpm = eff_tpm(m)
-    m.ltpm = math.max(1, math.floor(m.ptpm * 7 / 10))
+  local probed = m.raised_at > m.lowered_at and now - m.raised_at < w
+  if probed then m.window = math.min(w * 2, MAX_WINDOW_MS) end
+  local t = now - m.first_at
+  if kind == 'TOKENS' and probed and m.ltpm > 0 then
+    m.ltpm = math.max(1, m.ltpm - step_of(m.ptpm))
+  elseif kind == 'TOKENS' then
+    local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t))
+    if from then m.ptpm, m.ltpm = from, to end
+  elseif kind == 'REQUESTS' and probed and m.lrpm > 0 then
+    m.lrpm = math.max(1, m.lrpm - step_of(m.prpm))
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
-    m.prpm = eff_rpm(m)
-    m.lrpm = math.max(1, math.floor(m.prpm * 7 / 10))
+    local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t))
+    if from then m.prpm, m.lrpm = from, to end
+  elseif probed and m.lcap > 0 then
+    m.lcap = math.max(1, m.lcap - step_of(m.pcap))
   else
-    m.pcap = math.min(eff_cap(m), math.max(1, in_flight))
+    m.pcap = eff_cap(m)
+    if sent > 0 then m.pcap = math.min(m.pcap, sent) end
     m.lcap = math.max(1, math.floor(m.pcap * 7 / 10))
   end
   m.lowered_at = now

@@ -15,7 +15,10 @@
 -- the quota, and without it the bucket would still be too full after the pause.
 -- A 429 that starts a pause also lowers the effective limit of the kind that
 -- caused it (limit_kind, learn_from_429 in lib.lua), so that once per window
--- too; any other 429 for concurrency caps it at the calls in flight less one.
+-- too; any other 429 for concurrency caps it at the started calls in flight
+-- less one, and one for tokens or requests with no remaining count empties
+-- that bucket (empty_after_429). While the pause runs, calls admitted before it that have not
+-- started yet do not start (renew.lua).
 -- The limit headers are synced first (sync_limits).
 -- Returns 1 if this call started a pause, 0 if one was running (or no model).
 
@@ -31,8 +34,9 @@ if m.paused <= now then
   started = 1
 end
 if m.learn == 1 then
-  local kind, in_flight = limit_kind(m, ARGV[4], ARGV[5])
-  learn_from_429(m, now, kind, in_flight, started == 1)
+  local kind, sent = limit_kind(m, ARGV[4], ARGV[5])
+  learn_from_429(m, now, kind, sent, started == 1)
+  empty_after_429(m, now, kind, ARGV[4], ARGV[5])
 end
 sync_to_headers(m, now, ARGV[4], ARGV[5])
 save_model(m)

@@ -11,7 +11,10 @@
 -- extended and marked started. An expired one is re-acquired on the same model
 -- (slot, tokens, request, outside WDRR) if there is room, else 'W': the caller
 -- must not call the backend. An 'A' answer carries a fourth value: ms to wait
--- before calling, from the start gate (see start_gate in lib.lua).
+-- before calling, from the start gate (see start_gate in lib.lua). A model
+-- that learns and is paused by a 429 starts no call admitted before the pause:
+-- a lease not started yet is dropped and refunded, and the answer is 'W' at
+-- the pause's end (the circuit breaker's pause leaves its calls alone).
 -- A cap lowered since admission: a live lease starts its call only while the
 -- model's live leases, itself included, are within its concurrency cap
 -- (eff_cap); calls already running are not recalled, but no new one starts
@@ -34,6 +37,16 @@ if raw and m.enabled ~= 1 then
   if lease.s == 0 then refund(m, lease) end
   save_model(m)
   return {'W', '', fmt(now)}
+end
+if raw and m.learn == 1 and m.paused > now and m.probing ~= 1 and cjson.decode(raw).s == 0 then
+  -- Admitted before a 429's pause and not started: the provider refuses it
+  -- now, and the limits it was admitted under were too high. Given back.
+  local lease = cjson.decode(raw)
+  redis.call('ZREM', inflight_key(lease.m), lid)
+  redis.call('HDEL', LEASES, lid)
+  refund(m, lease)
+  save_model(m)
+  return {'W', fmt(m.paused), fmt(now)}
 end
 if raw then
   local lease = cjson.decode(raw)

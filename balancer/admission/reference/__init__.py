@@ -146,6 +146,10 @@ class ReferenceCore(Signals):
 
         If the model has been disabled since, the call must not start: the
         lease is dropped (refunded if never started) and the answer is not-now.
+        A model that learns and is paused by a 429 starts no call admitted
+        before the pause: a lease not started yet is dropped and refunded, and
+        the answer is not-now until the pause ends (the circuit breaker's pause
+        leaves its calls alone).
         So too if the model's live leases, this one included, are above its
         concurrency cap (a cap lowered since admission: calls already running
         are not recalled, but no new one starts above the new cap); the
@@ -169,6 +173,13 @@ class ReferenceCore(Signals):
             if not lease.started:
                 self._refund(model, lease)
             return NotNow(None, now)
+        state = self.models[model]
+        if lease is not None and quota.learn and state.paused_until > now and not state.probing and not lease.started:
+            # Admitted before a 429's pause and not started: the provider refuses
+            # it now, and the limits it was admitted under were too high. Given back.
+            del self.leases[admission_id]
+            self._refund(model, lease)
+            return NotNow(state.paused_until, now)
         if lease is not None and len(self._inflight(lease.model)) > self.models[model].limits.max_concurrent_requests:
             del self.leases[admission_id]
             if not lease.started:
@@ -300,6 +311,7 @@ class ReferenceCore(Signals):
         # What 429s taught is forgotten; the provider's limit headers are kept.
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
+        k.first_at = k.first_calls = k.first_tokens = 0  # the new quota's first bucket
         limits = state.limits
         state.tokens = min(state.tokens, token_cap(limits))
         state.started_tokens = min(state.started_tokens, token_cap(limits))

@@ -12,6 +12,7 @@ from balancer.admission.values import (
     CIRCUIT_MAX_MS,
     UNITS,
     Settlement,
+    gate_shape,
     token_cap,
 )
 from balancer.domain import latency
@@ -134,6 +135,11 @@ class Signals(ReferenceState):
             state.started_tokens = min(state.started_tokens, remaining)
         if remaining_requests is not None and state.limits.max_requests_per_minute:
             state.requests = min(state.requests, remaining_requests * UNITS)
+            # The start gate too: at most that many more starts now. The bucket's
+            # count forgets calls admitted but not started (charged here, unknown
+            # to the provider); the gate counts starts, so they wait at their start.
+            interval, tolerance = gate_shape(state.limits)
+            state.tat = max(state.tat, now + tolerance - (remaining_requests - 1) * interval)
 
     def penalize(
         self, model: str, retry_after_ms: int, now: int,
@@ -149,7 +155,10 @@ class Signals(ReferenceState):
         every 429: it is the surest sign that someone else uses the quota.
         A pause it starts also lowers the effective limit of the kind behind
         the 429 (:meth:`_limit_kind`), if the model learns; the limit headers
-        are synced first. Returns True if it started a pause.
+        are synced first, and a 429 for tokens or requests with no remaining
+        count empties that bucket (:meth:`_empty_after_429`). While the pause
+        runs, calls admitted before it do not start (``ReferenceCore.renew``).
+        Returns True if it started a pause.
         """
         state = self.models.get(model)
         if state is None:
@@ -160,13 +169,30 @@ class Signals(ReferenceState):
         if started:
             state.paused_until = now + retry_after_ms
         if state.quota.learn:
-            kind, in_flight = self._limit_kind(model, remaining_tokens, remaining_requests)
-            state.learn_from_429(now, kind, in_flight, started)
+            kind, sent = self._limit_kind(model, remaining_tokens, remaining_requests)
+            state.learn_from_429(now, kind, sent, started)
+            self._empty_after_429(state, now, kind, remaining_tokens, remaining_requests)
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
         return started
 
-    def _limit_kind(self, model: str, remaining_tokens: int | None, remaining_requests: int | None) -> tuple[str, int]:
-        """The kind of limit behind a 429, and the model's calls in flight (lib.lua, limit_kind).
+    @staticmethod
+    def _empty_after_429(state: ModelState, now: int, kind: str, remaining_tokens: int | None,
+                         remaining_requests: int | None) -> None:
+        """A 429 for tokens or requests that does not say what is left says nothing
+        is: that bucket (both token buckets for tokens) is emptied, as the header
+        sync would with a remaining count of 0 (lib.lua, empty_after_429)."""
+        if not state.quota.learn:
+            return
+        if kind == "tokens" and remaining_tokens is None:
+            ReferenceState._refill_started(state, now)
+            state.tokens, state.started_tokens = min(state.tokens, 0), min(state.started_tokens, 0)
+        elif kind == "requests" and remaining_requests is None and state.limits.max_requests_per_minute:
+            state.requests = min(state.requests, 0)
+
+    def _limit_kind(self, model: str, remaining_tokens: int | None,
+                    remaining_requests: int | None) -> tuple[str, int]:
+        """The kind of limit behind a 429, and how many of the model's calls in
+        flight started (lib.lua, limit_kind).
 
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in
@@ -174,16 +200,17 @@ class Signals(ReferenceState):
         size (free slots for concurrency); ties go to requests, then tokens."""
         state = self.models[model]
         limits = state.limits
-        inflight = self._inflight(model)
-        n = len(inflight)
-        total = sum(self.leases[lid].estimated_tokens for _, lid in inflight)
+        leases = [self.leases[lid] for _, lid in self._inflight(model)]
+        n = len(leases)
+        total = sum(lease.estimated_tokens for lease in leases)
+        sent = sum(1 for lease in leases if lease.started)
         rpm = limits.max_requests_per_minute or 0
         if remaining_requests is not None and remaining_requests < 1:
-            return "requests", n
+            return "requests", sent
         if remaining_tokens is not None and remaining_tokens * n < total:
-            return "tokens", n
+            return "tokens", sent
         if remaining_tokens is not None and (remaining_requests is not None or rpm == 0):
-            return "concurrency", n
+            return "concurrency", sent
         cap = token_cap(limits)
         ft = (remaining_tokens * UNITS if remaining_tokens is not None else state.tokens) / cap
         fr = math.inf
@@ -192,8 +219,8 @@ class Signals(ReferenceState):
             fr = (remaining_requests * UNITS if remaining_requests is not None else state.requests) / size
         fc = (limits.max_concurrent_requests - n) / limits.max_concurrent_requests
         if fr <= ft and fr <= fc:
-            return "requests", n
-        return ("tokens" if ft <= fc else "concurrency"), n
+            return "requests", sent
+        return ("tokens" if ft <= fc else "concurrency"), sent
 
     def trip(self, model: str, now: int) -> tuple[bool, bool]:
         """A transient failure (5xx, timeout, refused connection) on ``model``:

@@ -5,12 +5,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from balancer.admission.learned import CLEAN_MS, MAX_WINDOW_MS, Learned, effective, lower_of, relaxed
+from balancer.admission.learned import (
+    CLEAN_MS,
+    MAX_WINDOW_MS,
+    Learned,
+    effective,
+    first_bucket_rate,
+    lower_of,
+    lowered,
+    relaxed,
+    step_of,
+)
 from balancer.admission.values import (
-    GATE_HOP_MS,
     UNITS,
     NoState,
     ceil_div,
+    gate_shape,
     refilled,
     token_cap,
     tokens_needed,
@@ -60,39 +70,62 @@ class ModelState:
         """The clean windows up to now raise the learned limits (lib.lua, relax)."""
         self.learned = relaxed(self.quota, self.learned, now)
 
-    def learn_from_429(self, now: int, kind: str, in_flight: int, started: bool) -> None:
+    def learn_from_429(self, now: int, kind: str, sent: int, started: bool) -> None:
         """A 429 that paused the model (``started``) lowers its kind's effective
-        limit to 7/10 (concurrency: of the calls in flight, if fewer), at least 1; a
-        429 within a window of a raise doubles the window. Any other 429 for
-        concurrency caps it at the calls in flight less one. A kind whose limit
-        the provider states in its headers is not lowered (lib.lua, learn_from_429)."""
+        limit to 7/10 of its level (concurrency: of the ``sent`` calls in flight
+        that started, if any and fewer), at least 1. Within the first bucket,
+        tokens or requests go to 7/10 of the rate it shows, once
+        (:func:`lowered`, :func:`first_bucket_rate`). A
+        429 within a window of a raise undoes that raise for a kind it raised
+        (one :func:`step_of` down, not 7/10) and doubles the window. Any other 429 for
+        concurrency caps it at the started calls in flight less one. A kind
+        whose limit the provider states in its headers is not lowered (lib.lua,
+        learn_from_429)."""
         if not self.quota.learn:
             return
         k, limits = self.learned, self.limits
         if (kind == "tokens" and k.htpm) or (kind == "requests" and k.hrpm):
             return  # the provider states that limit: its 429 was a race the pause covers
         if not started:
-            if kind == "concurrency" and 1 < in_flight <= limits.max_concurrent_requests:
+            if kind == "concurrency" and 1 < sent <= limits.max_concurrent_requests:
                 if k.lcap == 0:
                     k.pcap = limits.max_concurrent_requests
-                k.lcap = max(1, in_flight - 1)
+                k.lcap = max(1, sent - 1)
                 k.lowered_at = now
             return
         w = self.window_ms()
-        if k.raised_at > k.lowered_at and now - k.raised_at < w:
+        probed = k.raised_at > k.lowered_at and now - k.raised_at < w  # the last raise drew it: undone
+        if probed:
             k.window = min(w * 2, MAX_WINDOW_MS)
-        if kind == "tokens":
-            k.ptpm = limits.max_tokens_per_minute
-            k.ltpm = max(1, math.floor(k.ptpm * 7 / 10))
+        q, t = self.quota, now - k.first_at
+        if kind == "tokens" and probed and k.ltpm:
+            k.ltpm = max(1, k.ltpm - step_of(k.ptpm))
+        elif kind == "requests" and probed and k.lrpm:
+            k.lrpm = max(1, k.lrpm - step_of(k.prpm))
+        elif kind == "concurrency" and probed and k.lcap:
+            k.lcap = max(1, k.lcap - step_of(k.pcap))
+        elif kind == "tokens":
+            change = lowered(limits.max_tokens_per_minute,
+                             first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t))
+            if change:
+                k.ptpm, k.ltpm = change
         elif kind == "requests":
             if not limits.max_requests_per_minute:
                 return
-            k.prpm = limits.max_requests_per_minute
-            k.lrpm = max(1, math.floor(k.prpm * 7 / 10))
+            change = lowered(limits.max_requests_per_minute,
+                             first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t))
+            if change:
+                k.prpm, k.lrpm = change
         else:
-            k.pcap = min(limits.max_concurrent_requests, max(1, in_flight))
+            k.pcap = min(limits.max_concurrent_requests, sent) if sent else limits.max_concurrent_requests
             k.lcap = max(1, math.floor(k.pcap * 7 / 10))
         k.lowered_at = now
+
+    def count_start(self, est: int, now: int) -> None:
+        """A call starts under the quota: the first bucket counts it (lib.lua, count_start)."""
+        k = self.learned
+        k.first_at = k.first_at or now
+        k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
@@ -246,8 +279,12 @@ class ReferenceState:
         return wait
 
     def _start_delay(self, name: str, est: int, first_start: bool, now: int) -> int:
-        """Both gates for a call about to start; a restart was charged at the token gate already."""
-        wait = self._token_gate(self.models[name], est, now) if first_start else 0
+        """Both gates for a call about to start; a restart was charged at the token
+        gate, and counted toward the first bucket, already."""
+        wait = 0
+        if first_start:
+            wait = self._token_gate(self.models[name], est, now)
+            self.models[name].count_start(est, now)
         return wait + self._start_gate(name, now + wait)
 
     def _start_gate(self, name: str, now: int) -> int:
@@ -263,8 +300,7 @@ class ReferenceState:
         rpm = state.limits.max_requests_per_minute
         if not rpm:
             return 0
-        interval = ceil_div(60_000, rpm)
-        tolerance = max(0, (state.limits.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
+        interval, tolerance = gate_shape(state.limits)
         start = max(now, state.tat - tolerance)
         state.tat = max(state.tat, start) + interval
         return start - now
