@@ -420,3 +420,13 @@ def test_a_lowered_cap_lets_no_late_ready_start_above_it_and_recalls_no_running_
     assert not twin.heartbeat(second, 5_000, starting=True)                  # no model: no start
     twin.check_same_state()
 
+
+def test_a_model_hash_from_the_previous_version_reads_its_new_state_fields_as_0(twin: Twin) -> None:
+    """A rolling upgrade: a worker of the previous version saved a model's hash without the
+    state fields added since. The new scripts and the live view read each as 0, as a new
+    model starts it (before: the next admit failed, format of nil, and every round with it)."""
+    twin.set_quota(Quota("m-a", 4, 600_000))
+    twin.client.hdel(keys.model(twin.namespace, "m-a"), "first_at", "first_calls", "first_tokens", "window")
+    assert all(isinstance(d, Admitted) for d in twin.admit([Candidate(100)] * 2))   # the scripts
+    assert twin.core.live(twin.now)["m-a"].in_flight == 2                             # the live view
+    twin.check_same_state()

@@ -105,6 +105,17 @@ STATE_FIELDS: dict[str, str] = {
 MODEL_FIELDS: tuple[str, ...] = QUOTA_FIELDS + tuple(STATE_FIELDS)
 
 
+def with_state_defaults(stored: Mapping[str, int]) -> dict[str, int]:
+    """A model's hash as read, with each state field it lacks at 0, as a new model starts it:
+    a hash written by the previous version (a rolling upgrade shares one Redis) lacks the
+    fields added since. load_model in lib.lua applies the same rule.
+
+    >>> with_state_defaults({"cap": 4})["first_at"]
+    0
+    """
+    return {**dict.fromkeys(STATE_FIELDS, 0), **stored}
+
+
 def _lua_list(names: tuple[str, ...]) -> str:
     return "{" + ", ".join(f"'{n}'" for n in names) + "}"
 

@@ -83,7 +83,7 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         raw, in_flight, sketch, ready = replies[4 * i:4 * i + 4]
         if not raw:
             continue  # removed between the two reads
-        m = {k.decode(): int(v) for k, v in raw.items()}
+        m = fields.with_state_defaults({k.decode(): int(v) for k, v in raw.items()})
         quota = fields.quota_from_fields(name, m)
         learned = Learned.from_fields(m)
         limits = effective(quota, learned)

@@ -85,13 +85,17 @@ local function live_lease(lid, now)
   return key, deadline
 end
 
--- A model's hash holds FIELDS (QUOTA_FIELDS, then STATE_FIELDS), every one
--- always: a model is created whole (new_model) and saved whole (save_model).
+-- A model's hash holds FIELDS (QUOTA_FIELDS, then STATE_FIELDS): a model is
+-- created whole (new_model) and saved whole (save_model). A hash written by
+-- the previous version (a rolling upgrade shares one Redis) lacks the state
+-- fields added since: each starts at 0, as in a new model (fields.py,
+-- with_state_defaults, is the same rule for the live view).
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
   if not raw[1] then return nil end
   local m = {name = name}
   for i, f in ipairs(FIELDS) do m[f] = tonumber(raw[i]) end
+  for _, f in ipairs(STATE_FIELDS) do if m[f] == nil then m[f] = 0 end end
   return m
 end
 
