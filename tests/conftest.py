@@ -184,8 +184,10 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's c
 #: Modules whose tests share something outside their own namespace and schema run
 #: one after another on one xdist worker: the demo tests check that no ``demo-*``
 #: key and no ``balancer_demo_*`` schema is left anywhere, so no other demo may run
-#: beside them (and test_wheel's module fixture builds its wheel once).
-SERIAL_GROUPS = {"test_demo.py": "demo", "test_wheel.py": "demo"}
+#: beside them (and test_wheel's module fixture builds its wheel once). The two chaos runs
+#: take one worker, one after the other: side by side they loaded the machine enough to
+#: slow the other tests' short leases.
+SERIAL_GROUPS = {"test_demo.py": "demo", "test_wheel.py": "demo", "test_chaos.py": "chaos"}
 #: Modules that run real processes for seconds per test; handed out first, so the
 #: short tests fill the gaps at the end instead of one long test running alone.
 LONG_FIRST = ("test_chaos.py", "test_faults.py", "test_e2e.py", "test_endgame.py", "test_router_pipeline.py", "test_metrics.py",

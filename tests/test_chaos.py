@@ -8,6 +8,7 @@ import random
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -215,6 +216,7 @@ CI_WINDOW_MIN, CI_TASKS, FIXED_SEED = 2.0, 1200, 2026
 
 
 @pytest.mark.faults
+@pytest.mark.timeout(900)  # a two-minute window, the start-up and the drain (up to 240 s) under CI's load
 @pytest.mark.parametrize("which", ["fixed", "fresh"])
 def test_a_short_chaos_run_holds_every_target(which: str, service_urls: tuple[str, str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,3 +243,21 @@ def test_a_short_chaos_run_holds_every_target(which: str, service_urls: tuple[st
     assert report.unexplained_repeats == [], text
     assert report.recovery_p99 is None or report.recovery_p99 <= 60, text
     assert report.passed, text
+
+
+def test_inbox_lines_refused_at_intake_are_counted_with_their_reason_not_as_lost(tmp_path: Path) -> None:
+    """A chaos inbox file whose line was pinned to a model a `quota remove` had taken away:
+    intake refused that line (its reason in the .errors beside the file), so the run expects
+    one task fewer; a whole file rejected counts every line; other files' reports do not count."""
+    from balancer.bench.chaos_faults import refused_inbox_lines
+
+    (tmp_path / "done").mkdir()
+    (tmp_path / "rejected").mkdir()
+    (tmp_path / "done" / "chaos-1.jsonl").write_text("{}\n{}\n{}\n")
+    (tmp_path / "done" / "chaos-1.jsonl.errors").write_text("line 1: unknown model 'model-0'\n")
+    (tmp_path / "done" / "other.jsonl.errors").write_text("line 3: not ours\n")
+    (tmp_path / "rejected" / "chaos-2.jsonl").write_text("{}\n{}\n")
+    (tmp_path / "rejected" / "chaos-2.jsonl.errors").write_text("not ingested: OperationalError\n")
+    assert refused_inbox_lines(tmp_path) == ["chaos-1.jsonl: line 1: unknown model 'model-0'",
+                                             "chaos-2.jsonl: not ingested: OperationalError",
+                                             "chaos-2.jsonl: not ingested: OperationalError"]

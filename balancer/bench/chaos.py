@@ -31,7 +31,7 @@ import httpx
 import sqlalchemy as sa
 from rich.console import Console
 
-from balancer.bench.chaos_faults import Injector, RouterCallers
+from balancer.bench.chaos_faults import Injector, RouterCallers, refused_inbox_lines
 from balancer.bench.chaos_plan import Fault, draw_schedule, kind_counts
 from balancer.bench.chaos_report import ChaosResult, render
 from balancer.bench.witness import FaultWindow, TaskRow, WitnessReport, WriteEvent, witness
@@ -222,7 +222,8 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                         open_tasks = conn.execute(sa.text(
                             "SELECT count(*) FROM tasks WHERE status NOT IN ('solved', 'failed', 'cancelled')")).scalar_one()
                         total = conn.execute(sa.text("SELECT count(*) FROM tasks")).scalar_one()
-                    if open_tasks == 0 and total >= submitted + injector.inbox_tasks and not checks:
+                    expected = submitted + injector.inbox_tasks - len(refused_inbox_lines(inbox))
+                    if open_tasks == 0 and total >= expected and not checks:
                         drained_at = time.time()
                         break
                 time.sleep(STEP_S)
@@ -234,11 +235,14 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
             entries.extend(fetch_log(backend_url, cursor)[0])
             supervisor.stop_all()
             proxy.close()
-        report = _witness(iso, entries, submitted + injector.inbox_tasks, quotas, windows, injector.kills, deaths)
+        refused = refused_inbox_lines(inbox)
+        report = _witness(iso, entries, submitted + injector.inbox_tasks - len(refused), quotas, windows, injector.kills,
+                          deaths)
     console.print(f"logs were in {iso.workdir / 'logs'}")
     return ChaosResult(seed, command, minutes, len(names), schedule, report, beliefs, injector.actions, elapsed,
                        drained_at > 0, {"faults": kind_counts(schedule), "submitted": submitted,
-                                        "inbox_tasks": injector.inbox_tasks, "calls": len(entries),
+                                        "inbox_tasks": injector.inbox_tasks, "inbox_refused": refused,
+                                        "calls": len(entries),
                                         "router_answered": callers.answered, "router_failed": callers.failed})
 
 

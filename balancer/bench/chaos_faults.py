@@ -254,3 +254,18 @@ class RouterCallers:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
+
+
+def refused_inbox_lines(inbox: Path) -> list[str]:
+    """The lines of the chaos run's inbox files in ``inbox`` that intake refused, each with its reason as the
+    inbox reports it (``<file>.errors`` beside a file in ``done/``; a whole file in
+    ``rejected/``): a line pinned to a model a `quota remove` fault had taken away, say.
+    They are no task, and no task lost: the operator is told."""
+    refused = []
+    for report in sorted((inbox / "done").glob("chaos-*.errors")):
+        refused += [f"{report.stem}: {line}" for line in report.read_text().splitlines() if line.startswith("line ")]
+    for whole in sorted((inbox / "rejected").glob("chaos-*.jsonl")):
+        reason = whole.with_name(whole.name + ".errors")
+        why = reason.read_text().strip() if reason.exists() else "rejected"
+        refused += [f"{whole.name}: {why}"] * len(whole.read_text().splitlines())
+    return refused

@@ -33,7 +33,8 @@ def render(result: ChaosResult) -> str:
     p99, own_p99 = r.recovery_p99, r.own_end_recovery_p99
     unexplained = r.unexplained_repeats
     rows = [
-        ("tasks (submitted + inbox)", f"{r.tasks} of {r.expected_tasks}", r.tasks == r.expected_tasks),
+        ("tasks (submitted + inbox, less the inbox lines refused at intake with a reason)",
+         f"{r.tasks} of {r.expected_tasks}", r.tasks == r.expected_tasks),
         ("ended", ", ".join(f"{k} {v}" for k, v in sorted(r.ended.items())), True),
         ("lost or stuck", str(r.lost), r.lost == 0),
         ("ended twice", str(len(r.ended_twice)), not r.ended_twice),
@@ -91,6 +92,8 @@ def render(result: ChaosResult) -> str:
     for title, items in (("Limit breaches", r.provider_violations + r.quota_breaches),
                          ("Overlapping calls of one task", overlaps),
                          ("Tasks ended twice", [str(t) for t in r.ended_twice[:50]]),
+                         ("Inbox lines refused at intake (reported in the inbox's .errors; no task)",
+                          result.extra.get("inbox_refused", [])),
                          ("What the parts believed after each fault (leases in Redis, running rows in PostgreSQL,"
                           " calls in flight at the backend; only disagreements are listed)", result.beliefs)):
         lines += ["", f"{title}:" if items else f"{title}: none.", ""]
