@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import redis
 
 from balancer.admission import Admitted, Candidate, keys
 from balancer.backends import make_backend
@@ -342,3 +343,42 @@ def test_the_heartbeat_extends_task_deadlines_while_redis_is_unreachable(
     row = task_row(short, a.task_id)
     assert (row.status, row.admission_id) == ("running", a.admission_id)
     short.core.finish(a.admission_id)
+
+
+def test_a_late_start_that_cannot_reach_redis_is_not_called_and_its_task_is_let_go(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:
+    """A CI chaos run (seed 1199918074): Redis was killed while a next call's start
+    waited. Its lease re-check raised, freeing the slot in the solve's ``finally``
+    raised again, and the call was never let go by the heartbeat: its task stayed
+    ``running``, kept alive, for 230 s. Now the call is not made, its task goes back
+    to pending at once, and the heartbeat lets it go."""
+    url, simulator = sim
+    first = dispatch_one(svc, {"prompt": "first", "model": "m"})
+    other, next_id = stock_next(svc, "next")
+    real_heartbeat, real_finish = svc.core.heartbeat, svc.core.finish
+    down = threading.Event()
+
+    def redis_down(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise redis.ConnectionError("Error 111 connecting to Redis. Connection refused.")
+
+    def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
+        if task_id == other:
+            time.sleep(call_module.LATE_START_S + 0.2)  # a late start, during which Redis goes down
+            down.set()
+        return start_solve(engine, task_id, *args)
+
+    monkeypatch.setattr(solver, "start_solve", stalled_start)
+    monkeypatch.setattr(svc.core, "heartbeat", lambda *a, **k: redis_down() if down.is_set() else real_heartbeat(*a, **k))
+    monkeypatch.setattr(svc.core, "finish", lambda *a, **k: redis_down() if down.is_set() else real_finish(*a, **k))
+    heartbeat = Heartbeat(svc)
+    try:
+        outcomes = chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True,
+                         heartbeat=heartbeat)
+    finally:
+        heartbeat.close()
+    assert outcomes == ["solved", "lease_lost"]
+    assert [e["status"] for e in simulator.log] == [200]  # the next task was never called
+    row = task_row(svc, other)
+    assert row.status == "pending" and row.attempts == 0 and "Redis could not say" in row.error
+    assert not heartbeat.holds(next_id)  # let go: nothing keeps its task alive

@@ -170,11 +170,17 @@ class Call:
         slot may be another call's by now), or if its model's cap was lowered
         meanwhile below the calls holding slots (no new call starts above it).
         A start within LATE_START_S of the take needs no round trip: the take
-        checked the cap, and the lease taken with it has most of its length left."""
+        checked the cap, and the lease taken with it has most of its length left.
+        A Redis error is False too: a call must not start on a lease it may have lost."""
         if time.monotonic() - self.taken_at < min(LATE_START_S, self.services.settings.heartbeat_seconds):
             return True
-        return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000,
-                                            starting=True)
+        try:
+            return self.services.core.heartbeat(self.admission_id, self.services.settings.lease_seconds * 1000,
+                                                starting=True)
+        except (redis.RedisError, OSError) as exc:  # unknown is not held: no call on a lease it may have lost
+            log.warning("task %d: could not re-check the lease of its late start on %s (%s); not called",
+                        self.msg.task_id, self.msg.model, exc)
+            return False
 
     # -- the backend call ----------------------------------------------------------------
     def call_backend(self, backend: Backend, ctx: SolveContext, listener: CancelListener | None) -> tuple[Completion, int]:

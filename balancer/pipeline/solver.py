@@ -92,6 +92,7 @@ until it is written. Every wait ends by the solve's deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -223,10 +224,12 @@ def solve_one(services: Services, backend: Backend, msg: SolveMessage | NextCall
             nxt.call.end()
         raise
     finally:
-        call.free()  # every path frees the slot, even an unexpected exception
-        if call.answer is None:
-            call.end()  # nothing to write: the heartbeat lets it go now
-        SOLVE_DEADLINE.reset(token)
+        try:
+            call.free()  # every path frees the slot, even an unexpected exception
+        finally:  # (a Redis error freeing it must not keep the task alive: its lease expires on its own)
+            if call.answer is None:
+                call.end()  # nothing to write: the heartbeat lets it go now
+            SOLVE_DEADLINE.reset(token)
     return outcome, (taken[0] if taken else None)
 
 
@@ -296,9 +299,11 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
         return "stale"
     if started is not None:  # taken from a ready list: its lease was started with it
         if not call.still_holds_its_lease():
-            call.free()
+            with contextlib.suppress(redis.RedisError, OSError):  # Redis out: the lease expires on its own
+                call.free()
             failure = Failure(msg.model, "its slot's lease expired, or its model's cap was lowered below the calls "
-                                         "holding slots, while its start waited; not called", ctx.attempts)
+                                         "holding slots, or Redis could not say, while its start waited; not called",
+                              ctx.attempts)
             return call.change("lease_lost", CHANGES["lease_lost"](failure))
         start_delay_ms = msg.start_delay_ms or 0
     else:  # from the dispatcher: re-assert the slot
