@@ -101,8 +101,8 @@ class BalancerCollector(Collector):
         self.services = services
         self.finished_every = finished_every
         self._finished: dict[str, int] | None = None
-        # Read from the solved history with the finished counts, at the same pace: spend so far by
-        # (source, model), and what each model's answered calls used against their estimates.
+        # Read with the finished counts, at the same pace: spend so far by (source, model), from the
+        # ledger, and what each model's answered calls used against their estimates.
         self._usage: list[tuple[str, str, int, int]] = []
         self._observed: dict[str, Observed] = {}
         self._finished_at = 0.0
@@ -245,8 +245,8 @@ class BalancerCollector(Collector):
             families[f"balancer_drain_eta_{side}_seconds"] = GaugeMetricFamily(
                 f"balancer_drain_eta_{side}_seconds", f"The {side} end of the drain ETA's band (balancer.domain.eta)")
         families["balancer_spend"] = CounterMetricFamily(
-            "balancer_spend", "Money spent on answered calls, at the quotas' prices (recounted with the finished "
-            "tasks)", labels=["model", "source", "currency"])
+            "balancer_spend", "Money spent on every call sent (hedges and retries included: the ledger), at the "
+            "quotas' prices (recounted with the finished tasks)", labels=["model", "source", "currency"])
         families["balancer_backlog_projected_cost"] = GaugeMetricFamily(
             "balancer_backlog_projected_cost", "Projected cost of the tasks left (balancer.domain.cost.project)",
             labels=["model", "currency"])

@@ -21,13 +21,16 @@ def clock(value: float | datetime | None) -> str:
 
 
 def duration(seconds: float | None) -> str:
-    """``45 s``, ``4 min 05 s``, ``2 h 03 min``.
+    """``45 s``, ``4 min 05 s``, ``2 h 03 min``; a tenth of a second below 10 s (an ETA band
+    of 0.8 to 1.3 s read "between 1 s and 1 s").
 
-    >>> duration(45.2), duration(245.2), duration(7380), duration(None)
-    ('45 s', '4 min 05 s', '2 h 03 min', '-')
+    >>> duration(45.2), duration(245.2), duration(7380), duration(1.26), duration(None)
+    ('45 s', '4 min 05 s', '2 h 03 min', '1.3 s', '-')
     """
     if seconds is None:
         return "-"
+    if 0 < seconds < 9.95:
+        return f"{seconds:.1f} s"
     whole = max(0, round(seconds))
     hours, rest = divmod(whole, 3600)
     minutes, secs = divmod(rest, 60)
