@@ -113,7 +113,7 @@ def _service_error(exc: Exception) -> int:
         click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(scrub(str(exc), url))}", err=True)
         return 2
     if sa_exc is not None and isinstance(exc, sa_exc.OperationalError):
-        from balancer.storage.db import describe_connect_error
+        from balancer.storage.dbapi import describe_connect_error
 
         url = Settings.from_env().database_url or "(embedded)"
         click.echo(f"error: {_one_line(str(describe_connect_error(url, exc)))}", err=True)

@@ -164,7 +164,7 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
 
 def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
     """``top``'s per-source table: each source table's tasks by state, as ``status`` reads them
-    (``storage.sources.SourceStatus``), its weight, and its budget per day and whether its tasks wait
+    (``storage.source_reads.SourceStatus``), its weight, and its budget per day and whether its tasks wait
     (``domain.budget.Standing``); a source with a budget and no table, its weight and budget alone."""
     from rich.table import Table
 
@@ -190,9 +190,8 @@ def status(as_json: bool) -> None:
     from balancer.pipeline.beat_seen import beat_last_seen_s
     from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
-    from balancer.storage.intake import reused_count
-    from balancer.storage.leases import overdue_count
-    from balancer.storage.sources import source_status
+    from balancer.storage.reads import overdue_count, reused_count
+    from balancer.storage.source_reads import source_status
     from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
@@ -204,8 +203,7 @@ def status(as_json: bool) -> None:
     spent, projected = spend_so_far(svc.engine, quotas), projected_cost(svc.engine, quotas)
     sources = source_status(svc.engine)
     budgets = read_standings(svc)
-    with svc.engine.connect() as conn:
-        reused = reused_count(conn)
+    reused = reused_count(svc.engine)
     if as_json:
         click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
                                **band_fields(drain), "waiting_on_budget": 0 if drain is None else drain.waiting,
@@ -253,8 +251,8 @@ def top(interval: float, count: int | None) -> None:
     from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
+    from balancer.storage.source_reads import source_status
     from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
-    from balancer.storage.sources import source_status
     from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
