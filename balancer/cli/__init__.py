@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "beat": "processes:beat", "bench": "pipeline:bench", "db": "db:db", "demo": "pipeline:demo",
     "dispatcher": "processes:dispatcher", "embedded": "db:embedded", "metrics": "processes:metrics",
     "quota": "quota:quota", "results": "results:results", "router": "processes:router", "sim": "processes:sim",
-    "source": "source:source", "status": "pipeline:status", "submit": "pipeline:submit", "tasks": "tasks:tasks",
+    "source": "source:source", "status": "status:status", "submit": "pipeline:submit", "tasks": "tasks:tasks",
     "top": "pipeline:top", "web": "web:web", "worker": "processes:worker",
 }
 

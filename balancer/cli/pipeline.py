@@ -1,4 +1,5 @@
-"""Pipeline commands: submit, status, top, demo, bench; the long-running processes' commands
+"""Pipeline commands: submit, top, demo, bench, and what ``status`` (:mod:`balancer.cli.status`)
+prints as ``top`` does; the long-running processes' commands
 (worker, dispatcher, beat, sim, metrics, router) are in :mod:`balancer.cli.processes`."""
 
 from __future__ import annotations
@@ -93,20 +94,6 @@ def eta_text(eta: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
-def _projected_dict(projected: Any) -> dict[str, Any]:
-    """The backlog left's projected cost for ``status --json``: as ``spend``, without ``by_source``."""
-    out = projected.as_dict()
-    out.pop("by_source", None)
-    return out
-
-
-def band_fields(drain: Any) -> dict[str, float | None]:
-    """The ETA's band for ``status --json``: ``eta_low_s`` and ``eta_high_s`` (None when there is no ETA)."""
-    low = None if drain is None or drain.low is None else round(drain.low, 1)
-    high = None if drain is None or drain.high is None else round(drain.high, 1)
-    return {"eta_low_s": low, "eta_high_s": high}
-
-
 def band_text(drain: Any) -> str:
     """The ETA's band for a person, after the ETA: `` (3 min 10 s to 4 min 40 s)``; empty when done or unknown.
 
@@ -178,59 +165,6 @@ def _source_table(sources: list, weights: dict[str, int], budgets: dict, default
         table.add_row(printable(name), *counts.get(name, ["-"] * 4), str(weights.get(name, default_weight)),
                       printable(budget_line(budgets[name]), limit=400) if name in budgets else "-")
     return table
-
-
-@click.command()
-@click.option("--json", "as_json", is_flag=True)
-def status(as_json: bool) -> None:
-    """Task counts by status, and per model: calls in flight against the cap,
-    buckets, 429s, latency, and the limit that holds it back now."""
-    from balancer.cli.source import budget_line, source_line
-    from balancer.domain.cost import projection_text, spend_text
-    from balancer.pipeline.beat_seen import beat_last_seen_s
-    from balancer.pipeline.budgets import read_standings
-    from balancer.pipeline.summary import read
-    from balancer.storage.reads import overdue_count, reused_count
-    from balancer.storage.source_reads import source_status
-    from balancer.storage.spend import projected_cost, spend_so_far
-
-    svc = _migrated()
-    counts, rows, _, drain = read(svc)
-    eta = None if drain is None else drain.eta
-    overdue = overdue_count(svc.engine)
-    beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
-    quotas = svc.quotas.all()
-    spent, projected = spend_so_far(svc.engine, quotas), projected_cost(svc.engine, quotas)
-    sources = source_status(svc.engine)
-    budgets = read_standings(svc)
-    reused = reused_count(svc.engine)
-    if as_json:
-        click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
-                               **band_fields(drain), "waiting_on_budget": 0 if drain is None else drain.waiting,
-                               "beat_last_tick_s": None if beat is None else round(beat, 1),
-                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
-                               "projected": _projected_dict(projected), "sources": [s.as_dict() for s in sources],
-                               "budgets": [b.as_dict() for b in budgets.values()]}))
-        return
-    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
-               + f"  eta: {drain_text(drain)}")
-    if spent.by_model or spent.unpriced_tokens:
-        click.echo(spend_text(spent))
-    if projected.by_model or projected.unpriced_tokens:
-        click.echo(projection_text(projected))
-    for s in sources:
-        click.echo(f"source {s.name}: {source_line(s)}")
-    for b in budgets.values():
-        click.echo(printable(f"budget {b.budget.source}: {budget_line(b)}", limit=400))
-    if beat is None:
-        click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
-    if overdue:
-        click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
-                   "the sweep tick returns them to pending")
-    if rows:
-        from rich.console import Console
-
-        Console(width=max(Console().width, 120)).print(_model_table(rows))
 
 
 @click.command()

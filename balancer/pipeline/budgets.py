@@ -22,17 +22,17 @@ from datetime import UTC, datetime
 
 from balancer.domain.budget import Standing, day_start, held, standings
 from balancer.domain.cost import price_list
-from balancer.services import Services
+from balancer.snapshot import ReadServices
 from balancer.storage.quota_rows import all_quotas
 from balancer.storage.rows import RowSource, reading
 from balancer.storage.source_reads import budgets
 from balancer.storage.spend import spent_by_source_since
 
 
-def read_standings(services: Services, conn: RowSource | None = None, now: datetime | None = None) -> dict[str, Standing]:
+def read_standings(services: ReadServices, conn: RowSource | None = None, now: datetime | None = None) -> dict[str, Standing]:
     """Every budgeted source's budget against what it spent today (empty: no budget set),
     read on ``conn`` (in the caller's transaction) or on a connection of its own."""
-    with reading(services.engine if conn is None else conn) as db:
+    with reading(services.db if conn is None else conn) as db:
         set_now = budgets(db)
         if not set_now:
             return {}
@@ -41,6 +41,6 @@ def read_standings(services: Services, conn: RowSource | None = None, now: datet
     return standings(set_now, usage, prices, currency)
 
 
-def held_sources(services: Services, conn: RowSource | None = None) -> frozenset[str]:
+def held_sources(services: ReadServices, conn: RowSource | None = None) -> frozenset[str]:
     """The sources whose budget is spent: their tasks wait this dispatch run."""
     return held(read_standings(services, conn))

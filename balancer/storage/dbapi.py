@@ -1,9 +1,19 @@
-"""PostgreSQL without SQLAlchemy: what every connection of balancer's shares, libpq's options
-and a refused connection as one line."""
+"""PostgreSQL without SQLAlchemy: ``status``'s one read-only connection (psycopg2), and what
+every connection of balancer's shares with it: libpq's options, and a refused connection as one line.
+
+``status`` is a process that reads and exits, so it pays for SQLAlchemy's import (about
+half its run) and gets nothing from a pool. Its reads are the same SQL constants the engine
+runs (:mod:`balancer.storage.rows`), all in one ``REPEATABLE READ READ ONLY`` transaction:
+one snapshot, so the counts, the spend and the ETA's inputs agree with each other.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+import psycopg2
+from psycopg2.extensions import parse_dsn
 
 from balancer.errors import ServiceUnavailable, Unreachable
 from balancer.urls import mask_url, scrub
@@ -35,3 +45,37 @@ def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
     first = scrub(detail[0] if detail else type(exc).__name__, url)
     kind = Unreachable if any(sign in first.lower() for sign in _MAY_COME_BACK) else ServiceUnavailable
     return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
+
+
+class ReadOnlyConnection:
+    """One psycopg2 connection whose reads run in one read-only ``REPEATABLE READ`` transaction
+    (begun by the first read); it runs :mod:`balancer.storage.rows`' reads as a SQLAlchemy
+    connection does. A lost or refused connection is one line (:func:`describe_connect_error`)."""
+
+    def __init__(self, connection: Any, url: str) -> None:
+        self._connection = connection
+        self._url = url
+
+    def exec_driver_sql(self, statement: str, parameters: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        try:
+            with self._connection.cursor() as cursor:
+                cursor.execute(statement, parameters)
+                return cursor.fetchall()
+        except psycopg2.OperationalError as exc:  # lost, or a statement past statement_timeout
+            raise describe_connect_error(self._url, exc) from None
+
+    def close(self) -> None:
+        """Ends the transaction (nothing was written) and the connection."""
+        self._connection.close()
+
+
+def connect_read_only(url: str) -> ReadOnlyConnection:
+    """A :class:`ReadOnlyConnection` to ``url`` (a ``BALANCER_DATABASE_URL``, its driver named or not)."""
+    params = parse_dsn("postgresql://" + url.partition("://")[2])
+    params.update(connect_args(params.pop("options", "")))
+    try:
+        connection = psycopg2.connect(**params)
+    except psycopg2.OperationalError as exc:
+        raise describe_connect_error(url, exc) from None
+    connection.set_session(isolation_level="REPEATABLE READ", readonly=True)
+    return ReadOnlyConnection(connection, url)
