@@ -103,7 +103,7 @@ def test_the_snapshot_is_one_read_only_transaction(svc) -> None:  # noqa: ANN001
 
     from balancer.domain.quota import Quota
     from balancer.snapshot import open_snapshot
-    from balancer.storage.reads import status_counts, unfinished_count
+    from balancer.storage.reads import backlog, status_counts
 
     svc.quotas.replace_all([Quota("m", 1, 1000)])
     with open_snapshot(svc.settings) as snap:
@@ -111,7 +111,7 @@ def test_the_snapshot_is_one_read_only_transaction(svc) -> None:  # noqa: ANN001
         with svc.engine.begin() as conn:
             conn.execute(sa.text("INSERT INTO tasks (prompt, max_tokens, estimated_tokens) VALUES ('x', 1, 2)"))
         assert status_counts(svc.engine)["pending"] == 1  # committed
-        assert status_counts(snap.db)["pending"] == 0 and unfinished_count(snap.db) == 0  # not in the snapshot
+        assert status_counts(snap.db)["pending"] == 0 and backlog(snap.db).unfinished == 0  # not in the snapshot
         with pytest.raises(psycopg2.errors.ReadOnlySqlTransaction):
             snap.db.exec_driver_sql("DELETE FROM tasks", {})
 

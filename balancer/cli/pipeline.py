@@ -182,9 +182,11 @@ def top(interval: float, count: int | None) -> None:
     from rich.live import Live
     from rich.text import Text
 
+    from balancer.domain.budget import held
     from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
+    from balancer.storage.reads import backlog
     from balancer.storage.source_reads import source_status
     from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
     from balancer.storage.spend import projected_cost, spend_so_far
@@ -193,7 +195,8 @@ def top(interval: float, count: int | None) -> None:
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
 
     def frame() -> Group:
-        counts, rows, counters, drain = read(svc)
+        budgets, left = read_standings(svc), backlog(svc.engine)  # what `status` reads for them, read once
+        counts, rows, counters, drain = read(svc, held(budgets), left)
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -208,15 +211,15 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
+        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
         quotas = svc.quotas.all()
         money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
-                                         projection_text(projected_cost(svc.engine, quotas)))]
-        sources, budgets = source_status(svc.engine), read_standings(svc)  # what `status` reads for them
+                                         projection_text(projected_cost(svc.engine, quotas, left)))]
+        sources = source_status(svc.engine)
         with svc.engine.connect() as conn:
             shares = weights(conn)
         by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []
-        return Group(_model_table(rows, rates), *by_source, backlog, *money)
+        return Group(_model_table(rows, rates), *by_source, counted, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

@@ -51,16 +51,16 @@ def read_status(services: ReadServices) -> StatusReads:
     from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
     from balancer.storage.quota_rows import all_quotas
-    from balancer.storage.reads import overdue_count, reused_count
+    from balancer.storage.reads import backlog, overdue_count, reused_count
     from balancer.storage.source_reads import source_status
     from balancer.storage.spend import projected_cost, spend_so_far
 
-    db, budgets = services.db, read_standings(services)
-    counts, rows, _, drain = read(services, held=held(budgets))  # the budgets are read once
+    db, budgets, left = services.db, read_standings(services), backlog(services.db)
+    counts, rows, _, drain = read(services, held(budgets), left)  # the budgets and the backlog are read once
     quotas = all_quotas(db)
     return StatusReads(counts, rows, drain, reused_count(db), overdue_count(db),
                        beat_last_seen_s(services.redis, services.settings.namespace),
-                       spend_so_far(db, quotas), projected_cost(db, quotas), source_status(db), budgets)
+                       spend_so_far(db, quotas), projected_cost(db, quotas, left), source_status(db), budgets)
 
 
 def band_fields(drain: Any) -> dict[str, float | None]:

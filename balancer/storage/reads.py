@@ -7,19 +7,54 @@ Each is SQL text declared once, run on an engine, a connection or ``status``'s s
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 from balancer.domain.statuses import TASK_STATUSES
 from balancer.storage.rows import RowSource, count, fetch
 
-_PENDING_GROUPS = """
-SELECT allowed_models, count(*), coalesce(sum(estimated_tokens), 0) FROM tasks
-WHERE status = 'pending' GROUP BY allowed_models
+_BACKLOG = """
+SELECT status, allowed_models, count(*), coalesce(sum(estimated_tokens), 0), coalesce(sum(max_tokens), 0) FROM tasks
+WHERE status IN ('pending', 'ready', 'queued', 'running') GROUP BY status, allowed_models
 """
 
 
-def pending_groups(db: RowSource) -> list[tuple[list[str] | None, int, int]]:
-    """The backlog's composition: (allowed models or None, pending tasks, their estimated tokens)."""
-    return [(r[0], int(r[1]), int(r[2])) for r in fetch(db, _PENDING_GROUPS)]
+@dataclass(frozen=True)
+class Backlog:
+    """The tasks not finished yet (pending, ready, queued, running) by status and allowed models
+    (None: any model): per group, how many, their estimated tokens (prompt + ``max_tokens``) and
+    their ``max_tokens``. One read serves the drain ETA (the pending tasks' composition, how many
+    are not finished) and the backlog's projected cost (:func:`balancer.storage.spend.projected_cost`).
+
+    >>> b = Backlog((("pending", None, 3, 900, 300), ("running", ["a"], 1, 250, 50), ("ready", None, 2, 600, 200)))
+    >>> b.pending_groups(), b.unfinished, b.estimates()
+    ([(None, 3, 900)], 6, [(None, 5, 1000, 500), (['a'], 1, 200, 50)])
+    """
+
+    groups: tuple[tuple[str, list[str] | None, int, int, int], ...]
+
+    def pending_groups(self) -> list[tuple[list[str] | None, int, int]]:
+        """The backlog's composition: (allowed models or None, pending tasks, their estimated tokens)."""
+        return [(allowed, n, tokens) for status, allowed, n, tokens, _ in self.groups if status == "pending"]
+
+    @property
+    def unfinished(self) -> int:
+        """Tasks not finished yet (each counted once, however many calls it has)."""
+        return sum(n for _, _, n, _, _ in self.groups)
+
+    def estimates(self) -> list[tuple[list[str] | None, int, int, int]]:
+        """The tasks left by allowed models: (allowed or None, tasks, estimated prompt tokens, ``max_tokens``)."""
+        merged: dict[tuple[str, ...] | None, tuple[int, int, int]] = {}
+        for _, allowed, n, tokens, max_tokens in self.groups:
+            key = None if allowed is None else tuple(allowed)
+            tasks, prompt, most = merged.get(key, (0, 0, 0))
+            merged[key] = (tasks + n, prompt + tokens - max_tokens, most + max_tokens)
+        return [(None if key is None else list(key), *totals) for key, totals in merged.items()]
+
+
+def backlog(db: RowSource) -> Backlog:
+    """The :class:`Backlog` now."""
+    return Backlog(tuple((status, allowed, int(n), int(tokens), int(most))
+                         for status, allowed, n, tokens, most in fetch(db, _BACKLOG)))
 
 
 _PENDING_GROUPS_OF = """
@@ -71,11 +106,6 @@ WHERE status = 'running' AND model IS NOT NULL AND started_at IS NOT NULL GROUP 
 def running_calls(db: RowSource) -> dict[str, tuple[int, float]]:
     """Tasks running now, by model: how many, and the seconds they have run so far in all."""
     return {r[0]: (int(r[1]), max(0.0, float(r[2]))) for r in fetch(db, _RUNNING_CALLS)}
-
-
-def unfinished_count(db: RowSource) -> int:
-    """Tasks not finished yet: pending, ready, queued or running (each counted once, however many calls it has)."""
-    return count(db, "SELECT count(*) FROM tasks WHERE status IN ('pending', 'ready', 'queued', 'running')")
 
 
 def status_counts(db: RowSource) -> dict[str, int]:

@@ -19,6 +19,7 @@ from datetime import datetime
 
 from balancer.domain.cost import Observed, Spend, price_list, project, spend
 from balancer.domain.quota import Quota
+from balancer.storage.reads import Backlog, backlog
 from balancer.storage.rows import RowSource, fetch
 
 #: The ledger's tokens per source and model called, of the calls that ended at or after ``since`` (None: all).
@@ -63,18 +64,6 @@ def spend_so_far(db: RowSource, quotas: Sequence[Quota]) -> Spend:
     return spend(token_usage(db), prices, currency)
 
 
-#: The tasks whose tokens are still to be spent (pending, ready, queued, running), by allowed models.
-_BACKLOG_ESTIMATES = """
-SELECT allowed_models, count(*), coalesce(sum(estimated_tokens - max_tokens), 0), coalesce(sum(max_tokens), 0)
-FROM tasks WHERE status IN ('pending', 'ready', 'queued', 'running') GROUP BY allowed_models
-"""
-
-
-def backlog_estimates(db: RowSource) -> list[tuple[list[str] | None, int, int, int]]:
-    """The tasks left by allowed models: (allowed or None, tasks, estimated prompt tokens, ``max_tokens``)."""
-    return [(r[0], int(r[1]), int(r[2]), int(r[3])) for r in fetch(db, _BACKLOG_ESTIMATES)]
-
-
 _OBSERVED = """
 SELECT model, count(*), sum(prompt_tokens), sum(completion_tokens), sum(estimated_tokens - max_tokens), sum(max_tokens)
 FROM tasks WHERE status = 'solved' AND model IS NOT NULL AND prompt_tokens IS NOT NULL AND completion_tokens IS NOT NULL
@@ -87,9 +76,10 @@ def observed_usage(db: RowSource) -> dict[str, Observed]:
     return {r[0]: Observed(int(r[1]), int(r[2]), int(r[3]), int(r[4]), int(r[5])) for r in fetch(db, _OBSERVED)}
 
 
-def projected_cost(db: RowSource, quotas: Sequence[Quota]) -> Spend:
-    """The backlog left's projected cost by model, over the enabled models, in the quotas' currency."""
+def projected_cost(db: RowSource, quotas: Sequence[Quota], left: Backlog | None = None) -> Spend:
+    """The backlog left's projected cost by model, over the enabled models, in the quotas' currency
+    (``left``: the backlog, when the caller has read it)."""
     prices, currency = price_list(quotas)
     enabled = {q.name for q in quotas if q.enabled}
-    return project(backlog_estimates(db), observed_usage(db),
+    return project((backlog(db) if left is None else left).estimates(), observed_usage(db),
                    {name: price for name, price in prices.items() if name in enabled}, currency)
