@@ -116,7 +116,7 @@ def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(migrated: dic
             conn.execute(sa.text("UPDATE tasks SET status = 'solved', model = 'm', admission_id = 'a1', prompt_tokens = 7,"
                                  " completion_tokens = 3, solved_at = now() WHERE id = :id"), {"id": solved})
             conn.execute(sa.text("UPDATE tasks SET status = 'failed', model = 'm' WHERE id = :id"), {"id": failed})
-        assert upgrade(engine) == "0018"
+        assert upgrade(engine, "0018") == "0018"
         with engine.connect() as conn:
             ledger = conn.execute(sa.text("SELECT task_id, model, admission_id, answered FROM call_usage")).all()
         assert ledger == [(solved, "m", "a1", True)]
