@@ -348,6 +348,8 @@ class ReferenceCore(Signals):
                 self.leases[seed.admission_id] = Lease(
                     seed.model, seed.estimated_tokens, now + seed.remaining_ms, started=True
                 )
+        for name, state in self.models.items():  # slow start opens from the calls still running
+            state.learned.ramp_from = len(self._inflight(name))
         return True
 
     def forget(self) -> None:
