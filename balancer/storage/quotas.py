@@ -74,6 +74,7 @@ def _row_to_quota(row: Any) -> Quota:
         price_per_million_output=row.price_per_million_output,
         currency=row.currency,
         learn=row.learn,
+        slow_start=row.slow_start,
     )
 
 
