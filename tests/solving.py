@@ -1,16 +1,23 @@
 """The production solve path for tests: a message through ``solve_chain`` with a
-real lease heartbeat and a real answer writer (the only way an answer is written)."""
+real lease heartbeat and a real answer writer (the only way an answer is written),
+and a task's start made to stall while a test changes what is around it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import pytest
+from sqlalchemy import Engine
+
 from balancer.backends import Backend
+from balancer.pipeline import solver
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.services import Services
+from balancer.storage.transitions import SolveContext, start_solve
 
 
 def chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None, *,
@@ -34,3 +41,15 @@ def solve(services: Services, backend: Backend, msg: SolveMessage, listener: Can
     """One message's outcome, through the production path (no next call taken)."""
     (outcome,) = chain(services, backend, msg, listener, **kwargs)
     return outcome
+
+
+def stall_start(monkeypatch: pytest.MonkeyPatch, task_id: int, action: Callable[[], object]) -> None:
+    """The solver's start of ``task_id`` runs ``action`` first (a stalled start: it
+    waits, or the test changes the lease, the cap or Redis meanwhile), then starts
+    as usual; every other task starts as usual."""
+    def stalled(engine: Engine, started: int, *args: Any) -> SolveContext | None:
+        if started == task_id:
+            action()
+        return start_solve(engine, started, *args)
+
+    monkeypatch.setattr(solver, "start_solve", stalled)

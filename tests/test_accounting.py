@@ -95,7 +95,7 @@ def test_a_pause_holds_a_model_whatever_limit_caused_it(twin: Twin) -> None:
 
 def test_request_burst_paces_below_a_minute(twin: Twin) -> None:
     """600 RPM checked over 1 s (Azure): burst_requests = 10 admits 10 at once, then 10 per second."""
-    twin.set_quota(Quota("a", 100, 10_000_000, max_requests_per_minute=600, burst_requests=10))
+    twin.set_quota(Quota("a", 100, 10_000_000, max_requests_per_minute=600, burst_requests=10, slow_start=False))
     decisions = twin.admit([Candidate(1) for _ in range(12)])
     assert sum(isinstance(d, Admitted) for d in decisions) == 10
     twin.advance(100)  # 600 RPM = one request per 100 ms
@@ -103,8 +103,8 @@ def test_request_burst_paces_below_a_minute(twin: Twin) -> None:
 
 
 def test_a_retry_avoids_the_model_that_just_failed(twin: Twin) -> None:
-    twin.set_quota(Quota("a", 4, 600_000))
-    twin.set_quota(Quota("b", 4, 600_000))
+    twin.set_quota(Quota("a", 4, 600_000, slow_start=False))
+    twin.set_quota(Quota("b", 4, 600_000, slow_start=False))
     for _ in range(4):
         decision = twin.admit([Candidate(100, avoid="a")])[0]
         assert isinstance(decision, Admitted) and decision.model == "b"
@@ -117,7 +117,7 @@ def test_the_start_gate_spaces_call_starts_at_the_provider_rate(twin: Twin) -> N
     """Calls admitted together may reach the worker together; renew, just before
     the call, spaces their starts: one per 60,000 / RPM ms, with burst_requests
     of tolerance less 20 ms kept for the last hop's jitter."""
-    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=600, burst_requests=2))
+    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=600, burst_requests=2, slow_start=False))
     admitted = twin.admit([Candidate(1), Candidate(1)])
     twin.advance(200)  # the bucket refills 2 requests while the messages travel
     admitted += twin.admit([Candidate(1), Candidate(1)])
@@ -131,7 +131,7 @@ def test_the_remaining_requests_header_holds_back_calls_admitted_but_not_started
     calls admitted but not started yet are charged to our bucket and unknown to it.
     The header sync tells the start gate too: only that many more start now, the
     next one interval after another (60 RPM: 1,000 ms), not the burst's worth."""
-    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=60))
+    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=60, slow_start=False))
     first, *waiting = twin.admit([Candidate(1) for _ in range(4)])
     assert twin.renew(first.admission_id, "a", 1).start_delay_ms == 0
     twin.finish(first.admission_id, Settlement(used_tokens=1, reserved_tokens=1, remaining_requests=1))
@@ -140,7 +140,7 @@ def test_the_remaining_requests_header_holds_back_calls_admitted_but_not_started
 
 
 def test_the_start_gate_is_open_without_an_rpm_limit(twin: Twin) -> None:
-    twin.set_quota(Quota("a", 10, 10_000_000))
+    twin.set_quota(Quota("a", 10, 10_000_000, slow_start=False))
     admitted = twin.admit([Candidate(1) for _ in range(5)])
     assert [twin.renew(d.admission_id, "a", 1).start_delay_ms for d in admitted] == [0] * 5
 
@@ -207,7 +207,7 @@ def test_the_token_gate_holds_back_calls_that_start_in_a_bunch(twin: Twin) -> No
     """Admitted one by one as the bucket refilled, but started together (they waited
     in the broker): the provider, charging on arrival, would refuse the bunch. The
     token gate at renew spaces the starts so the provider has the tokens for each."""
-    twin.set_quota(Quota("a", 10, 60_000, burst_tokens=1_250))  # 1,000 tokens/s; bucket 1,000 after transit
+    twin.set_quota(Quota("a", 10, 60_000, burst_tokens=1_250, slow_start=False))  # 1,000 tokens/s; bucket 1,000 after transit
     admitted = [twin.admit([Candidate(1_000)])[0]]
     for _ in range(2):
         twin.advance(1_000)  # the admission bucket refills: one more 1,000-token call each second

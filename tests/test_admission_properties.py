@@ -107,7 +107,7 @@ def test_caps_hold(new_twin, quota: Quota, plan: list[tuple]) -> None:
 def test_shares_follow_weights(twin: Twin) -> None:
     weights = {"w1": 1, "w2": 2, "w3": 3, "w4": 4}
     for name, weight in weights.items():
-        twin.set_quota(Quota(name, MAX_CONCURRENCY, 10**9, weight=weight))
+        twin.set_quota(Quota(name, MAX_CONCURRENCY, 10**9, weight=weight, slow_start=False))
     rng = random.Random(7)
     tokens = dict.fromkeys(weights, 0)
     for _ in range(20):  # 20 batches of 100 = 2,000 admissions
@@ -307,10 +307,10 @@ def test_lowered_quota_is_not_refilled_by_calls_charged_before_it(twin: Twin) ->
     """Calls in flight when TPM drops finish later with a surplus (estimate above
     actual), or never start. Crediting either to the new, small bucket would let
     traffic after the change exceed the new quota, so both are forfeited."""
-    twin.set_quota(Quota("a", 4, 600_000, burst_tokens=12_000, token_accounting="settle"))  # 9,500 after transit
+    twin.set_quota(Quota("a", 4, 600_000, burst_tokens=12_000, token_accounting="settle", slow_start=False))  # 9,500 after transit
     started, unstarted = (twin.admit([Candidate(4_000)])[0] for _ in range(2))
     twin.renew(started.admission_id, "a", 4_000)
-    twin.set_quota(Quota("a", 4, 600, burst_tokens=1_000, token_accounting="settle"))  # 10 tokens/s, clipped to 1,000
+    twin.set_quota(Quota("a", 4, 600, burst_tokens=1_000, token_accounting="settle", slow_start=False))  # 10 tokens/s, clipped to 1,000
     spend = twin.admit([Candidate(1_000)])[0]
     assert isinstance(spend, Admitted)  # the new bucket is now empty
     twin.renew(spend.admission_id, "a", 1_000)
@@ -351,8 +351,8 @@ def test_eight_processes_never_over_admit(redis_url: str, redis_client: redis.Re
     """8 OS processes race on one Redis with the real clock (Redis TIME)."""
     core = AdmissionCore(redis_client, namespace, lease_ms=300_000)
     core.restore([])  # an empty live state; models created below start with full buckets
-    core.set_quota(Quota("capped", 37, 10**9))
-    rated = Quota("rated", MAX_CONCURRENCY, 60_000, burst_tokens=20_000)
+    core.set_quota(Quota("capped", 37, 10**9, slow_start=False))
+    rated = Quota("rated", MAX_CONCURRENCY, 60_000, burst_tokens=20_000, slow_start=False)
     core.set_quota(rated)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

@@ -17,7 +17,7 @@ import redis
 from balancer.admission import Admitted, Candidate, keys
 from balancer.backends import make_backend
 from balancer.domain.intake import parse_tasks
-from balancer.pipeline import answers, solver
+from balancer.pipeline import answers
 from balancer.pipeline import call as call_module
 from balancer.pipeline import heartbeat as heartbeat_module
 from balancer.pipeline.answers import AnswerWriter, WriterDied
@@ -30,7 +30,7 @@ from balancer.storage.hedges import mark_hedged
 from balancer.storage.intake import insert_tasks
 from balancer.storage.leases import return_expired, sweep_expired
 from balancer.storage.transitions import mark_solved_many, start_solve
-from tests.solving import chain
+from tests.solving import chain, stall_start
 from tests.test_solver import MODEL, dispatch_one, faults, message, sim, svc, task_row  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.usefixtures("migrated")
@@ -199,16 +199,14 @@ def test_a_next_call_whose_lease_was_lost_during_a_stalled_start_is_not_called(
     other, other_lid = stock_next(short, "next")
     refilled: list[str] = []
 
-    def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
-        if task_id == other:
-            short.core.release(other_lid)  # the lease is gone...
-            again = short.core.admit([Candidate(1, allowed=("m",))])[0]  # ...and its slot is another call's
-            assert isinstance(again, Admitted)
-            refilled.append(again.admission_id)
-            time.sleep(short.settings.heartbeat_seconds + 0.2)  # longer than a quick start
-        return start_solve(engine, task_id, *args)
+    def stall() -> None:
+        short.core.release(other_lid)  # the lease is gone...
+        again = short.core.admit([Candidate(1, allowed=("m",))])[0]  # ...and its slot is another call's
+        assert isinstance(again, Admitted)
+        refilled.append(again.admission_id)
+        time.sleep(short.settings.heartbeat_seconds + 0.2)  # longer than a quick start
 
-    monkeypatch.setattr(solver, "start_solve", stalled_start)
+    stall_start(monkeypatch, other, stall)
     assert chain(short, make_backend(short.settings), message(first), may_continue=lambda: True) == ["solved", "lease_lost"]
     assert [e["status"] for e in simulator.log] == [200]  # the next task was never called
     row = task_row(short, other)
@@ -231,16 +229,14 @@ def test_a_next_call_whose_cap_was_lowered_during_a_stalled_start_is_not_called(
     other, _ = stock_next(svc, "next")
     running: list[str] = []
 
-    def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
-        if task_id == other:
-            again = svc.core.admit([Candidate(1, allowed=("m",))])[0]  # another call holds a slot...
-            assert isinstance(again, Admitted) and isinstance(svc.core.renew(again.admission_id, "m", 1), Admitted)
-            running.append(again.admission_id)
-            svc.core.set_quota(dataclasses.replace(MODEL.quota(), max_concurrent_requests=1))  # ...and the cap drops
-            time.sleep(call_module.LATE_START_S + 0.2)  # a late start
-        return start_solve(engine, task_id, *args)
+    def stall() -> None:
+        again = svc.core.admit([Candidate(1, allowed=("m",))])[0]  # another call holds a slot...
+        assert isinstance(again, Admitted) and isinstance(svc.core.renew(again.admission_id, "m", 1), Admitted)
+        running.append(again.admission_id)
+        svc.core.set_quota(dataclasses.replace(MODEL.quota(), max_concurrent_requests=1))  # ...and the cap drops
+        time.sleep(call_module.LATE_START_S + 0.2)  # a late start
 
-    monkeypatch.setattr(solver, "start_solve", stalled_start)
+    stall_start(monkeypatch, other, stall)
     assert chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True) == ["solved", "lease_lost"]
     assert [e["status"] for e in simulator.log] == [200]  # the next task was never called
     row = task_row(svc, other)
@@ -261,16 +257,14 @@ def test_the_heartbeat_keeps_a_next_calls_slot_through_a_stalled_start(
     other, lid = stock_next(short, "next")
     left_ms: list[float] = []  # the next call's lease: time left, on Redis's clock
 
-    def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
-        if task_id == other:
-            until = time.monotonic() + 4.5  # one and a half leases
-            while time.monotonic() < until:
-                expires = short.redis.zscore(keys.inflight(short.settings.namespace, "m"), lid)
-                left_ms.append(-1.0 if expires is None else expires - redis_now_ms(short.redis))
-                time.sleep(0.25)
-        return start_solve(engine, task_id, *args)
+    def stall() -> None:
+        until = time.monotonic() + 4.5  # one and a half leases
+        while time.monotonic() < until:
+            expires = short.redis.zscore(keys.inflight(short.settings.namespace, "m"), lid)
+            left_ms.append(-1.0 if expires is None else expires - redis_now_ms(short.redis))
+            time.sleep(0.25)
 
-    monkeypatch.setattr(solver, "start_solve", stalled_start)
+    stall_start(monkeypatch, other, stall)
     assert chain(short, make_backend(short.settings), message(first), may_continue=lambda: True) == ["solved", "solved"]
     assert len(left_ms) > 10 and min(left_ms) > 0  # the next call's lease never ran out
     assert [e["status"] for e in simulator.log] == [200, 200]
@@ -362,13 +356,11 @@ def test_a_late_start_that_cannot_reach_redis_is_not_called_and_its_task_is_let_
     def redis_down(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise redis.ConnectionError("Error 111 connecting to Redis. Connection refused.")
 
-    def stalled_start(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
-        if task_id == other:
-            time.sleep(call_module.LATE_START_S + 0.2)  # a late start, during which Redis goes down
-            down.set()
-        return start_solve(engine, task_id, *args)
+    def stall() -> None:
+        time.sleep(call_module.LATE_START_S + 0.2)  # a late start, during which Redis goes down
+        down.set()
 
-    monkeypatch.setattr(solver, "start_solve", stalled_start)
+    stall_start(monkeypatch, other, stall)
     monkeypatch.setattr(svc.core, "heartbeat", lambda *a, **k: redis_down() if down.is_set() else real_heartbeat(*a, **k))
     monkeypatch.setattr(svc.core, "finish", lambda *a, **k: redis_down() if down.is_set() else real_finish(*a, **k))
     heartbeat = Heartbeat(svc)

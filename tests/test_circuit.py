@@ -19,7 +19,7 @@ def admitted(twin: Twin, n: int) -> list[Admitted]:
 
 
 def test_repeated_failures_open_the_circuit_and_stop_counting(twin: Twin) -> None:
-    twin.set_quota(Quota("a", 8, 600_000))
+    twin.set_quota(Quota("a", 8, 600_000, slow_start=False))
     assert CIRCUIT_FAILURES == 3
     assert twin.trip("a") == (True, False)
     assert twin.trip("a") == (True, False)

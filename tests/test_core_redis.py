@@ -81,6 +81,18 @@ def test_restored_leases_are_placed_on_the_redis_clock(redis_client: redis.Redis
     assert core.live()["a"].in_flight == 1  # still counted against the cap
 
 
+def test_a_restore_opens_slow_start_from_the_calls_still_running(redis_client: redis.Redis, namespace: str) -> None:
+    """After Redis lost its data, a model's slow start opens from the calls PostgreSQL says
+    are running (5 here), not from 2: from 2 it would admit nothing until most of them ended."""
+    from balancer.admission.values import LeaseSeed
+
+    core = AdmissionCore(redis_client, namespace, lease_ms=60_000)
+    seeds = [LeaseSeed(f"old-{i}", "a", 10, remaining_ms=60_000) for i in range(5)]
+    assert core.restore([Quota("a", 40, 600_000)], seeds)
+    assert core.live()["a"].cap_now == 5
+    assert core.live()["a"].limits_reason == "starting slowly: 5 of 40 slots open"
+
+
 def test_the_refill_gap_is_measured_from_a_full_models_freed_slot(redis_client: redis.Redis, namespace: str) -> None:
     """finish.lua marks a slot freed by a model at its cap; admit.lua counts the
     wait until the model's next admission (metrics only), on an injected clock."""

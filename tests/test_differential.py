@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
 from balancer.admission.fields import quota_fields
-from balancer.admission.learned import CLEAN_MS
+from balancer.admission.learned import CLEAN_MS, RAMP_MS, RAMP_START
 from balancer.domain.quota import Quota
 from tests.twin import LEASE_MS, Twin, delete_keys
 
@@ -39,6 +39,7 @@ quotas = st.builds(
     expected_latency_s=st.none() | st.floats(0.01, 3600.0),
     on_disconnect=st.sampled_from(["continue", "stop"]),
     learn=st.booleans() | st.just(True),
+    slow_start=st.booleans(),
 )
 candidates = st.builds(
     Candidate,
@@ -310,7 +311,7 @@ def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) ->
 
 
 def test_every_429_for_concurrency_caps_the_started_calls_in_flight_less_one(twin: Twin) -> None:
-    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    twin.set_quota(Quota("m-a", 40, 6_000_000, slow_start=False))
     admitted = [d for d in twin.admit([Candidate(100)] * 40) if isinstance(d, Admitted)]
     assert len(admitted) == 40
     # The provider allows 4. Calls start one after another; 8 had started when the
@@ -326,7 +327,7 @@ def test_every_429_for_concurrency_caps_the_started_calls_in_flight_less_one(twi
 
 
 def test_a_429s_pause_keeps_calls_admitted_before_it_from_starting(twin: Twin) -> None:
-    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    twin.set_quota(Quota("m-a", 40, 6_000_000, slow_start=False))
     admitted = [d for d in twin.admit([Candidate(100)] * 10) if isinstance(d, Admitted)]
     start(twin, admitted[:5])
     assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
@@ -345,7 +346,7 @@ def test_a_429s_pause_keeps_calls_admitted_before_it_from_starting(twin: Twin) -
 
 def test_a_429_in_the_first_bucket_lowers_to_the_rate_it_shows(twin: Twin) -> None:
     # The provider's bucket is a tenth of ours: it ran out after 6 calls of 500 tokens (3,000 of our 30,000).
-    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, slow_start=False))
     admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
     assert len(admitted) == 56
     start(twin, admitted[:6], est=500)
@@ -358,7 +359,7 @@ def test_a_429_in_the_first_bucket_lowers_to_the_rate_it_shows(twin: Twin) -> No
     assert limits_of(twin).max_tokens_per_minute == 14_700               # 21,000 x 7/10
     # Requests, a one-minute bucket of 600 at 600 RPM: the provider's (60 RPM) ran out
     # after 63 calls in 3 s, 60 of its burst and 3 of its refill.
-    twin.set_quota(Quota("m-b", 80, 6_000_000, max_requests_per_minute=600))
+    twin.set_quota(Quota("m-b", 80, 6_000_000, max_requests_per_minute=600, slow_start=False))
     admitted = [d for d in twin.admit([Candidate(100)] * 63) if isinstance(d, Admitted) and d.model == "m-b"]
     assert len(admitted) == 63
     for i in range(0, 63, 21):
@@ -374,14 +375,63 @@ def test_a_429_in_the_first_bucket_lowers_to_the_rate_it_shows(twin: Twin) -> No
 
 
 def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:
-    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000))
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, slow_start=False))
     start(twin, [d for d in twin.admit([Candidate(500)] * 6) if isinstance(d, Admitted)], est=500)
     twin.advance(10_000)                                                 # the first bucket is over
-    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, weight=2))
+    twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, weight=2, slow_start=False))
     admitted = [d for d in twin.admit([Candidate(500)] * 56) if isinstance(d, Admitted)]
     start(twin, admitted[:6], est=500)
     assert twin.penalize("m-a", 2_000)
     assert limits_of(twin).max_tokens_per_minute == 21_000               # read from the new quota's first bucket
+
+
+# -- Slow start: a new quota's slots open gradually, until a 429 or its cap -----------
+
+def admit_all(twin: Twin, n: int) -> tuple[list[Admitted], list[NotNow]]:
+    decisions = twin.admit([Candidate(100)] * n)
+    return [d for d in decisions if isinstance(d, Admitted)], [d for d in decisions if isinstance(d, NotNow)]
+
+
+def test_slow_start_opens_a_new_quota_s_slots_a_few_at_first_then_doubling(twin: Twin) -> None:
+    """A quota of 40 slots on a provider that takes 4: a slow start sends 8 calls
+    before the first 429, not 40 (36 429s in a benchmark run before)."""
+    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    first, waiting = admit_all(twin, 40)
+    assert len(first) == RAMP_START == 2
+    assert twin.core.live(twin.now)["m-a"].limits_reason == "starting slowly: 2 of 40 slots open"
+    start(twin, first)                                                   # the first start begins the steps' clock
+    twin.advance(RAMP_MS - 1)
+    again, waiting = admit_all(twin, 40)
+    assert again == [] and waiting[0].wait_ms == 1                       # told to come back at the next step
+    twin.advance(1)
+    second, _ = admit_all(twin, 40)
+    assert len(second) == 2                                              # 4 slots, 2 of them in flight
+    start(twin, second)
+    twin.advance(RAMP_MS)
+    third, _ = admit_all(twin, 40)
+    assert len(third) == 4                                               # 8 slots
+    start(twin, third)
+    # The provider took 4: the 429 ends the slow start, the learned cap takes over (8 started x 7/10).
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000)
+    assert limits_of(twin).max_concurrent_requests == 5
+    assert twin.core.live(twin.now)["m-a"].cap_now == 5
+
+
+def test_slow_start_reaches_the_cap_and_stays_off_for_a_verified_quota(twin: Twin) -> None:
+    """With no 429 the cap is whole after a few steps; ``slow_start = false`` (or
+    ``learn = false``) opens it at once; a quota change ramps from the calls in flight."""
+    twin.set_quota(Quota("m-a", 40, 6_000_000))
+    start(twin, admit_all(twin, 40)[0])
+    twin.advance(5 * RAMP_MS)                                            # 2 x 2^5 = 64 >= 40
+    assert len(admit_all(twin, 40)[0]) == 38
+    assert twin.core.live(twin.now)["m-a"].limits_reason == ""
+    twin.set_quota(Quota("m-a", 80, 6_000_000))                          # raised: from the 40 in flight, not from 2
+    assert len(admit_all(twin, 40)[0]) == 0
+    twin.set_quota(Quota("m-b", 40, 6_000_000, slow_start=False))
+    twin.set_quota(Quota("m-c", 40, 6_000_000, learn=False))
+    for name in ("m-b", "m-c"):
+        assert len([d for d in twin.admit([Candidate(100, allowed=(name,))] * 40) if isinstance(d, Admitted)]) == 40
+    twin.check_same_state()
 
 
 # -- A cap lowered with calls admitted: running calls stay, no new one starts above it --
@@ -391,10 +441,10 @@ def test_a_lowered_cap_lets_no_admitted_call_start_above_it(twin: Twin) -> None:
     starts (their worker's start waited on a stalled PostgreSQL): each start
     (renew) finds the model's leases above the new cap and drops its own, until
     one fits. Before, a live lease always started: three calls over a cap of 1."""
-    twin.set_quota(Quota("m-a", 3, 600_000))
+    twin.set_quota(Quota("m-a", 3, 600_000, slow_start=False))
     admitted = [d for d in twin.admit([Candidate(100)] * 3) if isinstance(d, Admitted)]
     assert len(admitted) == 3
-    twin.set_quota(Quota("m-a", 1, 600_000))
+    twin.set_quota(Quota("m-a", 1, 600_000, slow_start=False))
     starts = [twin.renew(a.admission_id, "m-a", 100) for a in admitted]
     assert [type(d).__name__ for d in starts] == ["NotNow", "NotNow", "Admitted"]
     assert twin.core.live(twin.now)["m-a"].in_flight == 1

@@ -49,7 +49,7 @@ def test_priority_then_age_and_queued_marking(svc: Services) -> None:
 
 
 def test_pinned_to_saturated_model_does_not_block_others(svc: Services) -> None:
-    svc.quotas.replace_all([Quota("busy", 1, 10**6), Quota("free", 50, 10**6)])
+    svc.quotas.replace_all([Quota("busy", 1, 10**6, slow_start=False), Quota("free", 50, 10**6, slow_start=False)])
     pinned = add(svc, [{"prompt": f"p{i}", "model": "busy"} for i in range(30)])
     anyone = add(svc, [{"prompt": f"a{i}"} for i in range(10)])
     sent: list[Assignment] = []
@@ -62,7 +62,7 @@ def test_pinned_to_saturated_model_does_not_block_others(svc: Services) -> None:
 def test_pinned_tasks_get_first_claim_on_their_model(svc: Services) -> None:
     """A slow model's few slots go to the tasks only it can take, even when they
     are newer and of lower priority than a deep backlog of flexible work."""
-    svc.quotas.replace_all([Quota("slow", 2, 10**6), Quota("fast", 4, 10**6)])
+    svc.quotas.replace_all([Quota("slow", 2, 10**6, slow_start=False), Quota("fast", 4, 10**6, slow_start=False)])
     flexible = add(svc, [{"prompt": f"a{i}", "priority": 3} for i in range(40)])
     pinned = add(svc, [{"prompt": f"p{i}", "model": "slow"} for i in range(3)])
     sent: list[Assignment] = []
@@ -73,7 +73,7 @@ def test_pinned_tasks_get_first_claim_on_their_model(svc: Services) -> None:
 
 
 def test_flexible_work_stays_off_a_model_whose_pinned_tasks_another_dispatcher_holds(svc: Services) -> None:
-    svc.quotas.replace_all([Quota("slow", 2, 10**6), Quota("fast", 3, 10**6)])
+    svc.quotas.replace_all([Quota("slow", 2, 10**6, slow_start=False), Quota("fast", 3, 10**6, slow_start=False)])
     flexible = add(svc, [{"prompt": f"a{i}"} for i in range(10)])
     pinned = add(svc, [{"prompt": "p", "model": "slow"}])
     with svc.engine.connect() as other:  # a second dispatcher, mid-round, holding the pinned task
@@ -111,7 +111,7 @@ def test_slot_freeing_mid_round_still_goes_to_the_pinned_task(svc: Services, mon
 
 
 def test_queues_never_hold_more_than_free_capacity(svc: Services) -> None:
-    svc.quotas.replace_all([Quota("a", 3, 10**6), Quota("b", 2, 10**6)])
+    svc.quotas.replace_all([Quota("a", 3, 10**6, slow_start=False), Quota("b", 2, 10**6, slow_start=False)])
     add(svc, [{"prompt": f"t{i}"} for i in range(50)])
     sent: list[Assignment] = []
     dispatch(svc, sent.extend)
@@ -126,7 +126,7 @@ def test_a_round_claims_a_few_tasks_per_open_slot_not_the_whole_window(svc: Serv
     window, so it does not refuse a hundred tasks round after round."""
     from balancer.pipeline.dispatcher import CLAIMS_PER_OPEN_SLOT
 
-    svc.quotas.replace_all([Quota("t", 3, 60, burst_tokens=300)])  # one task empties the bucket
+    svc.quotas.replace_all([Quota("t", 3, 60, burst_tokens=300, slow_start=False)])  # one task empties the bucket
     add(svc, [{"prompt": f"t{i}", "max_tokens": 250} for i in range(100)])
     first = dispatch(svc, lambda _: None, max_rounds=1)
     assert first.admitted == 1 and first.waiting == 3 * CLAIMS_PER_OPEN_SLOT - 1
@@ -136,7 +136,7 @@ def test_a_round_claims_a_few_tasks_per_open_slot_not_the_whole_window(svc: Serv
 
 
 def test_two_dispatchers_never_dispatch_a_task_twice(svc: Services) -> None:
-    svc.quotas.replace_all([Quota(f"m{i}", 40, 10**6) for i in range(5)])
+    svc.quotas.replace_all([Quota(f"m{i}", 40, 10**6, slow_start=False) for i in range(5)])
     ids = add(svc, [{"prompt": f"t{i}"} for i in range(400)])
     results: list[list[Assignment]] = [[], [], [], []]
     barrier = threading.Barrier(4)
@@ -188,7 +188,7 @@ def test_redis_loss_is_restored_on_the_next_dispatch(svc: Services, redis_client
 def test_reconcile_returns_tasks_stuck_past_their_deadline(svc: Services) -> None:
     from balancer.storage.leases import return_expired
 
-    svc.quotas.replace_all([Quota("a", 5, 10**6)])
+    svc.quotas.replace_all([Quota("a", 5, 10**6, slow_start=False)])
     ids = add(svc, [{"prompt": "lost message"}, {"prompt": "dead worker"}, {"prompt": "fine"}])
     dispatch(svc, lambda _: None)  # all three queued; their messages are never delivered
     with svc.engine.begin() as conn:
@@ -207,7 +207,7 @@ def test_a_failed_commit_withdraws_what_the_round_admitted(svc: Services) -> Non
     """R4: the round admits in Redis inside its PostgreSQL transaction. When the
     commit fails, the slots and tokens it admitted are handed back at once, not
     held until their leases expire."""
-    svc.quotas.replace_all([Quota("a", 3, 60, burst_tokens=800)])  # tokens for 3 tasks; refill 1/s
+    svc.quotas.replace_all([Quota("a", 3, 60, burst_tokens=800, slow_start=False)])  # tokens for 3 tasks; refill 1/s
     ids = add(svc, [{"prompt": f"t{i}", "max_tokens": 250} for i in range(5)])
     with svc.engine.begin() as conn:  # a commit PostgreSQL refuses: a deferred check fails at COMMIT
         conn.execute(sa.text("CREATE FUNCTION refuse_queued() RETURNS trigger LANGUAGE plpgsql AS "

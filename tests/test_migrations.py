@@ -7,6 +7,7 @@ into each test's schema; this test holds the two equal, catalog entry for entry.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -15,6 +16,28 @@ from balancer.cli import main
 from balancer.storage.db import dispose_engines
 from balancer.storage.migrate import head_revision
 from tests.conftest import with_schema
+
+
+@pytest.fixture
+def fresh_schema_engine(service_urls: tuple[str, str]) -> Iterator[sa.Engine]:
+    """An engine on a new, empty schema (its URL's search_path); afterwards that
+    schema, and only it, is dropped (the package's own engines disposed first)."""
+    from balancer.urls import normalize_database_url
+
+    base = normalize_database_url(service_urls[1])
+    schema = "t_" + uuid.uuid4().hex[:12]
+    admin = sa.create_engine(base, poolclass=sa.pool.NullPool)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    engine = sa.create_engine(with_schema(base, schema), poolclass=sa.pool.NullPool)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        dispose_engines()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
 
 
 def catalog(url: str) -> dict[str, object]:
@@ -40,61 +63,40 @@ def catalog(url: str) -> dict[str, object]:
 
 
 def test_db_upgrade_builds_the_schema_the_fixture_replays(
-    migrated: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    migrated: dict[str, str], fresh_schema_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     replayed = catalog(migrated["BALANCER_DATABASE_URL"])
     assert replayed["version"] == head_revision() and replayed["columns"] and replayed["indexes"]
-    schema = "t_" + uuid.uuid4().hex[:12]
-    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).difference_update_query(["options"])
-    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        upgraded_url = with_schema(url.render_as_string(hide_password=False), schema)
-        monkeypatch.setenv("BALANCER_DATABASE_URL", upgraded_url)
-        assert main(["db", "upgrade"]) == 0
-        capsys.readouterr()
-        assert catalog(upgraded_url) == replayed
-    finally:
-        dispose_engines()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    upgraded_url = fresh_schema_engine.url.render_as_string(hide_password=False)
+    monkeypatch.setenv("BALANCER_DATABASE_URL", upgraded_url)
+    assert main(["db", "upgrade"]) == 0
+    capsys.readouterr()
+    assert catalog(upgraded_url) == replayed
 
 
-def test_0016_makes_ready_list_entries_ready_and_keeps_published_tasks_queued(migrated: dict[str, str]) -> None:
+def test_0016_makes_ready_list_entries_ready_and_keeps_published_tasks_queued(fresh_schema_engine: sa.Engine) -> None:
     """Before 0016 a ready-list entry was ``queued`` under an ``r...`` admission id;
     after it, that task is ``ready`` and a published one stays ``queued``."""
     from balancer.domain.intake import parse_tasks
     from balancer.storage.intake import insert_tasks
     from balancer.storage.migrate import upgrade
 
-    schema = "t_" + uuid.uuid4().hex[:12]
-    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).difference_update_query(["options"])
-    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    engine = sa.create_engine(with_schema(url.render_as_string(hide_password=False), schema), poolclass=sa.pool.NullPool)
-    try:
-        assert upgrade(engine, "0015") == "0015"
-        rows, _ = parse_tasks('{"prompt": "a"}\n{"prompt": "b"}\n', models={"m": 100_000})
-        with engine.begin() as conn:
-            stocked, published = insert_tasks(conn, rows)
-            for task_id, lid in ((stocked, "r0123abcd"), (published, "1700000000-7")):
-                conn.execute(sa.text("UPDATE tasks SET status = 'queued', model = 'm', admission_id = :lid WHERE id = :id"),
-                             {"lid": lid, "id": task_id})
-        assert upgrade(engine, "0016") == "0016"
-        with engine.connect() as conn:
-            status = dict(conn.execute(sa.text("SELECT id, status FROM tasks")).all())
-        assert status == {stocked: "ready", published: "queued"}
-    finally:
-        engine.dispose()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    engine = fresh_schema_engine
+    assert upgrade(engine, "0015") == "0015"
+    rows, _ = parse_tasks('{"prompt": "a"}\n{"prompt": "b"}\n', models={"m": 100_000})
+    with engine.begin() as conn:
+        stocked, published = insert_tasks(conn, rows)
+        for task_id, lid in ((stocked, "r0123abcd"), (published, "1700000000-7")):
+            conn.execute(sa.text("UPDATE tasks SET status = 'queued', model = 'm', admission_id = :lid WHERE id = :id"),
+                         {"lid": lid, "id": task_id})
+    assert upgrade(engine, "0016") == "0016"
+    with engine.connect() as conn:
+        status = dict(conn.execute(sa.text("SELECT id, status FROM tasks")).all())
+    assert status == {stocked: "ready", published: "queued"}
 
 
-def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(migrated: dict[str, str]) -> None:
+def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(fresh_schema_engine: sa.Engine) -> None:
     """Spend reads the ledger from 0018 on: the history before it, each solved task's
     answering call (all it recorded), is carried over, so spend so far does not drop."""
     from balancer.domain.intake import parse_tasks
@@ -102,27 +104,16 @@ def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(migrated: dic
     from balancer.storage.migrate import upgrade
     from balancer.storage.spend import token_usage
 
-    schema = "t_" + uuid.uuid4().hex[:12]
-    url = sa.engine.make_url(migrated["BALANCER_DATABASE_URL"]).difference_update_query(["options"])
-    admin = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    with admin.begin() as conn:
-        conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
-    engine = sa.create_engine(with_schema(url.render_as_string(hide_password=False), schema), poolclass=sa.pool.NullPool)
-    try:
-        assert upgrade(engine, "0016") == "0016"
-        rows, _ = parse_tasks('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n', models={"m": 100_000})
-        with engine.begin() as conn:
-            solved, failed, pending = insert_tasks(conn, rows)
-            conn.execute(sa.text("UPDATE tasks SET status = 'solved', model = 'm', admission_id = 'a1', prompt_tokens = 7,"
-                                 " completion_tokens = 3, solved_at = now() WHERE id = :id"), {"id": solved})
-            conn.execute(sa.text("UPDATE tasks SET status = 'failed', model = 'm' WHERE id = :id"), {"id": failed})
-        assert upgrade(engine) == "0018"
-        with engine.connect() as conn:
-            ledger = conn.execute(sa.text("SELECT task_id, model, admission_id, answered FROM call_usage")).all()
-        assert ledger == [(solved, "m", "a1", True)]
-        assert token_usage(engine) == [("submit", "m", 7, 3)]
-    finally:
-        engine.dispose()
-        with admin.begin() as conn:
-            conn.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    engine = fresh_schema_engine
+    assert upgrade(engine, "0016") == "0016"
+    rows, _ = parse_tasks('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n', models={"m": 100_000})
+    with engine.begin() as conn:
+        solved, failed, pending = insert_tasks(conn, rows)
+        conn.execute(sa.text("UPDATE tasks SET status = 'solved', model = 'm', admission_id = 'a1', prompt_tokens = 7,"
+                             " completion_tokens = 3, solved_at = now() WHERE id = :id"), {"id": solved})
+        conn.execute(sa.text("UPDATE tasks SET status = 'failed', model = 'm' WHERE id = :id"), {"id": failed})
+    assert upgrade(engine, "0018") == "0018"
+    with engine.connect() as conn:
+        ledger = conn.execute(sa.text("SELECT task_id, model, admission_id, answered FROM call_usage")).all()
+    assert ledger == [(solved, "m", "a1", True)]
+    assert token_usage(engine) == [("submit", "m", 7, 3)]

@@ -21,8 +21,8 @@ from balancer.storage.schema import tasks
 pytestmark = pytest.mark.usefixtures("migrated")
 
 #: One slot, 50 ms calls: a ready list of one; a backlog of a few tasks outlasts a call.
-BUSY = Quota("m", 1, 600_000, expected_latency_s=0.05)
-OTHER = Quota("n", 4, 600_000, expected_latency_s=0.05)
+BUSY = Quota("m", 1, 600_000, expected_latency_s=0.05, slow_start=False)
+OTHER = Quota("n", 4, 600_000, expected_latency_s=0.05, slow_start=False)
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_nothing_is_stocked_near_the_end_of_the_backlog(svc: Services) -> None:
 
 
 def test_lists_for_concurrency_bound_models_only_and_none_when_turned_off(svc: Services) -> None:
-    tpm_bound = Quota("t", 4, 1_200, expected_latency_s=0.05)  # a task's estimate is a fifth of the bucket
+    tpm_bound = Quota("t", 4, 1_200, expected_latency_s=0.05, slow_start=False)  # a task's estimate is a fifth of the bucket
     svc.quotas.replace_all([BUSY, OTHER, tpm_bound])
     add_tasks(svc, 20, model="n")  # four slots: four running, four ready (one per slot)
     add_tasks(svc, 20, model="t")  # tokens bind it: its bucket runs low, so no list
@@ -197,7 +197,7 @@ def test_a_model_not_measured_yet_keeps_one_ready_task_per_slot(svc: Services, m
     next from the list. A model whose quota says its calls are slow keeps none."""
     monkeypatch.setenv("BALANCER_READY_PER_SLOT", "3")
     svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota("u", 4, 600_000), Quota("s", 2, 600_000, expected_latency_s=30)])
+    svc.quotas.replace_all([Quota("u", 4, 600_000, slow_start=False), Quota("s", 2, 600_000, expected_latency_s=30, slow_start=False)])
     add_tasks(svc, 60, model=None)
     report = dispatch(svc, [].extend)
     assert report.admitted == 6

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import redis
 
-from balancer.admission import fields, keys
+from balancer.admission import fields, keys, learned
 from balancer.admission.live import ModelLive as ModelLive
 from balancer.admission.live import open_slots as open_slots
 from balancer.admission.live import read_live
@@ -44,7 +44,7 @@ RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
 
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("balancer.admission") / "lua"
-    lib = keys.LUA_PRELUDE + fields.LUA_PRELUDE + (folder / "lib.lua").read_text()
+    lib = keys.LUA_PRELUDE + fields.LUA_PRELUDE + learned.LUA_PRELUDE + (folder / "lib.lua").read_text()
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
         for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota",

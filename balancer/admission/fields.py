@@ -10,7 +10,7 @@ lists and spells no field list itself.
 >>> q = Quota("gpt-a", 8, 60_000, max_requests_per_minute=600, on_disconnect="stop")
 >>> quota_fields(q)  # doctest: +NORMALIZE_WHITESPACE
 {'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600,
- 'prior': 0, 'stops': 1, 'learn': 1}
+ 'prior': 0, 'stops': 1, 'learn': 1, 'slow_start': 1}
 >>> back = quota_from_fields("gpt-a", quota_fields(q))   # the same limits, defaults spelled out
 >>> back.burst_tokens, back.on_disconnect, quota_fields(back) == quota_fields(q)
 (60000, 'stop', True)
@@ -37,6 +37,7 @@ def quota_fields(quota: Quota) -> dict[str, int]:
         "prior": prior_ms(quota),  # the latency prior's median in ms (0: the global default)
         "stops": int(quota.on_disconnect == "stop"),  # 1: the provider stops a call whose client went
         "learn": int(quota.learn),  # 1: learn effective limits below these (lib.lua, "Limits that learn")
+        "slow_start": int(quota.slow_start),  # 1 (with learn): a new quota's slots open gradually (lib.lua, ramp_cap)
     }
 
 
@@ -55,6 +56,7 @@ def quota_from_fields(name: str, m: Mapping[str, int]) -> Quota:
         expected_latency_s=m["prior"] / 1000 if m["prior"] else None,
         on_disconnect="stop" if m["stops"] else "continue",
         learn=bool(m["learn"]),
+        slow_start=bool(m["slow_start"]),
     )
 
 
@@ -99,21 +101,22 @@ STATE_FIELDS: dict[str, str] = {
     "first_at": "ms the first call under the quota started (0: none yet): the first bucket starts",
     "first_calls": "calls started under the quota (the first bucket's count)",
     "first_tokens": "their estimated tokens",
+    "ramp_from": "slots slow start opens at first (0: RAMP_START): the calls in flight when the quota changed",
 }
 
 #: Every field of a model's hash.
 MODEL_FIELDS: tuple[str, ...] = QUOTA_FIELDS + tuple(STATE_FIELDS)
 
 
-def with_state_defaults(stored: Mapping[str, int]) -> dict[str, int]:
-    """A model's hash as read, with each state field it lacks at 0, as a new model starts it:
+def with_defaults(stored: Mapping[str, int]) -> dict[str, int]:
+    """A model's hash as read, with each field it lacks at 0 (as a new model's state starts):
     a hash written by the previous version (a rolling upgrade shares one Redis) lacks the
     fields added since. load_model in lib.lua applies the same rule.
 
-    >>> with_state_defaults({"cap": 4})["first_at"]
-    0
+    >>> with_defaults({"cap": 4})["first_at"], with_defaults({"cap": 4})["slow_start"]
+    (0, 0)
     """
-    return {**dict.fromkeys(STATE_FIELDS, 0), **stored}
+    return {**dict.fromkeys(MODEL_FIELDS, 0), **stored}
 
 
 def _lua_list(names: tuple[str, ...]) -> str:

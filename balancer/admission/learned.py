@@ -27,6 +27,20 @@ from balancer.domain.quota import Quota
 #: raise that draws a 429 within its window doubles the window, up to the max.
 CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 
+#: Slow start (:func:`ramp_cap`): a new or changed quota's concurrency opens
+#: RAMP_START slots at first and doubles every RAMP_MS from its first call's
+#: start. A provider refuses a call over its real limits as it arrives (tens of
+#: ms), so a step that drew no 429 within RAMP_MS was accepted.
+RAMP_START, RAMP_MS = 2, 250
+
+#: Lua lines the script loader puts before lib.lua: these constants, from this module.
+LUA_PRELUDE = "\n".join([
+    "-- generated from balancer/admission/learned.py",
+    f"local CLEAN_MS, MAX_WINDOW_MS = {CLEAN_MS}, {MAX_WINDOW_MS}",
+    f"local RAMP_START, RAMP_MS = {RAMP_START}, {RAMP_MS}",
+    "",
+])
+
 
 @dataclass
 class Learned:
@@ -46,6 +60,7 @@ class Learned:
     first_at: int = 0
     first_calls: int = 0
     first_tokens: int = 0
+    ramp_from: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -113,6 +128,57 @@ def effective(quota: Quota, learned: Learned) -> Quota:
         rburst = max(1, math.floor(float(quota.request_burst) * erpm / rpm))
     return quota.replace(max_tokens_per_minute=etpm, burst_tokens=burst, max_requests_per_minute=erpm or None,
                          burst_requests=rburst or None, max_concurrent_requests=ecap)
+
+
+def ramp_cap(cap: int, learned: Learned, now: int) -> int:
+    """The concurrency cap ``cap`` while the model starts slowly (lib.lua, ramp_cap).
+
+    A learning model's new or changed quota has not been shown to hold: a quota
+    of 40 slots on a provider that takes 4 would send 40 calls before the first
+    429 comes back. So it opens ``max(RAMP_START, ramp_from)`` slots (``ramp_from``:
+    the calls in flight when the quota changed), doubling every RAMP_MS from
+    its first call's start (``first_at``), up to ``cap``. A 429 that lowers a
+    limit (``lowered_at``) ends it: the learned limits take over.
+
+    >>> k = Learned(first_at=1_000)
+    >>> [ramp_cap(40, k, now) for now in (1_000, 1_249, 1_250, 1_500, 1_750, 2_000)]
+    [2, 2, 4, 8, 16, 32]
+    >>> ramp_cap(40, Learned(), 5_000), ramp_cap(40, Learned(first_at=1, ramp_from=12), 1), ramp_cap(40, k, 9_000)
+    (2, 12, 40)
+    >>> ramp_cap(40, Learned(first_at=1_000, lowered_at=1_100), 1_100)
+    40
+    """
+    if learned.lowered_at:
+        return cap
+    start = max(RAMP_START, learned.ramp_from)
+    steps = 0 if learned.first_at == 0 else (now - learned.first_at) // RAMP_MS
+    if steps >= 16 or start << steps >= cap:
+        return cap
+    return int(start << steps)
+
+
+def slots_now(quota: Quota, learned: Learned, now: int) -> int:
+    """The concurrency cap in force at ``now``: the effective one, or slow start's
+    while it ramps (a learning quota with ``slow_start``: :func:`ramp_cap`).
+
+    >>> q = Quota("m", 40, 60_000)
+    >>> slots_now(q, Learned(first_at=1_000), 1_500), slots_now(q.replace(slow_start=False), Learned(), 0)
+    (8, 40)
+    """
+    cap = effective(quota, learned).max_concurrent_requests
+    return ramp_cap(cap, learned, now) if quota.learn and quota.slow_start else cap
+
+
+def ramp_wait_ms(learned: Learned, now: int) -> int:
+    """Ms until slow start opens its next step (lib.lua, ramp_wait); RAMP_MS before the
+    first call starts (the first start begins the steps' clock).
+
+    >>> ramp_wait_ms(Learned(first_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600)
+    (150, 250)
+    """
+    if learned.first_at == 0:
+        return RAMP_MS
+    return RAMP_MS - (now - learned.first_at) % RAMP_MS
 
 
 def step_of(peak: int) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from balancer.admission import fields, keys
-from balancer.admission.learned import Learned, effective, reason, relaxed
+from balancer.admission.learned import Learned, effective, reason, relaxed, slots_now
 from balancer.admission.values import UNITS, refilled
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
 from balancer.domain.quota import Quota
@@ -33,6 +33,14 @@ class ModelLive:
     latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
     ready: int = 0  # tasks on its ready list, waiting for a slot (see AdmissionCore.stock)
     learned: Learned = field(default_factory=Learned)  # what it learned of the provider's real limits (balancer.admission.learned)
+    #: The concurrency cap in force when read: the effective one, or slow start's
+    #: while a new quota ramps (balancer.admission.learned.slots_now); None: the effective one.
+    slots: int | None = None
+
+    @property
+    def cap_now(self) -> int:
+        """How many calls it may have in flight now (slow start included)."""
+        return self.limits.max_concurrent_requests if self.slots is None else self.slots
 
     @property
     def limits(self) -> Quota:
@@ -41,8 +49,12 @@ class ModelLive:
 
     @property
     def limits_reason(self) -> str:
-        """Why :attr:`limits` differ from the quota ('' if they do not)."""
-        return reason(self.quota, self.learned)
+        """Why :attr:`limits` (or :attr:`cap_now`) differ from the quota ('' if they do not)."""
+        why = reason(self.quota, self.learned)
+        cap = self.limits.max_concurrent_requests
+        if self.cap_now < cap:
+            why = "; ".join(filter(None, [f"starting slowly: {self.cap_now} of {cap} slots open", why]))
+        return why
 
     def latency_estimate(self, prior_s: float) -> LatencyEstimate:
         """What the model's calls take: its sketch, or until it has enough calls its
@@ -83,7 +95,7 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         raw, in_flight, sketch, ready = replies[4 * i:4 * i + 4]
         if not raw:
             continue  # removed between the two reads
-        m = fields.with_state_defaults({k.decode(): int(v) for k, v in raw.items()})
+        m = fields.with_defaults({k.decode(): int(v) for k, v in raw.items()})
         quota = fields.quota_from_fields(name, m)
         learned = Learned.from_fields(m)
         limits = effective(quota, learned)
@@ -93,7 +105,8 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
         view[name] = ModelLive(quota, in_flight, tokens / UNITS,
                                requests / UNITS if limits.max_requests_per_minute else None,
-                               m["deficit"], paused_ms, m["ext"], latency, ready, learned)
+                               m["deficit"], paused_ms, m["ext"], latency, ready, learned,
+                               slots_now(quota, learned, now_ms))
     return view
 
 
@@ -102,11 +115,11 @@ def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
     enabled, not paused by a 429, a free slot, tokens above zero and (with
     RPM) a request. The dispatcher reads only tasks that one of these could take."""
     return {
-        name: m.limits.max_concurrent_requests - m.in_flight
+        name: m.cap_now - m.in_flight
         for name, m in view.items()
         if m.quota.enabled
         and m.paused_ms == 0
-        and m.in_flight < m.limits.max_concurrent_requests
+        and m.in_flight < m.cap_now
         and m.tokens_available >= 1
         and (m.requests_available is None or m.requests_available >= 1)
     }

@@ -56,7 +56,7 @@ def quota_list(as_json: bool) -> None:
                     "external_tpm": state.external_tpm,
                     # The limits in force: the quota's, or lower where the model learned so (and why).
                     "in_force": {
-                        "max_concurrent_requests": state.limits.max_concurrent_requests,
+                        "max_concurrent_requests": state.cap_now,
                         "max_tokens_per_minute": state.limits.max_tokens_per_minute,
                         "max_requests_per_minute": state.limits.max_requests_per_minute,
                     },
@@ -152,6 +152,8 @@ def latency_cell(latency: dict | None) -> str:
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--learn/--no-learn", "learn", default=None,
               help="learn: lower the effective limits on 429s and adopt x-ratelimit-limit-* headers (or not)")
+@click.option("--slow-start/--no-slow-start", "slow_start", default=None,
+              help="slow_start (with learn): open a new or changed quota's slots gradually until a 429 or the cap (or not)")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
 def quota_set(
@@ -169,6 +171,7 @@ def quota_set(
     price_output: float | None,
     enabled: bool | None,
     learn: bool | None,
+    slow_start: bool | None,
     create: bool,
     by: str | None,
 ) -> None:
@@ -187,12 +190,14 @@ def quota_set(
         "price_per_million_output": price_output,
         "enabled": enabled,
         "learn": learn,
+        "slow_start": slow_start,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn"
+            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn "
+            "--slow-start/--no-slow-start"
         )
     from balancer.domain.quota import check_model_name
 

@@ -124,6 +124,11 @@ class Quota:
     #: limit, clean windows raise it back; x-ratelimit-limit-* headers are
     #: adopted): README, "Limits that learn". False: the limits above, exactly.
     learn: bool = True
+    #: With ``learn``: open a new or changed quota's concurrency gradually (a few
+    #: slots, doubling every quarter second from the first call) until a 429 or
+    #: the cap, so a quota above what the provider allows draws a few 429s, not
+    #: one per slot (balancer.admission.learned.ramp_cap). False: the whole cap at once.
+    slow_start: bool = True
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -142,8 +147,9 @@ class Quota:
             raise QuotaError(f"on_disconnect must be one of {', '.join(ON_DISCONNECT)}, got {self.on_disconnect!r}")
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
-        if not isinstance(self.learn, bool):
-            raise QuotaError(f"learn must be true or false, got {self.learn!r}")
+        for flag in ("learn", "slow_start"):
+            if not isinstance(getattr(self, flag), bool):
+                raise QuotaError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         check_price("price_per_million_input", self.price_per_million_input)
         check_price("price_per_million_output", self.price_per_million_output)
         check_currency(self.currency)

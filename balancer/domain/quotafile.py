@@ -10,6 +10,7 @@ Format::
     burst_tokens = 120000           # optional, default one minute of TPM
     enabled = true                  # optional, default true
     learn = true                    # optional, default true: learn real limits below these
+    slow_start = true               # optional, default true (with learn): open a new quota's slots gradually
     price_per_million_input = 2.5   # optional, in the file's currency
     price_per_million_output = 10.0 # optional
 

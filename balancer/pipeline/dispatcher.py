@@ -34,7 +34,7 @@ run to pending (:func:`take_from_ready`). How many tasks and for how long:
 :mod:`balancer.domain.ready`.
 
 A source whose budget per day is spent takes no new calls: the run reads
-which sources are over budget once, at its start, and its claims, stock and
+which sources are over budget once (:class:`HeldSources`), and its claims, stock and
 hedges leave their tasks pending (:mod:`balancer.pipeline.budgets`).
 
 The end of the backlog is different: a task handed to a slow model in the
@@ -51,6 +51,8 @@ import contextlib
 import logging
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+
+from sqlalchemy.engine import Connection
 
 from balancer.admission import Admitted, Candidate, NotNow, Rejected
 from balancer.admission.core import AdmissionCore, ModelLive, open_slots
@@ -106,6 +108,23 @@ class DispatchReport:
             self.by_model[a.model] = self.by_model.get(a.model, 0) + 1
 
 
+@dataclass
+class HeldSources:
+    """The sources over budget in one dispatch run, whose tasks wait this run: read
+    once, where first needed (in the run's first transaction, or on a connection of
+    its own when no round opened one), and kept on the run's report."""
+
+    services: Services
+    report: DispatchReport
+    _read: bool = False
+
+    def read(self, conn: Connection | None = None) -> frozenset[str]:
+        if not self._read:
+            self.report.held = held_sources(self.services, conn)
+            self._read = True
+        return self.report.held
+
+
 Publisher = Callable[[Sequence[Assignment]], None]
 
 #: Flexible tasks a round claims per open slot, up to the window: choice enough
@@ -151,7 +170,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     window = window or services.settings.dispatch_window
     stocking = services.settings.ready_per_slot > 0
     report = DispatchReport()
-    held: frozenset[str] | None = None  # over budget: their tasks wait this run (read in its first transaction)
+    over_budget = HeldSources(services, report)
     idle = False  # the last round found nothing pending that a free slot could take
     view_predates_stock = False  # the round stocked after reading ``view``: its ready counts are old
     for round_no in range(max_rounds):
@@ -169,8 +188,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not free:
             break
         with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-            if held is None:
-                held = report.held = held_sources(services, conn)
+            held = over_budget.read(conn)
             pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()}, held)
             # Every model, not only the open ones: a full model's slot can free
             # between the live read and the admit call.
@@ -220,12 +238,10 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         report.failed += len(failed)
         if not admitted and not failed:
             break
-    if held is None:  # no round reached a transaction: only the stock below needs it
-        held = report.held = held_sources(services) if stocking else frozenset()
-    if idle and services.settings.hedging:
-        report.hedges = hedge_stragglers(services, publish, view, held)  # the view of the round that found nothing
+    if idle and services.settings.hedging:  # the view of the round that found nothing
+        report.hedges = hedge_stragglers(services, publish, view, over_budget.read())
     if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)
-        report.stocked += stock_ready(services, view, held)
+        report.stocked += stock_ready(services, view, over_budget.read())
     return report
 
 

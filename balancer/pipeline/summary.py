@@ -96,7 +96,7 @@ def binding_limit(live: ModelLive, tokens_per_call: float) -> str:
     q = live.limits  # the effective limits: the quota's, or lower where the model learned so
     if live.paused_ms > 0:
         return "paused"
-    if live.in_flight >= q.max_concurrent_requests:
+    if live.in_flight >= live.cap_now:  # slow start's cap while a new quota ramps
         return "concurrency"
     if q.max_requests_per_minute and (live.requests_available or 0) < 1:
         return "requests"
@@ -123,7 +123,7 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
             rpm=q.max_requests_per_minute, solved=solved, rate_limited=stats.get("rate_limited", 0),
             p50_s=round(latency.p50_ms / 1000, 2), p99_s=round(latency.p99_ms / 1000, 2),
             latency_measured=latency.samples > 0, binding=binding_limit(live, tokens_per_call),
-            limit_cap=live.limits.max_concurrent_requests, limit_tpm=live.limits.max_tokens_per_minute,
+            limit_cap=live.cap_now, limit_tpm=live.limits.max_tokens_per_minute,
             limit_rpm=live.limits.max_requests_per_minute, learned=live.limits_reason,
         ))
     return rows

@@ -41,6 +41,7 @@ quotas = Table(
     Column("price_per_million_output", Float, nullable=True),
     Column("currency", Text, nullable=True),
     Column("learn", Boolean, nullable=False, server_default="true"),
+    Column("slow_start", Boolean, nullable=False, server_default="true"),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

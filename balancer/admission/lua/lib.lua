@@ -87,15 +87,15 @@ end
 
 -- A model's hash holds FIELDS (QUOTA_FIELDS, then STATE_FIELDS): a model is
 -- created whole (new_model) and saved whole (save_model). A hash written by
--- the previous version (a rolling upgrade shares one Redis) lacks the state
--- fields added since: each starts at 0, as in a new model (fields.py,
--- with_state_defaults, is the same rule for the live view).
+-- the previous version (a rolling upgrade shares one Redis) lacks the fields
+-- added since: each reads as 0, as a new model's state starts (fields.py,
+-- with_defaults, is the same rule for the live view).
 local function load_model(name)
   local raw = redis.call('HMGET', model_key(name), unpack(FIELDS))
   if not raw[1] then return nil end
   local m = {name = name}
   for i, f in ipairs(FIELDS) do m[f] = tonumber(raw[i]) end
-  for _, f in ipairs(STATE_FIELDS) do if m[f] == nil then m[f] = 0 end end
+  for _, f in ipairs(FIELDS) do if m[f] == nil then m[f] = 0 end end
   return m
 end
 
@@ -132,7 +132,7 @@ end
 -- raise it back (relax). Bucket sizes scale with their rates. Every rule below
 -- reads these, never the quota's fields directly, except the burst that
 -- decides whether a task can ever fit (the configured one).
-local CLEAN_MS, MAX_WINDOW_MS = 10000, 320000
+-- (CLEAN_MS, MAX_WINDOW_MS, RAMP_START and RAMP_MS come from learned.py's prelude.)
 local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
   if other > 0 and (limit == 0 or other < limit) then return other end
   return limit
@@ -247,17 +247,35 @@ local function purge(m, now)
   if #expired > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now)) end
 end
 
+-- Slow start (balancer.admission.learned.ramp_cap): a learning model's (with slow_start) new or
+-- changed quota opens max(RAMP_START, ramp_from) slots, doubling every RAMP_MS
+-- from its first call's start (first_at), up to the cap; a 429 that lowered a
+-- limit (lowered_at) ends it.
+local function ramp_cap(m, cap, now)
+  if m.learn ~= 1 or m.slow_start ~= 1 or m.lowered_at > 0 then return cap end
+  local start = math.max(RAMP_START, m.ramp_from)
+  local steps = 0
+  if m.first_at > 0 then steps = math.floor((now - m.first_at) / RAMP_MS) end
+  if steps >= 16 or start * 2 ^ steps >= cap then return cap end
+  return start * 2 ^ steps
+end
+-- ms until slow start's next step (learned.ramp_wait_ms): RAMP_MS before the first start.
+local function ramp_wait(m, now)
+  if m.first_at == 0 then return RAMP_MS end
+  return RAMP_MS - (now - m.first_at) % RAMP_MS
+end
+
 -- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
 -- then probed with one call at a time until a call is answered.
-local function slot_cap(m)
+local function slot_cap(m, now)
   if m.probing == 1 then return 1 end
-  return eff_cap(m)
+  return ramp_cap(m, eff_cap(m), now)
 end
 
 -- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
 local function has_capacity(m, est, now)
   return m.paused <= now
-     and redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m)
+     and redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
      and m.tokens >= tokens_needed(m, est)
      and (eff_rpm(m) == 0 or m.requests >= UNITS)
 end
@@ -272,10 +290,12 @@ local function wait_ms(m, est, now)
     w = math.max(w, math.ceil((UNITS - m.requests) / rpm))
   end
   local key = inflight_key(m.name)
-  local n, cap = redis.call('ZCARD', key), slot_cap(m)
+  local n, cap = redis.call('ZCARD', key), slot_cap(m, now)
   if n >= cap then
     local r = redis.call('ZRANGE', key, n - cap, n - cap, 'WITHSCORES')
-    w = math.max(w, tonumber(r[2]) - now)
+    local slot = tonumber(r[2]) - now
+    if m.probing ~= 1 and cap < eff_cap(m) then slot = math.min(slot, ramp_wait(m, now)) end
+    w = math.max(w, slot)
   end
   return w
 end

@@ -7,7 +7,8 @@
 --         admission id, model, estimated tokens, lease ms left (placed on this clock: now + ms left)
 -- Returns 1 if it restored, 0 if the state was already there (another process won).
 -- Buckets start empty, not full: the provider may have just seen a burst.
--- Leases are re-seeded as started, so the calls still running count against the caps.
+-- Leases are re-seeded as started, so the calls still running count against the caps,
+-- and each model's slow start opens from them.
 -- Ready lists start empty: their tasks go back to pending at their database deadline.
 
 if loaded() then return 0 end
@@ -32,5 +33,11 @@ for _ = 1, l do
     put_lease(ARGV[i], {name = ARGV[i + 1], gen = 0}, tonumber(ARGV[i + 2]), now + tonumber(ARGV[i + 3]), 1)
   end
   i = i + 4
+end
+-- Slow start opens from the calls still running, not from RAMP_START (ramp_cap in lib.lua).
+for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
+  local m = load_model(name)
+  m.ramp_from = redis.call('ZCARD', inflight_key(name))
+  save_model(m)
 end
 return 1

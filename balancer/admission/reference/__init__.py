@@ -312,6 +312,7 @@ class ReferenceCore(Signals):
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
         k.first_at = k.first_calls = k.first_tokens = 0  # the new quota's first bucket
+        k.ramp_from = len(self._inflight(quota.name))  # and its slow start, from the calls in flight
         limits = state.limits
         state.tokens = min(state.tokens, token_cap(limits))
         state.started_tokens = min(state.started_tokens, token_cap(limits))
@@ -347,6 +348,8 @@ class ReferenceCore(Signals):
                 self.leases[seed.admission_id] = Lease(
                     seed.model, seed.estimated_tokens, now + seed.remaining_ms, started=True
                 )
+        for name, state in self.models.items():  # slow start opens from the calls still running
+            state.learned.ramp_from = len(self._inflight(name))
         return True
 
     def forget(self) -> None:

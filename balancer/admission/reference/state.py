@@ -13,7 +13,9 @@ from balancer.admission.learned import (
     first_bucket_rate,
     lower_of,
     lowered,
+    ramp_wait_ms,
     relaxed,
+    slots_now,
     step_of,
 )
 from balancer.admission.values import (
@@ -226,17 +228,18 @@ class ReferenceState:
         if quota.max_requests_per_minute:
             state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
 
-    def _slot_cap(self, name: str) -> int:
-        """The concurrency cap, or 1 while the circuit is open (a probe at a time)."""
+    def _slot_cap(self, name: str, now: int) -> int:
+        """The concurrency cap (slow start's while it ramps: :func:`ramp_cap`), or 1
+        while the circuit is open (a probe at a time)."""
         state = self.models[name]
-        return 1 if state.probing else state.limits.max_concurrent_requests
+        return 1 if state.probing else slots_now(state.quota, state.learned, now)
 
     def _has_capacity(self, name: str, est: int, now: int) -> bool:
         state = self.models[name]
         quota = state.limits
         return (
             state.paused_until <= now
-            and len(self._inflight(name)) < self._slot_cap(name)
+            and len(self._inflight(name)) < self._slot_cap(name, now)
             and state.tokens >= tokens_needed(quota, est)
             and (not quota.max_requests_per_minute or state.requests >= UNITS)
         )
@@ -253,9 +256,11 @@ class ReferenceState:
         if quota.max_requests_per_minute and state.requests < UNITS:
             request_wait = ceil_div(UNITS - state.requests, quota.max_requests_per_minute)
         slot_wait = 0
-        inflight, cap = self._inflight(name), self._slot_cap(name)
+        inflight, cap = self._inflight(name), self._slot_cap(name, now)
         if len(inflight) >= cap:
             slot_wait = inflight[len(inflight) - cap][0] - now
+            if not state.probing and cap < quota.max_concurrent_requests:  # slow start's next step may come first
+                slot_wait = min(slot_wait, ramp_wait_ms(state.learned, now))
         return max(token_wait, request_wait, slot_wait, state.paused_until - now)
 
     @staticmethod
