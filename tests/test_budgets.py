@@ -147,7 +147,7 @@ def test_the_dispatcher_claims_nothing_of_a_source_over_budget_until_it_is_raise
 
     monkeypatch.setenv("BALANCER_SOURCE_FAIRNESS", fairness)
     svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota("m", 6, 10**9), Quota("n", 6, 10**9)])
+    svc.quotas.replace_all([Quota("m", 6, 10**9, slow_start=False), Quota("n", 6, 10**9, slow_start=False)])
     spent = add(svc, "capped", 3)
     solve(svc, spent, 400, 200)
     capped = set(add(svc, "capped", 20) + add(svc, "capped", 5, model="m"))

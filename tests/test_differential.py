@@ -425,8 +425,10 @@ def test_slow_start_reaches_the_cap_and_stays_off_for_a_verified_quota(twin: Twi
     twin.advance(5 * RAMP_MS)                                            # 2 x 2^5 = 64 >= 40
     assert len(admit_all(twin, 40)[0]) == 38
     assert twin.core.live(twin.now)["m-a"].limits_reason == ""
-    twin.set_quota(Quota("m-a", 80, 6_000_000))                          # raised: from the 40 in flight, not from 2
+    twin.set_quota(Quota("m-a", 80, 6_000_000))                          # raised: from the 40 in flight, not from 2,
     assert len(admit_all(twin, 40)[0]) == 0
+    twin.advance(RAMP_MS)                                                # its steps counted from the change
+    assert len(admit_all(twin, 40)[0]) == 40
     twin.set_quota(Quota("m-b", 40, 6_000_000, slow_start=False))
     twin.set_quota(Quota("m-c", 40, 6_000_000, learn=False))
     for name in ("m-b", "m-c"):

@@ -171,7 +171,7 @@ def test_the_dispatcher_gives_a_live_source_its_turns_behind_a_backfill(svc) -> 
     from balancer.domain.quota import Quota
     from balancer.pipeline.dispatcher import Assignment, dispatch
 
-    svc.quotas.replace_all([Quota("m", 6, 10**9)])
+    svc.quotas.replace_all([Quota("m", 6, 10**9, slow_start=False)])
     add(svc, "backfill", 500)
     live = add(svc, "live", 3)
     sent: list[Assignment] = []
@@ -188,7 +188,7 @@ def test_with_fairness_off_the_window_is_priority_then_age(svc, monkeypatch) -> 
 
     monkeypatch.setenv("BALANCER_SOURCE_FAIRNESS", "off")
     off = Services.connect(Settings.from_env())
-    off.quotas.replace_all([Quota("m", 6, 10**9)])
+    off.quotas.replace_all([Quota("m", 6, 10**9, slow_start=False)])
     backfill = add(off, "backfill", 500)
     add(off, "live", 3)
     sent: list[Assignment] = []
@@ -201,7 +201,7 @@ def test_weights_from_the_table_set_the_window(svc) -> None:  # noqa: ANN001
     from balancer.pipeline.dispatcher import Assignment, dispatch
     from balancer.storage.source_weights import set_weight
 
-    svc.quotas.replace_all([Quota("m", 8, 10**9)])
+    svc.quotas.replace_all([Quota("m", 8, 10**9, slow_start=False)])
     heavy = add(svc, "heavy", 50)
     add(svc, "light", 50)
     with svc.engine.begin() as conn:
@@ -250,7 +250,7 @@ def test_ready_lists_stay_shallow_while_sources_share(svc, sources: tuple[str, .
     from balancer.domain.quota import Quota
     from balancer.pipeline.dispatcher import Assignment, dispatch
 
-    svc.quotas.replace_all([Quota("m", 8, 10**9)])
+    svc.quotas.replace_all([Quota("m", 8, 10**9, slow_start=False)])
     for source in sources:
         add(svc, source, 100)
     sent: list[Assignment] = []

@@ -162,7 +162,7 @@ def test_dispatcher_dying_between_admit_and_publish(migrated, monkeypatch: pytes
 
     monkeypatch.setenv("BALANCER_LEASE_SECONDS", "1")
     svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota("m", 3, 600, burst_tokens=3_000)])  # refills 10 tokens/s: a refund is visible
+    svc.quotas.replace_all([Quota("m", 3, 600, burst_tokens=3_000, slow_start=False)])  # refills 10 tokens/s: a refund is visible
     rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"t{i}", "max_tokens": 899}) for i in range(3)),
                           models={"m": 3_000})
     with svc.engine.begin() as conn:
@@ -600,6 +600,7 @@ def test_removing_and_recreating_a_model_with_calls_in_flight(pipeline, reliabil
     p = pipeline(time_scale=0.02).start()
     target, other = p.models[0].name, p.models[1].name
     cap = next(q for q in p.services.quotas.all() if q.name == target).max_concurrent_requests
+    p.services.quotas.set(target, {"slow_start": False}, by="test")  # its cap at once: the flexible tasks fill it
     set_faults(p, hang={target: 2.0})
     ids = p.submit([{**line, "models": [target, other]} for line in prompt_lines(60, [target], pinned_every=0)])
     deadline = time.monotonic() + 30

@@ -61,6 +61,7 @@ class Learned:
     first_calls: int = 0
     first_tokens: int = 0
     ramp_from: int = 0
+    ramp_at: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -136,22 +137,23 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     A learning model's new or changed quota has not been shown to hold: a quota
     of 40 slots on a provider that takes 4 would send 40 calls before the first
     429 comes back. So it opens ``max(RAMP_START, ramp_from)`` slots (``ramp_from``:
-    the calls in flight when the quota changed), doubling every RAMP_MS from
-    its first call's start (``first_at``), up to ``cap``. A 429 that lowers a
-    limit (``lowered_at``) ends it: the learned limits take over.
+    the calls in flight when the quota was set or restored), doubling every
+    RAMP_MS from ``ramp_at`` (its first call's start, or the quota's setting
+    when calls were in flight then), up to ``cap``. A 429 that lowers a limit
+    (``lowered_at``) ends it: the learned limits take over.
 
-    >>> k = Learned(first_at=1_000)
+    >>> k = Learned(ramp_at=1_000)
     >>> [ramp_cap(40, k, now) for now in (1_000, 1_249, 1_250, 1_500, 1_750, 2_000)]
     [2, 2, 4, 8, 16, 32]
-    >>> ramp_cap(40, Learned(), 5_000), ramp_cap(40, Learned(first_at=1, ramp_from=12), 1), ramp_cap(40, k, 9_000)
+    >>> ramp_cap(40, Learned(), 5_000), ramp_cap(40, Learned(ramp_at=1, ramp_from=12), 1), ramp_cap(40, k, 9_000)
     (2, 12, 40)
-    >>> ramp_cap(40, Learned(first_at=1_000, lowered_at=1_100), 1_100)
+    >>> ramp_cap(40, Learned(ramp_at=1_000, lowered_at=1_100), 1_100)
     40
     """
     if learned.lowered_at:
         return cap
     start = max(RAMP_START, learned.ramp_from)
-    steps = 0 if learned.first_at == 0 else (now - learned.first_at) // RAMP_MS
+    steps = 0 if learned.ramp_at == 0 else (now - learned.ramp_at) // RAMP_MS
     if steps >= 16 or start << steps >= cap:
         return cap
     return int(start << steps)
@@ -162,7 +164,7 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
     while it ramps (a learning quota with ``slow_start``: :func:`ramp_cap`).
 
     >>> q = Quota("m", 40, 60_000)
-    >>> slots_now(q, Learned(first_at=1_000), 1_500), slots_now(q.replace(slow_start=False), Learned(), 0)
+    >>> slots_now(q, Learned(ramp_at=1_000), 1_500), slots_now(q.replace(slow_start=False), Learned(), 0)
     (8, 40)
     """
     cap = effective(quota, learned).max_concurrent_requests
@@ -170,15 +172,15 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
 
 
 def ramp_wait_ms(learned: Learned, now: int) -> int:
-    """Ms until slow start opens its next step (lib.lua, ramp_wait); RAMP_MS before the
-    first call starts (the first start begins the steps' clock).
+    """Ms until slow start opens its next step (lib.lua, ramp_wait); RAMP_MS before its
+    steps' clock starts (``ramp_at``: the first call's start).
 
-    >>> ramp_wait_ms(Learned(first_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600)
+    >>> ramp_wait_ms(Learned(ramp_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600)
     (150, 250)
     """
-    if learned.first_at == 0:
+    if learned.ramp_at == 0:
         return RAMP_MS
-    return RAMP_MS - (now - learned.first_at) % RAMP_MS
+    return RAMP_MS - (now - learned.ramp_at) % RAMP_MS
 
 
 def step_of(peak: int) -> int:

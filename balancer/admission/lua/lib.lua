@@ -249,20 +249,27 @@ end
 
 -- Slow start (balancer.admission.learned.ramp_cap): a learning model's (with slow_start) new or
 -- changed quota opens max(RAMP_START, ramp_from) slots, doubling every RAMP_MS
--- from its first call's start (first_at), up to the cap; a 429 that lowered a
--- limit (lowered_at) ends it.
+-- from ramp_at (its first call's start, or the quota's setting with calls in
+-- flight: ramp_quota), up to the cap; a 429 that lowered a limit (lowered_at) ends it.
 local function ramp_cap(m, cap, now)
   if m.learn ~= 1 or m.slow_start ~= 1 or m.lowered_at > 0 then return cap end
   local start = math.max(RAMP_START, m.ramp_from)
   local steps = 0
-  if m.first_at > 0 then steps = math.floor((now - m.first_at) / RAMP_MS) end
+  if m.ramp_at > 0 then steps = math.floor((now - m.ramp_at) / RAMP_MS) end
   if steps >= 16 or start * 2 ^ steps >= cap then return cap end
   return start * 2 ^ steps
 end
--- ms until slow start's next step (learned.ramp_wait_ms): RAMP_MS before the first start.
+-- ms until slow start's next step (learned.ramp_wait_ms): RAMP_MS before its clock starts.
 local function ramp_wait(m, now)
-  if m.first_at == 0 then return RAMP_MS end
-  return RAMP_MS - (now - m.first_at) % RAMP_MS
+  if m.ramp_at == 0 then return RAMP_MS end
+  return RAMP_MS - (now - m.ramp_at) % RAMP_MS
+end
+-- A quota set (or restored) starts a slow start from the calls in flight; with
+-- some, its steps count from now (none would start before one of them ended).
+local function ramp_quota(m, now)
+  m.ramp_from = redis.call('ZCARD', inflight_key(m.name))
+  m.ramp_at = 0
+  if m.ramp_from > 0 then m.ramp_at = now end
 end
 
 -- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
@@ -350,6 +357,7 @@ end
 -- The first bucket (see first_bucket_rate): the calls started under the quota, and their tokens.
 local function count_start(m, est, now)
   if m.first_at == 0 then m.first_at = now end
+  if m.ramp_at == 0 then m.ramp_at = now end
   m.first_calls, m.first_tokens = m.first_calls + 1, m.first_tokens + est
 end
 

@@ -37,7 +37,7 @@ end
 -- Slow start opens from the calls still running, not from RAMP_START (ramp_cap in lib.lua).
 for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
   local m = load_model(name)
-  m.ramp_from = redis.call('ZCARD', inflight_key(name))
+  ramp_quota(m, now)
   save_model(m)
 end
 return 1

@@ -10,8 +10,8 @@
 -- credit the new bucket when they finish. A running 429 pause is kept, and so
 -- is the circuit breaker's state. What 429s taught (learned limits, their
 -- steps and window) is forgotten: the new quota starts clean, with a first
--- bucket of its own (first_at, first_calls, first_tokens) and a slow start
--- from the calls in flight (ramp_from, ramp_cap in lib.lua). The provider's
+-- bucket of its own (first_at, first_calls, first_tokens) and, created or
+-- changed, a slow start from the calls in flight (ramp_quota in lib.lua). The provider's
 -- limit headers (htpm, hrpm) are kept: they are facts, not guesses.
 
 if not loaded() then return {'NOSTATE'} end
@@ -35,11 +35,11 @@ else
   m.ltpm, m.lrpm, m.lcap, m.ptpm, m.prpm, m.pcap = 0, 0, 0, 0, 0, 0
   m.lowered_at, m.raised_at, m.window = 0, 0, 0
   m.first_at, m.first_calls, m.first_tokens = 0, 0, 0
-  m.ramp_from = redis.call('ZCARD', inflight_key(name))  -- slow start opens from the calls in flight
   m.tokens, m.ptokens = math.min(m.tokens, token_cap(m)), math.min(m.ptokens, token_cap(m))
   if had_rpm then m.requests = math.min(m.requests, eff_rburst(m) * UNITS) else m.requests = eff_rburst(m) * UNITS end
   m.deficit = math.min(m.deficit, m.burst)
   m.ext = math.min(m.ext, math.floor(m.tpm * 9 / 10))
 end
+ramp_quota(m, now)  -- a slow start from the calls in flight (a recreated model's too)
 save_model(m)
 return {'OK'}

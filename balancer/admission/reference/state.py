@@ -127,7 +127,14 @@ class ModelState:
         """A call starts under the quota: the first bucket counts it (lib.lua, count_start)."""
         k = self.learned
         k.first_at = k.first_at or now
+        k.ramp_at = k.ramp_at or now  # slow start's steps count from here, unless a quota set with calls in flight began them
         k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
+
+    def ramp_quota(self, in_flight: int, now: int) -> None:
+        """A quota set or restored: slow start opens from the calls in flight, its steps
+        counted from now when there are some (lib.lua, ramp_quota)."""
+        self.learned.ramp_from = in_flight
+        self.learned.ramp_at = now if in_flight else 0
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
