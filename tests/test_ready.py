@@ -136,7 +136,7 @@ def test_the_drain_eta_counts_a_not_yet_measured_models_ready_tasks_as_anyones(
     as many more pending tasks that any model may take, not as that model's
     own last calls (the prior put tail.toml's ETA 67 % out at 25 % done)."""
     from balancer.pipeline.summary import estimate_drain
-    from balancer.storage.reads import pending_groups
+    from balancer.storage.reads import backlog
 
     monkeypatch.setenv("BALANCER_READY_PER_SLOT", "3")
     svc = Services.connect(Settings.from_env())
@@ -145,15 +145,18 @@ def test_the_drain_eta_counts_a_not_yet_measured_models_ready_tasks_as_anyones(
     dispatch(svc, [].extend)
     view = svc.core.live()
     assert view["u"].ready == 4 and not view["u"].latency_known
-    groups = pending_groups(svc.engine)
-    tokens = groups[0][2] // groups[0][1]
-    as_pending = [(None, 4, 4 * tokens)] + groups
+    left = backlog(svc.engine)
+    [(_, pending, tokens)] = left.pending_groups()
+    # u's 4 ready tasks counted as 4 pending ones instead (as many tasks not finished as before)
+    as_pending = dataclasses.replace(left, groups=(*left.groups, ("pending", None, 4, 4 * (tokens // pending), 0),
+                                                   ("ready", None, -4, 0, 0)))
+    assert as_pending.unfinished == left.unfinished
     without = {name: dataclasses.replace(m, ready=0) for name, m in view.items()}
-    eta, eta_as_pending = estimate_drain(svc, view, groups), estimate_drain(svc, without, as_pending)
+    eta, eta_as_pending = estimate_drain(svc, view, left), estimate_drain(svc, without, as_pending)
     assert eta is not None and eta == pytest.approx(eta_as_pending, rel=0.05)  # 44 % more, counted as u's own
     own = {name: dataclasses.replace(m, quota=dataclasses.replace(m.quota, expected_latency_s=30))
            for name, m in view.items()}  # once u's latency is known, they are its own work
-    assert estimate_drain(svc, own, groups) > eta * 1.1
+    assert estimate_drain(svc, own, left) > eta * 1.1
 
 
 def test_a_restore_after_redis_lost_its_data_seeds_no_lease_for_a_ready_task(svc: Services) -> None:

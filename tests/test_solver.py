@@ -817,7 +817,8 @@ def test_the_heartbeat_keeps_a_running_call_past_its_lease(svc: Services, monkey
     import dataclasses
 
     from balancer.pipeline.heartbeat import Heartbeat
-    from balancer.storage.leases import overdue_count, return_expired
+    from balancer.storage.leases import return_expired
+    from balancer.storage.reads import overdue_count
     from balancer.storage.transitions import start_solve
 
     short = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, lease_seconds=2))

@@ -21,7 +21,7 @@ from balancer.pipeline.source_writeback import drain
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.schema import source_changes, tasks
-from balancer.storage.sources import source_status
+from balancer.storage.source_reads import source_status
 from balancer.storage.sources_schema import source_outbox, sources
 from tests.legacy import SOURCE_FILE, add_rows, legacy_database, legacy_schema
 

@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "beat": "processes:beat", "bench": "pipeline:bench", "db": "db:db", "demo": "pipeline:demo",
     "dispatcher": "processes:dispatcher", "embedded": "db:embedded", "metrics": "processes:metrics",
     "quota": "quota:quota", "results": "results:results", "router": "processes:router", "sim": "processes:sim",
-    "source": "source:source", "status": "pipeline:status", "submit": "pipeline:submit", "tasks": "tasks:tasks",
+    "source": "source:source", "status": "status:status", "submit": "pipeline:submit", "tasks": "tasks:tasks",
     "top": "pipeline:top", "web": "web:web", "worker": "processes:worker",
 }
 
@@ -113,7 +113,7 @@ def _service_error(exc: Exception) -> int:
         click.echo(f"error: lost Redis at {mask_url(url)}: {_one_line(scrub(str(exc), url))}", err=True)
         return 2
     if sa_exc is not None and isinstance(exc, sa_exc.OperationalError):
-        from balancer.storage.db import describe_connect_error
+        from balancer.storage.dbapi import describe_connect_error
 
         url = Settings.from_env().database_url or "(embedded)"
         click.echo(f"error: {_one_line(str(describe_connect_error(url, exc)))}", err=True)

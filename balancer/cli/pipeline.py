@@ -1,4 +1,5 @@
-"""Pipeline commands: submit, status, top, demo, bench; the long-running processes' commands
+"""Pipeline commands: submit, top, demo, bench, and what ``status`` (:mod:`balancer.cli.status`)
+prints as ``top`` does; the long-running processes' commands
 (worker, dispatcher, beat, sim, metrics, router) are in :mod:`balancer.cli.processes`."""
 
 from __future__ import annotations
@@ -93,20 +94,6 @@ def eta_text(eta: float | None) -> str:
     return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
 
 
-def _projected_dict(projected: Any) -> dict[str, Any]:
-    """The backlog left's projected cost for ``status --json``: as ``spend``, without ``by_source``."""
-    out = projected.as_dict()
-    out.pop("by_source", None)
-    return out
-
-
-def band_fields(drain: Any) -> dict[str, float | None]:
-    """The ETA's band for ``status --json``: ``eta_low_s`` and ``eta_high_s`` (None when there is no ETA)."""
-    low = None if drain is None or drain.low is None else round(drain.low, 1)
-    high = None if drain is None or drain.high is None else round(drain.high, 1)
-    return {"eta_low_s": low, "eta_high_s": high}
-
-
 def band_text(drain: Any) -> str:
     """The ETA's band for a person, after the ETA: `` (3 min 10 s to 4 min 40 s)``; empty when done or unknown.
 
@@ -164,7 +151,7 @@ def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None
 
 def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
     """``top``'s per-source table: each source table's tasks by state, as ``status`` reads them
-    (``storage.sources.SourceStatus``), its weight, and its budget per day and whether its tasks wait
+    (``storage.source_reads.SourceStatus``), its weight, and its budget per day and whether its tasks wait
     (``domain.budget.Standing``); a source with a budget and no table, its weight and budget alone."""
     from rich.table import Table
 
@@ -178,61 +165,6 @@ def _source_table(sources: list, weights: dict[str, int], budgets: dict, default
         table.add_row(printable(name), *counts.get(name, ["-"] * 4), str(weights.get(name, default_weight)),
                       printable(budget_line(budgets[name]), limit=400) if name in budgets else "-")
     return table
-
-
-@click.command()
-@click.option("--json", "as_json", is_flag=True)
-def status(as_json: bool) -> None:
-    """Task counts by status, and per model: calls in flight against the cap,
-    buckets, 429s, latency, and the limit that holds it back now."""
-    from balancer.cli.source import budget_line, source_line
-    from balancer.domain.cost import projection_text, spend_text
-    from balancer.pipeline.beat_seen import beat_last_seen_s
-    from balancer.pipeline.budgets import read_standings
-    from balancer.pipeline.summary import read
-    from balancer.storage.intake import reused_count
-    from balancer.storage.leases import overdue_count
-    from balancer.storage.sources import source_status
-    from balancer.storage.spend import projected_cost, spend_so_far
-
-    svc = _migrated()
-    counts, rows, _, drain = read(svc)
-    eta = None if drain is None else drain.eta
-    overdue = overdue_count(svc.engine)
-    beat = beat_last_seen_s(svc.redis, svc.settings.namespace)
-    quotas = svc.quotas.all()
-    spent, projected = spend_so_far(svc.engine, quotas), projected_cost(svc.engine, quotas)
-    sources = source_status(svc.engine)
-    budgets = read_standings(svc)
-    with svc.engine.connect() as conn:
-        reused = reused_count(conn)
-    if as_json:
-        click.echo(json.dumps({**counts, "reused": reused, "overdue": overdue, "eta_s": None if eta is None else round(eta, 1),
-                               **band_fields(drain), "waiting_on_budget": 0 if drain is None else drain.waiting,
-                               "beat_last_tick_s": None if beat is None else round(beat, 1),
-                               "models": [r.as_dict() for r in rows], "spend": spent.as_dict(),
-                               "projected": _projected_dict(projected), "sources": [s.as_dict() for s in sources],
-                               "budgets": [b.as_dict() for b in budgets.values()]}))
-        return
-    click.echo("  ".join(f"{k}: {v}" for k, v in counts.items()) + (f"  reused: {reused}" if reused else "")
-               + f"  eta: {drain_text(drain)}")
-    if spent.by_model or spent.unpriced_tokens:
-        click.echo(spend_text(spent))
-    if projected.by_model or projected.unpriced_tokens:
-        click.echo(projection_text(projected))
-    for s in sources:
-        click.echo(f"source {s.name}: {source_line(s)}")
-    for b in budgets.values():
-        click.echo(printable(f"budget {b.budget.source}: {budget_line(b)}", limit=400))
-    if beat is None:
-        click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
-    if overdue:
-        click.echo(f"overdue: {overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
-                   "the sweep tick returns them to pending")
-    if rows:
-        from rich.console import Console
-
-        Console(width=max(Console().width, 120)).print(_model_table(rows))
 
 
 @click.command()
@@ -250,18 +182,21 @@ def top(interval: float, count: int | None) -> None:
     from rich.live import Live
     from rich.text import Text
 
+    from balancer.domain.budget import held
     from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.budgets import read_standings
     from balancer.pipeline.summary import read
+    from balancer.storage.reads import backlog
+    from balancer.storage.source_reads import source_status
     from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
-    from balancer.storage.sources import source_status
     from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
 
     def frame() -> Group:
-        counts, rows, counters, drain = read(svc)
+        budgets, left = read_standings(svc), backlog(svc.engine)  # what `status` reads for them, read once
+        counts, rows, counters, drain = read(svc, held(budgets), left)
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -276,15 +211,15 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        backlog = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
+        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
         quotas = svc.quotas.all()
         money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
-                                         projection_text(projected_cost(svc.engine, quotas)))]
-        sources, budgets = source_status(svc.engine), read_standings(svc)  # what `status` reads for them
+                                         projection_text(projected_cost(svc.engine, quotas, left)))]
+        sources = source_status(svc.engine)
         with svc.engine.connect() as conn:
             shares = weights(conn)
         by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []
-        return Group(_model_table(rows, rates), *by_source, backlog, *money)
+        return Group(_model_table(rows, rates), *by_source, counted, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

@@ -68,7 +68,8 @@ def source_list(as_json: bool) -> None:
     """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag;
     and every source with a budget per day, what it spent today and whether its tasks wait."""
     from balancer.pipeline.budgets import read_standings
-    from balancer.storage.sources import all_sources, source_status
+    from balancer.storage.source_reads import source_status
+    from balancer.storage.sources import all_sources
 
     svc = migrated()
     with svc.engine.connect() as conn:
@@ -93,7 +94,7 @@ def source_list(as_json: bool) -> None:
         click.echo(printable(f"{b.budget.source}: budget {budget_line(b)}", limit=400))
 
 
-def source_line(r) -> str:  # noqa: ANN001 - a storage.sources.SourceStatus
+def source_line(r) -> str:  # noqa: ANN001 - a storage.source_reads.SourceStatus
     """One source's counts, as ``status`` and ``source list`` print them."""
     lag = "never read to its end" if r.lag_s is None else f"{r.lag_s:g} s"
     return (f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "

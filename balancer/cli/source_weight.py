@@ -45,7 +45,8 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
     from balancer.domain.budget import Budget, check_money, check_tokens
     from balancer.domain.cost import price_list
     from balancer.storage.quotas import default_actor
-    from balancer.storage.source_budgets import budgets, set_budget
+    from balancer.storage.source_budgets import set_budget
+    from balancer.storage.source_reads import budgets
     from balancer.storage.source_weights import set_weight
 
     check_source_name(name)

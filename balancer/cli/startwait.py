@@ -51,6 +51,15 @@ def wait_until_reachable(start: Callable[[], T], wait_seconds: float, *,
             sleep(pause)
 
 
+def snapshot():  # noqa: ANN201 - a context manager of Snapshot, imported lazily to keep `balancer --help` fast
+    """A read-only :class:`~balancer.snapshot.Snapshot` on a migrated schema (``status``): the
+    embedded stack when no URL is set, as :func:`migrated`; one line when a service cannot be reached."""
+    from balancer.cli import resolved_settings
+    from balancer.snapshot import open_snapshot
+
+    return open_snapshot(resolved_settings())
+
+
 def migrated(*, wait: bool = False):  # noqa: ANN201 - Services, imported lazily to keep `balancer --help` fast
     """Connected services on a migrated schema. ``wait``: a long-running process's
     start, which waits for an unreachable Redis or PostgreSQL (``BALANCER_START_WAIT``)."""

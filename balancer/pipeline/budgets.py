@@ -20,29 +20,27 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy.engine import Connection
-
 from balancer.domain.budget import Standing, day_start, held, standings
 from balancer.domain.cost import price_list
-from balancer.services import Services
-from balancer.storage.source_budgets import budgets
+from balancer.snapshot import ReadServices
+from balancer.storage.quota_rows import all_quotas
+from balancer.storage.rows import RowSource, reading
+from balancer.storage.source_reads import budgets
 from balancer.storage.spend import spent_by_source_since
 
 
-def read_standings(services: Services, conn: Connection | None = None, now: datetime | None = None) -> dict[str, Standing]:
+def read_standings(services: ReadServices, conn: RowSource | None = None, now: datetime | None = None) -> dict[str, Standing]:
     """Every budgeted source's budget against what it spent today (empty: no budget set),
     read on ``conn`` (in the caller's transaction) or on a connection of its own."""
-    if conn is None:
-        with services.engine.connect() as own:
-            return read_standings(services, own, now)
-    set_now = budgets(conn)
-    if not set_now:
-        return {}
-    usage = spent_by_source_since(conn, day_start(now or datetime.now(UTC)))
-    prices, currency = price_list(services.quotas.all())
+    with reading(services.db if conn is None else conn) as db:
+        set_now = budgets(db)
+        if not set_now:
+            return {}
+        usage = spent_by_source_since(db, day_start(now or datetime.now(UTC)))
+        prices, currency = price_list(all_quotas(db))
     return standings(set_now, usage, prices, currency)
 
 
-def held_sources(services: Services, conn: Connection | None = None) -> frozenset[str]:
+def held_sources(services: ReadServices, conn: RowSource | None = None) -> frozenset[str]:
     """The sources whose budget is spent: their tasks wait this dispatch run."""
     return held(read_standings(services, conn))

@@ -36,9 +36,9 @@ from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
-from balancer.storage.reads import pending_groups
+from balancer.storage.reads import Backlog, backlog
 from balancer.storage.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
-from balancer.storage.spend import backlog_estimates, observed_usage, token_usage
+from balancer.storage.spend import observed_usage, token_usage
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
 OUTCOMES = ("solved", "rate_limited", "transient", "failed")
@@ -130,12 +130,12 @@ class BalancerCollector(Collector):
             return iter(())
         view = svc.core.live()
         per_model, system = svc.core.counters()
-        groups = pending_groups(svc.engine)
-        backlog = backlog_by_model(((allowed, n) for allowed, n, _ in groups), view)
+        left = backlog(svc.engine)
+        by_model = backlog_by_model(((allowed, n) for allowed, n, _ in left.pending_groups()), view)
         families = self._families()
         for name, live in view.items():
             q, stats = live.quota, per_model.get(name, {})
-            can_run, pinned = backlog[name]
+            can_run, pinned = by_model[name]
             values: dict[str, Any] = {
                 "balancer_model_in_flight": live.in_flight,
                 "balancer_model_max_concurrent_requests": q.max_concurrent_requests,
@@ -172,16 +172,16 @@ class BalancerCollector(Collector):
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
-        drain = estimate_band(svc, view, groups)
+        drain = estimate_band(svc, view, left)
         if drain is not None and drain.eta is not None:
             families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
             families["balancer_drain_eta_high_seconds"].add_metric([], drain.high or 0.0)
-        self._money(svc, families)
+        self._money(svc, families, left)
         add_source_metrics(families, svc.engine, read_standings(svc))
         return iter(families.values())
 
-    def _money(self, svc: Services, families: dict[str, Any]) -> None:
+    def _money(self, svc: Services, families: dict[str, Any], left: Backlog) -> None:
         """Spend so far by model and source, and the backlog left's projected cost by model, in the quotas' currency."""
         quotas = svc.quotas.all()
         prices, named = price_list(quotas)
@@ -191,7 +191,7 @@ class BalancerCollector(Collector):
             if price is not None:
                 families["balancer_spend"].add_metric([model, source, currency], price.cost(prompt_tokens, completion_tokens))
         enabled = {q.name: prices[q.name] for q in quotas if q.enabled}
-        projected = project(backlog_estimates(svc.engine), self._observed, enabled, currency or None)
+        projected = project(left.estimates(), self._observed, enabled, currency or None)
         for model, amount in projected.by_model.items():
             families["balancer_backlog_projected_cost"].add_metric([model, currency], amount)
 

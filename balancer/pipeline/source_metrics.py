@@ -9,8 +9,8 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.engine import Engine
 
 from balancer.domain.budget import Standing
-from balancer.storage.intake import reused_count
-from balancer.storage.sources import source_status
+from balancer.storage.reads import reused_count
+from balancer.storage.source_reads import source_status
 
 
 def source_families() -> dict[str, Any]:
@@ -41,8 +41,7 @@ def add_source_metrics(families: dict[str, Any], engine: Engine, budgets: Mappin
     for name, b in budgets.items():
         families["balancer_source_over_budget"].add_metric([name], 1 if b.over else 0)
         families["balancer_source_spent_tokens_today"].add_metric([name], b.tokens)
-    with engine.connect() as conn:
-        families["balancer_tasks_reused"].add_metric([], reused_count(conn))
+    families["balancer_tasks_reused"].add_metric([], reused_count(engine))
     for s in source_status(engine):
         for state in ("pending", "in_flight", "solved", "failed"):
             families["balancer_source_tasks"].add_metric([s.name, state], getattr(s, state))

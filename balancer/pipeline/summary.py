@@ -21,16 +21,17 @@ from balancer.admission.live import ModelLive
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import DrainState, Forecast, forecast
 from balancer.pipeline.budgets import held_sources
-from balancer.services import Services
+from balancer.snapshot import ReadServices
 from balancer.storage.reads import (
-    pending_groups,
+    Backlog,
+    backlog,
     pending_groups_of,
     recent_solves,
     recent_solves_by_model,
     running_calls,
     status_counts,
-    unfinished_count,
 )
+from balancer.storage.rows import Reads, reading
 
 #: The drain ETA's pace is measured over the last minute of solves.
 PACE_WINDOW_S = 60.0
@@ -129,15 +130,22 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
 
 
 def drain_inputs(
-    services: Services, view: Mapping[str, ModelLive] | None = None,
-    groups: list[tuple[list[str] | None, int, int]] | None = None, held: Collection[str] | None = None,
+    services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
+    held: Collection[str] | None = None,
 ) -> DrainState | None:
     """What the drain ETA is computed from, read now: the live quotas, buckets and
-    learned latencies, the backlog's composition, the last minute's solves, the
-    tasks not finished, and the pending tasks of the sources over their budget
-    (``held``: read now as the dispatcher reads it, when not given). None when no model is enabled."""
+    learned latencies, the backlog (``left``: the pending tasks' composition, the tasks not
+    finished), the last minute's solves, and the pending tasks of the sources over their budget
+    (``held``: read now as the dispatcher reads it, when not given). None when no model is enabled.
+    PostgreSQL's reads share one connection."""
     view = services.core.live() if view is None else view
-    groups = pending_groups(services.engine) if groups is None else groups
+    with reading(services.db) as db:
+        return _drain_inputs(services, db, view, backlog(db) if left is None else left, held)
+
+
+def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLive], left: Backlog,
+                  held: Collection[str] | None) -> DrainState | None:
+    groups = left.pending_groups()
     prior_s = services.settings.expected_latency_s
     pending = sum(n for _, n, _ in groups)
     tokens_per_task = sum(t for _, _, t in groups) / pending if pending else services.settings.expected_output_tokens
@@ -152,9 +160,9 @@ def drain_inputs(
     }
     if not models:
         return None
-    solved, window_s = recent_solves(services.engine, PACE_WINDOW_S)
+    solved, window_s = recent_solves(db, PACE_WINDOW_S)
     on_prior = [name for name in models if not view[name].latency_estimate(prior_s).samples]
-    running = running_calls(services.engine) if on_prior else {}
+    running = running_calls(db) if on_prior else {}
     # Tasks on a ready list are no longer pending, nor in flight yet: their model's work
     # still to do. On a model not measured yet they count as work for any model: its
     # latency is only the prior (30 s), and if it is slow they outlive their TTL and
@@ -172,34 +180,36 @@ def drain_inputs(
         on_prior=on_prior,
         early_calls={name: (view[name].latency.samples, view[name].latency.latency_ms_sum / 1000, *running.get(name, (0, 0.0)))
                      for name in on_prior},
-        unfinished=unfinished_count(services.engine),
-        solved_by_model=recent_solves_by_model(services.engine, window_s),
-        waiting=pending_groups_of(services.engine, held_sources(services) if held is None else held),
+        unfinished=left.unfinished,
+        solved_by_model=recent_solves_by_model(db, window_s),
+        waiting=pending_groups_of(db, held_sources(services, db) if held is None else held),
     )
 
 
 def estimate_drain(
-    services: Services, view: Mapping[str, ModelLive] | None = None,
-    groups: list[tuple[list[str] | None, int, int]] | None = None,
+    services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
 ) -> float | None:
     """The drain ETA in seconds (:func:`balancer.domain.eta.forecast`) now."""
-    state = drain_inputs(services, view, groups)
+    state = drain_inputs(services, view, left)
     return None if state is None else forecast(state).eta
 
 
 def estimate_band(
-    services: Services, view: Mapping[str, ModelLive] | None = None,
-    groups: list[tuple[list[str] | None, int, int]] | None = None,
+    services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
+    held: Collection[str] | None = None,
 ) -> Forecast | None:
     """The drain ETA with its band (low, high) now; None when no model is enabled."""
-    state = drain_inputs(services, view, groups)
+    state = drain_inputs(services, view, left, held)
     return None if state is None else forecast(state)
 
 
-def read(services: Services) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], Forecast | None]:
-    """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA and its band) now."""
+def read(services: ReadServices, held: Collection[str] | None = None, left: Backlog | None = None,
+         ) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], Forecast | None]:
+    """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA and its band) now;
+    ``held`` and ``left``: the sources over their budget and the backlog, when the caller has read them
+    (:func:`drain_inputs`)."""
     counters, _ = services.core.counters()
     view = services.core.live()
     rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
-    return status_counts(services.engine), rows, counters, estimate_band(services, view)
+    return status_counts(services.db), rows, counters, estimate_band(services, view, left, held)

@@ -1,13 +1,14 @@
-"""Engine creation and the "is this database migrated?" check."""
+"""Engine creation, and the check that its database answers."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.exc import OperationalError
 
-from balancer.errors import ConfigError, ServiceUnavailable, Unreachable
+from balancer.errors import ConfigError
 from balancer.settings import Settings
+from balancer.storage.dbapi import connect_args, describe_connect_error
 from balancer.urls import mask_url, normalize_database_url, scrub
 
 
@@ -26,16 +27,12 @@ def make_engine(url: str, pool_size: int = Settings.db_pool_size, **kwargs: obje
         # more CPU than the statements (docs/benchmarks.md, the hot path, round 4).
         # Five per process keep a dozen processes inside PostgreSQL's default
         # max_connections (100).
-        # connect_timeout: a server that accepts but never answers fails in 5 s, not never.
-        # TCP keepalives: a connection whose server vanished (no RST) is found dead in
-        # about 25 s. statement_timeout: no query of ours runs for a minute.
         # The URL's own `options` (e.g. a search_path) are kept: connect_args would replace them.
         own_options = sa.engine.make_url(url).query.get("options", "")
         if not isinstance(own_options, str):
             own_options = " ".join(own_options)
-        connect_args = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-                        "keepalives_count": 3, "options": f"{own_options} -c statement_timeout=60000".strip()}
-        options = {"pool_pre_ping": True, "pool_size": pool_size, "max_overflow": 0, "connect_args": connect_args, **kwargs}
+        options = {"pool_pre_ping": True, "pool_size": pool_size, "max_overflow": 0,
+                   "connect_args": connect_args(own_options), **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
         raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {scrub(str(exc), url)}") from None
@@ -63,21 +60,6 @@ def dispose_engines() -> None:
         _ENGINES.popitem()[1].dispose()
 
 
-def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
-    """Turn a driver error into one line that names the masked URL, never the password."""
-    detail = str(getattr(exc, "orig", exc)).strip().splitlines()
-    first = scrub(detail[0] if detail else type(exc).__name__, url)
-    kind = Unreachable if any(sign in first.lower() for sign in _MAY_COME_BACK) else ServiceUnavailable
-    return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
-
-
-#: libpq's words for a server that is down, starting or out of reach (not a bad
-#: URL, user or password): a process starting waits for it.
-_MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the database system is starting up",
-                  "the database system is shutting down", "server closed the connection", "no route to host",
-                  "network is unreachable", "connection reset")
-
-
 def check_reachable(engine: Engine) -> None:
     url = engine.url.render_as_string(hide_password=False)
     try:
@@ -86,10 +68,3 @@ def check_reachable(engine: Engine) -> None:
     except OperationalError as exc:
         raise describe_connect_error(url, exc) from None
 
-
-def current_revision(engine: Engine) -> str | None:
-    try:
-        with engine.connect() as conn:
-            return conn.execute(sa.text("select version_num from alembic_version")).scalar()
-    except ProgrammingError:
-        return None

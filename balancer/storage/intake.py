@@ -69,11 +69,6 @@ def share_answers(conn: Connection, ids: Sequence[int]) -> tuple[int, int]:
     return reused, waiting
 
 
-def reused_count(conn: Connection) -> int:
-    """Tasks that took another task's answer instead of a call."""
-    return int(conn.execute(sa.text("SELECT count(*) FROM tasks WHERE reused_from IS NOT NULL")).scalar_one())
-
-
 def insert_tasks(conn: Connection, rows: Sequence[TaskRow], *, dedup: bool = False) -> list[int]:
     """Insert pending tasks; returns the ids of those inserted (a keyed task
     already present is skipped, so ``len(rows) - len(ids)`` were already present).

@@ -1,7 +1,8 @@
 """Task deadlines in PostgreSQL, the other half of a call's lease: tasks whose
 worker stopped renewing them go back to ``pending`` (the sweep; not those a
 worker still keeps alive in Redis), the calls in
-flight re-seed a Redis that lost its data, and overdue calls are counted."""
+flight re-seed a Redis that lost its data. (Overdue calls are counted by
+:func:`balancer.storage.reads.overdue_count`.)"""
 
 from __future__ import annotations
 
@@ -79,11 +80,3 @@ def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
     # the restored lease is placed on Redis's (restore.lua adds its own now).
     return [LeaseSeed(r[0], r[1], r.estimated_tokens, max(0, int(r.remaining_ms))) for r in [*rows, *hedges]]
 
-
-def overdue_count(engine: Engine) -> int:
-    """Queued or running tasks past their deadline: no heartbeat renewed them (their
-    worker is gone) and the sweep tick has not returned them to pending yet."""
-    with engine.connect() as conn:
-        return int(conn.execute(
-            sa.select(sa.func.count()).where(tasks.c.status.in_(("ready", "queued", "running")), tasks.c.deadline < sa.func.now())
-        ).scalar_one())

@@ -1,18 +1,23 @@
-"""Alembic, driven from code: ``balancer db upgrade`` and the startup check."""
+"""Alembic, driven from code: ``balancer db upgrade`` and the startup check.
+
+The check reads without SQLAlchemy (:mod:`balancer.storage.rows`): ``status`` makes it on its
+read-only snapshot; Alembic is imported only to upgrade, or when the database is not at the
+newest migration file's revision."""
 
 from __future__ import annotations
 
 from importlib import resources
 from typing import TYPE_CHECKING
 
-from sqlalchemy.engine import Engine
+import psycopg2
 
 from balancer.errors import ConfigError, printable
-from balancer.storage.db import check_reachable, current_revision
+from balancer.storage.rows import RowSource, fetch
 
 if TYPE_CHECKING:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
+    from sqlalchemy.engine import Engine
 
 
 def alembic_config(engine: Engine) -> Config:
@@ -48,6 +53,8 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
     known = revisions()
     if revision not in ("head", "base", *known):
         raise ConfigError(f"unknown revision {printable(revision)!r}: use head or one of {', '.join(known)}")
+    from balancer.storage.db import check_reachable
+
     check_reachable(engine)
     current = current_revision(engine)
     behind = current is None or revision == "head" or (
@@ -68,13 +75,22 @@ def newest_file_revision() -> str | None:
     return max(prefixes, default=None)
 
 
-def require_migrated(engine: Engine) -> None:
-    """Fail with one line, not a traceback, when the schema is behind the code.
+def current_revision(db: RowSource) -> str | None:
+    """The database's Alembic revision; None when it has no ``alembic_version`` table (never migrated)."""
+    try:
+        found = fetch(db, "SELECT version_num FROM alembic_version")
+    except Exception as exc:  # psycopg2's error, or SQLAlchemy's wrapping it (its ``orig``)
+        if isinstance(getattr(exc, "orig", exc), psycopg2.ProgrammingError):
+            return None
+        raise
+    return found[0][0] if found else None
+
+
+def require_revision(current: str | None) -> None:
+    """Fail with one line, not a traceback, when ``current`` (the database's revision) is behind the code.
 
     A database at the newest file's revision is up to date (the fast path, for
     ``status``); anything else asks Alembic for the head, which decides."""
-    check_reachable(engine)
-    current = current_revision(engine)
     if current is not None and current == newest_file_revision():
         return
     if current != head_revision():
@@ -82,3 +98,11 @@ def require_migrated(engine: Engine) -> None:
         raise ConfigError(
             f"database schema is at revision {have}, code needs {head_revision()}: run `balancer db upgrade`"
         )
+
+
+def require_migrated(engine: Engine) -> None:
+    """:func:`require_revision` on ``engine``'s database, once it answers."""
+    from balancer.storage.db import check_reachable
+
+    check_reachable(engine)
+    require_revision(current_revision(engine))

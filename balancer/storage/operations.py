@@ -18,8 +18,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
+from balancer.domain.statuses import TASK_STATUSES
 from balancer.errors import BalancerError, printable
-from balancer.storage.schema import TASK_STATUSES, task_operations, tasks
+from balancer.storage.schema import task_operations, tasks
 
 
 @dataclass(frozen=True)

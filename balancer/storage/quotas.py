@@ -26,7 +26,11 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.admission.fields import quota_fields
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
+from balancer.storage.quota_rows import QUOTA_COLUMNS, all_quotas, quota_from_row
 from balancer.storage.schema import quota_changes, quotas
+
+#: One model's row, as :func:`~balancer.storage.quota_rows.quota_from_row` reads it.
+_SELECT = sa.select(*(quotas.c[name] for name in QUOTA_COLUMNS))
 
 
 class LiveQuotas(Protocol):
@@ -55,27 +59,6 @@ def default_actor() -> str:
         return getpass.getuser()
     except Exception:  # no passwd entry in some containers
         return "unknown"
-
-
-def _row_to_quota(row: Any) -> Quota:
-    return Quota(
-        name=row.name,
-        weight=row.weight,
-        max_concurrent_requests=row.max_concurrent_requests,
-        max_tokens_per_minute=row.max_tokens_per_minute,
-        max_requests_per_minute=row.max_requests_per_minute,
-        burst_tokens=row.burst_tokens,
-        enabled=row.enabled,
-        token_accounting=row.token_accounting,
-        burst_requests=row.burst_requests,
-        expected_latency_s=row.expected_latency_s,
-        on_disconnect=row.on_disconnect,
-        price_per_million_input=row.price_per_million_input,
-        price_per_million_output=row.price_per_million_output,
-        currency=row.currency,
-        learn=row.learn,
-        slow_start=row.slow_start,
-    )
 
 
 @dataclass
@@ -110,14 +93,12 @@ class QuotaStore:
 
     # -- reads -----------------------------------------------------------------
     def all(self) -> list[Quota]:
-        with self.engine.connect() as conn:
-            rows = conn.execute(sa.select(quotas).order_by(quotas.c.name)).all()
-        return [_row_to_quota(r) for r in rows]
+        return all_quotas(self.engine)
 
     def get(self, name: str) -> Quota | None:
         with self.engine.connect() as conn:
-            row = conn.execute(sa.select(quotas).where(quotas.c.name == name)).first()
-        return _row_to_quota(row) if row else None
+            row = conn.execute(_SELECT.where(quotas.c.name == name)).first()
+        return quota_from_row(row) if row else None
 
     def history(self, name: str | None = None) -> list[dict[str, Any]]:
         query = sa.select(quota_changes).order_by(quota_changes.c.id)
@@ -198,7 +179,7 @@ class QuotaStore:
         if self.live is None:
             return []
         with self._writing() as (conn, changes):
-            stored = {r.name: _row_to_quota(r) for r in conn.execute(sa.select(quotas))}
+            stored = {q.name: q for q in all_quotas(conn)}
             live = self.live.live_quotas()
             for name, quota in stored.items():
                 current = live.get(name)  # as Redis holds it: compare what Redis holds
@@ -209,8 +190,8 @@ class QuotaStore:
         return sorted({(new or old).name for old, new in changes})  # type: ignore[union-attr]
 
     def _locked(self, conn: Connection, name: str) -> Quota | None:
-        row = conn.execute(sa.select(quotas).where(quotas.c.name == name).with_for_update()).first()
-        return _row_to_quota(row) if row else None
+        row = conn.execute(_SELECT.where(quotas.c.name == name).with_for_update()).first()
+        return quota_from_row(row) if row else None
 
     def set(self, name: str, changes: dict[str, Any], *, create: bool = False, by: str | None = None) -> tuple[Quota | None, Quota]:
         """Change (or with ``create``, add) one model. Returns (old, new)."""
@@ -258,7 +239,7 @@ class QuotaStore:
         wanted = {q.name: q for q in new_set}
         with self._writing() as (conn, changes):
             conn.execute(sa.text("LOCK TABLE quotas IN SHARE ROW EXCLUSIVE MODE"))
-            current = {r.name: _row_to_quota(r) for r in conn.execute(sa.select(quotas))}
+            current = {q.name: q for q in all_quotas(conn)}
             summary = import_diff(current, wanted)
             if summary.removed and not allow_removal and not dry_run:
                 raise QuotaError(

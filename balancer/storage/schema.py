@@ -57,10 +57,7 @@ quota_changes = Table(
     Column("new_value", JSONB, nullable=True),
 )
 
-#: Every status a task can have (the ``tasks_status_known`` check). ``cancelled``:
-#: taken out of the backlog by an operator (``balancer tasks cancel``).
-TASK_STATUSES = ("pending", "ready", "queued", "running", "solved", "failed", "cancelled")
-
+#: A task's ``status`` is one of ``balancer.domain.statuses.TASK_STATUSES``.
 tasks = Table(
     "tasks",
     metadata,

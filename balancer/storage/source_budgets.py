@@ -1,4 +1,5 @@
-"""Every source's budget per day (:mod:`balancer.domain.budget`), with its audit.
+"""Setting a source's budget per day (:mod:`balancer.domain.budget`), with its audit (they are
+read by :func:`balancer.storage.source_reads.budgets`).
 
 A source with no row has no budget. Any source, JSONL and inbox ones
 included, can be given one with ``balancer source set NAME --budget-per-day
@@ -14,14 +15,6 @@ from sqlalchemy.engine import Connection
 
 from balancer.domain.budget import Budget, check_money, check_tokens
 from balancer.storage.schema import source_budgets, source_changes
-
-
-def budgets(conn: Connection) -> list[Budget]:
-    """Every source with a budget set, by name."""
-    rows = conn.execute(sa.select(source_budgets.c.source, source_budgets.c.money_per_day,
-                                  source_budgets.c.tokens_per_day).order_by(source_budgets.c.source))
-    return [Budget(r.source, r.money_per_day, None if r.tokens_per_day is None else int(r.tokens_per_day))
-            for r in rows if r.money_per_day is not None or r.tokens_per_day is not None]
 
 
 def set_budget(conn: Connection, budget: Budget, *, by: str) -> bool:

@@ -1,5 +1,6 @@
 """Declared sources in balancer's database: import (audited, like quotas), list,
-remove, and each source's read cursor.
+remove, and each source's read cursor. (Their status is read by
+:mod:`balancer.storage.source_reads`.)
 
 A source's row holds its definition (never a secret: only the name of the
 variable holding its URL) and its cursor: ``position``, the largest key read,
@@ -23,7 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.domain.intake import TaskRow
 from balancer.domain.sourcefile import SourceDef, SourceFileError, source_from_dict
 from balancer.storage.intake import share_answers
-from balancer.storage.schema import source_changes, tasks
+from balancer.storage.schema import source_changes
 from balancer.storage.source_weights import set_weight
 from balancer.storage.sources_schema import source_outbox, sources
 
@@ -192,47 +193,3 @@ def advance(conn: Connection, name: str, start: Cursor, end: Cursor, *, inserted
                 read_at=sa.func.now(), **({"caught_up_at": sa.func.now()} if caught_up else {}))
     ).rowcount
     return bool(moved)
-
-
-@dataclass(frozen=True)
-class SourceStatus:
-    name: str
-    pending: int
-    in_flight: int
-    solved: int
-    failed: int
-    writebacks_waiting: int
-    conflicts: int
-    ingested: int
-    lag_s: float | None  # seconds since the source was last read to its end (None: never)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
-
-
-def source_status(engine: Engine) -> list[SourceStatus]:
-    """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
-    in_flight = tasks.c.status.in_(("ready", "queued", "running"))
-    counts = (sa.select(tasks.c.source,
-                        sa.func.count().filter(tasks.c.status == "pending").label("pending"),
-                        sa.func.count().filter(in_flight).label("in_flight"),
-                        sa.func.count().filter(tasks.c.status == "solved").label("solved"),
-                        sa.func.count().filter(tasks.c.status == "failed").label("failed"))
-              .where(tasks.c.source.in_(sa.select(sources.c.name))).group_by(tasks.c.source))
-    outbox = (sa.select(source_outbox.c.source,
-                        sa.func.count().filter(source_outbox.c.state == "waiting").label("waiting"),
-                        sa.func.count().filter(source_outbox.c.state == "conflict").label("conflicts"))
-              .group_by(source_outbox.c.source))
-    with engine.connect() as conn:
-        by_task = {r.source: r for r in conn.execute(counts)}
-        by_outbox = {r.source: r for r in conn.execute(outbox)}
-        rows = conn.execute(sa.select(sources.c.name, sources.c.ingested,
-                                      sa.extract("epoch", sa.func.now() - sources.c.caught_up_at).label("lag"))
-                            .order_by(sources.c.name)).all()
-    out = []
-    for r in rows:
-        t, o = by_task.get(r.name), by_outbox.get(r.name)
-        out.append(SourceStatus(r.name, t.pending if t else 0, t.in_flight if t else 0, t.solved if t else 0,
-                                t.failed if t else 0, o.waiting if o else 0, o.conflicts if o else 0, int(r.ingested),
-                                None if r.lag is None else round(float(r.lag), 1)))
-    return out

@@ -1,6 +1,6 @@
 """A task's status changes on the solve path, each one guarded statement.
 
-Status flow (``balancer.storage.schema.TASK_STATUSES``)::
+Status flow (``balancer.domain.statuses.TASK_STATUSES``)::
 
     pending --dispatch (publish)--> queued --worker starts--> running --answer--> solved
      |  ^   \\--stock--> ready ------/ (a finishing call  |   \\--> failed (4xx, max attempts, 50 429s)

@@ -28,12 +28,12 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from balancer.domain.statuses import TASK_STATUSES
 from balancer.errors import BalancerError, QuotaError
 from balancer.router.app import MAX_BODY_BYTES, ASGIApp, BodyLimit
 from balancer.services import Services
 from balancer.storage import operations
 from balancer.storage.quotas import LiveNotUpdated, default_actor
-from balancer.storage.schema import TASK_STATUSES
 from balancer.web import charts, formatting, forms
 from balancer.web.sampler import Sample, Sampler, per_minute
 from balancer.web.security import CSRF_COOKIE, Csrf, SecurityHeaders, TokenGuard

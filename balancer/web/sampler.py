@@ -23,11 +23,12 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from balancer.domain.budget import Standing
+from balancer.domain.budget import Standing, held
 from balancer.domain.cost import Spend
 from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
+from balancer.storage.reads import backlog
 from balancer.storage.spend import projected_cost, spend_so_far
 from balancer.urls import scrub
 from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts
@@ -168,11 +169,12 @@ class Sampler:
 
 
 def take_sample(services: Services) -> Sample:
-    counts, rows, counters, drain = read(services)
+    budgets, left = read_standings(services), backlog(services.engine)
+    counts, rows, counters, drain = read(services, held(budgets), left)  # the budgets and the backlog read once
     quotas = services.quotas.all()
     return Sample(time.time(), counts, rows, counters, None if drain is None else drain.eta,
                   None if drain is None else drain.low, None if drain is None else drain.high,
                   source_counts(services.engine), spend_so_far(services.engine, quotas),
-                  projected_cost(services.engine, quotas),
-                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), read_standings(services),
+                  projected_cost(services.engine, quotas, left),
+                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), budgets,
                   0 if drain is None else drain.waiting)

@@ -1,0 +1,117 @@
+"""``balancer status``: the backlog, each model, spend, sources and budgets, read once.
+
+It reads through a :class:`~balancer.snapshot.Snapshot`: Redis, and every PostgreSQL read in
+one read-only transaction on one psycopg2 connection, without SQLAlchemy, whose import was
+most of what ``status`` cost (docs/benchmarks.md). The reads are the ones ``top``, the console
+and the metrics exporter run on their engine (:func:`read_status` takes either).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from balancer.cli.pipeline import _model_table, drain_text
+from balancer.cli.startwait import snapshot
+from balancer.errors import printable
+
+if TYPE_CHECKING:
+    from balancer.domain.budget import Standing
+    from balancer.domain.cost import Spend
+    from balancer.domain.eta import Forecast
+    from balancer.pipeline.summary import ModelSummary
+    from balancer.snapshot import ReadServices
+    from balancer.storage.source_reads import SourceStatus
+
+
+@dataclass(frozen=True)
+class StatusReads:
+    """Everything ``status`` shows, read now."""
+
+    counts: dict[str, int]
+    rows: list[ModelSummary]
+    drain: Forecast | None
+    reused: int
+    overdue: int
+    beat: float | None  # seconds since beat's last dispatch tick; None: not seen lately
+    spent: Spend
+    projected: Spend
+    sources: list[SourceStatus]
+    budgets: dict[str, Standing]
+
+
+def read_status(services: ReadServices) -> StatusReads:
+    """What ``status`` shows, read through ``services`` (a :class:`~balancer.snapshot.Snapshot`,
+    or :class:`~balancer.services.Services`' engine)."""
+    from balancer.domain.budget import held
+    from balancer.pipeline.beat_seen import beat_last_seen_s
+    from balancer.pipeline.budgets import read_standings
+    from balancer.pipeline.summary import read
+    from balancer.storage.quota_rows import all_quotas
+    from balancer.storage.reads import backlog, overdue_count, reused_count
+    from balancer.storage.source_reads import source_status
+    from balancer.storage.spend import projected_cost, spend_so_far
+
+    db, budgets, left = services.db, read_standings(services), backlog(services.db)
+    counts, rows, _, drain = read(services, held(budgets), left)  # the budgets and the backlog are read once
+    quotas = all_quotas(db)
+    return StatusReads(counts, rows, drain, reused_count(db), overdue_count(db),
+                       beat_last_seen_s(services.redis, services.settings.namespace),
+                       spend_so_far(db, quotas), projected_cost(db, quotas, left), source_status(db), budgets)
+
+
+def band_fields(drain: Any) -> dict[str, float | None]:
+    """The ETA's band for ``status --json``: ``eta_low_s`` and ``eta_high_s`` (None when there is no ETA)."""
+    low = None if drain is None or drain.low is None else round(drain.low, 1)
+    high = None if drain is None or drain.high is None else round(drain.high, 1)
+    return {"eta_low_s": low, "eta_high_s": high}
+
+
+def status_json(s: StatusReads) -> dict[str, Any]:
+    """``status --json``'s object."""
+    eta = None if s.drain is None else s.drain.eta
+    projected = s.projected.as_dict()
+    projected.pop("by_source", None)  # the backlog left's projected cost: as ``spend``, without ``by_source``
+    return {**s.counts, "reused": s.reused, "overdue": s.overdue, "eta_s": None if eta is None else round(eta, 1),
+            **band_fields(s.drain), "waiting_on_budget": 0 if s.drain is None else s.drain.waiting,
+            "beat_last_tick_s": None if s.beat is None else round(s.beat, 1),
+            "models": [r.as_dict() for r in s.rows], "spend": s.spent.as_dict(),
+            "projected": projected, "sources": [r.as_dict() for r in s.sources],
+            "budgets": [b.as_dict() for b in s.budgets.values()]}
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True)
+def status(as_json: bool) -> None:
+    """Task counts by status, and per model: calls in flight against the cap,
+    buckets, 429s, latency, and the limit that holds it back now."""
+    with snapshot() as snap:
+        s = read_status(snap)
+    if as_json:
+        click.echo(json.dumps(status_json(s)))
+        return
+    from balancer.cli.source import budget_line, source_line
+    from balancer.domain.cost import projection_text, spend_text
+
+    click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
+               + f"  eta: {drain_text(s.drain)}")
+    if s.spent.by_model or s.spent.unpriced_tokens:
+        click.echo(spend_text(s.spent))
+    if s.projected.by_model or s.projected.unpriced_tokens:
+        click.echo(projection_text(s.projected))
+    for r in s.sources:
+        click.echo(f"source {r.name}: {source_line(r)}")
+    for b in s.budgets.values():
+        click.echo(printable(f"budget {b.budget.source}: {budget_line(b)}", limit=400))
+    if s.beat is None:
+        click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
+    if s.overdue:
+        click.echo(f"overdue: {s.overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
+                   "the sweep tick returns them to pending")
+    if s.rows:
+        from rich.console import Console
+
+        Console(width=max(Console().width, 120)).print(_model_table(s.rows))

@@ -1,0 +1,81 @@
+"""PostgreSQL without SQLAlchemy: ``status``'s one read-only connection (psycopg2), and what
+every connection of balancer's shares with it: libpq's options, and a refused connection as one line.
+
+``status`` is a process that reads and exits, so it pays for SQLAlchemy's import (about
+half its run) and gets nothing from a pool. Its reads are the same SQL constants the engine
+runs (:mod:`balancer.storage.rows`), all in one ``REPEATABLE READ READ ONLY`` transaction:
+one snapshot, so the counts, the spend and the ETA's inputs agree with each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg2
+from psycopg2.extensions import parse_dsn
+
+from balancer.errors import ServiceUnavailable, Unreachable
+from balancer.urls import mask_url, scrub
+
+
+def connect_args(own_options: str) -> dict[str, Any]:
+    """libpq's options on every connection, with the URL's own ``options`` (e.g. a
+    ``search_path``) kept in front. connect_timeout: a server that accepts but never
+    answers fails in 5 s, not never. TCP keepalives: a connection whose server vanished
+    (no RST) is found dead in about 25 s. statement_timeout: no query of ours runs for a minute.
+
+    >>> connect_args("-csearch_path=s")["options"]
+    '-csearch_path=s -c statement_timeout=60000'
+    """
+    return {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+            "keepalives_count": 3, "options": f"{own_options} -c statement_timeout=60000".strip()}
+
+
+#: libpq's words for a server that is down, starting or out of reach (not a bad
+#: URL, user or password): a process starting waits for it.
+_MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the database system is starting up",
+                  "the database system is shutting down", "server closed the connection", "no route to host",
+                  "network is unreachable", "connection reset")
+
+
+def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
+    """Turn a driver error into one line that names the masked URL, never the password."""
+    detail = str(getattr(exc, "orig", exc)).strip().splitlines()
+    first = scrub(detail[0] if detail else type(exc).__name__, url)
+    kind = Unreachable if any(sign in first.lower() for sign in _MAY_COME_BACK) else ServiceUnavailable
+    return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
+
+
+class ReadOnlyConnection:
+    """One psycopg2 connection whose reads run in one read-only ``REPEATABLE READ`` transaction
+    (begun by the first read); it runs :mod:`balancer.storage.rows`' reads as a SQLAlchemy
+    connection does. A lost or refused connection is one line (:func:`describe_connect_error`)."""
+
+    def __init__(self, connection: Any, url: str) -> None:
+        self._connection = connection
+        self._url = url
+
+    def exec_driver_sql(self, statement: str, parameters: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        try:
+            with self._connection.cursor() as cursor:
+                cursor.execute(statement, parameters)
+                return cursor.fetchall()
+        except psycopg2.OperationalError as exc:  # lost, or a statement past statement_timeout
+            raise describe_connect_error(self._url, exc) from None
+
+    def close(self) -> None:
+        """Ends the transaction (nothing was written) and the connection."""
+        self._connection.close()
+
+
+def connect_read_only(url: str) -> ReadOnlyConnection:
+    """A :class:`ReadOnlyConnection` to ``url`` (a ``BALANCER_DATABASE_URL``, its driver named or not)."""
+    params = parse_dsn("postgresql://" + url.partition("://")[2])
+    params.update(connect_args(params.pop("options", "")))
+    try:
+        connection = psycopg2.connect(**params)
+    except psycopg2.OperationalError as exc:
+        raise describe_connect_error(url, exc) from None
+    connection.set_session(isolation_level="REPEATABLE READ", readonly=True)
+    return ReadOnlyConnection(connection, url)

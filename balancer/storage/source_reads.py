@@ -1,0 +1,63 @@
+"""What ``status``, ``top``, ``source list``, the metrics exporter and the dispatcher read per
+source: each source table's tasks by state, write-backs and cursor lag
+(:func:`source_status`), and every budget per day set (:func:`budgets`). SQL text, run on
+an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from balancer.domain.budget import Budget
+from balancer.storage.rows import RowSource, fetch
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    name: str
+    pending: int
+    in_flight: int
+    solved: int
+    failed: int
+    writebacks_waiting: int
+    conflicts: int
+    ingested: int
+    lag_s: float | None  # seconds since the source was last read to its end (None: never)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+#: Per declared source, by name: its tasks by state, its write-backs waiting and refused, its
+#: rows ingested and the seconds since it was last read to its end.
+_SOURCE_STATUS = """
+SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
+       coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at)
+FROM sources s
+LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
+                  count(*) FILTER (WHERE status IN ('ready', 'queued', 'running')) AS in_flight,
+                  count(*) FILTER (WHERE status = 'solved') AS solved, count(*) FILTER (WHERE status = 'failed') AS failed
+           FROM tasks WHERE source IN (SELECT name FROM sources) GROUP BY source) t ON t.source = s.name
+LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
+                  count(*) FILTER (WHERE state = 'conflict') AS conflicts
+           FROM source_outbox GROUP BY source) o ON o.source = s.name
+ORDER BY s.name
+"""
+
+
+def source_status(db: RowSource) -> list[SourceStatus]:
+    """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
+    return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(waiting), int(conflicts),
+                         int(ingested), None if lag is None else round(float(lag), 1))
+            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag in fetch(db, _SOURCE_STATUS)]
+
+
+_BUDGETS = """
+SELECT source, money_per_day, tokens_per_day FROM source_budgets
+WHERE money_per_day IS NOT NULL OR tokens_per_day IS NOT NULL ORDER BY source
+"""
+
+
+def budgets(db: RowSource) -> list[Budget]:
+    """Every source with a budget set, by name (:mod:`balancer.storage.source_budgets` sets them)."""
+    return [Budget(source, money, None if tokens is None else int(tokens)) for source, money, tokens in fetch(db, _BUDGETS)]
