@@ -52,6 +52,21 @@ def test_set_list_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpt-a" in out and "0/2" in out
 
 
+def test_a_price_change_keeps_what_the_model_learned(capsys: pytest.CaptureFixture[str]) -> None:
+    """A price is for people (spend), not admission: changing it alone sends nothing to
+    Redis, so the model's slow start and learned limits carry on (a quota change resets them)."""
+    assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "8")[0] == 0
+    svc = services()
+    admitted = [d for d in svc.core.admit([Candidate(10)] * 2) if isinstance(d, Admitted)]
+    assert all(isinstance(svc.core.renew(a.admission_id, "m", 10), Admitted) for a in admitted)  # the ramp's clock starts
+    began = svc.core.live()["m"].learned.ramp_at
+    assert began
+    assert run(capsys, "quota", "set", "m", "--price-input", "2.5", "--price-output", "10")[0] == 0
+    assert svc.core.live()["m"].learned.ramp_at == began
+    assert run(capsys, "quota", "set", "m", "--weight", "2")[0] == 0          # a change Redis holds: a new slow start
+    assert svc.core.live()["m"].learned.ramp_at == 0
+
+
 def test_latency_prior_then_learned_latency_in_quota_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "quota", "set", "m", "--create", "--tpm", "600000", "--concurrency", "2",
                "--expected-latency", "4")[0] == 0

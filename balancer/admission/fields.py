@@ -101,8 +101,8 @@ STATE_FIELDS: dict[str, str] = {
     "first_at": "ms the first call under the quota started (0: none yet): the first bucket starts",
     "first_calls": "calls started under the quota (the first bucket's count)",
     "first_tokens": "their estimated tokens",
-    "ramp_from": "slots slow start opens at first (0: RAMP_START): the calls in flight when the quota was set",
-    "ramp_at": "ms slow start counts its steps from: the first call's start, or the quota's setting with calls in flight",
+    "ramp_from": "slots slow start opens at first (0: RAMP_START): the calls live when the quota was set",
+    "ramp_at": "ms slow start counts its steps from: the first call's start under the quota (0: none yet)",
 }
 
 #: Every field of a model's hash.

@@ -137,9 +137,8 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     A learning model's new or changed quota has not been shown to hold: a quota
     of 40 slots on a provider that takes 4 would send 40 calls before the first
     429 comes back. So it opens ``max(RAMP_START, ramp_from)`` slots (``ramp_from``:
-    the calls in flight when the quota was set or restored), doubling every
-    RAMP_MS from ``ramp_at`` (its first call's start, or the quota's setting
-    when calls were in flight then), up to ``cap``. A 429 that lowers a limit
+    the calls live when the quota was set or restored, whose slots stay open),
+    doubling every RAMP_MS from ``ramp_at`` (the first call's start under it), up to ``cap``. A 429 that lowers a limit
     (``lowered_at``) ends it: the learned limits take over.
 
     >>> k = Learned(ramp_at=1_000)
@@ -147,13 +146,13 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     [2, 2, 4, 8, 16, 32]
     >>> ramp_cap(40, Learned(), 5_000), ramp_cap(40, Learned(ramp_at=1, ramp_from=12), 1), ramp_cap(40, k, 9_000)
     (2, 12, 40)
-    >>> ramp_cap(40, Learned(ramp_at=1_000, lowered_at=1_100), 1_100)
-    40
+    >>> ramp_cap(40, Learned(ramp_at=1_000, lowered_at=1_100), 1_100), ramp_cap(40, k, 700)  # a clock behind ramp_at
+    (40, 2)
     """
     if learned.lowered_at:
         return cap
     start = max(RAMP_START, learned.ramp_from)
-    steps = 0 if learned.ramp_at == 0 else (now - learned.ramp_at) // RAMP_MS
+    steps = 0 if learned.ramp_at == 0 else max(0, now - learned.ramp_at) // RAMP_MS  # a clock behind ramp_at: step 0
     if steps >= 16 or start << steps >= cap:
         return cap
     return int(start << steps)
@@ -175,12 +174,12 @@ def ramp_wait_ms(learned: Learned, now: int) -> int:
     """Ms until slow start opens its next step (lib.lua, ramp_wait); RAMP_MS before its
     steps' clock starts (``ramp_at``: the first call's start).
 
-    >>> ramp_wait_ms(Learned(ramp_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600)
-    (150, 250)
+    >>> ramp_wait_ms(Learned(ramp_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600), ramp_wait_ms(Learned(ramp_at=1_000), 900)
+    (150, 250, 250)
     """
     if learned.ramp_at == 0:
         return RAMP_MS
-    return RAMP_MS - (now - learned.ramp_at) % RAMP_MS
+    return RAMP_MS - max(0, now - learned.ramp_at) % RAMP_MS
 
 
 def step_of(peak: int) -> int:

@@ -52,7 +52,7 @@ class ModelLive:
         """Why :attr:`limits` (or :attr:`cap_now`) differ from the quota ('' if they do not)."""
         why = reason(self.quota, self.learned)
         cap = self.limits.max_concurrent_requests
-        if self.cap_now < cap:
+        if self.cap_now < cap and self.learned.ramp_at:  # (an idle model's slow start has not begun: nothing to say)
             why = "; ".join(filter(None, [f"starting slowly: {self.cap_now} of {cap} slots open", why]))
         return why
 

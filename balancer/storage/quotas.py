@@ -159,10 +159,15 @@ class QuotaStore:
                     conn.invalidate()
 
     def _push(self, changes: Sequence[Change]) -> None:
-        if self.live is None or not changes:
+        """Send the changes Redis holds to the live state: a model created or removed, or
+        one whose :func:`quota_fields` changed. A change of price or currency alone stays in
+        PostgreSQL (admission has no use for it), so it forgets nothing the model learned."""
+        live = [((new or old).name, new) for old, new in changes  # type: ignore[union-attr]
+                if old is None or new is None or quota_fields(old) != quota_fields(new)]
+        if self.live is None or not live:
             return
         try:  # one transaction: an import reaches Redis whole, or not at all
-            self.live.apply_quotas([((new or old).name, new) for old, new in changes])  # type: ignore[union-attr]
+            self.live.apply_quotas(live)
         except Exception as exc:  # noqa: BLE001 - stored in PostgreSQL; the drift repair pushes it later
             raise LiveNotUpdated(
                 f"stored, but the live state was not updated ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

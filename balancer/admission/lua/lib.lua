@@ -249,27 +249,27 @@ end
 
 -- Slow start (balancer.admission.learned.ramp_cap): a learning model's (with slow_start) new or
 -- changed quota opens max(RAMP_START, ramp_from) slots, doubling every RAMP_MS
--- from ramp_at (its first call's start, or the quota's setting with calls in
--- flight: ramp_quota), up to the cap; a 429 that lowered a limit (lowered_at) ends it.
+-- from ramp_at (the first call's start under it), up to the cap; a 429 that
+-- lowered a limit (lowered_at) ends it.
 local function ramp_cap(m, cap, now)
   if m.learn ~= 1 or m.slow_start ~= 1 or m.lowered_at > 0 then return cap end
   local start = math.max(RAMP_START, m.ramp_from)
   local steps = 0
-  if m.ramp_at > 0 then steps = math.floor((now - m.ramp_at) / RAMP_MS) end
+  if m.ramp_at > 0 then steps = math.floor(math.max(0, now - m.ramp_at) / RAMP_MS) end
   if steps >= 16 or start * 2 ^ steps >= cap then return cap end
   return start * 2 ^ steps
 end
 -- ms until slow start's next step (learned.ramp_wait_ms): RAMP_MS before its clock starts.
 local function ramp_wait(m, now)
   if m.ramp_at == 0 then return RAMP_MS end
-  return RAMP_MS - (now - m.ramp_at) % RAMP_MS
+  return RAMP_MS - math.max(0, now - m.ramp_at) % RAMP_MS
 end
--- A quota set (or restored) starts a slow start from the calls in flight; with
--- some, its steps count from now (none would start before one of them ended).
+-- A quota set (or restored) starts a slow start from its live calls in flight
+-- (their slots stay open, so one ending lets the next call start, and that
+-- start begins the steps' clock: count_start).
 local function ramp_quota(m, now)
-  m.ramp_from = redis.call('ZCARD', inflight_key(m.name))
+  m.ramp_from = redis.call('ZCOUNT', inflight_key(m.name), '(' .. fmt(now), '+inf')
   m.ramp_at = 0
-  if m.ramp_from > 0 then m.ramp_at = now end
 end
 
 -- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
@@ -435,10 +435,11 @@ end
 -- From the headers when they say: no request left; fewer tokens left than
 -- the model's calls in flight average; both left (so the provider counted
 -- calls in progress). Otherwise the lowest of our own buckets, as a share of
--- its size (free slots for concurrency); ties go to requests, then tokens.
+-- its size (free slots for concurrency, of the cap in force: slow start's while
+-- it ramps); ties go to requests, then tokens.
 -- Also returns how many calls in flight started (reached for the provider:
 -- what it can have counted).
-local function limit_kind(m, remaining_tokens, remaining_requests)
+local function limit_kind(m, now, remaining_tokens, remaining_requests)
   local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
   local sum, n, sent = 0, #lids, 0
   for _, lid in ipairs(lids) do
@@ -461,7 +462,8 @@ local function limit_kind(m, remaining_tokens, remaining_requests)
       fr = m.requests / (eff_rburst(m) * UNITS)
       if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
     end
-    local fc = (eff_cap(m) - n) / eff_cap(m)
+    local cap = ramp_cap(m, eff_cap(m), now)  -- the cap in force: slow start's while it ramps
+    local fc = (cap - n) / cap
     if fr <= ft and fr <= fc then kind = 'REQUESTS'
     elseif ft <= fc then kind = 'TOKENS'
     else kind = 'CONCURRENCY' end

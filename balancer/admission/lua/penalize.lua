@@ -34,7 +34,7 @@ if m.paused <= now then
   started = 1
 end
 if m.learn == 1 then
-  local kind, sent = limit_kind(m, ARGV[4], ARGV[5])
+  local kind, sent = limit_kind(m, now, ARGV[4], ARGV[5])
   learn_from_429(m, now, kind, sent, started == 1)
   empty_after_429(m, now, kind, ARGV[4], ARGV[5])
 end

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from balancer.admission.learned import slots_now
 from balancer.admission.reference.state import ModelState, ReferenceState
 from balancer.admission.values import (
     CIRCUIT_BASE_MS,
@@ -169,7 +170,7 @@ class Signals(ReferenceState):
         if started:
             state.paused_until = now + retry_after_ms
         if state.quota.learn:
-            kind, sent = self._limit_kind(model, remaining_tokens, remaining_requests)
+            kind, sent = self._limit_kind(model, now, remaining_tokens, remaining_requests)
             state.learn_from_429(now, kind, sent, started)
             self._empty_after_429(state, now, kind, remaining_tokens, remaining_requests)
         self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
@@ -189,7 +190,7 @@ class Signals(ReferenceState):
         elif kind == "requests" and remaining_requests is None and state.limits.max_requests_per_minute:
             state.requests = min(state.requests, 0)
 
-    def _limit_kind(self, model: str, remaining_tokens: int | None,
+    def _limit_kind(self, model: str, now: int, remaining_tokens: int | None,
                     remaining_requests: int | None) -> tuple[str, int]:
         """The kind of limit behind a 429, and how many of the model's calls in
         flight started (lib.lua, limit_kind).
@@ -197,7 +198,8 @@ class Signals(ReferenceState):
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in
         progress). Otherwise the lowest of our own buckets as a share of its
-        size (free slots for concurrency); ties go to requests, then tokens."""
+        size (free slots for concurrency, of the cap in force: slow start's while
+        it ramps); ties go to requests, then tokens."""
         state = self.models[model]
         limits = state.limits
         leases = [self.leases[lid] for _, lid in self._inflight(model)]
@@ -217,7 +219,8 @@ class Signals(ReferenceState):
         if rpm > 0:
             size = limits.request_burst * UNITS
             fr = (remaining_requests * UNITS if remaining_requests is not None else state.requests) / size
-        fc = (limits.max_concurrent_requests - n) / limits.max_concurrent_requests
+        slots = slots_now(state.quota, state.learned, now)
+        fc = (slots - n) / slots
         if fr <= ft and fr <= fc:
             return "requests", sent
         return ("tokens" if ft <= fc else "concurrency"), sent

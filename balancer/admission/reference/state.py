@@ -127,14 +127,14 @@ class ModelState:
         """A call starts under the quota: the first bucket counts it (lib.lua, count_start)."""
         k = self.learned
         k.first_at = k.first_at or now
-        k.ramp_at = k.ramp_at or now  # slow start's steps count from here, unless a quota set with calls in flight began them
+        k.ramp_at = k.ramp_at or now  # slow start's steps count from here
         k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
 
-    def ramp_quota(self, in_flight: int, now: int) -> None:
-        """A quota set or restored: slow start opens from the calls in flight, its steps
-        counted from now when there are some (lib.lua, ramp_quota)."""
+    def ramp_quota(self, in_flight: int) -> None:
+        """A quota set or restored: slow start opens from the ``in_flight`` live calls, its
+        steps counted from the next call's start (lib.lua, ramp_quota)."""
         self.learned.ramp_from = in_flight
-        self.learned.ramp_at = now if in_flight else 0
+        self.learned.ramp_at = 0
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
@@ -200,6 +200,10 @@ class ReferenceState:
             ((lease.deadline, lid) for lid, lease in self.leases.items() if lease.model == name),
             key=lambda pair: (pair[0], pair[1].encode()),
         )
+
+    def _live_count(self, name: str, now: int) -> int:
+        """The model's leases live at ``now`` (lib.lua: ZCOUNT over (now, +inf))."""
+        return sum(1 for deadline, _ in self._inflight(name) if deadline > now)
 
     def _refill(self, name: str, now: int) -> None:
         state = self.models[name]
