@@ -100,7 +100,11 @@ def open_snapshot(settings: Settings) -> Iterator[Snapshot]:
     Redis or PostgreSQL cannot be reached), closed when the ``with`` block ends."""
     redis_url, database_url = require_urls(settings)
     client = redis_client(redis_url)
-    db = connect_read_only(database_url)
+    try:
+        db = connect_read_only(database_url)
+    except BaseException:
+        client.close()
+        raise
     try:
         require_revision(current_revision(db))
         yield Snapshot(settings, client, admission_core(client, settings), db)

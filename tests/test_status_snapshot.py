@@ -122,3 +122,15 @@ def test_status_with_a_database_it_cannot_reach_is_one_line(migrated, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: cannot reach PostgreSQL at postgresql+psycopg2://***@127.0.0.1:1/x")
     assert "hunter2" not in err
+
+
+def test_a_read_past_the_statement_timeout_says_so_in_one_line(svc) -> None:  # noqa: ANN001
+    """A database reached but too slow is not "cannot reach": the read's error names the timeout."""
+    from balancer.errors import ServiceUnavailable
+    from balancer.snapshot import open_snapshot
+
+    with open_snapshot(svc.settings) as snap:
+        snap.db.exec_driver_sql("SELECT set_config('statement_timeout', '10', true)", {})
+        with pytest.raises(ServiceUnavailable, match="did not answer a read in time") as caught:
+            snap.db.exec_driver_sql("SELECT pg_sleep(1)", {})
+    assert "\n" not in str(caught.value) and "cannot reach" not in str(caught.value)

@@ -235,7 +235,9 @@ class BalancerCollector(Collector):
             "balancer_tasks", "Tasks by status (solved, failed and cancelled recounted at most once a minute)",
             labels=["status"])
         families["balancer_admission_decisions"] = CounterMetricFamily(
-            "balancer_admission_decisions", "Admission decisions by kind", labels=["decision"])
+            "balancer_admission_decisions",
+            "Admission decisions by kind (admitted: by a dispatch round, its ready-list pass, or a finishing call's slot)",
+            labels=["decision"])
         families["balancer_dispatch_rounds"] = CounterMetricFamily(
             "balancer_dispatch_rounds", "Admission rounds (admit calls) run by dispatchers")
         families["balancer_drain_eta_seconds"] = GaugeMetricFamily(

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg2
-from psycopg2.extensions import parse_dsn
+from psycopg2.extensions import QueryCanceledError, parse_dsn
 
 from balancer.errors import ServiceUnavailable, Unreachable
 from balancer.urls import mask_url, scrub
@@ -61,7 +61,10 @@ class ReadOnlyConnection:
             with self._connection.cursor() as cursor:
                 cursor.execute(statement, parameters)
                 return cursor.fetchall()
-        except psycopg2.OperationalError as exc:  # lost, or a statement past statement_timeout
+        except QueryCanceledError as exc:  # past statement_timeout: reached, but too slow
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ServiceUnavailable(f"PostgreSQL at {mask_url(self._url)} did not answer a read in time: {first}") from None
+        except psycopg2.OperationalError as exc:  # lost
             raise describe_connect_error(self._url, exc) from None
 
     def close(self) -> None:

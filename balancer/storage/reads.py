@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from balancer.domain.statuses import TASK_STATUSES
+from balancer.domain.statuses import IN_FLIGHT, TASK_STATUSES, UNFINISHED, sql_list
 from balancer.storage.rows import RowSource, count, fetch
 
-_BACKLOG = """
+_BACKLOG = f"""
 SELECT status, allowed_models, count(*), coalesce(sum(estimated_tokens), 0), coalesce(sum(max_tokens), 0) FROM tasks
-WHERE status IN ('pending', 'ready', 'queued', 'running') GROUP BY status, allowed_models
-"""
+WHERE status IN {sql_list(UNFINISHED)} GROUP BY status, allowed_models
+"""  # noqa: S608 - the statuses are statuses.py's constants, not input
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,13 @@ def status_counts(db: RowSource) -> dict[str, int]:
     return counts
 
 
+_OVERDUE = f"SELECT count(*) FROM tasks WHERE status IN {sql_list(IN_FLIGHT)} AND deadline < now()"  # noqa: S608 - constants
+
+
 def overdue_count(db: RowSource) -> int:
     """Ready, queued or running tasks past their deadline: no heartbeat renewed them (their
     worker is gone) and the sweep tick has not returned them to pending yet."""
-    return count(db, "SELECT count(*) FROM tasks WHERE status IN ('ready', 'queued', 'running') AND deadline < now()")
+    return count(db, _OVERDUE)
 
 
 def reused_count(db: RowSource) -> int:

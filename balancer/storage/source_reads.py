@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from balancer.domain.budget import Budget
+from balancer.domain.statuses import IN_FLIGHT, sql_list
 from balancer.storage.rows import RowSource, fetch
 
 
@@ -30,19 +31,19 @@ class SourceStatus:
 
 #: Per declared source, by name: its tasks by state, its write-backs waiting and refused, its
 #: rows ingested and the seconds since it was last read to its end.
-_SOURCE_STATUS = """
+_SOURCE_STATUS = f"""
 SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
        coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at)
 FROM sources s
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
-                  count(*) FILTER (WHERE status IN ('ready', 'queued', 'running')) AS in_flight,
+                  count(*) FILTER (WHERE status IN {sql_list(IN_FLIGHT)}) AS in_flight,
                   count(*) FILTER (WHERE status = 'solved') AS solved, count(*) FILTER (WHERE status = 'failed') AS failed
            FROM tasks WHERE source IN (SELECT name FROM sources) GROUP BY source) t ON t.source = s.name
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
                   count(*) FILTER (WHERE state = 'conflict') AS conflicts
            FROM source_outbox GROUP BY source) o ON o.source = s.name
 ORDER BY s.name
-"""
+"""  # noqa: S608 - the statuses are statuses.py's constants, not input
 
 
 def source_status(db: RowSource) -> list[SourceStatus]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from balancer.domain.budget import Standing, held
 from balancer.domain.cost import Spend
+from balancer.domain.statuses import UNFINISHED
 from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.services import Services
@@ -41,8 +42,6 @@ HISTORY_S = 15 * 60.0
 RATE_WINDOW_S = 60.0
 #: Grouping failed tasks by error gives up after this long (hundreds of thousands failed).
 GROUPING_TIMEOUT_MS = 2000
-#: Task statuses that are work still to do.
-LEFT = ("pending", "ready", "queued", "running")
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class Sample:
     @property
     def left(self) -> int:
         """Tasks not finished: pending, ready, queued or running."""
-        return sum(self.counts.get(s, 0) for s in LEFT)
+        return sum(self.counts.get(s, 0) for s in UNFINISHED)
 
 
 def per_minute(new: Sample, old: Sample, model: str, *fields: str) -> float:

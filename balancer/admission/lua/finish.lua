@@ -79,6 +79,7 @@ if m and ARGV[11] ~= '' then
     local delay = start_delay(m, nxt.e, true, now)
     measure_refill(m.name, now)
     count(m.name, 'ready_taken', 1)
+    count_system('admitted', 1)  -- an admission too, outside admit.lua
     save_model(m)
     local restock = redis.call('LLEN', ready_key(m.name)) < eff_cap(m) and 1 or 0
     return {settled, released, m.name, nxt.task, nxt.lid, fmt(nxt.e), fmt(delay), restock}

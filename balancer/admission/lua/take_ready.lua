@@ -21,6 +21,7 @@ for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
     purge(m, now)
     local taken, dropped = {}, {}
     take_ready(m, now, lease_ms, 0, math.huge, true, taken, dropped)
+    count_system('admitted', #taken)  -- each take is an admission, as admit.lua's
     for _, r in ipairs(taken) do
       measure_refill(name, now)
       out[#out + 1] = 'T'; out[#out + 1] = name; out[#out + 1] = r.task; out[#out + 1] = r.lid; out[#out + 1] = fmt(r.e)
