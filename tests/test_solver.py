@@ -90,6 +90,22 @@ def redispatch(svc: Services, task_id: int, *, clear_backoff: bool = False, time
         assert time.monotonic() < deadline, "the task was never dispatched again"
 
 
+def stock_ready(svc: Services, prompts: list[str], *, mark: bool = True) -> list[int]:
+    """New tasks for model "m" put on its ready list (admission ids ``r<task id>``) and, with
+    ``mark``, marked ``ready`` in PostgreSQL as the dispatcher's stock does; their ids."""
+    from balancer.storage.ready import mark_ready
+
+    rows, _ = parse_tasks("".join(json.dumps({"prompt": p, "model": "m"}) + "\n" for p in prompts),
+                          models={"m": MODEL.quota().burst})
+    with svc.engine.begin() as conn:
+        ids = insert_tasks(conn, rows)
+        if mark:
+            mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+    svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
+                   60_000)
+    return ids
+
+
 def message(a: Assignment) -> SolveMessage:
     return SolveMessage(a.task_id, a.admission_id, a.model, a.estimated_tokens)
 
@@ -481,10 +497,7 @@ def test_a_chain_stops_taking_when_told(svc: Services) -> None:
     ready task stays on its list for another slot or the dispatcher."""
 
     a = dispatch_one(svc, {"prompt": "p", "model": "m"})
-    rows, _ = parse_tasks(json.dumps({"prompt": "q", "model": "m"}), models={"m": MODEL.quota().burst})
-    with svc.engine.begin() as conn:
-        (other,) = insert_tasks(conn, rows)
-    svc.core.stock([("m", other, rows[0].estimated_tokens, "r1")], 60_000)
+    stock_ready(svc, ["q"], mark=False)
     assert chain(svc, make_backend(svc.settings), message(a), may_continue=lambda: False) == ["solved"]
     assert svc.core.live()["m"].ready == 1
 
@@ -505,14 +518,8 @@ def test_a_shutdown_during_a_call_takes_no_next_call(svc: Services) -> None:
             finally:
                 self.stopping = True  # the signal comes while the call runs
 
-    from balancer.storage.ready import mark_ready
-
     a = dispatch_one(svc, {"prompt": "p", "model": "m"})
-    rows, _ = parse_tasks(json.dumps({"prompt": "q", "model": "m"}), models={"m": MODEL.quota().burst})
-    with svc.engine.begin() as conn:
-        (other,) = insert_tasks(conn, rows)
-        mark_ready(conn, [(other, "m", "r1")], 60)
-    svc.core.stock([("m", other, rows[0].estimated_tokens, "r1")], 60_000)
+    stock_ready(svc, ["q"])
     backend = StopsDuringTheCall(make_backend(svc.settings))
     assert chain(svc, backend, message(a), may_continue=lambda: not backend.stopping) == ["solved"]
     assert backend.calls == 1
@@ -523,16 +530,8 @@ def test_a_chain_asks_for_a_dispatch_only_once_its_ready_list_runs_low(svc: Serv
     """While the model's ready list still holds an entry per slot after a take,
     the chain asks for no dispatch (the dispatcher would run after every call
     for nothing); below that, and when a slot frees with no next call, it does."""
-    from balancer.storage.ready import mark_ready
-
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
-    rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(6)),
-                          models={"m": MODEL.quota().burst})
-    with svc.engine.begin() as conn:
-        ids = insert_tasks(conn, rows)
-        mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
-    svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
-                   60_000)
+    stock_ready(svc, [f"p{i}" for i in range(6)])
     left_when_asked: list[int] = []
     outcomes = chain(svc, make_backend(svc.settings), message(first), may_continue=lambda: True,
                            ask_for_dispatch=lambda: left_when_asked.append(svc.core.live()["m"].ready))
@@ -553,17 +552,10 @@ def test_a_chain_writes_its_answers_behind_its_next_calls_and_returns_once_all_a
     returns only when every answer is stored (its message is acknowledged
     after them), even when the writes are slower than the calls."""
     from balancer.pipeline.answers import AnswerWriter
-    from balancer.storage.ready import mark_ready
     from balancer.storage.transitions import mark_solved_many
 
-    rows, _ = parse_tasks("".join(json.dumps({"prompt": f"p{i}", "model": "m"}) + "\n" for i in range(3)),
-                          models={"m": MODEL.quota().burst})
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
-    with svc.engine.begin() as conn:
-        ids = insert_tasks(conn, rows)
-        mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
-    svc.core.stock([("m", task_id, row.estimated_tokens, f"r{task_id}") for task_id, row in zip(ids, rows, strict=True)],
-                   60_000)
+    ids = stock_ready(svc, [f"p{i}" for i in range(3)])
     writes: list[tuple[list[int], str]] = []
 
     def slow_write(engine, answers, usage=()):  # noqa: ANN001, ANN202
@@ -654,15 +646,10 @@ def test_a_next_call_that_cannot_start_frees_its_slot_and_the_answer_is_still_wr
     """The next call's task is started before this call's answer is written: if
     that start fails for good, the answer is written all the same, the next
     call's slot is freed at once, and its task waits (``ready``) for the sweep."""
-    from balancer.storage.ready import mark_ready
     from balancer.storage.transitions import start_solve
 
     first = dispatch_one(svc, {"prompt": "first", "model": "m"})
-    rows, _ = parse_tasks(json.dumps({"prompt": "next", "model": "m"}), models={"m": MODEL.quota().burst})
-    with svc.engine.begin() as conn:
-        (other,) = insert_tasks(conn, rows)
-        mark_ready(conn, [(other, "m", "r-next")], 60)
-    svc.core.stock([("m", other, rows[0].estimated_tokens, "r-next")], 60_000)
+    (other,) = stock_ready(svc, ["next"])
 
     def broken_for_the_next(engine, task_id, *args):  # noqa: ANN001, ANN002, ANN202
         if task_id == other:
