@@ -123,7 +123,7 @@ def drain_text(drain: Any) -> str:
     return text + (f"; {waiting} pending task(s) wait on a budget, not in the eta" if waiting else "")
 
 
-def _model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
+def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
     """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
     from rich.table import Table
 
@@ -219,7 +219,7 @@ def top(interval: float, count: int | None) -> None:
         with svc.engine.connect() as conn:
             shares = weights(conn)
         by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []
-        return Group(_model_table(rows, rates), *by_source, counted, *money)
+        return Group(model_table(rows, rates), *by_source, counted, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

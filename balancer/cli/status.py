@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from balancer.cli.pipeline import _model_table, drain_text
+from balancer.cli.pipeline import drain_text, model_table
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
@@ -114,4 +114,4 @@ def status(as_json: bool) -> None:
     if s.rows:
         from rich.console import Console
 
-        Console(width=max(Console().width, 120)).print(_model_table(s.rows))
+        Console(width=max(Console().width, 120)).print(model_table(s.rows))
