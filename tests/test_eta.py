@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -78,6 +79,33 @@ def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[
     assert main(["status"]) == 0
     out = capsys.readouterr().out
     assert "eta: 1 min" in out and " to " in out
+
+
+@pytest.mark.usefixtures("migrated")
+def test_a_model_that_learned_a_lower_limit_drains_at_that_limit() -> None:
+    """40 slots in the quota, 4 learned from the provider's 429s: the 60 tasks take
+    15 calls' time on the 4 slots, not 1.5 on the quota's 40 (learn.toml's ETA read
+    the quotas and was 39 to 72 % short at 25 % done)."""
+    from dataclasses import replace as with_fields
+
+    from balancer.admission.learned import Learned
+    from balancer.domain.intake import parse_tasks
+    from balancer.pipeline.summary import estimate_drain
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.intake import insert_tasks
+
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.set("m", {"max_concurrent_requests": 40, "max_tokens_per_minute": 10_000_000, "expected_latency_s": 3.0},
+                   create=True, by="test")
+    rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(60)), models={"m": 10_000_000})
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+    view = svc.core.live()
+    learned = {"m": with_fields(view["m"], learned=Learned(lcap=4, pcap=6, lowered_at=int(time.time() * 1000)))}
+    mean = 3.0 * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
+    assert estimate_drain(svc, view) == pytest.approx(60 / 40 * mean + mean / 2, abs=0.1)
+    assert estimate_drain(svc, learned) == pytest.approx(60 / 4 * mean + mean / 2, abs=0.1)
 
 
 def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
