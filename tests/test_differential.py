@@ -477,6 +477,36 @@ def test_a_429_without_headers_during_slow_start_counts_the_ramp_s_free_slots(tw
     assert limits.max_tokens_per_minute == 60_000 and limits.max_concurrent_requests == 5   # 8 started x 7/10
 
 
+def test_a_429_without_headers_below_what_the_provider_served_at_once_is_for_tokens(twin: Twin) -> None:
+    """A provider that sends no header and limits tokens: 4 calls ran at once and one
+    was answered, so a 429 that comes back with 3 started is not for concurrency,
+    full as the slots are; it lowers tokens (learn.toml's tpm-10-silent had its cap
+    cut to 1 by such 429s). CLEAN_MS later that evidence is too old to tell."""
+    twin.set_quota(Quota("m-a", 4, 60_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(1_000)] * 4) if isinstance(d, Admitted)]
+    start(twin, calls, est=1_000)
+    twin.finish(calls[0].admission_id, Settlement(used_tokens=800, reserved_tokens=1_000, latency_ms=900))
+    assert twin.core.live(twin.now)["m-a"].learned.served == 4               # its own call counted
+    [again] = [d for d in twin.admit([Candidate(1_000)]) if isinstance(d, Admitted)]
+    twin.advance(RAMP_MS)
+    start(twin, [again], est=1_000)
+    twin.finish(calls[1].admission_id, Settlement(used_tokens=800, reserved_tokens=1_000, latency_ms=900))
+    assert twin.penalize("m-a", 500)                                          # 3 started, 4 served: tokens
+    limits = limits_of(twin)
+    assert limits.max_concurrent_requests == 4 and limits.max_tokens_per_minute < 60_000
+    # The same 429 once CLEAN_MS has passed since 4 ran at once: the slots decide, 3 of 4 full.
+    twin.set_quota(Quota("m-b", 4, 60_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(1_000, allowed=("m-b",))] * 4) if isinstance(d, Admitted)]
+    start(twin, calls, est=1_000, model="m-b")
+    twin.finish(calls[0].admission_id, Settlement(used_tokens=800, reserved_tokens=1_000, latency_ms=900))
+    for running in calls[1:]:
+        assert twin.heartbeat(running.admission_id, 2 * CLEAN_MS)
+    twin.advance(CLEAN_MS)
+    assert twin.penalize("m-b", 500)
+    limits = limits_of(twin, "m-b")
+    assert limits.max_concurrent_requests == 2 and limits.max_tokens_per_minute == 60_000   # 3 started x 7/10
+
+
 # -- A cap lowered with calls admitted: running calls stay, no new one starts above it --
 
 def test_a_lowered_cap_lets_no_admitted_call_start_above_it(twin: Twin) -> None:

@@ -62,6 +62,8 @@ class Learned:
     first_tokens: int = 0
     ramp_from: int = 0
     ramp_at: int = 0
+    served: int = 0
+    served_at: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -180,6 +182,38 @@ def ramp_wait_ms(learned: Learned, now: int) -> int:
     if learned.ramp_at == 0:
         return RAMP_MS
     return RAMP_MS - max(0, now - learned.ramp_at) % RAMP_MS
+
+
+def note_served(learned: Learned, now: int, sent: int) -> None:
+    """An answered call of a learning model ends with ``sent`` calls started in flight
+    (itself included): the provider served that many at once, at most (a call it
+    refused may not have come back yet). The most it served at once is kept while it
+    is seen again within CLEAN_MS (lib.lua, note_served).
+
+    >>> k = Learned()
+    >>> note_served(k, 1_000, 4); note_served(k, 5_000, 2); (k.served, k.served_at)
+    (4, 1000)
+    >>> note_served(k, 11_000, 2); (k.served, k.served_at)    # 4 at once not seen again for CLEAN_MS
+    (2, 11000)
+    """
+    if sent >= learned.served or now - learned.served_at >= CLEAN_MS:
+        learned.served, learned.served_at = sent, now
+
+
+def served_more(learned: Learned, now: int, sent: int) -> bool:
+    """True if the provider lately served more calls at once than the ``sent`` that
+    had started when a 429 came back (:func:`note_served`): that 429 was not for
+    concurrency (lib.lua, served_more). Only a 429 whose headers do not tell its
+    kind asks: a token limit without headers otherwise reads as concurrency, the
+    cap the slots fill by design (slow start's, or a lowered one), and its 429s
+    cut the cap to 1 (learn.toml's tpm-10-silent ran at 0.73 of its real TPM).
+
+    >>> served_more(Learned(served=4, served_at=1_000), 5_000, 3), served_more(Learned(served=4, served_at=1_000), 5_000, 4)
+    (True, False)
+    >>> served_more(Learned(served=4, served_at=1_000), 11_000, 3)   # too long ago to tell
+    False
+    """
+    return sent < learned.served and now - learned.served_at < CLEAN_MS
 
 
 def step_of(peak: int) -> int:

@@ -21,6 +21,7 @@
 -- Latency: an answered call adds its latency and tokens to the model's sketch,
 -- and to its counters (solved, latency bucket, tokens: see count in lib.lua).
 -- Circuit: an answered call closes its model's circuit (see trip.lua).
+-- Served: an answered call notes how many calls the provider served at once (note_served in lib.lua).
 -- Next call: with ARGV[11], a freed slot takes the head of its model's ready
 -- list if the model can admit it now (see take_ready in lib.lua), leased as
 -- started, through both start gates: the caller calls it next, no renew.
@@ -53,7 +54,10 @@ if m then
   end
   sync_limits(m, ARGV[12] or '', ARGV[13] or '')
   sync_to_headers(m, now, ARGV[5], ARGV[6])
-  if ARGV[7] ~= '' then m.fails, m.probing, m.backoff = 0, 0, 0 end
+  if ARGV[7] ~= '' then
+    m.fails, m.probing, m.backoff = 0, 0, 0
+    note_served(m, now)  -- (its own lease still counted)
+  end
   save_model(m)
   if ARGV[7] ~= '' then
     record_latency(lease.m, tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]))

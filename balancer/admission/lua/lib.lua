@@ -431,15 +431,9 @@ local function sync_limits(m, limit_tokens, limit_requests)
   end
 end
 
--- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
--- From the headers when they say: no request left; fewer tokens left than
--- the model's calls in flight average; both left (so the provider counted
--- calls in progress). Otherwise the lowest of our own buckets, as a share of
--- its size (free slots for concurrency, of the cap in force: slow start's while
--- it ramps); ties go to requests, then tokens.
--- Also returns how many calls in flight started (reached for the provider:
--- what it can have counted).
-local function limit_kind(m, now, remaining_tokens, remaining_requests)
+-- The model's calls in flight: how many, their estimated tokens, and how many
+-- started (reached for the provider: what it can have counted).
+local function inflight_stats(m)
   local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
   local sum, n, sent = 0, #lids, 0
   for _, lid in ipairs(lids) do
@@ -450,6 +444,39 @@ local function limit_kind(m, now, remaining_tokens, remaining_requests)
       if lease.s == 1 then sent = sent + 1 end
     end
   end
+  return n, sum, sent
+end
+
+-- An answered call of a learning model ends with `sent` calls started in flight
+-- (itself included): the provider served that many at once, at most. The most
+-- it served at once is kept while it is seen again within CLEAN_MS
+-- (balancer.admission.learned.note_served). No call is counted while fewer are
+-- in flight than that most.
+local function note_served(m, now)
+  if m.learn ~= 1 then return end
+  local fresh = now - m.served_at < CLEAN_MS
+  if fresh and redis.call('ZCARD', inflight_key(m.name)) < m.served then return end
+  local _, _, sent = inflight_stats(m)
+  if sent >= m.served or not fresh then m.served, m.served_at = sent, now end
+end
+
+-- The provider lately served more calls at once than the `sent` that had
+-- started when a 429 came back: that 429 was not for concurrency (learned.served_more).
+local function served_more(m, now, sent)
+  return sent < m.served and now - m.served_at < CLEAN_MS
+end
+
+-- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
+-- From the headers when they say: no request left; fewer tokens left than
+-- the model's calls in flight average; both left (so the provider counted
+-- calls in progress). Otherwise the lowest of our own buckets, as a share of
+-- its size (free slots for concurrency, of the cap in force: slow start's while
+-- it ramps); ties go to requests, then tokens. Concurrency is ruled out when
+-- the provider lately served more calls at once than had started (served_more).
+-- Also returns how many calls in flight started (reached for the provider:
+-- what it can have counted).
+local function limit_kind(m, now, remaining_tokens, remaining_requests)
+  local n, sum, sent = inflight_stats(m)
   local kind
   if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then kind = 'REQUESTS'
   elseif remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then kind = 'TOKENS'
@@ -464,6 +491,7 @@ local function limit_kind(m, now, remaining_tokens, remaining_requests)
     end
     local cap = ramp_cap(m, eff_cap(m), now)  -- the cap in force: slow start's while it ramps
     local fc = (cap - n) / cap
+    if served_more(m, now, sent) then fc = math.huge end
     if fr <= ft and fr <= fc then kind = 'REQUESTS'
     elseif ft <= fc then kind = 'TOKENS'
     else kind = 'CONCURRENCY' end

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from balancer.admission.learned import slots_now
+from balancer.admission.learned import note_served, served_more, slots_now
 from balancer.admission.reference.state import ModelState, ReferenceState
 from balancer.admission.values import (
     CIRCUIT_BASE_MS,
@@ -34,6 +34,8 @@ class Signals(ReferenceState):
         if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
             state = self.models[lease.model]
             state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
+            if state.quota.learn:
+                note_served(state.learned, now, sum(1 for _, lid in self._inflight(lease.model) if self.leases[lid].started))
             completion = settlement.completion_tokens or 0
             latency.record(
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
@@ -199,7 +201,9 @@ class Signals(ReferenceState):
         the calls in flight average; both left (the provider counted calls in
         progress). Otherwise the lowest of our own buckets as a share of its
         size (free slots for concurrency, of the cap in force: slow start's while
-        it ramps); ties go to requests, then tokens."""
+        it ramps); ties go to requests, then tokens. Concurrency is ruled out when
+        the provider lately served more calls at once than had started
+        (:func:`served_more`)."""
         state = self.models[model]
         limits = state.limits
         leases = [self.leases[lid] for _, lid in self._inflight(model)]
@@ -220,7 +224,7 @@ class Signals(ReferenceState):
             size = limits.request_burst * UNITS
             fr = (remaining_requests * UNITS if remaining_requests is not None else state.requests) / size
         slots = slots_now(state.quota, state.learned, now)
-        fc = (slots - n) / slots
+        fc = math.inf if served_more(state.learned, now, sent) else (slots - n) / slots
         if fr <= ft and fr <= fc:
             return "requests", sent
         return ("tokens" if ft <= fc else "concurrency"), sent
