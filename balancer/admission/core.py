@@ -268,7 +268,7 @@ class AdmissionCore:
         admitted them did not commit), in one round trip. Each lease ends now
         (hold.lua with 0 ms), so it holds no slot, and the next admission on
         its model purges it: a lease never started gets its tokens and request
-        back in full (``purge`` in lib.lua). Returns how many were live."""
+        back in full (``purge`` in limits.lua). Returns how many were live."""
         if not admission_ids:
             return 0
         with self.redis.pipeline(transaction=False) as pipe:
