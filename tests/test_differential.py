@@ -213,7 +213,7 @@ def test_twin_detects_a_divergence(redis_client: redis.Redis) -> None:
 # -- Limits that learn: hand-made sequences of 429s and clean windows ----------------
 # Each step runs on both cores (the twin asserts equal answers and equal state
 # after every step), and the effective limits are checked against the rule
-# (balancer.admission.learned, lib.lua): a 429 that starts a pause lowers its
+# (balancer.admission.learned, limits.lua and signals.lua): a 429 that starts a pause lowers its
 # kind to 7/10, a clean window of CLEAN_MS raises it by 1/20 of the level it
 # was lowered from, back to the quota.
 

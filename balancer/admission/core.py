@@ -42,9 +42,14 @@ from balancer.domain.quota import MAX_LIMIT, Quota
 RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
 
 
+#: The scripts' library in ``lua/``, put before every script in this order (Redis Lua has no
+#: ``require``): each file uses what the ones before it define (see the head of state.lua).
+LIBRARY = ("state", "limits", "signals", "ready")
+
+
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("balancer.admission") / "lua"
-    lib = keys.LUA_PRELUDE + fields.LUA_PRELUDE + learned.LUA_PRELUDE + (folder / "lib.lua").read_text()
+    lib = keys.LUA_PRELUDE + fields.LUA_PRELUDE + learned.LUA_PRELUDE + "\n".join((folder / f"{n}.lua").read_text() for n in LIBRARY)
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
         for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota",
@@ -263,7 +268,7 @@ class AdmissionCore:
         admitted them did not commit), in one round trip. Each lease ends now
         (hold.lua with 0 ms), so it holds no slot, and the next admission on
         its model purges it: a lease never started gets its tokens and request
-        back in full (``purge`` in lib.lua). Returns how many were live."""
+        back in full (``purge`` in limits.lua). Returns how many were live."""
         if not admission_ids:
             return 0
         with self.redis.pipeline(transaction=False) as pipe:

@@ -4,7 +4,7 @@ A quota travels to Redis as :func:`quota_fields` (set_quota.lua and
 restore.lua take them in this order, after the model's name) and comes back
 as :func:`quota_from_fields` (the live view). The scripts keep the live
 state in :data:`STATE_FIELDS`. The script loader prepends :data:`LUA_PRELUDE`,
-generated from both, so lib.lua loads, creates and saves a model from these
+generated from both, so state.lua loads, creates and saves a model from these
 lists and spells no field list itself.
 
 >>> q = Quota("gpt-a", 8, 60_000, max_requests_per_minute=600, on_disconnect="stop")
@@ -36,8 +36,8 @@ def quota_fields(quota: Quota) -> dict[str, int]:
         "rburst": quota.request_burst,  # request bucket capacity (0 without an RPM limit)
         "prior": prior_ms(quota),  # the latency prior's median in ms (0: the global default)
         "stops": int(quota.on_disconnect == "stop"),  # 1: the provider stops a call whose client went
-        "learn": int(quota.learn),  # 1: learn effective limits below these (lib.lua, "Limits that learn")
-        "slow_start": int(quota.slow_start),  # 1 (with learn): a new quota's slots open gradually (lib.lua, ramp_cap)
+        "learn": int(quota.learn),  # 1: learn effective limits below these (limits.lua, "Limits that learn")
+        "slow_start": int(quota.slow_start),  # 1 (with learn): a new quota's slots open gradually (limits.lua, ramp_cap)
     }
 
 
@@ -86,7 +86,7 @@ STATE_FIELDS: dict[str, str] = {
     "fails": "consecutive transient failures (the circuit breaker)",
     "probing": "1: the circuit is open, one call at a time",
     "backoff": "ms of the circuit's last pause",
-    # Limits that learn (lib.lua): 0 in any of these means nothing learned.
+    # Limits that learn (limits.lua, signals.lua): 0 in any of these means nothing learned.
     "ltpm": "learned TPM below the quota's, lowered by 429s (0: the quota's)",
     "lrpm": "learned RPM below the quota's or the discovered one (0: none learned)",
     "lcap": "learned concurrency cap below the quota's (0: the quota's)",
@@ -114,7 +114,7 @@ MODEL_FIELDS: tuple[str, ...] = QUOTA_FIELDS + tuple(STATE_FIELDS)
 def with_defaults(stored: Mapping[str, int]) -> dict[str, int]:
     """A model's hash as read, with each field it lacks at 0 (as a new model's state starts):
     a hash written by the previous version (a rolling upgrade shares one Redis) lacks the
-    fields added since. load_model in lib.lua applies the same rule.
+    fields added since. load_model in state.lua applies the same rule.
 
     >>> with_defaults({"cap": 4})["first_at"], with_defaults({"cap": 4})["slow_start"]
     (0, 0)
@@ -126,7 +126,7 @@ def _lua_list(names: tuple[str, ...]) -> str:
     return "{" + ", ".join(f"'{n}'" for n in names) + "}"
 
 
-#: Lua lines the script loader puts before lib.lua: the field lists, from this module.
+#: Lua lines the script loader puts before the scripts' library (core.LIBRARY): the field lists, from this module.
 LUA_PRELUDE = "\n".join(
     [
         "-- generated from balancer/admission/fields.py",

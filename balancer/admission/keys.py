@@ -141,7 +141,7 @@ def namespace_patterns(namespace: str) -> tuple[str, str]:
     return tag(namespace) + "*", broker_prefix(namespace) + "*"
 
 
-#: Lua lines the script loader puts before lib.lua: the key layout, from this module.
+#: Lua lines the script loader puts before the scripts' library (core.LIBRARY): the key layout, from this module.
 LUA_PRELUDE = "\n".join(
     [
         "-- generated from balancer/admission/keys.py",

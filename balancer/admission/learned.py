@@ -1,6 +1,6 @@
 """Limits that learn: a model's effective limits from its quota and what it learned.
 
-The rule the scripts apply (lib.lua, ``eff_tpm`` ... ``eff_rburst``), shared by
+The rule the scripts apply (limits.lua, ``eff_tpm`` ... ``eff_rburst``), shared by
 the reference model and the live view. With ``learn`` on, the provider's
 ``x-ratelimit-limit-*`` headers cap the quota's limits (and give an RPM to a
 quota that leaves it unset), and what 429s taught (``ltpm``, ``lrpm``,
@@ -33,7 +33,7 @@ CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 #: ms), so a step that drew no 429 within RAMP_MS was accepted.
 RAMP_START, RAMP_MS = 2, 250
 
-#: Lua lines the script loader puts before lib.lua: these constants, from this module.
+#: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
 LUA_PRELUDE = "\n".join([
     "-- generated from balancer/admission/learned.py",
     f"local CLEAN_MS, MAX_WINDOW_MS = {CLEAN_MS}, {MAX_WINDOW_MS}",
@@ -79,7 +79,7 @@ def lower_of(limit: int, other: int) -> int:
 
 
 def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
-    """The provider's rate a 429 within the first bucket shows; 0 past it (lib.lua, first_bucket_rate).
+    """The provider's rate a 429 within the first bucket shows; 0 past it (signals.lua, first_bucket_rate).
 
     From a model's first call under its quota until one bucket's time
     (``size`` / ``rate``) has passed, a provider whose bucket has the quota's
@@ -97,7 +97,7 @@ def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
 
 
 def lowered(level: int, shown: int) -> tuple[int, int] | None:
-    """What a 429 that starts a pause does to a rate at ``level`` (lib.lua, lowered):
+    """What a 429 that starts a pause does to a rate at ``level`` (signals.lua, lowered):
     (the level remembered for the raises' step, the level it is lowered to), or
     None to leave it. 7/10 of ``level``; within the first bucket (``shown`` > 0,
     the rate it shows: :func:`first_bucket_rate`), 7/10 of that, once: a 429 that
@@ -134,7 +134,7 @@ def effective(quota: Quota, learned: Learned) -> Quota:
 
 
 def ramp_cap(cap: int, learned: Learned, now: int) -> int:
-    """The concurrency cap ``cap`` while the model starts slowly (lib.lua, ramp_cap).
+    """The concurrency cap ``cap`` while the model starts slowly (limits.lua, ramp_cap).
 
     A learning model's new or changed quota has not been shown to hold: a quota
     of 40 slots on a provider that takes 4 would send 40 calls before the first
@@ -173,7 +173,7 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
 
 
 def ramp_wait_ms(learned: Learned, now: int) -> int:
-    """Ms until slow start opens its next step (lib.lua, ramp_wait); RAMP_MS before its
+    """Ms until slow start opens its next step (limits.lua, ramp_wait); RAMP_MS before its
     steps' clock starts (``ramp_at``: the first call's start).
 
     >>> ramp_wait_ms(Learned(ramp_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600), ramp_wait_ms(Learned(ramp_at=1_000), 900)
@@ -188,7 +188,7 @@ def note_served(learned: Learned, now: int, sent: int) -> None:
     """An answered call of a learning model ends with ``sent`` calls started in flight
     (itself included): the provider served that many at once, at most (a call it
     refused may not have come back yet). The most it served at once is kept while it
-    is seen again within CLEAN_MS (lib.lua, note_served).
+    is seen again within CLEAN_MS (signals.lua, note_served).
 
     >>> k = Learned()
     >>> note_served(k, 1_000, 4); note_served(k, 5_000, 2); (k.served, k.served_at)
@@ -203,7 +203,7 @@ def note_served(learned: Learned, now: int, sent: int) -> None:
 def served_more(learned: Learned, now: int, sent: int) -> bool:
     """True if the provider lately served more calls at once than the ``sent`` that
     had started when a 429 came back (:func:`note_served`): that 429 was not for
-    concurrency (lib.lua, served_more). Only a 429 whose headers do not tell its
+    concurrency (signals.lua, served_more). Only a 429 whose headers do not tell its
     kind asks: a token limit without headers otherwise reads as concurrency, the
     cap the slots fill by design (slow start's, or a lowered one), and its 429s
     cut the cap to 1 (learn.toml's tpm-10-silent ran at 0.73 of its real TPM).
@@ -217,13 +217,13 @@ def served_more(learned: Learned, now: int, sent: int) -> bool:
 
 
 def step_of(peak: int) -> int:
-    """One raise of a learned limit last lowered from ``peak``: 1/20 of it, at least 1 (lib.lua, step_of).
+    """One raise of a learned limit last lowered from ``peak``: 1/20 of it, at least 1 (limits.lua, step_of).
     A raise that draws a 429 is undone by the same step."""
     return max(1, -(-peak // 20))
 
 
 def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
-    """``learned`` after the clean windows up to ``now`` (lib.lua, relax): each
+    """``learned`` after the clean windows up to ``now`` (limits.lua, relax): each
     window of CLEAN_MS (or the doubled ``window``) since the last raise or
     lowering raises every learned limit by 1/20 of the level its last 429
     lowered it from; at the limit without learning it is forgotten (0).

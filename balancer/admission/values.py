@@ -83,7 +83,7 @@ class Settlement:
     reserved_tokens: int | None = None
     remaining_tokens: int | None = None
     remaining_requests: int | None = None
-    #: The provider's ``x-ratelimit-limit-tokens`` / ``-requests``: the limits a learning model adopts (lib.lua).
+    #: The provider's ``x-ratelimit-limit-tokens`` / ``-requests``: the limits a learning model adopts (signals.lua, sync_limits).
     limit_tokens: int | None = None
     limit_requests: int | None = None
     #: An answered call's latency and completion tokens: a sample for the model's latency sketch.
@@ -134,7 +134,7 @@ GATE_HOP_MS = 20
 
 
 def gate_shape(limits: Quota) -> tuple[int, int]:
-    """The start gate's (interval, burst tolerance) in ms for an RPM limit (lib.lua, gate_shape):
+    """The start gate's (interval, burst tolerance) in ms for an RPM limit (limits.lua, gate_shape):
     calls start one per interval, up to ``request_burst`` at once less the last hop's jitter.
 
     >>> gate_shape(Quota("m", 8, 60_000, max_requests_per_minute=60))
@@ -163,7 +163,7 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
     less what others use (``external``, at most 9/10 of TPM), up to :func:`token_cap`; requests at
     RPM, up to the request burst (untouched without an RPM limit).
 
-    The rule ``refill`` in lib.lua applies; the reference model and the live
+    The rule ``refill`` in limits.lua applies; the reference model and the live
     view (:meth:`balancer.admission.AdmissionCore.live`) both use this function.
 
     >>> q = Quota("m", 1, 600, max_requests_per_minute=60)   # 10 tokens/s, 1 request/s

@@ -172,7 +172,7 @@ def early_mean_s(prior_mean_s: float, answered: float, answered_s: float, runnin
 def record(fields: dict[str, int], bucket: int, latency_ms: int, prompt_tokens: int, completion_tokens: int) -> None:
     """Add one call to a sketch's fields in place: decay every field, then add.
 
-    This is the rule ``finish.lua`` applies (``record_latency`` in lib.lua);
+    This is the rule ``finish.lua`` applies (``record_latency`` in state.lua);
     the reference model calls this function, so the two are held equal by the
     differential tests.
 

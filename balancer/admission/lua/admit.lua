@@ -1,5 +1,5 @@
 -- admit.lua: admit a batch of candidates in one atomic step (WDRR + buckets + slots).
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] lease length in ms
 -- ARGV[3] base quantum in tokens (a model's quantum is weight * base quantum)

@@ -1,7 +1,7 @@
 -- finish.lua: everything a finished call tells the core, in one round trip:
 -- settle its tokens, sync the buckets to the provider's headers, and free its
 -- slot.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] admission id
 -- ARGV[3] tokens used (prompt + completion), or '' if unknown (no usage, or no answer)
@@ -11,19 +11,19 @@
 -- ARGV[7] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
 -- ARGV[8] its latency in ms, ARGV[9] prompt tokens, ARGV[10] completion tokens (with ARGV[7])
 -- ARGV[11] lease ms for a next call from the model's ready list, or '' to take none
--- ARGV[12] x-ratelimit-limit-tokens, ARGV[13] x-ratelimit-limit-requests ('' if absent: sync_limits in lib.lua)
+-- ARGV[12] x-ratelimit-limit-tokens, ARGV[13] x-ratelimit-limit-requests ('' if absent: sync_limits in signals.lua)
 -- Settling: the provider's charge is the usage (settle) or the reservation
 -- (reserve). A charge above the estimate is always debited. A charge below it
 -- is credited only by a `settle` model, and only within the quota generation
 -- that charged it; a `reserve` model keeps it, as the provider does.
--- Header sync: see sync_to_headers in lib.lua (lowers, never raises, and
+-- Header sync: see sync_to_headers in signals.lua (lowers, never raises, and
 -- learns the rate others use of the quota).
 -- Latency: an answered call adds its latency and tokens to the model's sketch,
--- and to its counters (solved, latency bucket, tokens: see count in lib.lua).
+-- and to its counters (solved, latency bucket, tokens: see count in state.lua).
 -- Circuit: an answered call closes its model's circuit (see trip.lua).
--- Served: an answered call notes how many calls the provider served at once (note_served in lib.lua).
+-- Served: an answered call notes how many calls the provider served at once (note_served in signals.lua).
 -- Next call: with ARGV[11], a freed slot takes the head of its model's ready
--- list if the model can admit it now (see take_ready in lib.lua), leased as
+-- list if the model can admit it now (see take_ready in ready.lua), leased as
 -- started, through both start gates: the caller calls it next, no renew.
 -- Returns {settled, released}: 1 if the tokens were settled now (0: unknown
 -- lease, or no usage); 1 if a slot was freed (0: unknown or already

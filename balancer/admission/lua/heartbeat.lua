@@ -1,5 +1,5 @@
 -- heartbeat.lua: a caller that is still at work keeps its slot for another lease.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] admission id
 -- ARGV[3] the new lease, in ms from now

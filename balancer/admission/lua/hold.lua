@@ -1,5 +1,5 @@
 -- hold.lua: keep a cancelled call's slot until the provider would have ended the call.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] admission id
 -- ARGV[3] how much longer to hold the slot, in ms from now

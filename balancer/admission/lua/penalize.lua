@@ -1,6 +1,6 @@
 -- penalize.lua: a 429 pauses its model for Retry-After, once per window, and
 -- lowers its buckets to what the provider says is left.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] model
 -- ARGV[3] Retry-After in ms
@@ -14,7 +14,7 @@
 -- applies to every 429: a 429 is the surest sign that someone else is using
 -- the quota, and without it the bucket would still be too full after the pause.
 -- A 429 that starts a pause also lowers the effective limit of the kind that
--- caused it (limit_kind, learn_from_429 in lib.lua), so that once per window
+-- caused it (limit_kind, learn_from_429 in signals.lua), so that once per window
 -- too; any other 429 for concurrency caps it at the started calls in flight
 -- less one, and one for tokens or requests with no remaining count empties
 -- that bucket (empty_after_429). While the pause runs, calls admitted before it that have not

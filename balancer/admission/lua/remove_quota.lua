@@ -3,7 +3,7 @@
 -- their calls are still running at the provider, and if the model is created
 -- again they still count against its cap. Each is freed by its call's finish,
 -- as usual, or purged at its deadline once the model exists again.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] model name
 -- Returns {'NOSTATE'} if the live state is missing, else {'OK', 1 or 0 (did it exist)}.
 

@@ -1,5 +1,5 @@
 -- renew.lua: re-assert a slot when a worker starts (or restarts) a call.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] lease length in ms
 -- ARGV[3] admission id
@@ -11,7 +11,7 @@
 -- extended and marked started. An expired one is re-acquired on the same model
 -- (slot, tokens, request, outside WDRR) if there is room, else 'W': the caller
 -- must not call the backend. An 'A' answer carries a fourth value: ms to wait
--- before calling, from the start gate (see start_gate in lib.lua). A model
+-- before calling, from the start gate (see start_gate in limits.lua). A model
 -- that learns and is paused by a 429 starts no call admitted before the pause:
 -- a lease not started yet is dropped and refunded, and the answer is 'W' at
 -- the pause's end (the circuit breaker's pause leaves its calls alone).

@@ -1,5 +1,5 @@
 -- restore.lua: rebuild the live state after Redis lost it, from PostgreSQL's copy.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] number of quotas Q, then Q groups: the name, then QUOTA_FIELDS
 --         (balancer/admission/fields.py, in that order)
@@ -34,7 +34,7 @@ for _ = 1, l do
   end
   i = i + 4
 end
--- Slow start opens from the calls still running, not from RAMP_START (ramp_cap in lib.lua).
+-- Slow start opens from the calls still running, not from RAMP_START (ramp_cap in limits.lua).
 for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
   local m = load_model(name)
   ramp_quota(m, now)

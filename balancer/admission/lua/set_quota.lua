@@ -1,5 +1,5 @@
 -- set_quota.lua: create or change one model's live quota. Applies to the next admission.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] name, ARGV[3..] QUOTA_FIELDS (balancer/admission/fields.py, in that order)
 -- Returns {'NOSTATE'} if the live state is missing, else {'OK'}.
@@ -11,7 +11,7 @@
 -- is the circuit breaker's state. What 429s taught (learned limits, their
 -- steps and window) is forgotten: the new quota starts clean, with a first
 -- bucket of its own (first_at, first_calls, first_tokens) and, created or
--- changed, a slow start from the calls in flight (ramp_quota in lib.lua). The provider's
+-- changed, a slow start from the calls in flight (ramp_quota in limits.lua). The provider's
 -- limit headers (htpm, hrpm) are kept: they are facts, not guesses.
 
 if not loaded() then return {'NOSTATE'} end
@@ -28,7 +28,7 @@ else
   refill(m, now)  -- at the old rates, up to now
   refill_started(m, now)
   -- A new rate or bucket size starts a new generation: credits for calls
-  -- charged under the old quota are forfeited (see same_generation in lib.lua).
+  -- charged under the old quota are forfeited (see same_generation in limits.lua).
   if q.tpm ~= m.tpm or q.rpm ~= m.rpm or q.burst ~= m.burst or q.rburst ~= m.rburst then m.gen = m.gen + 1 end
   local had_rpm = eff_rpm(m) > 0
   for _, f in ipairs(QUOTA_FIELDS) do m[f] = q[f] end

@@ -1,8 +1,8 @@
--- stock.lua: put tasks on models' ready lists (see take_ready in lib.lua), in
+-- stock.lua: put tasks on models' ready lists (see take_ready in ready.lua), in
 -- the order given. The caller names each entry's admission id and has already
 -- marked its task queued under it in PostgreSQL (and committed), so whoever
 -- takes the entry finds the task ready to start.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] how long an entry may wait to be taken, ms
 -- ARGV[3] number of entries N, then N groups of 4: model, task id, estimated tokens, admission id

@@ -1,6 +1,6 @@
 -- take_ready.lua: the dispatcher's pass over every model's ready list: drop
 -- what can no longer be taken, and admit what free slots can take now.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] lease length in ms
 -- Returns {'NOSTATE'} if the live state is missing, else 5 strings per entry:

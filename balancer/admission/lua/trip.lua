@@ -1,11 +1,11 @@
 -- trip.lua: a call on a model failed transiently (5xx, timeout, refused
 -- connection): count it toward the model's circuit breaker.
--- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see lib.lua)
+-- KEYS[1] <tag>:meta, KEYS[2] <tag>:models, KEYS[3] <tag>:leases (see state.lua)
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] model
 -- The circuit opens after CIRCUIT_FAILURES consecutive transient failures (an
 -- answered call resets the count, in finish.lua): the model is paused for
--- CIRCUIT_BASE_MS, then probed one call at a time (slot_cap in lib.lua). A probe
+-- CIRCUIT_BASE_MS, then probed one call at a time (slot_cap in limits.lua). A probe
 -- that fails pauses it again, twice as long, up to CIRCUIT_MAX_MS; one answered
 -- call closes the circuit. Failures while the circuit is open, or that open
 -- it, are the backend's, not the task's: they do not use up the task's attempts.

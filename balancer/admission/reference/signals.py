@@ -183,7 +183,7 @@ class Signals(ReferenceState):
                          remaining_requests: int | None) -> None:
         """A 429 for tokens or requests that does not say what is left says nothing
         is: that bucket (both token buckets for tokens) is emptied, as the header
-        sync would with a remaining count of 0 (lib.lua, empty_after_429)."""
+        sync would with a remaining count of 0 (signals.lua, empty_after_429)."""
         if not state.quota.learn:
             return
         if kind == "tokens" and remaining_tokens is None:
@@ -195,7 +195,7 @@ class Signals(ReferenceState):
     def _limit_kind(self, model: str, now: int, remaining_tokens: int | None,
                     remaining_requests: int | None) -> tuple[str, int]:
         """The kind of limit behind a 429, and how many of the model's calls in
-        flight started (lib.lua, limit_kind).
+        flight started (signals.lua, limit_kind).
 
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in

@@ -55,7 +55,7 @@ class ModelState:
 
     @property
     def limits(self) -> Quota:
-        """The effective limits: the quota, or lower where the model learned so (lib.lua, eff_*)."""
+        """The effective limits: the quota, or lower where the model learned so (limits.lua, eff_*)."""
         return effective(self.quota, self.learned)
 
     @property
@@ -69,7 +69,7 @@ class ModelState:
         return self.learned.window or CLEAN_MS
 
     def relax(self, now: int) -> None:
-        """The clean windows up to now raise the learned limits (lib.lua, relax)."""
+        """The clean windows up to now raise the learned limits (limits.lua, relax)."""
         self.learned = relaxed(self.quota, self.learned, now)
 
     def learn_from_429(self, now: int, kind: str, sent: int, started: bool) -> None:
@@ -81,7 +81,7 @@ class ModelState:
         429 within a window of a raise undoes that raise for a kind it raised
         (one :func:`step_of` down, not 7/10) and doubles the window. Any other 429 for
         concurrency caps it at the started calls in flight less one. A kind
-        whose limit the provider states in its headers is not lowered (lib.lua,
+        whose limit the provider states in its headers is not lowered (signals.lua,
         learn_from_429)."""
         if not self.quota.learn:
             return
@@ -124,7 +124,7 @@ class ModelState:
         k.lowered_at = now
 
     def count_start(self, est: int, now: int) -> None:
-        """A call starts under the quota: the first bucket counts it (lib.lua, count_start)."""
+        """A call starts under the quota: the first bucket counts it (limits.lua, count_start)."""
         k = self.learned
         k.first_at = k.first_at or now
         k.ramp_at = k.ramp_at or now  # slow start's steps count from here
@@ -132,12 +132,12 @@ class ModelState:
 
     def ramp_quota(self, in_flight: int) -> None:
         """A quota set or restored: slow start opens from the ``in_flight`` live calls, its
-        steps counted from the next call's start (lib.lua, ramp_quota)."""
+        steps counted from the next call's start (limits.lua, ramp_quota)."""
         self.learned.ramp_from = in_flight
         self.learned.ramp_at = 0
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
-        """Adopt the provider's x-ratelimit-limit-* (lib.lua, sync_limits): a changed
+        """Adopt the provider's x-ratelimit-limit-* (signals.lua, sync_limits): a changed
         one makes what 429s taught of that kind stale; a new token limit restarts
         the outside-use estimate (its gaps measured our own overdraft)."""
         if not self.quota.learn:
@@ -202,7 +202,7 @@ class ReferenceState:
         )
 
     def _live_count(self, name: str, now: int) -> int:
-        """The model's leases live at ``now`` (lib.lua: ZCOUNT over (now, +inf))."""
+        """The model's leases live at ``now`` (limits.lua, ramp_quota: ZCOUNT over (now, +inf))."""
         return sum(1 for deadline, _ in self._inflight(name) if deadline > now)
 
     def _refill(self, name: str, now: int) -> None:

@@ -1,0 +1,254 @@
+-- limits.lua: what a model admits under (after state.lua; see there for the
+-- library's order): its effective limits (the quota's, or lower where it
+-- learned so) and their relaxing back, the token and request buckets (refill,
+-- refunds, expired leases), slow start and the circuit's probe (the slots
+-- open), capacity and the wait until it, and the token and start gates a
+-- call passes when it starts.
+
+-- Limits that learn. A model's effective limits are its quota's, or lower:
+-- with learn = 1, the provider's x-ratelimit-limit-* headers (htpm, hrpm) cap
+-- them, and give an RPM to a quota that leaves it unset; a 429 lowers the kind
+-- that caused it (ltpm, lrpm, lcap: see learn_from_429), and clean windows
+-- raise it back (relax). Bucket sizes scale with their rates. Every rule below
+-- reads these, never the quota's fields directly, except the burst that
+-- decides whether a task can ever fit (the configured one).
+-- (CLEAN_MS, MAX_WINDOW_MS, RAMP_START and RAMP_MS come from learned.py's prelude.)
+local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
+  if other > 0 and (limit == 0 or other < limit) then return other end
+  return limit
+end
+local function eff_tpm(m)
+  if m.learn ~= 1 then return m.tpm end
+  return lower_of(lower_of(m.tpm, m.htpm), m.ltpm)
+end
+local function eff_rpm(m)
+  if m.learn ~= 1 then return m.rpm end
+  return lower_of(lower_of(m.rpm, m.hrpm), m.lrpm)
+end
+local function eff_cap(m)
+  if m.learn ~= 1 then return m.cap end
+  return lower_of(m.cap, m.lcap)
+end
+local function eff_burst(m)
+  local t = eff_tpm(m)
+  if t == m.tpm then return m.burst end
+  return math.max(1, math.floor(m.burst * t / m.tpm))
+end
+local function eff_rburst(m)
+  local r = eff_rpm(m)
+  if r == m.rpm then return m.rburst end
+  if m.rpm == 0 then return r end  -- discovered: one minute of it
+  return math.max(1, math.floor(m.rburst * r / m.rpm))
+end
+-- Tokens per minute the bucket refills at: TPM less what others use (never below a tenth of TPM).
+local function token_rate(m)
+  local t = eff_tpm(m)
+  return t - math.min(m.ext, math.floor(t * 9 / 10))
+end
+local function window_ms(m)
+  if m.window > 0 then return m.window end
+  return CLEAN_MS
+end
+
+-- One clean window's raise of learned limit l (0: none), by 1/20 of the level
+-- the last 429 lowered it from; at `ceiling` (the limit without learning, 0:
+-- none) it is forgotten.
+local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
+local function raised(l, peak, steps, ceiling)
+  if l == 0 then return 0 end
+  l = l + steps * step_of(peak)
+  if ceiling == 0 or l >= ceiling then return 0 end
+  return l
+end
+
+-- Each window of clean traffic (no 429 lowered anything) since the last raise
+-- or lowering raises every learned limit one step, back toward the quota.
+local function relax(m, now)
+  if m.learn ~= 1 or (m.ltpm == 0 and m.lrpm == 0 and m.lcap == 0) then return end
+  local since, w = math.max(m.raised_at, m.lowered_at), window_ms(m)
+  if now - since < w then return end
+  local steps = math.floor((now - since) / w)
+  m.ltpm = raised(m.ltpm, m.ptpm, steps, lower_of(m.tpm, m.htpm))
+  m.lrpm = raised(m.lrpm, m.prpm, steps, lower_of(m.rpm, m.hrpm))
+  m.lcap = raised(m.lcap, m.pcap, steps, m.cap)
+  m.raised_at = since + steps * w
+end
+
+-- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
+-- admission charged our bucket. While the provider's bucket sits full it
+-- wastes refill that ours, charged earlier, keeps, so a bucket as large as the
+-- provider's runs ahead of it by up to TRANSIT_MS of refill. Ours is capped
+-- that much lower (never by more than half the burst); a task larger than the
+-- cap needs a full bucket.
+local TRANSIT_MS = 250
+local function token_cap(m)
+  local b = eff_burst(m) * UNITS
+  return b - math.min(eff_tpm(m) * TRANSIT_MS, math.floor(b / 2))
+end
+local function tokens_needed(m, est) return math.min(est * UNITS, token_cap(m)) end
+
+-- Refill the buckets at the effective rates up to now, then raise learned limits (relax).
+local function refill(m, now)
+  local dt = now - m.refilled_at
+  if dt < 0 then dt = 0 end
+  m.tokens = math.min(token_cap(m), m.tokens + dt * token_rate(m))
+  local rpm = eff_rpm(m)
+  if rpm > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + dt * rpm) end
+  if now > m.refilled_at then m.refilled_at = now end
+  relax(m, now)
+end
+
+-- Credits (refunds, settlement surpluses) go back only to the quota generation
+-- that charged them: after a rate or burst change, tokens charged under the
+-- old quota must not inflate the new, possibly much smaller, bucket.
+local function same_generation(m, lease) return lease.g == m.gen end
+
+-- Give back what an admission charged, for a call that never happened.
+local function refund(m, lease)
+  if not same_generation(m, lease) then return end
+  local est = lease.e
+  m.tokens = math.min(token_cap(m), m.tokens + est * UNITS)
+  if eff_rpm(m) > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + UNITS) end
+end
+
+-- Drop expired leases. One never started (no worker renewed it) made no call,
+-- so its tokens and request go back to the buckets.
+local function purge(m, now)
+  local key = inflight_key(m.name)
+  local expired = redis.call('ZRANGEBYSCORE', key, '-inf', fmt(now))
+  for _, lid in ipairs(expired) do
+    local raw = redis.call('HGET', LEASES, lid)
+    if raw then
+      local lease = cjson.decode(raw)
+      if lease.s == 0 then refund(m, lease) end
+      redis.call('HDEL', LEASES, lid)
+    end
+  end
+  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', fmt(now)) end
+end
+
+-- Slow start (balancer.admission.learned.ramp_cap): a learning model's (with slow_start) new or
+-- changed quota opens max(RAMP_START, ramp_from) slots, doubling every RAMP_MS
+-- from ramp_at (the first call's start under it), up to the cap; a 429 that
+-- lowered a limit (lowered_at) ends it.
+local function ramp_cap(m, cap, now)
+  if m.learn ~= 1 or m.slow_start ~= 1 or m.lowered_at > 0 then return cap end
+  local start = math.max(RAMP_START, m.ramp_from)
+  local steps = 0
+  if m.ramp_at > 0 then steps = math.floor(math.max(0, now - m.ramp_at) / RAMP_MS) end
+  if steps >= 16 or start * 2 ^ steps >= cap then return cap end
+  return start * 2 ^ steps
+end
+-- ms until slow start's next step (learned.ramp_wait_ms): RAMP_MS before its clock starts.
+local function ramp_wait(m, now)
+  if m.ramp_at == 0 then return RAMP_MS end
+  return RAMP_MS - math.max(0, now - m.ramp_at) % RAMP_MS
+end
+-- A quota set (or restored) starts a slow start from its live calls in flight
+-- (their slots stay open, so one ending lets the next call start, and that
+-- start begins the steps' clock: count_start).
+local function ramp_quota(m, now)
+  m.ramp_from = redis.call('ZCOUNT', inflight_key(m.name), '(' .. fmt(now), '+inf')
+  m.ramp_at = 0
+end
+
+-- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
+-- then probed with one call at a time until a call is answered.
+local function slot_cap(m, now)
+  if m.probing == 1 then return 1 end
+  return ramp_cap(m, eff_cap(m), now)
+end
+
+-- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
+local function has_capacity(m, est, now)
+  return m.paused <= now
+     and redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
+     and m.tokens >= tokens_needed(m, est)
+     and (eff_rpm(m) == 0 or m.requests >= UNITS)
+end
+
+-- ms until m has a slot, the tokens and a request for est, and no pause.
+local function wait_ms(m, est, now)
+  local w = math.max(0, m.paused - now)
+  local need = tokens_needed(m, est)
+  if m.tokens < need then w = math.max(w, math.ceil((need - m.tokens) / token_rate(m))) end
+  local rpm = eff_rpm(m)
+  if rpm > 0 and m.requests < UNITS then
+    w = math.max(w, math.ceil((UNITS - m.requests) / rpm))
+  end
+  local key = inflight_key(m.name)
+  local n, cap = redis.call('ZCARD', key), slot_cap(m, now)
+  if n >= cap then
+    local r = redis.call('ZRANGE', key, n - cap, n - cap, 'WITHSCORES')
+    local slot = tonumber(r[2]) - now
+    if m.probing ~= 1 and cap < eff_cap(m) then slot = math.min(slot, ramp_wait(m, now)) end
+    w = math.max(w, slot)
+  end
+  return w
+end
+
+local function charge(m, est)
+  m.tokens = m.tokens - est * UNITS
+  if eff_rpm(m) > 0 then m.requests = m.requests - UNITS end
+end
+
+-- The token gate: a second token bucket, charged when a call *starts* (renew),
+-- as the provider charges it on arrival. Admission charges the first bucket
+-- early; calls that then wait in the broker or a busy worker start in bunches
+-- that the provider would refuse. This one refills, settles and syncs like the
+-- first, and delays a start until the provider has the tokens for it.
+local function refill_started(m, now)
+  local dt = now - m.prefilled_at
+  if dt < 0 then dt = 0 end
+  m.ptokens = math.min(token_cap(m), m.ptokens + dt * token_rate(m))
+  if now > m.prefilled_at then m.prefilled_at = now end
+end
+
+local function token_gate(m, est, now)
+  refill_started(m, now)
+  local need = tokens_needed(m, est)
+  local wait = 0
+  if m.ptokens < need then wait = math.ceil((need - m.ptokens) / token_rate(m)) end
+  m.ptokens = m.ptokens - est * UNITS
+  return wait
+end
+
+-- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
+-- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
+local function gate_shape(m)
+  local interval = math.ceil(60000 / eff_rpm(m))
+  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
+end
+
+-- The start gate (GCRA): calls *start* at most RPM per minute with at most
+-- rburst at once, timed at renew, just before the HTTP call. Admission already
+-- paces the request bucket, but the hops between admission and the call
+-- (broker, queue, worker) bunch calls up; a provider checking RPM over 1 s sees
+-- those bunches. Returns ms the caller must wait before calling (0 = now).
+local function start_gate(m, now)
+  local rpm = eff_rpm(m)
+  if rpm <= 0 then return 0 end
+  local interval, tolerance = gate_shape(m)
+  local start = math.max(now, m.tat - tolerance)
+  m.tat = math.max(m.tat, start) + interval
+  return start - now
+end
+
+-- The first bucket (see first_bucket_rate): the calls started under the quota, and their tokens.
+local function count_start(m, est, now)
+  if m.first_at == 0 then m.first_at = now end
+  if m.ramp_at == 0 then m.ramp_at = now end
+  m.first_calls, m.first_tokens = m.first_calls + 1, m.first_tokens + est
+end
+
+-- Both gates for a call about to start: ms to wait before calling. A first start
+-- passes the token gate and counts toward the first bucket (count_start); a
+-- restart (redelivery) was counted already.
+local function start_delay(m, est, first_start, now)
+  local wait = 0
+  if first_start then
+    wait = token_gate(m, est, now)
+    count_start(m, est, now)
+  end
+  return wait + start_gate(m, now + wait)
+end

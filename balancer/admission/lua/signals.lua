@@ -1,0 +1,217 @@
+-- signals.lua: what the provider's answers teach a model (after limits.lua):
+-- the x-ratelimit-remaining-* headers lower the buckets (sync_to_headers), the
+-- x-ratelimit-limit-* headers cap the effective limits (sync_limits), an
+-- answered call notes how many calls the provider served at once
+-- (note_served), and a 429 is told apart by kind (limit_kind) and lowers the
+-- limit of that kind (empty_after_429, learn_from_429).
+
+-- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent); never raise them.
+-- The token gap between two syncs is what others used of the quota meanwhile:
+-- its rate moves `ext`, and the bucket refills at tpm - ext (never below a
+-- tenth of tpm), so a steady outside user is expected, not met as a 429 after
+-- every sync. Biased to the safe side: an outside user shows as a positive gap
+-- and moves ext up by 1/4 of it; calls we charged that have not reached the
+-- provider yet show as a negative gap, so down moves take only 1/32.
+-- m must be refilled to now first.
+local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
+  if remaining_tokens ~= '' then
+    local remaining = tonumber(remaining_tokens) * UNITS
+    if m.synced_at > 0 and now > m.synced_at then
+      local gap = m.tokens - remaining
+      local gain = 4
+      if gap < 0 then gain = 32 end
+      local error_rate = math.floor(gap / (gain * (now - m.synced_at)))
+      m.ext = math.max(0, math.min(math.floor(eff_tpm(m) * 9 / 10), m.ext + error_rate))
+    end
+    m.synced_at = now
+    m.tokens = math.min(m.tokens, remaining)
+    refill_started(m, now)
+    m.ptokens = math.min(m.ptokens, remaining)
+  end
+  if remaining_requests ~= '' and eff_rpm(m) > 0 then
+    local left = tonumber(remaining_requests)
+    m.requests = math.min(m.requests, left * UNITS)
+    -- The start gate too: at most `left` more starts now. The bucket's count
+    -- forgets calls admitted but not started (charged here, unknown to the
+    -- provider); the gate counts starts, so they wait at their start.
+    local interval, tolerance = gate_shape(m)
+    m.tat = math.max(m.tat, now + tolerance - (left - 1) * interval)
+  end
+end
+
+-- The provider's x-ratelimit-limit-tokens / -requests ('' = not sent), with
+-- learn = 1: they cap the effective limits, and give an RPM to a quota that
+-- has none. A changed one makes what 429s taught of that kind stale: forgotten.
+-- A new token limit also restarts the outside-use estimate (ext, synced_at):
+-- the gaps seen while the old limit held measured our own overdraft, not others.
+local function sync_limits(m, limit_tokens, limit_requests)
+  if m.learn ~= 1 then return end
+  if limit_tokens ~= '' then
+    local h = tonumber(limit_tokens)
+    if h > 0 and h ~= m.htpm then
+      if m.htpm > 0 then m.ltpm, m.ptpm, m.window = 0, 0, 0 end
+      if lower_of(m.tpm, h) ~= lower_of(m.tpm, m.htpm) then m.ext, m.synced_at = 0, 0 end
+      m.htpm = h
+    end
+  end
+  if limit_requests ~= '' then
+    local h = tonumber(limit_requests)
+    if h > 0 and h ~= m.hrpm then
+      if m.hrpm > 0 then m.lrpm, m.prpm, m.window = 0, 0, 0 end
+      m.hrpm = h
+    end
+  end
+end
+
+-- The model's calls in flight: how many, their estimated tokens, and how many
+-- started (reached for the provider: what it can have counted).
+local function inflight_stats(m)
+  local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
+  local sum, n, sent = 0, #lids, 0
+  for _, lid in ipairs(lids) do
+    local raw = redis.call('HGET', LEASES, lid)
+    if raw then
+      local lease = cjson.decode(raw)
+      sum = sum + lease.e
+      if lease.s == 1 then sent = sent + 1 end
+    end
+  end
+  return n, sum, sent
+end
+
+-- An answered call of a learning model ends with `sent` calls started in flight
+-- (itself included): the provider served that many at once, at most. The most
+-- it served at once is kept while it is seen again within CLEAN_MS
+-- (balancer.admission.learned.note_served). No call is counted while fewer are
+-- in flight than that most.
+local function note_served(m, now)
+  if m.learn ~= 1 then return end
+  local fresh = now - m.served_at < CLEAN_MS
+  if fresh and redis.call('ZCARD', inflight_key(m.name)) < m.served then return end
+  local _, _, sent = inflight_stats(m)
+  if sent >= m.served or not fresh then m.served, m.served_at = sent, now end
+end
+
+-- The provider lately served more calls at once than the `sent` that had
+-- started when a 429 came back: that 429 was not for concurrency (learned.served_more).
+local function served_more(m, now, sent)
+  return sent < m.served and now - m.served_at < CLEAN_MS
+end
+
+-- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
+-- From the headers when they say: no request left; fewer tokens left than
+-- the model's calls in flight average; both left (so the provider counted
+-- calls in progress). Otherwise the lowest of our own buckets, as a share of
+-- its size (free slots for concurrency, of the cap in force: slow start's while
+-- it ramps); ties go to requests, then tokens. Concurrency is ruled out when
+-- the provider lately served more calls at once than had started (served_more).
+-- Also returns how many calls in flight started (reached for the provider:
+-- what it can have counted).
+local function limit_kind(m, now, remaining_tokens, remaining_requests)
+  local n, sum, sent = inflight_stats(m)
+  local kind
+  if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then kind = 'REQUESTS'
+  elseif remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then kind = 'TOKENS'
+  elseif remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then kind = 'CONCURRENCY'
+  else
+    local ft = m.tokens / token_cap(m)
+    if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end
+    local fr = math.huge
+    if eff_rpm(m) > 0 then
+      fr = m.requests / (eff_rburst(m) * UNITS)
+      if remaining_requests ~= '' then fr = tonumber(remaining_requests) * UNITS / (eff_rburst(m) * UNITS) end
+    end
+    local cap = ramp_cap(m, eff_cap(m), now)  -- the cap in force: slow start's while it ramps
+    local fc = (cap - n) / cap
+    if served_more(m, now, sent) then fc = math.huge end
+    if fr <= ft and fr <= fc then kind = 'REQUESTS'
+    elseif ft <= fc then kind = 'TOKENS'
+    else kind = 'CONCURRENCY' end
+  end
+  return kind, sent
+end
+
+-- The first bucket. From the first call a model starts under its quota
+-- (first_at; first_calls and first_tokens count the calls started since and
+-- their estimated tokens) until one bucket's time (size / rate) has passed, a
+-- 429 for tokens or requests shows the provider's rate: a provider whose
+-- bucket has the quota's shape ran out once our calls had taken `n` (tokens or
+-- calls) in `t` ms, so its rate is about rate * n / (size + rate * t); 0 once
+-- the first bucket is over or before any call
+-- (balancer.admission.learned.first_bucket_rate).
+local function first_bucket_rate(rate, size, n, t)
+  if rate <= 0 or n <= 0 or t * rate >= size * 60000 then return 0 end
+  return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
+end
+
+-- What a 429 that starts a pause does to a rate at `level` (balancer.admission.learned.lowered):
+-- lowers it to 7/10, remembering `level` (the raises' step); within the first
+-- bucket (`shown` > 0: the rate it shows) to 7/10 of that, once: a 429 that
+-- would not take it below `level` leaves it (nil).
+local function lowered(level, shown)
+  if shown <= 0 then return level, math.max(1, math.floor(level * 7 / 10)) end
+  local to = math.max(1, math.floor(shown * 7 / 10))
+  if to < level then return math.min(shown, level), to end
+  return nil
+end
+
+-- A 429 for tokens or requests from a provider that does not say what is left
+-- says nothing is: that bucket (both token buckets for tokens) is emptied, as
+-- sync_to_headers would with a remaining count of 0. m must be refilled to now.
+local function empty_after_429(m, now, kind, remaining_tokens, remaining_requests)
+  if m.learn ~= 1 then return end
+  if kind == 'TOKENS' and remaining_tokens == '' then
+    refill_started(m, now)
+    m.tokens, m.ptokens = math.min(m.tokens, 0), math.min(m.ptokens, 0)
+  elseif kind == 'REQUESTS' and remaining_requests == '' and eff_rpm(m) > 0 then
+    m.requests = math.min(m.requests, 0)
+  end
+end
+
+-- A 429 that paused the model (once per window: `started`) lowers the
+-- effective limit of its kind to 7/10 of the level it was at (concurrency:
+-- of the started calls in flight, if any and fewer), at least 1, and remembers that
+-- level (the raises' step). Within the first bucket tokens or requests go to
+-- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
+-- within a window of a raise says the raise went too far: a kind it raised
+-- goes back one step (the level before the raise worked), not to 7/10, and
+-- the next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
+-- says the started calls in flight were at least one too many: the cap goes
+-- no higher than that, less one. A kind whose limit the provider states
+-- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
+-- was a race the pause covers. m must be refilled to now.
+local function learn_from_429(m, now, kind, sent, started)
+  if m.learn ~= 1 then return end
+  if (kind == 'TOKENS' and m.htpm > 0) or (kind == 'REQUESTS' and m.hrpm > 0) then return end
+  if not started then
+    if kind == 'CONCURRENCY' and sent > 1 and sent - 1 < eff_cap(m) then
+      if m.lcap == 0 then m.pcap = eff_cap(m) end
+      m.lcap = math.max(1, sent - 1)
+      m.lowered_at = now
+    end
+    return
+  end
+  local w = window_ms(m)
+  local probed = m.raised_at > m.lowered_at and now - m.raised_at < w
+  if probed then m.window = math.min(w * 2, MAX_WINDOW_MS) end
+  local t = now - m.first_at
+  if kind == 'TOKENS' and probed and m.ltpm > 0 then
+    m.ltpm = math.max(1, m.ltpm - step_of(m.ptpm))
+  elseif kind == 'TOKENS' then
+    local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t))
+    if from then m.ptpm, m.ltpm = from, to end
+  elseif kind == 'REQUESTS' and probed and m.lrpm > 0 then
+    m.lrpm = math.max(1, m.lrpm - step_of(m.prpm))
+  elseif kind == 'REQUESTS' then
+    if eff_rpm(m) == 0 then return end
+    local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t))
+    if from then m.prpm, m.lrpm = from, to end
+  elseif probed and m.lcap > 0 then
+    m.lcap = math.max(1, m.lcap - step_of(m.pcap))
+  else
+    m.pcap = eff_cap(m)
+    if sent > 0 then m.pcap = math.min(m.pcap, sent) end
+    m.lcap = math.max(1, math.floor(m.pcap * 7 / 10))
+  end
+  m.lowered_at = now
+end
