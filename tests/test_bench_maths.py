@@ -224,5 +224,5 @@ def test_eta_replay_can_put_every_model_back_at_the_backlog_s_mean_tokens(tmp_pa
     (tmp_path / "pipeline-calls.jsonl").write_text(json.dumps({"model": "m", "status": 200, "start": 0.0, "end": 1.0}) + "\n")
     counted = replay(tmp_path, VARIANTS["current"])[0]
     workload = replay(tmp_path, VARIANTS["current"], counted_tokens=False)[0]
-    assert counted["eta_s"] == pytest.approx(forecast.eta, rel=0.01)
+    assert counted["eta_s"] == pytest.approx(forecast.eta)
     assert workload["eta_s"] == pytest.approx(2 * forecast.eta, rel=0.05)
