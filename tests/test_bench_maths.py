@@ -204,25 +204,3 @@ def test_eta_replay_reproduces_the_recorded_eta_and_replays_the_early_latency(tm
     assert [r["eta_s"] for r in as_recorded] == pytest.approx([p["eta_s"] for p in polls])
     early = replay(tmp_path, VARIANTS["current"])
     assert all(e["eta_s"] < r["eta_s"] for e, r in zip(early[1:], as_recorded[1:], strict=True))
-
-
-def test_eta_replay_can_put_every_model_back_at_the_backlog_s_mean_tokens(tmp_path) -> None:  # noqa: ANN001
-    """A token-bound model whose provider counted 50 tokens a call, in a backlog whose mean is
-    100: replayed as recorded, the ETA is the run's; at the backlog's mean it doubles."""
-    from dataclasses import asdict
-
-    from balancer.bench.eta_replay import VARIANTS, replay
-    from balancer.domain import eta
-    from balancer.domain.capacity import ModelCapacity
-
-    model = ModelCapacity(100, 0.01, 6_000, 0, tokens_per_task=50.0)   # 100 tokens/s: 2 tasks/s at 50 a task
-    state = eta.DrainState({"m": model}, [(None, 100)], {"m": 0}, 100.0, unfinished=100)
-    forecast = eta.forecast(state)
-    poll = {"at_s": 1.0, "done": 50, "makespan_s": 60.0, "eta_s": forecast.eta, "low_s": forecast.low,
-            "high_s": forecast.high, "state": {**asdict(state), "on_prior": [], "models": {"m": asdict(model)}}}
-    (tmp_path / "pipeline-eta.jsonl").write_text(json.dumps(poll) + "\n")
-    (tmp_path / "pipeline-calls.jsonl").write_text(json.dumps({"model": "m", "status": 200, "start": 0.0, "end": 1.0}) + "\n")
-    counted = replay(tmp_path, VARIANTS["current"])[0]
-    workload = replay(tmp_path, VARIANTS["current"], counted_tokens=False)[0]
-    assert counted["eta_s"] == pytest.approx(forecast.eta)
-    assert workload["eta_s"] == pytest.approx(2 * forecast.eta, rel=0.05)

@@ -6,8 +6,7 @@ This replays :func:`balancer.domain.eta.forecast` on each poll and judges it as
 the report does (:func:`balancer.bench.report.polled_eta_errors`). A model on its
 prior gets its early latency from the call log at the poll's moment (answered
 calls and running calls' ages), so runs recorded before the state carried
-``early_calls`` replay too; ``--variant`` swaps the early mean's formula, and
-``--workload-tokens`` puts every model back at the backlog's mean tokens per task::
+``early_calls`` replay too; ``--variant`` swaps the early mean's formula::
 
     python -m balancer.bench.eta_replay bench-out/default bench-out/tail --variant shrink
 """
@@ -52,10 +51,8 @@ def _state(recorded: dict[str, Any]) -> eta.DrainState:
                           recorded["solved_by_model"], recorded.get("ready", {}), groups("waiting"))
 
 
-def replay(run: Path, early: EarlyMean, counted_tokens: bool = True) -> list[dict[str, Any]]:
-    """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``;
-    ``counted_tokens`` False: every model at the backlog's mean tokens per task, as before each
-    model's counted tokens (:func:`balancer.domain.capacity.charged_per_task`)."""
+def replay(run: Path, early: EarlyMean) -> list[dict[str, Any]]:
+    """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``."""
     polls = [json.loads(line) for line in (run / "pipeline-eta.jsonl").read_text().splitlines()]
     calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
     makespan = polls[0]["makespan_s"]
@@ -67,8 +64,7 @@ def replay(run: Path, early: EarlyMean, counted_tokens: bool = True) -> list[dic
             replayed.append(poll)
             continue
         state, now = _state(poll["state"]), started + poll["at_s"]
-        models = dict(state.models) if counted_tokens else {
-            name: replace(m, tokens_per_task=None) for name, m in state.models.items()}
+        models = dict(state.models)
         for name in state.on_prior:
             answered = [c["end"] - c["start"] for c in calls
                         if c["model"] == name and c["status"] == 200 and c["end"] <= now]
@@ -82,14 +78,12 @@ def replay(run: Path, early: EarlyMean, counted_tokens: bool = True) -> list[dic
 
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--workload-tokens", is_flag=True,
-              help="Every model at the backlog's mean tokens per task, not what its provider counted per call.")
 @click.option("--variant", type=click.Choice(sorted(VARIANTS)), default="current", show_default=True,
               help="The early mean's formula ('prior': as before the early latency).")
-def main(runs: tuple[Path, ...], variant: str, workload_tokens: bool) -> None:
+def main(runs: tuple[Path, ...], variant: str) -> None:
     """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
     for run in runs:
-        rows = replay(run, VARIANTS[variant], counted_tokens=not workload_tokens)
+        rows = replay(run, VARIANTS[variant])
         click.echo(f"{run} ({variant}): " + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
 
 
