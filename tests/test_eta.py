@@ -108,39 +108,6 @@ def test_a_model_that_learned_a_lower_limit_drains_at_that_limit() -> None:
     assert estimate_drain(svc, learned) == pytest.approx(60 / 4 * mean + mean / 2, abs=0.1)
 
 
-@pytest.mark.usefixtures("migrated")
-def test_a_token_bound_model_drains_at_the_tokens_its_provider_counted_per_call() -> None:
-    """60 tasks of about 1,000 tokens on a model of 1,000 tokens/s: a minute of work,
-    until the model's counters say its provider counted 200 tokens per answered call
-    (the dispatcher gives a token-bound model the tasks that fit its bucket); then a
-    fifth of it. A `settle` model is counted at the tokens used."""
-    from balancer.domain.intake import parse_tasks
-    from balancer.pipeline.summary import estimate_band
-    from balancer.services import Services
-    from balancer.settings import Settings
-    from balancer.storage.intake import insert_tasks
-
-    svc = Services.connect(Settings.from_env())
-    svc.quotas.set("m", {"max_concurrent_requests": 1_000, "max_tokens_per_minute": 60_000, "burst_tokens": 1,
-                         "expected_latency_s": 0.01, "slow_start": False}, create=True, by="test")
-    rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}", "max_tokens": 1_000}) for i in range(60)),
-                          models={"m": 60_000})
-    with svc.engine.begin() as conn:
-        insert_tasks(conn, rows)
-
-    def eta(counters: dict) -> float:
-        band = estimate_band(svc, counters=counters)
-        assert band is not None and band.eta is not None
-        return band.eta
-
-    workload = eta({"m": {}})
-    assert workload == pytest.approx(60 * 1_002 / 1_000, rel=0.05)
-    counted = {"m": {"solved": 10, "tokens_estimated": 2_000, "tokens_used": 1_000}}
-    assert eta(counted) == pytest.approx(workload / 5, rel=0.05)
-    svc.quotas.set("m", {"token_accounting": "settle"}, by="test")
-    assert eta(counted) == pytest.approx(workload / 10, rel=0.05)
-
-
 def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
     """A run at 80 % of its bound lately: the work left takes 1/0.8 of its bound.
     No run beats its bound, so a pace above 1 (here a prior twice too slow) reads as 1."""

@@ -79,27 +79,6 @@ class ModelCapacity:
                           self.tokens_per_task or tokens_per_task, self.rpm / 60 if self.rpm else math.inf)
 
 
-#: Answered calls a model needs before what its provider counted per call replaces the workload's figure.
-MIN_CALLS_CHARGED = 5
-
-
-def charged_per_task(settles: bool, answered: int, estimated: int, used: int) -> float | None:
-    """What a model's provider has counted per answered call (E[t_m] above), from the
-    model's counters: the estimates (prompt + max_tokens) a ``reserve`` provider keeps,
-    the usage a ``settle`` one keeps; None below MIN_CALLS_CHARGED calls. It can differ
-    from the workload's mean: the dispatcher gives a token-bound model the tasks that
-    fit its bucket (learn.toml: 374 tokens a task on tpm-10, 538 over the backlog).
-
-    >>> charged_per_task(False, 10, 5_000, 4_000), charged_per_task(True, 10, 5_000, 4_000)
-    (500.0, 400.0)
-    >>> charged_per_task(True, 4, 5_000, 4_000), charged_per_task(True, 10, 5_000, 0)   # too few; no usage reported
-    (None, 500.0)
-    """
-    if answered < MIN_CALLS_CHARGED or estimated <= 0:
-        return None
-    return (used if settles and used > 0 else estimated) / answered
-
-
 def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, float]) -> bool:
     caps = [m.tasks_by(t, tokens_per_task) for m in models]
     if any(pinned.get(i, 0) > caps[i] + 1e-9 for i in range(len(models))):

@@ -172,7 +172,7 @@ class BalancerCollector(Collector):
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
-        drain = estimate_band(svc, view, left, counters=per_model)
+        drain = estimate_band(svc, view, left)
         if drain is not None and drain.eta is not None:
             families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from balancer.admission.live import ModelLive
-from balancer.domain.capacity import ModelCapacity, charged_per_task
+from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import DrainState, Forecast, forecast
 from balancer.pipeline.budgets import held_sources
 from balancer.snapshot import ReadServices
@@ -105,10 +105,6 @@ def binding_limit(live: ModelLive, tokens_per_call: float) -> str:
     return "none"
 
 
-#: Each model's counters (``AdmissionCore.counters``): solved, tokens_estimated, tokens_used, ...
-Counters = Mapping[str, Mapping[str, int]]
-
-
 def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str, int]], *, prior_s: float,
               default_tokens: float = 500.0) -> list[ModelSummary]:
     """One row per model. A typical call's tokens are the model's measured mean
@@ -135,38 +131,33 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
 
 def drain_inputs(
     services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
-    held: Collection[str] | None = None, counters: Counters | None = None,
+    held: Collection[str] | None = None,
 ) -> DrainState | None:
     """What the drain ETA is computed from, read now: the live quotas, buckets and
     learned latencies, the backlog (``left``: the pending tasks' composition, the tasks not
     finished), the last minute's solves, and the pending tasks of the sources over their budget
-    (``held``: read now as the dispatcher reads it, when not given); ``counters``: the per-model
-    counters, read now when not given. None when no model is enabled. PostgreSQL's reads share one
-    connection."""
+    (``held``: read now as the dispatcher reads it, when not given). None when no model is enabled.
+    PostgreSQL's reads share one connection."""
     view = services.core.live() if view is None else view
-    counters = services.core.counters()[0] if counters is None else counters
     with reading(services.db) as db:
-        return _drain_inputs(services, db, view, backlog(db) if left is None else left, held, counters)
+        return _drain_inputs(services, db, view, backlog(db) if left is None else left, held)
 
 
 def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLive], left: Backlog,
-                  held: Collection[str] | None, counters: Counters) -> DrainState | None:
+                  held: Collection[str] | None) -> DrainState | None:
     groups = left.pending_groups()
     prior_s = services.settings.expected_latency_s
     pending = sum(n for _, n, _ in groups)
     tokens_per_task = sum(t for _, _, t in groups) / pending if pending else services.settings.expected_output_tokens
     # Each model at its effective limits: where 429s or the provider's headers taught a
     # limit lower than the quota, the quota is not what the drain can use (learn.toml's
-    # ETA read the quotas and was 39 to 72 % short at 25 % done); and each model's tokens
-    # per task at what its provider counted per call so far (capacity.charged_per_task).
+    # ETA read the quotas and was 39 to 72 % short at 25 % done).
     models = {
         name: ModelCapacity(
             concurrency=live.limits.max_concurrent_requests,
             mean_latency=max(0.001, live.latency_estimate(prior_s).mean_ms / 1000),
             tpm=live.limits.max_tokens_per_minute, burst=max(0.0, live.tokens_available),
             rpm=live.limits.max_requests_per_minute, request_burst=live.requests_available,
-            tokens_per_task=charged_per_task(live.quota.settles, *(counters.get(name, {}).get(key, 0) for key in (
-                "solved", "tokens_estimated", "tokens_used"))),
         )
         for name, live in view.items() if live.quota.enabled
     }
@@ -208,10 +199,10 @@ def estimate_drain(
 
 def estimate_band(
     services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
-    held: Collection[str] | None = None, counters: Counters | None = None,
+    held: Collection[str] | None = None,
 ) -> Forecast | None:
     """The drain ETA with its band (low, high) now; None when no model is enabled."""
-    state = drain_inputs(services, view, left, held, counters)
+    state = drain_inputs(services, view, left, held)
     return None if state is None else forecast(state)
 
 
@@ -224,4 +215,4 @@ def read(services: ReadServices, held: Collection[str] | None = None, left: Back
     view = services.core.live()
     rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
-    return status_counts(services.db), rows, counters, estimate_band(services, view, left, held, counters)
+    return status_counts(services.db), rows, counters, estimate_band(services, view, left, held)
