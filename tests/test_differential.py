@@ -125,6 +125,32 @@ ready_operations = st.lists(
     max_size=40,
 )
 
+#: Limits that learn under load: calls admitted, started and answered while others
+#: run, header-less 429s among them, clean windows (note_served, served_more, lcap).
+learn_quota = st.builds(
+    Quota, name=st.sampled_from(NAMES[:2]), max_concurrent_requests=st.integers(2, 6),
+    max_tokens_per_minute=st.integers(5_000, 100_000), max_requests_per_minute=st.none() | st.integers(10, 600),
+    token_accounting=st.sampled_from(["reserve", "settle"]), slow_start=st.booleans(), learn=st.just(True),
+)
+learn_quotas = st.lists(learn_quota, min_size=1, max_size=2, unique_by=lambda q: q.name)
+answered = st.builds(Settlement, used_tokens=maybe_tokens, reserved_tokens=maybe_tokens,
+                     latency_ms=st.integers(0, 5_000), completion_tokens=st.none() | st.integers(0, 9_000))
+learn_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.lists(st.builds(Candidate, estimated_tokens=st.integers(1, 1_500)), min_size=1, max_size=4)),
+        st.tuples(st.just("start_all"),),
+        st.tuples(st.just("finish"), st.integers(0, 50), answered),
+        st.tuples(st.just("finish"), st.integers(0, 50), answered),
+        st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 2_000), st.none(), st.none(),
+                  st.none(), st.none()),
+        st.tuples(st.just("advance"), st.integers(0, 3_000)),
+        st.tuples(st.just("advance"), st.integers(CLEAN_MS - 2_000, CLEAN_MS + 2_000)),
+        st.tuples(st.just("set"), learn_quota),
+    ),
+    min_size=8,
+    max_size=40,
+)
+
 
 def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
     namespace = "d" + uuid.uuid4().hex[:12]
@@ -144,6 +170,9 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.release(issued[op[1] % len(issued)][0])
             elif kind == "renew" and issued:
                 twin.renew(*issued[op[1] % len(issued)])
+            elif kind == "start_all":
+                for lid, model, est in issued[-8:]:
+                    twin.renew(lid, model, est)
             elif kind == "renew_unknown":
                 twin.renew(f"x-{len(issued)}", op[1], op[2])
             elif kind == "finish" and issued:
@@ -193,6 +222,13 @@ def test_lua_and_reference_agree(redis_client: redis.Redis, initial: list[Quota]
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=ready_quotas, ops=ready_operations)
 def test_ready_lists_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
+    run_sequence(redis_client, initial, ops)
+
+
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(initial=learn_quotas, ops=learn_operations)
+def test_learning_under_load_agrees(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
     run_sequence(redis_client, initial, ops)
 
 
@@ -549,7 +585,12 @@ def test_a_model_hash_from_the_previous_version_reads_its_new_state_fields_as_0(
     state fields added since. The new scripts and the live view read each as 0, as a new
     model starts it (before: the next admit failed, format of nil, and every round with it)."""
     twin.set_quota(Quota("m-a", 4, 600_000))
-    twin.client.hdel(keys.model(twin.namespace, "m-a"), "first_at", "first_calls", "first_tokens", "window")
-    assert all(isinstance(d, Admitted) for d in twin.admit([Candidate(100)] * 2))   # the scripts
+    twin.client.hdel(keys.model(twin.namespace, "m-a"), "first_at", "first_calls", "first_tokens", "window",
+                     "ramp_from", "ramp_at", "served", "served_at")
+    admitted = twin.admit([Candidate(100)] * 2)
+    assert all(isinstance(d, Admitted) for d in admitted)                             # the scripts
     assert twin.core.live(twin.now)["m-a"].in_flight == 2                             # the live view
+    start(twin, admitted)
+    twin.finish(admitted[0].admission_id, Settlement(used_tokens=100, latency_ms=500))   # note_served on 0s
+    assert twin.core.live(twin.now)["m-a"].learned.served == 2
     twin.check_same_state()
