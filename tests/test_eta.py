@@ -86,7 +86,6 @@ def test_a_model_that_learned_a_lower_limit_drains_at_that_limit() -> None:
     """40 slots in the quota, 4 learned from the provider's 429s: the 60 tasks take
     15 calls' time on the 4 slots, not 1.5 on the quota's 40 (learn.toml's ETA read
     the quotas and was 39 to 72 % short at 25 % done)."""
-    from dataclasses import replace as with_fields
 
     from balancer.admission.learned import Learned
     from balancer.domain.intake import parse_tasks
@@ -102,7 +101,7 @@ def test_a_model_that_learned_a_lower_limit_drains_at_that_limit() -> None:
     with svc.engine.begin() as conn:
         insert_tasks(conn, rows)
     view = svc.core.live()
-    learned = {"m": with_fields(view["m"], learned=Learned(lcap=4, pcap=6, lowered_at=int(time.time() * 1000)))}
+    learned = {"m": replace(view["m"], learned=Learned(lcap=4, pcap=6, lowered_at=int(time.time() * 1000)))}
     mean = 3.0 * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
     assert estimate_drain(svc, view) == pytest.approx(60 / 40 * mean + mean / 2, abs=0.1)
     assert estimate_drain(svc, learned) == pytest.approx(60 / 4 * mean + mean / 2, abs=0.1)

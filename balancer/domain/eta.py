@@ -3,9 +3,8 @@
 It is the capacity bound (:mod:`balancer.domain.capacity`) applied to the
 work left, from now, on the live limits (each model's effective ones, learned
 or not): each model's concurrency over its mean latency, its token and
-request buckets as they are now plus their refill (tokens per task as its
-provider counted them: :func:`balancer.domain.capacity.charged_per_task`),
-pinned tasks held to their model. :func:`forecast` turns that fluid
+request buckets as they are now plus their refill, pinned tasks held to
+their model. :func:`forecast` turns that fluid
 bound into a forecast with a band; its corrections, each measured in
 docs/benchmarks.md (issue 28):
 

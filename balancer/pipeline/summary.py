@@ -133,7 +133,7 @@ def drain_inputs(
     services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
     held: Collection[str] | None = None,
 ) -> DrainState | None:
-    """What the drain ETA is computed from, read now: the live quotas, buckets and
+    """What the drain ETA is computed from, read now: the live effective limits, buckets and
     learned latencies, the backlog (``left``: the pending tasks' composition, the tasks not
     finished), the last minute's solves, and the pending tasks of the sources over their budget
     (``held``: read now as the dispatcher reads it, when not given). None when no model is enabled.

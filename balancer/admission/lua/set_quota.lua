@@ -12,7 +12,8 @@
 -- steps and window) is forgotten: the new quota starts clean, with a first
 -- bucket of its own (first_at, first_calls, first_tokens) and, created or
 -- changed, a slow start from the calls in flight (ramp_quota in limits.lua). The provider's
--- limit headers (htpm, hrpm) are kept: they are facts, not guesses.
+-- limit headers (htpm, hrpm) are kept: they are facts, not guesses; so is how
+-- many calls the provider lately served at once (served, served_at).
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
