@@ -339,3 +339,18 @@ def test_running_calls_are_read_by_model_with_the_time_they_have_run() -> None:
     assert sorted(running) == ["a", "b"]  # a running task with no model yet is no model's call; pending ones none
     assert running["a"][0] == 2 and running["a"][1] == pytest.approx(30.0, abs=0.5)
     assert running["b"][0] == 1 and running["b"][1] == pytest.approx(5.0, abs=0.5)
+
+
+def test_little_s_law_leaves_a_model_whose_token_rate_binds_at_its_learned_latency() -> None:
+    """40 slots, 35 calls held (most waiting at the token gate), 15 answered in 23 s: Little's law
+    would read 53.7 s a call. The model's 30,000 TPM (1.25 calls/s at 400 tokens) binds, not its
+    slots, so it keeps its learned 2.5 s; a concurrency-bound model is still corrected."""
+    from balancer.domain.eta import DrainState, with_observed_latency
+
+    gated = ModelCapacity(concurrency=40, mean_latency=2.5, tpm=30_000, burst=0)
+    slots = ModelCapacity(concurrency=40, mean_latency=2.5, tpm=None, burst=0)
+    state = DrainState({"gated": gated, "slots": slots}, [(None, 500)], in_flight={"gated": 35, "slots": 35},
+                       tokens_per_task=400, window_s=23.0, solved_by_model={"gated": 15, "slots": 15})
+    observed = with_observed_latency(state)
+    assert observed["gated"].mean_latency == 2.5
+    assert observed["slots"].mean_latency == pytest.approx(35 * 23 / 15)

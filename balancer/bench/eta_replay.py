@@ -37,8 +37,10 @@ VARIANTS: dict[str, EarlyMean] = {
 
 
 def _state(recorded: dict[str, Any]) -> eta.DrainState:
+    # Each model at the backlog's mean tokens per task, as summary.drain_inputs reads it (polls recorded
+    # while a model's own counted figure was tried carry one: it is dropped).
     models = {name: ModelCapacity(m["concurrency"], m["mean_latency"], m["tpm"], m["burst"], m["rpm"],
-                                  m["request_burst"], m["tokens_per_task"])
+                                  m["request_burst"])
               for name, m in recorded["models"].items()}
     buckets = recorded.get("start_buckets")
 

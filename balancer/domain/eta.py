@@ -19,7 +19,8 @@ docs/benchmarks.md (issue 28):
   as a whole call over-states it by about half a call, on the safe side);
 * each model's latency is its learned mean raised to its Little's-law latency
   when that is longer (:func:`little_latency`: the sketch learns from the calls
-  that ended, early in a heavy-tailed run the short ones);
+  that ended, early in a heavy-tailed run the short ones), unless its token or
+  request rate binds (:func:`rate_bound`);
 * the last calls still take their latency after the fluid bound says the
   work is "done": half a call at the mean latency over every slot
   (:func:`end_tail`);
@@ -337,10 +338,26 @@ def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
     out = {name: replace(model, mean_latency=early_mean_s(model.mean_latency, *state.early_calls[name]))
            if name in state.on_prior and name in state.early_calls else model for name, model in state.models.items()}
     for name, model in out.items():
+        if rate_bound(model, state.tokens_per_task):
+            continue
         little = little_latency(state.in_flight.get(name, 0), state.solved_by_model.get(name, 0), state.window_s)
         if little is not None and little > model.mean_latency:
             out[name] = replace(model, mean_latency=little)
     return out
+
+
+def rate_bound(model: ModelCapacity, tokens_per_task: float) -> bool:
+    """True if the model's token or request rate, not its slots over its latency, sets its
+    throughput: its calls in flight then include calls waiting at the start gates, so Little's
+    law reads their wait as latency (learn.toml's tpm-10: 35 calls held, most waiting, 15
+    answered in 23 s: 53 s a call for 2.5 s), and its latency does not set its rate anyway.
+
+    >>> rate_bound(ModelCapacity(40, 2.5, tpm=30_000, burst=0), 400)   # 1.25 calls/s of tokens, 16 of slots
+    True
+    >>> rate_bound(ModelCapacity(4, 2.5, tpm=None, burst=0), 400)
+    False
+    """
+    return model.rate(tokens_per_task) < model.concurrency / model.mean_latency
 
 
 def forecast(state: DrainState) -> Forecast:
