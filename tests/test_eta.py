@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import pytest
 
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.eta import drain_eta
+
+if TYPE_CHECKING:
+    from balancer.services import Services
 
 FAST = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)  # 5 tasks/s
 SLOW = ModelCapacity(concurrency=1, mean_latency=10.0, tpm=None, burst=0)  # 0.1 tasks/s
@@ -55,25 +59,36 @@ def test_work_no_configured_model_may_run_has_no_eta() -> None:
     assert eta({"fast": FAST}, [(["gone"], 3)]) is None
 
 
-@pytest.mark.usefixtures("migrated")
-def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[str]) -> None:
-    """60 tasks on one model of 2 slots whose prior says 3 s a call: 90 s of work
-    plus half a call, which `status --json` and `status` report."""
-    from balancer.cli import main
+#: The latency prior of the live backlogs' model (s a call).
+PRIOR_S = 3.0
+
+
+def live_backlog(slots: int) -> Services:
+    """60 pending tasks on one model "m" of ``slots`` slots whose prior says PRIOR_S a call."""
     from balancer.domain.intake import parse_tasks
     from balancer.services import Services
     from balancer.settings import Settings
     from balancer.storage.intake import insert_tasks
 
     svc = Services.connect(Settings.from_env())
-    svc.quotas.set("m", {"max_concurrent_requests": 2, "max_tokens_per_minute": 10_000_000, "expected_latency_s": 3.0},
-                   create=True, by="test")
+    svc.quotas.set("m", {"max_concurrent_requests": slots, "max_tokens_per_minute": 10_000_000,
+                         "expected_latency_s": PRIOR_S}, create=True, by="test")
     rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(60)), models={"m": 10_000_000})
     with svc.engine.begin() as conn:
         insert_tasks(conn, rows)
+    return svc
+
+
+@pytest.mark.usefixtures("migrated")
+def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[str]) -> None:
+    """60 tasks on one model of 2 slots whose prior says 3 s a call: 90 s of work
+    plus half a call, which `status --json` and `status` report."""
+    from balancer.cli import main
+
+    live_backlog(slots=2)
     assert main(["status", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    mean = 3.0 * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
+    mean = PRIOR_S * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
     assert report["eta_s"] == pytest.approx(60 / 2 * mean + mean / 2, abs=0.1)
     assert report["eta_low_s"] < report["eta_s"] < report["eta_high_s"]  # its band
     assert main(["status"]) == 0
@@ -86,23 +101,13 @@ def test_a_model_that_learned_a_lower_limit_drains_at_that_limit() -> None:
     """40 slots in the quota, 4 learned from the provider's 429s: the 60 tasks take
     15 calls' time on the 4 slots, not 1.5 on the quota's 40 (learn.toml's ETA read
     the quotas and was 39 to 72 % short at 25 % done)."""
-
     from balancer.admission.learned import Learned
-    from balancer.domain.intake import parse_tasks
     from balancer.pipeline.summary import estimate_drain
-    from balancer.services import Services
-    from balancer.settings import Settings
-    from balancer.storage.intake import insert_tasks
 
-    svc = Services.connect(Settings.from_env())
-    svc.quotas.set("m", {"max_concurrent_requests": 40, "max_tokens_per_minute": 10_000_000, "expected_latency_s": 3.0},
-                   create=True, by="test")
-    rows, _ = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(60)), models={"m": 10_000_000})
-    with svc.engine.begin() as conn:
-        insert_tasks(conn, rows)
+    svc = live_backlog(slots=40)
     view = svc.core.live()
     learned = {"m": replace(view["m"], learned=Learned(lcap=4, pcap=6, lowered_at=int(time.time() * 1000)))}
-    mean = 3.0 * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
+    mean = PRIOR_S * 1.133  # the prior's mean (balancer.domain.latency.PRIOR_MEAN)
     assert estimate_drain(svc, view) == pytest.approx(60 / 40 * mean + mean / 2, abs=0.1)
     assert estimate_drain(svc, learned) == pytest.approx(60 / 4 * mean + mean / 2, abs=0.1)
 
