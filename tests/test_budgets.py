@@ -287,9 +287,25 @@ def test_a_money_budget_with_no_model_priced_says_it_counts_nothing(svc, capsys)
     from balancer.domain.quota import Quota
 
     svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    add(svc, "crm", 1)
     assert main(["source", "set", "crm", "--budget-per-day", "5"]) == 0
     assert "note: no model has a price, so the money budget counts nothing" in capsys.readouterr().out
     assert main(["source", "set", "crm", "--budget-per-day", "none", "--budget-tokens-per-day", "10"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
+def test_a_setting_for_a_source_no_task_carries_is_kept_with_a_note(svc, capsys) -> None:  # noqa: ANN001
+    """A typo ("crn" for "crm") is set all the same, but said; a source with tasks gets no note."""
+    from balancer.cli import main
+    from balancer.domain.quota import Quota
+    from balancer.storage.source_reads import budgets
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    add(svc, "crm", 1)
+    assert main(["source", "set", "crn", "--budget-tokens-per-day", "100"]) == 0
+    assert "crn: note: no task carries this source and no source table has this name (a typo?)" in capsys.readouterr().out
+    assert [b.source for b in budgets(svc.engine)] == ["crn"]
+    assert main(["source", "set", "crm", "--weight", "2"]) == 0
     assert "note:" not in capsys.readouterr().out
 
 

@@ -7,7 +7,9 @@ in the quotas' currency (``--budget-per-day``) or in tokens
 (``--budget-tokens-per-day``), each cleared with ``none`` (``--no-budget``
 clears both): once it is spent, the source's tasks wait
 (:mod:`balancer.domain.budget`, :mod:`balancer.pipeline.budgets`). Each change
-is audited in ``source_changes`` and applies to the next dispatch run.
+is audited in ``source_changes`` and applies to the next dispatch run. A name
+that no task carries and no source table has is set all the same, with a note
+(a typo would otherwise pass unseen).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
     from balancer.domain.cost import price_list
     from balancer.storage.quotas import default_actor
     from balancer.storage.source_budgets import set_budget
-    from balancer.storage.source_reads import budgets
+    from balancer.storage.source_reads import budgets, has_tasks
     from balancer.storage.source_weights import set_weight
+    from balancer.storage.sources import all_sources
 
     check_source_name(name)
     if no_budget and (money is not None or tokens is not None):
@@ -74,5 +77,8 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
             if budget.money_per_day is not None and all(p is None for p in prices.values()):
                 lines.append(f"{name}: note: no model has a price, so the money budget counts nothing until "
                              "the quotas name prices (balancer quota set MODEL --price-input P --price-output P)")
+        if not has_tasks(conn, name) and name not in {d.name for d in all_sources(conn)}:
+            lines.append(f"{name}: note: no task carries this source and no source table has this name (a typo?); "
+                         "the setting is kept for its tasks when they come")
     for line in lines:
         click.echo(printable(line, limit=400))

@@ -1,6 +1,7 @@
 """What ``status``, ``top``, ``source list``, the metrics exporter and the dispatcher read per
 source: each source table's tasks by state, write-backs and cursor lag
-(:func:`source_status`), and every budget per day set (:func:`budgets`). SQL text, run on
+(:func:`source_status`), every budget per day set (:func:`budgets`), and whether any task carries a
+source (:func:`has_tasks`). SQL text, run on
 an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`)."""
 
 from __future__ import annotations
@@ -62,3 +63,12 @@ WHERE money_per_day IS NOT NULL OR tokens_per_day IS NOT NULL ORDER BY source
 def budgets(db: RowSource) -> list[Budget]:
     """Every source with a budget set, by name (:mod:`balancer.storage.source_budgets` sets them)."""
     return [Budget(source, money, None if tokens is None else int(tokens)) for source, money, tokens in fetch(db, _BUDGETS)]
+
+
+_HAS_TASKS = "SELECT EXISTS (SELECT 1 FROM tasks WHERE source = %(source)s)"  # an index probe (tasks_source_id)
+
+
+def has_tasks(db: RowSource, source: str) -> bool:
+    """True if any task, in any status, carries ``source``."""
+    [(found,)] = fetch(db, _HAS_TASKS, {"source": source})
+    return bool(found)
