@@ -543,6 +543,19 @@ def test_a_429_without_headers_below_what_the_provider_served_at_once_is_for_tok
     assert limits.max_concurrent_requests == 2 and limits.max_tokens_per_minute == 60_000   # 3 started x 7/10
 
 
+def test_what_the_provider_served_at_once_counts_no_expired_lease(twin: Twin) -> None:
+    """A dead worker's call: its lease expired but is not purged yet. An answered call then
+    counts the 3 live started calls, itself included, not the 4 leases."""
+    twin.set_quota(Quota("m-a", 4, 60_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(100)] * 4) if isinstance(d, Admitted)]
+    start(twin, calls)
+    for running in calls[1:]:
+        assert twin.heartbeat(running.admission_id, 2 * LEASE_MS)
+    twin.advance(LEASE_MS)                                                   # calls[0]'s lease has expired
+    twin.finish(calls[1].admission_id, Settlement(used_tokens=80, reserved_tokens=100, latency_ms=900))
+    assert twin.core.live(twin.now)["m-a"].learned.served == 3
+
+
 # -- A cap lowered with calls admitted: running calls stay, no new one starts above it --
 
 def test_a_lowered_cap_lets_no_admitted_call_start_above_it(twin: Twin) -> None:

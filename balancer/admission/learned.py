@@ -185,8 +185,8 @@ def ramp_wait_ms(learned: Learned, now: int) -> int:
 
 
 def note_served(learned: Learned, now: int, sent: int) -> None:
-    """An answered call of a learning model ends with ``sent`` calls started in flight
-    (itself included): the provider served that many at once, at most (a call it
+    """An answered call of a learning model ends with ``sent`` calls started and live in
+    flight (itself included): the provider served that many at once, at most (a call it
     refused may not have come back yet). The most it served at once is kept while it
     is seen again within CLEAN_MS (signals.lua, note_served).
 

@@ -65,8 +65,13 @@ end
 
 -- The model's calls in flight: how many, their estimated tokens, and how many
 -- started (reached for the provider: what it can have counted).
-local function inflight_stats(m)
-  local lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
+local function inflight_stats(m, live_at)
+  local lids
+  if live_at then  -- only leases live at live_at (deadline after it)
+    lids = redis.call('ZRANGEBYSCORE', inflight_key(m.name), '(' .. fmt(live_at), '+inf')
+  else
+    lids = redis.call('ZRANGE', inflight_key(m.name), 0, -1)
+  end
   local sum, n, sent = 0, #lids, 0
   for _, lid in ipairs(lids) do
     local raw = redis.call('HGET', LEASES, lid)
@@ -80,7 +85,8 @@ local function inflight_stats(m)
 end
 
 -- An answered call of a learning model ends with `sent` calls started in flight
--- (itself included): the provider served that many at once, at most. The most
+-- and live (itself included; a dead worker's expired lease is not): the provider
+-- served that many at once, at most. The most
 -- it served at once is kept while it is seen again within CLEAN_MS
 -- (balancer.admission.learned.note_served). No call is counted while fewer are
 -- in flight than that most.
@@ -88,7 +94,7 @@ local function note_served(m, now)
   if m.learn ~= 1 then return end
   local fresh = now - m.served_at < CLEAN_MS
   if fresh and redis.call('ZCARD', inflight_key(m.name)) < m.served then return end
-  local _, _, sent = inflight_stats(m)
+  local _, _, sent = inflight_stats(m, now)
   if sent >= m.served or not fresh then m.served, m.served_at = sent, now end
 end
 

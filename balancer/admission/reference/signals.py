@@ -35,7 +35,8 @@ class Signals(ReferenceState):
             state = self.models[lease.model]
             state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
             if state.quota.learn:
-                note_served(state.learned, now, sum(1 for _, lid in self._inflight(lease.model) if self.leases[lid].started))
+                note_served(state.learned, now, sum(1 for deadline, lid in self._inflight(lease.model)
+                                                    if deadline > now and self.leases[lid].started))
             completion = settlement.completion_tokens or 0
             latency.record(
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
