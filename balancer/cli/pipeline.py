@@ -1,5 +1,5 @@
-"""Pipeline commands: submit, top, demo, bench, and what ``status`` (:mod:`balancer.cli.status`)
-prints as ``top`` does; the long-running processes' commands
+"""Pipeline commands: submit, top, demo, bench, and the helpers ``status`` (:mod:`balancer.cli.status`)
+shares with ``top`` (``drain_text``, ``model_table``); the long-running processes' commands
 (worker, dispatcher, beat, sim, metrics, router) are in :mod:`balancer.cli.processes`."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def quota_list(as_json: bool) -> None:
                     "deficit": state.deficit,
                     "paused_ms": state.paused_ms,
                     "external_tpm": state.external_tpm,
-                    # The limits in force: the quota's, or lower where the model learned so (and why).
+                    # The limits in force: the quota's, or lower where the model learned so, or slow start's open slots (and why).
                     "in_force": {
                         "max_concurrent_requests": state.cap_now,
                         "max_tokens_per_minute": state.limits.max_tokens_per_minute,

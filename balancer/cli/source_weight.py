@@ -46,11 +46,12 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
     """Set a source's weight (its share of the dispatch window within a priority) and its budget per day."""
     from balancer.domain.budget import Budget, check_money, check_tokens
     from balancer.domain.cost import price_list
+    from balancer.storage.quota_rows import all_quotas
     from balancer.storage.quotas import default_actor
     from balancer.storage.source_budgets import set_budget
     from balancer.storage.source_reads import budgets, has_tasks
     from balancer.storage.source_weights import set_weight
-    from balancer.storage.sources import all_sources
+    from balancer.storage.sources import read_cursor
 
     check_source_name(name)
     if no_budget and (money is not None or tokens is not None):
@@ -71,13 +72,13 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
                 name, new_money if money is not None else old.money_per_day,
                 new_tokens if tokens is not None else old.tokens_per_day)
             changed = set_budget(conn, budget, by=actor)
-            prices, currency = price_list(svc.quotas.all())
+            prices, currency = price_list(all_quotas(conn))  # in this transaction
             text = f"budget {budget.text(currency)}" if budget != Budget(name) else "no budget"
             lines.append(f"{name}: {text}" if changed else f"{name}: unchanged ({text})")
             if budget.money_per_day is not None and all(p is None for p in prices.values()):
                 lines.append(f"{name}: note: no model has a price, so the money budget counts nothing until "
                              "the quotas name prices (balancer quota set MODEL --price-input P --price-output P)")
-        if not has_tasks(conn, name) and name not in {d.name for d in all_sources(conn)}:
+        if not has_tasks(conn, name) and read_cursor(conn, name) is None:  # no task, no source table
             lines.append(f"{name}: note: no task carries this source and no source table has this name (a typo?); "
                          "the setting is kept for its tasks when they come")
     for line in lines:

@@ -31,7 +31,8 @@ from balancer.storage.spend import spent_by_source_since
 
 def read_standings(services: ReadServices, conn: RowSource | None = None, now: datetime | None = None) -> dict[str, Standing]:
     """Every budgeted source's budget against what it spent today (empty: no budget set),
-    read on ``conn`` (in the caller's transaction) or on a connection of its own."""
+    read on ``conn`` (in the caller's transaction) or on ``services.db`` (an engine, or
+    ``status``'s snapshot)."""
     with reading(services.db if conn is None else conn) as db:
         set_now = budgets(db)
         if not set_now:

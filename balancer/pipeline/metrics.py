@@ -32,7 +32,7 @@ from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
 from balancer.domain.cost import Observed, price_list, project
-from balancer.pipeline.budgets import read_standings
+from balancer.pipeline.budgets import held, read_standings
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
@@ -172,13 +172,14 @@ class BalancerCollector(Collector):
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
-        drain = estimate_band(svc, view, left)
+        standings = read_standings(svc)  # once: the ETA's held sources and the per-source budgets
+        drain = estimate_band(svc, view, left, held(standings))
         if drain is not None and drain.eta is not None:
             families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
             families["balancer_drain_eta_high_seconds"].add_metric([], drain.high or 0.0)
         self._money(svc, families, left)
-        add_source_metrics(families, svc.engine, read_standings(svc))
+        add_source_metrics(families, svc.engine, standings)
         return iter(families.values())
 
     def _money(self, svc: Services, families: dict[str, Any], left: Backlog) -> None:
