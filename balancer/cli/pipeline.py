@@ -182,21 +182,17 @@ def top(interval: float, count: int | None) -> None:
     from rich.live import Live
     from rich.text import Text
 
-    from balancer.domain.budget import held
     from balancer.domain.cost import projection_text, spend_text
-    from balancer.pipeline.budgets import read_standings
-    from balancer.pipeline.summary import read
-    from balancer.storage.reads import backlog
+    from balancer.pipeline.overview import read_overview
     from balancer.storage.source_reads import source_status
     from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
-    from balancer.storage.spend import projected_cost, spend_so_far
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
 
     def frame() -> Group:
-        budgets, left = read_standings(svc), backlog(svc.engine)  # what `status` reads for them, read once
-        counts, rows, counters, drain = read(svc, held(budgets), left)
+        o = read_overview(svc)
+        counts, rows, counters, drain, budgets = o.counts, o.rows, o.counters, o.drain, o.budgets
         now = time.monotonic()
         seen.append((now, counters))
         while len(seen) > 1 and now - seen[0][0] > 60:
@@ -212,9 +208,7 @@ def top(interval: float, count: int | None) -> None:
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
         counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
-        quotas = svc.quotas.all()
-        money = [Text(line) for line in (spend_text(spend_so_far(svc.engine, quotas)),
-                                         projection_text(projected_cost(svc.engine, quotas, left)))]
+        money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         sources = source_status(svc.engine)
         with svc.engine.connect() as conn:
             shares = weights(conn)

@@ -46,21 +46,15 @@ class StatusReads:
 def read_status(services: ReadServices) -> StatusReads:
     """What ``status`` shows, read through ``services`` (a :class:`~balancer.snapshot.Snapshot`,
     or :class:`~balancer.services.Services`' engine)."""
-    from balancer.domain.budget import held
     from balancer.pipeline.beat_seen import beat_last_seen_s
-    from balancer.pipeline.budgets import read_standings
-    from balancer.pipeline.summary import read
-    from balancer.storage.quota_rows import all_quotas
-    from balancer.storage.reads import backlog, overdue_count, reused_count
+    from balancer.pipeline.overview import read_overview
+    from balancer.storage.reads import overdue_count, reused_count
     from balancer.storage.source_reads import source_status
-    from balancer.storage.spend import projected_cost, spend_so_far
 
-    db, budgets, left = services.db, read_standings(services), backlog(services.db)
-    counts, rows, _, drain = read(services, held(budgets), left)  # the budgets and the backlog are read once
-    quotas = all_quotas(db)
-    return StatusReads(counts, rows, drain, reused_count(db), overdue_count(db),
+    db, o = services.db, read_overview(services)
+    return StatusReads(o.counts, o.rows, o.drain, reused_count(db), overdue_count(db),
                        beat_last_seen_s(services.redis, services.settings.namespace),
-                       spend_so_far(db, quotas), projected_cost(db, quotas, left), source_status(db), budgets)
+                       o.spent, o.projected, source_status(db), o.budgets)
 
 
 def band_fields(drain: Any) -> dict[str, float | None]:

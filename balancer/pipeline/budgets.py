@@ -18,10 +18,12 @@ and so do tasks already on a ready list (at most a few per slot, for at most
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from balancer.domain.budget import Standing, day_start, held, standings
 from balancer.domain.cost import price_list
+from balancer.domain.quota import Quota
 from balancer.snapshot import ReadServices
 from balancer.storage.quota_rows import all_quotas
 from balancer.storage.rows import RowSource, reading
@@ -29,16 +31,17 @@ from balancer.storage.source_reads import budgets
 from balancer.storage.spend import spent_by_source_since
 
 
-def read_standings(services: ReadServices, conn: RowSource | None = None, now: datetime | None = None) -> dict[str, Standing]:
+def read_standings(services: ReadServices, conn: RowSource | None = None, now: datetime | None = None,
+                   quotas: Sequence[Quota] | None = None) -> dict[str, Standing]:
     """Every budgeted source's budget against what it spent today (empty: no budget set),
     read on ``conn`` (in the caller's transaction) or on ``services.db`` (an engine, or
-    ``status``'s snapshot)."""
+    ``status``'s snapshot); priced by ``quotas`` when the caller has read them."""
     with reading(services.db if conn is None else conn) as db:
         set_now = budgets(db)
         if not set_now:
             return {}
         usage = spent_by_source_since(db, day_start(now or datetime.now(UTC)))
-        prices, currency = price_list(all_quotas(db))
+        prices, currency = price_list(all_quotas(db) if quotas is None else quotas)
     return standings(set_now, usage, prices, currency)
 
 

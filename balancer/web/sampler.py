@@ -1,10 +1,9 @@
 """The console's background sampler: what ``status`` and ``top`` read, every few seconds, kept 15 minutes.
 
-One thread per console reads :func:`balancer.pipeline.summary.read` (task
-counts, per-model rows, counters, the drain ETA) and the per-source counts
-(:func:`balancer.web.queries.source_counts`) and the spend so far
-(:func:`balancer.storage.spend.spend_so_far`), the sources' budgets against
-today's spend (:func:`balancer.pipeline.budgets.read_standings`) and failed tasks grouped by
+One thread per console reads :func:`balancer.pipeline.overview.read_overview` (task
+counts, per-model rows, counters, the drain ETA, the sources' budgets against today's
+spend, the spend so far and the backlog left's projected cost), the per-source counts
+(:func:`balancer.web.queries.source_counts`) and failed tasks grouped by
 error (:func:`balancer.web.queries.error_groups`) every ``interval`` seconds
 (or, when a read takes longer than half of that, as long again as the read
 took) into a ring buffer. Pages render from the newest sample, so a page costs no scan
@@ -23,14 +22,12 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from balancer.domain.budget import Standing, held
+from balancer.domain.budget import Standing
 from balancer.domain.cost import Spend
 from balancer.domain.statuses import UNFINISHED
-from balancer.pipeline.budgets import read_standings
-from balancer.pipeline.summary import ModelSummary, read
+from balancer.pipeline.overview import read_overview
+from balancer.pipeline.summary import ModelSummary
 from balancer.services import Services
-from balancer.storage.reads import backlog
-from balancer.storage.spend import projected_cost, spend_so_far
 from balancer.urls import scrub
 from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts
 
@@ -168,12 +165,10 @@ class Sampler:
 
 
 def take_sample(services: Services) -> Sample:
-    budgets, left = read_standings(services), backlog(services.engine)
-    counts, rows, counters, drain = read(services, held(budgets), left)  # the budgets and the backlog read once
-    quotas = services.quotas.all()
-    return Sample(time.time(), counts, rows, counters, None if drain is None else drain.eta,
+    o = read_overview(services)
+    drain = o.drain
+    return Sample(time.time(), o.counts, o.rows, o.counters, None if drain is None else drain.eta,
                   None if drain is None else drain.low, None if drain is None else drain.high,
-                  source_counts(services.engine), spend_so_far(services.engine, quotas),
-                  projected_cost(services.engine, quotas, left),
-                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), budgets,
+                  source_counts(services.engine), o.spent, o.projected,
+                  error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), o.budgets,
                   0 if drain is None else drain.waiting)

@@ -1,0 +1,42 @@
+"""What ``status``, ``top`` and the console show of the whole backlog, read once per look.
+
+The task counts, each model's row and raw counters, the drain ETA and its band, the
+budgets' standings, the spend so far and the backlog left's projected cost. The quotas,
+the budgets and the backlog are each read once and handed to every part that needs them.
+Each caller adds what only it shows (``status``: overdue calls and beat; ``top``: the
+sources' weights; the console: the failed tasks by error)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from balancer.domain.budget import Standing, held
+from balancer.domain.cost import Spend
+from balancer.domain.eta import Forecast
+from balancer.pipeline.budgets import read_standings
+from balancer.pipeline.summary import ModelSummary, read
+from balancer.snapshot import ReadServices
+from balancer.storage.quota_rows import all_quotas
+from balancer.storage.reads import backlog
+from balancer.storage.spend import projected_cost, spend_so_far
+
+
+@dataclass(frozen=True)
+class Overview:
+    counts: dict[str, int]  # tasks by status
+    rows: list[ModelSummary]
+    counters: dict[str, dict[str, int]]  # each model's raw counters (``top`` and the console take rates from them)
+    drain: Forecast | None
+    budgets: dict[str, Standing]
+    spent: Spend
+    projected: Spend  # the backlog left's projected cost
+
+
+def read_overview(services: ReadServices) -> Overview:
+    """The overview now, through ``services`` (a :class:`~balancer.snapshot.Snapshot`, or
+    :class:`~balancer.services.Services`' engine)."""
+    db = services.db
+    quotas = all_quotas(db)
+    budgets, left = read_standings(services, quotas=quotas), backlog(db)
+    counts, rows, counters, drain = read(services, held(budgets), left)
+    return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left))
