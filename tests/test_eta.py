@@ -359,3 +359,44 @@ def test_little_s_law_leaves_a_model_whose_token_rate_binds_at_its_learned_laten
     observed = with_observed_latency(state)
     assert observed["gated"].mean_latency == 2.5
     assert observed["slots"].mean_latency == pytest.approx(35 * 23 / 15)
+
+
+@pytest.mark.usefixtures("migrated")
+def test_each_model_drains_at_the_tokens_of_the_tasks_it_answered() -> None:
+    """A token-bound model is sent the small tasks (its bucket admits them sooner): on
+    learn.toml the two TPM-bound models answered 383 and 395 tokens a task against the
+    backlog's 536, and at the backlog's mean the ETA had them 27 % slower than they ran.
+    Each model reads its own figure from the tasks it answered in the last minute, beside
+    the backlog's mean (weighing as OWN_TOKENS_PRIOR tasks): their estimate for a `reserve`
+    provider, and for a `settle` one the usage of the answers that reported it."""
+    import sqlalchemy as sa
+
+    from balancer.domain.capacity import OWN_TOKENS_PRIOR
+    from balancer.domain.intake import parse_tasks
+    from balancer.pipeline.summary import drain_inputs
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.storage.intake import insert_tasks
+    from balancer.storage.schema import tasks
+
+    svc = Services.connect(Settings.from_env())
+    for name, accounting in (("res", "reserve"), ("set", "settle"), ("idle", "reserve")):
+        svc.quotas.set(name, {"max_concurrent_requests": 10, "max_tokens_per_minute": 60_000,
+                              "token_accounting": accounting}, create=True, by="test")
+    prompts = "\n".join(json.dumps({"prompt": f"p{i}"}) for i in range(100))
+    rows, _ = parse_tasks(prompts, models=dict.fromkeys(("res", "set", "idle"), 60_000))
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+        ids = sorted(conn.execute(sa.select(tasks.c.id)).scalars())
+        answered = [("res", 300, 100, 60)] * 20 + [("set", 300, 100, 50)] * 15 + [("set", 300, None, None)] * 5
+        for task_id, (model, estimated, prompt, completion) in zip(ids, answered, strict=False):
+            conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(
+                status="solved", model=model, estimated_tokens=estimated, prompt_tokens=prompt,
+                completion_tokens=completion, updated_at=sa.func.now()))
+    state = drain_inputs(svc)
+    assert state is not None
+    mean, k = state.tokens_per_task, OWN_TOKENS_PRIOR
+    assert mean != 300
+    assert state.models["res"].tokens_per_task == pytest.approx((k * mean + 20 * 300) / (k + 20))   # the estimates
+    assert state.models["set"].tokens_per_task == pytest.approx((k * mean + 15 * 150) / (k + 15))   # the usage reported
+    assert state.models["idle"].tokens_per_task == pytest.approx(mean)                              # nothing answered

@@ -36,11 +36,11 @@ VARIANTS: dict[str, EarlyMean] = {
 }
 
 
-def _state(recorded: dict[str, Any]) -> eta.DrainState:
-    # Each model at the backlog's mean tokens per task, as summary.drain_inputs reads it (polls recorded
-    # while a model's own counted figure was tried carry one: it is dropped).
+def _state(recorded: dict[str, Any], own_tokens: bool) -> eta.DrainState:
+    # Each model at its own tokens per task as recorded (summary.drain_inputs), or with
+    # ``own_tokens`` off at the backlog's mean, as the ETA read it before.
     models = {name: ModelCapacity(m["concurrency"], m["mean_latency"], m["tpm"], m["burst"], m["rpm"],
-                                  m["request_burst"])
+                                  m["request_burst"], m.get("tokens_per_task") if own_tokens else None)
               for name, m in recorded["models"].items()}
     buckets = recorded.get("start_buckets")
 
@@ -53,8 +53,9 @@ def _state(recorded: dict[str, Any]) -> eta.DrainState:
                           recorded["solved_by_model"], recorded.get("ready", {}), groups("waiting"))
 
 
-def replay(run: Path, early: EarlyMean) -> list[dict[str, Any]]:
-    """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``."""
+def replay(run: Path, early: EarlyMean, own_tokens: bool = True) -> list[dict[str, Any]]:
+    """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``,
+    with each model's own tokens per task or (``own_tokens`` off) the backlog's mean."""
     polls = [json.loads(line) for line in (run / "pipeline-eta.jsonl").read_text().splitlines()]
     calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
     makespan = polls[0]["makespan_s"]
@@ -65,7 +66,7 @@ def replay(run: Path, early: EarlyMean) -> list[dict[str, Any]]:
         if poll["state"] is None:
             replayed.append(poll)
             continue
-        state, now = _state(poll["state"]), started + poll["at_s"]
+        state, now = _state(poll["state"], own_tokens), started + poll["at_s"]
         models = dict(state.models)
         for name in state.on_prior:
             answered = [c["end"] - c["start"] for c in calls
@@ -82,11 +83,14 @@ def replay(run: Path, early: EarlyMean) -> list[dict[str, Any]]:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--variant", type=click.Choice(sorted(VARIANTS)), default="current", show_default=True,
               help="The early mean's formula ('prior': as before the early latency).")
-def main(runs: tuple[Path, ...], variant: str) -> None:
+@click.option("--tokens", type=click.Choice(["own", "mean"]), default="own", show_default=True,
+              help="Each model's tokens per task: its own, as recorded, or the backlog's mean (as before).")
+def main(runs: tuple[Path, ...], variant: str, tokens: str) -> None:
     """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
     for run in runs:
-        rows = replay(run, VARIANTS[variant])
-        click.echo(f"{run} ({variant}): " + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
+        rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own")
+        click.echo(f"{run} ({variant}, {tokens} tokens): "
+                   + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
 
 
 if __name__ == "__main__":

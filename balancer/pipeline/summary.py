@@ -18,12 +18,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from balancer.admission.live import ModelLive
-from balancer.domain.capacity import ModelCapacity
+from balancer.domain.capacity import ModelCapacity, own_tokens_per_task
 from balancer.domain.eta import DrainState, Forecast, forecast
 from balancer.pipeline.budgets import held_sources
 from balancer.snapshot import ReadServices
 from balancer.storage.reads import (
     Backlog,
+    ModelSolves,
     backlog,
     pending_groups_of,
     recent_solves,
@@ -152,18 +153,29 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
     # Each model at its effective limits: where 429s or the provider's headers taught a
     # limit lower than the quota, the quota is not what the drain can use (learn.toml's
     # ETA read the quotas and was 39 to 72 % short at 25 % done).
+    solved, window_s = recent_solves(db, PACE_WINDOW_S)
+    by_model = recent_solves_by_model(db, window_s)
+    no_solves = ModelSolves(0, 0)
+
+    def own_tokens(live: ModelLive) -> float:
+        # A settle provider counts what was used, known from the answers that reported it.
+        answered = by_model.get(live.quota.name, no_solves)
+        if live.quota.settles:
+            return own_tokens_per_task(tokens_per_task, answered.reported, answered.used_tokens)
+        return own_tokens_per_task(tokens_per_task, answered.tasks, answered.estimated_tokens)
+
     models = {
         name: ModelCapacity(
             concurrency=live.limits.max_concurrent_requests,
             mean_latency=max(0.001, live.latency_estimate(prior_s).mean_ms / 1000),
             tpm=live.limits.max_tokens_per_minute, burst=max(0.0, live.tokens_available),
             rpm=live.limits.max_requests_per_minute, request_burst=live.requests_available,
+            tokens_per_task=own_tokens(live),
         )
         for name, live in view.items() if live.quota.enabled
     }
     if not models:
         return None
-    solved, window_s = recent_solves(db, PACE_WINDOW_S)
     on_prior = [name for name in models if not view[name].latency_estimate(prior_s).samples]
     running = running_calls(db) if on_prior else {}
     # Tasks on a ready list are no longer pending, nor in flight yet: their model's work
@@ -184,7 +196,7 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
         early_calls={name: (view[name].latency.samples, view[name].latency.latency_ms_sum / 1000, *running.get(name, (0, 0.0)))
                      for name in on_prior},
         unfinished=left.unfinished,
-        solved_by_model=recent_solves_by_model(db, window_s),
+        solved_by_model={name: answered.tasks for name, answered in by_model.items()},
         waiting=pending_groups_of(db, held_sources(services, db) if held is None else held),
     )
 

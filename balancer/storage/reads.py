@@ -86,15 +86,30 @@ def recent_solves(db: RowSource, window_s: float) -> tuple[list[tuple[list[str] 
 
 
 _RECENT_SOLVES_BY_MODEL = """
-SELECT model, count(*) FROM tasks
+SELECT model, count(*), sum(estimated_tokens), count(prompt_tokens),
+       sum(prompt_tokens + coalesce(completion_tokens, 0))
+FROM tasks
 WHERE status = 'solved' AND updated_at >= now() - make_interval(secs => %(window_s)s) AND model IS NOT NULL
 GROUP BY model
 """
 
 
-def recent_solves_by_model(db: RowSource, window_s: float) -> dict[str, int]:
+@dataclass(frozen=True)
+class ModelSolves:
+    """The tasks one model answered in a window and their estimated tokens (what a
+    ``reserve`` provider counts), and those of them whose answer reported its usage,
+    with the tokens used (prompt and completion: what a ``settle`` provider counts)."""
+
+    tasks: int
+    estimated_tokens: int
+    reported: int = 0
+    used_tokens: int = 0
+
+
+def recent_solves_by_model(db: RowSource, window_s: float) -> dict[str, ModelSolves]:
     """Tasks solved in the last ``window_s`` seconds, by the model that answered them."""
-    return {r[0]: int(r[1]) for r in fetch(db, _RECENT_SOLVES_BY_MODEL, {"window_s": window_s})}
+    return {r[0]: ModelSolves(int(r[1]), int(r[2] or 0), int(r[3]), int(r[4] or 0))
+            for r in fetch(db, _RECENT_SOLVES_BY_MODEL, {"window_s": window_s})}
 
 
 _RUNNING_CALLS = """
