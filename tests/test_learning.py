@@ -72,9 +72,9 @@ def test_limits_learn_a_provider_ten_times_stricter_and_discover_an_unset_rpm(pi
     # undone by the 429 it draws) still cost up to 2 % here on a loaded machine (4 of 212 in a CI
     # run: docs/benchmarks.md), so this holds them at 2 %. Without learning: 78 % of calls.
     kinds = Counter((round(e["start"] - calls[0]["start"]), e.get("limit")) for e in calls if e["status"] == 429)
-    # Slow start: the quota's 40 slots open 2 at a time, doubling every 250 ms, so the step that
-    # goes past the provider's 4 (8 slots) is refused at most in part. Without it 40 calls went
-    # out before the first 429 came back: 6 and 24 429s in the first second in two runs.
+    # Slow start: the quota's 40 slots open from 2, one at a time, twice as many every 250 ms, so
+    # the first call past the provider's 4 is refused before many more slots open. Without it 40
+    # calls went out before the first 429 came back: 6 and 24 429s in the first second in two runs.
     first_second = sum(1 for e in calls if e["status"] == 429 and e["start"] - calls[0]["start"] < 1.0)
     assert first_second <= 4, f"{first_second} 429s in the first second ({kinds})"
     assert late_429s <= 0.02 * len(half), f"{late_429s} of the last {len(half)} calls were 429s ({all_429s} in all: {kinds})"

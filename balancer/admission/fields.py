@@ -105,6 +105,9 @@ STATE_FIELDS: dict[str, str] = {
     "ramp_at": "ms slow start counts its steps from: the first call's start under the quota (0: none yet)",
     "served": "the most calls started and live in flight at an answered call's end, seen within CLEAN_MS (learned.note_served)",
     "served_at": "ms it was last seen",
+    "bound_tpm": "ms a call last had to wait for the effective TPM's tokens (only a limit that binds is raised)",
+    "bound_rpm": "ms a call last had to wait for a request of the effective RPM",
+    "bound_cap": "ms a call last found every slot of the cap in force taken",
 }
 
 #: Every field of a model's hash.

@@ -29,15 +29,24 @@ CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 
 #: Slow start (:func:`ramp_cap`): a new or changed quota's concurrency opens
 #: RAMP_START slots at first and doubles every RAMP_MS from its first call's
-#: start. A provider refuses a call over its real limits as it arrives (tens of
-#: ms), so a step that drew no 429 within RAMP_MS was accepted.
+#: start, one slot at a time within each step. A provider refuses a call over
+#: its real limits as it arrives (tens of ms), so a slot that drew no 429 was
+#: accepted, and the first 429 ends the ramp before the next slots open.
 RAMP_START, RAMP_MS = 2, 250
+
+#: A 429 shows the provider's rate from the first bucket (:func:`first_bucket_rate`) for this
+#: many bucket times after the first call: a token limit that sends no header may draw its
+#: first 429 before any call is answered, which reads as concurrency, and its first 429 read as
+#: tokens came 4 to 8 s in on learn.toml's tpm-10-silent (a 6-s bucket); past it, its TPM came
+#: down from the quota's by 7/10 a 429 at a time (11 429s in one run).
+FIRST_BUCKETS = 2
 
 #: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
 LUA_PRELUDE = "\n".join([
     "-- generated from balancer/admission/learned.py",
     f"local CLEAN_MS, MAX_WINDOW_MS = {CLEAN_MS}, {MAX_WINDOW_MS}",
     f"local RAMP_START, RAMP_MS = {RAMP_START}, {RAMP_MS}",
+    f"local FIRST_BUCKETS = {FIRST_BUCKETS}",
     "",
 ])
 
@@ -64,6 +73,9 @@ class Learned:
     ramp_at: int = 0
     served: int = 0
     served_at: int = 0
+    bound_tpm: int = 0
+    bound_rpm: int = 0
+    bound_cap: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -79,19 +91,22 @@ def lower_of(limit: int, other: int) -> int:
 
 
 def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
-    """The provider's rate a 429 within the first bucket shows; 0 past it (signals.lua, first_bucket_rate).
+    """The provider's rate a 429 early in the run shows; 0 past FIRST_BUCKETS bucket times (signals.lua, first_bucket_rate).
 
-    From a model's first call under its quota until one bucket's time
-    (``size`` / ``rate``) has passed, a provider whose bucket has the quota's
-    shape ran out once our calls had taken ``n`` (tokens or calls) in
-    ``elapsed_ms``: its rate is about ``rate * n / (size + rate * t)``.
+    From a model's first call under its quota until FIRST_BUCKETS bucket times
+    (``size`` / ``rate`` each) have passed, a provider whose bucket has the
+    quota's shape, full at the first call and drained since (no refill wasted),
+    ran out once our calls had taken ``n`` (tokens or calls) in ``elapsed_ms``:
+    its rate is about ``rate * n / (size + rate * t)``.
 
     >>> first_bucket_rate(600, 600, 63, 3_000)          # one-minute burst: 63 calls in 3 s -> 60 RPM
     60
-    >>> first_bucket_rate(300_000, 30_000, 3_000, 0), first_bucket_rate(600, 600, 63, 60_000), first_bucket_rate(600, 600, 0, 0)
+    >>> first_bucket_rate(300_000, 30_000, 6_950, 7_900)  # past one 6-s bucket: ~30,000 TPM
+    30000
+    >>> first_bucket_rate(300_000, 30_000, 3_000, 0), first_bucket_rate(600, 600, 63, 120_000), first_bucket_rate(600, 600, 0, 0)
     (30000, 0, 0)
     """
-    if rate <= 0 or n <= 0 or elapsed_ms * rate >= size * 60_000:
+    if rate <= 0 or n <= 0 or elapsed_ms * rate >= FIRST_BUCKETS * size * 60_000:
         return 0
     return max(1, math.floor(float(rate) * n * 60_000 / (size * 60_000 + rate * elapsed_ms)))
 
@@ -140,12 +155,16 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     of 40 slots on a provider that takes 4 would send 40 calls before the first
     429 comes back. So it opens ``max(RAMP_START, ramp_from)`` slots (``ramp_from``:
     the calls live when the quota was set or restored, whose slots stay open),
-    doubling every RAMP_MS from ``ramp_at`` (the first call's start under it), up to ``cap``. A 429 that lowers a limit
-    (``lowered_at``) ends it: the learned limits take over.
+    doubling every RAMP_MS from ``ramp_at`` (the first call's start under it), up to
+    ``cap``. Within a step the new slots open one at a time, evenly spread (a step
+    from 4 to 8 opens one every 62 ms), so the provider's first 429 comes back and
+    ends the ramp before the next slot opens, rather than after a step's four
+    calls have all reached it (conc-10 drew three 429s in its first second). A 429
+    that lowers a limit (``lowered_at``) ends it: the learned limits take over.
 
     >>> k = Learned(ramp_at=1_000)
-    >>> [ramp_cap(40, k, now) for now in (1_000, 1_249, 1_250, 1_500, 1_750, 2_000)]
-    [2, 2, 4, 8, 16, 32]
+    >>> [ramp_cap(40, k, now) for now in (1_000, 1_124, 1_125, 1_250, 1_500, 1_750, 1_875, 2_000)]
+    [2, 2, 3, 4, 8, 16, 24, 32]
     >>> ramp_cap(40, Learned(), 5_000), ramp_cap(40, Learned(ramp_at=1, ramp_from=12), 1), ramp_cap(40, k, 9_000)
     (2, 12, 40)
     >>> ramp_cap(40, Learned(ramp_at=1_000, lowered_at=1_100), 1_100), ramp_cap(40, k, 700)  # a clock behind ramp_at
@@ -154,10 +173,12 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     if learned.lowered_at:
         return cap
     start = max(RAMP_START, learned.ramp_from)
-    steps = 0 if learned.ramp_at == 0 else max(0, now - learned.ramp_at) // RAMP_MS  # a clock behind ramp_at: step 0
+    elapsed = 0 if learned.ramp_at == 0 else max(0, now - learned.ramp_at)  # a clock behind ramp_at: step 0
+    steps, into = divmod(elapsed, RAMP_MS)
     if steps >= 16 or start << steps >= cap:
         return cap
-    return int(start << steps)
+    base = start << steps
+    return int(min(cap, base + base * into // RAMP_MS))
 
 
 def slots_now(quota: Quota, learned: Learned, now: int) -> int:
@@ -173,15 +194,19 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
 
 
 def ramp_wait_ms(learned: Learned, now: int) -> int:
-    """Ms until slow start opens its next step (limits.lua, ramp_wait); RAMP_MS before its
-    steps' clock starts (``ramp_at``: the first call's start).
+    """Ms until slow start opens its next slot (limits.lua, ramp_wait); RAMP_MS before its
+    clock starts (``ramp_at``: the first call's start).
 
-    >>> ramp_wait_ms(Learned(ramp_at=1_000), 1_600), ramp_wait_ms(Learned(), 1_600), ramp_wait_ms(Learned(ramp_at=1_000), 900)
-    (150, 250, 250)
+    >>> k = Learned(ramp_at=1_000)
+    >>> ramp_wait_ms(k, 1_000), ramp_wait_ms(k, 1_124), ramp_wait_ms(k, 1_600), ramp_wait_ms(Learned(), 1_600), ramp_wait_ms(k, 900)
+    (125, 1, 25, 250, 125)
     """
     if learned.ramp_at == 0:
         return RAMP_MS
-    return RAMP_MS - max(0, now - learned.ramp_at) % RAMP_MS
+    steps, into = divmod(max(0, now - learned.ramp_at), RAMP_MS)
+    base = max(RAMP_START, learned.ramp_from) << min(steps, 16)
+    opened = base * into // RAMP_MS
+    return min(RAMP_MS, -(-(opened + 1) * RAMP_MS // base)) - into
 
 
 def note_served(learned: Learned, now: int, sent: int) -> None:
@@ -222,15 +247,48 @@ def step_of(peak: int) -> int:
     return max(1, -(-peak // 20))
 
 
+def undone(level: int, peak: int, kind: str) -> int:
+    """A learned limit at ``level`` after a raise of it drew a 429 (signals.lua, undone):
+    concurrency goes one step down (:func:`step_of` its ``peak``), since a provider
+    refuses a call over its cap at once, so the level before the raise held. Tokens
+    and requests go two: a provider's bucket hides a small overshoot for longer than
+    a window (on learn.toml, tpm-10-silent's level before a failed raise was 8 % over
+    its real TPM, drew the next 429 8 s later, and that one cut it to 7/10).
+
+    >>> undone(34_416, 38_240, "tokens"), undone(5, 5, "concurrency"), undone(2, 40, "requests")
+    (30592, 4, 1)
+    """
+    return max(1, level - (1 if kind == "concurrency" else 2) * step_of(peak))
+
+
+def note_bound(learned: Learned, now: int, slots: bool, tokens: bool, requests: bool) -> None:
+    """A call found the model without a free slot, the tokens or a request (False): each
+    such limit binds now (limits.lua, has_capacity). Only a limit that binds is raised by
+    a clean window (:func:`relaxed`)."""
+    if not slots:
+        learned.bound_cap = now
+    if not tokens:
+        learned.bound_tpm = now
+    if not requests:
+        learned.bound_rpm = now
+
+
 def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
-    """``learned`` after the clean windows up to ``now`` (limits.lua, relax): each
-    window of CLEAN_MS (or the doubled ``window``) since the last raise or
-    lowering raises every learned limit by 1/20 of the level its last 429
-    lowered it from; at the limit without learning it is forgotten (0).
+    """``learned`` after a clean window (limits.lua, relax): once CLEAN_MS (or the
+    doubled ``window``) has passed since the last raise or lowering, every learned
+    limit that bound since then (a call waited for it: ``bound_*``) goes one step up,
+    1/20 of the level its last 429 lowered it from; at the limit without learning it
+    is forgotten (0). A limit the traffic did not reach is not raised, and while
+    none is, the window runs on: a clean window says nothing of a limit nobody
+    reached (learn.toml's tpm-10-silent, held by its cap, had its TPM raised to 1.2
+    times its provider's, then drew two 429s and a cut to 7/10 once its cap let
+    its tokens bind).
 
     >>> q = Quota("m", 10, 60_000, max_requests_per_minute=600)
-    >>> relaxed(q, Learned(lrpm=294, prpm=420, lowered_at=0), now=20_000).lrpm   # two windows, + 21 each
-    336
+    >>> relaxed(q, Learned(lrpm=294, prpm=420, bound_rpm=5_000), now=20_000).lrpm   # + 420 / 20
+    315
+    >>> relaxed(q, Learned(lrpm=294, prpm=420), now=20_000).raised_at               # never waited for a request
+    0
     """
     k = learned
     if not quota.learn or not (k.ltpm or k.lrpm or k.lcap):
@@ -238,21 +296,19 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     since, w = max(k.raised_at, k.lowered_at), k.window or CLEAN_MS
     if now - since < w:
         return k
-    steps = (now - since) // w
 
-    def raised(level: int, peak: int, ceiling: int) -> int:
-        if level == 0:
-            return 0
-        level += steps * step_of(peak)
+    def raised(level: int, peak: int, ceiling: int, bound_at: int) -> int:
+        if level == 0 or bound_at <= since:
+            return level
+        level += step_of(peak)
         return 0 if ceiling == 0 or level >= ceiling else level
 
-    return replace(
-        k,
-        ltpm=raised(k.ltpm, k.ptpm, lower_of(quota.max_tokens_per_minute, k.htpm)),
-        lrpm=raised(k.lrpm, k.prpm, lower_of(quota.max_requests_per_minute or 0, k.hrpm)),
-        lcap=raised(k.lcap, k.pcap, quota.max_concurrent_requests),
-        raised_at=since + steps * w,
-    )
+    levels = (raised(k.ltpm, k.ptpm, lower_of(quota.max_tokens_per_minute, k.htpm), k.bound_tpm),
+              raised(k.lrpm, k.prpm, lower_of(quota.max_requests_per_minute or 0, k.hrpm), k.bound_rpm),
+              raised(k.lcap, k.pcap, quota.max_concurrent_requests, k.bound_cap))
+    if levels == (k.ltpm, k.lrpm, k.lcap):
+        return k
+    return replace(k, ltpm=levels[0], lrpm=levels[1], lcap=levels[2], raised_at=since + (now - since) // w * w)
 
 
 def reason(quota: Quota, learned: Learned) -> str:

@@ -51,27 +51,31 @@ local function window_ms(m)
 end
 
 -- One clean window's raise of learned limit l (0: none), by 1/20 of the level
--- the last 429 lowered it from; at `ceiling` (the limit without learning, 0:
--- none) it is forgotten.
+-- the last 429 lowered it from, if it bound since `since` (bound_at: a call
+-- waited for it); at `ceiling` (the limit without learning, 0: none) it is
+-- forgotten.
 local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
-local function raised(l, peak, steps, ceiling)
-  if l == 0 then return 0 end
-  l = l + steps * step_of(peak)
+local function raised(l, peak, ceiling, bound_at, since)
+  if l == 0 or bound_at <= since then return l end
+  l = l + step_of(peak)
   if ceiling == 0 or l >= ceiling then return 0 end
   return l
 end
 
--- Each window of clean traffic (no 429 lowered anything) since the last raise
--- or lowering raises every learned limit one step, back toward the quota.
+-- A clean window (no 429 lowered anything since the last raise or lowering)
+-- raises every learned limit that bound since then one step, back toward the
+-- quota (balancer.admission.learned.relaxed). A limit the traffic did not
+-- reach is not raised; while none is, the window runs on.
 local function relax(m, now)
   if m.learn ~= 1 or (m.ltpm == 0 and m.lrpm == 0 and m.lcap == 0) then return end
   local since, w = math.max(m.raised_at, m.lowered_at), window_ms(m)
   if now - since < w then return end
-  local steps = math.floor((now - since) / w)
-  m.ltpm = raised(m.ltpm, m.ptpm, steps, lower_of(m.tpm, m.htpm))
-  m.lrpm = raised(m.lrpm, m.prpm, steps, lower_of(m.rpm, m.hrpm))
-  m.lcap = raised(m.lcap, m.pcap, steps, m.cap)
-  m.raised_at = since + steps * w
+  local ltpm = raised(m.ltpm, m.ptpm, lower_of(m.tpm, m.htpm), m.bound_tpm, since)
+  local lrpm = raised(m.lrpm, m.prpm, lower_of(m.rpm, m.hrpm), m.bound_rpm, since)
+  local lcap = raised(m.lcap, m.pcap, m.cap, m.bound_cap, since)
+  if ltpm == m.ltpm and lrpm == m.lrpm and lcap == m.lcap then return end
+  m.ltpm, m.lrpm, m.lcap = ltpm, lrpm, lcap
+  m.raised_at = since + math.floor((now - since) / w) * w
 end
 
 -- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
@@ -129,20 +133,26 @@ end
 
 -- Slow start (balancer.admission.learned.ramp_cap): a learning model's (with slow_start) new or
 -- changed quota opens max(RAMP_START, ramp_from) slots, doubling every RAMP_MS
--- from ramp_at (the first call's start under it), up to the cap; a 429 that
--- lowered a limit (lowered_at) ends it.
+-- from ramp_at (the first call's start under it), one slot at a time within a
+-- step, up to the cap; a 429 that lowered a limit (lowered_at) ends it.
 local function ramp_cap(m, cap, now)
   if m.learn ~= 1 or m.slow_start ~= 1 or m.lowered_at > 0 then return cap end
   local start = math.max(RAMP_START, m.ramp_from)
-  local steps = 0
-  if m.ramp_at > 0 then steps = math.floor(math.max(0, now - m.ramp_at) / RAMP_MS) end
+  local elapsed = 0
+  if m.ramp_at > 0 then elapsed = math.max(0, now - m.ramp_at) end
+  local steps, into = math.floor(elapsed / RAMP_MS), elapsed % RAMP_MS
   if steps >= 16 or start * 2 ^ steps >= cap then return cap end
-  return start * 2 ^ steps
+  local base = start * 2 ^ steps
+  return math.min(cap, base + math.floor(base * into / RAMP_MS))
 end
--- ms until slow start's next step (learned.ramp_wait_ms): RAMP_MS before its clock starts.
+-- ms until slow start opens its next slot (learned.ramp_wait_ms): RAMP_MS before its clock starts.
 local function ramp_wait(m, now)
   if m.ramp_at == 0 then return RAMP_MS end
-  return RAMP_MS - math.max(0, now - m.ramp_at) % RAMP_MS
+  local elapsed = math.max(0, now - m.ramp_at)
+  local steps, into = math.floor(elapsed / RAMP_MS), elapsed % RAMP_MS
+  local base = math.max(RAMP_START, m.ramp_from) * 2 ^ math.min(steps, 16)
+  local opened = math.floor(base * into / RAMP_MS)
+  return math.min(RAMP_MS, math.ceil((opened + 1) * RAMP_MS / base)) - into
 end
 -- A quota set (or restored) starts a slow start from its live calls in flight
 -- (their slots stay open, so one ending lets the next call start, and that
@@ -160,11 +170,17 @@ local function slot_cap(m, now)
 end
 
 -- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
+-- Otherwise each limit a call finds short binds now (bound_*, learned.note_bound):
+-- only a limit that binds is raised by a clean window (relax).
 local function has_capacity(m, est, now)
-  return m.paused <= now
-     and redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
-     and m.tokens >= tokens_needed(m, est)
-     and (eff_rpm(m) == 0 or m.requests >= UNITS)
+  if m.paused > now then return false end
+  local slots = redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
+  local tokens = m.tokens >= tokens_needed(m, est)
+  local requests = eff_rpm(m) == 0 or m.requests >= UNITS
+  if not slots then m.bound_cap = now end
+  if not tokens then m.bound_tpm = now end
+  if not requests then m.bound_rpm = now end
+  return slots and tokens and requests
 end
 
 -- ms until m has a slot, the tokens and a request for est, and no pause.

@@ -139,14 +139,15 @@ end
 
 -- The first bucket. From the first call a model starts under its quota
 -- (first_at; first_calls and first_tokens count the calls started since and
--- their estimated tokens) until one bucket's time (size / rate) has passed, a
--- 429 for tokens or requests shows the provider's rate: a provider whose
--- bucket has the quota's shape ran out once our calls had taken `n` (tokens or
+-- their estimated tokens) until FIRST_BUCKETS bucket times (size / rate each)
+-- have passed, a 429 for tokens or requests shows the provider's rate: a
+-- provider whose bucket has the quota's shape, full at the first call and
+-- drained since, ran out once our calls had taken `n` (tokens or
 -- calls) in `t` ms, so its rate is about rate * n / (size + rate * t); 0 once
--- the first bucket is over or before any call
+-- FIRST_BUCKETS bucket times have passed, or before any call
 -- (balancer.admission.learned.first_bucket_rate).
 local function first_bucket_rate(rate, size, n, t)
-  if rate <= 0 or n <= 0 or t * rate >= size * 60000 then return 0 end
+  if rate <= 0 or n <= 0 or t * rate >= FIRST_BUCKETS * size * 60000 then return 0 end
   return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
 end
 
@@ -159,6 +160,15 @@ local function lowered(level, shown)
   local to = math.max(1, math.floor(shown * 7 / 10))
   if to < level then return math.min(shown, level), to end
   return nil
+end
+
+-- A learned limit at `level` after a raise of it drew a 429 (balancer.admission.learned.undone):
+-- concurrency one step down (refused at once: the level before held), tokens and
+-- requests two (a bucket hides a small overshoot for longer than a window).
+local function undone(level, peak, kind)
+  local steps = 2
+  if kind == 'CONCURRENCY' then steps = 1 end
+  return math.max(1, level - steps * step_of(peak))
 end
 
 -- A 429 for tokens or requests from a provider that does not say what is left
@@ -180,7 +190,7 @@ end
 -- level (the raises' step). Within the first bucket tokens or requests go to
 -- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
 -- within a window of a raise says the raise went too far: a kind it raised
--- goes back one step (the level before the raise worked), not to 7/10, and
+-- goes back (undone: one step for concurrency, two for tokens or requests), not to 7/10, and
 -- the next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
 -- says the started calls in flight were at least one too many: the cap goes
 -- no higher than that, less one. A kind whose limit the provider states
@@ -202,18 +212,18 @@ local function learn_from_429(m, now, kind, sent, started)
   if probed then m.window = math.min(w * 2, MAX_WINDOW_MS) end
   local t = now - m.first_at
   if kind == 'TOKENS' and probed and m.ltpm > 0 then
-    m.ltpm = math.max(1, m.ltpm - step_of(m.ptpm))
+    m.ltpm = undone(m.ltpm, m.ptpm, kind)
   elseif kind == 'TOKENS' then
     local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t))
     if from then m.ptpm, m.ltpm = from, to end
   elseif kind == 'REQUESTS' and probed and m.lrpm > 0 then
-    m.lrpm = math.max(1, m.lrpm - step_of(m.prpm))
+    m.lrpm = undone(m.lrpm, m.prpm, kind)
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
     local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t))
     if from then m.prpm, m.lrpm = from, to end
   elseif probed and m.lcap > 0 then
-    m.lcap = math.max(1, m.lcap - step_of(m.pcap))
+    m.lcap = undone(m.lcap, m.pcap, kind)
   else
     m.pcap = eff_cap(m)
     if sent > 0 then m.pcap = math.min(m.pcap, sent) end

@@ -13,10 +13,11 @@ from balancer.admission.learned import (
     first_bucket_rate,
     lower_of,
     lowered,
+    note_bound,
     ramp_wait_ms,
     relaxed,
     slots_now,
-    step_of,
+    undone,
 )
 from balancer.admission.values import (
     UNITS,
@@ -79,7 +80,7 @@ class ModelState:
         tokens or requests go to 7/10 of the rate it shows, once
         (:func:`lowered`, :func:`first_bucket_rate`). A
         429 within a window of a raise undoes that raise for a kind it raised
-        (one :func:`step_of` down, not 7/10) and doubles the window. Any other 429 for
+        (:func:`undone`, not 7/10) and doubles the window. Any other 429 for
         concurrency caps it at the started calls in flight less one. A kind
         whose limit the provider states in its headers is not lowered (signals.lua,
         learn_from_429)."""
@@ -101,11 +102,11 @@ class ModelState:
             k.window = min(w * 2, MAX_WINDOW_MS)
         q, t = self.quota, now - k.first_at
         if kind == "tokens" and probed and k.ltpm:
-            k.ltpm = max(1, k.ltpm - step_of(k.ptpm))
+            k.ltpm = undone(k.ltpm, k.ptpm, kind)
         elif kind == "requests" and probed and k.lrpm:
-            k.lrpm = max(1, k.lrpm - step_of(k.prpm))
+            k.lrpm = undone(k.lrpm, k.prpm, kind)
         elif kind == "concurrency" and probed and k.lcap:
-            k.lcap = max(1, k.lcap - step_of(k.pcap))
+            k.lcap = undone(k.lcap, k.pcap, kind)
         elif kind == "tokens":
             change = lowered(limits.max_tokens_per_minute,
                              first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t))
@@ -246,14 +247,17 @@ class ReferenceState:
         return 1 if state.probing else slots_now(state.quota, state.learned, now)
 
     def _has_capacity(self, name: str, est: int, now: int) -> bool:
+        """No pause, a slot, the tokens and a request for ``est``; each limit found short
+        binds now (:func:`note_bound`; limits.lua, has_capacity)."""
         state = self.models[name]
         quota = state.limits
-        return (
-            state.paused_until <= now
-            and len(self._inflight(name)) < self._slot_cap(name, now)
-            and state.tokens >= tokens_needed(quota, est)
-            and (not quota.max_requests_per_minute or state.requests >= UNITS)
-        )
+        if state.paused_until > now:
+            return False
+        slots = len(self._inflight(name)) < self._slot_cap(name, now)
+        tokens = state.tokens >= tokens_needed(quota, est)
+        requests = not quota.max_requests_per_minute or state.requests >= UNITS
+        note_bound(state.learned, now, slots, tokens, requests)
+        return slots and tokens and requests
 
     def _wait(self, name: str, est: int, now: int) -> int:
         """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``, and no pause."""
