@@ -284,22 +284,21 @@ def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> 
     assert twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0)
     assert limits_of(twin).max_requests_per_minute == 294            # 420 x 7/10
     twin.advance(1_000)                                               # the pause is over
-    wait_for_a_request(twin)                                          # the RPM binds
-    twin.advance(CLEAN_MS - 1_001)                                    # not yet a clean window
+    wait_for_a_request(twin)                                          # the RPM binds from now
+    twin.advance(CLEAN_MS - 1)                                        # not yet a window of it
     assert limits_of(twin).max_requests_per_minute == 294
     twin.advance(1)
     assert limits_of(twin).max_requests_per_minute == 294 + 21        # + 420 / 20
     for _ in range(3):                                                # a step a window while it binds
-        twin.advance(1)
         wait_for_a_request(twin)
-        twin.advance(CLEAN_MS - 1)
+        twin.advance(CLEAN_MS)
     assert limits_of(twin).max_requests_per_minute == 294 + 4 * 21
-    twin.advance(CLEAN_MS * 3)                                        # no call waited for a request: not raised
+    twin.admit([Candidate(100)])                                      # admitted: no call waited for a request
+    twin.advance(CLEAN_MS * 3)                                        # so not raised
     assert limits_of(twin).max_requests_per_minute == 294 + 4 * 21
     for _ in range(11):                                               # back at the quota: forgotten
-        twin.advance(1)
         wait_for_a_request(twin)
-        twin.advance(CLEAN_MS - 1)
+        twin.advance(CLEAN_MS)
     assert limits_of(twin).max_requests_per_minute == 600
     assert twin.core.live(twin.now)["m-a"].learned.lrpm == 0
 
@@ -312,7 +311,7 @@ def test_a_429_soon_after_a_raise_undoes_it_and_doubles_the_window(twin: Twin) -
     twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # 420
     twin.advance(500)
     wait_for_a_request(twin)
-    twin.advance(CLEAN_MS - 500)                                                  # raised: + 600 / 20
+    twin.advance(CLEAN_MS)                                                        # raised: + 600 / 20
     assert limits_of(twin).max_requests_per_minute == 450
     twin.advance(1_000)
     twin.penalize("m-a", 500, remaining_tokens=500_000, remaining_requests=0)    # the raise drew a 429
@@ -320,7 +319,7 @@ def test_a_429_soon_after_a_raise_undoes_it_and_doubles_the_window(twin: Twin) -
     assert twin.core.live(twin.now)["m-a"].learned.window == 2 * CLEAN_MS
     twin.advance(500)
     wait_for_a_request(twin)
-    twin.advance(2 * CLEAN_MS - 501)
+    twin.advance(2 * CLEAN_MS - 1)
     assert limits_of(twin).max_requests_per_minute == 390
     twin.advance(1)
     assert limits_of(twin).max_requests_per_minute == 420                         # + 600 / 20 again
@@ -332,11 +331,42 @@ def test_a_429_soon_after_a_raise_undoes_it_and_doubles_the_window(twin: Twin) -
     assert limits_of(twin, "m-b").max_concurrent_requests == 14
     twin.advance(500)
     assert isinstance(twin.admit([Candidate(100, allowed=("m-b",))])[0], NotNow)  # every slot taken: the cap binds
-    twin.advance(CLEAN_MS - 500)                                                  # raised: + 20 / 20
+    twin.advance(CLEAN_MS)                                                        # raised: + 20 / 20
     assert limits_of(twin, "m-b").max_concurrent_requests == 15
     twin.advance(1_000)
     assert twin.penalize("m-b", 500, remaining_tokens=5_000_000)
     assert limits_of(twin, "m-b").max_concurrent_requests == 14                   # one step back
+    twin.check_same_state()
+
+
+def test_a_clean_window_raises_only_a_limit_that_bound_through_it(twin: Twin) -> None:
+    """learn.toml's tpm-10-silent: held by its lowered cap, its TPM was raised window after
+    window to 1.2 times its provider's, and once the cap let its tokens bind it drew two
+    429s and a cut to 7/10. A limit is raised only once it has bound for a window: the
+    cap, full when a call ends (no admission need ask), but not the TPM nobody reached,
+    until a call waits for tokens."""
+    twin.set_quota(Quota("m-a", 4, 600_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(1_000)] * 4) if isinstance(d, Admitted)]
+    start(twin, calls, est=1_000)
+    assert twin.penalize("m-a", 500, remaining_tokens=100)               # fewer left than a call: tokens
+    twin.advance(500)
+    assert twin.penalize("m-a", 500, remaining_tokens=500_000)           # both left: concurrency, 4 x 7/10
+
+    def learned() -> tuple[int, int]:
+        k = twin.core.live(twin.now)["m-a"].learned
+        return k.ltpm, k.lcap
+
+    tpm, cap = learned()
+    assert tpm and cap == 2
+    twin.advance(500)
+    twin.finish(calls[0].admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000))   # ends with 4 on 2 slots
+    twin.advance(CLEAN_MS)
+    assert learned() == (tpm, 3)                                         # the cap bound: raised; the TPM did not
+    assert isinstance(twin.admit([Candidate(5_000)])[0], NotNow)         # a call waits for tokens (and a slot)
+    twin.advance(CLEAN_MS - 1)
+    assert learned()[0] == tpm
+    twin.advance(1)
+    assert learned()[0] > tpm                                            # bound for a window: raised
     twin.check_same_state()
 
 

@@ -106,9 +106,9 @@ STATE_FIELDS: dict[str, str] = {
     "ramp_next": "ms before which slow start admits no other call (RAMP_GAP_MS after the last one)",
     "served": "the most calls started and live in flight at an answered call's end, seen within CLEAN_MS (learned.note_served)",
     "served_at": "ms it was last seen",
-    "bound_tpm": "ms a call last had to wait for the effective TPM's tokens (only a limit that binds is raised)",
-    "bound_rpm": "ms a call last had to wait for a request of the effective RPM",
-    "bound_cap": "ms a call last found every slot of the cap in force taken",
+    "bound_tpm": "ms a call first waited for the effective TPM's tokens since the last raise or lowering (learned.note_bound)",
+    "bound_rpm": "ms a call first waited for a request of the effective RPM since then",
+    "bound_cap": "ms a call first found every slot taken, or ended on a full model, since then",
 }
 
 #: Every field of a model's hash.

@@ -23,8 +23,9 @@ from datetime import UTC, datetime
 
 from balancer.domain.quota import Quota
 
-#: A clean window (no 429 lowered a limit) raises learned limits one step; a
-#: raise that draws a 429 within its window doubles the window, up to the max.
+#: A clean window (no 429 lowered a limit) raises each learned limit that bound
+#: through it one step (:func:`relaxed`); a raise that draws a 429 within its
+#: window doubles the window, up to the max.
 CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 
 #: Slow start (:func:`ramp_cap`): a new or changed quota's concurrency opens
@@ -121,7 +122,7 @@ def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
 def lowered(level: int, shown: int) -> tuple[int, int] | None:
     """What a 429 that starts a pause does to a rate at ``level`` (signals.lua, lowered):
     (the level remembered for the raises' step, the level it is lowered to), or
-    None to leave it. 7/10 of ``level``; within the first bucket (``shown`` > 0,
+    None to leave it. 7/10 of ``level``; within FIRST_BUCKETS bucket times (``shown`` > 0,
     the rate it shows: :func:`first_bucket_rate`), 7/10 of that, once: a 429 that
     would not take it below ``level`` leaves it.
 
@@ -261,7 +262,7 @@ def served_more(learned: Learned, now: int, sent: int) -> bool:
 
 def step_of(peak: int) -> int:
     """One raise of a learned limit last lowered from ``peak``: 1/20 of it, at least 1 (limits.lua, step_of).
-    A raise that draws a 429 is undone by the same step."""
+    A raise that draws a 429 is undone (:func:`undone`: one step, or two for a rate)."""
     return max(1, -(-peak // 20))
 
 
@@ -280,31 +281,41 @@ def undone(level: int, peak: int, kind: str) -> int:
 
 
 def note_bound(learned: Learned, now: int, slots: bool, tokens: bool, requests: bool) -> None:
-    """A call found the model without a free slot, the tokens or a request (False): each
-    such limit binds now (limits.lua, has_capacity). Only a limit that binds is raised by
-    a clean window (:func:`relaxed`)."""
-    if not slots:
+    """A call found the model without a free slot, the tokens or a request (False), or
+    a call ended on a full model (its slot bound): each such limit binds now, and
+    ``bound_*`` keeps the first time it did since the last raise or lowering (at or after it)
+    (limits.lua, note_bound). A clean window raises only a limit that has bound for a
+    window (:func:`relaxed`).
+
+    >>> k = Learned(lowered_at=1_000)
+    >>> note_bound(k, 2_000, True, False, True); note_bound(k, 3_000, True, False, True); k.bound_tpm
+    2000
+    """
+    since = max(learned.raised_at, learned.lowered_at)
+    if not slots and learned.bound_cap < since:
         learned.bound_cap = now
-    if not tokens:
+    if not tokens and learned.bound_tpm < since:
         learned.bound_tpm = now
-    if not requests:
+    if not requests and learned.bound_rpm < since:
         learned.bound_rpm = now
 
 
 def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
-    """``learned`` after a clean window (limits.lua, relax): once CLEAN_MS (or the
-    doubled ``window``) has passed since the last raise or lowering, every learned
-    limit that bound since then (a call waited for it: ``bound_*``) goes one step up,
-    1/20 of the level its last 429 lowered it from; at the limit without learning it
-    is forgotten (0). A limit the traffic did not reach is not raised, and while
-    none is, the window runs on: a clean window says nothing of a limit nobody
-    reached (learn.toml's tpm-10-silent, held by its cap, had its TPM raised to 1.2
-    times its provider's, then drew two 429s and a cut to 7/10 once its cap let
-    its tokens bind).
+    """``learned`` after a clean window (limits.lua, relax): every learned limit that
+    has bound for a window since the last raise or lowering (first bound, ``bound_*``,
+    at least CLEAN_MS, or the doubled ``window``, ago) goes one step up, 1/20 of the
+    level its last 429 lowered it from, and ``raised_at`` is now; at the limit
+    without learning it is forgotten (0). A limit the traffic did not reach is not
+    raised, and while none is, nothing changes: a clean window says nothing of a
+    limit nobody reached (learn.toml's tpm-10-silent, held by its cap, had its TPM
+    raised to 1.2 times its provider's, then drew two 429s and a cut to 7/10 once
+    its cap let its tokens bind).
 
     >>> q = Quota("m", 10, 60_000, max_requests_per_minute=600)
     >>> relaxed(q, Learned(lrpm=294, prpm=420, bound_rpm=5_000), now=20_000).lrpm   # + 420 / 20
     315
+    >>> relaxed(q, Learned(lrpm=294, prpm=420, bound_rpm=15_000), now=20_000).lrpm  # bound for 5 s only
+    294
     >>> relaxed(q, Learned(lrpm=294, prpm=420), now=20_000).raised_at               # never waited for a request
     0
     """
@@ -316,7 +327,7 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
         return k
 
     def raised(level: int, peak: int, ceiling: int, bound_at: int) -> int:
-        if level == 0 or bound_at <= since:
+        if level == 0 or bound_at == 0 or bound_at < since or now - bound_at < w:
             return level
         level += step_of(peak)
         return 0 if ceiling == 0 or level >= ceiling else level
@@ -326,7 +337,7 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
               raised(k.lcap, k.pcap, quota.max_concurrent_requests, k.bound_cap))
     if levels == (k.ltpm, k.lrpm, k.lcap):
         return k
-    return replace(k, ltpm=levels[0], lrpm=levels[1], lcap=levels[2], raised_at=since + (now - since) // w * w)
+    return replace(k, ltpm=levels[0], lrpm=levels[1], lcap=levels[2], raised_at=now)
 
 
 def reason(quota: Quota, learned: Learned) -> str:

@@ -22,6 +22,7 @@
 -- and to its counters (solved, latency bucket, tokens: see count in state.lua).
 -- Circuit: an answered call closes its model's circuit (see trip.lua).
 -- Served: an answered call notes how many calls the provider served at once (note_served in signals.lua).
+-- Bound: a call that ends on a full model notes that its cap binds (note_bound in limits.lua).
 -- Next call: with ARGV[11], a freed slot takes the head of its model's ready
 -- list if the model can admit it now (see take_ready in ready.lua), leased as
 -- started, through both start gates: the caller calls it next, no renew.
@@ -57,6 +58,9 @@ if m then
   if ARGV[7] ~= '' then
     m.fails, m.probing, m.backoff = 0, 0, 0
     note_served(m, now)  -- (its own lease still counted)
+  end
+  if redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= eff_cap(m) then
+    note_bound(m, now, false, true, true)  -- a call ended on a full model: its cap bound
   end
   save_model(m)
   if ARGV[7] ~= '' then

@@ -12,7 +12,7 @@
 -- raise it back (relax). Bucket sizes scale with their rates. Every rule below
 -- reads these, never the quota's fields directly, except the burst that
 -- decides whether a task can ever fit (the configured one).
--- (CLEAN_MS, MAX_WINDOW_MS, RAMP_START and RAMP_MS come from learned.py's prelude.)
+-- (CLEAN_MS, MAX_WINDOW_MS, RAMP_START, RAMP_MS, RAMP_GAP_MS and FIRST_BUCKETS come from learned.py's prelude.)
 local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
   if other > 0 and (limit == 0 or other < limit) then return other end
   return limit
@@ -51,31 +51,30 @@ local function window_ms(m)
 end
 
 -- One clean window's raise of learned limit l (0: none), by 1/20 of the level
--- the last 429 lowered it from, if it bound since `since` (bound_at: a call
--- waited for it); at `ceiling` (the limit without learning, 0: none) it is
--- forgotten.
+-- the last 429 lowered it from, if it has bound for a window since `since`
+-- (bound_at: it first bound then, at least w ms ago); at `ceiling` (the limit
+-- without learning, 0: none) it is forgotten.
 local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
-local function raised(l, peak, ceiling, bound_at, since)
-  if l == 0 or bound_at <= since then return l end
+local function raised(l, peak, ceiling, bound_at, since, now, w)
+  if l == 0 or bound_at == 0 or bound_at < since or now - bound_at < w then return l end
   l = l + step_of(peak)
   if ceiling == 0 or l >= ceiling then return 0 end
   return l
 end
 
 -- A clean window (no 429 lowered anything since the last raise or lowering)
--- raises every learned limit that bound since then one step, back toward the
--- quota (balancer.admission.learned.relaxed). A limit the traffic did not
--- reach is not raised; while none is, the window runs on.
+-- raises every learned limit that has bound for a window since then one step,
+-- back toward the quota, and raised_at is now (balancer.admission.learned.relaxed).
+-- A limit the traffic did not reach is not raised.
 local function relax(m, now)
   if m.learn ~= 1 or (m.ltpm == 0 and m.lrpm == 0 and m.lcap == 0) then return end
   local since, w = math.max(m.raised_at, m.lowered_at), window_ms(m)
   if now - since < w then return end
-  local ltpm = raised(m.ltpm, m.ptpm, lower_of(m.tpm, m.htpm), m.bound_tpm, since)
-  local lrpm = raised(m.lrpm, m.prpm, lower_of(m.rpm, m.hrpm), m.bound_rpm, since)
-  local lcap = raised(m.lcap, m.pcap, m.cap, m.bound_cap, since)
+  local ltpm = raised(m.ltpm, m.ptpm, lower_of(m.tpm, m.htpm), m.bound_tpm, since, now, w)
+  local lrpm = raised(m.lrpm, m.prpm, lower_of(m.rpm, m.hrpm), m.bound_rpm, since, now, w)
+  local lcap = raised(m.lcap, m.pcap, m.cap, m.bound_cap, since, now, w)
   if ltpm == m.ltpm and lrpm == m.lrpm and lcap == m.lcap then return end
-  m.ltpm, m.lrpm, m.lcap = ltpm, lrpm, lcap
-  m.raised_at = since + math.floor((now - since) / w) * w
+  m.ltpm, m.lrpm, m.lcap, m.raised_at = ltpm, lrpm, lcap, now
 end
 
 -- Transit allowance. A call reaches the provider up to TRANSIT_MS after its
@@ -172,18 +171,25 @@ local function slot_cap(m, now)
   return ramp_cap(m, eff_cap(m), now)
 end
 
+-- A limit found short (false) binds now: bound_* keeps the first time it did
+-- since the last raise or lowering (learned.note_bound); relax raises only a
+-- limit that has bound for a window.
+local function note_bound(m, now, slots, tokens, requests)
+  local since = math.max(m.raised_at, m.lowered_at)
+  if not slots and m.bound_cap < since then m.bound_cap = now end
+  if not tokens and m.bound_tpm < since then m.bound_tpm = now end
+  if not requests and m.bound_rpm < since then m.bound_rpm = now end
+end
+
 -- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
--- Otherwise each limit a call finds short binds now (bound_*, learned.note_bound):
--- only a limit that binds is raised by a clean window (relax).
+-- Otherwise each limit a call finds short binds now (note_bound).
 local function has_capacity(m, est, now)
   if m.paused > now then return false end
   local slots = redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
                 and not (m.ramp_next > now and ramping(m, now))
   local tokens = m.tokens >= tokens_needed(m, est)
   local requests = eff_rpm(m) == 0 or m.requests >= UNITS
-  if not slots then m.bound_cap = now end
-  if not tokens then m.bound_tpm = now end
-  if not requests then m.bound_rpm = now end
+  note_bound(m, now, slots, tokens, requests)
   return slots and tokens and requests
 end
 

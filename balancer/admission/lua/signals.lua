@@ -187,7 +187,7 @@ end
 -- A 429 that paused the model (once per window: `started`) lowers the
 -- effective limit of its kind to 7/10 of the level it was at (concurrency:
 -- of the started calls in flight, if any and fewer), at least 1, and remembers that
--- level (the raises' step). Within the first bucket tokens or requests go to
+-- level (the raises' step). Within FIRST_BUCKETS bucket times tokens or requests go to
 -- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
 -- within a window of a raise says the raise went too far: a kind it raised
 -- goes back (undone: one step for concurrency, two for tokens or requests), not to 7/10, and

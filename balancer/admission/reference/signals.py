@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from balancer.admission.learned import note_served, served_more, slots_now
+from balancer.admission.learned import note_bound, note_served, served_more, slots_now
 from balancer.admission.reference.state import ModelState, ReferenceState
 from balancer.admission.values import (
     CIRCUIT_BASE_MS,
@@ -42,6 +42,10 @@ class Signals(ReferenceState):
                 self.latency.setdefault(lease.model, {}), latency.bucket_of(settlement.latency_ms),
                 settlement.latency_ms, max(0, (settlement.used_tokens or 0) - completion), completion,
             )
+        if lease is not None and lease.model in self.models:
+            state = self.models[lease.model]
+            if len(self._inflight(lease.model)) >= state.limits.max_concurrent_requests:
+                note_bound(state.learned, now, False, True, True)  # a call ended on a full model: its cap bound
         released = self.leases.pop(admission_id, None) is not None
         return settled, released
 

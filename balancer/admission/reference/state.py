@@ -72,13 +72,13 @@ class ModelState:
         return self.learned.window or CLEAN_MS
 
     def relax(self, now: int) -> None:
-        """The clean windows up to now raise the learned limits (limits.lua, relax)."""
+        """A clean window raises the learned limits that bound through it (limits.lua, relax)."""
         self.learned = relaxed(self.quota, self.learned, now)
 
     def learn_from_429(self, now: int, kind: str, sent: int, started: bool) -> None:
         """A 429 that paused the model (``started``) lowers its kind's effective
         limit to 7/10 of its level (concurrency: of the ``sent`` calls in flight
-        that started, if any and fewer), at least 1. Within the first bucket,
+        that started, if any and fewer), at least 1. Within FIRST_BUCKETS bucket times,
         tokens or requests go to 7/10 of the rate it shows, once
         (:func:`lowered`, :func:`first_bucket_rate`). A
         429 within a window of a raise undoes that raise for a kind it raised
