@@ -25,6 +25,10 @@ from balancer.bench.report import polled_eta_errors
 from balancer.domain import eta
 from balancer.domain.capacity import ModelCapacity
 from balancer.domain.latency import MIN_SAMPLES, early_mean_s
+from balancer.settings import Settings
+
+#: The ready lists' TTL the runs were recorded with (BALANCER_READY_TTL's default).
+READY_TTL_S = Settings.ready_ttl
 
 #: The early mean's formulas, from the prior's mean, the answered calls (count, seconds) and the running calls' ages.
 EarlyMean = Callable[[float, int, float, Sequence[float]], float]
@@ -36,7 +40,7 @@ VARIANTS: dict[str, EarlyMean] = {
 }
 
 
-def _state(recorded: dict[str, Any], own_tokens: bool) -> eta.DrainState:
+def _state(recorded: dict[str, Any], own_tokens: bool, ready_ttl_s: float | None) -> eta.DrainState:
     # Each model at its own tokens per task as recorded (summary.drain_inputs), or with
     # ``own_tokens`` off at the backlog's mean, as the ETA read it before.
     models = {name: ModelCapacity(m["concurrency"], m["mean_latency"], m["tpm"], m["burst"], m["rpm"],
@@ -50,12 +54,15 @@ def _state(recorded: dict[str, Any], own_tokens: bool) -> eta.DrainState:
     return eta.DrainState(models, groups("groups"), recorded["in_flight"], recorded["tokens_per_task"],
                           groups("solved"), recorded["window_s"], recorded["on_prior"],
                           {k: tuple(v) for k, v in buckets.items()} if buckets else None, recorded["unfinished"],
-                          recorded["solved_by_model"], recorded.get("ready", {}), groups("waiting"))
+                          recorded["solved_by_model"], recorded.get("ready", {}), groups("waiting"),
+                          ready_ttl_s=ready_ttl_s)
 
 
-def replay(run: Path, early: EarlyMean, own_tokens: bool = True) -> list[dict[str, Any]]:
+def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: float | None = READY_TTL_S,
+           ) -> list[dict[str, Any]]:
     """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``,
-    with each model's own tokens per task or (``own_tokens`` off) the backlog's mean."""
+    with each model's own tokens per task or (``own_tokens`` off) the backlog's mean, and each
+    ready list counted as its model's work up to what it finishes in ``ready_ttl_s`` (None: all)."""
     polls = [json.loads(line) for line in (run / "pipeline-eta.jsonl").read_text().splitlines()]
     calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
     makespan = polls[0]["makespan_s"]
@@ -66,7 +73,7 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True) -> list[dict[st
         if poll["state"] is None:
             replayed.append(poll)
             continue
-        state, now = _state(poll["state"], own_tokens), started + poll["at_s"]
+        state, now = _state(poll["state"], own_tokens, ready_ttl_s), started + poll["at_s"]
         models = dict(state.models)
         for name in state.on_prior:
             answered = [c["end"] - c["start"] for c in calls
@@ -85,11 +92,13 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True) -> list[dict[st
               help="The early mean's formula ('prior': as before the early latency).")
 @click.option("--tokens", type=click.Choice(["own", "mean"]), default="own", show_default=True,
               help="Each model's tokens per task: its own, as recorded, or the backlog's mean (as before).")
-def main(runs: tuple[Path, ...], variant: str, tokens: str) -> None:
+@click.option("--ready-ttl", type=float, default=READY_TTL_S, show_default=True,
+              help="Seconds a ready task waits for its model (BALANCER_READY_TTL); 0: every ready task is its model's.")
+def main(runs: tuple[Path, ...], variant: str, tokens: str, ready_ttl: float) -> None:
     """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
     for run in runs:
-        rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own")
-        click.echo(f"{run} ({variant}, {tokens} tokens): "
+        rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own", ready_ttl_s=ready_ttl or None)
+        click.echo(f"{run} ({variant}, {tokens} tokens, ready TTL {ready_ttl:g} s): "
                    + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
 
 

@@ -14,27 +14,23 @@ docs/benchmarks.md (issue 28):
 * the pending tasks of a source over its budget per day wait, claimed by no
   dispatch until the budget is raised or the day turns: they are no work the
   drain can do, so they are left out and counted apart (``Forecast.waiting``);
-* calls in flight, and tasks on a measured model's ready list, count as work
-  still to do on their model (a call holds a slot until it ends; counting each
-  as a whole call over-states it by about half a call, on the safe side);
-* each model's latency is its learned mean raised to its Little's-law latency
-  when that is longer (:func:`little_latency`: the sketch learns from the calls
-  that ended, early in a heavy-tailed run the short ones), unless its token or
-  request rate binds (:func:`rate_bound`);
-* the last calls still take their latency after the fluid bound says the
-  work is "done": half a call at the mean latency over every slot
-  (:func:`end_tail`);
-* the run does not reach the bound: the :func:`efficiency` of the last minute,
-  the bound of the work solved in it over the time it took (full buckets
-  counted while that minute starts with the run), never above 1, divides the
-  bound of the work left that is free to run on more than one model;
-* work held to one model cannot move to a faster one, so the end game cannot
-  shorten its last calls: a model with pinned tasks left finishes no sooner
-  than :func:`pinned_finish`, its own bound for them plus the spread of its
-  last calls, at that model's own latency;
-* a model with too few calls measured for its sketch reads its prior shrunk
-  toward the calls it answered and the time its running calls have run
-  (:func:`balancer.domain.latency.early_mean_s`).
+* calls in flight, and tasks on a measured model's ready list up to what it
+  finishes within the list's TTL (the rest go back to pending: any model's,
+  :func:`balancer.domain.ready.ready_on_model`), count as work still to do on
+  their model (a whole call each: about half a call too many, the safe side);
+* each model's latency is its learned mean raised to its Little's-law latency when that is
+  longer (:func:`little_latency`: the sketch learns from the calls that ended, early in a
+  heavy-tailed run the short ones), unless its token or request rate binds (:func:`rate_bound`);
+* the last calls still take their latency after the fluid bound says the work is "done":
+  half a call at the mean latency over every slot (:func:`end_tail`);
+* the run does not reach the bound: the :func:`efficiency` of the last minute, the bound of
+  the work solved in it over the time it took (full buckets counted while that minute starts
+  with the run), never above 1, divides the bound of the work left free to run on any model;
+* work held to one model cannot move to a faster one, so the end game cannot shorten its last
+  calls: a model with pinned tasks left finishes no sooner than :func:`pinned_finish`, its own
+  bound for them plus the spread of its last calls, at that model's own latency;
+* a model with too few calls measured for its sketch reads its prior shrunk toward the calls
+  it answered and the time its running calls have run (:func:`balancer.domain.latency.early_mean_s`).
 
 Tasks allowed on a subset of models count as "any model" (the bound's
 feasibility test knows only "any" and "exactly one"), so a backlog split
@@ -56,6 +52,7 @@ from dataclasses import dataclass, field, replace
 
 from balancer.domain.capacity import ModelCapacity, makespan_bound
 from balancer.domain.latency import early_mean_s
+from balancer.domain.ready import ready_on_model
 
 #: Fewer tasks solved in the window than this, or a window shorter than
 #: MIN_WINDOW_S (a run's first seconds): no efficiency correction (1.0).
@@ -126,9 +123,8 @@ def drain_eta(
     bound = _bound(models, groups, in_flight, tokens_per_task)
     if bound is None:
         return None
-    # The pace was measured on work free to go to any model (mostly the fast
-    # ones); work held to one model runs at that model's own pace. So it applies
-    # in proportion to the work left that is free.
+    # The pace was measured on work free to go to any model (mostly the fast ones); work held to
+    # one model runs at that model's own pace. So it applies in proportion to the work left that is free.
     free = sum(n for allowed, n in groups if allowed is None or len(allowed) > 1)
     scaled = 1 + (pace - 1) * free / total
     eta = bound / scaled + end_tail(models)
@@ -230,7 +226,8 @@ class DrainState:
     unfinished: int | None = None  # tasks pending, queued or running (None: unknown)
     solved_by_model: Mapping[str, int] = field(default_factory=dict)  # solved in the last window_s, by answering model
     #: Tasks on a measured model's ready list: that model's work, as its calls in flight are (not pinned:
-    #: the end game may hedge them, so they set no :func:`pinned_finish` of their own).
+    #: the end game may hedge them, so they set no :func:`pinned_finish` of their own), up to what it
+    #: finishes within ``ready_ttl_s`` (None: all of them).
     ready: Mapping[str, int] = field(default_factory=dict)
     #: The pending tasks of sources over their budget per day, by allowed models (a part of ``groups``
     #: and ``unfinished``): no dispatch claims them until the budget is raised or the day turns, so they
@@ -238,6 +235,7 @@ class DrainState:
     waiting: Sequence[tuple[Sequence[str] | None, int]] = ()
     #: Models on their prior: (calls answered, their seconds, calls running, the seconds they have run).
     early_calls: Mapping[str, tuple[float, float, int, float]] = field(default_factory=dict)
+    ready_ttl_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -380,6 +378,10 @@ def forecast(state: DrainState) -> Forecast:
         return replace(forecast(state), waiting=waiting)
     if state.unfinished == 0:
         return Forecast(0.0, 0.0, 0.0)
+    if state.ready_ttl_s is not None:  # what a ready list holds past its TTL goes back to pending
+        rates = {name: model.rate(state.tokens_per_task) for name, model in state.models.items()}
+        own, spill = ready_on_model(state.ready, rates, state.ready_ttl_s)
+        state = replace(state, ready=own, groups=[*state.groups, (None, spill)], ready_ttl_s=None)
     in_flight: Mapping[str, float] = state.in_flight
     if state.unfinished is not None:
         queued = sum(n for _, n in state.groups) + sum(state.ready.values())

@@ -24,7 +24,7 @@ Placing a task early is a small loss of late binding, so it is bounded three way
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from balancer.domain.endgame import ModelOutlook
 
@@ -82,3 +82,18 @@ def backlog_to_stock(mean_tokens: float, models: Sequence[ModelOutlook], latency
     """
     horizon = max((getattr(m.latency, latency_field) for m in models if m.cap > 0), default=0.0)
     return math.ceil(horizon * sum(m.throughput_per_ms(mean_tokens) for m in models))
+
+
+def ready_on_model(ready: Mapping[str, int], rates: Mapping[str, float], ttl_s: float) -> tuple[dict[str, int], int]:
+    """Each model's ready tasks that the model itself takes, at most what it finishes
+    within the list's TTL at ``rates`` (tasks a second), and how many are left over:
+    those outlive their TTL, go back to pending, and are work for any model (the
+    drain ETA). On providers-foreign an RPM-bound model held 130 ready tasks, 32 s of
+    its 4 a second, and counted as its own they put the ETA 26 % long at 75 % done.
+
+    >>> ready_on_model({"rpm": 130, "conc": 8}, {"rpm": 4.0, "conc": 10.0}, ttl_s=5.0)
+    ({'rpm': 20, 'conc': 8}, 110)
+    """
+    own = {name: min(n, math.ceil(rates[name] * ttl_s)) if math.isfinite(rates.get(name, math.inf)) else n
+           for name, n in ready.items()}
+    return own, sum(ready.values()) - sum(own.values())

@@ -187,6 +187,7 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
         models=models,
         groups=[(allowed, n) for allowed, n, _ in groups] + ([(None, unmeasured_ready)] if unmeasured_ready else []),
         ready={name: live.ready for name, live in view.items() if live.ready and live.latency_known},
+        ready_ttl_s=services.settings.ready_ttl,
         start_buckets={name: (float(live.limits.burst), float(live.limits.request_burst)
                               if live.limits.max_requests_per_minute else None)
                        for name, live in view.items()} if window_s < PACE_WINDOW_S else None,
