@@ -646,23 +646,6 @@ def test_a_429_without_headers_during_slow_start_counts_the_ramp_s_free_slots(tw
     assert limits.max_tokens_per_minute == 60_000 and limits.max_concurrent_requests == 5   # 8 started x 7/10
 
 
-def test_a_near_miss_with_both_counts_left_is_for_tokens_when_the_provider_served_more_at_once(twin: Twin) -> None:
-    """providers-foreign's openai-tpm (another client takes a fifth of its TPM): a 429 said 468
-    tokens left, one short of the refused call, more than the calls in flight averaged. Both
-    counts left read as concurrency, and its cap went 16 -> 7 -> 4, at 75 % done. The provider
-    had served 4 at once, and 3 had started: not concurrency, so tokens."""
-    twin.set_quota(Quota("m-a", 16, 60_000, slow_start=False))
-    calls = [d for d in twin.admit([Candidate(300)] * 4) if isinstance(d, Admitted)]
-    start(twin, calls, est=300)
-    twin.finish(calls[0].admission_id, Settlement(used_tokens=300, reserved_tokens=300, latency_ms=900))   # 4 at once
-    [big] = [d for d in twin.admit([Candidate(500)]) if isinstance(d, Admitted)]
-    start(twin, [big], est=500)
-    twin.release(calls[1].admission_id)                                  # 3 started now, averaging 366
-    assert twin.penalize("m-a", 500, remaining_tokens=468)               # 468 x 3 >= 1,100: "both left"
-    limits = limits_of(twin)
-    assert limits.max_concurrent_requests == 16 and limits.max_tokens_per_minute < 60_000
-
-
 def test_a_429_without_headers_below_what_the_provider_served_at_once_is_for_tokens(twin: Twin) -> None:
     """A provider that sends no header and limits tokens: 4 calls ran at once and one
     was answered, so a 429 that comes back with 3 started is not for concurrency,

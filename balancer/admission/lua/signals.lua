@@ -107,9 +107,7 @@ end
 -- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
 -- From the headers when they say: no request left; fewer tokens left than
 -- the model's calls in flight average; both left (so the provider counted
--- calls in progress), unless the provider lately served more calls at once
--- than had started (served_more): then tokens (a near miss, fewer left than
--- the refused call, a larger one than the average). Otherwise the lowest of our own buckets, as a share of
+-- calls in progress). Otherwise the lowest of our own buckets, as a share of
 -- its size (free slots for concurrency, of the cap in force: slow start's while
 -- it ramps); ties go to requests, then tokens. Concurrency is ruled out when
 -- the provider lately served more calls at once than had started (served_more).
@@ -120,9 +118,7 @@ local function limit_kind(m, now, remaining_tokens, remaining_requests)
   local kind
   if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then kind = 'REQUESTS'
   elseif remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then kind = 'TOKENS'
-  elseif remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then
-    kind = 'CONCURRENCY'
-    if served_more(m, now, sent) then kind = 'TOKENS' end
+  elseif remaining_tokens ~= '' and (remaining_requests ~= '' or eff_rpm(m) == 0) then kind = 'CONCURRENCY'
   else
     local ft = m.tokens / token_cap(m)
     if remaining_tokens ~= '' then ft = tonumber(remaining_tokens) * UNITS / token_cap(m) end

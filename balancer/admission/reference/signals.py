@@ -204,9 +204,7 @@ class Signals(ReferenceState):
 
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in
-        progress), unless the provider lately served more calls at once than had
-        started: then tokens (a near miss: fewer left than the refused call,
-        larger than the average). Otherwise the lowest of our own buckets as a share of its
+        progress). Otherwise the lowest of our own buckets as a share of its
         size (free slots for concurrency, of the cap in force: slow start's while
         it ramps); ties go to requests, then tokens. Concurrency is ruled out when
         the provider lately served more calls at once than had started
@@ -223,7 +221,7 @@ class Signals(ReferenceState):
         if remaining_tokens is not None and remaining_tokens * n < total:
             return "tokens", sent
         if remaining_tokens is not None and (remaining_requests is not None or rpm == 0):
-            return ("tokens" if served_more(state.learned, now, sent) else "concurrency"), sent
+            return "concurrency", sent
         cap = token_cap(limits)
         ft = (remaining_tokens * UNITS if remaining_tokens is not None else state.tokens) / cap
         fr = math.inf
