@@ -259,7 +259,7 @@ def test_unstarted_expired_lease_returns_its_tokens(twin: Twin) -> None:
 
 
 def test_release_is_idempotent_and_frees_at_once(twin: Twin) -> None:
-    twin.set_quota(Quota("a", 1, 60_000, slow_start=False))  # (slow start would space the two admissions)
+    twin.set_quota(Quota("a", 1, 60_000))
     lease = twin.admit([Candidate(10)])[0]
     assert twin.release(lease.admission_id) is True
     assert twin.release(lease.admission_id) is False

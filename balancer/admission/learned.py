@@ -206,23 +206,14 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
 
 
 def ramping(quota: Quota, learned: Learned, now: int) -> bool:
-    """Whether slow start still ramps (limits.lua, ramping): its clock holds the cap below
-    the effective one, or fewer calls have started under the quota (``first_calls``) than
-    it opens (the cap less ``ramp_from``, the calls live when it was set). Then the model
-    admits and starts one call at a time, RAMP_GAP_MS apart. Ended by the clock alone, a
-    ramp slowed by those gaps opened its last 35 slots at once (learn.toml's conc-10: 5
-    calls in flight at 1.25 s, then three started within 5 ms, all refused).
+    """Whether slow start holds the model's cap below its effective one at ``now``
+    (limits.lua, ramping): then it admits one call at a time, RAMP_GAP_MS apart.
 
     >>> q = Quota("m", 40, 60_000)
-    >>> ramping(q, Learned(ramp_at=1_000), 1_500), ramping(q, Learned(ramp_at=1_000, first_calls=5), 9_000)
-    (True, True)
-    >>> ramping(q, Learned(ramp_at=1_000, first_calls=40), 9_000), ramping(q.replace(learn=False), Learned(), 0)
-    (False, False)
+    >>> ramping(q, Learned(ramp_at=1_000), 1_500), ramping(q, Learned(ramp_at=1_000), 9_000), ramping(q.replace(learn=False), Learned(), 0)
+    (True, False, False)
     """
-    cap = effective(quota, learned).max_concurrent_requests
-    if not (quota.learn and quota.slow_start) or learned.lowered_at:
-        return False
-    return ramp_cap(cap, learned, now) < cap or learned.first_calls + learned.ramp_from < cap
+    return slots_now(quota, learned, now) < effective(quota, learned).max_concurrent_requests
 
 
 def ramp_wait_ms(learned: Learned, now: int) -> int:

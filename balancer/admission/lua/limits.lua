@@ -144,13 +144,9 @@ local function ramp_cap(m, cap, now)
   local base = start * 2 ^ steps
   return math.min(cap, base + math.floor(base * into / RAMP_MS))
 end
--- Whether slow start still ramps (learned.ramping): its clock holds the cap below
--- the effective one, or fewer calls started under the quota than it opens. Then
--- the model admits and starts one call at a time, RAMP_GAP_MS apart.
-local function ramping(m, now)
-  if m.learn ~= 1 or m.slow_start ~= 1 or m.lowered_at > 0 then return false end
-  return ramp_cap(m, eff_cap(m), now) < eff_cap(m) or m.first_calls + m.ramp_from < eff_cap(m)
-end
+-- Whether slow start holds the cap below the effective one now (learned.ramping):
+-- then the model admits one call at a time, RAMP_GAP_MS apart (ramp_next).
+local function ramping(m, now) return ramp_cap(m, eff_cap(m), now) < eff_cap(m) end
 -- ms until slow start opens its next slot (learned.ramp_wait_ms): RAMP_MS before its clock starts.
 local function ramp_wait(m, now)
   if m.ramp_at == 0 then return RAMP_MS end
