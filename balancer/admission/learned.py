@@ -38,10 +38,7 @@ RAMP_START, RAMP_MS = 2, 250
 #: (``ramp_next``): a dispatcher round that came late found several slots open on
 #: the ramp's clock and admitted them together, and the provider refused those past
 #: its limit before the first 429 came back (learn.toml's conc-10: four 429s within
-#: 10 ms, 0.8 s in). 40 ms lets a 429 come back and pause the model first. The
-#: hops between admission and start (broker, worker) can bunch calls admitted
-#: apart, so starts keep the same gap (``ramp_start``: renew.lua gives back a call
-#: that would start within RAMP_GAP_MS of the last).
+#: 10 ms, 0.8 s in). 40 ms lets a 429 come back and pause the model first.
 RAMP_GAP_MS = 40
 
 #: A 429 shows the provider's rate from the first bucket (:func:`first_bucket_rate`) for this
@@ -82,7 +79,6 @@ class Learned:
     ramp_from: int = 0
     ramp_at: int = 0
     ramp_next: int = 0
-    ramp_start: int = 0
     served: int = 0
     served_at: int = 0
     bound_tpm: int = 0

@@ -161,7 +161,7 @@ end
 -- start begins the steps' clock: count_start).
 local function ramp_quota(m, now)
   m.ramp_from = redis.call('ZCOUNT', inflight_key(m.name), '(' .. fmt(now), '+inf')
-  m.ramp_at, m.ramp_next, m.ramp_start = 0, 0, 0
+  m.ramp_at, m.ramp_next = 0, 0
 end
 
 -- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
@@ -278,7 +278,6 @@ local function start_delay(m, est, first_start, now)
   if first_start then
     wait = token_gate(m, est, now)
     count_start(m, est, now)
-    if ramping(m, now) then m.ramp_start = now end
   end
   return wait + start_gate(m, now + wait)
 end

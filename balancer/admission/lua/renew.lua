@@ -14,9 +14,7 @@
 -- before calling, from the start gate (see start_gate in limits.lua). A model
 -- that learns and is paused by a 429 starts no call admitted before the pause:
 -- a lease not started yet is dropped and refunded, and the answer is 'W' at
--- the pause's end (the circuit breaker's pause leaves its calls alone). While
--- slow start ramps, such a lease is also given back if the model started a
--- call less than RAMP_GAP_MS ago ('W' at the gap's end: ramp_start).
+-- the pause's end (the circuit breaker's pause leaves its calls alone).
 -- A cap lowered since admission: a live lease starts its call only while the
 -- model's live leases, itself included, are within its concurrency cap
 -- (eff_cap); calls already running are not recalled, but no new one starts
@@ -49,17 +47,6 @@ if raw and m.learn == 1 and m.paused > now and m.probing ~= 1 and cjson.decode(r
   refund(m, lease)
   save_model(m)
   return {'W', fmt(m.paused), fmt(now)}
-end
-if raw and m.learn == 1 and cjson.decode(raw).s == 0 and m.ramp_start + RAMP_GAP_MS > now and ramping(m, now) then
-  -- Slow start: a call that would start within RAMP_GAP_MS of the last one (the
-  -- hops from admission bunch calls admitted apart) would reach the provider
-  -- before that one's 429 could pause the model. Given back.
-  local lease = cjson.decode(raw)
-  redis.call('ZREM', inflight_key(lease.m), lid)
-  redis.call('HDEL', LEASES, lid)
-  refund(m, lease)
-  save_model(m)
-  return {'W', fmt(m.ramp_start + RAMP_GAP_MS), fmt(now)}
 end
 if raw then
   local lease = cjson.decode(raw)

@@ -51,7 +51,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from balancer.admission.learned import RAMP_GAP_MS, ramping
 from balancer.admission.reference.signals import Signals
 from balancer.admission.reference.state import Lease, ModelState, ReadyEntry
 from balancer.admission.values import (
@@ -181,12 +180,6 @@ class ReferenceCore(Signals):
             del self.leases[admission_id]
             self._refund(model, lease)
             return NotNow(state.paused_until, now)
-        if (lease is not None and quota.learn and not lease.started and state.learned.ramp_start + RAMP_GAP_MS > now
-                and ramping(state.quota, state.learned, now)):
-            # Slow start: it would start within RAMP_GAP_MS of the last call. Given back.
-            del self.leases[admission_id]
-            self._refund(model, lease)
-            return NotNow(state.learned.ramp_start + RAMP_GAP_MS, now)
         if lease is not None and len(self._inflight(lease.model)) > self.models[model].limits.max_concurrent_requests:
             del self.leases[admission_id]
             if not lease.started:

@@ -137,7 +137,7 @@ class ModelState:
         """A quota set or restored: slow start opens from the ``in_flight`` live calls, its
         steps counted from the next call's start (limits.lua, ramp_quota)."""
         self.learned.ramp_from = in_flight
-        self.learned.ramp_at = self.learned.ramp_next = self.learned.ramp_start = 0
+        self.learned.ramp_at = self.learned.ramp_next = 0
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (signals.lua, sync_limits): a changed
@@ -311,11 +311,8 @@ class ReferenceState:
         gate, and counted toward the first bucket, already."""
         wait = 0
         if first_start:
-            state = self.models[name]
-            wait = self._token_gate(state, est, now)
-            state.count_start(est, now)
-            if ramping(state.quota, state.learned, now):
-                state.learned.ramp_start = now  # slow start: no other start within RAMP_GAP_MS (renew)
+            wait = self._token_gate(self.models[name], est, now)
+            self.models[name].count_start(est, now)
         return wait + self._start_gate(name, now + wait)
 
     def _start_gate(self, name: str, now: int) -> int:
