@@ -207,7 +207,7 @@ def test_large_task_is_not_starved_by_small_ones(twin: Twin) -> None:
 def test_hold_does_not_block_other_models(twin: Twin) -> None:
     """While a big task waits for model m's tokens, small tasks still flow to other models."""
     twin.set_quota(Quota("m", 10, 6_000))
-    twin.set_quota(Quota("n", 10, 6_000, slow_start=False))  # (slow start would admit one call at a time)
+    twin.set_quota(Quota("n", 10, 6_000))
     admit_and_start(twin, [Candidate(5_000, ("m",))])
     decisions = twin.admit([Candidate(6_000, ("m",)), Candidate(10), Candidate(10, ("n",))])
     assert isinstance(decisions[0], NotNow)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
 from balancer.admission.fields import quota_fields
-from balancer.admission.learned import CLEAN_MS, FIRST_BUCKETS, RAMP_GAP_MS, RAMP_MS, RAMP_START
+from balancer.admission.learned import CLEAN_MS, FIRST_BUCKETS, RAMP_MS, RAMP_START
 from balancer.domain.quota import Quota
 from tests.twin import LEASE_MS, Twin, delete_keys
 
@@ -520,15 +520,11 @@ def test_slow_start_opens_a_new_quota_s_slots_one_at_a_time_doubling_every_step(
     start; 3 with whole steps, whose 4 new slots opened at once)."""
     twin.set_quota(Quota("m-a", 40, 6_000_000))
     first, waiting = admit_all(twin, 40)
-    assert len(first) == 1 and waiting[0].wait_ms == RAMP_GAP_MS         # one call at a time while it ramps
+    assert len(first) == RAMP_START == 2
     assert twin.core.live(twin.now)["m-a"].limits_reason == ""           # idle until a call starts: nothing to say
     start(twin, first)                                                   # the first start begins the steps' clock
-    assert twin.core.live(twin.now)["m-a"].limits_reason == f"starting slowly: {RAMP_START} of 40 slots open"
-    twin.advance(RAMP_GAP_MS)
-    second, _ = admit_all(twin, 40)
-    assert len(second) == 1                                              # RAMP_START's second slot
-    start(twin, second)
-    twin.advance(RAMP_MS // 2 - 1 - RAMP_GAP_MS)
+    assert twin.core.live(twin.now)["m-a"].limits_reason == "starting slowly: 2 of 40 slots open"
+    twin.advance(RAMP_MS // 2 - 1)
     again, waiting = admit_all(twin, 40)
     assert again == [] and waiting[0].wait_ms == 1                       # told to come back when the next slot opens
     opened = []
@@ -545,34 +541,13 @@ def test_slow_start_opens_a_new_quota_s_slots_one_at_a_time_doubling_every_step(
     assert twin.core.live(twin.now)["m-a"].cap_now == 3
 
 
-def test_slow_start_admits_one_call_at_a_time_when_a_late_round_finds_several_slots_open(twin: Twin) -> None:
-    """learn.toml's conc-10: a dispatcher round 0.8 s in found slots 5 to 8 open on the
-    ramp's clock and admitted them together, and the provider (4 at once) refused all four
-    before the first 429 came back. Held RAMP_GAP_MS apart, the first one's 429 pauses
-    the model before a second is admitted."""
-    twin.set_quota(Quota("m-a", 40, 6_000_000))
-    start(twin, admit_all(twin, 1)[0])
-    for _ in range(3):
-        twin.advance(RAMP_GAP_MS)
-        start(twin, admit_all(twin, 1)[0])                               # 4 in flight
-    twin.advance(800 - 3 * RAMP_GAP_MS)
-    assert twin.core.live(twin.now)["m-a"].cap_now >= 8                   # slots 5 to 8 (and more) open
-    late, waiting = admit_all(twin, 40)
-    assert len(late) == 1 and waiting[0].wait_ms == RAMP_GAP_MS
-    start(twin, late)
-    assert twin.penalize("m-a", 1_000)                                   # the provider refused the 5th
-    twin.advance(RAMP_GAP_MS)
-    assert admit_all(twin, 40)[0] == []                                  # paused, and the ramp is over
-    twin.check_same_state()
-
-
 def test_slow_start_reaches_the_cap_and_stays_off_for_a_verified_quota(twin: Twin) -> None:
     """With no 429 the cap is whole after a few steps; ``slow_start = false`` (or
     ``learn = false``) opens it at once; a quota change ramps from the calls in flight."""
     twin.set_quota(Quota("m-a", 40, 6_000_000))
-    start(twin, admit_all(twin, 40)[0])                                  # one call at a time while it ramps
+    start(twin, admit_all(twin, 40)[0])
     twin.advance(5 * RAMP_MS)                                            # 2 x 2^5 = 64 >= 40
-    assert len(admit_all(twin, 40)[0]) == 39                             # the whole cap, at once
+    assert len(admit_all(twin, 40)[0]) == 38
     assert twin.core.live(twin.now)["m-a"].limits_reason == ""
     twin.set_quota(Quota("m-a", 80, 6_000_000))                          # raised: from the 40 in flight, not from 2
     assert len(admit_all(twin, 40)[0]) == 0
@@ -589,16 +564,13 @@ def test_a_quota_raised_under_a_straggler_still_starts_slowly_when_its_traffic_c
     opens 2 slots, not 100. (Its clock started at the change, it opened 100.)"""
     twin.set_quota(Quota("m-a", 10, 6_000_000))
     first = admit_all(twin, 2)[0]
-    twin.advance(RAMP_GAP_MS)
-    first += admit_all(twin, 1)[0]
     start(twin, first)
     twin.release(first[1].admission_id)                                   # one straggler left
     twin.set_quota(Quota("m-a", 100, 6_000_000))
     assert twin.core.live(twin.now)["m-a"].cap_now == RAMP_START          # max(2, the 1 live call)
     twin.release(first[0].admission_id)
     twin.advance(600_000)
-    assert len(admit_all(twin, 100)[0]) == 1                              # one at a time,
-    assert twin.core.live(twin.now)["m-a"].cap_now == RAMP_START          # of 2 slots
+    assert len(admit_all(twin, 100)[0]) == RAMP_START
 
 
 def test_a_clock_behind_the_ramp_s_start_opens_its_first_step(twin: Twin) -> None:
@@ -610,7 +582,7 @@ def test_a_clock_behind_the_ramp_s_start_opens_its_first_step(twin: Twin) -> Non
     assert twin.core.live(twin.now - 1)["m-a"].cap_now == RAMP_START
     twin.now -= 300
     again, waiting = admit_all(twin, 40)
-    assert again == [] and waiting[0].wait_ms == RAMP_GAP_MS + 300       # the gap after its one call, 300 ms further off
+    assert again == [] and waiting[0].wait_ms == RAMP_MS // 2            # step 0's third slot
 
 
 def test_a_429_without_headers_during_slow_start_counts_the_ramp_s_free_slots(twin: Twin) -> None:
@@ -619,9 +591,10 @@ def test_a_429_without_headers_during_slow_start_counts_the_ramp_s_free_slots(tw
     against the quota's 40 slots, 80 % were free and tokens at 60 % won: TPM cut to a
     third and the cap opened to 40 at once)."""
     twin.set_quota(Quota("m-a", 40, 60_000))
-    while twin.core.live(twin.now)["m-a"].in_flight < 8:                 # one at a time, 2 slots, then 3, 4 ...
-        start(twin, [d for d in twin.admit([Candidate(3_000)]) if isinstance(d, Admitted)], est=3_000)
-        twin.advance(RAMP_GAP_MS)
+    for _ in range(3):                                                   # 2, then 4, then 8 slots
+        start(twin, [d for d in twin.admit([Candidate(3_000)] * 8) if isinstance(d, Admitted)], est=3_000)
+        twin.advance(RAMP_MS)
+    assert twin.core.live(twin.now)["m-a"].in_flight == 8
     assert twin.penalize("m-a", 1_000)
     limits = limits_of(twin)
     assert limits.max_tokens_per_minute == 60_000 and limits.max_concurrent_requests == 5   # 8 started x 7/10
@@ -713,10 +686,8 @@ def test_a_model_hash_from_the_previous_version_reads_its_new_state_fields_as_0(
     model starts it (before: the next admit failed, format of nil, and every round with it)."""
     twin.set_quota(Quota("m-a", 4, 600_000))
     twin.client.hdel(keys.model(twin.namespace, "m-a"), "first_at", "first_calls", "first_tokens", "window",
-                     "ramp_from", "ramp_at", "ramp_next", "served", "served_at", "bound_tpm", "bound_rpm", "bound_cap")
-    admitted = twin.admit([Candidate(100)])
-    twin.advance(RAMP_GAP_MS)                                                         # slow start: one at a time
-    admitted += twin.admit([Candidate(100)])
+                     "ramp_from", "ramp_at", "served", "served_at")
+    admitted = twin.admit([Candidate(100)] * 2)
     assert all(isinstance(d, Admitted) for d in admitted)                             # the scripts
     assert twin.core.live(twin.now)["m-a"].in_flight == 2                             # the live view
     start(twin, admitted)

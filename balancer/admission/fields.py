@@ -103,7 +103,6 @@ STATE_FIELDS: dict[str, str] = {
     "first_tokens": "their estimated tokens",
     "ramp_from": "slots slow start opens at first (0: RAMP_START): the calls live when the quota was set",
     "ramp_at": "ms slow start counts its steps from: the first call's start under the quota (0: none yet)",
-    "ramp_next": "ms before which slow start admits no other call (RAMP_GAP_MS after the last one)",
     "served": "the most calls started and live in flight at an answered call's end, seen within CLEAN_MS (learned.note_served)",
     "served_at": "ms it was last seen",
     "bound_tpm": "ms a call first waited for the effective TPM's tokens since the last raise or lowering (learned.note_bound)",

@@ -34,12 +34,6 @@ CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 #: its real limits as it arrives (tens of ms), so a slot that drew no 429 was
 #: accepted, and the first 429 ends the ramp before the next slots open.
 RAMP_START, RAMP_MS = 2, 250
-#: While slow start ramps, a model admits one call at a time, RAMP_GAP_MS apart
-#: (``ramp_next``): a dispatcher round that came late found several slots open on
-#: the ramp's clock and admitted them together, and the provider refused those past
-#: its limit before the first 429 came back (learn.toml's conc-10: four 429s within
-#: 10 ms, 0.8 s in). 40 ms lets a 429 come back and pause the model first.
-RAMP_GAP_MS = 40
 
 #: A 429 shows the provider's rate from the first bucket (:func:`first_bucket_rate`) for this
 #: many bucket times after the first call: a token limit that sends no header may draw its
@@ -52,7 +46,7 @@ FIRST_BUCKETS = 2
 LUA_PRELUDE = "\n".join([
     "-- generated from balancer/admission/learned.py",
     f"local CLEAN_MS, MAX_WINDOW_MS = {CLEAN_MS}, {MAX_WINDOW_MS}",
-    f"local RAMP_START, RAMP_MS, RAMP_GAP_MS = {RAMP_START}, {RAMP_MS}, {RAMP_GAP_MS}",
+    f"local RAMP_START, RAMP_MS = {RAMP_START}, {RAMP_MS}",
     f"local FIRST_BUCKETS = {FIRST_BUCKETS}",
     "",
 ])
@@ -78,7 +72,6 @@ class Learned:
     first_tokens: int = 0
     ramp_from: int = 0
     ramp_at: int = 0
-    ramp_next: int = 0
     served: int = 0
     served_at: int = 0
     bound_tpm: int = 0
@@ -199,17 +192,6 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
     """
     cap = effective(quota, learned).max_concurrent_requests
     return ramp_cap(cap, learned, now) if quota.learn and quota.slow_start else cap
-
-
-def ramping(quota: Quota, learned: Learned, now: int) -> bool:
-    """Whether slow start holds the model's cap below its effective one at ``now``
-    (limits.lua, ramping): then it admits one call at a time, RAMP_GAP_MS apart.
-
-    >>> q = Quota("m", 40, 60_000)
-    >>> ramping(q, Learned(ramp_at=1_000), 1_500), ramping(q, Learned(ramp_at=1_000), 9_000), ramping(q.replace(learn=False), Learned(), 0)
-    (True, False, False)
-    """
-    return slots_now(quota, learned, now) < effective(quota, learned).max_concurrent_requests
 
 
 def ramp_wait_ms(learned: Learned, now: int) -> int:

@@ -109,7 +109,7 @@ for c = 0, n - 1 do
         end
       end
       chosen.deficit = chosen.deficit - est
-      charge(chosen, est, now)
+      charge(chosen, est)
       seq = seq + 1
       local lid = epoch .. '-' .. fmt(seq)
       put_lease(lid, chosen, est, now + lease_ms, 0)

@@ -144,9 +144,6 @@ local function ramp_cap(m, cap, now)
   local base = start * 2 ^ steps
   return math.min(cap, base + math.floor(base * into / RAMP_MS))
 end
--- Whether slow start holds the cap below the effective one now (learned.ramping):
--- then the model admits one call at a time, RAMP_GAP_MS apart (ramp_next).
-local function ramping(m, now) return ramp_cap(m, eff_cap(m), now) < eff_cap(m) end
 -- ms until slow start opens its next slot (learned.ramp_wait_ms): RAMP_MS before its clock starts.
 local function ramp_wait(m, now)
   if m.ramp_at == 0 then return RAMP_MS end
@@ -161,7 +158,7 @@ end
 -- start begins the steps' clock: count_start).
 local function ramp_quota(m, now)
   m.ramp_from = redis.call('ZCOUNT', inflight_key(m.name), '(' .. fmt(now), '+inf')
-  m.ramp_at, m.ramp_next = 0, 0
+  m.ramp_at = 0
 end
 
 -- The circuit breaker (trip.lua): while a model's circuit is open it is paused,
@@ -186,7 +183,6 @@ end
 local function has_capacity(m, est, now)
   if m.paused > now then return false end
   local slots = redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
-                and not (m.ramp_next > now and ramping(m, now))
   local tokens = m.tokens >= tokens_needed(m, est)
   local requests = eff_rpm(m) == 0 or m.requests >= UNITS
   note_bound(m, now, slots, tokens, requests)
@@ -202,7 +198,6 @@ local function wait_ms(m, est, now)
   if rpm > 0 and m.requests < UNITS then
     w = math.max(w, math.ceil((UNITS - m.requests) / rpm))
   end
-  if m.ramp_next > now and ramping(m, now) then w = math.max(w, m.ramp_next - now) end
   local key = inflight_key(m.name)
   local n, cap = redis.call('ZCARD', key), slot_cap(m, now)
   if n >= cap then
@@ -214,11 +209,9 @@ local function wait_ms(m, est, now)
   return w
 end
 
--- An admission charges the buckets, and while slow start ramps holds the next one RAMP_GAP_MS.
-local function charge(m, est, now)
+local function charge(m, est)
   m.tokens = m.tokens - est * UNITS
   if eff_rpm(m) > 0 then m.requests = m.requests - UNITS end
-  if ramping(m, now) then m.ramp_next = now + RAMP_GAP_MS end
 end
 
 -- The token gate: a second token bucket, charged when a call *starts* (renew),

@@ -73,7 +73,7 @@ elseif m.enabled ~= 1 then
 elseif not has_capacity(m, est, now) then
   result = {'W', fmt(now + wait_ms(m, est, now)), fmt(now)}
 else
-  charge(m, est, now)
+  charge(m, est)
   put_lease(lid, m, est, now + lease_ms, 1)
   result = {'A', model, lid, fmt(start_delay(m, est, true, now))}
 end

@@ -135,7 +135,7 @@ class ReferenceCore(Signals):
             order = names[start:] + names[:start]
             chosen = next(n for n in order if n in eligible and self.models[n].deficit >= est)
             self.models[chosen].deficit -= est
-            self._charge(chosen, est, now)
+            self._charge(chosen, est)
             lid = self._new_lease(chosen, est, now + lease_ms, started=False)
             self.rr = chosen
             decisions.append(Admitted(chosen, lid))
@@ -196,7 +196,7 @@ class ReferenceCore(Signals):
             return NotNow(None, now)
         if not self._has_capacity(model, est, now):
             return NotNow(now + self._wait(model, est, now), now)
-        self._charge(model, est, now)
+        self._charge(model, est)
         self.leases[admission_id] = Lease(
             model, est, now + lease_ms, started=True, generation=self.models[model].generation
         )
@@ -243,7 +243,7 @@ class ReferenceCore(Signals):
                 dropped.append(queue.pop(0))
             elif head.expires_at > now and quota.enabled and est <= quota.burst and self._has_capacity(name, est, now):
                 queue.pop(0)
-                self._charge(name, est, now)
+                self._charge(name, est)
                 self.leases[head.admission_id] = Lease(
                     name, est, now + lease_ms, started=started, generation=self.models[name].generation
                 )

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from balancer.admission.learned import (
     CLEAN_MS,
     MAX_WINDOW_MS,
-    RAMP_GAP_MS,
     Learned,
     effective,
     first_bucket_rate,
@@ -16,7 +15,6 @@ from balancer.admission.learned import (
     lowered,
     note_bound,
     ramp_wait_ms,
-    ramping,
     relaxed,
     slots_now,
     undone,
@@ -137,7 +135,7 @@ class ModelState:
         """A quota set or restored: slow start opens from the ``in_flight`` live calls, its
         steps counted from the next call's start (limits.lua, ramp_quota)."""
         self.learned.ramp_from = in_flight
-        self.learned.ramp_at = self.learned.ramp_next = 0
+        self.learned.ramp_at = 0
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (signals.lua, sync_limits): a changed
@@ -248,11 +246,6 @@ class ReferenceState:
         state = self.models[name]
         return 1 if state.probing else slots_now(state.quota, state.learned, now)
 
-    def _ramp_gap(self, name: str, now: int) -> bool:
-        """Slow start admitted a call less than RAMP_GAP_MS ago (limits.lua, has_capacity)."""
-        state = self.models[name]
-        return state.learned.ramp_next > now and ramping(state.quota, state.learned, now)
-
     def _has_capacity(self, name: str, est: int, now: int) -> bool:
         """No pause, a slot, the tokens and a request for ``est``; each limit found short
         binds now (:func:`note_bound`; limits.lua, has_capacity)."""
@@ -260,7 +253,7 @@ class ReferenceState:
         quota = state.limits
         if state.paused_until > now:
             return False
-        slots = len(self._inflight(name)) < self._slot_cap(name, now) and not self._ramp_gap(name, now)
+        slots = len(self._inflight(name)) < self._slot_cap(name, now)
         tokens = state.tokens >= tokens_needed(quota, est)
         requests = not quota.max_requests_per_minute or state.requests >= UNITS
         note_bound(state.learned, now, slots, tokens, requests)
@@ -277,14 +270,13 @@ class ReferenceState:
         request_wait = 0
         if quota.max_requests_per_minute and state.requests < UNITS:
             request_wait = ceil_div(UNITS - state.requests, quota.max_requests_per_minute)
-        gap_wait = state.learned.ramp_next - now if self._ramp_gap(name, now) else 0
         slot_wait = 0
         inflight, cap = self._inflight(name), self._slot_cap(name, now)
         if len(inflight) >= cap:
             slot_wait = inflight[len(inflight) - cap][0] - now
             if not state.probing and cap < quota.max_concurrent_requests:  # slow start's next step may come first
                 slot_wait = min(slot_wait, ramp_wait_ms(state.learned, now))
-        return max(token_wait, request_wait, gap_wait, slot_wait, state.paused_until - now)
+        return max(token_wait, request_wait, slot_wait, state.paused_until - now)
 
     @staticmethod
     def _refill_started(state: ModelState, now: int) -> None:
@@ -333,15 +325,11 @@ class ReferenceState:
         state.tat = max(state.tat, start) + interval
         return start - now
 
-    def _charge(self, name: str, est: int, now: int) -> None:
-        """An admission charges the buckets, and while slow start ramps holds the next one
-        RAMP_GAP_MS (limits.lua, charge)."""
+    def _charge(self, name: str, est: int) -> None:
         state = self.models[name]
         state.tokens -= est * UNITS
         if state.limits.max_requests_per_minute:
             state.requests -= UNITS
-        if ramping(state.quota, state.learned, now):
-            state.learned.ramp_next = now + RAMP_GAP_MS
 
     def _new_lease(self, name: str, est: int, deadline: int, started: bool) -> str:
         self.seq += 1
