@@ -158,10 +158,12 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     the calls live when the quota was set or restored, whose slots stay open),
     doubling every RAMP_MS from ``ramp_at`` (the first call's start under it), up to
     ``cap``. Within a step the new slots open one at a time, evenly spread (a step
-    from 4 to 8 opens one every 62 ms), so the provider's first 429 comes back and
-    ends the ramp before the next slot opens, rather than after a step's four
-    calls have all reached it (conc-10 drew three 429s in its first second). A 429
-    that lowers a limit (``lowered_at``) ends it: the learned limits take over.
+    from 4 to 8 opens one every 62 ms), so when calls are admitted as slots open the
+    provider's first 429 comes back and ends the ramp before the next slot opens,
+    rather than after a step's four calls have all reached it (conc-10 drew three
+    429s in its first second; a dispatcher round that comes late still finds several
+    slots open, and admits them together). A 429 that lowers a limit (``lowered_at``)
+    ends it: the learned limits take over.
 
     >>> k = Learned(ramp_at=1_000)
     >>> [ramp_cap(40, k, now) for now in (1_000, 1_124, 1_125, 1_250, 1_500, 1_750, 1_875, 2_000)]
