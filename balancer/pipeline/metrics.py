@@ -31,8 +31,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
+from balancer.domain.budget import held
 from balancer.domain.cost import Observed, price_list, project
-from balancer.pipeline.budgets import held, read_standings
+from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services

@@ -40,6 +40,8 @@ local lease = cjson.decode(raw)
 local settled, released = 0, 0
 local m = load_model(lease.m)
 local now = clock(ARGV[1])
+-- The call ended on a full model: its cap bound (note_bound), and its slot's refill gap starts (mark_freed).
+local full = false
 if m then
   refill(m, now)
   refill_started(m, now)
@@ -59,9 +61,8 @@ if m then
     m.fails, m.probing, m.backoff = 0, 0, 0
     note_served(m, now)  -- (its own lease still counted)
   end
-  if redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= eff_cap(m) then
-    note_bound(m, now, false, true, true)  -- a call ended on a full model: its cap bound
-  end
+  full = redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= eff_cap(m)
+  if full then note_bound(m, now, false, true, true) end
   save_model(m)
   if ARGV[7] ~= '' then
     record_latency(lease.m, tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10]))
@@ -72,9 +73,7 @@ if m then
     if ARGV[3] ~= '' then count(lease.m, 'tokens_used', tonumber(ARGV[3])) end
   end
 end
-if m and redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= eff_cap(m) then
-  mark_freed(lease.m, now)  -- a slot of a full model: the refill gap starts (metrics only)
-end
+if full then mark_freed(lease.m, now) end  -- (metrics only)
 redis.call('ZREM', inflight_key(lease.m), lid)
 redis.call('HDEL', LEASES, lid)
 released = 1
