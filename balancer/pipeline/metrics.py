@@ -33,6 +33,7 @@ from sqlalchemy.engine import Engine
 from balancer.domain import latency
 from balancer.domain.budget import held
 from balancer.domain.cost import Observed, price_list, project
+from balancer.domain.quota import Quota
 from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
@@ -173,19 +174,19 @@ class BalancerCollector(Collector):
         for decision in ("admitted", "not_now", "rejected"):
             families["balancer_admission_decisions"].add_metric([decision], system.get(decision, 0))
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
-        standings = read_standings(svc)  # once: the ETA's held sources and the per-source budgets
+        quotas = svc.quotas.all()  # once: the budgets' prices and the spend's
+        standings = read_standings(svc, quotas=quotas)  # once: the ETA's held sources and the per-source budgets
         drain = estimate_band(svc, view, left, held(standings))
         if drain is not None and drain.eta is not None:
             families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
             families["balancer_drain_eta_high_seconds"].add_metric([], drain.high or 0.0)
-        self._money(svc, families, left)
+        self._money(families, left, quotas)
         add_source_metrics(families, svc.engine, standings)
         return iter(families.values())
 
-    def _money(self, svc: Services, families: dict[str, Any], left: Backlog) -> None:
+    def _money(self, families: dict[str, Any], left: Backlog, quotas: Sequence[Quota]) -> None:
         """Spend so far by model and source, and the backlog left's projected cost by model, in the quotas' currency."""
-        quotas = svc.quotas.all()
         prices, named = price_list(quotas)
         currency = named or ""
         for source, model, prompt_tokens, completion_tokens in self._usage:
