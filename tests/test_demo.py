@@ -107,9 +107,12 @@ def test_demo_on_existing_services_cleans_up(service_urls: tuple[str, str], tmp_
 def test_ctrl_c_stops_everything(service_urls: tuple[str, str]) -> None:
     redis_url, database_url = service_urls
     before = pipeline_pids()
+    # SIGINT at its default in the demo: a test run started in the background of a shell inherits
+    # it ignored, and so would the demo, which then never saw this test's Ctrl-C (it ran to its end).
     proc = subprocess.Popen([sys.executable, "-m", "balancer", "demo", "--tasks", "5000", "--time-scale", "1"],
                             env=demo_env(BALANCER_REDIS_URL=redis_url, BALANCER_DATABASE_URL=database_url),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while len(pipeline_pids() - before - {proc.pid}) < 4:  # sim, dispatcher, worker, beat
