@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement
+from balancer.admission.values import SYNC_LAG_MS
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
 from tests.twin import Twin
@@ -59,15 +60,33 @@ def test_header_sync_lowers_a_bucket_and_never_raises_it(twin: Twin) -> None:
     first, second = twin.admit([Candidate(1_000), Candidate(1_000)])
     assert isinstance(first, Admitted) and isinstance(second, Admitted)
     # Another application used the same key: the provider says 2,500 tokens and 3 requests are left.
+    # `second` is charged here and has not reached the provider: it will take 1,000 of them, and one.
     twin.finish(first.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
                                                   remaining_tokens=2_500, remaining_requests=3))
     live = twin.core.live(twin.now)["a"]
-    assert live.tokens_available == 2_500 and live.requests_available == 3
+    assert live.tokens_available == 1_500 and live.requests_available == 2
     # A header that says more is left than we think never raises the bucket.
     twin.finish(second.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
                                                    remaining_tokens=5_900, remaining_requests=59))
     live = twin.core.live(twin.now)["a"]
-    assert live.tokens_available == 2_500 and live.requests_available == 3
+    assert live.tokens_available == 1_500 and live.requests_available == 2
+
+
+def test_header_sync_leaves_room_for_a_call_on_its_way(twin: Twin) -> None:
+    """A call started less than SYNC_LAG_MS ago may not have reached the provider
+    when it sent the headers synced now: they leave room for it."""
+    twin.set_quota(Quota("a", 4, 60_000, burst_tokens=1_200))  # 1,000 tokens/s; bucket 950 (the transit allowance)
+    first = twin.admit([Candidate(500)])[0]
+    twin.advance(1_000)
+    second = twin.admit([Candidate(300)])[0]
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    assert twin.renew(first.admission_id, "a", 500).start_delay_ms == 0
+    twin.advance(200)
+    assert twin.renew(second.admission_id, "a", 300).start_delay_ms == 0    # on its way now
+    twin.advance(SYNC_LAG_MS // 2)
+    twin.finish(first.admission_id, Settlement(used_tokens=500, reserved_tokens=500, remaining_tokens=600))
+    assert twin.core.live(twin.now)["a"].tokens_available == 300           # 600 left, 300 of them second's
+    assert isinstance(twin.admit([Candidate(320)])[0], NotNow)
 
 
 def test_concurrent_429s_pause_the_model_once(twin: Twin) -> None:
@@ -131,7 +150,9 @@ def test_the_remaining_requests_header_holds_back_calls_admitted_but_not_started
     calls admitted but not started yet are charged to our bucket and unknown to it.
     The header sync tells the start gate too: only that many more start now, the
     next one interval after another (60 RPM: 1,000 ms), not the burst's worth."""
-    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=60, slow_start=False))
+    # (learn=False: a model that learns reads the first bucket spent this early as a rate of
+    # 1 RPM: test_differential.py, test_requests_spent_early_lower_the_rpm_before_a_429)
+    twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=60, slow_start=False, learn=False))
     first, *waiting = twin.admit([Candidate(1) for _ in range(4)])
     assert twin.renew(first.admission_id, "a", 1).start_delay_ms == 0
     twin.finish(first.admission_id, Settlement(used_tokens=1, reserved_tokens=1, remaining_requests=1))

@@ -404,6 +404,30 @@ def test_a_model_that_does_not_learn_keeps_its_quota(twin: Twin) -> None:
     assert quota_fields(limits_of(twin)) == quota_fields(quota)
 
 
+def test_requests_spent_early_lower_the_rpm_before_a_429(twin: Twin) -> None:
+    """A provider that sends its remaining requests but not its limit, with no request
+    left for our calls (those on their way included) within the first bucket, shows
+    its rate: an RPM a hundred times too high is lowered to it before the 429 (not to
+    7/10 of it: no 429 came). A quota that is right spends its burst at its own rate: left alone."""
+    twin.set_quota(Quota("m-a", 40, 6_000_000, max_requests_per_minute=600, slow_start=False))
+    twin.set_quota(Quota("m-b", 40, 6_000_000, max_requests_per_minute=60, burst_requests=6, slow_start=False))
+    calls = {name: [d for d in twin.admit([Candidate(100, allowed=(name,))] * 6) if isinstance(d, Admitted)]
+             for name in ("m-a", "m-b")}
+    for name in calls:
+        start(twin, calls[name][:4], model=name)
+    twin.advance(2_000)
+    calls["m-b"] += [d for d in twin.admit([Candidate(100, allowed=("m-b",))] * 2) if isinstance(d, Admitted)]
+    assert [len(c) for c in calls.values()] == [6, 8]
+    # m-a: 2 left, for its 2 calls admitted and not started: 6 calls in 2 s show 600 x 6 / (600 + 20) = 5 RPM.
+    # m-b: 4 left for its 4 not started: 8 in 2 s show 60 x 8 / (6 + 2) = 60, its own.
+    for name, left in (("m-a", 2), ("m-b", 4)):
+        twin.finish(calls[name][0].admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_requests=left))
+    assert limits_of(twin).max_requests_per_minute == 5
+    assert twin.core.live(twin.now)["m-a"].learned.lowered_at == twin.now
+    assert limits_of(twin, "m-b").max_requests_per_minute == 60
+    twin.check_same_state()
+
+
 def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 8, 60_000))                     # no RPM set
     [admitted] = twin.admit([Candidate(100)])

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import redis
 
-from balancer.admission import fields, keys, learned
+from balancer.admission import fields, keys, learned, values
 from balancer.admission.live import ModelLive as ModelLive
 from balancer.admission.live import open_slots as open_slots
 from balancer.admission.live import read_live
@@ -49,7 +49,8 @@ LIBRARY = ("state", "limits", "signals", "ready")
 
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("balancer.admission") / "lua"
-    lib = keys.LUA_PRELUDE + fields.LUA_PRELUDE + learned.LUA_PRELUDE + "\n".join((folder / f"{n}.lua").read_text() for n in LIBRARY)
+    preludes = keys.LUA_PRELUDE + fields.LUA_PRELUDE + values.LUA_PRELUDE + learned.LUA_PRELUDE
+    lib = preludes + "\n".join((folder / f"{n}.lua").read_text() for n in LIBRARY)
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
         for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota",

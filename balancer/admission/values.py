@@ -131,6 +131,16 @@ def ceil_div(a: int, b: int) -> int:
 TRANSIT_MS = 250
 #: Of the start gate's burst tolerance, up to this much is kept for the last hop's jitter.
 GATE_HOP_MS = 20
+#: A provider's x-ratelimit-remaining-* counts reach the scripts (finish.lua, penalize.lua) up to
+#: this long after the provider sent them: calls that started since are not in them (unarrived).
+SYNC_LAG_MS = 100
+
+#: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
+LUA_PRELUDE = "\n".join([
+    "-- generated from balancer/admission/values.py",
+    f"local UNITS, TRANSIT_MS, GATE_HOP_MS, SYNC_LAG_MS = {UNITS}, {TRANSIT_MS}, {GATE_HOP_MS}, {SYNC_LAG_MS}",
+    "",
+])
 
 
 def gate_shape(limits: Quota) -> tuple[int, int]:

@@ -17,7 +17,8 @@
 -- is credited only by a `settle` model, and only within the quota generation
 -- that charged it; a `reserve` model keeps it, as the provider does.
 -- Header sync: see sync_to_headers in signals.lua (lowers, never raises, and
--- learns the rate others use of the quota).
+-- learns the rate others use of the quota), and learn_from_spent (an RPM far
+-- above the provider's, seen before its first 429).
 -- Latency: an answered call adds its latency and tokens to the model's sketch,
 -- and to its counters (solved, latency bucket, tokens: see count in state.lua).
 -- Circuit: an answered call closes its model's circuit (see trip.lua).
@@ -56,7 +57,8 @@ if m then
     settled = 1
   end
   sync_limits(m, ARGV[12] or '', ARGV[13] or '')
-  sync_to_headers(m, now, ARGV[5], ARGV[6])
+  local left, unstarted = sync_to_headers(m, now, ARGV[5], ARGV[6], lid)
+  learn_from_spent(m, now, left, unstarted)
   if ARGV[7] ~= '' then
     m.fails, m.probing, m.backoff = 0, 0, 0
     note_served(m, now)  -- (its own lease still counted)
@@ -84,6 +86,7 @@ if m and ARGV[11] ~= '' then
   local nxt = taken[1]
   if nxt then
     local delay = start_delay(m, nxt.e, true, now)
+    set_call_at(nxt.lid, now + delay)
     measure_refill(m.name, now)
     count(m.name, 'ready_taken', 1)
     count_system('admitted', 1)  -- an admission too, outside admit.lua

@@ -82,8 +82,7 @@ end
 -- wastes refill that ours, charged earlier, keeps, so a bucket as large as the
 -- provider's runs ahead of it by up to TRANSIT_MS of refill. Ours is capped
 -- that much lower (never by more than half the burst); a task larger than the
--- cap needs a full bucket.
-local TRANSIT_MS = 250
+-- cap needs a full bucket. (TRANSIT_MS: balancer.admission.values.)
 local function token_cap(m)
   local b = eff_burst(m) * UNITS
   return b - math.min(eff_tpm(m) * TRANSIT_MS, math.floor(b / 2))
@@ -236,10 +235,10 @@ local function token_gate(m, est, now)
 end
 
 -- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
--- The last hop (renew to the provider) jitters too: keep up to 20 ms of it in hand.
+-- The last hop (renew to the provider) jitters too: keep up to GATE_HOP_MS of it in hand.
 local function gate_shape(m)
   local interval = math.ceil(60000 / eff_rpm(m))
-  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), 20))
+  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), GATE_HOP_MS))
 end
 
 -- The start gate (GCRA): calls *start* at most RPM per minute with at most

@@ -60,8 +60,7 @@ if raw then
   end
   redis.call('ZADD', inflight_key(lease.m), fmt(now + lease_ms), lid)
   local delay = start_delay(m, lease.e, lease.s == 0, now)
-  lease.s = 1
-  redis.call('HSET', LEASES, lid, cjson.encode(lease))
+  set_call_at(lid, now + delay)
   save_model(m)
   return {'A', lease.m, lid, fmt(delay)}
 end
@@ -75,7 +74,9 @@ elseif not has_capacity(m, est, now) then
 else
   charge(m, est)
   put_lease(lid, m, est, now + lease_ms, 1)
-  result = {'A', model, lid, fmt(start_delay(m, est, true, now))}
+  local delay = start_delay(m, est, true, now)
+  set_call_at(lid, now + delay)
+  result = {'A', model, lid, fmt(delay)}
 end
 save_model(m)
 return result

@@ -5,15 +5,41 @@
 -- (note_served), and a 429 is told apart by kind (limit_kind) and lowers the
 -- limit of that kind (empty_after_429, learn_from_429).
 
--- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent); never raise them.
+-- The model's live calls the provider had not counted when it sent the headers
+-- being synced: leases not started (charged to the admission buckets only), and
+-- leases whose call starts after now - SYNC_LAG_MS (charged to the start gates
+-- too: waiting at a gate, or on their way). Returns their tokens and number,
+-- then those of the started ones; the call being finished (`own`, or nil) is
+-- not one of them (balancer.admission.reference.signals, _unarrived).
+local function unarrived(m, now, own)
+  local tokens, calls, started_tokens, started_calls = 0, 0, 0, 0
+  for _, lid in ipairs(redis.call('ZRANGEBYSCORE', inflight_key(m.name), '(' .. fmt(now), '+inf')) do
+    local raw = redis.call('HGET', LEASES, lid)
+    if raw and lid ~= own then
+      local lease = cjson.decode(raw)
+      local waiting = lease.s == 1 and (lease.a or 0) > now - SYNC_LAG_MS
+      if lease.s == 0 or waiting then tokens, calls = tokens + lease.e, calls + 1 end
+      if waiting then started_tokens, started_calls = started_tokens + lease.e, started_calls + 1 end
+    end
+  end
+  return tokens, calls, started_tokens, started_calls
+end
+
+-- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
+-- less what our calls it has not counted yet will take (unarrived); never raise them.
 -- The token gap between two syncs is what others used of the quota meanwhile:
 -- its rate moves `ext`, and the bucket refills at tpm - ext (never below a
 -- tenth of tpm), so a steady outside user is expected, not met as a 429 after
 -- every sync. Biased to the safe side: an outside user shows as a positive gap
 -- and moves ext up by 1/4 of it; calls we charged that have not reached the
 -- provider yet show as a negative gap, so down moves take only 1/32.
+-- `own`: the lease of the call whose answer carried them (finish.lua), or nil (a 429).
+-- Returns the requests left for more calls (nil: not sent, or no RPM), and how
+-- many of those on their way were not started (learn_from_spent).
 -- m must be refilled to now first.
-local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
+local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own)
+  if remaining_tokens == '' and remaining_requests == '' then return nil end
+  local tokens, calls, started_tokens, started_calls = unarrived(m, now, own)
   if remaining_tokens ~= '' then
     local remaining = tonumber(remaining_tokens) * UNITS
     if m.synced_at > 0 and now > m.synced_at then
@@ -24,19 +50,20 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests)
       m.ext = math.max(0, math.min(math.floor(eff_tpm(m) * 9 / 10), m.ext + error_rate))
     end
     m.synced_at = now
-    m.tokens = math.min(m.tokens, remaining)
+    m.tokens = math.min(m.tokens, remaining - tokens * UNITS)
     refill_started(m, now)
-    m.ptokens = math.min(m.ptokens, remaining)
+    m.ptokens = math.min(m.ptokens, remaining - started_tokens * UNITS)
   end
   if remaining_requests ~= '' and eff_rpm(m) > 0 then
     local left = tonumber(remaining_requests)
-    m.requests = math.min(m.requests, left * UNITS)
-    -- The start gate too: at most `left` more starts now. The bucket's count
-    -- forgets calls admitted but not started (charged here, unknown to the
-    -- provider); the gate counts starts, so they wait at their start.
+    m.requests = math.min(m.requests, (left - calls) * UNITS)
+    -- The start gate too: at most `left` more starts now, those on their way
+    -- included (the gate counted them already when they passed it).
     local interval, tolerance = gate_shape(m)
-    m.tat = math.max(m.tat, now + tolerance - (left - 1) * interval)
+    m.tat = math.max(m.tat, now + tolerance - (left - started_calls - 1) * interval)
+    return left - calls, calls - started_calls
   end
+  return nil
 end
 
 -- The provider's x-ratelimit-limit-tokens / -requests ('' = not sent), with
@@ -160,6 +187,18 @@ local function lowered(level, shown)
   local to = math.max(1, math.floor(shown * 7 / 10))
   if to < level then return math.min(shown, level), to end
   return nil
+end
+
+-- Requests spent in the first bucket, with `left` after our calls on their way
+-- (nil: not sent), `unstarted` of them admitted and not started: a provider that
+-- states no request limit (hrpm) shows its rate (first_bucket_rate, of the calls
+-- started and those), and an RPM above 10/9 of it is lowered to it before that
+-- 429, once (balancer.admission.learned.spent_early).
+local function learn_from_spent(m, now, left, unstarted)
+  if m.learn ~= 1 or left == nil or left > 0 or m.hrpm > 0 or m.lrpm > 0 or eff_rpm(m) == 0 then return end
+  local shown = first_bucket_rate(m.rpm, m.rburst, m.first_calls + unstarted, now - m.first_at)
+  if shown <= 0 or shown * 10 >= eff_rpm(m) * 9 then return end
+  m.prpm, m.lrpm, m.lowered_at = shown, shown, now
 end
 
 -- A learned limit at `level` after a raise of it drew a 429 (balancer.admission.learned.undone):

@@ -39,9 +39,8 @@
 -- Units: time in integer ms; buckets in units of 1/60000 token (or request),
 -- so refilling at tpm tokens/min is exactly tpm units per ms. All numbers stay
 -- integers below 2^53, exact in Lua's doubles. Stored with fmt() because
--- tostring() would print 1.8e+15.
+-- tostring() would print 1.8e+15. (UNITS: the values prelude, from balancer/admission/values.py.)
 
-local UNITS = 60000
 local META, MODELS, LEASES = KEYS[1], KEYS[2], KEYS[3]
 local PREFIX = string.sub(KEYS[1], 1, -(#META_SUFFIX + 1)) -- the hash tag
 
@@ -123,6 +122,14 @@ end
 local function put_lease(lid, m, est, deadline, started)
   redis.call('ZADD', inflight_key(m.name), fmt(deadline), lid)
   redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, g = m.gen}))
+end
+
+-- Lease `lid`'s call starts at `at` (ms, once through its start gates): marked
+-- started, with that time (`a`: see unarrived in signals.lua).
+local function set_call_at(lid, at)
+  local lease = cjson.decode(redis.call('HGET', LEASES, lid))
+  lease.s, lease.a = 1, at
+  redis.call('HSET', LEASES, lid, cjson.encode(lease))
 end
 
 -- A model's hash holds FIELDS (QUOTA_FIELDS, then STATE_FIELDS): a model is

@@ -188,7 +188,7 @@ class ReferenceCore(Signals):
         if lease is not None:
             lease.deadline = now + lease_ms
             delay = self._start_delay(model, lease.estimated_tokens, not lease.started, now)
-            lease.started = True
+            lease.started, lease.call_at = True, now + delay
             return Admitted(lease.model, admission_id, delay)
         if est > quota.burst:
             return Rejected(rejection_reason(est, quota.burst))
@@ -197,10 +197,11 @@ class ReferenceCore(Signals):
         if not self._has_capacity(model, est, now):
             return NotNow(now + self._wait(model, est, now), now)
         self._charge(model, est)
+        delay = self._start_delay(model, est, True, now)
         self.leases[admission_id] = Lease(
-            model, est, now + lease_ms, started=True, generation=self.models[model].generation
+            model, est, now + lease_ms, started=True, generation=self.models[model].generation, call_at=now + delay
         )
-        return Admitted(model, admission_id, self._start_delay(model, est, True, now))
+        return Admitted(model, admission_id, delay)
 
     def stock(self, entries: Sequence[tuple[str, int, int, str]], ttl_ms: int, now: int) -> list[bool]:
         """Put (model, task id, estimated tokens, admission id) entries on their
@@ -270,6 +271,7 @@ class ReferenceCore(Signals):
             return None
         head = taken[0]
         delay = self._start_delay(name, head.estimated_tokens, True, now)
+        self.leases[head.admission_id].call_at = now + delay
         restock = len(self.ready.get(name, [])) < self.models[name].limits.max_concurrent_requests
         return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay, restock)
 

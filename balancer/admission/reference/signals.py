@@ -11,6 +11,7 @@ from balancer.admission.values import (
     CIRCUIT_BASE_MS,
     CIRCUIT_FAILURES,
     CIRCUIT_MAX_MS,
+    SYNC_LAG_MS,
     UNITS,
     Settlement,
     gate_shape,
@@ -114,12 +115,37 @@ class Signals(ReferenceState):
                 state.started_tokens = min(token_cap(state.limits), state.started_tokens + surplus * UNITS)
             settled = True
         state.sync_limits(settlement.limit_tokens, settlement.limit_requests)
-        self._sync_to_headers(state, now, settlement.remaining_tokens, settlement.remaining_requests)
+        spent = self._sync_to_headers(lease.model, now, settlement.remaining_tokens, settlement.remaining_requests,
+                                      admission_id)
+        if spent is not None:
+            state.learn_from_spent(now, *spent)
         return settled
 
-    @staticmethod
-    def _sync_to_headers(state: ModelState, now: int, remaining_tokens: int | None, remaining_requests: int | None) -> None:
-        """Lower the buckets to the provider's ``x-ratelimit-remaining-*``; never raise them.
+    def _unarrived(self, model: str, now: int, own: str | None) -> tuple[int, int, int, int]:
+        """The model's live calls the provider had not counted when it sent the
+        headers being synced (signals.lua, unarrived): leases not started, and
+        leases whose call starts after ``now - SYNC_LAG_MS`` (waiting at a start
+        gate, or on their way). Their tokens and number, then those of the started
+        ones; the call being finished (``own``) is not one of them."""
+        tokens = calls = started_tokens = started_calls = 0
+        for deadline, lid in self._inflight(model):
+            if lid == own:
+                continue
+            lease = self.leases[lid]
+            waiting = lease.started and lease.call_at > now - SYNC_LAG_MS
+            if deadline > now and (not lease.started or waiting):
+                tokens, calls = tokens + lease.estimated_tokens, calls + 1
+            if deadline > now and waiting:
+                started_tokens, started_calls = started_tokens + lease.estimated_tokens, started_calls + 1
+        return tokens, calls, started_tokens, started_calls
+
+    def _sync_to_headers(self, model: str, now: int, remaining_tokens: int | None, remaining_requests: int | None,
+                         own: str | None = None) -> tuple[int, int] | None:
+        """Lower the buckets to the provider's ``x-ratelimit-remaining-*``, less
+        what our calls it has not counted yet will take (:meth:`_unarrived`; ``own``:
+        the lease of the call whose answer carried them, or None for a 429); never raise them.
+        Returns the requests left for more calls, and how many of those on their way
+        were not started (None: not sent, or no RPM).
 
         The token gap between two syncs is what others used of the quota
         meanwhile: its rate moves ``external``, and the bucket refills at TPM
@@ -130,6 +156,10 @@ class Signals(ReferenceState):
         show as a negative gap, so down moves take only 1/32. Float division
         then floor, exactly as the Lua does it.
         """
+        if remaining_tokens is None and remaining_requests is None:
+            return None
+        state = self.models[model]
+        tokens, calls, started_tokens, started_calls = self._unarrived(model, now, own)
         if remaining_tokens is not None:
             remaining = remaining_tokens * UNITS
             if state.synced_at > 0 and now > state.synced_at:
@@ -138,16 +168,17 @@ class Signals(ReferenceState):
                 ceiling = math.floor(state.limits.max_tokens_per_minute * 9 / 10)
                 state.external = max(0, min(ceiling, state.external + error_rate))
             state.synced_at = now
-            state.tokens = min(state.tokens, remaining)
+            state.tokens = min(state.tokens, remaining - tokens * UNITS)
             ReferenceState._refill_started(state, now)
-            state.started_tokens = min(state.started_tokens, remaining)
+            state.started_tokens = min(state.started_tokens, remaining - started_tokens * UNITS)
         if remaining_requests is not None and state.limits.max_requests_per_minute:
-            state.requests = min(state.requests, remaining_requests * UNITS)
-            # The start gate too: at most that many more starts now. The bucket's
-            # count forgets calls admitted but not started (charged here, unknown
-            # to the provider); the gate counts starts, so they wait at their start.
+            state.requests = min(state.requests, (remaining_requests - calls) * UNITS)
+            # The start gate too: at most that many more starts now, those on
+            # their way included (the gate counted them already when they passed it).
             interval, tolerance = gate_shape(state.limits)
-            state.tat = max(state.tat, now + tolerance - (remaining_requests - 1) * interval)
+            state.tat = max(state.tat, now + tolerance - (remaining_requests - started_calls - 1) * interval)
+            return remaining_requests - calls, calls - started_calls
+        return None
 
     def penalize(
         self, model: str, retry_after_ms: int, now: int,
@@ -180,7 +211,7 @@ class Signals(ReferenceState):
             kind, sent = self._limit_kind(model, now, remaining_tokens, remaining_requests)
             state.learn_from_429(now, kind, sent, started)
             self._empty_after_429(state, now, kind, remaining_tokens, remaining_requests)
-        self._sync_to_headers(state, now, remaining_tokens, remaining_requests)
+        self._sync_to_headers(model, now, remaining_tokens, remaining_requests)
         return started
 
     @staticmethod

@@ -17,6 +17,7 @@ from balancer.admission.learned import (
     ramp_wait_ms,
     relaxed,
     slots_now,
+    spent_early,
     undone,
 )
 from balancer.admission.values import (
@@ -124,6 +125,21 @@ class ModelState:
             k.lcap = max(1, math.floor(k.pcap * 7 / 10))
         k.lowered_at = now
 
+    def learn_from_spent(self, now: int, left: int, unstarted: int) -> None:
+        """Requests spent in the first bucket: ``left`` after our calls on their way,
+        ``unstarted`` of them admitted and not started. A provider that states no
+        request limit shows its rate (of the calls started and those), and an RPM well
+        above it is lowered to it before its 429, once (:func:`spent_early`; signals.lua,
+        learn_from_spent)."""
+        k, limits, q = self.learned, self.limits, self.quota
+        if not q.learn or left > 0 or k.hrpm or k.lrpm or not limits.max_requests_per_minute:
+            return
+        shown = first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls + unstarted,
+                                  now - k.first_at)
+        change = spent_early(limits.max_requests_per_minute, shown)
+        if change:
+            (k.prpm, k.lrpm), k.lowered_at = change, now
+
     def count_start(self, est: int, now: int) -> None:
         """A call starts under the quota: the first bucket counts it (limits.lua, count_start)."""
         k = self.learned
@@ -164,6 +180,7 @@ class Lease:
     deadline: int
     started: bool = False
     generation: int = 0  # the model's quota generation when it was charged
+    call_at: int = 0  # ms: when its call starts, once through its start gates (set when it is started)
 
 
 @dataclass
