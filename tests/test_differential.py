@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
 from balancer.admission.fields import quota_fields
-from balancer.admission.learned import CLEAN_MS, FIRST_BUCKETS, RAMP_MS, RAMP_START
+from balancer.admission.learned import CLEAN_MS, FIRST_BUCKETS, PEAK_WINDOWS, RAMP_MS, RAMP_START
 from balancer.domain.quota import Quota
 from tests.twin import LEASE_MS, Twin, delete_keys
 
@@ -296,11 +296,20 @@ def test_a_429_lowers_requests_and_clean_windows_raise_them_back(twin: Twin) -> 
     twin.admit([Candidate(100)])                                      # admitted: no call waited for a request
     twin.advance(CLEAN_MS * 3)                                        # so not raised
     assert limits_of(twin).max_requests_per_minute == 294 + 4 * 21
-    for _ in range(11):                                               # back at the quota: forgotten
+    wait_for_a_request(twin)
+    twin.advance(CLEAN_MS)
+    assert limits_of(twin).max_requests_per_minute == 399
+    windows = 0                                                       # to the peak (420) and past it:
+    while twin.core.live(twin.now)["m-a"].learned.lrpm:               # a step every PEAK_WINDOWS windows
         wait_for_a_request(twin)
         twin.advance(CLEAN_MS)
-    assert limits_of(twin).max_requests_per_minute == 600
-    assert twin.core.live(twin.now)["m-a"].learned.lrpm == 0
+        windows += 1
+        if windows == PEAK_WINDOWS - 1:
+            assert limits_of(twin).max_requests_per_minute == 399
+        if windows == PEAK_WINDOWS:
+            assert limits_of(twin).max_requests_per_minute == 420
+    assert limits_of(twin).max_requests_per_minute == 600              # back at the quota: forgotten
+    assert windows == 10 * PEAK_WINDOWS
 
 
 def test_a_429_soon_after_a_raise_undoes_it_and_doubles_the_window(twin: Twin) -> None:
@@ -402,6 +411,38 @@ def test_a_model_that_does_not_learn_keeps_its_quota(twin: Twin) -> None:
     twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0, limit_requests=60)
     twin.finish("none", Settlement(limit_requests=60, limit_tokens=6_000))
     assert quota_fields(limits_of(twin)) == quota_fields(quota)
+
+
+def test_a_changed_limit_header_lets_a_lowered_cap_climb_at_the_old_pace(twin: Twin) -> None:
+    """A cap lowered by a 429 climbs slowly to the level it was refused at (PEAK_WINDOWS
+    windows a step); a changed x-ratelimit-limit-* header (the provider changed its
+    limits: learn-cut's restore) forgets that level, and it climbs a step a window."""
+    twin.set_quota(Quota("m-a", 10, 6_000_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(100)] * 10) if isinstance(d, Admitted)]
+    start(twin, calls)
+    twin.finish(calls[0].admission_id, Settlement(used_tokens=100, reserved_tokens=100, limit_tokens=6_000_000))
+    assert twin.penalize("m-a", 500, remaining_tokens=5_000_000)                   # 9 started: cap 6
+    assert limits_of(twin).max_concurrent_requests == 6
+
+    running = calls[2:]                                                            # 8 calls run on
+
+    def full_for_a_window() -> None:
+        for call in running:
+            assert twin.heartbeat(call.admission_id, 2 * CLEAN_MS)
+        assert isinstance(twin.admit([Candidate(100)])[0], NotNow)                 # every slot taken: the cap binds
+        twin.advance(CLEAN_MS)
+
+    twin.advance(500)
+    full_for_a_window()
+    full_for_a_window()
+    assert limits_of(twin).max_concurrent_requests == 8                            # a step a window below the peak
+    full_for_a_window()
+    assert limits_of(twin).max_concurrent_requests == 8                            # 9 is the peak: slowly
+    ended = running.pop()
+    twin.finish(ended.admission_id, Settlement(used_tokens=100, reserved_tokens=100, limit_tokens=3_000_000))
+    assert twin.core.live(twin.now)["m-a"].learned.pcap == 10                      # the provider changed its limits
+    assert limits_of(twin).max_concurrent_requests == 9                            # its window waited: raised at once
+    twin.check_same_state()
 
 
 def test_requests_spent_early_lower_the_rpm_before_a_429(twin: Twin) -> None:

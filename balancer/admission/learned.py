@@ -28,6 +28,14 @@ from balancer.domain.quota import Quota
 #: window doubles the window, up to the max.
 CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 
+#: A raise that takes a learned limit to the level its last 429 lowered it from
+#: (its peak), or past it, waits this many windows: back toward the level the
+#: provider refused at one step a window, at and past it slowly (TCP CUBIC's
+#: plateau). On learn.toml, conc-10 probed a fifth slot every window it was
+#: allowed (21, 41 and 81 s: three 429s a run) and tpm-10-silent climbed 10 % past
+#: its provider's TPM before the overdraft showed (two to four 429s).
+PEAK_WINDOWS = 4
+
 #: Slow start (:func:`ramp_cap`): a new or changed quota's concurrency opens
 #: RAMP_START slots at first and doubles every RAMP_MS from its first call's
 #: start, one slot at a time within each step. A provider refuses a call over
@@ -45,7 +53,7 @@ FIRST_BUCKETS = 2
 #: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
 LUA_PRELUDE = "\n".join([
     "-- generated from balancer/admission/learned.py",
-    f"local CLEAN_MS, MAX_WINDOW_MS = {CLEAN_MS}, {MAX_WINDOW_MS}",
+    f"local CLEAN_MS, MAX_WINDOW_MS, PEAK_WINDOWS = {CLEAN_MS}, {MAX_WINDOW_MS}, {PEAK_WINDOWS}",
     f"local RAMP_START, RAMP_MS = {RAMP_START}, {RAMP_MS}",
     f"local FIRST_BUCKETS = {FIRST_BUCKETS}",
     "",
@@ -309,8 +317,9 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     """``learned`` after a clean window (limits.lua, relax): every learned limit that
     has bound for a window since the last raise or lowering (first bound, ``bound_*``,
     at least CLEAN_MS, or the doubled ``window``, ago) goes one step up, 1/20 of the
-    level its last 429 lowered it from, and ``raised_at`` is now; at the limit
-    without learning it is forgotten (0). A limit the traffic did not reach is not
+    level its last 429 lowered it from (its peak), and ``raised_at`` is now; a step to
+    the peak or past it waits PEAK_WINDOWS windows. At the limit without learning it
+    is forgotten (0). A limit the traffic did not reach is not
     raised, and while none is, nothing changes: a clean window says nothing of a
     limit nobody reached (learn.toml's tpm-10-silent, held by its cap, had its TPM
     raised to 1.2 times its provider's, then drew two 429s and a cut to 7/10 once
@@ -323,6 +332,8 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
     294
     >>> relaxed(q, Learned(lrpm=294, prpm=420), now=20_000).raised_at               # never waited for a request
     0
+    >>> [relaxed(q, Learned(lrpm=399, prpm=420, bound_rpm=1), now=t).lrpm for t in (30_000, 40_001)]   # to the peak
+    [399, 420]
     """
     k = learned
     if not quota.learn or not (k.ltpm or k.lrpm or k.lcap):
@@ -332,7 +343,8 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
         return k
 
     def raised(level: int, peak: int, ceiling: int, bound_at: int) -> int:
-        if level == 0 or bound_at == 0 or bound_at < since or now - bound_at < w:
+        wait = w * PEAK_WINDOWS if level + step_of(peak) >= peak else w
+        if level == 0 or bound_at == 0 or bound_at < since or now - bound_at < wait or now - since < wait:
             return level
         level += step_of(peak)
         return 0 if ceiling == 0 or level >= ceiling else level

@@ -51,12 +51,14 @@ local function window_ms(m)
 end
 
 -- One clean window's raise of learned limit l (0: none), by 1/20 of the level
--- the last 429 lowered it from, if it has bound for a window since `since`
--- (bound_at: it first bound then, at least w ms ago); at `ceiling` (the limit
--- without learning, 0: none) it is forgotten.
+-- the last 429 lowered it from (its peak), if it has bound for a window since `since`
+-- (bound_at: it first bound then, at least w ms ago); a step to the peak or past
+-- it waits PEAK_WINDOWS windows. At `ceiling` (the limit without learning, 0: none)
+-- it is forgotten.
 local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
 local function raised(l, peak, ceiling, bound_at, since, now, w)
-  if l == 0 or bound_at == 0 or bound_at < since or now - bound_at < w then return l end
+  if l + step_of(peak) >= peak then w = w * PEAK_WINDOWS end
+  if l == 0 or bound_at == 0 or bound_at < since or now - bound_at < w or now - since < w then return l end
   l = l + step_of(peak)
   if ceiling == 0 or l >= ceiling then return 0 end
   return l

@@ -69,14 +69,19 @@ end
 -- The provider's x-ratelimit-limit-tokens / -requests ('' = not sent), with
 -- learn = 1: they cap the effective limits, and give an RPM to a quota that
 -- has none. A changed one makes what 429s taught of that kind stale: forgotten.
+-- It also forgets the concurrency cap's peak (pcap, back to the quota's cap): no
+-- header states concurrency, and a provider that changed its limits may have
+-- changed that one too, so a lowered cap climbs back at one step a window, not
+-- slowly at the level it was refused at (see PEAK_WINDOWS).
 -- A new token limit also restarts the outside-use estimate (ext, synced_at):
 -- the gaps seen while the old limit held measured our own overdraft, not others.
 local function sync_limits(m, limit_tokens, limit_requests)
   if m.learn ~= 1 then return end
+  local changed = false
   if limit_tokens ~= '' then
     local h = tonumber(limit_tokens)
     if h > 0 and h ~= m.htpm then
-      if m.htpm > 0 then m.ltpm, m.ptpm, m.window = 0, 0, 0 end
+      if m.htpm > 0 then m.ltpm, m.ptpm, m.window, changed = 0, 0, 0, true end
       if lower_of(m.tpm, h) ~= lower_of(m.tpm, m.htpm) then m.ext, m.synced_at = 0, 0 end
       m.htpm = h
     end
@@ -84,10 +89,11 @@ local function sync_limits(m, limit_tokens, limit_requests)
   if limit_requests ~= '' then
     local h = tonumber(limit_requests)
     if h > 0 and h ~= m.hrpm then
-      if m.hrpm > 0 then m.lrpm, m.prpm, m.window = 0, 0, 0 end
+      if m.hrpm > 0 then m.lrpm, m.prpm, m.window, changed = 0, 0, 0, true end
       m.hrpm = h
     end
   end
+  if changed and m.lcap > 0 then m.pcap = m.cap end
 end
 
 -- The model's calls in flight: how many, their estimated tokens, and how many

@@ -155,22 +155,26 @@ class ModelState:
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
         """Adopt the provider's x-ratelimit-limit-* (signals.lua, sync_limits): a changed
-        one makes what 429s taught of that kind stale; a new token limit restarts
-        the outside-use estimate (its gaps measured our own overdraft)."""
+        one makes what 429s taught of that kind stale, and forgets the cap's peak (no
+        header states concurrency; a provider that changed its limits may have changed
+        that one too); a new token limit restarts the outside-use estimate (its gaps
+        measured our own overdraft)."""
         if not self.quota.learn:
             return
-        k = self.learned
+        k, changed = self.learned, False
         if limit_tokens is not None and limit_tokens > 0 and limit_tokens != k.htpm:
             if k.htpm > 0:
-                k.ltpm, k.ptpm, k.window = 0, 0, 0
+                k.ltpm, k.ptpm, k.window, changed = 0, 0, 0, True
             tpm = self.quota.max_tokens_per_minute
             if lower_of(tpm, limit_tokens) != lower_of(tpm, k.htpm):  # a new token limit: others' use is re-learned
                 self.external, self.synced_at = 0, 0
             k.htpm = limit_tokens
         if limit_requests is not None and limit_requests > 0 and limit_requests != k.hrpm:
             if k.hrpm > 0:
-                k.lrpm, k.prpm, k.window = 0, 0, 0
+                k.lrpm, k.prpm, k.window, changed = 0, 0, 0, True
             k.hrpm = limit_requests
+        if changed and k.lcap:
+            k.pcap = self.quota.max_concurrent_requests
 
 
 @dataclass
