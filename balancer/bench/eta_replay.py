@@ -59,10 +59,12 @@ def _state(recorded: dict[str, Any], own_tokens: bool, ready_ttl_s: float | None
 
 
 def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: float | None = READY_TTL_S,
-           ) -> list[dict[str, Any]]:
+           full_pace: bool = False) -> list[dict[str, Any]]:
     """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``,
-    with each model's own tokens per task or (``own_tokens`` off) the backlog's mean, and each
-    ready list counted as its model's work up to what it finishes in ``ready_ttl_s`` (None: all)."""
+    with each model's own tokens per task or (``own_tokens`` off) the backlog's mean, each
+    ready list counted as its model's work up to what it finishes in ``ready_ttl_s`` (None: all),
+    and with ``full_pace`` the pace over the whole last minute, as before the pace's window
+    stopped at a learned limit's change (``state_full_pace``, recorded when they differ)."""
     polls = [json.loads(line) for line in (run / "pipeline-eta.jsonl").read_text().splitlines()]
     calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
     makespan = polls[0]["makespan_s"]
@@ -73,7 +75,8 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: fl
         if poll["state"] is None:
             replayed.append(poll)
             continue
-        state, now = _state(poll["state"], own_tokens, ready_ttl_s), started + poll["at_s"]
+        recorded = poll.get("state_full_pace") if full_pace and poll.get("state_full_pace") else poll["state"]
+        state, now = _state(recorded, own_tokens, ready_ttl_s), started + poll["at_s"]
         models = dict(state.models)
         for name in state.on_prior:
             answered = [c["end"] - c["start"] for c in calls
@@ -94,11 +97,14 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: fl
               help="Each model's tokens per task: its own, as recorded, or the backlog's mean (as before).")
 @click.option("--ready-ttl", type=float, default=READY_TTL_S, show_default=True,
               help="Seconds a ready task waits for its model (BALANCER_READY_TTL); 0: every ready task is its model's.")
-def main(runs: tuple[Path, ...], variant: str, tokens: str, ready_ttl: float) -> None:
+@click.option("--pace", type=click.Choice(["still", "full"]), default="still", show_default=True,
+              help="The pace's window: since the last learned change, or the whole last minute (as before).")
+def main(runs: tuple[Path, ...], variant: str, tokens: str, ready_ttl: float, pace: str) -> None:
     """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
     for run in runs:
-        rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own", ready_ttl_s=ready_ttl or None)
-        click.echo(f"{run} ({variant}, {tokens} tokens, ready TTL {ready_ttl:g} s): "
+        rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own", ready_ttl_s=ready_ttl or None,
+                      full_pace=pace == "full")
+        click.echo(f"{run} ({variant}, {tokens} tokens, ready TTL {ready_ttl:g} s, {pace} pace): "
                    + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
 
 

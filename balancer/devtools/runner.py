@@ -203,17 +203,24 @@ def eta_sample(svc: Any, at: float, done: int) -> dict[str, Any]:
     from dataclasses import asdict
 
     from balancer.domain.eta import forecast
-    from balancer.pipeline.summary import drain_inputs
+    from balancer.pipeline.summary import PACE_WINDOW_S, drain_inputs
     from balancer.storage.spend import projected_cost, spend_so_far
 
-    state = drain_inputs(svc)
+    def recorded(state: Any) -> dict[str, Any] | None:
+        return None if state is None else {**asdict(state), "models": {k: asdict(v) for k, v in state.models.items()},
+                                           "on_prior": list(state.on_prior)}
+
+    view = svc.core.live()
+    state = drain_inputs(svc, view)
     result = forecast(state) if state is not None else None
     quotas = svc.quotas.all()
-    return {"at_s": round(at, 3), "done": done, "spent": spend_so_far(svc.engine, quotas).total,
-            "projected": projected_cost(svc.engine, quotas).total, "eta_s": None if result is None else result.eta,
-            "low_s": None if result is None else result.low, "high_s": None if result is None else result.high,
-            "state": None if state is None else {**asdict(state), "models": {k: asdict(v) for k, v in state.models.items()},
-                                                 "on_prior": list(state.on_prior)}}
+    sample = {"at_s": round(at, 3), "done": done, "spent": spend_so_far(svc.engine, quotas).total,
+              "projected": projected_cost(svc.engine, quotas).total, "eta_s": None if result is None else result.eta,
+              "low_s": None if result is None else result.low, "high_s": None if result is None else result.high,
+              "state": recorded(state)}
+    if state is not None and state.window_s < PACE_WINDOW_S:  # the pace over the whole last minute too, as before
+        sample["state_full_pace"] = recorded(drain_inputs(svc, view, pace_s=PACE_WINDOW_S))
+    return sample
 
 
 @dataclass

@@ -23,9 +23,9 @@ docs/benchmarks.md (issue 28):
   heavy-tailed run the short ones), unless its token or request rate binds (:func:`rate_bound`);
 * the last calls still take their latency after the fluid bound says the work is "done":
   half a call at the mean latency over every slot (:func:`end_tail`);
-* the run does not reach the bound: the :func:`efficiency` of the last minute, the bound of
-  the work solved in it over the time it took (full buckets counted while that minute starts
-  with the run), never above 1, divides the bound of the work left free to run on any model;
+* the run does not reach the bound: the :func:`efficiency` of the last minute (or less: since a
+  learned limit changed), the bound of the work solved in it over its time (full buckets counted
+  while it starts with the run), never above 1, divides the bound of the work left free to run;
 * work held to one model cannot move to a faster one, so the end game cannot shorten its last
   calls: a model with pinned tasks left finishes no sooner than :func:`pinned_finish`, its own
   bound for them plus the spread of its last calls, at that model's own latency;

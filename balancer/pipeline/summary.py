@@ -13,6 +13,7 @@ rows, and :func:`binding_limit` says which limit holds a model back right now.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,8 +35,29 @@ from balancer.storage.reads import (
 )
 from balancer.storage.rows import Reads, reading
 
-#: The drain ETA's pace is measured over the last minute of solves.
+#: The drain ETA's pace is measured over the last minute of solves (or less: :func:`pace_window_s`).
 PACE_WINDOW_S = 60.0
+
+
+def pace_window_s(view: Mapping[str, ModelLive], now_ms: float) -> float:
+    """The window the drain ETA's pace is measured over: the last PACE_WINDOW_S seconds,
+    or only those since a learned limit last changed (lowered or raised, on any model).
+    The pace is the work solved in the window over its bound at the limits in force
+    now; work done while a limit was lower reads as slowness, and the ETA stretched
+    all of the work left by it (learn.toml at 25 % done: a pace of 0.85 over the
+    run's first 21 s of slow start and lowerings, the ETA 20 % long, while the run
+    then went at its bound). A window under the pace's minimum means no correction.
+
+    >>> from dataclasses import replace
+    >>> from balancer.admission.learned import Learned
+    >>> from balancer.domain.quota import Quota
+    >>> live = ModelLive(Quota("m", 4, 60_000), in_flight=0, tokens_available=0, requests_available=None, deficit=0)
+    >>> pace_window_s({"m": live}, now_ms=100_000), pace_window_s({"m": replace(live, learned=Learned(raised_at=85_000))}, 100_000)
+    (60.0, 15.0)
+    """
+    changes = [max(live.learned.lowered_at, live.learned.raised_at) for live in view.values() if live.quota.learn]
+    latest = max(changes, default=0)
+    return PACE_WINDOW_S if latest <= 0 else max(0.0, min(PACE_WINDOW_S, (now_ms - latest) / 1000))
 
 
 @dataclass(frozen=True)
@@ -132,20 +154,21 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
 
 def drain_inputs(
     services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
-    held: Collection[str] | None = None,
+    held: Collection[str] | None = None, pace_s: float | None = None,
 ) -> DrainState | None:
     """What the drain ETA is computed from, read now: the live effective limits, buckets and
     learned latencies, the backlog (``left``: the pending tasks' composition, the tasks not
-    finished), the last minute's solves, and the pending tasks of the sources over their budget
-    (``held``: read now as the dispatcher reads it, when not given). None when no model is enabled.
-    PostgreSQL's reads share one connection."""
+    finished), the solves of the pace's window (``pace_s``, or :func:`pace_window_s`), and the
+    pending tasks of the sources over their budget (``held``: read now as the dispatcher reads
+    it, when not given). None when no model is enabled. PostgreSQL's reads share one connection."""
     view = services.core.live() if view is None else view
+    pace_s = pace_window_s(view, time.time() * 1000) if pace_s is None else pace_s
     with reading(services.db) as db:
-        return _drain_inputs(services, db, view, backlog(db) if left is None else left, held)
+        return _drain_inputs(services, db, view, backlog(db) if left is None else left, held, pace_s)
 
 
 def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLive], left: Backlog,
-                  held: Collection[str] | None) -> DrainState | None:
+                  held: Collection[str] | None, pace_s: float) -> DrainState | None:
     groups = left.pending_groups()
     prior_s = services.settings.expected_latency_s
     pending = sum(n for _, n, _ in groups)
@@ -153,8 +176,8 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
     # Each model at its effective limits: where 429s or the provider's headers taught a
     # limit lower than the quota, the quota is not what the drain can use (learn.toml's
     # ETA read the quotas and was 39 to 72 % short at 25 % done).
-    solved, window_s = recent_solves(db, PACE_WINDOW_S)
-    by_model = recent_solves_by_model(db, window_s)
+    solved, window_s = recent_solves(db, pace_s)
+    by_model = recent_solves_by_model(db, PACE_WINDOW_S)  # each model's own tokens: its last minute's tasks
     no_solves = ModelSolves(0, 0)
 
     def own_tokens(live: ModelLive) -> float:
@@ -190,7 +213,7 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
         ready_ttl_s=services.settings.ready_ttl,
         start_buckets={name: (float(live.limits.burst), float(live.limits.request_burst)
                               if live.limits.max_requests_per_minute else None)
-                       for name, live in view.items()} if window_s < PACE_WINDOW_S else None,
+                       for name, live in view.items()} if window_s < pace_s else None,
         in_flight={name: live.in_flight for name, live in view.items()}, tokens_per_task=tokens_per_task,
         solved=solved, window_s=window_s,
         on_prior=on_prior,
