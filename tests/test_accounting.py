@@ -217,6 +217,25 @@ def test_a_steady_outside_user_is_learned_from_the_headers(twin: Twin) -> None:
     assert tokens(twin) - before == pytest.approx(800, abs=40)  # refills at what is left for us
 
 
+def test_a_call_on_its_way_does_not_hide_an_outside_user(twin: Twin) -> None:
+    """The same outsider, while one of our calls (1,000 tokens) stays admitted and not
+    started: charged here, unknown to the provider. Measured against the counts
+    alone, it made every sync's gap 1,000 tokens short, and the outsider went unseen."""
+    twin.set_quota(Quota("a", 8, 60_000, burst_tokens=1_000_000))
+    drain = twin.admit([Candidate(900_000)])[0]
+    twin.release(drain.admission_id)
+    held = twin.admit([Candidate(1_000)])[0]
+    provider = tokens(twin) + 1_000
+    for _ in range(80):
+        twin.advance(250)
+        assert twin.heartbeat(held.admission_id, 60_000)
+        provider = min(provider + 250 * 800 / 1_000, 1_000_000)
+        lease = twin.admit([Candidate(100)])[0]
+        provider -= 100
+        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=int(provider)))
+    assert 11_000 <= twin.core.live(twin.now)["a"].external_tpm <= 13_000
+
+
 def test_the_outside_rate_decays_when_the_outsider_stops(twin: Twin) -> None:
     share_with_an_outsider(twin, [200] * 80 + [0] * 80)
     # The provider's bucket is ahead of ours after the outsider stops (we never raise ours),

@@ -27,12 +27,12 @@ end
 
 -- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
 -- less what our calls it has not counted yet will take (unarrived); never raise them.
--- The token gap between two syncs is what others used of the quota meanwhile:
--- its rate moves `ext`, and the bucket refills at tpm - ext (never below a
--- tenth of tpm), so a steady outside user is expected, not met as a 429 after
--- every sync. Biased to the safe side: an outside user shows as a positive gap
--- and moves ext up by 1/4 of it; calls we charged that have not reached the
--- provider yet show as a negative gap, so down moves take only 1/32.
+-- The token gap between two syncs (our level against the count less our calls
+-- on their way) is what others used of the quota meanwhile: its rate moves
+-- `ext`, and the bucket refills at tpm - ext (never below a tenth of tpm), so a
+-- steady outside user is expected, not met as a 429 after every sync. Biased to
+-- the safe side: a positive gap moves ext up by 1/4 of it, a negative one down
+-- by only 1/32.
 -- `own`: the lease of the call whose answer carried them (finish.lua), or nil (a 429).
 -- Returns the requests left for more calls (nil: not sent, or no RPM), and how
 -- many of those on their way were not started (learn_from_spent).
@@ -43,7 +43,7 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
   if remaining_tokens ~= '' then
     local remaining = tonumber(remaining_tokens) * UNITS
     if m.synced_at > 0 and now > m.synced_at then
-      local gap = m.tokens - remaining
+      local gap = m.tokens - (remaining - tokens * UNITS)
       local gain = 4
       if gap < 0 then gain = 32 end
       local error_rate = math.floor(gap / (gain * (now - m.synced_at)))

@@ -147,14 +147,13 @@ class Signals(ReferenceState):
         Returns the requests left for more calls, and how many of those on their way
         were not started (None: not sent, or no RPM).
 
-        The token gap between two syncs is what others used of the quota
-        meanwhile: its rate moves ``external``, and the bucket refills at TPM
-        less that (never below a tenth of TPM). So a steady outside user is
-        expected instead of met as a 429 after every sync. Biased to the safe
-        side: an outside user shows as a positive gap and moves the estimate up
-        by 1/4 of it; calls we charged that have not reached the provider yet
-        show as a negative gap, so down moves take only 1/32. Float division
-        then floor, exactly as the Lua does it.
+        The token gap between two syncs (our level against the count less our
+        calls on their way) is what others used of the quota meanwhile: its rate
+        moves ``external``, and the bucket refills at TPM less that (never below a
+        tenth of TPM). So a steady outside user is expected instead of met as a
+        429 after every sync. Biased to the safe side: a positive gap moves the
+        estimate up by 1/4 of it, a negative one down by only 1/32. Float
+        division then floor, exactly as the Lua does it.
         """
         if remaining_tokens is None and remaining_requests is None:
             return None
@@ -163,7 +162,7 @@ class Signals(ReferenceState):
         if remaining_tokens is not None:
             remaining = remaining_tokens * UNITS
             if state.synced_at > 0 and now > state.synced_at:
-                gap = state.tokens - remaining
+                gap = state.tokens - (remaining - tokens * UNITS)
                 error_rate = math.floor(gap / ((4 if gap >= 0 else 32) * (now - state.synced_at)))
                 ceiling = math.floor(state.limits.max_tokens_per_minute * 9 / 10)
                 state.external = max(0, min(ceiling, state.external + error_rate))
