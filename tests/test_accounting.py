@@ -60,16 +60,17 @@ def test_header_sync_lowers_a_bucket_and_never_raises_it(twin: Twin) -> None:
     first, second = twin.admit([Candidate(1_000), Candidate(1_000)])
     assert isinstance(first, Admitted) and isinstance(second, Admitted)
     # Another application used the same key: the provider says 2,500 tokens and 3 requests are left.
-    # `second` is charged here and has not reached the provider: it will take 1,000 of them, and one.
+    # `second` is charged here and has not reached the provider: it will take 1,000 of the tokens.
+    # (The request bucket goes to the count itself: the start gate holds `second` back.)
     twin.finish(first.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
                                                   remaining_tokens=2_500, remaining_requests=3))
     live = twin.core.live(twin.now)["a"]
-    assert live.tokens_available == 1_500 and live.requests_available == 2
+    assert live.tokens_available == 1_500 and live.requests_available == 3
     # A header that says more is left than we think never raises the bucket.
     twin.finish(second.admission_id, Settlement(used_tokens=1_000, reserved_tokens=1_000,
                                                    remaining_tokens=5_900, remaining_requests=59))
     live = twin.core.live(twin.now)["a"]
-    assert live.tokens_available == 1_500 and live.requests_available == 2
+    assert live.tokens_available == 1_500 and live.requests_available == 3
 
 
 def test_header_sync_leaves_room_for_a_call_on_its_way(twin: Twin) -> None:

@@ -133,7 +133,7 @@ TRANSIT_MS = 250
 GATE_HOP_MS = 20
 #: A provider's x-ratelimit-remaining-* counts reach the scripts (finish.lua, penalize.lua) up to
 #: this long after the provider sent them: calls that started since are not in them (unarrived).
-SYNC_LAG_MS = 100
+SYNC_LAG_MS = 25
 
 #: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
 LUA_PRELUDE = "\n".join([

@@ -26,7 +26,8 @@ local function unarrived(m, now, own)
 end
 
 -- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
--- less what our calls it has not counted yet will take (unarrived); never raise them.
+-- the token buckets less what our calls it has not counted yet will take
+-- (unarrived); never raise them.
 -- The token gap between two syncs (our level against the count less our calls
 -- on their way) is what others used of the quota meanwhile: its rate moves
 -- `ext`, and the bucket refills at tpm - ext (never below a tenth of tpm), so a
@@ -55,12 +56,15 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
     m.ptokens = math.min(m.ptokens, remaining - started_tokens * UNITS)
   end
   if remaining_requests ~= '' and eff_rpm(m) > 0 then
+    -- The request bucket and the start gate go to the count itself: a whole
+    -- request a call (the count is floored), against a provider's one-second
+    -- window of two (azure-rpm1s), taking our calls on their way off it too cost
+    -- a tenth of its throughput. Calls admitted but not started wait at the gate:
+    -- at most `left` more starts now.
     local left = tonumber(remaining_requests)
-    m.requests = math.min(m.requests, (left - calls) * UNITS)
-    -- The start gate too: at most `left` more starts now, those on their way
-    -- included (the gate counted them already when they passed it).
+    m.requests = math.min(m.requests, left * UNITS)
     local interval, tolerance = gate_shape(m)
-    m.tat = math.max(m.tat, now + tolerance - (left - started_calls - 1) * interval)
+    m.tat = math.max(m.tat, now + tolerance - (left - 1) * interval)
     return left - calls, calls - started_calls
   end
   return nil

@@ -141,8 +141,8 @@ class Signals(ReferenceState):
 
     def _sync_to_headers(self, model: str, now: int, remaining_tokens: int | None, remaining_requests: int | None,
                          own: str | None = None) -> tuple[int, int] | None:
-        """Lower the buckets to the provider's ``x-ratelimit-remaining-*``, less
-        what our calls it has not counted yet will take (:meth:`_unarrived`; ``own``:
+        """Lower the buckets to the provider's ``x-ratelimit-remaining-*``, the token
+        buckets less what our calls it has not counted yet will take (:meth:`_unarrived`; ``own``:
         the lease of the call whose answer carried them, or None for a 429); never raise them.
         Returns the requests left for more calls, and how many of those on their way
         were not started (None: not sent, or no RPM).
@@ -171,11 +171,11 @@ class Signals(ReferenceState):
             ReferenceState._refill_started(state, now)
             state.started_tokens = min(state.started_tokens, remaining - started_tokens * UNITS)
         if remaining_requests is not None and state.limits.max_requests_per_minute:
-            state.requests = min(state.requests, (remaining_requests - calls) * UNITS)
-            # The start gate too: at most that many more starts now, those on
-            # their way included (the gate counted them already when they passed it).
+            # The request bucket and the start gate go to the count itself (signals.lua says
+            # why); calls admitted but not started wait at the gate: at most that many more starts now.
+            state.requests = min(state.requests, remaining_requests * UNITS)
             interval, tolerance = gate_shape(state.limits)
-            state.tat = max(state.tat, now + tolerance - (remaining_requests - started_calls - 1) * interval)
+            state.tat = max(state.tat, now + tolerance - (remaining_requests - 1) * interval)
             return remaining_requests - calls, calls - started_calls
         return None
 
