@@ -143,6 +143,7 @@ learn_operations = st.lists(
         st.tuples(st.just("finish"), st.integers(0, 50), answered),
         st.tuples(st.just("penalize"), st.sampled_from(NAMES[:2]), st.integers(0, 2_000), st.none(), st.none(),
                   st.none(), st.none()),
+        st.tuples(st.just("penalize_refused"), st.integers(0, 50), st.integers(0, 2_000)),
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
         st.tuples(st.just("advance"), st.integers(CLEAN_MS - 2_000, CLEAN_MS + 2_000)),
         st.tuples(st.just("set"), learn_quota),
@@ -193,6 +194,9 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 twin.heartbeat(issued[op[1] % len(issued)][0], op[2], op[3])
             elif kind == "penalize":
                 twin.penalize(*op[1:])
+            elif kind == "penalize_refused" and issued:  # a 429 for one of the calls issued
+                lid, model, _ = issued[op[1] % len(issued)]
+                twin.penalize(model, op[2], refused=lid)
             elif kind == "trip":
                 twin.trip(op[1])
             elif kind == "advance":
@@ -411,6 +415,20 @@ def test_a_model_that_does_not_learn_keeps_its_quota(twin: Twin) -> None:
     twin.penalize("m-a", 1_000, remaining_tokens=500_000, remaining_requests=0, limit_requests=60)
     twin.finish("none", Settlement(limit_requests=60, limit_tokens=6_000))
     assert quota_fields(limits_of(twin)) == quota_fields(quota)
+
+
+def test_a_429_counts_the_calls_started_before_the_refused_one(twin: Twin) -> None:
+    """The provider refused the fifth of six calls started one after another: it had four.
+    Calls started after the refused one do not count (the cap's peak is 5, not 6)."""
+    twin.set_quota(Quota("m-a", 40, 6_000_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(100)] * 6) if isinstance(d, Admitted)]
+    for call in calls:
+        start(twin, [call])
+        twin.advance(10)
+    assert twin.penalize("m-a", 500, remaining_tokens=5_000_000, refused=calls[4].admission_id)
+    learned = twin.core.live(twin.now)["m-a"].learned
+    assert (learned.pcap, learned.lcap) == (5, 3)                       # 7/10 of 5
+    twin.check_same_state()
 
 
 def test_a_changed_limit_header_lets_a_lowered_cap_climb_at_the_old_pace(twin: Twin) -> None:

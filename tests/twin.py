@@ -181,11 +181,11 @@ class Twin:
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
                  remaining_requests: int | None = None, limit_tokens: int | None = None,
-                 limit_requests: int | None = None) -> bool:
+                 limit_requests: int | None = None, refused: str | None = None) -> bool:
         lua = self.core.penalize(model, retry_after_ms, remaining_tokens, remaining_requests,
-                                 limit_tokens=limit_tokens, limit_requests=limit_requests)
+                                 limit_tokens=limit_tokens, limit_requests=limit_requests, refused=refused)
         ref = self._ref(lambda: self.ref.penalize(model, max(1, retry_after_ms), self.now, remaining_tokens,
-                                                  remaining_requests, limit_tokens, limit_requests))
+                                                  remaining_requests, limit_tokens, limit_requests, refused))
         assert lua == ref
         return lua
 

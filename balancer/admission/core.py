@@ -296,17 +296,17 @@ class AdmissionCore:
 
     def penalize(self, model: str, retry_after_ms: int, remaining_tokens: int | None = None,
                  remaining_requests: int | None = None, *, limit_tokens: int | None = None,
-                 limit_requests: int | None = None) -> bool:
+                 limit_requests: int | None = None, refused: str | None = None) -> bool:
         """Pause ``model`` for a 429's Retry-After and sync its buckets to the 429's
         headers; True if this started the pause (a 429 during a running pause adds none).
         A pause it starts also lowers the effective limit of the kind behind the
         429, if the model learns (penalize.lua); ``limit_*`` are the 429's
-        ``x-ratelimit-limit-*`` headers."""
+        ``x-ratelimit-limit-*`` headers; ``refused`` is the refused call's admission id."""
         def opt(value: int | None) -> object:
             return "" if value is None else value
 
         args = [self._now(), model, max(1, int(retry_after_ms)), opt(remaining_tokens), opt(remaining_requests),
-                opt(header_limit(limit_tokens)), opt(header_limit(limit_requests))]
+                opt(header_limit(limit_tokens)), opt(header_limit(limit_requests)), refused or ""]
         return self._run("penalize", args) == 1
 
     def trip(self, model: str) -> tuple[bool, bool]:

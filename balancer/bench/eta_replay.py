@@ -102,6 +102,9 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: fl
 def main(runs: tuple[Path, ...], variant: str, tokens: str, ready_ttl: float, pace: str) -> None:
     """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
     for run in runs:
+        missing = [name for name in ("pipeline-eta.jsonl", "pipeline-calls.jsonl") if not (run / name).is_file()]
+        if missing:
+            raise click.UsageError(f"{run} is not a finished bench run: no {', '.join(missing)}")
         rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own", ready_ttl_s=ready_ttl or None,
                       full_pace=pace == "full")
         click.echo(f"{run} ({variant}, {tokens} tokens, ready TTL {ready_ttl:g} s, {pace} pace): "

@@ -23,11 +23,13 @@ def trip(core: AdmissionCore, model: str, error: str) -> bool:
     return counted
 
 
-def pause_for(core: AdmissionCore, model: str, exc: RateLimited) -> None:
-    """Pause the model for the 429's Retry-After (1 s if absent) and sync to its headers."""
+def pause_for(core: AdmissionCore, model: str, exc: RateLimited, admission_id: str | None = None) -> None:
+    """Pause the model for the 429's Retry-After (1 s if absent) and sync to its headers;
+    ``admission_id``: the refused call's (its lease tells which calls had started before it)."""
     retry_after = exc.retry_after if exc.retry_after is not None else 1.0
     core.penalize(model, math.ceil(retry_after * 1000), exc.remaining.tokens, exc.remaining.requests,
-                  limit_tokens=exc.remaining.limit_tokens, limit_requests=exc.remaining.limit_requests)
+                  limit_tokens=exc.remaining.limit_tokens, limit_requests=exc.remaining.limit_requests,
+                  refused=admission_id)
 
 
 def answered(completion: Completion, ctx: SolveContext, latency_ms: int) -> Settlement:

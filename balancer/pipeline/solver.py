@@ -159,7 +159,7 @@ def outcome_of(core: AdmissionCore, settings: Settings, msg: SolveMessage, ctx: 
     circuit and counters what happened on the way."""
     error, attempt = str(exc), ctx.attempts
     if isinstance(exc, RateLimited):
-        pause_for(core, msg.model, exc)
+        pause_for(core, msg.model, exc, msg.admission_id)
         if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
             return "failed", Failure(msg.model, f"rate limited {MAX_RATE_LIMITED} times: {error}", attempt, was_429=True)
         return "rate_limited", Failure(msg.model, error, attempt, was_429=True)
@@ -374,7 +374,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
     except (RateLimited, Transient, Permanent) as exc:
         call.unanswered(writer, ctx, exc)
         if isinstance(exc, RateLimited):
-            pause_for(core, msg.model, exc)
+            pause_for(core, msg.model, exc, msg.admission_id)
         elif isinstance(exc, Transient):
             trip(core, msg.model, str(exc))
         else:

@@ -7,6 +7,7 @@
 -- ARGV[4] x-ratelimit-remaining-tokens, or '' if absent
 -- ARGV[5] x-ratelimit-remaining-requests, or '' if absent
 -- ARGV[6] x-ratelimit-limit-tokens, ARGV[7] x-ratelimit-limit-requests ('' if absent)
+-- ARGV[8] the refused call's admission id, or '' (refused_at in signals.lua)
 -- The pause holds the model whatever limit the provider applied (tokens,
 -- requests or concurrency): admit and renew take nothing from it until it
 -- ends. A 429 that arrives while the model is already paused adds no pause,
@@ -34,7 +35,7 @@ if m.paused <= now then
   started = 1
 end
 if m.learn == 1 then
-  local kind, sent = limit_kind(m, now, ARGV[4], ARGV[5])
+  local kind, sent = limit_kind(m, now, ARGV[4], ARGV[5], refused_at(ARGV[8] or '', ARGV[2]))
   learn_from_429(m, now, kind, sent, started == 1)
   empty_after_429(m, now, kind, ARGV[4], ARGV[5])
 end

@@ -101,8 +101,9 @@ local function sync_limits(m, limit_tokens, limit_requests)
 end
 
 -- The model's calls in flight: how many, their estimated tokens, and how many
--- started (reached for the provider: what it can have counted).
-local function inflight_stats(m, live_at)
+-- started (reached for the provider: what it can have counted); with `before`,
+-- only those whose call started by then.
+local function inflight_stats(m, live_at, before)
   local lids
   if live_at then  -- only leases live at live_at (deadline after it)
     lids = redis.call('ZRANGEBYSCORE', inflight_key(m.name), '(' .. fmt(live_at), '+inf')
@@ -115,7 +116,7 @@ local function inflight_stats(m, live_at)
     if raw then
       local lease = cjson.decode(raw)
       sum = sum + lease.e
-      if lease.s == 1 then sent = sent + 1 end
+      if lease.s == 1 and (before == nil or (lease.a or 0) <= before) then sent = sent + 1 end
     end
   end
   return n, sum, sent
@@ -141,6 +142,16 @@ local function served_more(m, now, sent)
   return sent < m.served and now - m.served_at < CLEAN_MS
 end
 
+-- When the refused call `lid` of model `name` started ('' or unknown: nil): the
+-- calls the provider had when it refused it are those started by then.
+local function refused_at(lid, name)
+  local raw = lid ~= '' and redis.call('HGET', LEASES, lid)
+  if not raw then return nil end
+  local lease = cjson.decode(raw)
+  if lease.m ~= name or lease.s ~= 1 or not lease.a then return nil end
+  return lease.a
+end
+
 -- The kind of limit behind a 429: 'REQUESTS', 'TOKENS' or 'CONCURRENCY' (upper case: not the hash's fields).
 -- From the headers when they say: no request left; fewer tokens left than
 -- the model's calls in flight average; both left (so the provider counted
@@ -149,9 +160,9 @@ end
 -- it ramps); ties go to requests, then tokens. Concurrency is ruled out when
 -- the provider lately served more calls at once than had started (served_more).
 -- Also returns how many calls in flight started (reached for the provider:
--- what it can have counted).
-local function limit_kind(m, now, remaining_tokens, remaining_requests)
-  local n, sum, sent = inflight_stats(m)
+-- what it can have counted): with `before` (refused_at), by the refused call's start.
+local function limit_kind(m, now, remaining_tokens, remaining_requests, before)
+  local n, sum, sent = inflight_stats(m, nil, before)
   local kind
   if remaining_requests ~= '' and tonumber(remaining_requests) < 1 then kind = 'REQUESTS'
   elseif remaining_tokens ~= '' and tonumber(remaining_tokens) * n < sum then kind = 'TOKENS'

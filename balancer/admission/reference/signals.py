@@ -182,7 +182,7 @@ class Signals(ReferenceState):
     def penalize(
         self, model: str, retry_after_ms: int, now: int,
         remaining_tokens: int | None = None, remaining_requests: int | None = None,
-        limit_tokens: int | None = None, limit_requests: int | None = None,
+        limit_tokens: int | None = None, limit_requests: int | None = None, refused: str | None = None,
     ) -> bool:
         """A 429: pause ``model`` until now + Retry-After, unless a pause is running,
         and lower its buckets to the provider's remaining counts.
@@ -207,7 +207,7 @@ class Signals(ReferenceState):
         if started:
             state.paused_until = now + retry_after_ms
         if state.quota.learn:
-            kind, sent = self._limit_kind(model, now, remaining_tokens, remaining_requests)
+            kind, sent = self._limit_kind(model, now, remaining_tokens, remaining_requests, self._refused_at(model, refused))
             state.learn_from_429(now, kind, sent, started)
             self._empty_after_429(state, now, kind, remaining_tokens, remaining_requests)
         self._sync_to_headers(model, now, remaining_tokens, remaining_requests)
@@ -227,10 +227,21 @@ class Signals(ReferenceState):
         elif kind == "requests" and remaining_requests is None and state.limits.max_requests_per_minute:
             state.requests = min(state.requests, 0)
 
+    def _refused_at(self, model: str, refused: str | None) -> int | None:
+        """When the refused call started (signals.lua, refused_at): None if unknown."""
+        lease = self.leases.get(refused) if refused else None
+        if lease is None or lease.model != model or not lease.started or not lease.call_at:
+            return None
+        return lease.call_at
+
     def _limit_kind(self, model: str, now: int, remaining_tokens: int | None,
-                    remaining_requests: int | None) -> tuple[str, int]:
+                    remaining_requests: int | None, before: int | None = None) -> tuple[str, int]:
         """The kind of limit behind a 429, and how many of the model's calls in
-        flight started (signals.lua, limit_kind).
+        flight started (signals.lua, limit_kind): with ``before`` (:meth:`_refused_at`),
+        by the refused call's start, so calls started after it do not count as ones
+        the provider had when it refused it (in learn.toml's first second, conc-10's
+        cap was read as 7 where its provider took 4, and its probes of a fifth slot
+        were not slowed at the level refused: ``PEAK_WINDOWS``).
 
         From the headers when they say: no request left; fewer tokens left than
         the calls in flight average; both left (the provider counted calls in
@@ -244,7 +255,7 @@ class Signals(ReferenceState):
         leases = [self.leases[lid] for _, lid in self._inflight(model)]
         n = len(leases)
         total = sum(lease.estimated_tokens for lease in leases)
-        sent = sum(1 for lease in leases if lease.started)
+        sent = sum(1 for lease in leases if lease.started and (before is None or lease.call_at <= before))
         rpm = limits.max_requests_per_minute or 0
         if remaining_requests is not None and remaining_requests < 1:
             return "requests", sent
