@@ -431,6 +431,22 @@ def test_a_429_counts_the_calls_started_before_the_refused_one(twin: Twin) -> No
     twin.check_same_state()
 
 
+def test_a_later_429_of_the_same_pause_lowers_the_cap_s_peak(twin: Twin) -> None:
+    """The 429 that started the pause was for the sixth call; the fifth's came back
+    after it: the provider had four, so the cap's peak is 5, not 6 (its probe of a
+    fifth slot then waits PEAK_WINDOWS windows)."""
+    twin.set_quota(Quota("m-a", 40, 6_000_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(100)] * 6) if isinstance(d, Admitted)]
+    for call in calls:
+        start(twin, [call])
+        twin.advance(10)
+    assert twin.penalize("m-a", 500, remaining_tokens=5_000_000, refused=calls[5].admission_id)
+    assert not twin.penalize("m-a", 500, remaining_tokens=5_000_000, refused=calls[4].admission_id)
+    learned = twin.core.live(twin.now)["m-a"].learned
+    assert (learned.pcap, learned.lcap) == (5, 4)
+    twin.check_same_state()
+
+
 def test_a_changed_limit_header_lets_a_lowered_cap_climb_at_the_old_pace(twin: Twin) -> None:
     """A cap lowered by a 429 climbs slowly to the level it was refused at (PEAK_WINDOWS
     windows a step); a changed x-ratelimit-limit-* header (the provider changed its

@@ -253,7 +253,8 @@ end
 -- goes back (undone: one step for concurrency, two for tokens or requests), not to 7/10, and
 -- the next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
 -- says the started calls in flight were at least one too many: the cap goes
--- no higher than that, less one. A kind whose limit the provider states
+-- no higher than that, less one, and its peak no higher than that (the 429
+-- that started the pause may be for a call started after this one). A kind whose limit the provider states
 -- (x-ratelimit-limit-*: htpm, hrpm) is not lowered: it is known, and its 429
 -- was a race the pause covers. m must be refilled to now.
 local function learn_from_429(m, now, kind, sent, started)
@@ -265,6 +266,7 @@ local function learn_from_429(m, now, kind, sent, started)
       m.lcap = math.max(1, sent - 1)
       m.lowered_at = now
     end
+    if kind == 'CONCURRENCY' and m.lcap > 0 and sent > 0 and sent < m.pcap then m.pcap = sent end
     return
   end
   local w = window_ms(m)

@@ -82,7 +82,8 @@ class ModelState:
         (:func:`lowered`, :func:`first_bucket_rate`). A
         429 within a window of a raise undoes that raise for a kind it raised
         (:func:`undone`, not 7/10) and doubles the window. Any other 429 for
-        concurrency caps it at the started calls in flight less one. A kind
+        concurrency caps it at the started calls in flight less one, and its peak at
+        them. A kind
         whose limit the provider states in its headers is not lowered (signals.lua,
         learn_from_429)."""
         if not self.quota.learn:
@@ -96,6 +97,8 @@ class ModelState:
                     k.pcap = limits.max_concurrent_requests
                 k.lcap = max(1, sent - 1)
                 k.lowered_at = now
+            if kind == "concurrency" and k.lcap and 0 < sent < k.pcap:
+                k.pcap = sent  # the 429 that started the pause may be for a call started after this one
             return
         w = self.window_ms()
         probed = k.raised_at > k.lowered_at and now - k.raised_at < w  # the last raise drew it: undone
