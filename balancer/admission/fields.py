@@ -92,7 +92,8 @@ STATE_FIELDS: dict[str, str] = {
     "lcap": "learned concurrency cap below the quota's (0: the quota's)",
     "ptpm": "the effective TPM when a 429 last lowered it (its raises step by 1/20 of this)",
     "prpm": "the effective RPM when a 429, or its first burst spent early, last lowered it",
-    "pcap": "the effective concurrency cap when a 429 last lowered it",
+    "pcap": "the effective concurrency cap when a 429 last lowered it, or the calls a later 429 of its pause found "
+            "(its peak; the quota's cap again after a changed limit header)",
     "htpm": "the provider's x-ratelimit-limit-tokens, per minute (0: never sent)",
     "hrpm": "the provider's x-ratelimit-limit-requests, per minute (0: never sent)",
     "lowered_at": "ms a 429 (or a first burst spent early) last lowered a learned limit",

@@ -203,7 +203,7 @@ def eta_sample(svc: Any, at: float, done: int) -> dict[str, Any]:
     from dataclasses import asdict
 
     from balancer.domain.eta import forecast
-    from balancer.pipeline.summary import PACE_WINDOW_S, drain_inputs
+    from balancer.pipeline.summary import PACE_WINDOW_S, drain_inputs, pace_window_s
     from balancer.storage.spend import projected_cost, spend_so_far
 
     def recorded(state: Any) -> dict[str, Any] | None:
@@ -211,14 +211,15 @@ def eta_sample(svc: Any, at: float, done: int) -> dict[str, Any]:
                                            "on_prior": list(state.on_prior)}
 
     view = svc.core.live()
-    state = drain_inputs(svc, view)
+    pace_s = pace_window_s(view, time.time() * 1000)
+    state = drain_inputs(svc, view, pace_s=pace_s)
     result = forecast(state) if state is not None else None
     quotas = svc.quotas.all()
     sample = {"at_s": round(at, 3), "done": done, "spent": spend_so_far(svc.engine, quotas).total,
               "projected": projected_cost(svc.engine, quotas).total, "eta_s": None if result is None else result.eta,
               "low_s": None if result is None else result.low, "high_s": None if result is None else result.high,
               "state": recorded(state)}
-    if state is not None and state.window_s < PACE_WINDOW_S:  # the pace over the whole last minute too, as before
+    if state is not None and pace_s < PACE_WINDOW_S:  # a learned change shortened the pace's window: the whole minute too
         sample["state_full_pace"] = recorded(drain_inputs(svc, view, pace_s=PACE_WINDOW_S))
     return sample
 

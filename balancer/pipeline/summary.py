@@ -178,6 +178,8 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
     # ETA read the quotas and was 39 to 72 % short at 25 % done).
     solved, window_s = recent_solves(db, pace_s)
     by_model = recent_solves_by_model(db, PACE_WINDOW_S)  # each model's own tokens: its last minute's tasks
+    # Little's-law latency reads in flight x window_s / solved: solves of the same window.
+    paced_by_model = by_model if pace_s >= PACE_WINDOW_S else recent_solves_by_model(db, window_s)
     no_solves = ModelSolves(0, 0)
 
     def own_tokens(live: ModelLive) -> float:
@@ -220,7 +222,7 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
         early_calls={name: (view[name].latency.samples, view[name].latency.latency_ms_sum / 1000, *running.get(name, (0, 0.0)))
                      for name in on_prior},
         unfinished=left.unfinished,
-        solved_by_model={name: answered.tasks for name, answered in by_model.items()},
+        solved_by_model={name: answered.tasks for name, answered in paced_by_model.items()},
         waiting=pending_groups_of(db, held_sources(services, db) if held is None else held),
     )
 

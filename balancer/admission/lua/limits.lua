@@ -12,7 +12,8 @@
 -- raise it back (relax). Bucket sizes scale with their rates. Every rule below
 -- reads these, never the quota's fields directly, except the burst that
 -- decides whether a task can ever fit (the configured one).
--- (CLEAN_MS, MAX_WINDOW_MS, RAMP_START, RAMP_MS and FIRST_BUCKETS come from learned.py's prelude.)
+-- (CLEAN_MS, MAX_WINDOW_MS, PEAK_WINDOWS, RAMP_START, RAMP_MS and FIRST_BUCKETS come from learned.py's
+-- prelude; UNITS, TRANSIT_MS, GATE_HOP_MS and SYNC_LAG_MS from values.py's.)
 local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
   if other > 0 and (limit == 0 or other < limit) then return other end
   return limit

@@ -17,7 +17,7 @@
 -- A 429 that starts a pause also lowers the effective limit of the kind that
 -- caused it (limit_kind, learn_from_429 in signals.lua), so that once per window
 -- too; any other 429 for concurrency caps it at the started calls in flight
--- less one, and one for tokens or requests with no remaining count empties
+-- less one (those started by the refused call's start, with ARGV[8]), and its peak at them, and one for tokens or requests with no remaining count empties
 -- that bucket (empty_after_429). While the pause runs, calls admitted before it that have not
 -- started yet do not start (renew.lua).
 -- The limit headers are synced first (sync_limits).

@@ -266,7 +266,7 @@ local function learn_from_429(m, now, kind, sent, started)
       m.lcap = math.max(1, sent - 1)
       m.lowered_at = now
     end
-    if kind == 'CONCURRENCY' and m.lcap > 0 and sent > 0 and sent < m.pcap then m.pcap = sent end
+    if kind == 'CONCURRENCY' and m.lcap > 0 and sent > m.lcap and sent < m.pcap then m.pcap = sent end
     return
   end
   local w = window_ms(m)

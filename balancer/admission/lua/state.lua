@@ -11,13 +11,15 @@
 -- them, the loader puts the key infixes (META_SUFFIX, MODEL_INFIX,
 -- INFLIGHT_INFIX, ...) from balancer/admission/keys.py, the one module that
 -- names keys, the model hash's field lists (QUOTA_FIELDS, STATE_FIELDS,
--- FIELDS) from balancer/admission/fields.py, and the constants of limits that
--- learn (CLEAN_MS, ...) from balancer/admission/learned.py.
+-- FIELDS) from balancer/admission/fields.py, the bucket units and allowances
+-- (UNITS, TRANSIT_MS, GATE_HOP_MS, SYNC_LAG_MS) from balancer/admission/values.py,
+-- and the constants of limits that learn (CLEAN_MS, ...) from balancer/admission/learned.py.
 --
 -- KEYS[1]  <tag>:meta     hash   loaded, epoch, seq, rr (last model chosen)
 -- KEYS[2]  <tag>:models   zset   model names, all score 0 (lexicographic order)
 -- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started,
---                                 g=the model's quota generation at admission}
+--                                 g=the model's quota generation at admission,
+--                                 a=ms its call starts, once started: set_call_at}
 -- Derived inside the scripts, not passed in KEYS: admit.lua visits every model
 -- and finish learns the model from the lease, so the caller cannot
 -- name these keys in advance. They share the hash tag of KEYS[1], so every key

@@ -97,7 +97,7 @@ class ModelState:
                     k.pcap = limits.max_concurrent_requests
                 k.lcap = max(1, sent - 1)
                 k.lowered_at = now
-            if kind == "concurrency" and k.lcap and 0 < sent < k.pcap:
+            if kind == "concurrency" and k.lcap and k.lcap < sent < k.pcap:
                 k.pcap = sent  # the 429 that started the pause may be for a call started after this one
             return
         w = self.window_ms()
