@@ -251,8 +251,8 @@ class Forecast:
 
 #: The band around the ETA, as shares of it: below and above. The run's actual
 #: remaining time fell within these in the runs docs/benchmarks.md reports
-#: once the pace applies; before it does (a run's first 30 s, or a model still
-#: on its prior), the band is EARLY_WIDENING wider on each side.
+#: once the pace applies; before it does (a run's first 20 s, a pace window cut
+#: short by a learned change, or a model still on its prior), EARLY_WIDENING wider each side.
 BAND = (0.15, 0.25)
 EARLY_WIDENING = 0.15
 
