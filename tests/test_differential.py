@@ -417,14 +417,19 @@ def test_a_model_that_does_not_learn_keeps_its_quota(twin: Twin) -> None:
     assert quota_fields(limits_of(twin)) == quota_fields(quota)
 
 
-def test_a_429_counts_the_calls_started_before_the_refused_one(twin: Twin) -> None:
-    """The provider refused the fifth of six calls started one after another: it had four.
-    Calls started after the refused one do not count (the cap's peak is 5, not 6)."""
+def six_calls_started_10_ms_apart(twin: Twin) -> list[Admitted]:
     twin.set_quota(Quota("m-a", 40, 6_000_000, slow_start=False))
     calls = [d for d in twin.admit([Candidate(100)] * 6) if isinstance(d, Admitted)]
     for call in calls:
         start(twin, [call])
         twin.advance(10)
+    return calls
+
+
+def test_a_429_counts_the_calls_started_before_the_refused_one(twin: Twin) -> None:
+    """The provider refused the fifth of six calls started one after another: it had four.
+    Calls started after the refused one do not count (the cap's peak is 5, not 6)."""
+    calls = six_calls_started_10_ms_apart(twin)
     assert twin.penalize("m-a", 500, remaining_tokens=5_000_000, refused=calls[4].admission_id)
     learned = twin.core.live(twin.now)["m-a"].learned
     assert (learned.pcap, learned.lcap) == (5, 3)                       # 7/10 of 5
@@ -435,11 +440,7 @@ def test_a_later_429_of_the_same_pause_lowers_the_cap_s_peak(twin: Twin) -> None
     """The 429 that started the pause was for the sixth call; the fifth's came back
     after it: the provider had four, so the cap's peak is 5, not 6 (its probe of a
     fifth slot then waits PEAK_WINDOWS windows)."""
-    twin.set_quota(Quota("m-a", 40, 6_000_000, slow_start=False))
-    calls = [d for d in twin.admit([Candidate(100)] * 6) if isinstance(d, Admitted)]
-    for call in calls:
-        start(twin, [call])
-        twin.advance(10)
+    calls = six_calls_started_10_ms_apart(twin)
     assert twin.penalize("m-a", 500, remaining_tokens=5_000_000, refused=calls[5].admission_id)
     assert not twin.penalize("m-a", 500, remaining_tokens=5_000_000, refused=calls[4].admission_id)
     learned = twin.core.live(twin.now)["m-a"].learned

@@ -136,10 +136,10 @@ def lowered(level: int, shown: int) -> tuple[int, int] | None:
     return (min(shown, level), to) if to < level else None
 
 
-def spent_early(level: int, shown: int) -> tuple[int, int] | None:
+def spent_early(level: int, shown: int) -> int | None:
     """What requests spent in the first bucket do to an RPM at ``level``, before any
-    429 (signals.lua, learn_from_spent): (the level remembered for the raises' step,
-    the level it is lowered to), or None to leave it. A provider that states no
+    429 (signals.lua, learn_from_spent): the RPM it is lowered to, which is also the
+    level its raises step from, or None to leave it. A provider that states no
     request limit and has none left for our calls (those on their way included)
     within FIRST_BUCKETS bucket times shows its rate (``shown``: :func:`first_bucket_rate`);
     one below 9/10 of ``level`` becomes the RPM, so that 429 never comes. To the rate
@@ -150,11 +150,9 @@ def spent_early(level: int, shown: int) -> tuple[int, int] | None:
     burst at about its own rate: left as it is.
 
     >>> spent_early(600, 56), spent_early(600, 580), spent_early(600, 0)
-    ((56, 56), None, None)
+    (56, None, None)
     """
-    if shown <= 0 or shown * 10 >= level * 9:
-        return None
-    return shown, shown
+    return shown if 0 < shown and shown * 10 < level * 9 else None
 
 
 def effective(quota: Quota, learned: Learned) -> Quota:
@@ -344,7 +342,7 @@ def relaxed(quota: Quota, learned: Learned, now: int) -> Learned:
 
     def raised(level: int, peak: int, ceiling: int, bound_at: int) -> int:
         wait = w * PEAK_WINDOWS if level + step_of(peak) >= peak else w
-        if level == 0 or bound_at == 0 or bound_at < since or now - bound_at < wait or now - since < wait:
+        if level == 0 or bound_at == 0 or bound_at < since or now - bound_at < wait:
             return level
         level += step_of(peak)
         return 0 if ceiling == 0 or level >= ceiling else level

@@ -59,7 +59,7 @@ end
 local function step_of(peak) return math.max(1, math.ceil(peak / 20)) end
 local function raised(l, peak, ceiling, bound_at, since, now, w)
   if l + step_of(peak) >= peak then w = w * PEAK_WINDOWS end
-  if l == 0 or bound_at == 0 or bound_at < since or now - bound_at < w or now - since < w then return l end
+  if l == 0 or bound_at == 0 or bound_at < since or now - bound_at < w then return l end
   l = l + step_of(peak)
   if ceiling == 0 or l >= ceiling then return 0 end
   return l

@@ -60,7 +60,7 @@ if raw then
   end
   redis.call('ZADD', inflight_key(lease.m), fmt(now + lease_ms), lid)
   local delay = start_delay(m, lease.e, lease.s == 0, now)
-  set_call_at(lid, now + delay)
+  set_call_at(lid, now + delay, lease)
   save_model(m)
   return {'A', lease.m, lid, fmt(delay)}
 end

@@ -127,9 +127,10 @@ local function put_lease(lid, m, est, deadline, started)
 end
 
 -- Lease `lid`'s call starts at `at` (ms, once through its start gates): marked
--- started, with that time (`a`: see unarrived in signals.lua).
-local function set_call_at(lid, at)
-  local lease = cjson.decode(redis.call('HGET', LEASES, lid))
+-- started, with that time (`a`: see unarrived in signals.lua). `lease`: the
+-- lease as the caller decoded it, or nil to read it.
+local function set_call_at(lid, at, lease)
+  lease = lease or cjson.decode(redis.call('HGET', LEASES, lid))
   lease.s, lease.a = 1, at
   redis.call('HSET', LEASES, lid, cjson.encode(lease))
 end

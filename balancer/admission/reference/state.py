@@ -139,9 +139,9 @@ class ModelState:
             return
         shown = first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls + unstarted,
                                   now - k.first_at)
-        change = spent_early(limits.max_requests_per_minute, shown)
-        if change:
-            (k.prpm, k.lrpm), k.lowered_at = change, now
+        rpm = spent_early(limits.max_requests_per_minute, shown)
+        if rpm:
+            k.prpm, k.lrpm, k.lowered_at = rpm, rpm, now
 
     def count_start(self, est: int, now: int) -> None:
         """A call starts under the quota: the first bucket counts it (limits.lua, count_start)."""
