@@ -17,6 +17,14 @@ class QuotaError(BalancerError):
     """A quota value or quota file is invalid."""
 
 
+class QuotaRemoved(QuotaError):
+    """A model named at a worker's start has no quota now but had one (with
+    ``--all-models``: no model has one, and one had): its last change removed it,
+    perhaps to be created again (an import with ``--replace``, a quota file rewritten).
+    A worker starting waits for it (``BALANCER_START_WAIT``), as for an unreachable
+    service; a name that never had a quota is an error at once."""
+
+
 class ServiceUnavailable(BalancerError):
     """Redis or PostgreSQL could not be reached; the message names the masked URL."""
 

@@ -80,3 +80,46 @@ def test_a_bad_url_exits_2_at_once_without_waiting(env: dict[str, str], tmp_path
     assert proc.wait(30) == 2
     text = log.read_text()
     assert "waiting for a service" not in text and text.strip().startswith("error: ") and "hunter2" not in text
+
+
+def quota(env: dict[str, str], *argv: str) -> None:
+    subprocess.run([sys.executable, "-m", "balancer", "quota", *argv], env={**os.environ, **env}, check=True,
+                   capture_output=True)
+
+
+def test_a_worker_for_a_removed_quota_waits_for_it_and_a_typo_exits_2_at_once(env: dict[str, str],
+                                                                               tmp_path: Path) -> None:
+    """A worker restarted while its model's quota is removed and created again
+    (the chaos run's seed 454089574) waits for the quota, one line per attempt,
+    instead of exiting 2 every half second under its supervisor; a name that
+    never had a quota is still an error at once."""
+    none = start({**env, "BALANCER_START_WAIT": "120"}, tmp_path / "none.log", "worker", "--all-models")
+    assert none.wait(60) == 2
+    assert (tmp_path / "none.log").read_text().strip().startswith("error: no model has a quota")
+
+    quota(env, "set", "m", "--create", "--tpm", "60000", "--concurrency", "2")
+    quota(env, "remove", "m")
+    typo = start({**env, "BALANCER_START_WAIT": "120"}, tmp_path / "typo.log", "worker", "--model", "m", "--model", "nope")
+    assert typo.wait(60) == 2
+    assert (tmp_path / "typo.log").read_text().strip() == "error: unknown model(s): nope"
+
+    log = tmp_path / "worker.log"
+    proc = start({**env, "BALANCER_START_WAIT": "120"}, log, "worker", "--model", "m")
+    try:
+        wait_for(lambda: log.read_text().count("waiting for a removed quota to come back") >= 2 or proc.poll() is not None,
+                 60, "two waiting lines")
+        assert proc.poll() is None and "no quota for m: removed at " in log.read_text(), log.read_text()
+        every = start({**env, "BALANCER_START_WAIT": "120"}, tmp_path / "every.log", "worker", "--all-models")
+        try:  # every quota removed: --all-models waits too (none ever: the error above)
+            wait_for(lambda: "the last was removed at" in (tmp_path / "every.log").read_text() or every.poll() is not None,
+                     60, "the --all-models worker's waiting line")
+            assert every.poll() is None, (tmp_path / "every.log").read_text()
+        finally:
+            every.terminate()
+            every.wait(30)
+        quota(env, "set", "m", "--create", "--tpm", "60000", "--concurrency", "2")
+        wait_for(lambda: "ready." in log.read_text() or proc.poll() is not None, 90, "the worker's start")
+        assert proc.poll() is None and "ready." in log.read_text(), log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -5,12 +5,18 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from balancer.cli import resolved_settings, services
 from balancer.cli.startwait import migrated as _migrated
-from balancer.errors import BalancerError, ConfigError, QuotaError, printable
+from balancer.cli.startwait import start_when_ready
+from balancer.errors import BalancerError, ConfigError, QuotaError, QuotaRemoved, printable
+
+if TYPE_CHECKING:
+    from balancer.domain.quota import Quota
+    from balancer.services import Services
 
 
 def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> None:
@@ -37,20 +43,43 @@ def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> N
         raise SystemExit(code)
 
 
+def _worker_quotas(svc: Services, models: tuple[str, ...], all_models: bool) -> dict[str, Quota]:
+    """The quotas a worker consumes for; :class:`QuotaRemoved` while every one
+    missing had one once (a worker restarted while its quota is re-created)."""
+    known = {q.name: q for q in svc.quotas.all()}
+    if all_models:
+        if not known:
+            removed = svc.quotas.removed(None)
+            if removed:
+                raise QuotaRemoved(f"no model has a quota: the last was removed at {_when(removed)}")
+            raise QuotaError("no model has a quota: add one with `balancer quota set NAME --create ...`")
+        return known
+    unknown = sorted(set(models) - set(known))
+    if not unknown:
+        return {m: known[m] for m in models}
+    removed = svc.quotas.removed(unknown)
+    never = [m for m in unknown if m not in removed]
+    if never:
+        raise QuotaError(f"unknown model(s): {', '.join(printable(m) for m in never)}")
+    raise QuotaRemoved(f"no quota for {', '.join(printable(m) for m in unknown)}: removed at {_when(removed)}")
+
+
+def _when(removed: dict[str, dict[str, Any]]) -> str:
+    return f"{max(r['changed_at'] for r in removed.values()):%Y-%m-%d %H:%M:%S %Z}"
+
+
 @click.command()
 @click.option("--model", "models", multiple=True, help="Model whose queue model.<name> to consume (repeatable).")
 @click.option("--all-models", is_flag=True, help="Consume every configured model's queue in one process.")
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
-    svc = _migrated(wait=True)
-    known = {q.name: q for q in svc.quotas.all()}
-    chosen = sorted(known) if all_models else list(models)
-    if not chosen:
+    if not models and not all_models:
         raise BalancerError("give --model NAME (repeatable) or --all-models")
-    unknown = [m for m in chosen if m not in known]
-    if unknown:
-        raise QuotaError(f"unknown model(s): {', '.join(unknown)}")
+    svc = _migrated(wait=True)
+    known = start_when_ready(lambda: _worker_quotas(svc, models, all_models), resolved_settings().start_wait,
+                                 retry_on=(QuotaRemoved,), awaited="a removed quota to come back")
+    chosen = sorted(known) if all_models else list(models)
     concurrency = sum(known[m].max_concurrent_requests for m in chosen)
     queues = ",".join(f"model.{m}" for m in chosen)
     name = "models" if all_models else "+".join(chosen)
@@ -78,9 +107,7 @@ def dispatcher(loglevel: str) -> None:
 def beat(loglevel: str) -> None:
     """Celery beat: periodic dispatch, sweep and ingest ticks."""
     home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
-    from balancer.cli.startwait import wait_until_reachable
-
-    wait_until_reachable(services, resolved_settings().start_wait)  # its ticks need both: wait, not crash-loop
+    start_when_ready(services, resolved_settings().start_wait)  # its ticks need both: wait, not crash-loop
     from balancer.pipeline.app import app
 
     home.mkdir(parents=True, exist_ok=True)

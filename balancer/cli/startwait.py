@@ -5,7 +5,8 @@ exit 2 and crash-loop under its supervisor. An :class:`~balancer.errors.Unreacha
 service (refused, timed out) is waited for, with back-off and one log line per
 attempt, for ``BALANCER_START_WAIT`` seconds at most; then the last error is
 raised (exit 2). Anything else (a bad URL, a refused password, a bad setting)
-is raised at once.
+is raised at once. A worker waits the same way, once connected, for a model's
+quota that was removed (:class:`~balancer.errors.QuotaRemoved`: ``retry_on``).
 """
 
 from __future__ import annotations
@@ -30,23 +31,25 @@ def backoff(attempt: int, *, first: float = 0.5, cap: float = 10.0) -> float:
     return min(cap, first * 2 ** (attempt - 1))
 
 
-def wait_until_reachable(start: Callable[[], T], wait_seconds: float, *,
+def start_when_ready(start: Callable[[], T], wait_seconds: float, *,
+                         retry_on: tuple[type[Exception], ...] = (Unreachable,), awaited: str = "a service",
                          sleep: Callable[[float], None] = time.sleep,
                          clock: Callable[[], float] = time.monotonic) -> T:
-    """``start()``, tried again while it raises :class:`Unreachable` and
-    ``wait_seconds`` have not passed; one line on stderr per failed attempt."""
+    """``start()``, tried again while it raises one of ``retry_on`` and
+    ``wait_seconds`` have not passed; one line on stderr per failed attempt,
+    saying what is ``awaited``."""
     until = clock() + wait_seconds
     attempt = 0
     while True:
         try:
             return start()
-        except Unreachable as exc:
+        except retry_on as exc:
             attempt += 1
             left = until - clock()
             if left <= 0:
                 raise
             pause = min(backoff(attempt), left)
-            click.echo(f"waiting for a service (attempt {attempt}, retrying in {pause:.1f}s, giving up in "
+            click.echo(f"waiting for {awaited} (attempt {attempt}, retrying in {pause:.1f}s, giving up in "
                        f"{left:.0f}s): {exc}", err=True)
             sleep(pause)
 
@@ -73,4 +76,4 @@ def migrated(*, wait: bool = False):  # noqa: ANN201 - Services, imported lazily
 
     if not wait:
         return start()
-    return wait_until_reachable(start, resolved_settings().start_wait)
+    return start_when_ready(start, resolved_settings().start_wait)

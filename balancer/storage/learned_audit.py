@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from balancer.admission.live import ModelLive
+from balancer.storage.quotas import last_change_per_model
 from balancer.storage.schema import quota_changes
 
 #: A learned change is audited once it has lasted this long.
@@ -36,12 +37,7 @@ def record_learned(engine: Engine, view: Mapping[str, ModelLive], now_ms: int) -
     with engine.begin() as conn:
         last = {
             row.model: row.new_value
-            for row in conn.execute(
-                sa.select(quota_changes.c.model, quota_changes.c.new_value)
-                .where(quota_changes.c.changed_by == LEARNED_BY)
-                .order_by(quota_changes.c.model, quota_changes.c.id.desc())
-                .distinct(quota_changes.c.model)
-            )
+            for row in conn.execute(last_change_per_model(quota_changes.c.changed_by == LEARNED_BY))
         }
         written = []
         for name, live in sorted(view.items()):

@@ -33,6 +33,12 @@ from balancer.storage.schema import quota_changes, quotas
 _SELECT = sa.select(*(quotas.c[name] for name in QUOTA_COLUMNS))
 
 
+def last_change_per_model(*where: sa.ColumnElement[bool]) -> sa.Select[Any]:
+    """Each model's last ``quota_changes`` row among those matching ``where``."""
+    latest = sa.select(sa.func.max(quota_changes.c.id)).where(*where).group_by(quota_changes.c.model)
+    return sa.select(quota_changes).where(quota_changes.c.id.in_(latest))
+
+
 class LiveQuotas(Protocol):
     """What the store needs from the admission core."""
 
@@ -106,6 +112,15 @@ class QuotaStore:
             query = query.where(quota_changes.c.model == name)
         with self.engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
+
+    def removed(self, names: Sequence[str] | None) -> dict[str, dict[str, Any]]:
+        """Those of ``names`` (None: every model) whose last create, update or remove row
+        removes them: that row (a learned limit's row, written from a live view read before
+        the removal, may come after it and is skipped)."""
+        by_person = quota_changes.c.action.in_(("create", "update", "remove"))
+        last = last_change_per_model(by_person, *([] if names is None else [quota_changes.c.model.in_(list(names))]))
+        with self.engine.connect() as conn:
+            return {r.model: dict(r._mapping) for r in conn.execute(last) if r.action == "remove"}
 
     # -- writes ----------------------------------------------------------------
     def _write(self, conn: Connection, old: Quota | None, new: Quota | None, by: str) -> None:
