@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from balancer.admission import Admitted, Candidate, NotNow, Settlement
-from balancer.admission.values import SYNC_LAG_MS
+from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
+from balancer.admission.values import GATE_HOP_MS, OUTSIDE_MARGIN_MS, SYNC_LAG_MS, UNITS
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
 from tests.twin import Twin
@@ -136,14 +136,15 @@ def test_a_retry_avoids_the_model_that_just_failed(twin: Twin) -> None:
 def test_the_start_gate_spaces_call_starts_at_the_provider_rate(twin: Twin) -> None:
     """Calls admitted together may reach the worker together; renew, just before
     the call, spaces their starts: one per 60,000 / RPM ms, with burst_requests
-    of tolerance less 20 ms kept for the last hop's jitter."""
+    of tolerance less GATE_HOP_MS (at most half an interval) kept for the last hop's jitter."""
     twin.set_quota(Quota("a", 10, 10_000_000, max_requests_per_minute=600, burst_requests=2, slow_start=False))
     admitted = twin.admit([Candidate(1), Candidate(1)])
     twin.advance(200)  # the bucket refills 2 requests while the messages travel
     admitted += twin.admit([Candidate(1), Candidate(1)])
     assert all(isinstance(d, Admitted) for d in admitted)
     delays = [twin.renew(d.admission_id, "a", 1).start_delay_ms for d in admitted]  # all four arrive at once
-    assert delays == [0, 20, 120, 220]
+    hop = min(50, GATE_HOP_MS)  # an interval of 100 ms
+    assert delays == [0, hop, 100 + hop, 200 + hop]
 
 
 def test_the_remaining_requests_header_holds_back_calls_admitted_but_not_started(twin: Twin) -> None:
@@ -190,20 +191,25 @@ def test_a_429_lowers_the_buckets_to_its_headers(twin: Twin) -> None:
     assert twin.core.live(twin.now)["a"].tokens_available == 50
 
 
-def share_with_an_outsider(twin: Twin, outside_per_s: list[int]) -> None:
-    """On a 60,000 TPM quota (1,000 tokens/s), every 250 ms: the outsider takes its
+def share_with_an_outsider(twin: Twin, outside_per_s: list[int], *, step_ms: int = 250, fresh: bool = True,
+                           surplus: int = 0) -> None:
+    """On a 60,000 TPM quota (1,000 tokens/s), every ``step_ms``: the outsider takes its
     share of the refill, we make a 100-token call, and the reply's header says
-    what the provider has left. One entry of ``outside_per_s`` per step."""
-    twin.set_quota(Quota("a", 8, 60_000, burst_tokens=1_000_000))
-    drain = twin.admit([Candidate(900_000)])[0]  # far from full, so neither bucket is capped
-    twin.release(drain.admission_id)
-    provider = tokens(twin)
+    what the provider has left. One entry of ``outside_per_s`` per step. ``fresh``:
+    a new quota, its bucket far from full; ``surplus``: tokens the provider has
+    beyond ours from the first step on (a credit we never saw)."""
+    if fresh:
+        twin.set_quota(Quota("a", 8, 60_000, burst_tokens=1_000_000))
+        drain = twin.admit([Candidate(900_000)])[0]  # far from full, so neither bucket is capped
+        twin.release(drain.admission_id)
+    provider = tokens(twin) + surplus
     for outside in outside_per_s:
-        twin.advance(250)
-        provider = min(provider + 250 * (1_000 - outside) / 1_000, 1_000_000)
+        twin.advance(step_ms)
+        provider = min(provider + step_ms * (1_000 - outside) / 1_000, 1_000_000)
         lease = twin.admit([Candidate(100)])[0]
         provider -= 100
         twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=int(provider)))
+    twin.check_same_state()
 
 
 def test_a_steady_outside_user_is_learned_from_the_headers(twin: Twin) -> None:
@@ -235,6 +241,98 @@ def test_a_call_on_its_way_does_not_hide_an_outside_user(twin: Twin) -> None:
         provider -= 100
         twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=int(provider)))
     assert 11_000 <= twin.core.live(twin.now)["a"].external_tpm <= 13_000
+
+
+def test_a_model_others_use_keeps_a_second_of_their_use_in_hand(twin: Twin) -> None:
+    """With the outsider learned (about 200 tokens/s), a call needs its estimate and
+    OUTSIDE_MARGIN_MS of their use in the bucket: what they take between the count
+    the provider sent and our call's arrival is steady only on average (providers-foreign's
+    near misses of tens of tokens). Before the learning it needs its estimate alone."""
+    share_with_an_outsider(twin, [200] * 80)
+    margin = twin.core.live(twin.now)["a"].external_tpm * OUTSIDE_MARGIN_MS / UNITS
+    assert 180 <= margin <= 220
+    fits_alone = int(tokens(twin)) - 50  # fits the bucket, not with the margin
+    waiting = twin.admit([Candidate(fits_alone)])[0]
+    assert isinstance(waiting, NotNow) and waiting.wait_ms is not None
+    assert waiting.wait_ms == pytest.approx((margin - 50) / 0.8, abs=15)  # at the 800 tokens/s left for us
+    twin.advance(waiting.wait_ms)
+    assert isinstance(twin.admit([Candidate(fits_alone)])[0], Admitted)
+
+
+def test_a_gap_below_the_count_is_not_counted_again_at_each_sync(twin: Twin) -> None:
+    """The provider has 50 tokens more than our bucket (a credit we never saw), and
+    answers come every 10 ms. The bucket is never raised, so every sync finds that
+    gap again: counted as a rate at each, it took the outside estimate to 0 within
+    a few answers (providers-foreign: 0 from 2 s to 12 s in while the other client
+    took 20 %, then 429s). It moves the estimate once, and the outsider's use brings
+    it back."""
+    share_with_an_outsider(twin, [200] * 80)
+    share_with_an_outsider(twin, [200] * 10, step_ms=10, fresh=False, surplus=50)
+    assert twin.core.live(twin.now)["a"].external_tpm >= 10_000  # once: 50 tokens over OUTSIDE_TAU_MS
+    share_with_an_outsider(twin, [200] * 400, step_ms=10, fresh=False)
+    assert 11_000 <= twin.core.live(twin.now)["a"].external_tpm <= 13_000
+
+
+def test_answers_seconds_apart_do_not_swing_the_outside_estimate(twin: Twin) -> None:
+    """Answers 10 s apart (long calls): each gap's growth over OUTSIDE_TAU_MS (2 s) alone
+    would move the estimate five times what it saw, from clamp to clamp; over the 10 s
+    it moves it by what it saw, and it settles on the outsider's 12,000 a minute."""
+    share_with_an_outsider(twin, [200] * 6, step_ms=10_000)
+    assert 11_000 <= twin.core.live(twin.now)["a"].external_tpm <= 13_000
+
+
+def test_a_full_count_lowers_the_outside_estimate(twin: Twin) -> None:
+    """The outsider learned, then gone, and the provider's bucket full: its count stays at
+    the burst and ours at our cap, so every gap is the same and shows no change: without
+    the rule the estimate stayed at what was learned. A full count cannot show outside
+    use, so while it lasts the estimate falls by at least the time since the last sync
+    over OUTSIDE_TAU_MS of itself: all of it after the half hour here."""
+    share_with_an_outsider(twin, [200] * 80)
+    twin.advance(2_000_000)  # both buckets refill to their caps
+    share_with_an_outsider(twin, [0] * 4, fresh=False, surplus=250)  # ours is capped 250 tokens below the burst
+    assert twin.ref.models["a"].external == 0  # the raw estimate, not only its part above 0
+
+
+def test_a_full_count_lowers_the_outside_estimate_an_eighth_each_quarter_second(twin: Twin) -> None:
+    """The same, step by step: an estimate of 12,000 a minute (set by hand on both sides:
+    a small bucket cannot learn it and also be full), both buckets at their caps, and an
+    answer every 250 ms with a full count: the gap does not change, and each sync after
+    the first (which sets the baseline) takes an eighth (250 ms over 2 s) of it."""
+    twin.set_quota(Quota("a", 8, 60_000, burst_tokens=2_000))
+    twin.client.hset(keys.model(twin.namespace, "a"), "ext", 12_000)
+    twin.ref.models["a"].external = expected = 12_000
+    twin.advance(5_000)  # ours refills to its cap (1,750 tokens), the provider's to its burst
+    provider = 2_000
+    for step in range(4):
+        twin.advance(250)
+        provider = min(provider + 250, 2_000)
+        lease = twin.admit([Candidate(100)])[0]
+        provider -= 100
+        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=provider))
+        if step > 0:
+            expected -= expected // 8
+        assert twin.ref.models["a"].external == expected
+    twin.check_same_state()
+
+
+def test_a_quota_change_learns_the_outside_use_again_from_a_new_baseline(twin: Twin) -> None:
+    """A quota change resets the estimate (kept, an estimate from a larger quota, cut to
+    9/10 of a smaller one, left it a tenth of its TPM: an end-to-end run's throttled model
+    made no call for 5 s), and its next sync sets a new baseline: the buckets it clipped
+    are no one's use (read as a gap that shrank, the first sync took the estimate below 0)."""
+    share_with_an_outsider(twin, [200] * 80)
+    twin.set_quota(Quota("a", 8, 60_000, burst_tokens=2_000))
+    assert twin.ref.models["a"].external == 0
+    twin.advance(5_000)  # both buckets at their caps, 250 tokens apart
+    provider = 2_000
+    for _ in range(4):
+        twin.advance(250)
+        provider = min(provider + 250, 2_000)
+        lease = twin.admit([Candidate(100)])[0]
+        provider -= 100
+        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=provider))
+    assert twin.ref.models["a"].external == 0
+    twin.check_same_state()
 
 
 def test_the_outside_rate_decays_when_the_outsider_stops(twin: Twin) -> None:

@@ -16,7 +16,7 @@ import redis
 from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, Settlement
 from balancer.admission.fields import MODEL_FIELDS, STATE_FIELDS, quota_fields
 from balancer.admission.reference import ReferenceCore
-from balancer.admission.values import UNITS
+from balancer.admission.values import UNITS, outside_rate
 from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 
@@ -53,7 +53,7 @@ def reference_fields(ref: ReferenceCore, name: str) -> dict:
     state = {
         "tokens": s.tokens, "requests": s.requests, "refilled_at": s.refilled_at, "deficit": s.deficit,
         "gen": s.generation, "paused": s.paused_until, "tat": s.tat, "ext": s.external, "synced_at": s.synced_at,
-        "ptokens": s.started_tokens, "prefilled_at": s.started_refilled_at, "fails": s.failures,
+        "sync_gap": s.sync_gap, "ptokens": s.started_tokens, "prefilled_at": s.started_refilled_at, "fails": s.failures,
         "probing": int(s.probing), "backoff": s.backoff_ms, **s.learned.as_dict(),
     }
     assert set(state) == set(STATE_FIELDS), "the twin must compare every state field the scripts keep"
@@ -90,7 +90,8 @@ def live_ref(ref: ReferenceCore, now: int) -> dict:
         live = sum(1 for deadline, _ in ref._inflight(name) if deadline > now)
         view[name] = (quota_fields(s.quota), quota_fields(s.limits), live, s.tokens / UNITS,
                       s.requests / UNITS if s.limits.max_requests_per_minute else None,
-                      s.deficit, max(0, s.paused_until - now), s.external)
+                      s.deficit, max(0, s.paused_until - now),
+                      outside_rate(s.limits.max_tokens_per_minute, s.external))
     return view
 
 

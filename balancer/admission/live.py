@@ -14,7 +14,7 @@ import redis
 
 from balancer.admission import fields, keys
 from balancer.admission.learned import Learned, effective, reason, relaxed, slots_now
-from balancer.admission.values import UNITS, refilled
+from balancer.admission.values import UNITS, outside_rate, refilled
 from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
 from balancer.domain.quota import Quota
 
@@ -105,7 +105,8 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
         view[name] = ModelLive(quota, in_flight, tokens / UNITS,
                                requests / UNITS if limits.max_requests_per_minute else None,
-                               m["deficit"], paused_ms, m["ext"], latency, ready, learned,
+                               m["deficit"], paused_ms, outside_rate(limits.max_tokens_per_minute, m["ext"]),
+                               latency, ready, learned,
                                slots_now(quota, learned, now_ms))
     return view
 

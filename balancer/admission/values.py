@@ -129,16 +129,25 @@ def ceil_div(a: int, b: int) -> int:
 
 #: A call reaches the provider up to this long after its admission charged our bucket.
 TRANSIT_MS = 250
-#: Of the start gate's burst tolerance, up to this much is kept for the last hop's jitter.
-GATE_HOP_MS = 20
+#: Of the start gate's burst tolerance, up to this much is kept for the last hop's jitter: a
+#: run's first calls reach the provider up to 31 ms later than the next ones (a worker's first
+#: connection, processes still starting), and at 20 ms a one-second window of two refused the third.
+GATE_HOP_MS = 50
 #: A provider's x-ratelimit-remaining-* counts reach the scripts (finish.lua, penalize.lua) up to
 #: this long after the provider sent them: calls that started since are not in them (unarrived).
 SYNC_LAG_MS = 25
+#: A model others use too (``external`` > 0, learned from the provider's headers) keeps, beyond a
+#: call's estimate, what they use in this long: their use between the count the provider last sent
+#: and our call's arrival is as steady as its average only on average.
+OUTSIDE_MARGIN_MS = 1_000
+#: The outside-use estimate follows what the syncs show with this time constant, whatever their pace.
+OUTSIDE_TAU_MS = 2_000
 
 #: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
 LUA_PRELUDE = "\n".join([
     "-- generated from balancer/admission/values.py",
     f"local UNITS, TRANSIT_MS, GATE_HOP_MS, SYNC_LAG_MS = {UNITS}, {TRANSIT_MS}, {GATE_HOP_MS}, {SYNC_LAG_MS}",
+    f"local OUTSIDE_MARGIN_MS, OUTSIDE_TAU_MS = {OUTSIDE_MARGIN_MS}, {OUTSIDE_TAU_MS}",
     "",
 ])
 
@@ -148,7 +157,7 @@ def gate_shape(limits: Quota) -> tuple[int, int]:
     calls start one per interval, up to ``request_burst`` at once less the last hop's jitter.
 
     >>> gate_shape(Quota("m", 8, 60_000, max_requests_per_minute=60))
-    (1000, 58980)
+    (1000, 58950)
     """
     interval = ceil_div(60_000, limits.max_requests_per_minute or 0)
     return interval, max(0, (limits.request_burst - 1) * interval - min(ceil_div(interval, 2), GATE_HOP_MS))
@@ -168,6 +177,56 @@ def token_cap(quota: Quota) -> int:
     return burst - min(quota.max_tokens_per_minute * TRANSIT_MS, burst // 2)
 
 
+def outside_ceiling(tpm: int) -> int:
+    """The most others' use is ever taken to be: 9/10 of ``tpm``, so the bucket refills at a
+    tenth of it at least (limits.lua, outside_ceiling).
+
+    >>> outside_ceiling(60_000)
+    54000
+    """
+    return math.floor(tpm * 9 / 10)
+
+
+def outside_rate(tpm: int, external: int) -> int:
+    """The outside use the token bucket allows for: ``external``, at most 9/10 of ``tpm``,
+    and none while the estimate is below 0 (limits.lua, outside_rate).
+
+    >>> outside_rate(60_000, 12_000), outside_rate(60_000, 90_000), outside_rate(60_000, -3_000)
+    (12000, 54000, 0)
+    """
+    return max(0, min(external, outside_ceiling(tpm)))
+
+
+def outside_estimate(external: int, tpm: int, growth: int, dt: int, count_full: bool) -> int:
+    """The outside-use estimate (tokens per minute) after a header sync (signals.lua,
+    outside_estimate). ``growth``: how much the gap between our token level and the
+    count (less our calls on their way) grew since the last sync, ``dt`` ms ago: what
+    others used beyond ``external`` meanwhile. It moves the estimate by itself over
+    ``OUTSIDE_TAU_MS``, or over ``dt`` when the syncs are further apart than that (a
+    step never goes past what it saw). A full count (``count_full``: at least our
+    bucket's size) cannot show outside use: both buckets at their caps give the same
+    gap at every sync, and would hold a wrong estimate for good; so while it lasts the
+    estimate falls by at least ``min(dt, OUTSIDE_TAU_MS) / OUTSIDE_TAU_MS`` of itself
+    (all of it after 2 s; an outside user is learned again once the buckets run below
+    their caps). Kept between -1/10 and 9/10 of ``tpm``: below 0 it is noise to cancel,
+    not a use (:func:`outside_rate`).
+
+    >>> outside_estimate(0, 60_000, 200 * UNITS, 250, False)      # 200 tokens in 250 ms, over 2 s
+    6000
+    >>> outside_estimate(0, 60_000, 2_000 * UNITS, 10_000, False)  # 2,000 in 10 s: 12,000 a minute, not 54,000
+    12000
+    >>> outside_estimate(12_000, 60_000, 0, 500, True)              # a full count: a quarter of it goes
+    9000
+    >>> outside_estimate(0, 60_000, -1_000_000 * UNITS, 250, False)
+    -6000
+    """
+    dt = max(0, dt)
+    moved = math.floor(growth / max(OUTSIDE_TAU_MS, dt))
+    if count_full and external > 0:
+        moved = min(moved, -math.floor(external * min(dt, OUTSIDE_TAU_MS) / OUTSIDE_TAU_MS))
+    return max(-math.floor(tpm / 10), min(outside_ceiling(tpm), external + moved))
+
+
 def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, external: int, now: int) -> tuple[int, int]:
     """The buckets (units) refilled from ``refilled_at`` to ``now``: tokens at TPM
     less what others use (``external``, at most 9/10 of TPM), up to :func:`token_cap`; requests at
@@ -182,15 +241,25 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
     """
     dt = max(0, now - refilled_at)
     tpm = quota.max_tokens_per_minute
-    tokens = min(token_cap(quota), tokens + dt * (tpm - min(external, math.floor(tpm * 9 / 10))))
+    tokens = min(token_cap(quota), tokens + dt * (tpm - outside_rate(tpm, external)))
     if quota.max_requests_per_minute:
         requests = min(quota.request_burst * UNITS, requests + dt * quota.max_requests_per_minute)
     return tokens, requests
 
 
-def tokens_needed(quota: Quota, est: int) -> int:
-    """Units a task needs in the bucket: its estimate, or a full bucket if larger."""
-    return min(est * UNITS, token_cap(quota))
+def tokens_needed(quota: Quota, est: int, external: int) -> int:
+    """Units a task needs in the bucket: its estimate and, when others use the quota too
+    (``external``), their use of ``OUTSIDE_MARGIN_MS``; or a full bucket if larger
+    (limits.lua, tokens_needed).
+
+    >>> q = Quota("m", 1, 60_000, burst_tokens=10_000)
+    >>> [tokens_needed(q, 500, external) / UNITS for external in (0, 12_000)]   # 200 tokens a second others use
+    [500.0, 700.0]
+    >>> tokens_needed(q, 9_800, 12_000) == token_cap(q)
+    True
+    """
+    margin = outside_rate(quota.max_tokens_per_minute, external) * OUTSIDE_MARGIN_MS
+    return min(est * UNITS + margin, token_cap(quota))
 
 
 def rejection_reason(estimated: int, largest_burst: int) -> str:

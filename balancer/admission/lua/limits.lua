@@ -13,7 +13,7 @@
 -- reads these, never the quota's fields directly, except the burst that
 -- decides whether a task can ever fit (the configured one).
 -- (CLEAN_MS, MAX_WINDOW_MS, PEAK_WINDOWS, RAMP_START, RAMP_MS and FIRST_BUCKETS come from learned.py's
--- prelude; UNITS, TRANSIT_MS, GATE_HOP_MS and SYNC_LAG_MS from values.py's.)
+-- prelude; UNITS, TRANSIT_MS, GATE_HOP_MS, SYNC_LAG_MS, OUTSIDE_MARGIN_MS and OUTSIDE_TAU_MS from values.py's.)
 local function lower_of(limit, other)  -- the lower of two limits, 0 meaning none
   if other > 0 and (limit == 0 or other < limit) then return other end
   return limit
@@ -41,11 +41,13 @@ local function eff_rburst(m)
   if m.rpm == 0 then return r end  -- discovered: one minute of it
   return math.max(1, math.floor(m.rburst * r / m.rpm))
 end
+-- The most others' use is ever taken to be: 9/10 of `tpm` (values.outside_ceiling).
+local function outside_ceiling(tpm) return math.floor(tpm * 9 / 10) end
+-- What others use that the token bucket allows for: ext, at most 9/10 of TPM, and
+-- none while the estimate is below 0 (values.outside_rate).
+local function outside_rate(m) return math.max(0, math.min(m.ext, outside_ceiling(eff_tpm(m)))) end
 -- Tokens per minute the bucket refills at: TPM less what others use (never below a tenth of TPM).
-local function token_rate(m)
-  local t = eff_tpm(m)
-  return t - math.min(m.ext, math.floor(t * 9 / 10))
-end
+local function token_rate(m) return eff_tpm(m) - outside_rate(m) end
 local function window_ms(m)
   if m.window > 0 then return m.window end
   return CLEAN_MS
@@ -90,7 +92,11 @@ local function token_cap(m)
   local b = eff_burst(m) * UNITS
   return b - math.min(eff_tpm(m) * TRANSIT_MS, math.floor(b / 2))
 end
-local function tokens_needed(m, est) return math.min(est * UNITS, token_cap(m)) end
+-- Units a task needs: its estimate and, when others use the quota, their use of
+-- OUTSIDE_MARGIN_MS; a full bucket if larger (values.tokens_needed).
+local function tokens_needed(m, est)
+  return math.min(est * UNITS + outside_rate(m) * OUTSIDE_MARGIN_MS, token_cap(m))
+end
 
 -- Refill the buckets at the effective rates up to now, then raise learned limits (relax).
 local function refill(m, now)

@@ -13,7 +13,10 @@
 -- bucket of its own (first_at, first_calls, first_tokens) and, created or
 -- changed, a slow start from the calls in flight (ramp_quota in limits.lua). The provider's
 -- limit headers (htpm, hrpm) are kept: they are facts, not guesses; so is how
--- many calls the provider lately served at once (served, served_at).
+-- many calls the provider lately served at once (served, served_at). What others
+-- use (ext) is learned again, from a new baseline (synced_at = 0: the clipped
+-- buckets are no one's use): kept, an estimate from a larger quota, cut to 9/10
+-- of a smaller one, left it a tenth of its TPM.
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
@@ -39,7 +42,7 @@ else
   m.tokens, m.ptokens = math.min(m.tokens, token_cap(m)), math.min(m.ptokens, token_cap(m))
   if had_rpm then m.requests = math.min(m.requests, eff_rburst(m) * UNITS) else m.requests = eff_rburst(m) * UNITS end
   m.deficit = math.min(m.deficit, m.burst)
-  m.ext = math.min(m.ext, math.floor(m.tpm * 9 / 10))
+  m.ext, m.synced_at = 0, 0  -- learned again; the clipped buckets are no one's use
 end
 ramp_quota(m, now)  -- a slow start from the calls in flight (a recreated model's too)
 save_model(m)

@@ -25,15 +25,35 @@ local function unarrived(m, now, own)
   return tokens, calls, started_tokens, started_calls
 end
 
+-- The outside-use estimate after a sync: moved by the gap's `growth` over
+-- OUTSIDE_TAU_MS, or over `dt` when the syncs are further apart; while the count
+-- is full (`count_full`: at least our bucket's size) it falls by at least
+-- min(dt, OUTSIDE_TAU_MS) / OUTSIDE_TAU_MS of itself; between -1/10 and 9/10 of
+-- TPM (values.outside_estimate says why).
+local function outside_estimate(m, growth, dt, count_full)
+  dt = math.max(0, dt)
+  local moved = math.floor(growth / math.max(OUTSIDE_TAU_MS, dt))
+  if count_full and m.ext > 0 then
+    moved = math.min(moved, -math.floor(m.ext * math.min(dt, OUTSIDE_TAU_MS) / OUTSIDE_TAU_MS))
+  end
+  local t = eff_tpm(m)
+  return math.max(-math.floor(t / 10), math.min(outside_ceiling(t), m.ext + moved))
+end
+
 -- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
 -- the token buckets less what our calls it has not counted yet will take
 -- (unarrived); never raise them.
--- The token gap between two syncs (our level against the count less our calls
--- on their way) is what others used of the quota meanwhile: its rate moves
--- `ext`, and the bucket refills at tpm - ext (never below a tenth of tpm), so a
--- steady outside user is expected, not met as a 429 after every sync. Biased to
--- the safe side: a positive gap moves ext up by 1/4 of it, a negative one down
--- by only 1/32.
+-- The token gap (our level against the count less our calls on their way)
+-- grows between two syncs by what others used beyond `ext` meanwhile: that
+-- growth moves `ext` (outside_estimate), and the bucket refills at tpm - ext
+-- (never below a tenth of tpm), so a steady outside user is expected, not met
+-- as a 429 after every sync. The gap a sync leaves
+-- (sync_gap: the bucket is never raised, so a gap below 0 stays) is not counted
+-- again at the next. The estimate may fall below 0, to a tenth of TPM: a count
+-- the provider sent late reads as a gap below 0, then as one above it at the
+-- next sync, and clamped at 0 only the second half was kept (an outside user
+-- of 1 % of TPM on average, where there was none, on fast.toml). Only its part
+-- above 0 is others' use (outside_rate).
 -- `own`: the lease of the call whose answer carried them (finish.lua), or nil (a 429).
 -- Returns the requests left for more calls (nil: not sent, or no RPM), and how
 -- many of those on their way were not started (learn_from_spent).
@@ -43,15 +63,11 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
   local tokens, calls, started_tokens, started_calls = unarrived(m, now, own)
   if remaining_tokens ~= '' then
     local remaining = tonumber(remaining_tokens) * UNITS
-    if m.synced_at > 0 and now > m.synced_at then
-      local gap = m.tokens - (remaining - tokens * UNITS)
-      local gain = 4
-      if gap < 0 then gain = 32 end
-      local error_rate = math.floor(gap / (gain * (now - m.synced_at)))
-      m.ext = math.max(0, math.min(math.floor(eff_tpm(m) * 9 / 10), m.ext + error_rate))
-    end
-    m.synced_at = now
-    m.tokens = math.min(m.tokens, remaining - tokens * UNITS)
+    local ours_left = remaining - tokens * UNITS  -- the count less our calls on their way
+    local gap = m.tokens - ours_left
+    if m.synced_at > 0 then m.ext = outside_estimate(m, gap - m.sync_gap, now - m.synced_at, remaining >= token_cap(m)) end
+    m.synced_at, m.sync_gap = now, math.min(gap, 0)
+    m.tokens = math.min(m.tokens, ours_left)
     refill_started(m, now)
     m.ptokens = math.min(m.ptokens, remaining - started_tokens * UNITS)
   end

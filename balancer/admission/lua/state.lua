@@ -12,7 +12,8 @@
 -- INFLIGHT_INFIX, ...) from balancer/admission/keys.py, the one module that
 -- names keys, the model hash's field lists (QUOTA_FIELDS, STATE_FIELDS,
 -- FIELDS) from balancer/admission/fields.py, the bucket units and allowances
--- (UNITS, TRANSIT_MS, GATE_HOP_MS, SYNC_LAG_MS) from balancer/admission/values.py,
+-- (UNITS, TRANSIT_MS, GATE_HOP_MS, SYNC_LAG_MS, OUTSIDE_MARGIN_MS, OUTSIDE_TAU_MS) from
+-- balancer/admission/values.py,
 -- and the constants of limits that learn (CLEAN_MS, ...) from balancer/admission/learned.py.
 --
 -- KEYS[1]  <tag>:meta     hash   loaded, epoch, seq, rr (last model chosen)

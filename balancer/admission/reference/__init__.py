@@ -66,7 +66,6 @@ from balancer.admission.values import (
     ceil_div,
     rejection_reason,
     token_cap,
-    tokens_needed,
 )
 from balancer.domain.quota import Quota
 
@@ -113,7 +112,7 @@ class ReferenceCore(Signals):
                         earliest = at
                     if (
                         n not in held
-                        and self.models[n].tokens < tokens_needed(self.models[n].limits, est)
+                        and self.models[n].tokens < self.models[n].tokens_needed(est)
                         and (starved_at is None or at < starved_at)
                     ):
                         starved, starved_at = n, at
@@ -322,7 +321,7 @@ class ReferenceCore(Signals):
         rburst = limits.request_burst
         state.requests = min(state.requests, rburst * UNITS) if had_rpm else rburst * UNITS
         state.deficit = min(state.deficit, quota.burst)
-        state.external = min(state.external, math.floor(quota.max_tokens_per_minute * 9 / 10))
+        state.external, state.synced_at = 0, 0  # learned again; the clipped buckets are no one's use
 
     def remove_quota(self, name: str) -> bool:
         self._require_state()

@@ -15,6 +15,7 @@ from balancer.admission.values import (
     UNITS,
     Settlement,
     gate_shape,
+    outside_estimate,
     token_cap,
 )
 from balancer.domain import latency
@@ -147,13 +148,15 @@ class Signals(ReferenceState):
         Returns the requests left for more calls, and how many of those on their way
         were not started (None: not sent, or no RPM).
 
-        The token gap between two syncs (our level against the count less our
-        calls on their way) is what others used of the quota meanwhile: its rate
-        moves ``external``, and the bucket refills at TPM less that (never below a
-        tenth of TPM). So a steady outside user is expected instead of met as a
-        429 after every sync. Biased to the safe side: a positive gap moves the
-        estimate up by 1/4 of it, a negative one down by only 1/32. Float
-        division then floor, exactly as the Lua does it.
+        The token gap (our level against the count less our calls on their way)
+        grows between two syncs by what others used of the quota beyond
+        ``external`` meanwhile; that growth moves ``external``
+        (:func:`~balancer.admission.values.outside_estimate`), and the bucket refills
+        at TPM less that (never below a tenth of TPM). So a steady outside user is expected instead of met as a
+        429 after every sync. The gap left after a sync (``sync_gap``: the bucket
+        is never raised, so a gap below 0 stays) is not counted again at the
+        next. The estimate may fall below 0, to a tenth of TPM (signals.lua says
+        why); only its part above 0 is others' use (``outside_rate``).
         """
         if remaining_tokens is None and remaining_requests is None:
             return None
@@ -161,13 +164,14 @@ class Signals(ReferenceState):
         tokens, calls, started_tokens, started_calls = self._unarrived(model, now, own)
         if remaining_tokens is not None:
             remaining = remaining_tokens * UNITS
-            if state.synced_at > 0 and now > state.synced_at:
-                gap = state.tokens - (remaining - tokens * UNITS)
-                error_rate = math.floor(gap / ((4 if gap >= 0 else 32) * (now - state.synced_at)))
-                ceiling = math.floor(state.limits.max_tokens_per_minute * 9 / 10)
-                state.external = max(0, min(ceiling, state.external + error_rate))
-            state.synced_at = now
-            state.tokens = min(state.tokens, remaining - tokens * UNITS)
+            ours_left = remaining - tokens * UNITS  # the count less our calls on their way
+            gap = state.tokens - ours_left
+            if state.synced_at > 0:
+                count_full = remaining >= token_cap(state.limits)
+                state.external = outside_estimate(state.external, state.limits.max_tokens_per_minute,
+                                                  gap - state.sync_gap, now - state.synced_at, count_full)
+            state.synced_at, state.sync_gap = now, min(gap, 0)
+            state.tokens = min(state.tokens, ours_left)
             ReferenceState._refill_started(state, now)
             state.started_tokens = min(state.started_tokens, remaining - started_tokens * UNITS)
         if remaining_requests is not None and state.limits.max_requests_per_minute:

@@ -25,6 +25,7 @@ from balancer.admission.values import (
     NoState,
     ceil_div,
     gate_shape,
+    outside_rate,
     refilled,
     token_cap,
     tokens_needed,
@@ -42,8 +43,9 @@ class ModelState:
     generation: int = 0  # bumped when the rate or bucket size changes
     paused_until: int = 0  # ms: a 429 holds the model until then
     tat: int = 0  # ms: the start gate's theoretical arrival time of the next call start
-    external: int = 0  # tokens per minute others use of this quota, learned from headers
-    synced_at: int = 0  # ms of the last x-ratelimit-remaining-tokens sync
+    external: int = 0  # tokens per minute others use of this quota, learned from headers (below 0: none)
+    synced_at: int = 0  # ms of the last x-ratelimit-remaining-tokens sync (0: none since a quota or token-limit change)
+    sync_gap: int = 0  # units the token bucket was below the count less our calls on their way after it (<= 0)
     failures: int = 0  # consecutive transient failures (the circuit breaker)
     probing: bool = False  # the circuit is open: paused, then one call at a time until one is answered
     backoff_ms: int = 0  # the circuit's last pause
@@ -65,7 +67,11 @@ class ModelState:
         """Units per ms (= tokens per minute) the bucket refills at: TPM less what others
         use (at most 9/10 of it)."""
         tpm = self.limits.max_tokens_per_minute
-        return tpm - min(self.external, math.floor(tpm * 9 / 10))
+        return tpm - outside_rate(tpm, self.external)
+
+    def tokens_needed(self, est: int) -> int:
+        """Units a call of ``est`` tokens needs in a bucket (:func:`~balancer.admission.values.tokens_needed`)."""
+        return tokens_needed(self.limits, est, self.external)
 
     def window_ms(self) -> int:
         return self.learned.window or CLEAN_MS
@@ -278,7 +284,7 @@ class ReferenceState:
         if state.paused_until > now:
             return False
         slots = len(self._inflight(name)) < self._slot_cap(name, now)
-        tokens = state.tokens >= tokens_needed(quota, est)
+        tokens = state.tokens >= state.tokens_needed(est)
         requests = not quota.max_requests_per_minute or state.requests >= UNITS
         note_bound(state.learned, now, slots, tokens, requests)
         return slots and tokens and requests
@@ -288,7 +294,7 @@ class ReferenceState:
         state = self.models[name]
         quota = state.limits
         token_wait = 0
-        need = tokens_needed(quota, est)
+        need = state.tokens_needed(est)
         if state.tokens < need:
             token_wait = ceil_div(need - state.tokens, state.refill_rate)
         request_wait = 0
@@ -317,7 +323,7 @@ class ReferenceState:
         This second bucket refills, settles and syncs like the first.
         """
         self._refill_started(state, now)
-        need = tokens_needed(state.limits, est)
+        need = state.tokens_needed(est)
         wait = ceil_div(need - state.started_tokens, state.refill_rate) if state.started_tokens < need else 0
         state.started_tokens -= est * UNITS
         return wait
