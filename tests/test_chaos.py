@@ -129,6 +129,21 @@ def test_recovery_is_the_first_answer_and_the_return_to_the_rate_before() -> Non
     assert (idle.first_answer_s, idle.rate_back_s, idle.seconds) == (None, None, None)
 
 
+def test_a_fault_ending_after_the_last_answer_is_judged_by_the_backlog_then() -> None:
+    """Chaos seed 182203819: model-0 answered 500s until after the run's last answer,
+    and its 29 tasks then ended failed (its quota removed with --force). No answer
+    came after the fault, yet its backlog was no larger than at its start: back at once,
+    not never. Tasks stored during it and ended later are waited for."""
+    opened = [0.0] * 40  # a batch of 40 at 0
+    answers = [float(t) for t in range(1, 36)]  # one a second until 35; 5 tasks left
+    fault = FaultWindow("f", "backend_500", 30.0, 50.0)  # backlog 10 at its start
+    closed = answers + [53.0] * 5  # the 5 end failed at 53
+    (rec,) = recoveries([fault], answers, 35.0, opened, closed)
+    assert (rec.first_answer_s, rec.rate_back_s, rec.seconds) == (None, 0.0, 0.0)
+    (rec,) = recoveries([fault], answers, 35.0, opened + [40.0] * 10, closed + [53.0] * 10)
+    assert rec.rate_back_s == 3.0  # 15 left at its end, none at 53
+
+
 def test_recovery_does_not_count_the_time_a_blocking_fault_made_progress_impossible() -> None:
     """A beat kill ends at 40; the workers' PostgreSQL then stalls from 41 to 80
     (no answer can be written anywhere): answers resume at 82. From its own end,

@@ -319,12 +319,15 @@ def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_ans
             out.append(Recovery(f.label, None, None))  # nothing was left to do after it
             continue
         t = f.end if first is None else answers[i]  # not back before the first answer
-        while t <= last_answer:
+        settled = max(last_answer, closed[-1] if closed else last_answer)  # nothing changes after it
+        while True:  # each second from t, and at least once: a fault may end after the last change
             done = bisect.bisect_left(answers, t + RATE_WINDOW_S) - bisect.bisect_left(answers, t)
             if done >= target or backlog(t) <= start_backlog:
                 back = t - f.end
                 break
-            t = last_answer + 1.0 if t == last_answer else min(t + 1.0, last_answer)  # the last answer is checked too
+            if t >= settled:
+                break
+            t = min(t + 1.0, settled)
         if back is None:
             back = 0.0 if target == 0 else float("inf")  # work remained and the pipeline never caught up
         own = max(p for p in (first, back) if p is not None)
