@@ -6,6 +6,8 @@ injected clock, with hand-made numbers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from balancer.admission import Admitted, Candidate, NotNow, Settlement, keys
@@ -293,6 +295,20 @@ def test_a_full_count_lowers_the_outside_estimate(twin: Twin) -> None:
     assert twin.ref.models["a"].external == 0  # the raw estimate, not only its part above 0
 
 
+def answered_with_a_full_count(twin: Twin, calls: int) -> Iterator[int]:
+    """A call of 100 tokens every 250 ms, each answered with the count of a provider whose
+    bucket (2,000 tokens, 250 a quarter second) holds all but ours: yields each call's index
+    once it is answered."""
+    provider = 2_000
+    for step in range(calls):
+        twin.advance(250)
+        provider = min(provider + 250, 2_000)
+        lease = twin.admit([Candidate(100)])[0]
+        provider -= 100
+        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=provider))
+        yield step
+
+
 def test_a_full_count_lowers_the_outside_estimate_an_eighth_each_quarter_second(twin: Twin) -> None:
     """The same, step by step: an estimate of 12,000 a minute (set by hand on both sides:
     a small bucket cannot learn it and also be full), both buckets at their caps, and an
@@ -302,13 +318,7 @@ def test_a_full_count_lowers_the_outside_estimate_an_eighth_each_quarter_second(
     twin.client.hset(keys.model(twin.namespace, "a"), "ext", 12_000)
     twin.ref.models["a"].external = expected = 12_000
     twin.advance(5_000)  # ours refills to its cap (1,750 tokens), the provider's to its burst
-    provider = 2_000
-    for step in range(4):
-        twin.advance(250)
-        provider = min(provider + 250, 2_000)
-        lease = twin.admit([Candidate(100)])[0]
-        provider -= 100
-        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=provider))
+    for step in answered_with_a_full_count(twin, 4):
         if step > 0:
             expected -= expected // 8
         assert twin.ref.models["a"].external == expected
@@ -324,13 +334,8 @@ def test_a_quota_change_learns_the_outside_use_again_from_a_new_baseline(twin: T
     twin.set_quota(Quota("a", 8, 60_000, burst_tokens=2_000))
     assert twin.ref.models["a"].external == 0
     twin.advance(5_000)  # both buckets at their caps, 250 tokens apart
-    provider = 2_000
-    for _ in range(4):
-        twin.advance(250)
-        provider = min(provider + 250, 2_000)
-        lease = twin.admit([Candidate(100)])[0]
-        provider -= 100
-        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_tokens=provider))
+    for _ in answered_with_a_full_count(twin, 4):
+        pass
     assert twin.ref.models["a"].external == 0
     twin.check_same_state()
 
