@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -159,6 +160,35 @@ def test_recovery_does_not_count_the_time_a_blocking_fault_made_progress_impossi
     assert (rec.first_answer_s, rec.own_end_seconds, rec.blocked_s, rec.seconds) == (42.0, 42.0, 39.0, 3.0)
     (rec, _) = recoveries([beat, lowered], before + after, last_answer=121.0)
     assert (rec.blocked_s, rec.seconds) == (0.0, 42.0)
+
+
+def test_the_injector_runs_an_operator_command_again_only_while_it_cannot_reach_a_service(
+        migrated: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chaos seed 1515597019: model-0's quota was to be created again while Redis was
+    down; `quota set` said "cannot reach Redis", exited 2, and 9 tasks that only model-0
+    may take waited for it past the drain. The injector, as an operator, runs such a
+    command again each second; a command refused for another reason runs once."""
+    from balancer.bench import chaos_faults
+
+    monkeypatch.setattr(chaos_faults, "OPERATOR_PATIENCE_S", 3.0)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        closed_port = server.getsockname()[1]  # nothing listens there once the block ends
+
+    def injector(env: dict[str, str]) -> chaos_faults.Injector:
+        unused: Any = None  # the operator commands need none of the injector's other parts
+        return chaos_faults.Injector(unused, [], 0, unused, unused, "", {}, unused, {**os.environ, **env},
+                                     unused)
+
+    redis_down = injector({**migrated, "BALANCER_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"})
+    redis_down._cli(["quota", "list"])
+    redis_down.settle()
+    assert len(redis_down.actions) >= 2, redis_down.actions
+    assert all("exit 2" in a and "cannot reach Redis" in a for a in redis_down.actions), redis_down.actions
+
+    refused = injector(migrated)
+    refused._cli(["quota", "set", "no-such-model", "--tpm", "5"])
+    refused.settle()
+    assert len(refused.actions) == 1 and "unknown model" in refused.actions[0], refused.actions
 
 
 def test_a_bad_option_is_one_line_and_exit_2() -> None:

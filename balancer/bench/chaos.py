@@ -178,7 +178,7 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
         windows: list[FaultWindow] = []
         begun: dict[int, float] = {}
         checks: list[tuple[float, str]] = []
-        t0 = time.time()
+        t0 = injector.t0 = time.time()
         log_read_at = drained_at = said_at = 0.0
         deadline = t0 + window + drain_timeout
         try:

@@ -4,11 +4,14 @@ Overlapping faults of one kind compose: a process killed twice is restarted
 once, at the later end; the backend's injected statuses are the union of the
 faults active; the proxy forwards again when the last stall ends; a quota
 returns to its original limits when no lowering or removal of it remains.
-Every action is recorded with its Unix time, for the witness.
+Every action is noted, in seconds from the fault window's start, for the report;
+kills keep their Unix time, for the witness. An operator command that could not
+reach a service is run again, as a person would after its one-line error.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -28,6 +31,9 @@ from balancer.devtools.embedded import RedisProcess, start_redis
 from balancer.devtools.supervisor import Child, Supervisor
 from balancer.devtools.tcpproxy import StallProxy
 from balancer.domain.quota import Quota
+
+#: How long the injector, as an operator, keeps running again a command that could not reach a service.
+OPERATOR_PATIENCE_S = 60.0
 
 
 @dataclass
@@ -51,11 +57,13 @@ class Injector:
     _quota_faults: list[Fault] = field(default_factory=list)
     _redis_down: int = 0
     _files: int = 0
-    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=2))
+    # one operator: commands run in the order issued (a re-creation never overtakes a removal still retried)
+    _pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(max_workers=1))
     _pending: list[Future] = field(default_factory=list)
+    t0: float = field(default_factory=time.time)  # the fault window's start: actions are noted from it
 
     def note(self, text: str) -> None:
-        self.actions.append(f"{time.time():.3f} {text}")
+        self.actions.append(f"+{time.time() - self.t0:7.1f}s  {text}")
 
     # -- start and end -----------------------------------------------------------
     def begin(self, fault: Fault) -> None:
@@ -180,17 +188,26 @@ class Injector:
         self._cli([*argv, "--create"] if removed else argv)
 
     def _cli(self, argv: list[str]) -> None:
-        """Run ``balancer <argv>`` as an operator would, off the chaos loop's thread."""
+        """Run ``balancer <argv>`` as an operator would, off the chaos loop's thread: a
+        command that could not reach a service (Redis killed meanwhile) is run again each
+        second, for up to OPERATOR_PATIENCE_S, as its one-line error invites."""
 
         def run() -> None:
-            started = time.time()
-            try:
-                done = subprocess.run([sys.executable, "-m", "balancer", *argv], env=self.cli_env, capture_output=True,
-                                      text=True, timeout=60, stdin=subprocess.DEVNULL)
-                tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
-                self.note(f"`balancer {' '.join(argv)}` (issued {started:.3f}) exit {done.returncode}: {tail[0][:160]}")
-            except subprocess.TimeoutExpired:
-                self.note(f"`balancer {' '.join(argv)}` timed out after 60 s")
+            command = f"`balancer {' '.join(argv)}`"
+            deadline = time.time() + OPERATOR_PATIENCE_S
+            for attempt in itertools.count(1):
+                try:
+                    done = subprocess.run([sys.executable, "-m", "balancer", *argv], env=self.cli_env,
+                                          capture_output=True, text=True, timeout=max(1.0, deadline - time.time()),
+                                          stdin=subprocess.DEVNULL)
+                except subprocess.TimeoutExpired:
+                    self.note(f"{command} timed out (attempt {attempt})")
+                    return
+                tail = ((done.stdout + done.stderr).strip().splitlines()[-1:] or [""])[0]
+                self.note(f"{command} exit {done.returncode} (attempt {attempt}): {tail[:160]}")
+                if done.returncode == 0 or "cannot reach" not in tail or time.time() + 1.0 >= deadline:
+                    return
+                time.sleep(1.0)
 
         self._pending.append(self._pool.submit(run))
 

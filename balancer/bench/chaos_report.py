@@ -95,7 +95,9 @@ def render(result: ChaosResult) -> str:
                          ("Inbox lines refused at intake (reported in the inbox's .errors; no task)",
                           result.extra.get("inbox_refused", [])),
                          ("What the parts believed after each fault (leases in Redis, running rows in PostgreSQL,"
-                          " calls in flight at the backend; only disagreements are listed)", result.beliefs)):
+                          " calls in flight at the backend; only disagreements are listed)", result.beliefs),
+                         ("What the injector did (kills, restarts, operator commands and their exits)",
+                          result.actions)):
         lines += ["", f"{title}:" if items else f"{title}: none.", ""]
         lines += [f"- {item}" for item in items]
     lines += ["", "Schedule:", "", "```", *[f.describe() for f in result.schedule], "```"]
