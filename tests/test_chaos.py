@@ -1,5 +1,6 @@
 """The chaos run (balancer.bench.chaos): its witness on hand-made cases, its schedule,
-its stall proxy on real sockets, and a short run in CI (marked ``faults``)."""
+its stall proxy on real sockets, its operator commands against a real Redis that is
+down and comes back, and a short run in CI (marked ``faults``)."""
 
 from __future__ import annotations
 
@@ -145,6 +146,15 @@ def test_a_fault_ending_after_the_last_answer_is_judged_by_the_backlog_then() ->
     assert rec.rate_back_s == 3.0  # 15 left at its end, none at 53
 
 
+def test_the_last_answer_is_checked_even_when_tasks_end_after_it() -> None:
+    """Answers at 21 and 23.5 after a fault from 10 to 20 clear its backlog at 23.5;
+    a task stored at 23.7 fails at 30. Back at 23.5, not at the failure."""
+    answers = [float(t) for t in range(10)] + [21.0, 23.5]
+    opened = [float(t) for t in range(10)] + [12.0, 13.0, 23.7]
+    (rec,) = recoveries([FaultWindow("f", "pg_stall", 10.0, 20.0)], answers, 23.5, opened, answers + [30.0])
+    assert rec.rate_back_s == 3.5
+
+
 def test_recovery_does_not_count_the_time_a_blocking_fault_made_progress_impossible() -> None:
     """A beat kill ends at 40; the workers' PostgreSQL then stalls from 41 to 80
     (no answer can be written anywhere): answers resume at 82. From its own end,
@@ -162,33 +172,44 @@ def test_recovery_does_not_count_the_time_a_blocking_fault_made_progress_impossi
     assert (rec.blocked_s, rec.seconds) == (0.0, 42.0)
 
 
-def test_the_injector_runs_an_operator_command_again_only_while_it_cannot_reach_a_service(
-        migrated: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_injector_runs_an_operator_command_again_only_while_a_service_may_come_back(
+        migrated: dict[str, str], tmp_path: Path) -> None:
     """Chaos seed 1515597019: model-0's quota was to be created again while Redis was
     down; `quota set` said "cannot reach Redis", exited 2, and 9 tasks that only model-0
     may take waited for it past the drain. The injector, as an operator, runs such a
-    command again each second; a command refused for another reason runs once."""
-    from balancer.bench import chaos_faults
+    command again each second until Redis is back; a command refused for another
+    reason runs once."""
+    import time
 
-    monkeypatch.setattr(chaos_faults, "OPERATOR_PATIENCE_S", 3.0)
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        closed_port = server.getsockname()[1]  # nothing listens there once the block ends
+    from balancer.bench.chaos_faults import Injector
+    from balancer.devtools.embedded import start_redis
 
-    def injector(env: dict[str, str]) -> chaos_faults.Injector:
+    def injector(env: dict[str, str]) -> Injector:
         unused: Any = None  # the operator commands need none of the injector's other parts
-        return chaos_faults.Injector(unused, [], 0, unused, unused, "", {}, unused, {**os.environ, **env},
-                                     unused)
+        return Injector(unused, [], 0, unused, unused, "", {}, unused, {**os.environ, **env}, unused)
 
-    redis_down = injector({**migrated, "BALANCER_REDIS_URL": f"redis://127.0.0.1:{closed_port}/0"})
-    redis_down._cli(["quota", "list"])
-    redis_down.settle()
-    assert len(redis_down.actions) >= 2, redis_down.actions
-    assert all("exit 2" in a and "cannot reach Redis" in a for a in redis_down.actions), redis_down.actions
+    with socket.socket() as held:  # bound, never listening: a connection to it is refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        redis_down = injector({**migrated, "BALANCER_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+        redis_down._cli(["quota", "list"])
+        deadline = time.monotonic() + 60
+        while len(redis_down.actions) < 2:  # refused twice: run again
+            assert time.monotonic() < deadline, redis_down.actions
+            time.sleep(0.05)
+    back = start_redis(tmp_path / "redis", port=port)  # Redis comes back on its port
+    try:
+        redis_down.settle()
+    finally:
+        back.stop()
+    *refused, answered = redis_down.actions
+    assert all("exit 2" in a and "cannot reach Redis" in a for a in refused), redis_down.actions
+    assert "exit 0" in answered, redis_down.actions
 
-    refused = injector(migrated)
-    refused._cli(["quota", "set", "no-such-model", "--tpm", "5"])
-    refused.settle()
-    assert len(refused.actions) == 1 and "unknown model" in refused.actions[0], refused.actions
+    unknown = injector(migrated)
+    unknown._cli(["quota", "set", "no-such-model", "--tpm", "5"])
+    unknown.settle()
+    assert len(unknown.actions) == 1 and "unknown model" in unknown.actions[0], unknown.actions
 
 
 def test_a_bad_option_is_one_line_and_exit_2() -> None:

@@ -228,13 +228,15 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                         break
                 time.sleep(STEP_S)
         finally:
-            callers.stop()
-            injector.restart_all()
-            injector.settle()
-            elapsed = time.time() - t0
-            entries.extend(fetch_log(backend_url, cursor)[0])
-            supervisor.stop_all()
-            proxy.close()
+            try:
+                callers.stop()
+                injector.restart_all()
+                injector.settle()
+                elapsed = time.time() - t0
+                entries.extend(fetch_log(backend_url, cursor)[0])
+            finally:  # no process outlives the run, whatever failed above
+                supervisor.stop_all()
+                proxy.close()
         refused = refused_inbox_lines(inbox)
         report = _witness(iso, entries, submitted + injector.inbox_tasks - len(refused), quotas, windows, injector.kills,
                           deaths)

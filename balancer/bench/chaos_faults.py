@@ -31,9 +31,35 @@ from balancer.devtools.embedded import RedisProcess, start_redis
 from balancer.devtools.supervisor import Child, Supervisor
 from balancer.devtools.tcpproxy import StallProxy
 from balancer.domain.quota import Quota
+from balancer.storage.dbapi import MAY_COME_BACK
 
 #: How long the injector, as an operator, keeps running again a command that could not reach a service.
 OPERATOR_PATIENCE_S = 60.0
+#: How long one run of an operator command may take.
+COMMAND_TIMEOUT_S = 60.0
+
+
+def may_come_back(output: str) -> bool:
+    """Whether a ``balancer`` command's output says a service is out of reach for now
+    (down, restarting: the signs of :data:`MAY_COME_BACK`, or a Redis timeout), not
+    refused for good (a bad URL or password) or for another reason.
+
+    >>> may_come_back("error: cannot reach Redis at redis://h:1/0 (BALANCER_REDIS_URL): Error 111 connecting"
+    ...               " to h:1. Connection refused.")
+    True
+    >>> may_come_back("error: lost Redis at redis://h:1/0: Timeout reading from socket")
+    True
+    >>> may_come_back("error: cannot reach Redis at redis://h:1/0 (BALANCER_REDIS_URL): invalid password")
+    False
+    >>> may_come_back("error: unknown model 'x': add it with --create")
+    False
+    """
+    for line in output.splitlines():
+        said = line.lower()
+        if said.startswith("error: ") and ("cannot reach" in said or "lost redis at" in said):
+            if any(sign in said for sign in (*MAY_COME_BACK, "timeout")):
+                return True
+    return False
 
 
 @dataclass
@@ -190,22 +216,27 @@ class Injector:
     def _cli(self, argv: list[str]) -> None:
         """Run ``balancer <argv>`` as an operator would, off the chaos loop's thread: a
         command that could not reach a service (Redis killed meanwhile) is run again each
-        second, for up to OPERATOR_PATIENCE_S, as its one-line error invites."""
+        second while OPERATOR_PATIENCE_S lasts, as its one-line error invites."""
+        command = f"`balancer {' '.join(argv)}` (issued +{time.time() - self.t0:.1f}s)"
 
         def run() -> None:
-            command = f"`balancer {' '.join(argv)}`"
-            deadline = time.time() + OPERATOR_PATIENCE_S
+            give_up_at = time.monotonic() + OPERATOR_PATIENCE_S
             for attempt in itertools.count(1):
                 try:
                     done = subprocess.run([sys.executable, "-m", "balancer", *argv], env=self.cli_env,
-                                          capture_output=True, text=True, timeout=max(1.0, deadline - time.time()),
+                                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
                                           stdin=subprocess.DEVNULL)
                 except subprocess.TimeoutExpired:
-                    self.note(f"{command} timed out (attempt {attempt})")
+                    self.note(f"{command} timed out after {COMMAND_TIMEOUT_S:.0f} s (attempt {attempt})")
                     return
-                tail = ((done.stdout + done.stderr).strip().splitlines()[-1:] or [""])[0]
-                self.note(f"{command} exit {done.returncode} (attempt {attempt}): {tail[:160]}")
-                if done.returncode == 0 or "cannot reach" not in tail or time.time() + 1.0 >= deadline:
+                output = done.stdout + done.stderr
+                errors = [line for line in output.splitlines() if line.startswith("error: ")]
+                said = (errors or output.strip().splitlines()[-1:] or [""])[0]
+                self.note(f"{command} exit {done.returncode} (attempt {attempt}): {said[:160]}")
+                if done.returncode == 0 or not may_come_back(output):
+                    return
+                if time.monotonic() + 1.0 >= give_up_at:
+                    self.note(f"{command} given up after {attempt} attempts")
                     return
                 time.sleep(1.0)
 
@@ -221,10 +252,14 @@ class Injector:
         self.note(f"inbox file chaos-{self._files}.jsonl with {lines} tasks")
 
     def settle(self) -> None:
-        """Wait for the operator commands still running."""
+        """Wait for the operator commands still queued or running (one at a time, each
+        within its patience and its last attempt's timeout); a failure is noted, not raised."""
         for future in self._pending:
-            future.result(timeout=120)
-        self._pool.shutdown(wait=True)
+            try:
+                future.result(timeout=OPERATOR_PATIENCE_S + COMMAND_TIMEOUT_S + 5.0)
+            except Exception as exc:  # noqa: BLE001 - the run's report says what the operator could not do
+                self.note(f"an operator command failed: {type(exc).__name__}: {exc}")
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RouterCallers:

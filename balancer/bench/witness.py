@@ -301,8 +301,12 @@ def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_ans
     the answer rate over RATE_WINDOW_S at RATE_SHARE of the rate before the fault
     began, or its backlog (tasks stored and not ended; ``opened``/``closed`` are
     those times) no larger than when the fault began. A pipeline that keeps up
-    with its arrivals answers at their rate, not at its pre-fault one."""
+    with its arrivals answers at their rate, not at its pre-fault one. Both are
+    checked each second from the fault's end (or its first answer) until the last
+    answer or the last task's end, whichever is later, and at least once: a fault
+    ending after them is back if its backlog then is no larger than at its start."""
     answers, opened, closed = sorted(answers), sorted(opened), sorted(closed)
+    settled = max(last_answer, closed[-1] if closed else last_answer)  # after it, nothing changes
 
     def backlog(t: float) -> int:
         return bisect.bisect_right(opened, t) - bisect.bisect_right(closed, t)
@@ -319,15 +323,14 @@ def recoveries(faults: Sequence[FaultWindow], answers: Sequence[float], last_ans
             out.append(Recovery(f.label, None, None))  # nothing was left to do after it
             continue
         t = f.end if first is None else answers[i]  # not back before the first answer
-        settled = max(last_answer, closed[-1] if closed else last_answer)  # nothing changes after it
-        while True:  # each second from t, and at least once: a fault may end after the last change
+        while True:  # each second from t, the last answer and the last end too, and t at least
             done = bisect.bisect_left(answers, t + RATE_WINDOW_S) - bisect.bisect_left(answers, t)
             if done >= target or backlog(t) <= start_backlog:
                 back = t - f.end
                 break
             if t >= settled:
                 break
-            t = min(t + 1.0, settled)
+            t = min(p for p in (t + 1.0, last_answer, settled) if p > t)
         if back is None:
             back = 0.0 if target == 0 else float("inf")  # work remained and the pipeline never caught up
         own = max(p for p in (first, back) if p is not None)

@@ -34,7 +34,7 @@ def connect_args(own_options: str) -> dict[str, Any]:
 
 #: libpq's words for a server that is down, starting or out of reach (not a bad
 #: URL, user or password): a process starting waits for it.
-_MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the database system is starting up",
+MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the database system is starting up",
                   "the database system is shutting down", "server closed the connection", "no route to host",
                   "network is unreachable", "connection reset")
 
@@ -43,7 +43,7 @@ def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
     """Turn a driver error into one line that names the masked URL, never the password."""
     detail = str(getattr(exc, "orig", exc)).strip().splitlines()
     first = scrub(detail[0] if detail else type(exc).__name__, url)
-    kind = Unreachable if any(sign in first.lower() for sign in _MAY_COME_BACK) else ServiceUnavailable
+    kind = Unreachable if any(sign in first.lower() for sign in MAY_COME_BACK) else ServiceUnavailable
     return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
 
 
