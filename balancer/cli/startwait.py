@@ -32,9 +32,9 @@ def backoff(attempt: int, *, first: float = 0.5, cap: float = 10.0) -> float:
 
 
 def start_when_ready(start: Callable[[], T], wait_seconds: float, *,
-                         retry_on: tuple[type[Exception], ...] = (Unreachable,), awaited: str = "a service",
-                         sleep: Callable[[float], None] = time.sleep,
-                         clock: Callable[[], float] = time.monotonic) -> T:
+                     retry_on: tuple[type[Exception], ...] = (Unreachable,), awaited: str = "a service",
+                     sleep: Callable[[float], None] = time.sleep,
+                     clock: Callable[[], float] = time.monotonic) -> T:
     """``start()``, tried again while it raises one of ``retry_on`` and
     ``wait_seconds`` have not passed; one line on stderr per failed attempt,
     saying what is ``awaited``."""
