@@ -44,6 +44,12 @@ def test_malformed_redis_url_and_unknown_backend_kind(env: dict[str, str]) -> No
     assert_one_line(balancer({"BALANCER_LEASE_SECONDS": "soon"}, "quota", "list"), "BALANCER_LEASE_SECONDS")
 
 
+def test_a_worker_needs_either_its_models_or_all_of_them(env: dict[str, str]) -> None:
+    """Neither is an error, and so is both (--all-models would silently drop the --model)."""
+    assert_one_line(balancer(env, "worker"), "--model NAME", "--all-models")
+    assert_one_line(balancer(env, "worker", "--all-models", "--model", "m"), "not both")
+
+
 def test_wrong_redis_password(env: dict[str, str], tmp_path: Path) -> None:
     from balancer.devtools.embedded import free_port, redis_server_binary
 

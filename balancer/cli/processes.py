@@ -74,21 +74,35 @@ def _when(removed: dict[str, dict[str, Any]]) -> str:
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
-    if not models and not all_models:
-        raise BalancerError("give --model NAME (repeatable) or --all-models")
+    if bool(models) == all_models:
+        raise BalancerError("give --model NAME (repeatable) or --all-models, not both")
     svc = _migrated(wait=True)
     known = start_when_ready(lambda: _worker_quotas(svc, models, all_models), resolved_settings().start_wait,
-                                 retry_on=(QuotaRemoved,), awaited="a removed quota to come back")
-    chosen = sorted(known) if all_models else list(models)
-    concurrency = sum(known[m].max_concurrent_requests for m in chosen)
-    queues = ",".join(f"model.{m}" for m in chosen)
-    name = "models" if all_models else "+".join(chosen)
+                             retry_on=(QuotaRemoved,), awaited="a removed quota to come back")
+    queues, concurrency, name = worker_pool(known, models, all_models)
     # The pid keeps node names unique when several processes share a host
     # (RabbitMQ's exclusive pidbox queue refuses a second node of the same name).
     _celery_worker([
         "worker", "-Q", queues, "-c", str(concurrency),
         "-n", f"{name[:50]}-{os.getpid()}@%h", "--without-gossip", "--without-mingle", "-l", loglevel,
     ], pool="balancer.pipeline.pool:ResizableThreadPool", all_models=all_models)
+
+
+def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bool) -> tuple[str, int, str]:
+    """The queues a worker consumes, its pool size and its node name: every
+    model's queue once (a ``--model`` given twice does not double the pool), the
+    pool the sum of their concurrency caps.
+
+    >>> from balancer.domain.quota import Quota
+    >>> q = {m: Quota(m, c, 60_000) for m, c in (("a", 4), ("b", 2))}
+    >>> worker_pool(q, ("b", "a", "b"), False)
+    ('model.b,model.a', 6, 'b+a')
+    >>> worker_pool(q, (), True)
+    ('model.a,model.b', 6, 'models')
+    """
+    chosen = sorted(known) if all_models else list(dict.fromkeys(models))
+    concurrency = sum(known[m].max_concurrent_requests for m in chosen)
+    return ",".join(f"model.{m}" for m in chosen), concurrency, "models" if all_models else "+".join(chosen)
 
 
 @click.command()
