@@ -67,17 +67,18 @@ def test_limits_learn_a_provider_ten_times_stricter_and_discover_an_unset_rpm(pi
     half = calls[len(calls) // 2:]
     late_429s = sum(1 for e in half if e["status"] == 429)
     all_429s = sum(1 for e in calls if e["status"] == 429)
-    # Learning takes a few 429s early on; by the second half of the run they are few. Issue 27's
-    # target is 1 % of calls; the raises that probe the real limit (one step up per clean window,
-    # undone by the 429 it draws) still cost up to 2 % here on a loaded machine (4 of 212 in a CI
-    # run: docs/benchmarks.md), so this holds them at 2 %. Without learning: 78 % of calls.
+    # Learning takes a 429 or two early on; the second half of the run and the whole run are each
+    # under issue 27's 1 % of calls. Round 7's code, seven runs (three beside the e2e, faults and
+    # endgame tests in three processes): 0 of 201 late, 1 or 2 of ~401 in all, every one in the
+    # first second, finding the provider's concurrency. Without learning: 78 % of calls.
     kinds = Counter((round(e["start"] - calls[0]["start"]), e.get("limit")) for e in calls if e["status"] == 429)
     # Slow start: the quota's 40 slots open from 2, one at a time, twice as many every 250 ms, so
     # the first call past the provider's 4 is refused before many more slots open. Without it 40
     # calls went out before the first 429 came back: 6 and 24 429s in the first second in two runs.
     first_second = sum(1 for e in calls if e["status"] == 429 and e["start"] - calls[0]["start"] < 1.0)
     assert first_second <= 4, f"{first_second} 429s in the first second ({kinds})"
-    assert late_429s <= 0.02 * len(half), f"{late_429s} of the last {len(half)} calls were 429s ({all_429s} in all: {kinds})"
+    assert all_429s <= 0.01 * len(calls), f"{all_429s} of {len(calls)} calls were 429s ({kinds})"
+    assert late_429s <= 0.01 * len(half), f"{late_429s} of the last {len(half)} calls were 429s ({all_429s} in all: {kinds})"
     live = p.services.core.live()
     strict = live["strict"]
     assert strict.limits.max_concurrent_requests < 40 or (strict.limits.max_requests_per_minute or 600) < 600
