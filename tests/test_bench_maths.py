@@ -5,6 +5,7 @@ from __future__ import annotations
 import doctest
 import json
 from collections import namedtuple
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,9 @@ from balancer.bench.report import (
     refill_gaps,
     rolling_series,
 )
-from balancer.devtools.scenario import ScenarioError, parse_scenario
+from balancer.devtools.scenario import ScenarioError, Workload, parse_scenario
 from balancer.devtools.sim.audit import Limits
+from balancer.devtools.sim.config import SimModel
 from balancer.domain.capacity import ModelCapacity, makespan_bound, pinned_work_floor
 
 ROOT = Path(__file__).parent.parent
@@ -104,6 +106,33 @@ def test_a_pinned_task_over_its_models_burst_stops_the_bench_before_it_starts(tm
     assert not (tmp_path / "out").exists()  # nothing written, nothing started
 
 
+#: One value per SimModel / Workload field, each unlike its default: a field added to either
+#: dataclass fails the test below until parse_scenario reads it (a key it accepts, since the
+#: accepted keys are the fields, but never read would be the silent drop it refuses).
+EVERY_MODEL_KEY = {
+    "name": "'m'", "max_concurrent_requests": "3", "max_tokens_per_minute": "6000", "max_requests_per_minute": "60",
+    "burst_tokens": "500", "latency": "{median=2.0,p99=3.0,min=1.0,max=4.0}", "error_rate": "0.1", "weight": "2",
+    "accounting": "'settle'", "rpm_window": "10", "headers": "false", "foreign_share": "0.2", "on_disconnect": "'stop'",
+    "real_tokens": "0.5", "real_requests": "0.5", "real_concurrency": "0.5", "limit_changes": "[[1, 0.5]]",
+    "limit_headers": "false",
+}
+EVERY_WORKLOAD_KEY = {
+    "tasks": "2", "prompt_tokens": "{median=9,p99=9,min=9,max=9}", "output_tokens": "{median=8,p99=8,min=8,max=8}",
+    "pinned_fraction": "0.5", "priorities": "[1]", "sources": "['s']",
+}
+
+
+def test_every_field_of_a_model_and_the_workload_is_read_from_its_key() -> None:
+    assert set(EVERY_MODEL_KEY) == {f.name for f in fields(SimModel)}
+    assert set(EVERY_WORKLOAD_KEY) == {f.name for f in fields(Workload)}
+    text = "\n".join(["[[models]]", *(f"{k} = {v}" for k, v in EVERY_MODEL_KEY.items()),
+                      "[workload]", *(f"{k} = {v}" for k, v in EVERY_WORKLOAD_KEY.items())])
+    scenario = parse_scenario(text)
+    for parsed, kind in ((scenario.models[0], SimModel), (scenario.workload, Workload)):
+        defaults = {f.name: f.default for f in fields(kind)}
+        assert [k for k, v in defaults.items() if getattr(parsed, k) == v] == [], f"{kind.__name__} fields left at their default"
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -115,6 +144,13 @@ def test_a_pinned_task_over_its_models_burst_stops_the_bench_before_it_starts(tm
          "prompt_tokens={median=1,p99=1,min=1,max=1}\noutput_tokens={median=1,p99=1,min=1,max=1}", "kind"),
         ("[[models]]\nname='a'\nmax_concurrent_requests=1\nmax_tokens_per_minute=5\nlatency={median=5,p99=1,min=1,max=9}", "p99"),
         ("not toml = = 1", "invalid TOML"),
+        ("[[models]]\nname='a'\nmax_concurrent_requests=1\nmax_tokens_per_minute=5\nlearn=false\n", "models[0]: unknown key: learn"),
+        ("[[models]]\nname='a'\nmax_concurrent_requests=1\nmax_tokens_per_minute=5\n[workload]\ntask=1\n", "workload: unknown key: task "),
+        ("[[models]]\nname='a'\nmax_concurrent_requests=1\nmax_tokens_per_minute=5\nlatency={median=1,p99=1,min=1,max=1,mean=1}",
+         "models[0].latency: unknown key: mean"),
+        ("models = [1]", "models[0]: expected a table, got 1"),
+        ("models = 'abc'", "models: expected [[models]] tables"),
+        ("workload = 3\n[[models]]\nname='a'\nmax_concurrent_requests=1\nmax_tokens_per_minute=5", "workload: expected a table"),
     ],
 )
 def test_bad_scenarios_say_what_is_wrong(text: str, message: str) -> None:

@@ -41,7 +41,7 @@ import json
 import math
 import random
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from balancer.devtools.sim.config import Z99, Latency, SimModel
 from balancer.domain.quota import Quota
@@ -147,10 +147,20 @@ def _require(table: dict, key: str, kind: type | tuple, where: str):  # noqa: AN
 def _distribution(table: dict, where: str) -> Distribution:
     if not isinstance(table, dict):
         raise ScenarioError(f"{where}: expected a table {{median, p99, min, max}}")
-    values = {k: _require(table, k, (int, float), where) for k in ("median", "p99", "min", "max")}
+    _known_keys(table, Distribution, where)
+    values = {f.name: _require(table, f.name, (int, float), where) for f in fields(Distribution)}
     if not 0 < values["min"] <= values["median"] <= values["max"] or values["p99"] < values["median"]:
         raise ScenarioError(f"{where}: need 0 < min <= median <= max and p99 >= median")
     return Distribution(**{k: float(v) for k, v in values.items()})
+
+
+def _known_keys(table: dict, kind: type, where: str) -> None:
+    """A key the scenario does not read is an error, not a setting silently ignored."""
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{where}: expected a table, got {table!r}")
+    unknown = sorted(set(table) - {f.name for f in fields(kind)})
+    if unknown:
+        raise ScenarioError(f"{where}: unknown key: {', '.join(unknown)} (docs/scenarios.md lists the keys)")
 
 
 def parse_scenario(text: str, name: str = "scenario") -> Scenario:
@@ -162,8 +172,11 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
     if time_scale <= 0:
         raise ScenarioError("time_scale must be > 0")
     models = []
+    if not isinstance(data.get("models", []), list):
+        raise ScenarioError("models: expected [[models]] tables")
     for i, m in enumerate(data.get("models", [])):
         where = f"models[{i}]"
+        _known_keys(m, SimModel, where)
         latency = _distribution(m.get("latency", {"median": 8, "p99": 90, "min": 1, "max": 120}), f"{where}.latency")
         try:
             model = SimModel(
@@ -204,6 +217,7 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
     if len({m.name for m in models}) != len(models):
         raise ScenarioError("model names must be unique")
     wl = data.get("workload", {})
+    _known_keys(wl, Workload, "workload")
     workload = Workload(
         tasks=_require(wl, "tasks", int, "workload"),
         prompt_tokens=_distribution(_require(wl, "prompt_tokens", dict, "workload"), "workload.prompt_tokens"),
