@@ -155,7 +155,7 @@ def test_beyond_loopback_the_page_without_the_token_is_refused(browser: Any, ser
     answer = httpx.get(f"{console.url}/api/summary", headers={"authorization": f"Bearer {token}"}, timeout=5)
     assert answer.status_code == 200 and {m["name"] for m in answer.json()["models"]} == set(MODELS)
     browser.get(f"http://anne:{token}@127.0.0.1:{console.port}/models")
-    eventually(lambda: "model-0" in browser.find("body").text)
+    eventually(lambda: "model-0" in browser.text_of("body"))
     assert token not in browser.page_source
 
 
@@ -215,7 +215,7 @@ def test_a_quota_change_made_in_the_page_is_in_quota_list_and_the_audit(browser:
     change("model-1", "concurrency", "0")  # refused, as `quota set --concurrency 0` is
     assert "concurrency must be a whole number >= 1" in browser.wait_find(".error").text
     change("model-1", "tpm", "123456")
-    eventually(lambda: "model-1: updated" in browser.find("body").text)
+    eventually(lambda: "model-1: updated" in browser.text_of("body"))
     listed = subprocess.run([sys.executable, "-m", "balancer", "quota", "list", "--json"], capture_output=True, text=True,
                             timeout=60, check=True)
     row = next(r for r in json.loads(listed.stdout) if r["name"] == "model-1")

@@ -122,6 +122,18 @@ class Browser:
                     raise
             time.sleep(0.1)
 
+    def text_of(self, css: str, timeout: float = 30.0) -> str:
+        """The text of the element at ``css``, read again when the page was replaced between
+        finding the element and reading it (a form's redirect landing mid-read)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.find(css).text
+            except WebDriverError as exc:
+                if exc.error != "stale element reference" or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+
     def set_window_size(self, width: int, height: int) -> None:
         self.call("POST", "/window/rect", {"width": width, "height": height})
 
