@@ -35,8 +35,8 @@ def connect_args(own_options: str) -> dict[str, Any]:
 #: libpq's words for a server that is down, starting or out of reach (not a bad
 #: URL, user or password): a process starting waits for it.
 MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the database system is starting up",
-                  "the database system is shutting down", "server closed the connection", "no route to host",
-                  "network is unreachable", "connection reset")
+                 "the database system is shutting down", "server closed the connection", "no route to host",
+                 "network is unreachable", "connection reset")
 
 
 def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
