@@ -110,7 +110,7 @@ def solve(svc, ids: list[int], prompt: int, completion: int, at: str = "now()") 
 
 
 def set_budget(svc, source: str, money: float | None = None, tokens: int | None = None) -> None:  # noqa: ANN001
-    from balancer.storage.source_budgets import set_budget as store
+    from balancer.sources.budgets import set_budget as store
 
     with svc.engine.begin() as conn:
         store(conn, Budget(source, money, tokens), by="test")
@@ -298,7 +298,7 @@ def test_a_setting_for_a_source_no_task_carries_is_kept_with_a_note(svc, capsys)
     """A typo ("crn" for "crm") is set all the same, but said; a source with tasks gets no note."""
     from balancer.cli import main
     from balancer.domain.quota import Quota
-    from balancer.storage.source_reads import budgets
+    from balancer.sources.reads import budgets
 
     svc.quotas.replace_all([Quota("m", 4, 10**9)])
     add(svc, "crm", 1)
@@ -317,8 +317,8 @@ def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  #
 
     from balancer.cli import main
     from balancer.domain.quota import Quota
-    from balancer.domain.sourcefile import parse_source_file
-    from balancer.storage.sources import import_sources
+    from balancer.sources.definition import parse_source_file
+    from balancer.sources.store import import_sources
 
     svc.quotas.replace_all([Quota("m", 4, 10**9, price_per_million_input=1.0, price_per_million_output=2.0,
                                   currency="USD")])

@@ -199,7 +199,7 @@ def test_with_fairness_off_the_window_is_priority_then_age(svc, monkeypatch) -> 
 def test_weights_from_the_table_set_the_window(svc) -> None:  # noqa: ANN001
     from balancer.domain.quota import Quota
     from balancer.pipeline.dispatcher import Assignment, dispatch
-    from balancer.storage.source_weights import set_weight
+    from balancer.sources.weights import set_weight
 
     svc.quotas.replace_all([Quota("m", 8, 10**9, slow_start=False)])
     heavy = add(svc, "heavy", 50)

@@ -16,13 +16,13 @@ import sqlalchemy as sa
 
 from balancer.cli import main
 from balancer.domain.quota import Quota
-from balancer.pipeline.source_ingest import ingest_sources
-from balancer.pipeline.source_writeback import drain
 from balancer.services import Services
 from balancer.settings import Settings
+from balancer.sources.ingest import ingest_sources
+from balancer.sources.reads import source_status
+from balancer.sources.schema import source_outbox, sources
+from balancer.sources.writeback import drain
 from balancer.storage.schema import source_changes, tasks
-from balancer.storage.source_reads import source_status
-from balancer.storage.sources_schema import source_outbox, sources
 from tests.legacy import SOURCE_FILE, add_rows, legacy_database, legacy_schema
 
 
@@ -250,8 +250,8 @@ def test_a_write_back_committed_before_a_crash_is_not_written_again(svc: Service
                                                                      capsys) -> None:  # noqa: ANN001
     """The team's database committed the write, balancer died before removing the
     outbox row: the retry finds the row already holding the answer, writes nothing."""
-    from balancer.storage.sources import all_sources
-    from balancer.storage.sources_catalog import team_connection, write_back
+    from balancer.sources.catalog import team_connection, write_back
+    from balancer.sources.store import all_sources
 
     legacy.add(3)
     assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0

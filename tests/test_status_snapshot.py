@@ -32,8 +32,8 @@ def backlog(svc) -> None:  # noqa: ANN001
     from balancer.domain.intake import parse_tasks
     from balancer.domain.quota import Quota
     from balancer.pipeline.beat_seen import mark_beat_seen
+    from balancer.sources.budgets import set_budget
     from balancer.storage.intake import insert_tasks
-    from balancer.storage.source_budgets import set_budget
 
     svc.quotas.replace_all([Quota("m", 4, 10**9, price_per_million_input=1.0, price_per_million_output=2.0,
                                   currency="USD", expected_latency_s=2.0), Quota("n", 2, 10**9)])

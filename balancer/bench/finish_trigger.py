@@ -21,8 +21,8 @@ import time
 from rich.console import Console
 
 from balancer.devtools.runner import IsolatedServices
-from balancer.domain.sourcefile import parse_source_file
-from balancer.storage.sources import import_sources
+from balancer.sources.definition import parse_source_file
+from balancer.sources.store import import_sources
 from balancer.storage.transitions import Answer, mark_solved_many
 
 MODES = ("trigger off", "trigger on, no source", "trigger on, source table")

@@ -4,7 +4,7 @@
 
 In an isolated schema (dropped afterwards): a table ``prompts`` of ``--rows``
 unsolved rows, loaded with ``INSERT ... SELECT generate_series``, declared as a
-source, then read by :func:`balancer.pipeline.source_ingest.ingest_source` in
+source, then read by :func:`balancer.sources.ingest.ingest_source` in
 this process until caught up. Reported: rows per second (target: 20,000),
 the longest single read of the team's table (the only time a lock is held on
 it), and this process's RSS before and after (target: flat).
@@ -21,10 +21,10 @@ from rich.console import Console
 
 from balancer.devtools.runner import IsolatedServices
 from balancer.domain.quota import Quota
-from balancer.domain.sourcefile import parse_source_file
-from balancer.pipeline import source_ingest
-from balancer.storage import sources_catalog
-from balancer.storage.sources import import_sources
+from balancer.sources import catalog as sources_catalog
+from balancer.sources import ingest as source_ingest
+from balancer.sources.definition import parse_source_file
+from balancer.sources.store import import_sources
 
 
 def rss_mb() -> float:

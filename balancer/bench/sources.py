@@ -83,7 +83,7 @@ def bound_per_s(scenario: Scenario) -> float:
 
 
 def run_side(scenario: Scenario, path: Path, specs: list[SourceSpec], fairness: str, console: Console) -> dict[str, Any]:
-    from balancer.storage.source_weights import set_weight
+    from balancer.sources.weights import set_weight
 
     seconds = float(scenario.extra.get("trickle_seconds", 60))
     # The processes started inside inherit the switch; the environment is restored after.

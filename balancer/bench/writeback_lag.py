@@ -23,8 +23,8 @@ from rich.console import Console
 from balancer.bench.scenarios import locate
 from balancer.devtools.runner import IsolatedServices, wait_until_consuming
 from balancer.devtools.scenario import parse_scenario
-from balancer.domain.sourcefile import parse_source_file
-from balancer.storage.sources import import_sources
+from balancer.sources.definition import parse_source_file
+from balancer.sources.store import import_sources
 
 TEAM_TABLE = """
 CREATE TABLE prompts (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved',

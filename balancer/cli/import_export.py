@@ -14,7 +14,7 @@ from balancer.errors import BalancerError, printable
 
 
 class Changes(Protocol):
-    """An import's names by what it does to them (``storage.quotas`` and ``storage.sources`` each return one)."""
+    """An import's names by what it does to them (``storage.quotas`` and ``sources.store`` each return one)."""
 
     created: list[str]
     updated: list[str]

@@ -151,7 +151,7 @@ def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None)
 
 def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
     """``top``'s per-source table: each source table's tasks by state, as ``status`` reads them
-    (``storage.source_reads.SourceStatus``), its weight, and its budget per day and whether its tasks wait
+    (``sources.reads.SourceStatus``), its weight, and its budget per day and whether its tasks wait
     (``domain.budget.Standing``); a source with a budget and no table, its weight and budget alone."""
     from rich.table import Table
 
@@ -184,8 +184,8 @@ def top(interval: float, count: int | None) -> None:
 
     from balancer.domain.cost import projection_text, spend_text
     from balancer.pipeline.overview import read_overview
-    from balancer.storage.source_reads import source_status
-    from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
+    from balancer.sources.reads import source_status
+    from balancer.sources.weights import DEFAULT_WEIGHT, weights
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()

@@ -1,5 +1,5 @@
 """``balancer source ...``: declare the team's own tables as sources (see
-:mod:`balancer.domain.sourcefile` for the file's format)."""
+:mod:`balancer.sources.definition` for the file's format)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ source.add_command(set_command)
 @click.option("--by", help="Who made the change (default: the OS user), for the audit.")
 def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
-    from balancer.domain.sourcefile import SourceFileError, parse_source_file
+    from balancer.sources.catalog import check_source, team_connection
+    from balancer.sources.definition import SourceFileError, parse_source_file
+    from balancer.sources.store import import_sources
     from balancer.storage.quotas import default_actor
-    from balancer.storage.sources import import_sources
-    from balancer.storage.sources_catalog import check_source, team_connection
 
     name = printable(str(file))
     text = read_text(file)
@@ -54,8 +54,8 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
 @click.argument("file", required=False, type=click.Path(dir_okay=False, path_type=Path))
 def source_export(file: Path | None) -> None:
     """Write every source as TOML to FILE (default: stdout)."""
-    from balancer.domain.sourcefile import format_source_file
-    from balancer.storage.sources import all_sources
+    from balancer.sources.definition import format_source_file
+    from balancer.sources.store import all_sources
 
     with migrated().engine.connect() as conn:
         text = format_source_file(all_sources(conn))
@@ -68,8 +68,8 @@ def source_list(as_json: bool) -> None:
     """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag;
     and every source with a budget per day, what it spent today and whether its tasks wait."""
     from balancer.pipeline.budgets import read_standings
-    from balancer.storage.source_reads import source_status
-    from balancer.storage.sources import all_sources
+    from balancer.sources.reads import source_status
+    from balancer.sources.store import all_sources
 
     svc = migrated()
     with svc.engine.connect() as conn:
@@ -118,8 +118,8 @@ def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing
 @click.option("--by", help="Who made the change (default: the OS user), for the audit.")
 def source_remove(name: str, by: str | None) -> None:
     """Stop reading NAME (its tasks stay); refused while write-backs of it are waiting."""
+    from balancer.sources.store import remove_source
     from balancer.storage.quotas import default_actor
-    from balancer.storage.sources import remove_source
 
     remove_source(migrated().engine, name, by=by or default_actor())
     click.echo(f"{printable(name)}: removed")

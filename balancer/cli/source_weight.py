@@ -46,12 +46,12 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
     """Set a source's weight (its share of the dispatch window within a priority) and its budget per day."""
     from balancer.domain.budget import Budget, check_money, check_tokens
     from balancer.domain.cost import price_list
+    from balancer.sources.budgets import set_budget
+    from balancer.sources.reads import budgets, has_tasks
+    from balancer.sources.store import read_cursor
+    from balancer.sources.weights import set_weight
     from balancer.storage.quota_rows import all_quotas
     from balancer.storage.quotas import default_actor
-    from balancer.storage.source_budgets import set_budget
-    from balancer.storage.source_reads import budgets, has_tasks
-    from balancer.storage.source_weights import set_weight
-    from balancer.storage.sources import read_cursor
 
     check_source_name(name)
     if no_budget and (money is not None or tokens is not None):

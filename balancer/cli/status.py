@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from balancer.domain.eta import Forecast
     from balancer.pipeline.summary import ModelSummary
     from balancer.snapshot import ReadServices
-    from balancer.storage.source_reads import SourceStatus
+    from balancer.sources.reads import SourceStatus
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def read_status(services: ReadServices) -> StatusReads:
     or :class:`~balancer.services.Services`' engine)."""
     from balancer.pipeline.beat_seen import beat_last_seen_s
     from balancer.pipeline.overview import read_overview
+    from balancer.sources.reads import source_status
     from balancer.storage.reads import overdue_count, reused_count
-    from balancer.storage.source_reads import source_status
 
     db, o = services.db, read_overview(services)
     return StatusReads(o.counts, o.rows, o.drain, reused_count(db), overdue_count(db),

@@ -20,7 +20,7 @@ def load_toml(text: str, error: type[BalancerError]) -> dict[str, Any]:
     Traceback (most recent call last):
     balancer.errors.BalancerError: line 2: invalid TOML: Invalid value
     """
-    import tomllib  # here, not at the top: `status` reads sources (storage/sources) but never a sources file
+    import tomllib  # here, not at the top: `status` reads sources (sources/store) but never a sources file
 
     try:
         return tomllib.loads(text)

@@ -25,9 +25,9 @@ from balancer.domain.budget import Standing, day_start, held, standings
 from balancer.domain.cost import price_list
 from balancer.domain.quota import Quota
 from balancer.snapshot import ReadServices
+from balancer.sources.reads import budgets
 from balancer.storage.quota_rows import all_quotas
 from balancer.storage.rows import RowSource, reading
-from balancer.storage.source_reads import budgets
 from balancer.storage.spend import spent_by_source_since
 
 

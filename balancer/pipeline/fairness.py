@@ -24,8 +24,8 @@ from sqlalchemy.engine import Connection
 from balancer.admission import shares as shared_state
 from balancer.domain import fairshare
 from balancer.services import Services
+from balancer.sources.weights import DEFAULT_WEIGHT, weights
 from balancer.storage.claims import PendingTask, claim_by_source, claim_window, pending_sources
-from balancer.storage.source_weights import DEFAULT_WEIGHT, weights
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from balancer.domain.budget import held
 from balancer.domain.cost import Observed, price_list, project
 from balancer.domain.quota import Quota
 from balancer.pipeline.budgets import read_standings
-from balancer.pipeline.source_metrics import add_source_metrics, source_families
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
+from balancer.sources.metrics import add_source_metrics, source_families
 from balancer.storage.reads import Backlog, backlog
 from balancer.storage.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
 from balancer.storage.spend import observed_usage, token_usage

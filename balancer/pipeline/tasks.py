@@ -18,9 +18,9 @@ from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.pipeline.heartbeat import live_calls
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
-from balancer.pipeline.source_writeback import WritebackLoop
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
+from balancer.sources.writeback import WritebackLoop
 from balancer.storage.leases import sweep_expired
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def sweep_task() -> int:
 @app.task(name="balancer.ingest")
 def ingest_task() -> int:
     from balancer.pipeline.ingest import ingest_inbox
-    from balancer.pipeline.source_ingest import ingest_sources
+    from balancer.sources.ingest import ingest_sources
 
     svc = runtime.services()
     if sum(r.created for r in ingest_sources(svc)):  # source tables

@@ -61,7 +61,7 @@ WHERE money_per_day IS NOT NULL OR tokens_per_day IS NOT NULL ORDER BY source
 
 
 def budgets(db: RowSource) -> list[Budget]:
-    """Every source with a budget set, by name (:mod:`balancer.storage.source_budgets` sets them)."""
+    """Every source with a budget set, by name (:mod:`balancer.sources.budgets` sets them)."""
     return [Budget(source, money, None if tokens is None else int(tokens)) for source, money, tokens in fetch(db, _BUDGETS)]
 
 

@@ -6,7 +6,7 @@ beyond it). The batch's tasks are inserted and the cursor moved in one
 transaction of balancer's database; a (source, key) already present is
 skipped (the ``tasks_source_key`` index). So a crash mid-batch re-reads the
 batch, and two ingesters at once insert each row once: the cursor only moves
-from where it was read (:func:`balancer.storage.sources.advance`). Once a
+from where it was read (:func:`balancer.sources.store.advance`). Once a
 source is caught up, each tick also rescans one batch behind the cursor, for
 rows that committed behind it (a writer's transaction that took a smaller key
 and committed late); those are inserted then.
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from balancer.domain.source_rows import after_read, after_rescan, row_to_task
-from balancer.domain.sourcefile import SourceDef
 from balancer.services import Services
-from balancer.storage.sources import Cursor, advance, all_sources, insert_source_tasks, read_cursor
-from balancer.storage.sources_catalog import read_rows, team_connection
-from balancer.storage.sources_schema import sources
+from balancer.sources.catalog import read_rows, team_connection
+from balancer.sources.definition import SourceDef
+from balancer.sources.rows import after_read, after_rescan, row_to_task
+from balancer.sources.schema import sources
+from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
 
 log = logging.getLogger(__name__)
 

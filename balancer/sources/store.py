@@ -1,6 +1,6 @@
 """Declared sources in balancer's database: import (audited, like quotas), list,
 remove, and each source's read cursor. (Their status is read by
-:mod:`balancer.storage.source_reads`.)
+:mod:`balancer.sources.reads`.)
 
 A source's row holds its definition (never a secret: only the name of the
 variable holding its URL) and its cursor: ``position``, the largest key read,
@@ -22,11 +22,11 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.domain.intake import TaskRow
-from balancer.domain.sourcefile import SourceDef, SourceFileError, source_from_dict
+from balancer.sources.definition import SourceDef, SourceFileError, source_from_dict
+from balancer.sources.schema import source_outbox, sources
+from balancer.sources.weights import set_weight
 from balancer.storage.intake import share_answers
 from balancer.storage.schema import source_changes
-from balancer.storage.source_weights import set_weight
-from balancer.storage.sources_schema import source_outbox, sources
 
 
 def _definition(row: Any) -> SourceDef:

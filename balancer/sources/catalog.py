@@ -2,7 +2,7 @@
 runs on it (one read of a batch, one guarded write-back per row).
 
 Every identifier comes from the source's definition, is a plain identifier
-(:func:`balancer.domain.sourcefile.check_identifier`), was found in the
+(:func:`balancer.sources.definition.check_identifier`), was found in the
 catalog at import, and is quoted with :class:`psycopg2.sql.Identifier`. Values
 (keys, answers, statuses) are always bound parameters; keys are bound as
 text and compared as the key column's own type, so an integer, text or uuid
@@ -21,8 +21,8 @@ from psycopg2 import sql
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from balancer.domain.sourcefile import SourceDef, SourceFileError
 from balancer.errors import ConfigError, ServiceUnavailable, printable
+from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.storage.db import cached_engine
 from balancer.urls import mask_url, scrub
 

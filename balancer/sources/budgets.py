@@ -1,5 +1,5 @@
 """Setting a source's budget per day (:mod:`balancer.domain.budget`), with its audit (they are
-read by :func:`balancer.storage.source_reads.budgets`).
+read by :func:`balancer.sources.reads.budgets`).
 
 A source with no row has no budget. Any source, JSONL and inbox ones
 included, can be given one with ``balancer source set NAME --budget-per-day

@@ -24,7 +24,7 @@ Format::
 
 Parsing is pure. Identifiers must be plain SQL identifiers (letters, digits,
 ``_`` and ``$``, at most 63 characters); they are quoted when used and checked
-against the database's catalog at import (:mod:`balancer.storage.sources_catalog`).
+against the database's catalog at import (:mod:`balancer.sources.catalog`).
 ``where`` is SQL the team owns: it may not contain ``;`` or a comment, so it
 is one condition inside balancer's one statement, never a statement of its own.
 It guards each write-back (a row that no longer matches it is not

@@ -31,12 +31,13 @@ import sqlalchemy as sa
 from celery import bootsteps
 from sqlalchemy.engine import Connection
 
-from balancer.domain.sourcefile import SourceDef
 from balancer.services import Services
+from balancer.settings import Settings
+from balancer.sources.catalog import describe, holds, team_connection, write_back
+from balancer.sources.definition import SourceDef
+from balancer.sources.schema import source_outbox
+from balancer.sources.store import all_sources
 from balancer.storage.schema import tasks
-from balancer.storage.sources import all_sources
-from balancer.storage.sources_catalog import describe, holds, team_connection, write_back
-from balancer.storage.sources_schema import source_outbox
 
 log = logging.getLogger(__name__)
 
@@ -157,13 +158,13 @@ class WritebackLoop(bootsteps.StartStopStep):
         self._stop.set()
 
     def _run(self) -> None:
-        from balancer.pipeline.runtime import services
-
-        idle = services().settings.writeback_tick
+        # Connected here, not through balancer.pipeline.runtime: the sources room sits below the pipeline.
+        svc = Services.connect(Settings.from_env(), check=False)
+        idle = svc.settings.writeback_tick
         wait = idle
         while not self._stop.wait(wait):
             try:
-                drained = drain(services())
+                drained = drain(svc)
                 wait = 0.0 if drained.written or drained.conflicts else idle
             except Exception:  # keep going through a PostgreSQL blip
                 log.exception("write-back failed; retrying")

@@ -1,0 +1,20 @@
+"""Sources: where tasks come from, and the team's table.
+
+A *source* is the name every task carries (a JSONL file, the inbox, a router
+caller, or a declared source table). Each source has a weight (its share of
+the dispatch window) and may have a budget per day. A *source table* is a
+table someone else owns: balancer reads its rows past a cursor and writes
+each ended task back to its own row.
+
+- ``definition``: the sources file (TOML) and :class:`SourceDef` (pure);
+- ``rows``: a table's rows to tasks, the cursor's moves (pure);
+- ``schema``: balancer's tables for declared sources and their outbox;
+- ``store``: declared sources, their import (audited) and cursors;
+- ``catalog``: the only SQL balancer runs on the team's table (checks at import,
+  the read, the guarded write-back);
+- ``ingest``: rows past the cursor become tasks;
+- ``writeback``: ended tasks back to their rows (the outbox, drained on a thread);
+- ``weights`` and ``budgets``: every source's share and budget per day (audited);
+- ``reads`` and ``metrics``: per-source status, for ``status``, the console and
+  the metrics.
+"""
