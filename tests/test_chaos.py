@@ -258,7 +258,7 @@ def echo_server() -> Iterator[int]:
 
 
 def test_a_stalled_proxy_holds_the_bytes_with_the_socket_open_and_delivers_them_on_resume(echo_server: int) -> None:
-    proxy = StallProxy("127.0.0.1", echo_server).start()
+    proxy = StallProxy(("127.0.0.1", echo_server)).start()
     try:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as client:
             client.sendall(b"before")

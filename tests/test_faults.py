@@ -19,6 +19,7 @@ import redis
 import sqlalchemy as sa
 
 from balancer.admission.values import CIRCUIT_BASE_MS, CIRCUIT_FAILURES
+from balancer.devtools.tcpproxy import StallProxy
 from balancer.pipeline.dispatcher import dispatch
 from balancer.services import Services
 from balancer.settings import Settings
@@ -336,13 +337,10 @@ def test_the_workers_postgres_stalled_past_a_lease_pays_no_prompt_twice(pipeline
     next calls' starts block; their calls' heartbeats go on in Redis, so the
     sweep keeps their tasks instead of returning them. Every answer is written
     once, and the simulator answers each prompt once."""
-    from tests.proxy import PausableProxy
-
     lease = 4
-    url = sa.engine.make_url(os.environ["BALANCER_DATABASE_URL"])
-    proxy = PausableProxy(url.host or "127.0.0.1", url.port or 5432)
+    proxy = StallProxy.for_database(os.environ["BALANCER_DATABASE_URL"]).start()
     try:
-        worker_url = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+        worker_url = proxy.database_url(os.environ["BALANCER_DATABASE_URL"])
         p = pipeline(time_scale=0.02, extra_env={**FAST_TIMING, "BALANCER_LEASE_SECONDS": str(lease),
                                                  "BALANCER_WRITE_GRACE": "20", "BALANCER_VISIBILITY_TIMEOUT": "30",
                                                  "BALANCER_SWEEP_TICK": "0.5"})
@@ -352,7 +350,7 @@ def test_the_workers_postgres_stalled_past_a_lease_pays_no_prompt_twice(pipeline
         while p.counts()["solved"] < 30:  # chains are answering
             assert time.monotonic() < deadline, f"the run never got going: {p.counts()}"
             time.sleep(0.1)
-        proxy.pause()
+        proxy.stall()
         paused_at = time.monotonic()
         calls_at_pause = sim_stats(p)["calls"]
         while time.monotonic() - paused_at < 2 * lease:  # the stall: two leases, deadlines pass meanwhile

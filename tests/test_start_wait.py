@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy.engine import make_url
 
 from balancer.devtools.tcpproxy import StallProxy
 
@@ -41,24 +40,21 @@ def test_a_dispatcher_started_while_postgresql_refuses_waits_and_then_runs(env: 
     """PostgreSQL's port refuses connections when the dispatcher starts: it logs
     one line per attempt and keeps trying; once the port forwards to
     PostgreSQL, it starts and consumes its queue."""
-    url = make_url(env["BALANCER_DATABASE_URL"])
-    port = free_port()
+    proxy = StallProxy.for_database(env["BALANCER_DATABASE_URL"], port=free_port())
     log = tmp_path / "dispatcher.log"
-    proc = start({"BALANCER_DATABASE_URL": url.set(host="127.0.0.1", port=port).render_as_string(hide_password=False),
+    proc = start({"BALANCER_DATABASE_URL": proxy.database_url(env["BALANCER_DATABASE_URL"]),
                   "BALANCER_START_WAIT": "120"}, log, "dispatcher", "--loglevel", "INFO")
-    proxy: StallProxy | None = None
     try:
         wait_for(lambda: log.read_text().count("waiting for a service") >= 2, 60, "two waiting lines")
         assert proc.poll() is None, log.read_text()
         assert "cannot reach PostgreSQL" in log.read_text() and "Traceback" not in log.read_text()
-        proxy = StallProxy(url.host or "127.0.0.1", url.port or 5432, port=port).start()
+        proxy.start()
         wait_for(lambda: "ready." in log.read_text() or proc.poll() is not None, 90, "the dispatcher's start")
         assert proc.poll() is None and "ready." in log.read_text(), log.read_text()
     finally:
         proc.terminate()
         proc.wait(30)
-        if proxy is not None:
-            proxy.close()
+        proxy.close()
 
 
 def test_an_unreachable_service_past_the_start_wait_exits_2(env: dict[str, str], tmp_path: Path) -> None:

@@ -83,11 +83,6 @@ def prompt_lines(prefix: str, count: int, models: list[str], rng: random.Random)
     return lines
 
 
-def _worker_database_url(url: str, proxy_port: int) -> str:
-    parsed = sa.engine.make_url(url)
-    return parsed.set(host="127.0.0.1", port=proxy_port).render_as_string(hide_password=False)
-
-
 def _beliefs(iso: IsolatedServices, backend_url: str, label: str) -> str:
     """What each part believes is running, per model, against the backend's truth."""
     leases: dict[str, object]
@@ -149,15 +144,14 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                 conn.execute(sa.text(statement))
         quotas = {m.name: m.quota(time_scale=time_scale) for m in models}
         iso.services.quotas.replace_all(list(quotas.values()), by="chaos")
-        db = sa.engine.make_url(os.environ["BALANCER_DATABASE_URL"])
-        proxy = StallProxy(db.host or "127.0.0.1", db.port or 5432).start()
+        proxy = StallProxy.for_database(os.environ["BALANCER_DATABASE_URL"]).start()
         inbox = iso.workdir / "inbox"
         supervisor = iso.supervisor()
         supervisor.env.update({"BALANCER_HEDGE_BUDGET": "0", "BALANCER_INBOX": str(inbox),
                                "BALANCER_REDIS_URL": servers[0].url})
         backend_url = iso.start_sim(supervisor, ["--models", str(len(names)), "--time-scale", str(time_scale),
                                                  "--seed", str(seed)])
-        worker_db = {"BALANCER_DATABASE_URL": _worker_database_url(os.environ["BALANCER_DATABASE_URL"], proxy.port)}
+        worker_db = {"BALANCER_DATABASE_URL": proxy.database_url(os.environ["BALANCER_DATABASE_URL"])}
         supervisor.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
         for name in names:
             supervisor.start(f"worker-{name}", ["worker", "--model", name, "--loglevel", "WARNING"], worker_db)

@@ -6,23 +6,45 @@ without closing anything: the clients' writes sit in buffers, their reads wait,
 exactly as across a partition that drops packets. :meth:`StallProxy.resume`
 forwards again, what was held back included. The proxy runs its own asyncio
 loop in a daemon thread and listens on 127.0.0.1 only.
+
+Its target is a TCP address or a Unix socket: :meth:`StallProxy.for_database`
+fronts a PostgreSQL URL of either kind (the embedded PostgreSQL listens on a
+socket only), and :meth:`StallProxy.database_url` is the URL that goes through it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
+
+from sqlalchemy.engine import make_url
 
 #: Bytes read from one side per step.
 CHUNK = 65536
 
 
-class StallProxy:
-    """Forward 127.0.0.1:``port`` to ``target_host``:``target_port`` until :meth:`close`."""
+def database_target(url: str) -> tuple[str, int] | str:
+    """Where a PostgreSQL URL connects: its Unix socket's path, or its host and port.
 
-    def __init__(self, target_host: str, target_port: int, port: int = 0) -> None:
-        self.target = (target_host, target_port)
+    >>> database_target("postgresql://postgres:@/balancer?host=/tmp/x/pg")
+    '/tmp/x/pg/.s.PGSQL.5432'
+    >>> database_target("postgresql://postgres@db:6432/test")
+    ('db', 6432)
+    """
+    parsed = make_url(url)
+    socket_dir = parsed.query.get("host")
+    if isinstance(socket_dir, str) and socket_dir.startswith("/"):
+        return os.path.join(socket_dir, f".s.PGSQL.{parsed.port or 5432}")
+    return parsed.host or "127.0.0.1", parsed.port or 5432
+
+
+class StallProxy:
+    """Forward 127.0.0.1:``port`` to ``target`` (host and port, or a Unix socket's path) until :meth:`close`."""
+
+    def __init__(self, target: tuple[str, int] | str, port: int = 0) -> None:
+        self.target = target
         self._requested_port = port
         self._loop = asyncio.new_event_loop()
         self._open = asyncio.Event()  # set: forwarding; clear: stalled
@@ -32,6 +54,20 @@ class StallProxy:
         self._thread = threading.Thread(target=self._run, name="stall-proxy", daemon=True)
         self.port = 0
         self.connections = 0
+
+    @classmethod
+    def for_database(cls, url: str, port: int = 0) -> StallProxy:
+        """A proxy (not started) in front of the PostgreSQL that ``url`` names."""
+        return cls(database_target(url), port)
+
+    def database_url(self, url: str) -> str:
+        """``url`` through this proxy: 127.0.0.1 and its port, over TCP.
+
+        >>> StallProxy("/tmp/s", port=0).database_url("postgresql://postgres:@/balancer?host=/tmp/x/pg")
+        'postgresql://postgres:@127.0.0.1:0/balancer'
+        """
+        parsed = make_url(url).difference_update_query(["host"])
+        return parsed.set(host="127.0.0.1", port=self.port or self._requested_port).render_as_string(hide_password=False)
 
     def start(self) -> StallProxy:
         self._thread.start()
@@ -53,7 +89,10 @@ class StallProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._open.wait()  # a new connection during a stall hangs too
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            if isinstance(self.target, str):
+                up_reader, up_writer = await asyncio.open_unix_connection(self.target)
+            else:
+                up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.close()
             return
