@@ -153,10 +153,10 @@ def test_compose_services_run_as_processes_and_drain_50_tasks(migrated: dict[str
     import httpx
 
     from balancer.devtools.embedded import free_port
-    from balancer.devtools.supervisor import wait_for_http
     from balancer.services import Services
     from balancer.settings import Settings
     from balancer.storage.reads import status_counts
+    from balancer.supervisor import wait_for_http
 
     inbox, home = tmp_path / "inbox", tmp_path / "beat-home"
     inbox.mkdir()

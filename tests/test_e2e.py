@@ -15,7 +15,7 @@ import pytest
 from balancer.cli import main
 from balancer.devtools.embedded import free_port
 from balancer.devtools.sim.audit import Limits, audit
-from balancer.devtools.supervisor import wait_for_http
+from balancer.supervisor import wait_for_http
 from tests.pipeline_harness import Pipeline, prompt_lines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("migrated")]

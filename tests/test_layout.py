@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "settings": {"errors", "urls"},
     "domain": {"errors"},
     "client": set(),
+    "supervisor": set(),
     "admission": {"domain", "errors"},
     "storage": {"domain", "errors", "admission", "settings", "urls"},
     "backends": {"errors", "settings", "urls"},
@@ -32,11 +33,11 @@ ALLOWED: dict[str, set[str]] = {
     "web": {"admission", "domain", "errors", "settings", "urls", "snapshot", "services", "storage", "sources", "pipeline",
             "router"},
     "devtools": {"admission", "storage", "backends", "domain", "errors", "settings", "urls", "snapshot", "services",
-                 "sources", "pipeline"},
+                 "sources", "pipeline", "supervisor"},
     "bench": {"admission", "storage", "backends", "domain", "errors", "settings", "urls", "snapshot", "services", "sources",
-              "pipeline", "devtools", "router", "web", "client"},
+              "pipeline", "devtools", "router", "web", "client", "supervisor"},
     "cli": {"admission", "storage", "backends", "domain", "errors", "settings", "urls", "snapshot", "services", "sources",
-            "pipeline", "devtools", "bench", "router", "client", "web"},
+            "pipeline", "devtools", "bench", "router", "client", "web", "supervisor"},
 }
 
 

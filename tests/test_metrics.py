@@ -25,7 +25,7 @@ def test_metrics_match_the_simulator_log(tmp_path: Path) -> None:
     is scraped every 0.2 s during the run: in-flight never exceeds a cap; at the
     end, solved calls and 429s per model equal the simulator's log exactly."""
     from balancer.devtools.embedded import free_port
-    from balancer.devtools.supervisor import wait_for_http
+    from balancer.supervisor import wait_for_http
     from tests.pipeline_harness import Pipeline, prompt_lines
 
     p = Pipeline(tmp_path / "logs", model_count=3, extra_env={"BALANCER_HEDGE_BUDGET": "0"})

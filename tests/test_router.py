@@ -281,7 +281,7 @@ def test_the_token_never_reaches_the_logs(migrated: dict[str, str], tmp_path) ->
     import os
 
     from balancer.devtools.embedded import free_port
-    from balancer.devtools.supervisor import wait_for_http
+    from balancer.supervisor import wait_for_http
 
     port = free_port()
     log = tmp_path / "router.log"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from balancer.devtools.embedded import free_port
-from balancer.devtools.supervisor import wait_for_http
+from balancer.supervisor import wait_for_http
 from tests.pipeline_harness import Pipeline, scenario_file
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "airflow" / "router_tasks.py"

@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.devtools.embedded import free_port
-from balancer.devtools.supervisor import Supervisor
+from balancer.supervisor import Supervisor
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "docs" / "img"

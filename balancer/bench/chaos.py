@@ -40,8 +40,8 @@ from balancer.devtools.runner import IsolatedServices, fetch_log, wait_until_con
 from balancer.devtools.sim.audit import limits_for
 from balancer.devtools.sim.config import SimModel, default_models
 from balancer.devtools.sim.server import prompt_key
-from balancer.devtools.supervisor import wait_for_http
 from balancer.devtools.tcpproxy import StallProxy
+from balancer.supervisor import wait_for_http
 
 #: Seconds between the loop's steps, and between reads of the simulator's log.
 STEP_S, LOG_EVERY_S, PROGRESS_EVERY_S = 0.25, 5.0, 30.0

@@ -28,10 +28,10 @@ import redis
 
 from balancer.bench.chaos_plan import Fault
 from balancer.devtools.embedded import RedisProcess, start_redis
-from balancer.devtools.supervisor import Child, Supervisor
 from balancer.devtools.tcpproxy import StallProxy
 from balancer.domain.quota import Quota
 from balancer.storage.dbapi import MAY_COME_BACK
+from balancer.supervisor import Child, Supervisor
 
 #: How long the injector, as an operator, keeps running again a command that could not reach a service.
 OPERATOR_PATIENCE_S = 60.0

@@ -277,7 +277,7 @@ def run(scenario_name: str, png: Path, every: float = 1.0) -> int:
     from balancer.devtools.embedded import free_port
     from balancer.devtools.runner import IsolatedServices, run_pipeline
     from balancer.devtools.scenario import parse_scenario
-    from balancer.devtools.supervisor import wait_for_http
+    from balancer.supervisor import wait_for_http
 
     console = Console()
     name, text = locate(scenario_name)

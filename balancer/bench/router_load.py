@@ -154,7 +154,7 @@ def _load_process(port: int, kind: str, seconds: float, connections: int, out: m
 def measure(target: str, redis_url: str, namespace: str, seconds: float, connections: int) -> Load:
     """Start one server in its own process, warm it up, then load it from another process."""
     from balancer.devtools.embedded import free_port
-    from balancer.devtools.supervisor import wait_for_http
+    from balancer.supervisor import wait_for_http
 
     port = free_port()
     code = f"from balancer.bench.router_load import serve_{target} as s; s({redis_url!r}, {namespace!r}, {port})"

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from balancer.cli import resolved_settings, services
+from balancer.cli import resolved_settings, services, settings
 from balancer.cli.startwait import migrated as _migrated
 from balancer.cli.startwait import start_when_ready
 from balancer.errors import BalancerError, ConfigError, QuotaError, QuotaRemoved, printable
@@ -41,6 +41,16 @@ def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> N
         celery.params[0].default = None
     if code:
         raise SystemExit(code)
+
+
+def warn_if_backend_refuses() -> None:
+    """The first line a process prints when the Models Backend's address refuses connections
+    (it starts all the same: the backend may come up later)."""
+    from balancer.backends.probe import refusal
+
+    problem = refusal(settings().backend_url)
+    if problem:
+        click.echo(f"warning: {problem}: its calls will fail until it answers (BALANCER_BACKEND_URL)", err=True)
 
 
 def _worker_quotas(svc: Services, models: tuple[str, ...], all_models: bool) -> dict[str, Quota]:
@@ -76,6 +86,7 @@ def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
     if bool(models) == all_models:
         raise BalancerError("give --model NAME (repeatable) or --all-models, not both")
+    warn_if_backend_refuses()
     svc = _migrated(wait=True)
     known = start_when_ready(lambda: _worker_quotas(svc, models, all_models), resolved_settings().start_wait,
                              retry_on=(QuotaRemoved,), awaited="a removed quota to come back")

@@ -2,8 +2,9 @@
 
 :class:`IsolatedServices` uses the configured Redis/PostgreSQL (or starts an
 embedded stack) inside a schema and a Redis namespace of its own, and drops
-both on exit. :func:`run_pipeline` starts the simulator, the dispatcher, one
-worker process holding every model's pool, and beat; submits a backlog;
+both on exit. :func:`run_pipeline` starts the simulator and the processes ``balancer run``
+starts (:func:`balancer.supervisor.pipeline_plan`): the dispatcher, one worker
+process holding every model's pool (or one per model), and beat; submits a backlog;
 watches it drain; and returns the simulator's call log and the tasks' timings.
 Every process it starts is stopped on exit, including on Ctrl-C.
 """
@@ -30,12 +31,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from balancer.devtools.embedded import TemporaryStack, free_port
-from balancer.devtools.supervisor import Supervisor, wait_for_http
 from balancer.domain.intake import parse_tasks
 from balancer.domain.quota import Quota
 from balancer.services import Services, delete_namespace_keys
 from balancer.settings import Settings
 from balancer.storage.schema import tasks as tasks_table
+from balancer.supervisor import Supervisor, pipeline_plan, wait_for_http
 from balancer.urls import normalize_database_url
 
 
@@ -294,16 +295,10 @@ def run_pipeline(
     supervisor = iso.supervisor()
     console.print(f"starting the simulator, dispatcher, workers and beat (logs in {iso.workdir / 'logs'}) ...")
     backend_url = iso.start_sim(supervisor, sim_args)
-    supervisor.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
-    if worker_layout == "per-model":  # as docker-compose.yml deploys: one process (one GIL) per model
-        for q in quotas:
-            supervisor.start(f"worker-{q.name}", ["worker", "--model", q.name, "--loglevel", "WARNING"])
-        nodes = 1 + len(quotas)
-    else:
-        supervisor.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])
-        nodes = 2
-    supervisor.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
-    wait_until_consuming(supervisor, nodes=nodes)  # the clock measures the run, not process start-up
+    # The processes `balancer run` starts; "per-model" as docker-compose.yml deploys: one process (one GIL) per model.
+    plan = pipeline_plan([q.name for q in quotas] if worker_layout == "per-model" else None, "WARNING")
+    supervisor.start_plan(plan, {"BALANCER_HOME": str(iso.workdir)})
+    wait_until_consuming(supervisor, nodes=len(plan) - 1)  # all but beat; the clock measures the run, not start-up
     started = time.time()
     total = iso.insert(backlog_jsonl)
     ask_for_dispatch(svc)  # as `balancer submit` does after its insert, not wait for beat's next tick

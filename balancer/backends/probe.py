@@ -1,0 +1,34 @@
+"""Whether the Models Backend's address takes connections, asked once when a process starts.
+
+A worker started with a backend URL that refuses connections would otherwise
+start without a word, and every call would fail into the circuit breaker; the
+first line it prints says so instead (it still starts: the backend may come up
+later). Only a TCP connection is tried: no request reaches the backend.
+"""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+from balancer.urls import mask_url
+
+
+def refusal(url: str, timeout: float = 2.0) -> str | None:
+    """Why a TCP connection to ``url``'s host and port fails now (one line), or None if it opens.
+
+    >>> import socket
+    >>> with socket.socket() as s:
+    ...     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]   # bound, not listening: refused
+    ...     print(refusal(f"http://127.0.0.1:{port}"))  # doctest: +ELLIPSIS
+    the Models Backend at http://127.0.0.1:... refuses connections (... refused)
+    """
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        what = "refuses connections" if isinstance(exc, ConnectionRefusedError) else "cannot be reached"
+        return f"the Models Backend at {mask_url(url)} {what} ({exc.strerror or type(exc).__name__})"
