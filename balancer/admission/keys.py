@@ -36,6 +36,7 @@ ROUTER_IDEMPOTENCY_INFIX = ":router:idempotency:"
 LIVE_CALLS = ":calls:live"
 FAIR_SHARES = ":fairshare"
 FAIR_SHARED = ":fairshare:shared"
+LAST_FAILURE_INFIX = ":failure:"
 
 
 def tag(namespace: str) -> str:
@@ -134,6 +135,12 @@ def fair_shared(namespace: str) -> str:
     """Set (with an expiry) while several sources have shared the dispatch window recently:
     the ready lists stay shallow meanwhile (:data:`balancer.domain.fairshare.SHARED_READY_PER_SLOT`)."""
     return tag(namespace) + FAIR_SHARED
+
+
+def last_failure(namespace: str, name: str) -> str:
+    """A model's last failed call (JSON: when, its error, whether it was never sent, the model's
+    answered count then), expiring; see :mod:`balancer.pipeline.health`."""
+    return tag(namespace) + LAST_FAILURE_INFIX + name
 
 
 def namespace_patterns(namespace: str) -> tuple[str, str]:

@@ -36,6 +36,8 @@ class ModelLive:
     #: The concurrency cap in force when read: the effective one, or slow start's
     #: while a new quota ramps (balancer.admission.learned.slots_now); None: the effective one.
     slots: int | None = None
+    circuit_open: bool = False  # repeated transient failures opened its circuit: probed one call at a time
+    failures: int = 0  # consecutive transient failures toward opening it (0 once a call is answered)
 
     @property
     def cap_now(self) -> int:
@@ -107,7 +109,7 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
                                requests / UNITS if limits.max_requests_per_minute else None,
                                m["deficit"], paused_ms, outside_rate(limits.max_tokens_per_minute, m["ext"]),
                                latency, ready, learned,
-                               slots_now(quota, learned, now_ms))
+                               slots_now(quota, learned, now_ms), m["probing"] == 1, m["fails"])
     return view
 
 

@@ -106,8 +106,9 @@ def band_text(drain: Any) -> str:
     return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
 
 
-def drain_text(drain: Any) -> str:
-    """The ETA, its band, and the pending tasks it leaves out because their source's budget is spent.
+def drain_text(drain: Any, blocked: str | None = None) -> str:
+    """The ETA, its band, and the pending tasks it leaves out because their source's budget is spent;
+    ``blocked`` (why nothing can run: :func:`balancer.domain.health.blocked`) instead of a number.
 
     >>> from balancer.domain.eta import Forecast
     >>> drain_text(Forecast(245.0, 190.0, 280.0)), drain_text(Forecast(0.0, 0.0, 0.0))
@@ -116,7 +117,11 @@ def drain_text(drain: Any) -> str:
     '4 min 05 s (3 min 10 s to 4 min 40 s); 40 pending task(s) wait on a budget, not in the eta'
     >>> drain_text(Forecast(0.0, 0.0, 0.0, waiting=40))
     'nothing else to run; 40 pending task(s) wait on a budget, not in the eta'
+    >>> drain_text(Forecast(1.0, 1.0, 1.0), "blocked: m: backend unreachable: refused")
+    'blocked: m: backend unreachable: refused'
     """
+    if blocked:
+        return blocked
     waiting = 0 if drain is None else drain.waiting
     eta = None if drain is None else drain.eta
     text = "nothing else to run" if waiting and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
@@ -147,6 +152,18 @@ def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None)
             cells[3:3] = [f"{tokens:,.0f} / {r.tpm:,}", f"{requests:,.0f} / {r.rpm:,}" if r.rpm else f"{requests:,.0f} / -"]
         table.add_row(*cells)
     return table
+
+
+def health_lines(health: Any) -> list[str]:
+    """One line per model and per source with a reason (``status``, ``top``), each a person can act on.
+
+    >>> from balancer.domain.health import ModelFacts, SourceFacts, assess
+    >>> health_lines(assess([ModelFacts("a", paused_s=3), ModelFacts("b")], [SourceFacts("s", read_error="gone")], 1))
+    ['health a: paused by a 429 for 3.0 s more', 'health source s: table unreadable: gone']
+    """
+    lines = [f"health {name}: {'; '.join(r.text for r in reasons)}" for name, reasons in health.models.items() if reasons]
+    lines += [f"health source {name}: {'; '.join(r.text for r in reasons)}" for name, reasons in health.sources.items()]
+    return [printable(line, limit=400) for line in lines]
 
 
 def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
@@ -207,13 +224,14 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain)}")
+        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain, o.health.blocked)}")
         money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         sources = source_status(svc.engine)
         with svc.engine.connect() as conn:
             shares = weights(conn)
         by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []
-        return Group(model_table(rows, rates), *by_source, counted, *money)
+        health = [Text(line) for line in health_lines(o.health)]
+        return Group(model_table(rows, rates), *health, *by_source, counted, *money)
 
     console = Console(width=max(Console().width, 140))
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from balancer.cli.pipeline import drain_text, model_table
+from balancer.cli.pipeline import drain_text, health_lines, model_table
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from balancer.domain.budget import Standing
     from balancer.domain.cost import Spend
     from balancer.domain.eta import Forecast
+    from balancer.domain.health import Health
     from balancer.pipeline.summary import ModelSummary
     from balancer.snapshot import ReadServices
     from balancer.sources.reads import SourceStatus
@@ -41,6 +42,7 @@ class StatusReads:
     projected: Spend
     sources: list[SourceStatus]
     budgets: dict[str, Standing]
+    health: Health
 
 
 def read_status(services: ReadServices) -> StatusReads:
@@ -54,7 +56,7 @@ def read_status(services: ReadServices) -> StatusReads:
     db, o = services.db, read_overview(services)
     return StatusReads(o.counts, o.rows, o.drain, reused_count(db), overdue_count(db),
                        beat_last_seen_s(services.redis, services.settings.namespace),
-                       o.spent, o.projected, source_status(db), o.budgets)
+                       o.spent, o.projected, source_status(db), o.budgets, o.health)
 
 
 def band_fields(drain: Any) -> dict[str, float | None]:
@@ -69,7 +71,10 @@ def status_json(s: StatusReads) -> dict[str, Any]:
     eta = None if s.drain is None else s.drain.eta
     projected = s.projected.as_dict()
     projected.pop("by_source", None)  # the backlog left's projected cost: as ``spend``, without ``by_source``
-    return {**s.counts, "reused": s.reused, "overdue": s.overdue, "eta_s": None if eta is None else round(eta, 1),
+    blocked = s.health.blocked
+    return {**s.counts, "reused": s.reused, "overdue": s.overdue,
+            "eta_s": None if eta is None or blocked else round(eta, 1), "blocked": blocked,
+            "health": s.health.as_dict(),
             **band_fields(s.drain), "waiting_on_budget": 0 if s.drain is None else s.drain.waiting,
             "beat_last_tick_s": None if s.beat is None else round(s.beat, 1),
             "models": [r.as_dict() for r in s.rows], "spend": s.spent.as_dict(),
@@ -91,7 +96,9 @@ def status(as_json: bool) -> None:
     from balancer.domain.cost import projection_text, spend_text
 
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
-               + f"  eta: {drain_text(s.drain)}")
+               + f"  eta: {drain_text(s.drain, s.health.blocked)}")
+    for line in health_lines(s.health):
+        click.echo(line)
     if s.spent.by_model or s.spent.unpriced_tokens:
         click.echo(spend_text(s.spent))
     if s.projected.by_model or s.projected.unpriced_tokens:

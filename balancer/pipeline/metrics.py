@@ -33,8 +33,10 @@ from sqlalchemy.engine import Engine
 from balancer.domain import latency
 from balancer.domain.budget import held
 from balancer.domain.cost import Observed, price_list, project
+from balancer.domain.health import REASONS, kinds
 from balancer.domain.quota import Quota
 from balancer.pipeline.budgets import read_standings
+from balancer.pipeline.health import read_health
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
 from balancer.sources.metrics import add_source_metrics, source_families
@@ -143,6 +145,7 @@ class BalancerCollector(Collector):
                 "balancer_model_max_concurrent_requests": q.max_concurrent_requests,
                 "balancer_model_tokens_available": live.tokens_available,
                 "balancer_model_token_bucket_capacity": q.burst,
+                "balancer_model_tokens_per_60s_allowed": q.burst + q.max_tokens_per_minute,
                 "balancer_model_tokens_per_minute_limit": q.max_tokens_per_minute,
                 "balancer_model_requests_available": live.requests_available,
                 "balancer_model_requests_per_minute_limit": q.max_requests_per_minute,
@@ -177,7 +180,16 @@ class BalancerCollector(Collector):
         quotas = svc.quotas.all()  # once: the budgets' prices and the spend's
         standings = read_standings(svc, quotas=quotas)  # once: the ETA's held sources and the per-source budgets
         drain = estimate_band(svc, view, left, held(standings))
-        if drain is not None and drain.eta is not None:
+        health = read_health(svc.redis, svc.settings.namespace, view, per_model, standings, left.unfinished)
+        for name in view:
+            present = {r.kind for r in health.models.get(name, [])}
+            for kind in kinds("model"):
+                families["balancer_model_health"].add_metric([name, kind], int(kind in present))
+        for name, reasons in health.sources.items():
+            for kind in kinds("source"):
+                families["balancer_source_health"].add_metric([name, kind], int(kind in {r.kind for r in reasons}))
+        families["balancer_drain_blocked"].add_metric([], int(health.blocked is not None))
+        if drain is not None and drain.eta is not None and health.blocked is None:  # blocked: no number
             families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
             families["balancer_drain_eta_high_seconds"].add_metric([], drain.high or 0.0)
@@ -206,6 +218,8 @@ class BalancerCollector(Collector):
             "balancer_model_max_concurrent_requests": "Concurrency cap",
             "balancer_model_tokens_available": "Tokens in the bucket now",
             "balancer_model_token_bucket_capacity": "Token bucket capacity (burst_tokens)",
+            "balancer_model_tokens_per_60s_allowed": "The most tokens any 60 s window may carry: the TPM plus the "
+                                                     "burst on top of it (the bucket full at the window's start)",
             "balancer_model_tokens_per_minute_limit": "TPM quota",
             "balancer_model_requests_available": "Requests in the bucket now (models with an RPM quota)",
             "balancer_model_requests_per_minute_limit": "RPM quota (models that have one)",
@@ -246,6 +260,14 @@ class BalancerCollector(Collector):
         families["balancer_drain_eta_seconds"] = GaugeMetricFamily(
             "balancer_drain_eta_seconds", "Predicted seconds until the backlog is solved (balancer.domain.eta)")
         families.update(source_families())
+        families["balancer_model_health"] = GaugeMetricFamily(
+            "balancer_model_health", "1 while the reason holds for the model (`balancer status` says it with the "
+            "detail): " + "; ".join(f"{k}: {REASONS[k][0]}" for k in kinds("model")), labels=["model", "reason"])
+        families["balancer_source_health"] = GaugeMetricFamily(
+            "balancer_source_health", "1 while the reason holds for the source (sources with a reason only): "
+            + "; ".join(f"{k}: {REASONS[k][0]}" for k in kinds("source")), labels=["source", "reason"])
+        families["balancer_drain_blocked"] = GaugeMetricFamily(
+            "balancer_drain_blocked", "1 while tasks wait and no model can run any (the ETA is then not exported)")
         for side in ("low", "high"):
             families[f"balancer_drain_eta_{side}_seconds"] = GaugeMetricFamily(
                 f"balancer_drain_eta_{side}_seconds", f"The {side} end of the drain ETA's band (balancer.domain.eta)")

@@ -1,7 +1,8 @@
 """What ``status``, ``top`` and the console show of the whole backlog, read once per look.
 
 The task counts, each model's row and raw counters, the drain ETA and its band, the
-budgets' standings, the spend so far and the backlog left's projected cost. The quotas,
+budgets' standings, the spend so far, the backlog left's projected cost, and each model's and
+source's health (why nothing moves: :mod:`balancer.domain.health`). The quotas,
 the budgets and the backlog are each read once and handed to every part that needs them.
 Each caller adds what only it shows (``status``: overdue calls and beat; ``top``: the
 sources' weights; the console: the failed tasks by error)."""
@@ -13,7 +14,9 @@ from dataclasses import dataclass
 from balancer.domain.budget import Standing, held
 from balancer.domain.cost import Spend
 from balancer.domain.eta import Forecast
+from balancer.domain.health import Health
 from balancer.pipeline.budgets import read_standings
+from balancer.pipeline.health import read_health
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.snapshot import ReadServices
 from balancer.storage.quota_rows import all_quotas
@@ -30,6 +33,7 @@ class Overview:
     budgets: dict[str, Standing]
     spent: Spend
     projected: Spend  # the backlog left's projected cost
+    health: Health
 
 
 def read_overview(services: ReadServices) -> Overview:
@@ -38,5 +42,8 @@ def read_overview(services: ReadServices) -> Overview:
     db = services.db
     quotas = all_quotas(db)
     budgets, left = read_standings(services, quotas=quotas), backlog(db)
-    counts, rows, counters, drain = read(services, held(budgets), left)
-    return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left))
+    view = services.core.live()
+    counts, rows, counters, drain = read(services, held(budgets), left, view)
+    health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished)
+    return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),
+                    health)

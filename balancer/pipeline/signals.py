@@ -1,6 +1,6 @@
 """What a call's end tells the admission core: a 429's pause, a transient
 failure's circuit breaker, and an answered call's settlement (usage, the
-provider's headers, latency)."""
+provider's headers, latency); and a failed call's record for the model's health."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import logging
 import math
 
 from balancer.admission import AdmissionCore, Settlement
-from balancer.backends import Completion, RateLimited
+from balancer.backends import Completion, Permanent, RateLimited, Transient
+from balancer.pipeline.health import note_failure
 from balancer.storage.statements import SolveContext
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,16 @@ def trip(core: AdmissionCore, model: str, error: str) -> bool:
     if opened:
         log.warning("%s: circuit open after repeated transient failures (%s); pausing it, then probing", model, error)
     return counted
+
+
+def note_failed(core: AdmissionCore, model: str, exc: Transient | Permanent) -> None:
+    """Record the failed call for ``model``'s health (``status`` says "backend unreachable: ..."
+    without the worker's log); a lost Redis here must not change the call's outcome."""
+    try:
+        note_failure(core.redis, core.namespace, model, str(exc),
+                     unsent=isinstance(exc, Transient) and exc.ended == "unsent")
+    except Exception:  # noqa: BLE001 - observation only
+        log.warning("could not record %s's failed call for its health", model, exc_info=True)
 
 
 def pause_for(core: AdmissionCore, model: str, exc: RateLimited, admission_id: str | None = None) -> None:

@@ -107,7 +107,7 @@ from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.call import Call, Change, SolveMessage
 from balancer.pipeline.cancellation import CancelListener
 from balancer.pipeline.heartbeat import Heartbeat
-from balancer.pipeline.signals import answered, pause_for, trip
+from balancer.pipeline.signals import answered, note_failed, pause_for, trip
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.hedges import start_hedge
@@ -158,6 +158,8 @@ def outcome_of(core: AdmissionCore, settings: Settings, msg: SolveMessage, ctx: 
     """Which row of the table a failed call falls in; tells the model's pause,
     circuit and counters what happened on the way."""
     error, attempt = str(exc), ctx.attempts
+    if isinstance(exc, (Transient, Permanent)):
+        note_failed(core, msg.model, exc)
     if isinstance(exc, RateLimited):
         pause_for(core, msg.model, exc, msg.admission_id)
         if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
@@ -376,8 +378,10 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
         if isinstance(exc, RateLimited):
             pause_for(core, msg.model, exc, msg.admission_id)
         elif isinstance(exc, Transient):
+            note_failed(core, msg.model, exc)
             trip(core, msg.model, str(exc))
         else:
+            note_failed(core, msg.model, exc)
             core.count(msg.model, "failed")
         call.free()
         call.clear_hedge()

@@ -245,12 +245,13 @@ def estimate_band(
 
 
 def read(services: ReadServices, held: Collection[str] | None = None, left: Backlog | None = None,
+         view: Mapping[str, ModelLive] | None = None,
          ) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], Forecast | None]:
     """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA and its band) now;
-    ``held`` and ``left``: the sources over their budget and the backlog, when the caller has read them
-    (:func:`drain_inputs`)."""
+    ``held``, ``left`` and ``view``: the sources over their budget, the backlog and the live view, when the
+    caller has read them (:func:`drain_inputs`)."""
     counters, _ = services.core.counters()
-    view = services.core.live()
+    view = services.core.live() if view is None else view
     rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
     return status_counts(services.db), rows, counters, estimate_band(services, view, left, held)

@@ -110,8 +110,9 @@ class Console:
         sample = self.sampler.latest()
         history = self.sampler.history() or [sample]
         start = history[0].at
-        chart = charts.burn_down([(s.at - start, s.left) for s in history], sample.eta_s,
-                                 band=(sample.eta_low_s, sample.eta_high_s))
+        blocked = sample.health.blocked is not None  # no projection to draw: nothing can run
+        chart = charts.burn_down([(s.at - start, s.left) for s in history], None if blocked else sample.eta_s,
+                                 band=(None, None) if blocked else (sample.eta_low_s, sample.eta_high_s))
         return {"sample": sample, "chart": chart, "history_s": self._history_s()}
 
     def sources_context(self) -> dict[str, Any]:

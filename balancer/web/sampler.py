@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from balancer.domain.budget import Standing
 from balancer.domain.cost import Spend
+from balancer.domain.health import Health
 from balancer.domain.statuses import UNFINISHED
 from balancer.pipeline.overview import read_overview
 from balancer.pipeline.summary import ModelSummary
@@ -56,6 +57,7 @@ class Sample:
     error_groups: list[ErrorGroup] | None = field(default_factory=list)  # None: too many failed tasks to group in time
     budgets: dict[str, Standing] = field(default_factory=dict)  # per source with a budget per day: spent today, waiting
     waiting: int = 0  # pending tasks of sources over their budget: not in the ETA (balancer.domain.eta.Forecast.waiting)
+    health: Health = field(default_factory=lambda: Health({}, {}, None))  # why nothing moves (balancer.domain.health)
 
     @property
     def left(self) -> int:
@@ -171,4 +173,4 @@ def take_sample(services: Services) -> Sample:
                   None if drain is None else drain.low, None if drain is None else drain.high,
                   source_counts(services.engine), o.spent, o.projected,
                   error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), o.budgets,
-                  0 if drain is None else drain.waiting)
+                  0 if drain is None else drain.waiting, o.health)
