@@ -179,7 +179,7 @@ def test_source_set_sets_and_clears_a_budget_with_an_audit_and_refuses_bad_input
     from balancer.cli import main
     from balancer.storage.schema import source_budgets, source_changes
 
-    assert main(["source", "set", "crm", "--budget-per-day", "5.00", "--by", "ops"]) == 0
+    assert main(["source", "set", "crm", "--budget-per-day", "5.00", "--by", "ops", "--new"]) == 0
     assert main(["source", "set", "crm", "--budget-tokens-per-day", "2000000", "--by", "ops"]) == 0
     assert "crm: budget 5.00 and 2,000,000 tokens per day" in capsys.readouterr().out
     for bad in (["--budget-per-day", "-1"], ["--budget-per-day", "nan"], ["--budget-per-day", "5 USD"],
@@ -294,19 +294,27 @@ def test_a_money_budget_with_no_model_priced_says_it_counts_nothing(svc, capsys)
     assert "note:" not in capsys.readouterr().out
 
 
-def test_a_setting_for_a_source_no_task_carries_is_kept_with_a_note(svc, capsys) -> None:  # noqa: ANN001
-    """A typo ("crn" for "crm") is set all the same, but said; a source with tasks gets no note."""
+def test_a_setting_for_an_unknown_source_is_an_error_unless_new(svc, capsys) -> None:  # noqa: ANN001
+    """A typo ("crn" for "crm") is one line and exit 2, and nothing is stored; ``--new`` keeps it for
+    tasks to come, and then the name is known; a source with tasks needs no flag."""
     from balancer.cli import main
     from balancer.domain.quota import Quota
     from balancer.sources.reads import budgets
+    from balancer.sources.weights import weights
 
     svc.quotas.replace_all([Quota("m", 4, 10**9)])
     add(svc, "crm", 1)
-    assert main(["source", "set", "crn", "--budget-tokens-per-day", "100"]) == 0
-    assert "crn: note: no task carries this source and no source table has this name (a typo?)" in capsys.readouterr().out
+    assert main(["source", "set", "crn", "--weight", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: unknown source 'crn': no task carries it"), err
+    with svc.engine.connect() as conn:
+        assert "crn" not in weights(conn)
+    assert main(["source", "set", "crn", "--budget-tokens-per-day", "100", "--new"]) == 0
+    assert "crn: new source: the setting is kept for its tasks when they come" in capsys.readouterr().out
     assert [b.source for b in budgets(svc.engine)] == ["crn"]
+    assert main(["source", "set", "crn", "--weight", "3"]) == 0  # known now: it has a setting
     assert main(["source", "set", "crm", "--weight", "2"]) == 0
-    assert "note:" not in capsys.readouterr().out
+    assert "new source" not in capsys.readouterr().out
 
 
 def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  # noqa: ANN001
@@ -331,7 +339,7 @@ def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  #
         conn.execute(sa.text("UPDATE tasks SET status = 'failed' WHERE id = :id"), {"id": ids[2]})
         conn.execute(sa.text("UPDATE tasks SET status = 'running' WHERE id = :id"), {"id": ids[3]})
     assert main(["source", "set", "crm", "--budget-per-day", "3.50"]) == 0
-    assert main(["source", "set", "web", "--budget-tokens-per-day", "100"]) == 0
+    assert main(["source", "set", "web", "--budget-tokens-per-day", "100", "--new"]) == 0
     done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "1"],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert done.returncode == 0, done.stderr

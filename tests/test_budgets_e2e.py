@@ -39,7 +39,7 @@ def test_a_source_over_budget_stops_taking_calls_waits_visibly_and_resumes_when_
 
     p = pipeline(scenario=scenario_file(tmp_path / "two-models.toml", MODELS)).start()
     names = [m.name for m in p.models]
-    assert main(["source", "set", "capped", "--budget-tokens-per-day", str(BUDGET_TOKENS), "--by", "test"]) == 0
+    assert main(["source", "set", "capped", "--budget-tokens-per-day", str(BUDGET_TOKENS), "--by", "test", "--new"]) == 0
     capped = p.submit([{**line, "source": "capped", "prompt": "capped " + line["prompt"]}
                        for line in prompt_lines(300, names, pinned_every=10, seed=5)])
     free = p.submit([{**line, "source": "free", "prompt": "free " + line["prompt"]}

@@ -233,7 +233,7 @@ def test_source_set_sets_the_weight_with_an_audit_and_refuses_bad_input(svc) -> 
     from balancer.cli import main
     from balancer.storage.schema import source_changes, source_weights
 
-    assert main(["source", "set", "crm", "--weight", "4", "--by", "ops"]) == 0
+    assert main(["source", "set", "crm", "--weight", "4", "--by", "ops", "--new"]) == 0
     assert main(["source", "set", "crm", "--weight", "0"]) == 2
     assert main(["source", "set", "bad\x07name", "--weight", "2"]) == 2
     with svc.engine.connect() as conn:

@@ -373,7 +373,7 @@ def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any,
              "hedge": False, "ended_at": datetime.now(UTC)} for task_id, src in solved])
     add_tasks(services, ["waits"], source="crm")
     assert main(["source", "set", "crm", "--budget-per-day", "2.50"]) == 0
-    assert main(["source", "set", "etl", "--budget-tokens-per-day", "2000000"]) == 0
+    assert main(["source", "set", "etl", "--budget-tokens-per-day", "2000000", "--new"]) == 0
     console = Console(supervisor)
     page = eventually(lambda: (lambda t: t if "waiting: budget spent" in t else None)(
         httpx.get(f"{console.url}/sources", timeout=5).text))

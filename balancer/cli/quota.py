@@ -199,16 +199,12 @@ def quota_set(
             "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn "
             "--slow-start/--no-slow-start"
         )
-    from balancer.domain.quota import check_model_name
+    from balancer.domain.quota import change_text, check_model_name
 
     check_model_name(model)
     svc = migrated()
     old, new = svc.quotas.set(model, changes, create=create, by=by)
-    if old == new:
-        click.echo(f"{model}: unchanged")
-    else:
-        verb = "created" if old is None else "updated"
-        click.echo(f"{model}: {verb} " + json.dumps({k: v for k, v in new.as_dict().items() if k != "name"}))
+    click.echo(f"{model}: {change_text(old, new)}")
 
 
 def _warn_stranded(svc: Services) -> None:

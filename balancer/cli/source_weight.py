@@ -8,8 +8,8 @@ in the quotas' currency (``--budget-per-day``) or in tokens
 clears both): once it is spent, the source's tasks wait
 (:mod:`balancer.domain.budget`, :mod:`balancer.pipeline.budgets`). Each change
 is audited in ``source_changes`` and applies to the next dispatch run. A name
-that no task carries and no source table has is set all the same, with a note
-(a typo would otherwise pass unseen).
+that no task carries, no source table has and nothing was set for is an error
+(a typo would otherwise pass unseen): ``--new`` sets it for tasks still to come.
 """
 
 from __future__ import annotations
@@ -40,16 +40,18 @@ def check_source_name(name: str) -> str:
 @click.option("--budget-tokens-per-day", "tokens", metavar="N|none",
               help="Prompt + completion tokens per UTC day after which the source's tasks wait; none clears it.")
 @click.option("--no-budget", is_flag=True, help="Clear both budgets.")
+@click.option("--new", "new_source", is_flag=True,
+              help="The source has no task and no table yet: keep the setting for its tasks still to come.")
 @click.option("--by", help="Who made the change (default: the OS user).")
 def set_command(name: str, weight: int | None, money: str | None, tokens: str | None, no_budget: bool,
-                by: str | None) -> None:
+                new_source: bool, by: str | None) -> None:
     """Set a source's weight (its share of the dispatch window within a priority) and its budget per day."""
     from balancer.domain.budget import Budget, check_money, check_tokens
     from balancer.domain.cost import price_list
     from balancer.sources.budgets import set_budget
     from balancer.sources.reads import budgets, has_tasks
     from balancer.sources.store import read_cursor
-    from balancer.sources.weights import set_weight
+    from balancer.sources.weights import set_weight, weights
     from balancer.storage.quota_rows import all_quotas
     from balancer.storage.quotas import default_actor
 
@@ -63,6 +65,11 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
     actor = by or default_actor()
     lines = []
     with svc.engine.begin() as conn:  # one transaction: every change, or none
+        known = (has_tasks(conn, name) or read_cursor(conn, name) is not None or name in weights(conn)
+                 or any(b.source == name for b in budgets(conn)))
+        if not known and not new_source:
+            raise BalancerError(f"unknown source {printable(name)!r}: no task carries it, no source table has this "
+                                "name and nothing was set for it (give --new to set it for tasks still to come)")
         if weight is not None:
             changed = set_weight(conn, name, weight, by=actor)
             lines.append(f"{name}: weight {weight}" if changed else f"{name}: unchanged (weight {weight})")
@@ -78,8 +85,7 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
             if budget.money_per_day is not None and all(p is None for p in prices.values()):
                 lines.append(f"{name}: note: no model has a price, so the money budget counts nothing until "
                              "the quotas name prices (balancer quota set MODEL --price-input P --price-output P)")
-        if not has_tasks(conn, name) and read_cursor(conn, name) is None:  # no task, no source table
-            lines.append(f"{name}: note: no task carries this source and no source table has this name (a typo?); "
-                         "the setting is kept for its tasks when they come")
+        if not known:
+            lines.append(f"{name}: new source: the setting is kept for its tasks when they come")
     for line in lines:
         click.echo(printable(line, limit=400))

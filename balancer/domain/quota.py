@@ -188,3 +188,34 @@ class Quota:
         if missing:
             raise QuotaError(f"missing quota field(s): {', '.join(sorted(missing))}")
         return cls(**data)
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def change_text(old: Quota | None, new: Quota) -> str:
+    """What a quota change did, field by field (``field from → to``); for a new quota, each field
+    it sets beyond the defaults; ``unchanged`` when nothing changed. The fields are the dataclass's.
+
+    >>> q = Quota("m", 4, 30_000)
+    >>> change_text(q, q.replace(max_tokens_per_minute=60_000, weight=2))
+    'updated: max_tokens_per_minute 30,000 → 60,000, weight 1 → 2'
+    >>> change_text(None, q.replace(enabled=False))
+    'created: max_concurrent_requests 4, max_tokens_per_minute 30,000, enabled false'
+    >>> change_text(q, q)
+    'unchanged'
+    """
+    if old is None:
+        base = Quota(new.name, new.max_concurrent_requests, new.max_tokens_per_minute)
+        required = ("max_concurrent_requests", "max_tokens_per_minute")
+        shown = [f"{f.name} {_shown(getattr(new, f.name))}" for f in dataclasses.fields(new)
+                 if f.name != "name" and (f.name in required or getattr(new, f.name) != getattr(base, f.name))]
+        return "created: " + ", ".join(shown)
+    moved = [f"{f.name} {_shown(getattr(old, f.name))} → {_shown(getattr(new, f.name))}"
+             for f in dataclasses.fields(new) if getattr(old, f.name) != getattr(new, f.name)]
+    return "updated: " + ", ".join(moved) if moved else "unchanged"
