@@ -62,17 +62,17 @@ def from_settings(settings: Settings) -> dict[str, Any]:
         "result_accept_content": ["json"],
         # Control tasks (dispatch, ingest, reconcile) go to `control`; solve messages
         # are published by the dispatcher straight to `model.<name>`.
-        "task_default_queue": "control",
+        "task_default_queue": keys.CONTROL_QUEUE,
         "task_create_missing_queues": True,
         # Task events cost three broker messages per task; Flower switches them on
         # (enable_events) while it runs, and lists workers and queues without them.
         "worker_send_task_events": False,
         "task_send_sent_event": False,
         "beat_schedule": {
-            "dispatch": {"task": "balancer.dispatch", "schedule": settings.dispatch_tick, "kwargs": {"from_beat": True},
+            "dispatch": {"task": keys.DISPATCH_TASK, "schedule": settings.dispatch_tick, "kwargs": {"from_beat": True},
                          "options": {"expires": 10}},
-            "sweep": {"task": "balancer.sweep", "schedule": settings.sweep_tick, "options": {"expires": 60}},
-            "ingest": {"task": "balancer.ingest", "schedule": settings.ingest_tick, "options": {"expires": 60}},
+            "sweep": {"task": keys.SWEEP_TASK, "schedule": settings.sweep_tick, "options": {"expires": 60}},
+            "ingest": {"task": keys.INGEST_TASK, "schedule": settings.ingest_tick, "options": {"expires": 60}},
         },
     }
 

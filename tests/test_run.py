@@ -147,3 +147,27 @@ def test_run_starts_restarts_and_stops_the_pipeline(migrated: dict[str, str], tm
             if run.poll() is None:
                 run.kill()
                 run.wait()
+
+
+def test_the_ticks_are_logged_at_debug_not_info(migrated: dict[str, str], tmp_path: Path, redis_client) -> None:  # noqa: ANN001
+    """A dispatcher at INFO logs no tick it receives or ends; beat at DEBUG still logs each tick it sends."""
+    from balancer.admission import keys
+
+    env = {**os.environ, "BALANCER_DISPATCH_TICK": "0.2", "BALANCER_HOME": str(tmp_path)}
+    with Supervisor(tmp_path / "logs", env=env) as supervisor:
+        dispatcher = supervisor.start("dispatcher", ["dispatcher", "--loglevel", "INFO"])
+        beat = supervisor.start("beat", ["beat", "--loglevel", "DEBUG"])
+        seen: set[bytes] = set()
+
+        def ticked() -> bool:  # beat's dispatch tick ran in the dispatcher, five times
+            supervisor.check_alive()
+            value = redis_client.get(keys.beat_seen(migrated["BALANCER_NAMESPACE"]))
+            if value:
+                seen.add(value)
+            return len(seen) >= 5
+
+        poll(ticked, 90, "five dispatch ticks from beat")
+    worker_log, beat_log = dispatcher.log.read_text(), beat.log.read_text()
+    assert "ready." in worker_log  # it did log at INFO
+    assert f"{keys.DISPATCH_TASK}[" not in worker_log, worker_log[-2000:]  # "Task balancer.dispatch[id] received"
+    assert f"Sending due task dispatch ({keys.DISPATCH_TASK})" in beat_log, beat_log[-2000:]

@@ -14,6 +14,12 @@ set through kombu's ``global_keyprefix``.
 
 The Lua scripts build per-model keys from the same infixes; the loader
 prepends :data:`LUA_PRELUDE`, so these strings are spelled nowhere else.
+
+The broker's names live here too: the queues (``control``, ``model.<name>``)
+and the Celery tasks' names, the periodic ticks among them.
+
+>>> model_queue("gpt-a"), queue_model("model.gpt-a"), queue_model("control")
+('model.gpt-a', 'gpt-a', None)
 """
 
 from __future__ import annotations
@@ -37,6 +43,27 @@ LIVE_CALLS = ":calls:live"
 FAIR_SHARES = ":fairshare"
 FAIR_SHARED = ":fairshare:shared"
 LAST_FAILURE_INFIX = ":failure:"
+
+#: The dispatcher's queue: its ticks (dispatch, sweep, ingest) and every task not sent elsewhere.
+CONTROL_QUEUE = "control"
+#: Each model's queue is this prefix and its name: its solve messages.
+MODEL_QUEUE_PREFIX = "model."
+#: The Celery tasks, by name: a model's call, and the periodic ticks beat (or the dispatcher) sends.
+SOLVE_TASK = "balancer.solve"
+DISPATCH_TASK = "balancer.dispatch"
+SWEEP_TASK = "balancer.sweep"
+INGEST_TASK = "balancer.ingest"
+TICK_TASKS = (DISPATCH_TASK, SWEEP_TASK, INGEST_TASK)
+
+
+def model_queue(name: str) -> str:
+    """The Celery queue of a model's solve messages."""
+    return MODEL_QUEUE_PREFIX + name
+
+
+def queue_model(queue: str) -> str | None:
+    """The model whose queue this is (None: not a model's queue)."""
+    return queue[len(MODEL_QUEUE_PREFIX):] if queue.startswith(MODEL_QUEUE_PREFIX) else None
 
 
 def tag(namespace: str) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from balancer.admission import keys
 from balancer.cli import resolved_settings, services, settings
 from balancer.cli.startwait import migrated as _migrated
 from balancer.cli.startwait import start_when_ready
@@ -113,7 +114,7 @@ def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bo
     """
     chosen = sorted(known) if all_models else list(dict.fromkeys(models))
     concurrency = sum(known[m].max_concurrent_requests for m in chosen)
-    return ",".join(f"model.{m}" for m in chosen), concurrency, "models" if all_models else "+".join(chosen)
+    return ",".join(keys.model_queue(m) for m in chosen), concurrency, "models" if all_models else "+".join(chosen)
 
 
 @click.command()
@@ -122,7 +123,7 @@ def dispatcher(loglevel: str) -> None:
     """The dispatcher: consumes the control queue (dispatch, ingest, sweep)."""
     _migrated(wait=True)
     _celery_worker([
-        "worker", "-Q", "control", "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",
+        "worker", "-Q", keys.CONTROL_QUEUE, "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",
         "--without-gossip", "--without-mingle", "-l", loglevel,
     ], pool="threads")
 

@@ -30,6 +30,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from balancer.admission import keys
 from balancer.devtools.embedded import TemporaryStack, free_port
 from balancer.domain.intake import parse_tasks
 from balancer.domain.quota import Quota
@@ -185,7 +186,7 @@ def ask_for_dispatch(services: Services) -> None:
 
     app = control_app("balancer-runner-submit")
     try:
-        request_dispatch(services.redis, services.settings.namespace, lambda _: app.send_task("balancer.dispatch"))
+        request_dispatch(services.redis, services.settings.namespace, lambda _: app.send_task(keys.DISPATCH_TASK))
     finally:
         app.close()
 

@@ -2,9 +2,10 @@
 
 from celery import Celery
 
-from balancer.pipeline import kombu_redis
+from balancer.pipeline import kombu_redis, ticklog
 
 kombu_redis.install()  # workers survive a Redis broker that dies (see the module)
+ticklog.install()  # the periodic ticks' log lines at DEBUG
 app = Celery("balancer")
 app.config_from_object("celeryconfig")
 app.autodiscover_tasks(["balancer.pipeline"], related_name="tasks", force=True)

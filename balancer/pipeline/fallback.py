@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from celery import bootsteps
 
+from balancer.admission import keys
 from balancer.pipeline.beat_seen import ABSENT_AFTER as ABSENT_AFTER
 from balancer.pipeline.beat_seen import beat_last_seen_s as beat_last_seen_s
 from balancer.pipeline.beat_seen import mark_beat_seen as mark_beat_seen
@@ -46,7 +47,7 @@ class FallbackTicks(bootsteps.StartStopStep):
         self._stop = threading.Event()
 
     def start(self, consumer) -> None:  # noqa: ANN001
-        if "control" not in {q.name for q in consumer.task_consumer.queues}:
+        if keys.CONTROL_QUEUE not in {q.name for q in consumer.task_consumer.queues}:
             return  # a model worker: beat's ticks are the dispatcher's business
         self._stop.clear()
         threading.Thread(target=self._run, name="fallback-ticks", daemon=True).start()

@@ -24,6 +24,8 @@ import threading
 from celery import bootsteps
 from celery.concurrency.thread import TaskPool
 
+from balancer.admission import keys
+
 log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 1.0
@@ -46,7 +48,7 @@ class ResizableThreadPool(TaskPool):
 
 
 def model_queues(consumer) -> list[str]:  # noqa: ANN001
-    return [q.name[len("model."):] for q in consumer.task_consumer.queues if q.name.startswith("model.")]
+    return [m for q in consumer.task_consumer.queues if (m := keys.queue_model(q.name)) is not None]
 
 
 class QuotaWatcher(bootsteps.StartStopStep):
@@ -85,7 +87,7 @@ class QuotaWatcher(bootsteps.StartStopStep):
                 live = services().core.live()
                 if all_models:
                     for name in sorted(live.keys() - set(models)):
-                        consumer.app.control.add_consumer(f"model.{name}", destination=[consumer.hostname], reply=False)
+                        consumer.app.control.add_consumer(keys.model_queue(name), destination=[consumer.hostname], reply=False)
                         models.append(name)
                         log.info("new model %s: consuming model.%s", name, name)
                 target = max(1, sum(live[m].quota.max_concurrent_requests for m in models if m in live))

@@ -11,6 +11,7 @@ from pathlib import Path
 from celery.signals import worker_process_init, worker_ready
 from celery.worker import state as worker_state
 
+from balancer.admission import keys
 from balancer.pipeline import runtime
 from balancer.pipeline.app import app
 from balancer.pipeline.dispatcher import Assignment, dispatch
@@ -51,7 +52,7 @@ def publish(assignments: Sequence[Assignment]) -> None:
         for a in assignments:
             solve_task.apply_async(
                 args=[a.task_id, a.admission_id, a.model, a.estimated_tokens, a.hedge],
-                queue=f"model.{a.model}",
+                queue=keys.model_queue(a.model),
                 producer=producer,
             )
 
@@ -67,7 +68,7 @@ def trigger_dispatch(delay_ms: int = 0) -> bool:
     )
 
 
-@app.task(name="balancer.dispatch")
+@app.task(name=keys.DISPATCH_TASK)
 def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
@@ -91,7 +92,7 @@ def shutting_down() -> bool:
                for flag in (worker_state.should_stop, worker_state.should_terminate))
 
 
-@app.task(name="balancer.solve")
+@app.task(name=keys.SOLVE_TASK)
 def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: int, hedge: bool = False) -> str:
     """Solve the message's task, then each next call its slot takes from the
     model's ready list, with no broker hop between them (see the solver).
@@ -114,7 +115,7 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
     return outcomes[0] if len(outcomes) == 1 else f"{outcomes[0]} and {len(outcomes) - 1} next"
 
 
-@app.task(name="balancer.sweep")
+@app.task(name=keys.SWEEP_TASK)
 def sweep_task() -> int:
     """Return tasks past their deadline to pending (a dead worker, a lost
     message), except those whose calls a worker still keeps alive, make the
@@ -140,7 +141,7 @@ def sweep_task() -> int:
     return returned
 
 
-@app.task(name="balancer.ingest")
+@app.task(name=keys.INGEST_TASK)
 def ingest_task() -> int:
     from balancer.pipeline.ingest import ingest_inbox
     from balancer.sources.ingest import ingest_sources

@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from celery import bootsteps
 from sqlalchemy.engine import Connection
 
+from balancer.admission import keys
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources.catalog import describe, holds, team_connection, write_back
@@ -149,7 +150,7 @@ class WritebackLoop(bootsteps.StartStopStep):
         self._stop = threading.Event()
 
     def start(self, consumer) -> None:  # noqa: ANN001
-        if "control" not in {q.name for q in consumer.task_consumer.queues}:
+        if keys.CONTROL_QUEUE not in {q.name for q in consumer.task_consumer.queues}:
             return  # a model worker
         self._stop.clear()
         threading.Thread(target=self._run, name="source-writeback", daemon=True).start()
