@@ -383,3 +383,39 @@ def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any,
     assert "<b>1</b> pending task(s) waiting on a budget, not in the ETA" in httpx.get(f"{console.url}/drain", timeout=5).text
     assert '<span class="waiting">waiting: budget spent (3.00 of 2.50 USD today)</span>' in page
     assert "2,000,000 tokens per day: 750,000 of 2,000,000 tokens today" in page and page.count("waiting: budget") == 1
+
+
+def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_drain_says_blocked(
+        browser: Any, services: Any, supervisor: Supervisor) -> None:
+    """The task page of a failed task says it failed and why (not "none yet"); an unknown address is
+    a page with the navigation; with every model's quota disabled the models page says so per model
+    and the drain's ETA says blocked, with the reason, instead of a number."""
+    from balancer.storage.schema import tasks
+
+    ids = add_tasks(services, ["a prompt that fails", "a prompt that waits"])
+    with services.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.id == ids[0])
+                     .values(status="failed", attempts=5, error="after 5 attempts: 503 from /solve: overloaded"))
+    for name in MODELS:
+        services.quotas.set(name, {"enabled": False}, by="test")
+    console = Console(supervisor)
+    browser.get(f"{console.url}/tasks/{ids[0]}")
+    assert browser.wait_find("#failure").text == ("This task failed after 5 attempt(s): "
+                                                  "after 5 attempts: 503 from /solve: overloaded")
+    assert browser.find("#answer").text == "(none: the task failed, see above)"
+    shoot(browser, "task-failed")
+
+    lost = httpx.get(f"{console.url}/no/such/page", timeout=10)
+    assert lost.status_code == 404 and "text/html" in lost.headers["content-type"]
+    browser.get(f"{console.url}/no/such/page")
+    assert "no page at /no/such/page" in browser.wait_find(".error").text
+    assert [a.text for a in browser.find_all("header nav a")] == ["Models", "Drain", "Sources", "Tasks", "Quotas"]
+    assert "Tasks" in [a.text for a in browser.find_all("main a")]
+    shoot(browser, "not-found")
+
+    browser.get(f"{console.url}/models")
+    eventually(lambda: browser.text_of('tr[data-model="model-0"] td.health') == "quota disabled")
+    browser.get(f"{console.url}/drain")
+    blocked = browser.wait_find("b.blocked").text
+    assert blocked.startswith("blocked: model-0: quota disabled; model-1: quota disabled"), blocked
+    shoot(browser, "drain-blocked")

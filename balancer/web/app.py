@@ -262,7 +262,11 @@ def create_app(services: Services, *, token: str | None = None, sample_interval:
         finally:
             await run_in_threadpool(console.sampler.stop)
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        # Any unknown address (and a missing task) is a page with the navigation, not Starlette's bare text.
+        return console.page(request, "error.html", status=404, error=f"no page at {request.url.path}")
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
     app.state.console = console
     guarded: ASGIApp = SecurityHeaders(BodyLimit(app, MAX_BODY_BYTES))
     if token:
