@@ -4,6 +4,8 @@ cursor, the write-back outbox and the results export, on real PostgreSQL
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import threading
 import time
@@ -361,6 +363,23 @@ def test_export_resumes_from_its_cursor_with_no_gap_and_no_repeat_while_tasks_ar
     assert code == 0 and out_text.splitlines()[0].startswith("id,source,key,metadata") and len(out_text.splitlines()) == 301
     code, _, err = run(capsys, "results", "export", "--since", "yesterday")
     assert code == 2 and "--since" in err
+
+
+def test_export_writes_the_prompt_only_when_asked(svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"question {i}, with a comma", "key": f"k{i}"}) + "\n"
+                             for i in range(3)))
+    assert run(capsys, "submit", str(jsonl))[0] == 0
+    assert solve_pending(svc) == 3
+    code, out, _ = run(capsys, "results", "export")
+    assert code == 0 and all("prompt" not in json.loads(line) for line in out.splitlines())
+    code, out, _ = run(capsys, "results", "export", "--prompt")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and {r["key"]: r["prompt"] for r in rows} == {f"k{i}": f"question {i}, with a comma" for i in range(3)}
+    assert list(rows[0])[:4] == ["id", "source", "key", "prompt"]
+    code, out, _ = run(capsys, "results", "export", "--prompt", "--format", "csv")
+    parsed = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and sorted(r["prompt"] for r in parsed) == [f"question {i}, with a comma" for i in range(3)]
 
 
 def test_export_says_what_each_task_s_calls_cost_and_the_export_s_spend_by_model_and_source(

@@ -32,7 +32,9 @@ def _text(value: Any) -> Any:
 @click.option("--follow", is_flag=True, help="Keep going: write tasks as they end, until Ctrl-C.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Append to FILE (default: stdout).")
 @click.option("--poll", default=1.0, show_default=True, type=click.FloatRange(0.05, 60), help="Seconds between polls with --follow.")
-def results_export(source: str | None, since: str | None, fmt: str, follow: bool, out: Path | None, poll: float) -> None:
+@click.option("--prompt", "with_prompt", is_flag=True, help="Also write each task's prompt (a column after key).")
+def results_export(source: str | None, since: str | None, fmt: str, follow: bool, out: Path | None, poll: float,
+                   with_prompt: bool) -> None:
     """Solved and failed tasks with key, source, metadata, answer, model, tokens and times,
     and what each task's calls cost (calls sent, billed tokens, cost at the quotas' prices).
 
@@ -40,9 +42,10 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
     last, `cursor: XID-ID`: pass it to --since to resume with no gap and no repeat."""
     from balancer.cli.pipeline import _migrated
     from balancer.domain.cost import money, price_list, spend, spend_text
-    from balancer.storage.results import COLUMNS, START, page, parse_cursor
+    from balancer.storage.results import START, columns, page, parse_cursor
 
     after = parse_cursor(since or START)
+    written_columns = columns(with_prompt)
     services = _migrated()
     engine = services.engine
     prices, currency = price_list(services.quotas.all())
@@ -53,20 +56,20 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
         raise BalancerError(f"cannot write {printable(str(out))}: {exc.strerror or exc}") from None
     writer = csv.writer(sink) if fmt == "csv" else None
     if writer is not None and (out is None or sink.tell() == 0):
-        writer.writerow(COLUMNS)
+        writer.writerow(written_columns)
     written = 0
     try:
         while True:
-            rows, after = page(engine, after, source=source, prices=prices)
+            rows, after = page(engine, after, source=source, prices=prices, with_prompt=with_prompt)
             for row in rows:
                 for model, prompt_tokens, completion_tokens, _ in row["usage"]:
                     tokens = usage.setdefault((row["source"], model), [0, 0])
                     tokens[0] += prompt_tokens
                     tokens[1] += completion_tokens
                 if writer is not None:
-                    writer.writerow([_text(row[c]) for c in COLUMNS])
+                    writer.writerow([_text(row[c]) for c in written_columns])
                 else:
-                    sink.write(json.dumps({c: _text(row[c]) for c in COLUMNS}, ensure_ascii=False) + "\n")
+                    sink.write(json.dumps({c: _text(row[c]) for c in written_columns}, ensure_ascii=False) + "\n")
             written += len(rows)
             if rows:
                 sink.flush()

@@ -35,6 +35,17 @@ VIEW_COLUMNS = ("id", "source", "key", "metadata", "status", "answer", "error", 
 #: What a task's calls cost, from the ledger: written after the view's columns.
 COST_COLUMNS = ("calls", "billed_prompt_tokens", "billed_completion_tokens", "cost")
 COLUMNS = VIEW_COLUMNS + COST_COLUMNS
+
+
+def columns(with_prompt: bool) -> tuple[str, ...]:
+    """The columns an export writes: :data:`COLUMNS`, and with the prompt, ``prompt`` after ``key``.
+
+    >>> columns(True)[:4]
+    ('id', 'source', 'key', 'prompt')
+    """
+    at = COLUMNS.index("key") + 1
+    return COLUMNS[:at] + ("prompt",) + COLUMNS[at:] if with_prompt else COLUMNS
+
 _CURSOR = re.compile(r"^(\d{1,20})-(\d{1,20})$")
 START = "0-0"
 
@@ -62,7 +73,9 @@ def parse_cursor(text: str) -> ResultCursor:
 
 _PAGE = sa.text("""
 SELECT id, source, key, metadata, status, answer, error, model, prompt_tokens,
-       completion_tokens, created_at, started_at, solved_at, updated_at, CAST(finished_xid AS text) AS xid FROM balancer_results
+       completion_tokens, created_at, started_at, solved_at, updated_at, CAST(finished_xid AS text) AS xid,
+       CASE WHEN :with_prompt THEN (SELECT t.prompt FROM tasks t WHERE t.id = balancer_results.id) END AS prompt
+FROM balancer_results
 WHERE (finished_xid, id) > (CAST(CAST(:xid AS text) AS xid8), :task_id)
   AND finished_xid < pg_snapshot_xmin(pg_current_snapshot())
   AND (CAST(:source AS text) IS NULL OR source = :source)
@@ -71,16 +84,19 @@ ORDER BY finished_xid, id LIMIT :page
 
 
 def page(engine: Engine, after: ResultCursor, *, source: str | None, size: int = 1000,
-         prices: Mapping[str, Price | None] | None = None) -> tuple[list[dict[str, Any]], ResultCursor]:
-    """The next ``size`` ended tasks after ``after``, each with its calls' cost at ``prices``, and the cursor after them."""
+         prices: Mapping[str, Price | None] | None = None,
+         with_prompt: bool = False) -> tuple[list[dict[str, Any]], ResultCursor]:
+    """The next ``size`` ended tasks after ``after``, each with its calls' cost at ``prices`` (and its prompt,
+    ``with_prompt``), and the cursor after them."""
     with engine.connect() as conn:
         rows = conn.execute(_PAGE, {"xid": str(after.xid), "task_id": after.task_id, "source": source,
-                                    "page": size}).all()
+                                    "page": size, "with_prompt": with_prompt}).all()
         usage = usage_by_task(conn, [r.id for r in rows]) if rows else {}
     if not rows:
         return [], after
     last = rows[-1]
-    return [_with_cost({c: getattr(r, c) for c in VIEW_COLUMNS}, usage.get(r.id, []), prices or {}) for r in rows], \
+    return [_with_cost({c: getattr(r, c) for c in VIEW_COLUMNS + (("prompt",) if with_prompt else ())},
+                       usage.get(r.id, []), prices or {}) for r in rows], \
         ResultCursor(int(last.xid), int(last.id))
 
 
