@@ -5,6 +5,7 @@ tests/test_budgets_e2e.py)."""
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -341,7 +342,8 @@ def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  #
     assert main(["source", "set", "crm", "--budget-per-day", "3.50"]) == 0
     assert main(["source", "set", "web", "--budget-tokens-per-day", "100", "--new"]) == 0
     done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "1"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, "COLUMNS": "160"})  # wide enough that no budget cell wraps
     assert done.returncode == 0, done.stderr
     rows = {cells[0]: cells[1:] for line in done.stdout.splitlines()
             if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 7}

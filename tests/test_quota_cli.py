@@ -360,7 +360,26 @@ def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixt
     code, out, _ = run(capsys, "status")
     assert code == 0 and "2/2" in out and "0/5" in out and "concurrency" in out
     done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "2", "--interval", "0.1"],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+                          env={**os.environ, "COLUMNS": "160"})  # a wide terminal: every column, numbers in full
     assert done.returncode == 0, done.stderr
     assert "2/2" in done.stdout and "0/5" in done.stdout and "600,000" in done.stdout
     assert "pending: 0" in done.stdout
+
+
+def test_top_fits_100_columns_with_one_line_per_model_and_names_the_burst(capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    for name in ("gpt-4o-mini-2024-07-18", "claude-3-5-haiku-20241022", "local-llama-3.1-8b"):
+        assert run(capsys, "quota", "set", name, "--create", "--tpm", "2000000", "--rpm", "10000",
+                   "--concurrency", "400")[0] == 0
+    done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "1"], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=120, env={**os.environ, "COLUMNS": "100"})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 100, "\n".join(lines)
+    for name in ("gpt-4o-mini-2024-07-18", "claude-3-5-haiku-20241022", "local-llama-3.1-8b"):
+        (row,) = [line for line in lines if name in line]  # one line: no cell wrapped
+        assert "0 / 2M+2M" in row and "0 / 10k+10k" in row, row  # each rate against its TPM/RPM plus the burst
+    assert any("/ TPM+burst" in line for line in lines) and any("/ RPM+burst" in line for line in lines)

@@ -128,29 +128,47 @@ def drain_text(drain: Any, blocked: str | None = None) -> str:
     return text + (f"; {waiting} pending task(s) wait on a budget, not in the eta" if waiting else "")
 
 
-def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None):  # noqa: ANN202
-    """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top)."""
+#: Below this many columns ``top`` leaves out the bucket levels and answered counts, so each row keeps to one line.
+WIDE = 140
+#: The column titles on two lines, below WIDE.
+NARROW_HEADERS = {"in flight": "in\nflight", "tokens/min / TPM + burst": "tokens/min\n/ TPM+burst",
+                  "requests/min / RPM + burst": "requests/min\n/ RPM+burst", "p50/p99 s (~prior)": "p50/p99 s\n(~ prior)"}
+
+
+def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None, width: int = WIDE):  # noqa: ANN202
+    """The per-model table of ``status`` and ``top`` (``rates``: tokens and requests per minute, for top,
+    each against what the quota allows in 60 s: the rate plus its burst); narrower than :data:`WIDE`
+    columns, the bucket levels and answered counts are left out."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title="models")
-    learned = any(r.learned for r in rows)  # a column for limits in force below the quota, when a model has them
+    narrow = width < WIDE
+    table = Table(title="models", box=box.MINIMAL_HEAVY_HEAD if narrow else box.HEAVY_HEAD, pad_edge=not narrow,
+                  show_edge=not narrow, padding=(0, 0 if narrow else 1))
+    learned = any(r.learned for r in rows) and not narrow  # limits in force below the quota, when a model has them
     columns = ["model", "in flight", "tokens now / burst", "requests now", "429s", "answered", "p50 / p99 s", "binds"]
     columns += ["learned limits (in force / quota)"] if learned else []
     if rates is not None:
-        columns[3:3] = ["tokens/min / TPM", "requests/min / RPM"]
+        columns[3:3] = ["tokens/min / TPM + burst", "requests/min / RPM + burst"]
+    if narrow:  # each row on one line: fewer columns, no cell wrapped, the prior's latency marked ~
+        columns = [c if c != "p50 / p99 s" else "p50/p99 s (~prior)" for c in columns
+                   if c not in ("tokens now / burst", "requests now", "answered")]
     for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        header = NARROW_HEADERS.get(col, col) if narrow else col
+        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0 or narrow)
     for r in rows:
-        cells = [
-            r.name, f"{r.in_flight}/{r.cap}", f"{r.tokens_available:,.0f} / {r.burst:,}",
-            "-" if r.requests_available is None else f"{r.requests_available:,.1f}",
-            str(r.rate_limited), str(r.solved), f"{r.p50_s:g} / {r.p99_s:g}" + ("" if r.latency_measured else " (prior)"),
-            r.binding, *([r.learned_cell()] if learned else []),
-        ]
+        cells = {
+            "model": r.name, "in flight": f"{r.in_flight}/{r.cap}", "tokens now / burst": f"{r.tokens_available:,.0f} / {r.burst:,}",
+            "requests now": "-" if r.requests_available is None else f"{r.requests_available:,.1f}",
+            "429s": str(r.rate_limited), "answered": str(r.solved),
+            "p50 / p99 s": f"{r.p50_s:g} / {r.p99_s:g}" + ("" if r.latency_measured else " (prior)"),
+            "p50/p99 s (~prior)": ("" if r.latency_measured else "~") + f"{r.p50_s:g}/{r.p99_s:g}",
+            "binds": r.binding, "learned limits (in force / quota)": r.learned_cell(),
+        }
         if rates is not None:
-            tokens, requests = rates.get(r.name, (0.0, 0.0))
-            cells[3:3] = [f"{tokens:,.0f} / {r.tpm:,}", f"{requests:,.0f} / {r.rpm:,}" if r.rpm else f"{requests:,.0f} / -"]
-        table.add_row(*cells)
+            cells["tokens/min / TPM + burst"], cells["requests/min / RPM + burst"] = r.allowance_cells(
+                *rates.get(r.name, (0.0, 0.0)), short=narrow)
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
@@ -231,9 +249,9 @@ def top(interval: float, count: int | None) -> None:
             shares = weights(conn)
         by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []
         health = [Text(line) for line in health_lines(o.health)]
-        return Group(model_table(rows, rates), *health, *by_source, counted, *money)
+        return Group(model_table(rows, rates, console.width), *health, *by_source, counted, *money)
 
-    console = Console(width=max(Console().width, 140))
+    console = Console()  # the terminal's width: a wider one than the terminal makes rows wrap and frames pile up
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:
         shown = 1
         while count is None or shown < count:

@@ -82,6 +82,29 @@ class ModelSummary:
     limit_tpm: int = 0
     limit_rpm: int | None = None
     learned: str = ""
+    request_burst: int = 0  # the request bucket's size (0 without an RPM)
+
+    @property
+    def tokens_allowed_per_60s(self) -> int:
+        """The most tokens any 60 s window may carry: a full bucket (the burst) on top of a minute of TPM."""
+        return self.tpm + self.burst
+
+    def allowance_cells(self, tokens_per_min: float, requests_per_min: float, *, short: bool = False) -> tuple[str, str]:
+        """A minute's tokens and requests against what the quota allows in 60 s: the rate plus the burst
+        on top of it, named as such (a rate above the TPM alone is the burst, not a breach); ``short``:
+        in thousands and millions, the word burst left to the column's title.
+
+        >>> row = ModelSummary("m", 1, 4, 0.0, 30_000, 30_000, None, 60, 0, 0, 1.0, 1.0, True, "none", request_burst=60)
+        >>> row.allowance_cells(46_531, 12)
+        ('46,531 / 30,000 + 30,000 burst', '12 / 60 + 60 burst')
+        >>> row.allowance_cells(46_531, 12, short=True)
+        ('46.5k / 30k+30k', '12 / 60+60')
+        """
+        if short:
+            return (f"{_short(tokens_per_min)} / {_short(self.tpm)}+{_short(self.burst)}",
+                    f"{_short(requests_per_min)} / " + (f"{_short(self.rpm)}+{_short(self.request_burst)}" if self.rpm else "-"))
+        requests = f"{requests_per_min:,.0f} / " + (f"{self.rpm:,} + {self.request_burst:,} burst" if self.rpm else "-")
+        return f"{tokens_per_min:,.0f} / {self.tpm:,} + {self.burst:,} burst", requests
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +122,18 @@ class ModelSummary:
             return ""
         return (f"cap {self.limit_cap}/{self.cap}, TPM {self.limit_tpm:,}/{self.tpm:,}, "
                 f"RPM {self.limit_rpm or '-'}/{self.rpm or '-'}: {self.learned}")
+
+
+def _short(n: float) -> str:
+    """A count in few characters.
+
+    >>> [_short(n) for n in (12, 999.6, 30_000, 46_531, 2_000_000, 1_250_000_000)]
+    ['12', '1k', '30k', '46.5k', '2M', '1.25G']
+    """
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if round(n) >= size:
+            return f"{n / size:.3g}{unit}" if n / size < 100 else f"{n / size:.0f}{unit}"
+    return f"{n:.0f}"
 
 
 def binding_limit(live: ModelLive, tokens_per_call: float) -> str:
@@ -147,7 +182,7 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
             p50_s=round(latency.p50_ms / 1000, 2), p99_s=round(latency.p99_ms / 1000, 2),
             latency_measured=latency.samples > 0, binding=binding_limit(live, tokens_per_call),
             limit_cap=live.cap_now, limit_tpm=live.limits.max_tokens_per_minute,
-            limit_rpm=live.limits.max_requests_per_minute, learned=live.limits_reason,
+            limit_rpm=live.limits.max_requests_per_minute, learned=live.limits_reason, request_burst=q.request_burst,
         ))
     return rows
 
