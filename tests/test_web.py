@@ -419,3 +419,31 @@ def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_dr
     blocked = browser.wait_find("b.blocked").text
     assert blocked.startswith("blocked: model-0: quota disabled; model-1: quota disabled"), blocked
     shoot(browser, "drain-blocked")
+
+
+def test_the_sources_page_keeps_the_busiest_sources_and_adds_up_the_others(browser: Any, services: Any,
+                                                                            supervisor: Supervisor) -> None:
+    """With 400 sources a sample keeps TOP_SOURCES of them by name (the busiest: the one with calls in flight
+    first) and one row adding up the others, its spend by source likewise: the console's memory and its
+    Sources page do not grow with the number of sources."""
+    from balancer.storage.schema import tasks
+    from balancer.web.queries import TOP_SOURCES
+    from balancer.web.sampler import take_sample
+
+    with services.engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO tasks (source, prompt, status, priority, max_tokens, estimated_tokens) "
+                             "SELECT 'src-' || lpad(i::text, 3, '0'), 'p', 'pending', 0, 10, 20 "
+                             "FROM generate_series(1, 400) AS i"))
+        conn.execute(sa.update(tasks).where(tasks.c.source == "src-399").values(status="running"))
+    sample = take_sample(services)
+    assert len(sample.sources) == TOP_SOURCES and "src-399" in {s.source for s in sample.sources}
+    other = sample.sources_other
+    assert other is not None and other.source == f"{400 - TOP_SOURCES} other sources"
+    assert other.pending + sum(s.pending for s in sample.sources) == 399 and other.in_flight == 0
+    assert len(sample.spend.by_source) <= TOP_SOURCES
+    console = Console(supervisor)
+    browser.get(f"{console.url}/sources")
+    rows = browser.find_all("table.grid tbody tr")
+    eventually(lambda: len(browser.find_all("table.grid tbody tr")) == TOP_SOURCES + 1)
+    assert browser.find("tr.other td.name").text == f"{400 - TOP_SOURCES} other sources" and rows
+    shoot(browser, "sources-many")

@@ -117,7 +117,8 @@ class Console:
 
     def sources_context(self) -> dict[str, Any]:
         sample = self.sampler.latest()
-        in_flight = sum(s.in_flight for s in sample.sources)
+        other = sample.sources_other
+        in_flight = sum(s.in_flight for s in sample.sources) + (other.in_flight if other else 0)
         return {"sample": sample, "sources": sample.sources, "in_flight": in_flight}
 
     def _history_s(self) -> float:

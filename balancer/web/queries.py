@@ -51,6 +51,30 @@ SourceCounts(source='b', pending=0, in_flight=0, solved=2, failed=0, cancelled=0
                          c.get("solved", 0), c.get("failed", 0), c.get("cancelled", 0)) for source, c in sorted(per.items())]
 
 
+#: The sources the console keeps by name in each sample; the rest are one "other" row (its memory and
+#: its Sources page do not grow with the number of sources).
+TOP_SOURCES = 25
+
+
+def top_sources(counts: list[SourceCounts], keep: int = TOP_SOURCES) -> tuple[list[SourceCounts], SourceCounts | None]:
+    """The ``keep`` busiest sources (calls in flight, then pending, then failed, then solved), by name, and
+    the rest added up into one row named by how many they are (None when none is left).
+
+    >>> rows = [SourceCounts(n, p, f, s, 0, 0) for n, p, f, s in (("a", 1, 0, 9), ("b", 5, 2, 0), ("c", 0, 0, 3))]
+    >>> kept, other = top_sources(rows, keep=1)
+    >>> [r.source for r in kept], other
+    (['b'], SourceCounts(source='2 other sources', pending=1, in_flight=0, solved=12, failed=0, cancelled=0))
+    >>> top_sources(rows, keep=3)[1] is None
+    True
+    """
+    ranked = sorted(counts, key=lambda c: (-c.in_flight, -c.pending, -c.failed, -c.solved, c.source))
+    kept, rest = sorted(ranked[:keep], key=lambda c: c.source), ranked[keep:]
+    if not rest:
+        return kept, None
+    return kept, SourceCounts(f"{len(rest):,} other sources", *(sum(getattr(c, f) for c in rest) for f in
+                                                               ("pending", "in_flight", "solved", "failed", "cancelled")))
+
+
 def source_counts(engine: Engine) -> list[SourceCounts]:
     """Tasks per ``source`` column and status (one scan; the console's sampler runs it, not a page)."""
     with engine.connect() as conn:
