@@ -56,6 +56,16 @@ INGEST_TASK = "balancer.ingest"
 TICK_TASKS = (DISPATCH_TASK, SWEEP_TASK, INGEST_TASK)
 
 
+def solve_shown(model: str) -> str:
+    """The name a model's solve messages show in logs and events (Flower's task list): the task's and
+    the model's (Celery's ``shadow`` name; the worker runs :data:`SOLVE_TASK`).
+
+    >>> solve_shown("gpt-a")
+    'balancer.solve@gpt-a'
+    """
+    return f"{SOLVE_TASK}@{model}"
+
+
 def model_queue(name: str) -> str:
     """The Celery queue of a model's solve messages."""
     return MODEL_QUEUE_PREFIX + name

@@ -18,7 +18,7 @@ from balancer.settings import Settings
 #: runs (or ``--help`` lists it), so ``balancer status`` does not pay for the other commands' imports.
 SUBCOMMANDS = {
     "beat": "processes:beat", "bench": "pipeline:bench", "db": "db:db", "demo": "pipeline:demo",
-    "dispatcher": "processes:dispatcher", "embedded": "db:embedded", "metrics": "processes:metrics",
+    "dispatcher": "processes:dispatcher", "embedded": "db:embedded", "flower": "flower:flower", "metrics": "processes:metrics",
     "quota": "quota:quota", "results": "results:results", "router": "processes:router", "run": "run:run", "sim": "processes:sim",
     "source": "source:source", "status": "status:status", "submit": "pipeline:submit", "tasks": "tasks:tasks",
     "top": "pipeline:top", "web": "web:web", "worker": "processes:worker",

@@ -53,6 +53,7 @@ def publish(assignments: Sequence[Assignment]) -> None:
             solve_task.apply_async(
                 args=[a.task_id, a.admission_id, a.model, a.estimated_tokens, a.hedge],
                 queue=keys.model_queue(a.model),
+                shadow=keys.solve_shown(a.model),  # Flower's task list names the model
                 producer=producer,
             )
 
@@ -68,7 +69,7 @@ def trigger_dispatch(delay_ms: int = 0) -> bool:
     )
 
 
-@app.task(name=keys.DISPATCH_TASK)
+@app.task(name=keys.DISPATCH_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
@@ -115,7 +116,7 @@ def solve_task(task_id: int, admission_id: str, model: str, estimated_tokens: in
     return outcomes[0] if len(outcomes) == 1 else f"{outcomes[0]} and {len(outcomes) - 1} next"
 
 
-@app.task(name=keys.SWEEP_TASK)
+@app.task(name=keys.SWEEP_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def sweep_task() -> int:
     """Return tasks past their deadline to pending (a dead worker, a lost
     message), except those whose calls a worker still keeps alive, make the
@@ -141,7 +142,7 @@ def sweep_task() -> int:
     return returned
 
 
-@app.task(name=keys.INGEST_TASK)
+@app.task(name=keys.INGEST_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def ingest_task() -> int:
     from balancer.pipeline.ingest import ingest_inbox
     from balancer.sources.ingest import ingest_sources
