@@ -154,9 +154,11 @@ def beat(loglevel: str) -> None:
               help="Seconds of refill tolerated above the buckets (0: strict, as providers are).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), help="Append every call to this JSONL file.")
 @click.option("--scenario", help="Take models and time scale from a scenario (bundled name or TOML file).")
+@click.option("--print-quotas", is_flag=True,
+              help="Print the quota file of the models it serves (for `balancer quota import`), and exit.")
 def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, accounting: str, seed: int, grace: float,
-        log_path: Path | None, scenario: str | None) -> None:
-    """Run the simulated Models Backend."""
+        log_path: Path | None, scenario: str | None, print_quotas: bool) -> None:
+    """Run the simulated Models Backend (its models: model-0, model-1, ...; --print-quotas shows their limits)."""
     import dataclasses
 
     import uvicorn
@@ -173,6 +175,13 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
         models, time_scale, count = list(spec.models), spec.time_scale, len(spec.models)
     else:
         models = [dataclasses.replace(m, error_rate=error_rate, accounting=accounting) for m in default_models(count)]
+    if print_quotas:
+        from balancer.domain.quotafile import format_quota_file
+
+        click.echo(f"# The simulator's {len(models)} models at time scale {time_scale:g}: "
+                   "`balancer quota import FILE` (their names and limits)")
+        click.echo(format_quota_file([m.quota(time_scale=time_scale) for m in models]), nl=False)
+        return
     simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path)
     click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
     uvicorn.run(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
