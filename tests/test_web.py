@@ -415,6 +415,9 @@ def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_dr
 
     browser.get(f"{console.url}/models")
     eventually(lambda: browser.text_of('tr[data-model="model-0"] td.health') == "quota disabled")
+    assert "0 / 60,000 + 60,000 burst" in browser.text_of('tr[data-model="model-0"]')  # the rate against TPM + burst
+    assert "tokens/min / TPM + burst" in browser.text_of("table.models thead")
+    shoot(browser, "models-health")
     browser.get(f"{console.url}/drain")
     blocked = browser.wait_find("b.blocked").text
     assert blocked.startswith("blocked: model-0: quota disabled; model-1: quota disabled"), blocked
