@@ -17,6 +17,7 @@ import click
 
 from balancer.admission import keys
 from balancer.cli import resolved_settings
+from balancer.cli.processes import celery_command
 from balancer.cli.startwait import migrated
 
 
@@ -52,7 +53,6 @@ def flower(ctx: click.Context, address: str, port: int) -> None:
     (e.g. --basic-auth=user:password) are passed on."""
     resolved_settings()  # exports the URLs the Celery configuration reads
     names = queue_names([q.name for q in migrated().quotas.all()])
-    from celery.bin.celery import celery
     from kombu import Queue
 
     import balancer.pipeline.tasks  # noqa: F401 - registers the tasks
@@ -61,12 +61,4 @@ def flower(ctx: click.Context, address: str, port: int) -> None:
     app.conf.task_queues = [Queue(name) for name in names]
     _list_declared_queues_too(names)
     click.echo(f"Flower on http://{address}:{port} (queues: {', '.join(names)})", err=True)
-    celery.params[0].default = app
-    try:
-        code = celery.main(args=["flower", f"--address={address}", f"--port={port}", *ctx.args], standalone_mode=False)
-    except click.exceptions.Exit as exc:
-        code = exc.exit_code
-    finally:
-        celery.params[0].default = None
-    if code:
-        raise SystemExit(code)
+    celery_command(app, ["flower", f"--address={address}", f"--port={port}", *ctx.args])

@@ -27,10 +27,16 @@ def _celery_worker(argv: list[str], pool: str, *, all_models: bool = False) -> N
     # A class path is accepted by the worker_pool setting, not by `-P` (a fixed choice list).
     app.conf.worker_pool = pool
     app.conf.balancer_all_models = all_models  # the quota watcher adds queues of models created later
-    # Not app.worker_main (nor app.start), which drop the exit code that click's
-    # non-standalone main returns: after an "Unrecoverable error" the process
-    # would exit 0, and a restart-on-failure supervisor (compose, systemd)
-    # would leave it down. This is app.start, keeping the code.
+    celery_command(app, argv)
+
+
+def celery_command(app: Any, argv: list[str]) -> None:
+    """Run a ``celery`` subcommand (worker, flower) on ``app``, exiting with its code.
+
+    Not app.worker_main (nor app.start), which drop the exit code that click's
+    non-standalone main returns: after an "Unrecoverable error" the process
+    would exit 0, and a restart-on-failure supervisor (compose, systemd)
+    would leave it down. This is app.start, keeping the code."""
     from celery.bin.celery import celery
 
     celery.params[0].default = app
