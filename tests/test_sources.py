@@ -371,7 +371,12 @@ def test_export_writes_the_prompt_only_when_asked(svc: Services, tmp_path: Path,
                              for i in range(3)))
     assert run(capsys, "submit", str(jsonl))[0] == 0
     assert solve_pending(svc) == 3
-    code, out, _ = run(capsys, "results", "export")
+    deadline = time.monotonic() + 30
+    while True:  # (another session's open transaction holds the export's horizon back: wait it out)
+        code, out, _ = run(capsys, "results", "export")
+        if len(out.splitlines()) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert code == 0 and all("prompt" not in json.loads(line) for line in out.splitlines())
     code, out, _ = run(capsys, "results", "export", "--prompt")
     rows = [json.loads(line) for line in out.splitlines()]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import click
 
-from balancer.admission import keys
 from balancer.cli import resolved_settings
 from balancer.cli.processes import celery_command
 from balancer.cli.startwait import migrated
@@ -27,6 +26,8 @@ def queue_names(models: list[str]) -> list[str]:
     >>> queue_names(["b", "a"])
     ['control', 'model.a', 'model.b']
     """
+    from balancer.admission import keys  # (not at import: `balancer --help` loads this module, and no Redis client)
+
     return [keys.CONTROL_QUEUE, *(keys.model_queue(m) for m in sorted(models))]
 
 

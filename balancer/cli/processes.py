@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from balancer.admission import keys
 from balancer.cli import resolved_settings, services, settings
 from balancer.cli.startwait import migrated as _migrated
 from balancer.cli.startwait import start_when_ready
@@ -118,6 +117,8 @@ def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bo
     >>> worker_pool(q, (), True)
     ('model.a,model.b', 6, 'models')
     """
+    from balancer.admission import keys
+
     chosen = sorted(known) if all_models else list(dict.fromkeys(models))
     concurrency = sum(known[m].max_concurrent_requests for m in chosen)
     return ",".join(keys.model_queue(m) for m in chosen), concurrency, "models" if all_models else "+".join(chosen)
@@ -127,6 +128,8 @@ def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bo
 @click.option("--loglevel", default="INFO", show_default=True)
 def dispatcher(loglevel: str) -> None:
     """The dispatcher: consumes the control queue (dispatch, ingest, sweep)."""
+    from balancer.admission import keys
+
     _migrated(wait=True)
     _celery_worker([
         "worker", "-Q", keys.CONTROL_QUEUE, "-c", "2", "-n", f"dispatcher-{os.getpid()}@%h",

@@ -127,8 +127,8 @@ def model_reasons(m: ModelFacts) -> list[Reason]:
 def source_reasons(s: SourceFacts) -> list[Reason]:
     """Why ``s``'s rows do not move ([] when nothing is wrong).
 
-    >>> [r.text for r in source_reasons(SourceFacts("legacy", read_error="BALANCER_LEGACY_URL is not set"))]
-    ['table unreadable: BALANCER_LEGACY_URL is not set']
+    >>> [r.text for r in source_reasons(SourceFacts("legacy", read_error="LEGACY_URL is not set"))]
+    ['table unreadable: LEGACY_URL is not set']
     >>> [r.text for r in source_reasons(SourceFacts("team", over_budget="money", unwritable=3))]
     ['over its money budget per day: its pending tasks wait', '3 write-back(s) refused by its table']
     """
