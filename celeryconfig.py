@@ -22,6 +22,12 @@ export the URLs (see ``balancer.cli.resolved_settings``). Why each setting:
 >>> conf = from_settings(Settings(redis_url="redis://h:6379/0", database_url=None, broker_url=None))
 >>> conf["broker_url"], conf["task_acks_late"], conf["broker_transport_options"]["global_keyprefix"]
 ('redis://h:6379/0', True, 'balancer:')
+
+A Redis behind Sentinel (the broker follows the admission Redis unless it is set apart):
+
+>>> conf = from_settings(Settings(redis_url="sentinel://:pw@s1,s2:26380/mymaster/3", database_url=None, broker_url=None))
+>>> conf["broker_url"], conf["broker_transport_options"]["master_name"]
+('sentinel://:pw@s1:26379/3;sentinel://:pw@s2:26380/3', 'mymaster')
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 
 from balancer.admission import keys
 from balancer.settings import Settings
+from balancer.urls import is_sentinel_url, parse_sentinel_url
 
 
 def from_settings(settings: Settings) -> dict[str, Any]:
@@ -37,6 +44,15 @@ def from_settings(settings: Settings) -> dict[str, Any]:
     settings.check_timing()
     broker_url = settings.broker_url or settings.redis_url
     transport: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    if broker_url and is_sentinel_url(broker_url):
+        # One URL naming every Sentinel and the master (balancer.urls.SENTINEL_FORM), as
+        # kombu's sentinel transport takes it: a URL per Sentinel and the master's name
+        # apart. Its pool asks the Sentinels for the master on every reconnection, so
+        # a failover is followed without a restart.
+        target = parse_sentinel_url(broker_url, "BALANCER_BROKER_URL" if settings.broker_url else "BALANCER_REDIS_URL")
+        broker_url = target.broker_urls()
+        transport.update(master_name=target.master,
+                         sentinel_kwargs={"socket_connect_timeout": 1, "socket_timeout": 1})
     if broker_url and broker_url.lower().startswith(("redis://", "rediss://", "redis+socket://", "sentinel://", "unix://")):
         # A broker that accepts but never answers fails a call instead of hanging
         # the process; kombu then reconnects (BRPOP polls every second, well inside).

@@ -115,9 +115,10 @@ BACKEND_KINDS = ("models-backend", "openai")
 class Settings:
     """A snapshot of the configuration. Build one with :meth:`from_env`."""
 
-    redis_url: str | None = _setting("Redis holding the live admission state (unset: embedded)")
+    redis_url: str | None = _setting("Redis holding the live admission state: redis://, rediss://, unix:// or, through "
+                                     "Sentinel, sentinel://host1:26379,host2:26379/master-name/db (unset: embedded)")
     database_url: str | None = _setting("PostgreSQL, the source of truth (unset: embedded)")
-    broker_url: str | None = _setting("Celery broker (unset: the Redis above)")
+    broker_url: str | None = _setting("Celery broker: Redis (sentinel:// as above) or AMQP (unset: the Redis above)")
     backend_url: str = _setting("the Models Backend base URL", "http://127.0.0.1:8900")
     backend_kind: str = _setting("models-backend | openai", "models-backend")
     backend_api_key: str | None = _setting("bearer token sent to the backend (never logged)", None, _text, secret=True)

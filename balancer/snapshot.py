@@ -25,14 +25,32 @@ from balancer.settings import Settings
 from balancer.storage.dbapi import ReadOnlyConnection, connect_read_only
 from balancer.storage.migrate import current_revision, require_revision
 from balancer.storage.rows import RowSource
-from balancer.urls import mask_url, scrub
+from balancer.urls import SentinelURL, is_sentinel_url, mask_url, parse_sentinel_url, scrub
+
+#: Timeouts on connect and on every reply: a Redis that accepts but never
+#: answers must fail a call, not hang a worker thread for ever.
+REDIS_OPTIONS = {"socket_connect_timeout": 3, "socket_timeout": 10, "health_check_interval": 30}
+
+
+def sentinel_client(target: SentinelURL) -> redis.Redis:
+    """A client of the master the Sentinels name: its pool asks them for the
+    master's address on every new connection, so after a failover the next
+    connection (the retry of the command that failed) reaches the promoted
+    replica, in every process, without a restart. A connection that finds a
+    replica (the old master back as one) is dropped on its first refused write."""
+    from redis.sentinel import Sentinel
+
+    sentinels = Sentinel(list(target.sentinels), socket_connect_timeout=1, socket_timeout=1)
+    return sentinels.master_for(target.master, db=target.db, username=target.username, password=target.password,
+                                **REDIS_OPTIONS)
 
 
 def redis_client(url: str, *, check: bool = True) -> redis.Redis:
     try:
-        # Timeouts on connect and on every reply: a Redis that accepts but never
-        # answers must fail a call, not hang a worker thread for ever.
-        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=10, health_check_interval=30)
+        if is_sentinel_url(url):
+            client = sentinel_client(parse_sentinel_url(url))
+        else:
+            client = redis.Redis.from_url(url, **REDIS_OPTIONS)
         if check:
             client.ping()
     except (redis.AuthenticationError, ValueError) as exc:  # a bad URL or password: no wait helps

@@ -4,7 +4,8 @@ is shown (its scheme, host, port and database; never its user or password)."""
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote, urlsplit
+from dataclasses import dataclass
+from urllib.parse import quote, unquote, urlsplit
 
 from balancer.errors import ConfigError, printable
 
@@ -128,7 +129,10 @@ def check_redis_url(setting: str, url: str) -> None:
     ...     print(str(exc).partition(" (")[0])
     BALANCER_REDIS_URL: redis-py does not understand the option 'ssl_cert_reqs' in a redis:// URL
     """
-    check_url(setting, url, ("redis", "rediss", "unix"))
+    if is_sentinel_url(url):
+        parse_sentinel_url(url, setting)
+        return
+    check_url(setting, url, ("redis", "rediss", "unix", "sentinel"))
     if not url.lower().startswith("unix"):
         _check_database_number(setting, url)
     import redis
@@ -140,6 +144,91 @@ def check_redis_url(setting: str, url: str) -> None:
         raise _unknown_option(setting, url, exc, "redis-py") from None
 
 
+SENTINEL_FORM = "sentinel://[:password@]host1:26379,host2:26379/master-name[/db]"
+SENTINEL_PORT = 26379
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """A Redis reached through Sentinel: the Sentinels to ask, the name of the
+    master they watch, its database, and the master's (not the Sentinels')
+    user name and password."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int
+    username: str | None
+    password: str | None
+
+    def broker_urls(self) -> str:
+        """The same Redis as kombu's sentinel transport names it: one
+        ``sentinel://`` URL per Sentinel, joined by ``;``, each with the
+        credentials and database (the master's name goes in the transport
+        options, :attr:`master`).
+
+        >>> parse_sentinel_url("sentinel://:pw@a:1,b/mymaster/2").broker_urls()
+        'sentinel://:pw@a:1/2;sentinel://:pw@b:26379/2'
+        """
+        auth = ""
+        if self.username is not None or self.password is not None:
+            auth = f"{quote(self.username or '', safe='')}:{quote(self.password or '', safe='')}@"
+        return ";".join(f"sentinel://{auth}{_host(host)}:{port}/{self.db}" for host, port in self.sentinels)
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.partition("://")[0].lower() == "sentinel"
+
+
+def parse_sentinel_url(url: str, setting: str = "BALANCER_REDIS_URL") -> SentinelURL:
+    """``sentinel://[[user]:password@]host1[:port],host2[:port]/master-name[/db]``,
+    read into its parts; anything else is one line naming the setting and the form.
+    The port defaults to 26379 (Sentinel's), the database to 0.
+
+    >>> parse_sentinel_url("sentinel://:s%40cret@10.0.0.1:26379,[::1]:26380,h3/mymaster/1")
+    SentinelURL(sentinels=(('10.0.0.1', 26379), ('::1', 26380), ('h3', 26379)), master='mymaster', db=1, username=None, password='s@cret')
+    >>> parse_sentinel_url("sentinel://h1:26379;sentinel://h2:26379")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    balancer.errors.ConfigError: BALANCER_REDIS_URL: name every Sentinel in one URL, sentinel://...: got 'sentinel://h1:26379'
+    >>> parse_sentinel_url("sentinel://h1:26379/")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    balancer.errors.ConfigError: BALANCER_REDIS_URL: the master's name is missing: sentinel://..., got 'sentinel://h1:26379'
+    """
+    check_url(setting, url, ("sentinel",))
+    if ";" in url:
+        raise ConfigError(f"{setting}: name every Sentinel in one URL, {SENTINEL_FORM}: got {mask_url(url.split(';')[0])!r}")
+    rest = url.partition("://")[2]
+    userinfo, at, hostpart = rest.rpartition("@")
+    if "?" in hostpart or "#" in hostpart:
+        raise ConfigError(f"{setting}: a sentinel:// URL takes no query options ({SENTINEL_FORM}): {mask_url(url)}")
+    hosts, _, path = hostpart.partition("/")
+    parts = [unquote(p) for p in path.split("/")] if path else []
+    if not parts or not parts[0]:
+        raise ConfigError(f"{setting}: the master's name is missing: {SENTINEL_FORM}, got {mask_url(url)!r}")
+    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ConfigError(f"{setting}: after the master's name only a database number may follow: {SENTINEL_FORM}, "
+                          f"got {mask_url(url)!r}")
+    sentinels = []
+    for host in hosts.split(","):
+        try:
+            parsed = urlsplit(f"//{host}")
+            name, port = parsed.hostname, parsed.port or SENTINEL_PORT
+        except ValueError:
+            name = None
+        if not name:
+            raise ConfigError(f"{setting}: {printable(host)!r} is not host[:port] ({SENTINEL_FORM}): {mask_url(url)}")
+        sentinels.append((name, port))
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    return SentinelURL(tuple(sentinels), parts[0], int(parts[1]) if len(parts) == 2 else 0, username, password)
+
+
 #: Broker URL schemes kombu reads as Redis or AMQP (kombu.transport.TRANSPORT_ALIASES, and redis+socket).
 BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "sentinel", "amqp", "amqps", "pyamqp")
 
@@ -149,6 +238,9 @@ def check_broker_url(setting: str, url: str) -> None:
     failover list, read by kombu itself (without connecting)."""
     from kombu import Connection
 
+    if is_sentinel_url(url):  # kombu's sentinel transport, given the master's name (celeryconfig.py)
+        parse_sentinel_url(url, setting)
+        return
     for part in url.split(";"):
         check_url(setting, part, BROKER_SCHEMES)
         if part.lower().startswith(("redis://", "rediss://")):

@@ -46,7 +46,7 @@ def test_an_unknown_url_option_is_one_line_and_exit_2(migrated: dict[str, str], 
 @pytest.mark.parametrize("url", [
     "redis+socket:///run/redis/redis.sock",
     "redis+socket:///run/redis/redis.sock?virtual_host=2",
-    "sentinel://h1:26379;sentinel://h2:26379",
+    "sentinel://h1:26379,h2:26379/mymaster/0",
     "rediss://:pw@h:6380/0?ssl_cert_reqs=required",
     "redis://h:6379/0;redis://h2:6379/0",
     "amqp://guest:guest@h:5672//",
