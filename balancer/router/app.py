@@ -12,6 +12,9 @@ callers and pipeline workers draw from one budget per model:
   The admission's id is the router's own, unguessable, never a pipeline id;
   an ``Idempotency-Key`` header makes a retried ``/schedule`` get the same
   admission (:mod:`balancer.router.admissions`).
+- The admission's id is sent as ``admission_id`` and as ``task_id`` (the seed's
+  name for it), so a client written to the seed's flow works unchanged;
+  ``/complete`` and ``/heartbeat`` take either field (both: they must agree).
 - ``POST /heartbeat`` extends a live lease by one router lease
   (``BALANCER_ROUTER_LEASE_SECONDS``). An expired one is gone: ``not_found``.
 - ``POST /complete`` settles the tokens as the model's accounting says and
@@ -53,7 +56,7 @@ import redis
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from balancer.admission import AdmissionCore, Rejected
@@ -105,6 +108,7 @@ class ScheduleRequest(_Body):
 class Scheduled(BaseModel):
     model_backend_id: str
     admission_id: str
+    task_id: str = Field(description="the same id under the seed's name: /complete and /heartbeat take either")
     lease_ms: int = Field(description="heartbeat within this, or the slot is reclaimed")
 
 
@@ -112,8 +116,27 @@ class Wait(BaseModel):
     wait_for_ms: int
 
 
-class CompleteRequest(_Body):
-    admission_id: AdmissionId
+class _Handle(_Body):
+    """An admission named by ``admission_id`` or by ``task_id``, the seed's name for it (one is enough;
+    both must agree)."""
+
+    admission_id: AdmissionId | None = None
+    task_id: AdmissionId | None = Field(default=None, description="the seed's name for admission_id")
+
+    @model_validator(mode="after")
+    def _one_admission(self) -> _Handle:
+        if self.admission_id is None and self.task_id is None:
+            raise ValueError("admission_id (or task_id, the seed's name for it) is required")
+        if self.admission_id is not None and self.task_id is not None and self.admission_id != self.task_id:
+            raise ValueError("admission_id and task_id name two admissions: send one")
+        return self
+
+    @property
+    def admission(self) -> str:
+        return self.admission_id or self.task_id or ""
+
+
+class CompleteRequest(_Handle):
     actual_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS, description="prompt + completion tokens used")
 
 
@@ -123,8 +146,8 @@ class Completed(BaseModel):
     reason: str | None = None
 
 
-class HeartbeatRequest(_Body):
-    admission_id: AdmissionId
+class HeartbeatRequest(_Handle):
+    pass
 
 
 class HeartbeatReply(BaseModel):
@@ -226,21 +249,22 @@ def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, 
             router.window.admitted(now)
             if result.delay_ms > 0:
                 await asyncio.sleep(result.delay_ms / 1000)  # the start gate: the caller calls as soon as we answer
-            return Scheduled(model_backend_id=result.model, admission_id=result.admission_id, lease_ms=lease_ms)
+            return Scheduled(model_backend_id=result.model, admission_id=result.admission_id, task_id=result.admission_id,
+                             lease_ms=lease_ms)
         wait = wait_for_ms(result.core_wait_ms, router.rng)
         router.window.waited(now, wait)
         return Wait(wait_for_ms=wait)
 
     @app.post("/complete", response_model=Completed, summary="Report a call finished; frees its slot")
     async def complete(body: CompleteRequest) -> Completed:
-        released = await run_in_threadpool(admissions.complete, body.admission_id, body.actual_tokens)
+        released = await run_in_threadpool(admissions.complete, body.admission, body.actual_tokens)
         if released is None:
             return Completed(ok=False, released=False, reason="not_found")
         return Completed(ok=True, released=released)
 
     @app.post("/heartbeat", response_model=HeartbeatReply, summary="Keep a call's slot for another lease")
     async def heartbeat(body: HeartbeatRequest) -> HeartbeatReply:
-        alive = await run_in_threadpool(admissions.heartbeat, body.admission_id)
+        alive = await run_in_threadpool(admissions.heartbeat, body.admission)
         return HeartbeatReply(ok=True) if alive else HeartbeatReply(ok=False, reason="not_found")
 
     @app.get("/advice", response_model=AdviceReply, summary="Backpressure and a suggested number of callers")
