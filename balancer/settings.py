@@ -176,6 +176,9 @@ class Settings:
         secret=True)
     router_lease_seconds: float = _setting("how long a router admission lives without a heartbeat", 30.0,
                                            partial(_seconds, low=1, high=86_400))
+    metrics_token: str | None = _setting(
+        "bearer token `balancer metrics` requires, when set (a scrape config's authorization; never logged)", None, _text,
+        secret=True)
     web_token: str | None = _setting(
         "token the web console requires, as a bearer token or a basic-auth password (required when it binds "
         "beyond loopback; never logged)", None, _text, secret=True)

@@ -82,3 +82,31 @@ def test_metrics_match_the_simulator_log(tmp_path: Path) -> None:
         assert p.violations() == []
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("token", [None, "m3trics-t0ken"])
+def test_metrics_are_served_on_one_path_and_with_a_token_only_to_its_bearer(token: str | None) -> None:
+    """/metrics only (before: any path, /foo included, served them), and with
+    BALANCER_METRICS_TOKEN only for ``Authorization: Bearer <token>``."""
+    from balancer.devtools.embedded import free_port
+    from balancer.pipeline.metrics import serve
+    from balancer.services import Services
+    from balancer.settings import Settings
+
+    port = free_port()
+    server = serve(Services.connect(Settings.from_env()), "127.0.0.1", port, finished_every=0, token=token)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        for path in ("/", "/foo", "/metrics/", "/metricsx"):
+            assert httpx.get(url + path, headers=auth, timeout=10).status_code == 404, path
+        answer = httpx.get(f"{url}/metrics", headers=auth, timeout=10)
+        assert answer.status_code == 200 and "balancer_tasks" in answer.text
+        if token:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+                refused = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+                assert refused.status_code == 401 and "balancer_" not in refused.text
+                assert refused.headers["www-authenticate"] == "Bearer"
+    finally:
+        server.shutdown()
+        server.server_close()

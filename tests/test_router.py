@@ -442,8 +442,8 @@ def test_slow_connections_are_closed_within_the_read_deadline(url: str) -> None:
     port = int(url.rsplit(":", 1)[1])
     partial = {
         "idle": b"",
-        "head": b"POST /schedule HTTP/1.1\r\nhost: x\r\n",
-        "body": b"POST /schedule HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 40\r\n\r\n{",
+        "head": b"POST /schedule HTTP/1.1\r\nhost: 127.0.0.1\r\n",
+        "body": b"POST /schedule HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: 40\r\n\r\n{",
     }
     socks = {}
     for name, data in partial.items():
@@ -537,3 +537,66 @@ def test_concurrent_retries_of_one_schedule_share_one_admission(url: str, svc: S
         t.join(timeout=60)
     assert len(got) == 8 and len(set(got)) == 1, got
     assert in_flight(svc, "wide") == 1
+
+
+def test_an_idempotency_record_ends_with_its_admission(steady_url: str, svc: Services) -> None:
+    """After /complete the key no longer hands out the ended admission (before: the same id
+    again, "call now", on a slot already freed): the next /schedule with it is a new admission."""
+    key = {"Idempotency-Key": "e" * 24}
+    body = {"estimated_tokens": 100, "models": ["solo"]}
+    first = httpx.post(f"{steady_url}/schedule", json=body, headers=key).json()
+    assert httpx.post(f"{steady_url}/complete", json={"admission_id": first["admission_id"]}).json()["released"]
+    again = httpx.post(f"{steady_url}/schedule", json=body, headers=key).json()
+    assert again["admission_id"] != first["admission_id"] and in_flight(svc, "solo") == 1
+
+
+def test_callers_elsewhere_sharing_a_key_each_get_their_own_admission(steady_url: str, svc: Services) -> None:
+    """40 callers, each from an address of its own (127.0.0.2 to .41), send one key at once to a
+    model with a cap of 1: one gets "call now", the others wait (before: all 40 got the one admission)."""
+    import threading
+
+    key = {"Idempotency-Key": "s" * 24}
+    answers: list[dict] = []
+    barrier = threading.Barrier(40)
+
+    def call(address: str) -> None:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=30) as client:
+            barrier.wait()
+            answers.append(client.post(f"{steady_url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]},
+                                       headers=key).json())
+
+    threads = [threading.Thread(target=call, args=(f"127.0.0.{i + 2}",)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(answers) == 40
+    admitted = [a for a in answers if "admission_id" in a]
+    assert len(admitted) == 1, admitted
+    assert all("wait_for_ms" in a for a in answers if "admission_id" not in a), answers
+    assert in_flight(svc, "solo") == 1
+
+
+@pytest.mark.parametrize(("headers", "status"), [
+    ({"Host": "rebind.attacker.example"}, 400),
+    ({"Host": "rebind.attacker.example:8700"}, 400),
+    ({"Origin": "http://rebind.attacker.example"}, 403),
+    ({"Origin": "null"}, 403),
+    ({"Host": "localhost", "Origin": "http://localhost:8700"}, 200),
+    ({"Host": "[::1]"}, 200),
+])
+def test_a_request_naming_another_host_or_origin_is_refused(url: str, svc: Services, headers: dict, status: int) -> None:
+    """DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its own
+    name as Host (and as Origin on a POST); before, the router answered it."""
+    reply = httpx.post(f"{url}/schedule", json={"estimated_tokens": 10, "models": ["wide"]}, headers=headers)
+    assert reply.status_code == status, reply.text
+    if status != 200:
+        assert in_flight(svc, "wide") == 0 and "detail" in reply.json()
+
+
+def test_a_name_given_with_allow_host_is_served(svc: Services) -> None:
+    core = svc.core.with_lease(LEASE_MS)
+    app = asgi(create_app(core, lease_ms=LEASE_MS, bound="127.0.0.1", allow_hosts=["router.example"]))
+    with served(app, server.config, read_timeout_s=READ_TIMEOUT_S) as url:
+        assert httpx.get(f"{url}/advice", headers={"Host": "router.example:443"}).status_code == 200
+        assert httpx.get(f"{url}/advice", headers={"Host": "other.example"}).status_code == 400

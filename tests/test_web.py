@@ -78,11 +78,12 @@ def eventually(check: Callable[[], Any], timeout: float = 30.0, every: float = 0
 class Console:
     """``balancer web`` in a child process; ``url`` is its base address."""
 
-    def __init__(self, supervisor: Supervisor, *, host: str = "127.0.0.1", extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, supervisor: Supervisor, *, host: str = "127.0.0.1", extra_env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.child = supervisor.start("web", ["web", "--host", host, "--port", str(self.port), "--sample-interval", "0.3"],
-                                      extra_env or {})
+        self.child = supervisor.start("web", ["web", "--host", host, "--port", str(self.port), "--sample-interval", "0.3",
+                                              *args], extra_env or {})
         headers = {"authorization": f"Bearer {extra_env['BALANCER_WEB_TOKEN']}"} if extra_env else {}
         deadline = time.monotonic() + 30
         while True:  # wait_for_http without a token would see only 401s: any answer will do
@@ -169,6 +170,61 @@ def test_a_change_without_its_csrf_token_is_refused(services: Any, supervisor: S
             assert client.post("/quotas/model-0", data=form).status_code == 403
     assert services.quotas.get("model-0") == before
     assert not [h for h in services.quotas.history("model-0") if h["changed_by"].startswith("web:")]
+
+
+def test_a_page_of_another_site_rebound_to_loopback_reads_and_changes_nothing(services: Any,
+                                                                             supervisor: Supervisor) -> None:
+    """DNS rebinding: requests naming another site as Host get a 400 and no data; a change
+    whose Origin is another site's is refused even with a good CSRF token and cookie (before,
+    the token-less loopback console answered both). ``--allow-host`` adds a name of its own."""
+    import re
+
+    prompt = "secret prompt " + os.urandom(4).hex()
+    ids = add_tasks(services, [prompt])
+    console = Console(supervisor, args=("--allow-host", "console.example"))
+    rebound = {"Host": f"rebind.attacker.example:{console.port}"}
+    for path in ("/models", "/api/summary", f"/tasks/{ids[0]}", "/quotas"):
+        refused = httpx.get(f"{console.url}{path}", headers=rebound, timeout=5)
+        assert refused.status_code == 400 and prompt not in refused.text, (path, refused.status_code)
+    assert httpx.get(f"{console.url}/tasks/{ids[0]}", headers={"Host": "console.example"}, timeout=5).status_code == 200
+    with httpx.Client(base_url=console.url, timeout=5) as client:
+        page = client.get("/quotas")
+        (csrf,) = set(re.findall(r'name="csrf" value="([0-9a-f]+)"', page.text))
+        form = {"csrf": csrf, "tpm": "1234"}
+        foreign = client.post("/quotas/model-0", data=form, headers={"Origin": "http://rebind.attacker.example"})
+        assert foreign.status_code == 403
+        cancel = client.post("/tasks/cancel", data={"csrf": csrf, "status": "pending"},
+                             headers={"Origin": f"http://rebind.attacker.example:{console.port}"})
+        assert cancel.status_code == 403
+        assert statuses(services, ids) == {ids[0]: "pending"}
+        own = client.post("/quotas/model-0", data=form, headers={"Origin": console.url})
+        assert own.status_code == 303  # the console's own page may change it
+    assert services.quotas.get("model-0").max_tokens_per_minute == 1234
+
+
+def test_a_connection_that_never_sends_its_request_is_closed(services: Any, supervisor: Supervisor) -> None:
+    """The console reads each request within a deadline, as the router does (before: 300 of
+    300 idle connections were still open after 60 s)."""
+    import socket
+
+    from balancer.router.server import READ_TIMEOUT_S
+
+    console = Console(supervisor)
+    socks = [socket.create_connection(("127.0.0.1", console.port)) for _ in range(3)]
+    socks[1].sendall(b"GET /models HTTP/1.1\r\n")  # a head never finished
+    opened = time.monotonic()
+    for sock in socks:
+        sock.settimeout(READ_TIMEOUT_S * 3)
+        try:
+            got = sock.recv(4096)
+        except TimeoutError:
+            got = b"still open"
+        except OSError:
+            got = b""
+        assert got == b"", got
+        sock.close()
+    assert time.monotonic() - opened < READ_TIMEOUT_S * 3
+    assert httpx.get(f"{console.url}/healthz", timeout=5).status_code == 200
 
 
 def test_with_a_token_a_change_is_audited_as_the_basic_auth_user(services: Any, supervisor: Supervisor) -> None:

@@ -151,10 +151,11 @@ def router_admission(namespace: str, admission_id: str) -> str:
     return tag(namespace) + ROUTER_ADMISSION_INFIX + admission_id
 
 
-def router_idempotency(namespace: str, key: str) -> str:
-    """The answer to a ``/schedule`` sent with this ``Idempotency-Key`` (JSON), for one
-    lease: a retry gets the same admission (see :mod:`balancer.router.admissions`)."""
-    return tag(namespace) + ROUTER_IDEMPOTENCY_INFIX + key
+def router_idempotency(namespace: str, caller: str, key: str) -> str:
+    """The answer to a ``/schedule`` sent by ``caller`` (its address) with this
+    ``Idempotency-Key`` (JSON), until its admission is completed, for one lease at most:
+    a retry from the same caller gets the same admission (see :mod:`balancer.router.admissions`)."""
+    return tag(namespace) + ROUTER_IDEMPOTENCY_INFIX + caller + "|" + key
 
 
 def broker_prefix(namespace: str) -> str:

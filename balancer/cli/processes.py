@@ -202,18 +202,21 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 @click.option("--finished-every", default=60.0, show_default=True, type=click.FloatRange(0, 86_400),
               help="Seconds between recounts of solved, failed and cancelled tasks (they read the whole history).")
 def metrics(host: str, port: int, finished_every: float) -> None:
-    """Serve Prometheus metrics at http://HOST:PORT/metrics, read from Redis and
-    PostgreSQL at every scrape (stateless: run one anywhere)."""
+    """Serve Prometheus metrics at http://HOST:PORT/metrics (and no other path), read from
+    Redis and PostgreSQL at every scrape (stateless: run one anywhere). With
+    BALANCER_METRICS_TOKEN set, a scrape must send it as a bearer token."""
     import threading
 
     from balancer.pipeline.metrics import serve
 
     svc = _migrated()
+    token = svc.settings.metrics_token
     try:
-        serve(svc, host, port, finished_every=finished_every)
+        serve(svc, host, port, finished_every=finished_every, token=token)
     except OSError as exc:
         raise BalancerError(f"cannot serve metrics on {printable(host)}:{port}: {exc.strerror or exc}") from None
-    click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics", err=True)
+    click.echo(f"serving Prometheus metrics on http://{host}:{port}/metrics "
+               f"(token {'required' if token else 'not required: set BALANCER_METRICS_TOKEN to require one'})", err=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # a deploy's stop is a clean exit (0), not a kill
     stop.wait()
@@ -223,12 +226,16 @@ def metrics(host: str, port: int, finished_every: float) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; beyond loopback BALANCER_ROUTER_TOKEN is required.")
 @click.option("--port", default=8700, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A name the router is reached by (a DNS name, a reverse proxy's), beside the bound address; "
+                   "requests naming any other Host are refused (DNS rebinding). Repeatable.")
 @click.option("--access-log", is_flag=True, help="Log every request (method, path, status; never the token).")
-def router(host: str, port: int, access_log: bool) -> None:
+def router(host: str, port: int, allow_hosts: tuple[str, ...], access_log: bool) -> None:
     """Serve the router API (/schedule, /complete, /heartbeat, /advice) on the
     pipeline's quotas, for callers outside Celery. OpenAPI at /docs."""
     try:
-        from balancer.router.app import asgi, create_app, is_loopback
+        from balancer.httpguard import is_loopback
+        from balancer.router.app import asgi, create_app
         from balancer.router.server import serve
     except ImportError as exc:
         raise BalancerError(f"the router needs its extra: pip install 'balancer[router]' ({exc.name} is missing)") from None
@@ -237,7 +244,7 @@ def router(host: str, port: int, access_log: bool) -> None:
     if token is None and not is_loopback(host):
         raise ConfigError(f"BALANCER_ROUTER_TOKEN must be set to serve the router beyond loopback (--host {printable(host)})")
     core = svc.core.with_lease(round(svc.settings.router_lease_seconds * 1000))
-    app = create_app(core, lease_ms=core.lease_ms, token=token)
+    app = create_app(core, lease_ms=core.lease_ms, token=token, bound=host, allow_hosts=allow_hosts)
     click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
                f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
     serve(asgi(app), host, port, log_level="info" if access_log else "warning", access_log=access_log)

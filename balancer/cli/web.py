@@ -12,14 +12,16 @@ from balancer.errors import BalancerError, ConfigError
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; beyond loopback BALANCER_WEB_TOKEN is required.")
 @click.option("--port", default=8800, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="A name the console is reached by (a DNS name, a reverse proxy's), beside the bound address; "
+                   "requests naming any other Host are refused (DNS rebinding). Repeatable.")
 @click.option("--sample-interval", default=2.0, show_default=True, type=click.FloatRange(0.1, 60),
               help="Seconds between the console's reads of the live state (its 15-minute history keeps one per read).")
-def web(host: str, port: int, sample_interval: float) -> None:
+def web(host: str, port: int, allow_hosts: tuple[str, ...], sample_interval: float) -> None:
     """Serve the web console: models, the drain, sources, tasks (retry, cancel)
     and quotas (change, audit), read from Redis and PostgreSQL as `status` does."""
     try:
-        import uvicorn
-
+        from balancer.router.server import serve
         from balancer.web.app import create_app
         from balancer.web.security import start_refusal
     except ImportError as exc:
@@ -29,9 +31,9 @@ def web(host: str, port: int, sample_interval: float) -> None:
     if refusal is not None:  # refused before connecting to anything
         raise ConfigError(refusal)
     svc = _migrated()
-    _, served = create_app(svc, token=token, sample_interval=sample_interval)
+    _, served = create_app(svc, token=token, sample_interval=sample_interval, bound=host, allow_hosts=allow_hosts)
     click.echo(f"web console on http://{host}:{port} (token {'required' if token else 'not required'})", err=True)
-    uvicorn.run(served, host=host, port=port, log_level="warning", access_log=False)
+    serve(served, host, port, log_level="warning", access_log=False)  # each request read within a deadline
 
 
 def _token() -> str | None:

@@ -280,11 +280,62 @@ class BalancerCollector(Collector):
         return families
 
 
-def serve(services: Services, host: str, port: int, *, finished_every: float = FINISHED_RECOUNT_S) -> Any:
-    """Start the exporter's HTTP server in a thread; returns the server (``shutdown()`` to stop)."""
-    from prometheus_client import CollectorRegistry, start_http_server
+#: The one path metrics are served on; any other is a 404.
+METRICS_PATH = "/metrics"
+#: Seconds a scraper has to send its request before the connection is closed.
+READ_TIMEOUT_S = 10.0
+
+
+def exposition_app(registry: Any, token: str | None = None) -> Any:
+    """The WSGI app of the exporter: :data:`METRICS_PATH` only (404 elsewhere), and with
+    ``token``, only for ``Authorization: Bearer <token>`` (compared in constant time; 401)."""
+    import hmac
+
+    from prometheus_client import make_wsgi_app
+
+    metrics = make_wsgi_app(registry)
+    expected = f"Bearer {token}".encode() if token else None
+
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        def refuse(status: str, text: bytes, *headers: tuple[str, str]) -> list[bytes]:
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8"), *headers])
+            return [text]
+
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            return refuse("404 Not Found", b"404: metrics are served on /metrics only\n")
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1")
+        if expected is not None and not hmac.compare_digest(given, expected):
+            return refuse("401 Unauthorized", b"401: these metrics need their token (BALANCER_METRICS_TOKEN)\n",
+                          ("WWW-Authenticate", "Bearer"))
+        return metrics(environ, start_response)
+
+    return app
+
+
+def serve(services: Services, host: str, port: int, *, finished_every: float = FINISHED_RECOUNT_S,
+          token: str | None = None) -> Any:
+    """Start the exporter's HTTP server in a thread (:func:`exposition_app`); returns the server
+    (``shutdown()`` to stop). A connection that sends no whole request within
+    :data:`READ_TIMEOUT_S` is closed."""
+    import socket
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BalancerCollector(services, finished_every=finished_every))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Quiet(WSGIRequestHandler):
+        timeout = READ_TIMEOUT_S
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            return
+
+    server = make_server(host, port, exposition_app(registry, token), Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

@@ -19,6 +19,12 @@ A wait or a refusal deletes the marker, so the caller asks again with the same
 key. The record lives one lease: by then an admission no caller heard of has
 expired, so a retry never holds a second slot beside it.
 
+The record is its caller's and its admission's: it is kept under the caller's
+address as well as the key, so a caller elsewhere that sends the same key
+(by mistake, or having seen it) gets an admission of its own, or a wait, never
+that one; and ``/complete`` deletes it, so after the call no retry is handed an
+admission that has ended (the key then asks for a new one).
+
 Everything here is blocking Redis I/O: :mod:`balancer.router.app` runs it in a
 thread pool, off the event loop.
 """
@@ -103,11 +109,12 @@ class Admissions:
         return sorted(set(missing))
 
     def schedule(self, estimated_tokens: int, models: Sequence[str] | None,
-                 idempotency_key: str | None = None) -> Outcome:
-        """Admit one call and start its lease; with a key, at most once per key (see the module docstring)."""
+                 idempotency_key: str | None = None, caller: str = "") -> Outcome:
+        """Admit one call and start its lease; with a key, at most once per key and caller
+        (see the module docstring)."""
         if idempotency_key is None:
             return self._admit(estimated_tokens, models)
-        record_key = keys.router_idempotency(self.namespace, idempotency_key)
+        record_key = keys.router_idempotency(self.namespace, caller, idempotency_key)
         request = json.dumps([estimated_tokens, list(models) if models else None])
         if not self.redis.set(record_key, _IN_PROGRESS, nx=True, px=self.lease_ms):
             raw = self.redis.get(record_key)
@@ -118,7 +125,7 @@ class Admissions:
                 return KeyReused()
             return Granted(record["model"], record["admission_id"], max(0, record["start_at_ms"] - _now_ms()))
         try:
-            outcome = self._admit(estimated_tokens, models)
+            outcome = self._admit(estimated_tokens, models, record_key)
         except BaseException:
             self.redis.delete(record_key)
             raise
@@ -130,30 +137,55 @@ class Admissions:
             self.redis.delete(record_key)  # nothing held: the caller asks again, with the same key
         return outcome
 
-    def _admit(self, estimated_tokens: int, models: Sequence[str] | None) -> Outcome:
+    def _admit(self, estimated_tokens: int, models: Sequence[str] | None, record_key: str = "") -> Outcome:
         [decision] = self.core.admit([Candidate(estimated_tokens, tuple(models) if models else None)])
         if isinstance(decision, Admitted):
             decision = self.core.renew(decision.admission_id, decision.model, estimated_tokens, self.lease_ms)
         if isinstance(decision, Admitted):
             admission_id = new_admission_id()
-            self.redis.set(keys.router_admission(self.namespace, admission_id), decision.admission_id, px=self.lease_ms)
+            # The lease's id, and the idempotency record that hands it out (deleted at /complete).
+            self.redis.set(keys.router_admission(self.namespace, admission_id),
+                           f"{decision.admission_id} {record_key}".rstrip(), px=self.lease_ms)
             return Granted(decision.model, admission_id, decision.start_delay_ms)
         if isinstance(decision, Rejected):
             return decision
         return Waiting(decision.wait_ms if isinstance(decision, NotNow) else None)
 
-    def _lease_of(self, admission_id: str) -> str | None:
+    def _issued(self, admission_id: str) -> tuple[str, str] | None:
+        """(the lease's id, its idempotency record's key or ""), or None if never issued or ended."""
         raw: Any = self.redis.get(keys.router_admission(self.namespace, admission_id))
-        return None if raw is None else raw.decode()
+        if raw is None:
+            return None
+        lease, _, record_key = raw.decode().partition(" ")
+        return lease, record_key
+
+    def _lease_of(self, admission_id: str) -> str | None:
+        issued = self._issued(admission_id)
+        return None if issued is None else issued[0]
 
     def complete(self, admission_id: str, used_tokens: int | None) -> bool | None:
         """Settle and free the slot: whether this call freed it (False: already
         completed), or None if the router has no such admission (never issued, or
-        its lease ended), when nothing is changed."""
-        lease = self._lease_of(admission_id)
-        if lease is None:
+        its lease ended), when nothing is changed. The idempotency record that
+        hands this admission out ends with it."""
+        issued = self._issued(admission_id)
+        if issued is None:
             return None
-        return self.core.finish(lease, Settlement(used_tokens=used_tokens))[1]
+        lease, record_key = issued
+        released = self.core.finish(lease, Settlement(used_tokens=used_tokens))[1]
+        if record_key:
+            self._end_record(record_key, admission_id)
+        return released
+
+    def _end_record(self, record_key: str, admission_id: str) -> None:
+        """Delete the record if it still hands out ``admission_id`` (not a newer admission of the key)."""
+        def end(pipe: Any) -> None:
+            raw = pipe.get(record_key)
+            pipe.multi()
+            if raw is not None and raw != _IN_PROGRESS and json.loads(raw)["admission_id"] == admission_id:
+                pipe.delete(record_key)
+
+        self.redis.transaction(end, record_key)
 
     def heartbeat(self, admission_id: str) -> bool:
         """Extend a live lease, and the router's record of it, by one lease; False if

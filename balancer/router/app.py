@@ -11,7 +11,8 @@ callers and pipeline workers draw from one budget per model:
   it answers ``wait_for_ms`` (:func:`balancer.domain.backpressure.wait_for_ms`).
   The admission's id is the router's own, unguessable, never a pipeline id;
   an ``Idempotency-Key`` header makes a retried ``/schedule`` get the same
-  admission (:mod:`balancer.router.admissions`).
+  admission, from the same caller and until it is completed
+  (:mod:`balancer.router.admissions`).
 - The admission's id is sent as ``admission_id`` and as ``task_id`` (the seed's
   name for it), so a client written to the seed's flow works unchanged;
   ``/complete`` and ``/heartbeat`` take either field (both: they must agree).
@@ -44,12 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import redis
@@ -61,6 +61,7 @@ from starlette.concurrency import run_in_threadpool
 
 from balancer.admission import AdmissionCore, Rejected
 from balancer.domain.backpressure import OutcomeWindow, advise, wait_for_ms
+from balancer.httpguard import MAX_BODY_BYTES, ASGIApp, BodyLimit, HostGuard, Receive, Scope, Send, problem
 from balancer.router.admissions import (
     ADMISSION_ID_PATTERN,
     IDEMPOTENCY_KEY_PATTERN,
@@ -72,17 +73,10 @@ from balancer.router.admissions import (
 
 log = logging.getLogger(__name__)
 
-#: Larger bodies get a 413 before they are parsed.
-MAX_BODY_BYTES = 16 * 1024
 #: Estimates and actual tokens above this are refused as malformed (422).
 MAX_TOKENS = 100_000_000
 #: Paths served without a token.
 OPEN_PATHS = frozenset({"/healthz"})
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class SafeJSON(JSONResponse):
@@ -190,23 +184,11 @@ def _validation_problem(exc: RequestValidationError) -> SafeJSON:
     return SafeJSON({"detail": errors}, status_code=422)
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` serves this machine only.
-
-    >>> [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "10.0.0.5")]
-    [True, True, True, False, False]
-    """
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve anywhere
-
-
-def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, rng: random.Random | None = None) -> FastAPI:
+def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, rng: random.Random | None = None,
+               bound: str = "127.0.0.1", allow_hosts: Iterable[str] = ()) -> FastAPI:
     """The ASGI app; ``token``, if given, is required as ``Authorization: Bearer``
-    on every path but ``/healthz``."""
+    on every path but ``/healthz``; ``Host`` must name ``bound`` (the address served) or
+    one of ``allow_hosts`` (:class:`balancer.httpguard.HostGuard`)."""
     router = Router(core, lease_ms, rng)
     admissions = router.admissions
     app = FastAPI(
@@ -230,13 +212,16 @@ def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, 
     @app.post("/schedule", response_model=Scheduled | Wait, summary="Ask for a model for one call")
     async def schedule(
         body: ScheduleRequest,
+        request: Request,
         idempotency_key: Annotated[str | None, Header(pattern=IDEMPOTENCY_KEY_PATTERN, description=(
             "one per logical /schedule, the same on its retries: a retry gets the same admission"))] = None,
     ) -> Scheduled | Wait | SafeJSON:
         unknown = await run_in_threadpool(admissions.unknown_models, body.models) if body.models else []
         if unknown:
             return SafeJSON({"detail": f"unknown model: {', '.join(unknown)}"}, status_code=422)
-        result = await run_in_threadpool(admissions.schedule, body.estimated_tokens, body.models, idempotency_key)
+        caller = request.client.host if request.client else ""  # an idempotency record is its caller's
+        result = await run_in_threadpool(admissions.schedule, body.estimated_tokens, body.models, idempotency_key,
+                                         caller)
         now = time.monotonic()
         if isinstance(result, Rejected):
             return SafeJSON({"detail": result.reason}, status_code=422)
@@ -282,21 +267,14 @@ def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, 
     guarded: ASGIApp = BodyLimit(app, MAX_BODY_BYTES)
     if token:
         guarded = BearerToken(guarded, token)
-    app.state.asgi = guarded
+    app.state.asgi = HostGuard(guarded, bound, allow_hosts)
     app.state.router = router
     return app
 
 
 def asgi(app: FastAPI) -> ASGIApp:
-    """The app with its guards (token, body size) in front: what uvicorn serves."""
+    """The app with its guards (Host and Origin, token, body size) in front: what uvicorn serves."""
     return app.state.asgi
-
-
-async def _problem(send: Send, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = SafeJSON({"detail": detail}).body
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body})
 
 
 class BearerToken:
@@ -309,45 +287,6 @@ class BearerToken:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                await _problem(send, 401, "missing or wrong bearer token", ((b"www-authenticate", b"Bearer"),))
+                await problem(send, 401, "missing or wrong bearer token", ((b"www-authenticate", b"Bearer"),))
                 return
         await self.app(scope, receive, send)
-
-
-class BodyLimit:
-    """Refuse a request body over ``limit`` bytes with a 413, whether declared or streamed.
-
-    The body (small by design) is read here in full, then replayed to the app."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await _problem(send, 413, f"request body over {self.limit} bytes")
-            return
-        body = b""
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await _problem(send, 413, f"request body over {self.limit} bytes")
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> MutableMapping[str, Any]:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -30,7 +30,7 @@ from starlette.staticfiles import StaticFiles
 
 from balancer.domain.statuses import TASK_STATUSES
 from balancer.errors import BalancerError, QuotaError
-from balancer.router.app import MAX_BODY_BYTES, ASGIApp, BodyLimit
+from balancer.httpguard import MAX_BODY_BYTES, ASGIApp, BodyLimit, HostGuard
 from balancer.services import Services
 from balancer.storage import operations
 from balancer.storage.quotas import LiveNotUpdated, default_actor
@@ -131,9 +131,11 @@ class Console:
 
 
 def create_app(services: Services, *, token: str | None = None, sample_interval: float = 2.0,
-               sampler: Sampler | None = None) -> tuple[Starlette, ASGIApp]:
+               sampler: Sampler | None = None, bound: str = "127.0.0.1",
+               allow_hosts: Iterable[str] = ()) -> tuple[Starlette, ASGIApp]:
     """The console (a Starlette app, its sampler started and stopped with it) and,
-    with its guards (token, body size, headers) in front, what uvicorn serves."""
+    with its guards (Host and Origin against ``bound`` and ``allow_hosts``, token,
+    body size, headers) in front, what uvicorn serves."""
     console = Console(services, sampler or Sampler(services, sample_interval))
 
     def models(request: Request) -> Response:
@@ -272,7 +274,7 @@ def create_app(services: Services, *, token: str | None = None, sample_interval:
     guarded: ASGIApp = SecurityHeaders(BodyLimit(app, MAX_BODY_BYTES))
     if token:
         guarded = TokenGuard(guarded, token)
-    return app, guarded
+    return app, HostGuard(guarded, bound, allow_hosts)
 
 
 def _act(action: str) -> Any:

@@ -2,8 +2,9 @@
 
 As the router has it (:mod:`balancer.router.app`): loopback needs no token;
 beyond loopback ``balancer web`` refuses to start without
-``BALANCER_WEB_TOKEN`` (:func:`start_refusal`, on the router's own
-:func:`~balancer.router.app.is_loopback`). When a token is set every request
+``BALANCER_WEB_TOKEN`` (:func:`start_refusal`, on the guards both share,
+:mod:`balancer.httpguard`: the loopback rule, the body limit, and the ``Host``
+and ``Origin`` check against DNS rebinding). When a token is set every request
 must carry it, as ``Authorization: Bearer <token>`` or as the password of
 HTTP basic auth (any user name), so a browser can log in with its own
 prompt. Every change is a POST whose form carries a CSRF token bound to a
@@ -21,7 +22,7 @@ import secrets
 from collections.abc import Mapping
 
 from balancer.errors import printable
-from balancer.router.app import ASGIApp, Receive, Scope, Send, is_loopback
+from balancer.httpguard import ASGIApp, Receive, Scope, Send, is_loopback
 
 #: The cookie a form's CSRF token is bound to.
 CSRF_COOKIE = "balancer_csrf"
