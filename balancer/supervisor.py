@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +81,7 @@ class Child:
     log: Path
     argv: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    launch: list[str] = field(default_factory=list)
     started_at: float = field(default_factory=time.monotonic)
     #: Restarts after short lives in a row (reset by a life of STEADY_S or more).
     quick_deaths: int = 0
@@ -104,10 +105,12 @@ class Supervisor:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
-    def start(self, name: str, argv: list[str], extra_env: Mapping[str, str] | None = None) -> Child:
-        """Run ``python -m balancer <argv>`` in its own process group, logging to ``<name>.log``."""
+    def start(self, name: str, argv: list[str], extra_env: Mapping[str, str] | None = None,
+              launch: Sequence[str] = ()) -> Child:
+        """Run ``python -m balancer <argv>`` in its own process group, logging to ``<name>.log``;
+        ``launch`` goes before it (``ip netns exec NAME``: on a host of a test's network)."""
         log = self.log_dir / f"{name}.log"
-        command = [sys.executable, "-m", "balancer", *argv]
+        command = [*launch, sys.executable, "-m", "balancer", *argv]
         proc = subprocess.Popen(  # noqa: S603 - an argv list this module builds: no shell, no user input
             command,
             env={**self.env, **(extra_env or {})},
@@ -117,7 +120,7 @@ class Supervisor:
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
-        child = Child(name, proc, log, list(argv), dict(extra_env or {}))
+        child = Child(name, proc, log, list(argv), dict(extra_env or {}), list(launch))
         self.children.append(child)
         return child
 
@@ -145,7 +148,7 @@ class Supervisor:
         now = time.monotonic()
         for due, dead in [w for w in self.waiting if w[0] <= now]:
             self.waiting.remove((due, dead))
-            child = self.start(dead.name, dead.argv, dead.extra_env)
+            child = self.start(dead.name, dead.argv, dead.extra_env, dead.launch)
             child.quick_deaths = dead.quick_deaths
             events.append(f"{child.name} started again (pid {child.process.pid})")
         return events

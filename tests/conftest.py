@@ -190,7 +190,8 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's c
 SERIAL_GROUPS = {"test_demo.py": "demo", "test_wheel.py": "demo", "test_chaos.py": "chaos"}
 #: Modules that run real processes for seconds per test; handed out first, so the
 #: short tests fill the gaps at the end instead of one long test running alone.
-LONG_FIRST = ("test_chaos.py", "test_faults.py", "test_e2e.py", "test_endgame.py", "test_router_pipeline.py", "test_metrics.py",
+LONG_FIRST = ("test_hosts.py", "test_chaos.py", "test_faults.py", "test_sentinel.py",
+              "test_e2e.py", "test_endgame.py", "test_router_pipeline.py", "test_metrics.py",
               "test_hostile.py", "test_cli_fuzz.py")
 
 

@@ -5,7 +5,9 @@ PostgreSQL alone. :meth:`StallProxy.stall` stops forwarding in both directions
 without closing anything: the clients' writes sit in buffers, their reads wait,
 exactly as across a partition that drops packets. :meth:`StallProxy.resume`
 forwards again, what was held back included. The proxy runs its own asyncio
-loop in a daemon thread and listens on 127.0.0.1 only.
+loop in a daemon thread and listens on 127.0.0.1 unless told otherwise (the
+real-hosts test listens on its network namespaces' bridge, so that they reach
+this machine's PostgreSQL, which listens on loopback or a socket only).
 
 Its target is a TCP address or a Unix socket: :meth:`StallProxy.for_database`
 fronts a PostgreSQL URL of either kind (the embedded PostgreSQL listens on a
@@ -41,10 +43,11 @@ def database_target(url: str) -> tuple[str, int] | str:
 
 
 class StallProxy:
-    """Forward 127.0.0.1:``port`` to ``target`` (host and port, or a Unix socket's path) until :meth:`close`."""
+    """Forward ``host``:``port`` (127.0.0.1 unless given) to ``target`` (host and port, or a Unix
+    socket's path) until :meth:`close`."""
 
-    def __init__(self, target: tuple[str, int] | str, port: int = 0) -> None:
-        self.target = target
+    def __init__(self, target: tuple[str, int] | str, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.target, self.host = target, host
         self._requested_port = port
         self._loop = asyncio.new_event_loop()
         self._open = asyncio.Event()  # set: forwarding; clear: stalled
@@ -56,18 +59,18 @@ class StallProxy:
         self.connections = 0
 
     @classmethod
-    def for_database(cls, url: str, port: int = 0) -> StallProxy:
+    def for_database(cls, url: str, port: int = 0, host: str = "127.0.0.1") -> StallProxy:
         """A proxy (not started) in front of the PostgreSQL that ``url`` names."""
-        return cls(database_target(url), port)
+        return cls(database_target(url), port, host)
 
     def database_url(self, url: str) -> str:
-        """``url`` through this proxy: 127.0.0.1 and its port, over TCP.
+        """``url`` through this proxy: its address and port, over TCP.
 
         >>> StallProxy("/tmp/s", port=0).database_url("postgresql://postgres:@/balancer?host=/tmp/x/pg")
         'postgresql://postgres:@127.0.0.1:0/balancer'
         """
         parsed = make_url(url).difference_update_query(["host"])
-        return parsed.set(host="127.0.0.1", port=self.port or self._requested_port).render_as_string(hide_password=False)
+        return parsed.set(host=self.host, port=self.port or self._requested_port).render_as_string(hide_password=False)
 
     def start(self) -> StallProxy:
         self._thread.start()
@@ -83,7 +86,7 @@ class StallProxy:
 
     async def _serve(self) -> None:
         self._open.set()
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", self._requested_port)
+        self._server = await asyncio.start_server(self._accept, self.host, self._requested_port)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
