@@ -86,19 +86,19 @@ def test_schedule_heartbeat_complete(url: str, svc: Services) -> None:
     assert gone == {"ok": False, "reason": "not_found"}
 
 
-def test_the_seeds_flow_with_task_id_works_unchanged(url: str, svc: Services) -> None:
+def test_the_seeds_flow_with_task_id_works_unchanged(steady_url: str, svc: Services) -> None:
     """The seed's client: /schedule's answer read as ``task_id``, sent back as ``task_id`` to
     /heartbeat and /complete (before: absent from the answer, and a 422 "extra inputs")."""
-    reply = httpx.post(f"{url}/schedule", json={"estimated_tokens": 500, "models": ["solo"]}).json()
+    reply = httpx.post(f"{steady_url}/schedule", json={"estimated_tokens": 500, "models": ["solo"]}).json()
     task_id = reply["task_id"]
     assert task_id == reply["admission_id"] and reply["model_backend_id"] == "solo"
-    beat = httpx.post(f"{url}/heartbeat", json={"task_id": task_id})
+    beat = httpx.post(f"{steady_url}/heartbeat", json={"task_id": task_id})
     assert beat.status_code == 200 and beat.json()["ok"] is True
     assert in_flight(svc, "solo") == 1
-    done = httpx.post(f"{url}/complete", json={"task_id": task_id})
+    done = httpx.post(f"{steady_url}/complete", json={"task_id": task_id})
     assert done.status_code == 200 and done.json() == {"ok": True, "released": True, "reason": None}
     assert in_flight(svc, "solo") == 0
-    assert httpx.post(f"{url}/heartbeat", json={"task_id": task_id}).json() == {"ok": False, "reason": "not_found"}
+    assert httpx.post(f"{steady_url}/heartbeat", json={"task_id": task_id}).json() == {"ok": False, "reason": "not_found"}
 
 
 @pytest.mark.parametrize(("body", "says"), [
@@ -115,11 +115,11 @@ def test_an_admission_named_neither_way_or_two_ways_is_a_422(url: str, path: str
     assert reply.status_code == 422 and says in json.dumps(reply.json()["detail"]), reply.json()
 
 
-def test_both_names_of_one_admission_are_accepted_together(url: str, svc: Services) -> None:
-    reply = httpx.post(f"{url}/schedule", json={"estimated_tokens": 500, "models": ["solo"]}).json()
+def test_both_names_of_one_admission_are_accepted_together(steady_url: str, svc: Services) -> None:
+    reply = httpx.post(f"{steady_url}/schedule", json={"estimated_tokens": 500, "models": ["solo"]}).json()
     both = {"admission_id": reply["admission_id"], "task_id": reply["task_id"]}
-    assert httpx.post(f"{url}/heartbeat", json=both).json()["ok"] is True
-    assert httpx.post(f"{url}/complete", json=both).json()["released"] is True
+    assert httpx.post(f"{steady_url}/heartbeat", json=both).json()["ok"] is True
+    assert httpx.post(f"{steady_url}/complete", json=both).json()["released"] is True
 
 
 def test_a_full_model_answers_a_tick_aligned_wait(url: str, svc: Services) -> None:
