@@ -1,12 +1,25 @@
-"""``balancer results export``: ended tasks out as JSONL or CSV, from a resumable cursor."""
+"""``balancer results export``: ended tasks out as JSONL or CSV, from a resumable cursor.
+
+The cursor printed is always that of the last row written and flushed: a page
+is written whole before the cursor moves past it, and a Ctrl-C (SIGINT, or a SIGTERM) that
+comes while a page is being written takes effect once that page is flushed,
+so resuming from the printed cursor skips no row. CSV cells that a
+spreadsheet would read as a formula (text starting with ``=``, ``+``, ``-``,
+``@``, a tab or a carriage return) are written with a leading ``'``.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 import click
@@ -19,10 +32,64 @@ def results() -> None:
     """Answers out, for any other consumer (see also the SQL view balancer_results)."""
 
 
+#: What a spreadsheet reads as the start of a formula (or a cell it would split).
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _text(value: Any) -> Any:
     if isinstance(value, dict | list):
         return json.dumps(value, ensure_ascii=False)
     return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+def csv_cell(value: Any) -> Any:
+    """A CSV cell that no spreadsheet runs as a formula: text starting with one of
+    :data:`FORMULA_START` gets a leading ``'`` (numbers are left as they are).
+
+    >>> csv_cell("=HYPERLINK(1)"), csv_cell("-3"), csv_cell(-3), csv_cell("a=b")
+    ("'=HYPERLINK(1)", "'-3", -3, 'a=b')
+    """
+    value = _text(value)
+    return "'" + value if isinstance(value, str) and value.startswith(FORMULA_START) else value
+
+
+class _Interrupts:
+    """SIGINT (or SIGTERM) while a page is being written waits for the page's end (and
+    its flush); at any other moment it interrupts at once."""
+
+    def __init__(self) -> None:
+        self.writing = False
+        self.pending = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.writing:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def page(self) -> Iterator[None]:
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+        if self.pending:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _deferred_interrupts() -> Iterator[_Interrupts]:
+    interrupts = _Interrupts()
+    if threading.current_thread() is not threading.main_thread():  # (a signal handler is the main thread's)
+        yield interrupts
+        return
+    previous = {signum: signal.signal(signum, interrupts) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield interrupts
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @results.command("export")
@@ -39,7 +106,9 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
     and what each task's calls cost (calls sent, billed tokens, cost at the quotas' prices).
 
     On stderr: what the exported tasks' calls cost by model and source, then,
-    last, `cursor: XID-ID`: pass it to --since to resume with no gap and no repeat."""
+    last, `cursor: XID-ID` (the last row written and flushed, also after a
+    Ctrl-C): pass it to --since to resume with no gap and no repeat. CSV cells
+    starting with = + - @ (or a tab or CR) get a leading ' (no spreadsheet formula)."""
     from balancer.cli.pipeline import _migrated
     from balancer.domain.cost import money, price_list, spend, spend_text
     from balancer.storage.results import START, columns, page, parse_cursor
@@ -59,26 +128,30 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
         writer.writerow(written_columns)
     written = 0
     try:
-        while True:
-            rows, after = page(engine, after, source=source, prices=prices, with_prompt=with_prompt)
-            for row in rows:
-                for model, prompt_tokens, completion_tokens, _ in row["usage"]:
-                    tokens = usage.setdefault((row["source"], model), [0, 0])
-                    tokens[0] += prompt_tokens
-                    tokens[1] += completion_tokens
-                if writer is not None:
-                    writer.writerow([_text(row[c]) for c in written_columns])
-                else:
-                    sink.write(json.dumps({c: _text(row[c]) for c in written_columns}, ensure_ascii=False) + "\n")
-            written += len(rows)
-            if rows:
-                sink.flush()
-                if follow:
-                    click.echo(f"cursor: {after}", err=True)
-                continue
-            if not follow:
-                break
-            time.sleep(poll)
+        with _deferred_interrupts() as interrupts:
+            while True:
+                rows, end = page(engine, after, source=source, prices=prices, with_prompt=with_prompt)
+                with interrupts.page():  # a Ctrl-C meanwhile waits for the page to be written and flushed
+                    for row in rows:
+                        for model, prompt_tokens, completion_tokens, _ in row["usage"]:
+                            tokens = usage.setdefault((row["source"], model), [0, 0])
+                            tokens[0] += prompt_tokens
+                            tokens[1] += completion_tokens
+                        if writer is not None:
+                            writer.writerow([csv_cell(row[c]) for c in written_columns])
+                        else:
+                            sink.write(json.dumps({c: _text(row[c]) for c in written_columns}, ensure_ascii=False) + "\n")
+                    if rows:
+                        sink.flush()
+                    written += len(rows)
+                    after = end  # only now: the page's rows are written and flushed
+                if rows:
+                    if follow:
+                        click.echo(f"cursor: {after}", err=True)
+                    continue
+                if not follow:
+                    break
+                time.sleep(poll)
     except KeyboardInterrupt:
         pass
     finally:
