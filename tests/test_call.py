@@ -21,6 +21,7 @@ from balancer.pipeline import answers
 from balancer.pipeline import call as call_module
 from balancer.pipeline import heartbeat as heartbeat_module
 from balancer.pipeline.answers import AnswerWriter, WriterDied
+from balancer.pipeline.dispatcher import Assignment
 from balancer.pipeline.heartbeat import Heartbeat, live_calls, redis_now_ms
 from balancer.pipeline.solver import SolveMessage
 from balancer.services import Services
@@ -374,3 +375,70 @@ def test_a_late_start_that_cannot_reach_redis_is_not_called_and_its_task_is_let_
     row = task_row(svc, other)
     assert row.status == "pending" and row.attempts == 0 and "Redis could not say" in row.error
     assert not heartbeat.holds(next_id)  # let go: nothing keeps its task alive
+
+
+def hedged_task(svc: Services) -> tuple[Assignment, SolveMessage]:  # noqa: F811
+    """A task running on m (its call stalled: nothing renews its deadline, already past)
+    with a hedge admitted on n and recorded; (the first call's assignment, the hedge's message)."""
+    import sqlalchemy as sa
+
+    from balancer.storage.schema import tasks
+
+    a = dispatch_one(svc, {"prompt": "hedged", "model": "m", "max_tokens": 20})
+    assert start_solve(svc.engine, a.task_id, a.admission_id, 60) is not None
+    hedge = svc.core.admit([Candidate(a.estimated_tokens, allowed=("n",))])[0]
+    assert isinstance(hedge, Admitted)
+    with svc.engine.begin() as conn:
+        assert mark_hedged(conn, a.task_id, a.admission_id, hedge.admission_id, "n", a.estimated_tokens)
+        conn.execute(sa.update(tasks).where(tasks.c.id == a.task_id).values(deadline=sa.func.now() - sa.text(
+            "interval '1 second'")))
+    return a, SolveMessage(a.task_id, hedge.admission_id, "n", a.estimated_tokens, hedge=True)
+
+
+def test_a_hedge_keeps_its_task_from_the_sweep_from_its_start(svc: Services, sim) -> None:  # noqa: F811
+    """Issue 40 finding 4: a hedge joined the live-call set only at its worker's next heartbeat
+    (a third of a lease later), and did not move its task's deadline; a sweep in between returned
+    the task to pending and it was dispatched again while the hedge ran. Now the hedge's start
+    moves the task's deadline a lease on and puts the hedge in the live-call set at once."""
+    url, simulator = sim
+    faults(url, hang={"n": 1.5})
+    a, hedge_msg = hedged_task(svc)
+    heartbeat, writer = Heartbeat(svc), AnswerWriter(svc.engine)  # a 60 s lease: its first beat is 20 s away
+    try:
+        thread, out = in_thread(lambda: chain(svc, make_backend(svc.settings), hedge_msg, heartbeat=heartbeat,
+                                              writer=writer))
+        wait_for(lambda: any(e["model"] == "n" for e in simulator.log) or bool(out), what="the hedge's call")
+        assert hedge_msg.admission_id in live_calls(svc.redis, svc.settings.namespace)
+        assert sweep_expired(svc.engine, (), 60) == (0, 0), "the sweep took the task of a starting hedge"
+        thread.join(10)
+        assert out == [["hedge_won"]]
+    finally:
+        writer.close()
+        heartbeat.close()
+    assert task_row(svc, a.task_id).status == "solved"
+
+
+def test_a_hedge_answered_during_its_start_gate_does_not_call(svc: Services, sim,  # noqa: F811
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40 finding 5: a hedge that waited at its model's start gate called even though its
+    task's first call had answered meanwhile (its answer written). Now it checks its task after
+    the gate, frees its slot and does not call."""
+    from balancer.storage.transitions import Answer
+
+    url, simulator = sim
+    a, hedge_msg = hedged_task(svc)
+    renew = svc.core.renew
+
+    def gated(admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None):  # noqa: ANN202
+        decision = renew(admission_id, model, estimated_tokens, lease_ms)
+        assert isinstance(decision, Admitted)
+        # The first call's answer is written while the hedge waits at its gate.
+        assert mark_solved_many(svc.engine, [Answer(a.task_id, a.admission_id, "first", 5, 5)]) != [None]
+        return dataclasses.replace(decision, start_delay_ms=300)
+
+    monkeypatch.setattr(svc.core, "renew", gated)
+    assert chain(svc, make_backend(svc.settings), hedge_msg) == ["stale"]
+    assert [e["model"] for e in simulator.log] == []
+    assert svc.core.live()["n"].in_flight == 0
+    row = task_row(svc, a.task_id)
+    assert (row.status, row.answer) == ("solved", "first")

@@ -35,7 +35,7 @@ from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
-from balancer.storage.hedges import clear_hedge, hedge_in_flight
+from balancer.storage.hedges import clear_hedge, hedge_in_flight, start_hedge
 from balancer.storage.ledger import Usage
 from balancer.storage.retry import with_db_retry
 from balancer.storage.statements import SolveContext
@@ -230,6 +230,28 @@ class Call:
                          "decides, and the task stays running", msg.task_id, msg.model, outcome, change.error)
                 return "left_to_hedge"
         return "stale"
+
+    def start_hedge(self) -> SolveContext | None:
+        """A hedge's start: what its call needs (None: its task is no longer running with it).
+        The task's deadline moves a lease on and the hedge joins the live-call set now, not
+        at the next heartbeat, so the sweep cannot return a task whose hedge is starting."""
+        engine, msg, lease = self.services.engine, self.msg, self.services.settings.lease_seconds
+        ctx = with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id, lease))
+        if ctx is not None:
+            self.heartbeat.mark_live_now(self.admission_id)
+        return ctx
+
+    def hedge_after_gate(self, delay_ms: int) -> bool:
+        """Wait out a hedge's start gate, then whether its task still runs unanswered with it;
+        if not, the slot is freed and the hedge must not call (issue 40 finding 5)."""
+        time.sleep(delay_ms / 1000)
+        engine, msg = self.services.engine, self.msg
+        if with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id)) is not None:
+            return True
+        self.free()
+        log.info("task %d: answered while its hedge on %s waited at the start gate; the hedge does not call",
+                 msg.task_id, msg.model)
+        return False
 
     def clear_hedge(self) -> None:
         """A hedge that got no answer: the task is again its first call's alone."""

@@ -119,6 +119,16 @@ class Heartbeat:
             if self._calls.pop(admission_id, None) is not None:
                 self._gone.append(admission_id)
 
+    def mark_live_now(self, admission_id: str) -> None:
+        """Put a registered call in the live-call set now, not at the next beat (a hedge's start:
+        the sweep must see it at once). A Redis error is logged: the next beat adds it."""
+        try:
+            mark_live(self.services.redis, self.services.settings.namespace, [admission_id], [],
+                      self.lease_seconds * 1000)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("could not add call %s to the live-call set now (%s); the next beat adds it", admission_id,
+                        _first_line(exc))
+
     def holds(self, admission_id: str) -> bool:
         """Whether ``admission_id`` is registered (for tests and logs)."""
         with self._lock:

@@ -57,7 +57,7 @@ cancelled          the task's other call answered first and cut this one off
 =================  ==============================================================
 
 A *hedge* (``SolveMessage.hedge``) is a second call for a task whose first
-call straggles, on another model (see the dispatcher). The first answer of the
+call straggles, on another model (see the dispatcher; its start: ``Call.start_hedge``). The first answer of the
 two is written (``hedge_won`` for the hedge's). A hedge that gets no answer
 (429, transient, permanent: ``hedge_failed``; ``no_room``) only frees its
 slot and clears itself from the task, leaving the task to its first call.
@@ -110,7 +110,6 @@ from balancer.pipeline.heartbeat import Heartbeat
 from balancer.pipeline.signals import answered, note_failed, pause_for, trip
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.storage.hedges import start_hedge
 from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
 from balancer.storage.statements import SolveContext
 from balancer.storage.transitions import Answer, is_running_elsewhere, start_solve
@@ -358,16 +357,16 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
                  writer: AnswerWriter) -> Outcome:
     """One hedge call: its answer is written if it comes first; otherwise it only frees its slot."""
     core, msg = services.core, call.msg
-    ctx = with_db_retry(lambda: start_hedge(services.engine, msg.task_id, msg.admission_id))
+    ctx = call.start_hedge()
     if ctx is None:
-        return "stale"  # the first call answered before the hedge started
+        return "stale"  # the first call answered (or the sweep returned the task) before the hedge started
     renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
     if not isinstance(renewed, Admitted):
         call.free()
         call.clear_hedge()
         return "no_room"
-    if renewed.start_delay_ms > 0:
-        time.sleep(renewed.start_delay_ms / 1000)
+    if renewed.start_delay_ms > 0 and not call.hedge_after_gate(renewed.start_delay_ms):
+        return "stale"  # the first call answered while the hedge waited at its model's start gate
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
     except Cancelled as exc:

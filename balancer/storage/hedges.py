@@ -4,22 +4,44 @@ call needs, and clearing a hedge that got no answer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.storage.schema import tasks
-from balancer.storage.statements import SolveContext, admission_guard, context_columns, hedge_guard, update_where
+from balancer.storage.statements import (
+    SolveContext,
+    admission_guard,
+    context_columns,
+    hedge_guard,
+    one_statement,
+    update_where,
+)
 
 
-def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> SolveContext | None:
-    """What a hedge's call needs; None if the task is no longer running with this hedge.
+def start_hedge(engine: Engine, task_id: int, hedge_admission_id: str, lease_seconds: int | None = None) -> SolveContext | None:
+    """What a hedge's call needs; None if the task is no longer running with this hedge
+    (its first call answered, or the sweep returned it).
 
-    It changes nothing: the task stays ``running`` under its first call, and
-    a hedge does not count as an attempt.
+    With ``lease_seconds`` (the hedge's start), the task's deadline is moved to at
+    least one lease from now in the same statement, so the sweep cannot return the
+    task between the hedge's start and its first heartbeat (issue 40 finding 4).
+    Without it (the re-check after the start gate) it changes nothing. The task
+    stays ``running`` under its first call either way, and a hedge does not count
+    as an attempt.
     """
-    with engine.connect() as conn:
-        row = conn.execute(sa.select(*context_columns(tasks.c.hedge_model)).where(hedge_guard(task_id, hedge_admission_id))).first()
+    guard = hedge_guard(task_id, hedge_admission_id)
+    with one_statement(engine) as conn:
+        if lease_seconds is None:
+            row = conn.execute(sa.select(*context_columns(tasks.c.hedge_model)).where(guard)).first()
+        else:
+            later = sa.func.now() + timedelta(seconds=lease_seconds)
+            row = conn.execute(
+                sa.update(tasks).where(guard)
+                .values(deadline=sa.func.greatest(sa.func.coalesce(tasks.c.deadline, later), later))
+                .returning(*context_columns(tasks.c.hedge_model))
+            ).first()
     return SolveContext(*row) if row else None
 
 
