@@ -179,6 +179,32 @@ AND indnkeyatts = 1 AND indkey[0] = %s
 """
 
 
+#: PostgreSQL's type oid of ``boolean``.
+_BOOLEAN = 16
+#: How long ``where`` may take on one row at import.
+CONDITION_TIMEOUT_S = 5
+
+
+def _check_condition(conn: Connection, definition: SourceDef) -> None:
+    """In the caller's READ ONLY transaction: ``where`` alone in a select list is one
+    column of type boolean (one expression, not two, not a row), and evaluates on a
+    row of the table, read only, within :data:`CONDITION_TIMEOUT_S` (a function that
+    writes, or a sleep, is refused here rather than run by every write-back)."""
+    query = sql.SQL("SELECT {cond} AS balancer_condition FROM {table} LIMIT %s").format(
+        cond=_where(definition), table=_table(definition))
+    try:
+        with conn.begin_nested():
+            conn.exec_driver_sql(f"SET LOCAL statement_timeout = '{CONDITION_TIMEOUT_S}s'")
+            result = conn.exec_driver_sql(_render(conn, query), (1,))
+            types = [column[1] for column in result.cursor.description or ()]
+            result.fetchall()
+    except DBAPIError as exc:
+        raise SourceFileError(f"sources.{definition.name}: where cannot be evaluated, read only, on a row of "
+                              f"{definition.table}: {describe(definition, exc)}") from None
+    if types != [_BOOLEAN]:
+        raise SourceFileError(f"sources.{definition.name}: where is not one boolean condition")
+
+
 def check_source(conn: Connection, definition: SourceDef) -> None:
     """Check the definition against the source's catalog: the table, every column,
     a unique key, a ``where`` that is a condition on it, write-backs that would
@@ -205,6 +231,7 @@ def check_source(conn: Connection, definition: SourceDef) -> None:
         except DBAPIError as exc:
             raise SourceFileError(f"sources.{name}: where is not a condition on {definition.table}: "
                                   f"{describe(definition, exc)}") from None
+        _check_condition(conn, definition)
     with conn.begin() as transaction:  # EXPLAIN plans the UPDATE, never runs it; rolled back all the same
         for outcome in ("solved", "failed"):
             query = writeback_query(definition, outcome)

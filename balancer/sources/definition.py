@@ -25,7 +25,8 @@ Format::
 Parsing is pure. Identifiers must be plain SQL identifiers (letters, digits,
 ``_`` and ``$``, at most 63 characters); they are quoted when used and checked
 against the database's catalog at import (:mod:`balancer.sources.catalog`).
-``where`` is SQL the team owns: it may not contain ``;`` or a comment, so it
+``where`` is SQL the team owns: outside its literals it may not contain ``;``, a comment, or a
+parenthesis it did not open (:func:`check_where`), so it
 is one condition inside balancer's one statement, never a statement of its own.
 It guards each write-back (a row that no longer matches it is not
 overwritten), so a row written back must stop matching it: that is what makes
@@ -121,19 +122,86 @@ def check_identifier(what: str, value: str) -> str:
     return value
 
 
+_IDENT_CHAR = re.compile(r"[A-Za-z0-9_$\u0080-\U0010ffff]")
+_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\u0080-\U0010ffff][A-Za-z0-9_\u0080-\U0010ffff]*)?\$")
+
+
+def _bare(where: str, *, backslash_escapes: bool) -> str:
+    """``where`` with the inside of every string literal, quoted identifier and
+    dollar-quoted string blanked out, as PostgreSQL's lexer reads them (with
+    ``backslash_escapes``: as a server with ``standard_conforming_strings = off``
+    reads a plain '...'). :class:`SourceFileError` on one left unterminated.
+
+    >>> _bare("a = 'x)' AND $t$--$t$ = b", backslash_escapes=False)
+    "a = '  ' AND $t$  $t$ = b"
+    """
+    out: list[str] = []
+    i, n = 0, len(where)
+    while i < n:
+        c = where[i]
+        before = where[i - 1] if i else ""
+        if c == "$" and not _IDENT_CHAR.match(before) and (tag := _DOLLAR_TAG.match(where, i)):
+            end = where.find(tag.group(), tag.end())
+            if end < 0:
+                raise SourceFileError("where has an unterminated dollar-quoted string")
+            out.append(tag.group() + " " * (end - tag.end()) + tag.group())
+            i = end + len(tag.group())
+            continue
+        if c in "'\"":
+            escapes = c == "'" and (backslash_escapes or (
+                before in "Ee" and before != "" and not _IDENT_CHAR.match(where[i - 2] if i >= 2 else "")))
+            j = i + 1
+            while True:
+                if j >= n:
+                    raise SourceFileError("where has an unterminated " + ("string" if c == "'" else "quoted identifier"))
+                if escapes and where[j] == "\\":
+                    j += 2
+                elif where[j] == c and j + 1 < n and where[j + 1] == c:
+                    j += 2  # a doubled quote stands for one
+                elif where[j] == c:
+                    break
+                else:
+                    j += 1
+            out.append(c + " " * (j - i - 1) + c)
+            i = j + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def check_where(where: str) -> str:
-    """A condition that stays one condition inside balancer's statement.
+    """A condition that stays one condition inside balancer's statement, whatever it
+    holds: outside its string literals and quoted identifiers (read as PostgreSQL's
+    lexer reads them, with ``standard_conforming_strings`` on or off), no ``;``, no
+    comment, and parentheses that balance without ever closing one it did not open,
+    so it cannot leave the parentheses balancer puts it in. (That it is one boolean
+    expression on the table is checked against the database at import:
+    :func:`balancer.sources.catalog.check_source`.)
 
     >>> check_where("status = 'unsolved'")
     "status = 'unsolved'"
+    >>> check_where("status = 'unsolved') OR (status = 'unsolved'")
+    Traceback (most recent call last):
+    ...
+    balancer.sources.definition.SourceFileError: where closes a parenthesis it did not open: it must be one condition
     """
     if not where.strip() or len(where) > MAX_WHERE_CHARS:
         raise SourceFileError(f"where must be a non-empty SQL condition of at most {MAX_WHERE_CHARS} characters")
-    for bad, what in ((";", "a ';'"), ("--", "a comment"), ("/*", "a comment"), ("\x00", "a NUL character")):
-        if bad in where:
-            raise SourceFileError(f"where may not contain {what}: it is one condition, not a statement")
-    if where.count("(") != where.count(")"):
-        raise SourceFileError("where has unbalanced parentheses")
+    if "\x00" in where:
+        raise SourceFileError("where may not contain a NUL character")
+    for backslash_escapes in (False, True):
+        bare = _bare(where, backslash_escapes=backslash_escapes)
+        for bad, what in ((";", "a ';'"), ("--", "a comment"), ("/*", "a comment")):
+            if bad in bare:
+                raise SourceFileError(f"where may not contain {what}: it is one condition, not a statement")
+        depth = 0
+        for c in bare:
+            depth += (c == "(") - (c == ")")
+            if depth < 0:
+                raise SourceFileError("where closes a parenthesis it did not open: it must be one condition")
+        if depth:
+            raise SourceFileError("where has unbalanced parentheses")
     return where
 
 
