@@ -168,6 +168,12 @@ class Settings:
         partial(_seconds, low=0.1, high=86_400))
     ingest_tick: float = _setting("seconds between inbox and source table polls", 5.0,
                                   partial(_seconds, low=0.1, high=86_400))
+    source_lock_timeout: float = _setting(
+        "seconds a read or write-back of a source table waits for a lock the team holds before it gives up until "
+        "its next turn (PostgreSQL's lock_timeout)", 2.0, partial(_seconds, low=0.01, high=3600))
+    source_statement_timeout: float = _setting(
+        "seconds one read or write-back statement on a source table may run (PostgreSQL's statement_timeout)", 30.0,
+        partial(_seconds, low=0.1, high=3600))
     writeback_tick: float = _setting(
         "seconds the dispatcher's write-back loop waits when no ended task of a source table is waiting", 0.2,
         partial(_seconds, low=0.01, high=3600))

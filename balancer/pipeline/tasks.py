@@ -21,6 +21,7 @@ from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
+from balancer.sources.polling import SourceReadLoop
 from balancer.sources.writeback import WritebackLoop
 from balancer.storage.leases import sweep_expired
 
@@ -144,12 +145,10 @@ def sweep_task() -> int:
 
 @app.task(name=keys.INGEST_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def ingest_task() -> int:
+    """The inbox. (Source tables are read by :class:`SourceReads`, off the control threads.)"""
     from balancer.pipeline.ingest import ingest_inbox
-    from balancer.sources.ingest import ingest_sources
 
     svc = runtime.services()
-    if sum(r.created for r in ingest_sources(svc)):  # source tables
-        trigger_dispatch()
     if not svc.settings.inbox:
         return 0
     files = ingest_inbox(svc, Path(svc.settings.inbox))
@@ -168,5 +167,14 @@ class DispatcherTicks(FallbackTicks):
                 (settings.ingest_tick, ingest_task.delay)]
 
 
+class SourceReads(SourceReadLoop):
+    """Source tables, each read on a thread of its own: a locked or slow team table never holds
+    a control thread (dispatch, sweep). Tasks made ask for a dispatch."""
+
+    def created(self) -> None:
+        trigger_dispatch()
+
+
 app.steps["consumer"].add(DispatcherTicks)
+app.steps["consumer"].add(SourceReads)
 app.steps["consumer"].add(WritebackLoop)  # source tables: ended tasks written back, in the dispatcher

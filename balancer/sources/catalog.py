@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from psycopg2 import sql
@@ -22,6 +23,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from balancer.errors import ConfigError, ServiceUnavailable, printable
+from balancer.settings import Settings
 from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.storage.db import cached_engine
 from balancer.urls import mask_url, scrub
@@ -56,12 +58,37 @@ def describe(definition: SourceDef, exc: BaseException) -> str:
     return printable(first, 300)
 
 
+@dataclass(frozen=True)
+class TimeLimits:
+    """How long a statement on the team's table may wait for the team's lock, and run: the
+    team's database must never hold balancer's threads (``BALANCER_SOURCE_LOCK_TIMEOUT``,
+    ``BALANCER_SOURCE_STATEMENT_TIMEOUT``)."""
+
+    lock_s: float = Settings.source_lock_timeout
+    statement_s: float = Settings.source_statement_timeout
+
+    @classmethod
+    def of(cls, settings: Settings) -> TimeLimits:
+        return cls(settings.source_lock_timeout, settings.source_statement_timeout)
+
+    def apply(self, conn: Connection, *, local: bool) -> None:
+        """Set both limits on ``conn``: for its transaction (``local``) or its session."""
+        conn.exec_driver_sql("SELECT set_config('lock_timeout', %s, %s), set_config('statement_timeout', %s, %s)",
+                             (f"{max(1, round(self.lock_s * 1000))}ms", local,
+                              f"{max(1, round(self.statement_s * 1000))}ms", local))
+
+
 @contextmanager
-def team_connection(definition: SourceDef, own: Engine) -> Iterator[Connection]:
-    """A connection on the source's database; an unreachable one is a one-line :class:`ServiceUnavailable`."""
+def team_connection(definition: SourceDef, own: Engine, limits: TimeLimits | None = None) -> Iterator[Connection]:
+    """A connection on the source's database; an unreachable one is a one-line :class:`ServiceUnavailable`.
+    On the team's own database, every statement of the session has ``limits``; on balancer's,
+    :func:`read_rows` sets them for its transaction (a pooled session of balancer's keeps its own)."""
     engine = team_engine(definition, own)
     try:
         conn = engine.connect()
+        if definition.database_url_env is not None:
+            (limits or TimeLimits()).apply(conn, local=False)
+            conn.commit()
     except DBAPIError as exc:
         where = mask_url(team_url(definition, "")) if definition.database_url_env else "balancer's database"
         raise ServiceUnavailable(f"source {definition.name}: cannot reach {where}: {describe(definition, exc)}") from None
@@ -100,13 +127,16 @@ def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composa
         cond=sql.SQL(" AND ").join(conditions))
 
 
-def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, limit: int) -> list[tuple]:
-    """One batch of work rows with key > ``after`` (and <= ``upto``), in one READ ONLY transaction:
+def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, limit: int,
+              limits: TimeLimits | None = None) -> list[tuple]:
+    """One batch of work rows with key > ``after`` (and <= ``upto``), in one READ ONLY transaction
+    within ``limits`` (a table the team holds locked fails it in ``lock_s``):
     the only lock taken on the team's table is this read's."""
     params: list[Any] = [p for p in (after, upto) if p is not None] + [limit]
     query = _render(conn, read_query(definition, after=after is not None, upto=upto is not None))
     with conn.begin():
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        (limits or TimeLimits()).apply(conn, local=True)
         return [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from balancer.services import Services
-from balancer.sources.catalog import read_rows, team_connection
+from balancer.sources.catalog import TimeLimits, read_rows, team_connection
 from balancer.sources.definition import SourceDef
 from balancer.sources.rows import after_read, after_rescan, row_to_task
 from balancer.sources.schema import sources
@@ -70,13 +70,14 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
     """Read ``definition`` past its cursor until caught up (or ``budget_s`` is spent), then one rescan batch."""
     report = SourceIngest(definition.name)
     deadline = time.monotonic() + budget_s
-    with team_connection(definition, services.engine) as team:
+    limits = TimeLimits.of(services.settings)
+    with team_connection(definition, services.engine, limits) as team:
         while True:
             with services.engine.connect() as conn:
                 start = read_cursor(conn, definition.name)
             if start is None:
                 return report  # removed meanwhile
-            rows = read_rows(team, definition, start.position, None, definition.batch)
+            rows = read_rows(team, definition, start.position, None, definition.batch, limits)
             report.read += len(rows)
             position, caught_up = after_read(start.position, [r[0] for r in rows], definition.batch)
             moved = _insert(services, definition, rows, models, start, Cursor(position, start.rescan), caught_up, report)
@@ -87,31 +88,46 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
                 return report
         if start.position is not None:
             start = Cursor(position, start.rescan)
-            rows = read_rows(team, definition, start.rescan, position, definition.batch)
+            rows = read_rows(team, definition, start.rescan, position, definition.batch, limits)
             rescan = after_rescan([r[0] for r in rows], definition.batch)
             _insert(services, definition, rows, models, start, Cursor(position, rescan), True, report)
     return report
 
 
-def ingest_sources(services: Services, *, budget_s: float = 2.0) -> list[SourceIngest]:
-    """One tick: every declared source whose ``poll_seconds`` have passed since it was last read."""
+def due_sources(services: Services) -> list[SourceDef]:
+    """Every declared source whose ``poll_seconds`` have passed since it was last read."""
     with services.engine.connect() as conn:
         due = set(conn.execute(sa.select(sources.c.name).where(sa.or_(
             sources.c.read_at.is_(None),
             sources.c.read_at <= sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0,
                                                                       sa.cast(sources.c.definition["poll_seconds"].astext, sa.Float))
         ))).scalars())
-        definitions = [d for d in all_sources(conn) if d.name in due]
+        return [d for d in all_sources(conn) if d.name in due]
+
+
+def quota_bursts(services: Services) -> dict[str, int]:
+    """Every configured model and its burst: what :func:`balancer.sources.rows.row_to_task` checks a row against."""
+    return {q.name: q.burst for q in services.quotas.all()}
+
+
+def ingest_logged(services: Services, definition: SourceDef, models: dict[str, int], *,
+                  budget_s: float = 2.0) -> SourceIngest | None:
+    """:func:`ingest_source`, its outcome logged; None if the source could not be read this time."""
+    try:
+        report = ingest_source(services, definition, models, budget_s=budget_s)
+    except Exception as exc:  # noqa: BLE001 - one unreachable source must not starve the others
+        log.warning("source %s not read this tick: %s", definition.name, str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+    if report.created or report.skipped:
+        log.info("source %s: %d task(s) created, %d row(s) not tasks", definition.name, report.created, report.skipped)
+    return report
+
+
+def ingest_sources(services: Services, *, budget_s: float = 2.0) -> list[SourceIngest]:
+    """Every due source, one after another (the dispatcher reads each on a thread of its own instead:
+    :mod:`balancer.sources.polling`)."""
+    definitions = due_sources(services)
     if not definitions:
         return []
-    models = {q.name: q.burst for q in services.quotas.all()}
-    reports = []
-    for definition in definitions:
-        try:
-            reports.append(report := ingest_source(services, definition, models, budget_s=budget_s))
-            if report.created or report.skipped:
-                log.info("source %s: %d task(s) created, %d row(s) not tasks", definition.name, report.created,
-                         report.skipped)
-        except Exception as exc:  # noqa: BLE001 - one unreachable source must not starve the others
-            log.warning("source %s not read this tick: %s", definition.name, str(exc).splitlines()[0] if str(exc) else exc)
-    return reports
+    models = quota_bursts(services)
+    return [r for d in definitions if (r := ingest_logged(services, d, models, budget_s=budget_s)) is not None]
