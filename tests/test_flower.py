@@ -24,9 +24,11 @@ pytestmark = pytest.mark.timeout(300)
 AUTH = ("ops", "secret")
 
 
-def submit(env: dict[str, str], prompts: list[str]) -> None:
+def submit(env: dict[str, str], prompts: list[tuple[str, str]]) -> None:
+    """Submit (prompt, model) pairs: each pinned, so that every model gets work whatever
+    placement would prefer (unpinned, a faster model can take nearly all of them)."""
     done = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"],
-                          input="".join(json.dumps({"prompt": p}) + "\n" for p in prompts),
+                          input="".join(json.dumps({"prompt": p, "model": m}) + "\n" for p, m in prompts),
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0, done.stderr
 
@@ -60,7 +62,7 @@ def test_flower_lists_every_model_queue_names_solves_by_model_and_leaves_the_tic
         deadline, sent = time.monotonic() + 120, 0
         while len({t["name"] for t in solves}) < 2:  # events on (Flower turns them on): tasks of both models
             assert time.monotonic() < deadline, f"Flower's task list: {solves}"
-            submit(env, [f"question {sent + i}" for i in range(10)])
+            submit(env, [(f"question {sent + i}", models[i % 2].name) for i in range(10)])
             sent += 10
             time.sleep(2)
             tasks = httpx.get(f"{api}/tasks", auth=AUTH, timeout=30).json()

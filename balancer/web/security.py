@@ -26,12 +26,14 @@ from balancer.httpguard import ASGIApp, Receive, Scope, Send, is_loopback
 
 #: The cookie a form's CSRF token is bound to.
 CSRF_COOKIE = "balancer_csrf"
-#: Sent on every response.
+#: Sent on every response. The referrer policy is ``same-origin``, not ``no-referrer``: under
+#: ``no-referrer`` a browser sends ``Origin: null`` with the console's own form posts, which
+#: :class:`balancer.httpguard.HostGuard` must refuse; ``same-origin`` still sends no URL to another site.
 HEADERS = (
     (b"content-security-policy", b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                  b"connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"),
     (b"x-content-type-options", b"nosniff"),
-    (b"referrer-policy", b"no-referrer"),
+    (b"referrer-policy", b"same-origin"),
     (b"cache-control", b"no-store"),
 )
 
