@@ -74,9 +74,8 @@ NOTES: tuple[tuple[str, str], ...] = (
 )
 
 FOOTER = """
-Tests read `BALANCER_TEST_REDIS_URL`, `BALANCER_TEST_DATABASE_URL` and, for the RabbitMQ run,
-`BALANCER_TEST_RABBITMQ_URL` (default `amqp://guest:guest@127.0.0.1:5672//`); unset, they start embedded
-servers. An error names a URL by scheme, host, port and database only, never its user or password.
+An error names a URL by scheme, host, port and database only, never its user or password. The variables
+the tests read are in [getting-started.md](getting-started.md#the-tests).
 """
 
 
