@@ -78,6 +78,39 @@ def test_every_relative_link_points_to_a_file(page: Path) -> None:
     assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
 
 
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub makes of a page's headings: lowercased, punctuation but `-` and `_` dropped, spaces to
+    hyphens, a repeated heading numbered."""
+    found: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.finditer(r"^#{1,6}\s+(.*?)\s*#*$", FENCE.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading[1].strip().lower()).replace(" ", "-")
+        found.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_anchor_of_a_link_to_a_page_is_one_of_its_headings(page: Path) -> None:
+    """A renamed heading breaks no `page.md#heading` link of README.md or docs/*.md."""
+    targets = [m["target"] for m in LINK.finditer(without_code(page.read_text()))]
+    broken = []
+    for target in targets:
+        path, _, anchor = target.partition("#")
+        if not anchor or re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue
+        linked = page.parent / path if path else page
+        if linked.suffix == ".md" and linked.exists() and anchor not in anchors(linked):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(ROOT)} links to headings that do not exist: {broken}"
+
+
+def test_anchors_are_githubs() -> None:
+    page = ROOT / "docs" / "admission.md"
+    assert "how-providers-count-and-token_accounting" in anchors(page)
+    assert "sources-a-fair-share-of-the-window" in anchors(page)
+
+
 def test_the_link_check_sees_links_and_skips_code() -> None:
     page = ROOT / "docs" / "how-it-works.md"
     links = relative_links(page)
