@@ -225,7 +225,7 @@ def test_claim_by_source_reads_each_source_head_not_the_backlog(svc) -> None:  #
         assert {s: len(q) for s, q in queues.items()} == {"a": 5, "b": 3}
         assert [t.id for t in queues["b"]] == b
         plan = "\n".join(r[0] for r in conn.execute(sa.text("EXPLAIN " + claims._CLAIM_BY_SOURCE.text),
-                                                     {"sources": ["a", "b"], "open_models": ["m"], "k": 5}))
+                                                     {"sources": ["a", "b"], "open_models": ["m"], "ks": [5, 5]}))
     assert "Index Scan using tasks_pending_source" in plan and "Index Cond" in plan, plan
 
 

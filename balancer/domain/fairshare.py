@@ -134,6 +134,21 @@ def fill(queues: Mapping[str, Sequence[W]], limit: int, weights: Mapping[str, in
     return out, Shares(deficits, last)
 
 
+def claim_sizes(weights: Mapping[str, int], limit: int) -> dict[str, int]:
+    """How many of each source's head to claim for a window of ``limit``: twice its share of
+    the window by weight (a source that banked a deficit may take more than its share), at
+    least one, at most ``limit``. So thousands of sources cost a task or two each, not a window each.
+
+    >>> claim_sizes({"live": 2000, **{f"b{i}": 1 for i in range(2000)}}, 32)["live"], \
+    ...     claim_sizes({"live": 2000, **{f"b{i}": 1 for i in range(2000)}}, 32)["b7"]
+    (32, 1)
+    >>> claim_sizes({"a": 1, "b": 1}, 10)
+    {'a': 10, 'b': 10}
+    """
+    total = sum(max(1, w) for w in weights.values()) or 1
+    return {s: max(1, min(limit, math.ceil(2 * limit * max(1, w) / total))) for s, w in weights.items()}
+
+
 def refund(shares: Shares, unserved: Iterable[tuple[str, int]]) -> Shares:
     """Give back the estimates of (source, estimated tokens) charged by :func:`fill`
     but not served (the admission refused them, or no ready list had room).

@@ -9,7 +9,9 @@ Each round locks two sets of pending tasks, skipping rows another dispatcher
 holds: the *pinned lane* (for each model with free slots, up to that many tasks
 pinned to it alone) and a window of the rest: priority first, and within a
 priority, turns across sources by weight (:mod:`balancer.pipeline.fairness`),
-so a backfill from one source does not stand ahead of a live one. Pinned
+so a backfill from one source does not stand ahead of a live one. While
+several sources share the window, that holds for pinned tasks too: they take
+their source's turn in the window, and no pinned lane is claimed. Otherwise pinned
 tasks have nowhere else to go, so they get first claim on their model: they
 go first in the batch, and while a model still has pinned tasks pending
 (counting those another dispatcher holds) it takes no flexible work. So a slow
@@ -189,14 +191,18 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             break
         with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
             held = over_budget.read(conn)
-            pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()}, held)
-            # Every model, not only the open ones: a full model's slot can free
-            # between the live read and the admit call.
-            reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned], held=held)
+            who = fairness.pending(services, conn, held)
+            pinned: list[PendingTask] = []
+            reserved: set[str] = set()
+            if not who.shared:  # while sources share, pinned tasks take their source's turn in the window
+                pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()}, held)
+                # Every model, not only the open ones: a full model's slot can free
+                # between the live read and the admit call.
+                reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned], held=held)
             # A model with ready tasks takes those first (take_from_ready), not new flexible work.
             reserved |= {name for name, m in view.items() if m.ready}
             limit = claim_limit(free, window)
-            fair = fairness.claim_flexible(services, conn, limit, free, held)
+            fair = fairness.claim_flexible(services, conn, limit, free, held, who)
             claimed = fair.tasks
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:

@@ -5,7 +5,11 @@ and orders the window by weighted deficit round robin
 (:mod:`balancer.domain.fairshare`), with the weights of ``balancer source
 set`` and the round robin's state from Redis (:mod:`balancer.admission.shares`).
 :func:`settle` then gives back what the admission did not take and stores the
-state. With one source pending there is nothing to share: the window is
+state. While several sources share, the pinned tasks an open model may take
+are in their sources' queues like any other (the dispatcher then claims no
+pinned lane ahead of them; issue 38 finding 12), and each source's head is
+claimed by its share of the window (:func:`balancer.domain.fairshare.claim_sizes`).
+With one source pending there is nothing to share: the window is
 claimed as with fairness off (:func:`balancer.storage.claims.claim_window`,
 which never reads tasks no open model may take), and no state is read or
 written. ``BALANCER_SOURCE_FAIRNESS=off``
@@ -37,22 +41,48 @@ class Window:
     shares: fairshare.Shares | None = None
 
 
-def claim_flexible(services: Services, conn: Connection, limit: int, open_models: Iterable[str],
-                   held: Collection[str] = ()) -> Window:
-    """Lock and order up to ``limit`` flexible tasks for this round, none of a
-    ``held`` source (over its budget: :mod:`balancer.pipeline.budgets`)."""
+@dataclass(frozen=True)
+class Pending:
+    """The sources with pending work this round, and those of them not over their budget."""
+
+    sources: list[str]
+    kept: list[str]
+    fair: bool
+
+    @property
+    def shared(self) -> bool:
+        """Whether several sources share the window: then every task, pinned to one model or
+        not, takes its source's turn (no pinned lane ahead of the round robin)."""
+        return self.fair and len(self.kept) > 1
+
+
+def pending(services: Services, conn: Connection, held: Collection[str] = ()) -> Pending:
+    """Which sources have pending work (read only when fairness or a budget needs it)."""
     fair = services.settings.source_fairness
     sources = pending_sources(conn) if fair or held else []
-    kept = [source for source in sources if source not in held]
-    if len(kept) == len(sources) and (not fair or len(sources) <= 1):
+    return Pending(sources, [source for source in sources if source not in held], fair)
+
+
+def claim_flexible(services: Services, conn: Connection, limit: int, open_models: Iterable[str],
+                   held: Collection[str] = (), who: Pending | None = None) -> Window:
+    """Lock and order up to ``limit`` tasks for this round, none of a ``held`` source (over
+    its budget: :mod:`balancer.pipeline.budgets`): the flexible ones, and while sources share
+    (``who.shared``) the pinned ones an open model may take too, each in its source's turn."""
+    who = who or pending(services, conn, held)
+    if len(who.kept) == len(who.sources) and not who.shared:
         return Window(claim_window(conn, limit, open_models))
-    # A held source has pending work: each other source's head, over its own index.
-    queues = claim_by_source(conn, kept, limit, open_models)
-    if not fair or len(queues) <= 1:
+    if not who.shared:  # a held source has pending work: each other source's head, over its own index
+        queues = claim_by_source(conn, who.kept, limit, open_models)
         return Window(sorted((task for queue in queues.values() for task in queue),
                              key=lambda t: (-t.priority, t.id))[:limit])
+    declared = weights(conn)
+    shares = {source: declared.get(source, DEFAULT_WEIGHT) for source in who.kept}
+    # Each source's share of the window twice over: thousands of sources cost a task or two each.
+    queues = claim_by_source(conn, who.kept, fairshare.claim_sizes(shares, limit), open_models)
+    if len(queues) <= 1:
+        return Window([task for queue in queues.values() for task in queue][:limit])
     state = shared_state.load(services.redis, services.settings.namespace)
-    order, after = fairshare.fill(queues, limit, weights(conn), state, default_weight=DEFAULT_WEIGHT)
+    order, after = fairshare.fill(queues, limit, shares, state, default_weight=DEFAULT_WEIGHT)
     return Window(order, after)
 
 

@@ -62,8 +62,10 @@ def stock_ready(services: Services, view: dict[str, ModelLive], held: Collection
         return 0
     wanted = sum(targets.values())
     with services.engine.begin() as conn:
-        pinned = claim_pinned(conn, targets, held)
-        fair = fairness.claim_flexible(services, conn, wanted, targets, held)
+        who = fairness.pending(services, conn, held)
+        # While sources share, pinned tasks come in their source's turn with the window's.
+        pinned = [] if who.shared else claim_pinned(conn, targets, held)
+        fair = fairness.claim_flexible(services, conn, wanted, targets, held, who)
         if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
             targets = stock_targets(view, settings, shallow)  # sources met in this very claim
         placed = place_ready(pinned, fair.tasks, targets)

@@ -192,7 +192,7 @@ _PENDING_SOURCES = sa.text(
 _CLAIM_BY_SOURCE = sa.text(
     """
     SELECT h.id, h.estimated_tokens, h.allowed_models, h.avoid_model, h.source, h.priority
-      FROM unnest(CAST(:sources AS text[])) AS s(source)
+      FROM unnest(CAST(:sources AS text[]), CAST(:ks AS int[])) AS s(source, k)
      CROSS JOIN LATERAL (
            SELECT id, estimated_tokens, allowed_models, avoid_model, source, priority
              FROM tasks
@@ -200,7 +200,7 @@ _CLAIM_BY_SOURCE = sa.text(
               AND (not_before IS NULL OR not_before <= now())
               AND (allowed_models IS NULL OR allowed_models && CAST(:open_models AS text[]))
             ORDER BY source, priority DESC, id
-            LIMIT :k
+            LIMIT s.k
               FOR UPDATE SKIP LOCKED) AS h
     """
 )
@@ -211,8 +211,9 @@ def pending_sources(conn: Connection) -> list[str]:
     return list(conn.execute(_PENDING_SOURCES).scalars())
 
 
-def claim_by_source(conn: Connection, sources: list[str], limit: int, open_models: Iterable[str]) -> dict[str, list[PendingTask]]:
-    """Lock, for each of ``sources``, up to ``limit`` of its pending tasks,
+def claim_by_source(conn: Connection, sources: list[str], limit: int | Mapping[str, int],
+                    open_models: Iterable[str]) -> dict[str, list[PendingTask]]:
+    """Lock, for each of ``sources``, up to ``limit`` (or ``limit[source]``) of its pending tasks,
     priority then age, that an open model could take: the queues the fair
     share (:mod:`balancer.domain.fairshare`) fills the window from.
 
@@ -224,9 +225,10 @@ def claim_by_source(conn: Connection, sources: list[str], limit: int, open_model
     no open model may take: the dispatcher uses this only while several
     sources have pending work.
     """
-    if limit <= 0 or not sources:
+    sizes = [limit.get(source, 0) if isinstance(limit, Mapping) else limit for source in sources]
+    if not sources or max(sizes) <= 0:
         return {}
-    rows = conn.execute(_CLAIM_BY_SOURCE, {"sources": sources, "open_models": list(open_models), "k": limit})
+    rows = conn.execute(_CLAIM_BY_SOURCE, {"sources": sources, "open_models": list(open_models), "ks": sizes})
     queues: dict[str, list[PendingTask]] = {source: [] for source in sources}
     for r in rows:
         queues[r.source].append(PendingTask(
