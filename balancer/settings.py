@@ -156,6 +156,9 @@ class Settings:
     source_fairness: bool = _setting(
         "on: fill the dispatch window across sources by weight (balancer.domain.fairshare); off: priority, then age",
         True, _switch)
+    consumers_required: bool = _setting(
+        "on: the dispatcher sends work only to models a live worker consumes (balancer.pipeline.consumers); "
+        "off: to any model (tests that run no worker)", True, _switch)
     dedup: bool = _setting(
         "on: every new task may take the answer of an identical solved task instead of a call", False, _switch)
     hedge_budget: float = _setting("share of the run's tokens that hedges of straggling calls may use (0: none)", 0.05,

@@ -59,6 +59,14 @@ settlements = st.builds(
     limit_tokens=st.none() | st.none() | st.integers(1, 30_000),
     limit_requests=st.none() | st.none() | st.integers(1, 40),
 )
+#: Worker processes saying which models they consume (a ttl of 0: no more), and the dispatcher's
+#: admissions and ready-list passes, which only models with a live consumer may take.
+consumer_operations = (
+    st.tuples(st.just("consume"), st.sampled_from(["w1", "w2"]), st.lists(st.sampled_from(NAMES + ["nope"]), max_size=3),
+              st.sampled_from([0, 1, 2_000, 8_000, 60_000])),
+    st.tuples(st.just("admit_consumed"), st.lists(candidates, min_size=1, max_size=6)),
+    st.tuples(st.just("take_ready_consumed"),),
+)
 operations = st.lists(
     st.one_of(
         st.tuples(st.just("admit"), st.lists(candidates, min_size=1, max_size=6)),
@@ -90,6 +98,7 @@ operations = st.lists(
         st.tuples(st.just("set"), quotas),
         st.tuples(st.just("remove"), st.sampled_from(NAMES)),
         st.tuples(st.just("lose"),),
+        *consumer_operations,
     ),
     max_size=40,
 )
@@ -120,6 +129,7 @@ ready_operations = st.lists(
         st.tuples(st.just("advance"), st.integers(0, 3_000)),
         st.tuples(st.just("set"), quotas.filter(lambda q: q.name in NAMES[:2])),
         st.tuples(st.just("remove"), st.sampled_from(NAMES[:2])),
+        *consumer_operations,
     ),
     min_size=8,
     max_size=40,
@@ -163,8 +173,8 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
         twin.check_same_state()
         for step, op in enumerate(ops):
             kind = op[0]
-            if kind == "admit":
-                for cand, decision in zip(op[1], twin.admit(op[1])):
+            if kind in ("admit", "admit_consumed"):
+                for cand, decision in zip(op[1], twin.admit(op[1], consumed_only=kind == "admit_consumed")):
                     if isinstance(decision, Admitted):
                         issued.append((decision.admission_id, decision.model, cand.estimated_tokens))
             elif kind == "release" and issued:
@@ -185,8 +195,10 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
                 nxt = twin.finish_and_take(issued[op[1] % len(issued)][0], op[2])
                 if nxt is not None:
                     issued.append((nxt.admission_id, nxt.model, nxt.estimated_tokens))
-            elif kind == "take_ready":
-                taken, _ = twin.take_ready()
+            elif kind == "consume":
+                twin.note_consumers(*op[1:])
+            elif kind in ("take_ready", "take_ready_consumed"):
+                taken, _ = twin.take_ready(consumed_only=kind == "take_ready_consumed")
                 issued.extend((t.admission_id, t.model, t.estimated_tokens) for t in taken)
             elif kind == "hold" and issued:
                 twin.hold(issued[op[1] % len(issued)][0], op[2])

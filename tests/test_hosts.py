@@ -109,7 +109,8 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
         sim_url = f"http://{net.hosts['sim']}:8900"
         hosts_env = {"BALANCER_REDIS_URL": group.url(), "BALANCER_BACKEND_URL": sim_url,
                      "BALANCER_DATABASE_URL": proxy.database_url(migrated["BALANCER_DATABASE_URL"]),
-                     "BALANCER_LEASE_SECONDS": str(LEASE_S), "BALANCER_SWEEP_TICK": "2", "BALANCER_DISPATCH_TICK": "0.5"}
+                     "BALANCER_LEASE_SECONDS": str(LEASE_S), "BALANCER_SWEEP_TICK": "2", "BALANCER_DISPATCH_TICK": "0.5",
+                     "BALANCER_CONSUMERS_REQUIRED": os.environ.get("HOSTS_CONSUMERS_REQUIRED", "on")}
         monkeypatch.setenv("BALANCER_REDIS_URL", group.url())  # the test's own reads: this Redis, through Sentinel
         services = Services.connect(Settings.from_env())
         models = list(default_models(MODELS))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, Settlement
+from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, Settlement, keys
 from balancer.admission.fields import MODEL_FIELDS, STATE_FIELDS, quota_fields
 from balancer.admission.reference import ReferenceCore
 from balancer.admission.values import UNITS, outside_rate
@@ -78,7 +78,8 @@ def canonical_ref(ref: ReferenceCore) -> dict:
 def live_lua(core: AdmissionCore, now: int) -> dict:
     """The live view (what the dispatcher and ``balancer quota list`` read) at ``now``."""
     return {name: (quota_fields(m.quota), quota_fields(m.limits), m.in_flight, m.tokens_available,
-                   m.requests_available, m.deficit, m.paused_ms, m.external_tpm) for name, m in core.live(now).items()}
+                   m.requests_available, m.deficit, m.paused_ms, m.external_tpm, m.consumers)
+            for name, m in core.live(now).items()}
 
 
 def live_ref(ref: ReferenceCore, now: int) -> dict:
@@ -91,7 +92,8 @@ def live_ref(ref: ReferenceCore, now: int) -> dict:
         view[name] = (quota_fields(s.quota), quota_fields(s.limits), live, s.tokens / UNITS,
                       s.requests / UNITS if s.limits.max_requests_per_minute else None,
                       s.deficit, max(0, s.paused_until - now),
-                      outside_rate(s.limits.max_tokens_per_minute, s.external))
+                      outside_rate(s.limits.max_tokens_per_minute, s.external),
+                      sum(1 for until in ref.consumers.get(name, {}).values() if until > now))
     return view
 
 
@@ -124,13 +126,24 @@ class Twin:
 
     def check_same_state(self) -> None:
         assert canonical_lua(self.core) == canonical_ref(self.ref)
+        assert self.lua_consumers(set(self.ref.consumers) | set(self.ref.models)) == self.ref.consumers
+
+    def lua_consumers(self, names: set[str]) -> dict[str, dict[str, int]]:
+        """Each model's consumer records in Redis (models with none left out), as the reference keeps them."""
+        out = {}
+        for name in names:
+            raw = self.client.zrange(keys.consumers(self.namespace, name), 0, -1, withscores=True)
+            if raw:
+                out[name] = {member.decode(): int(score) for member, score in raw}
+        return out
         if self.ref.loaded:
             assert live_lua(self.core, self.now) == live_ref(self.ref, self.now)
 
     # -- operations, each applied to both sides ---------------------------------
-    def admit(self, candidates: list[Candidate]) -> list[Decision]:
-        lua = self.core.admit(candidates)
-        ref = self._ref(lambda: self.ref.admit(candidates, self.now, LEASE_MS, QUANTUM)) if candidates else []
+    def admit(self, candidates: list[Candidate], consumed_only: bool = False) -> list[Decision]:
+        lua = self.core.admit(candidates, consumed_only=consumed_only)
+        ref = self._ref(lambda: self.ref.admit(candidates, self.now, LEASE_MS, QUANTUM, consumed_only)) \
+            if candidates else []
         assert lua == ref
         return lua
 
@@ -164,11 +177,16 @@ class Twin:
         assert lua == ref
         return lua
 
-    def take_ready(self) -> tuple[list[ReadyTask], list[ReadyTask]]:
-        lua = self.core.take_ready()
-        ref = self._ref(lambda: self.ref.take_ready(self.now, LEASE_MS))
+    def take_ready(self, consumed_only: bool = False) -> tuple[list[ReadyTask], list[ReadyTask]]:
+        lua = self.core.take_ready(consumed_only=consumed_only)
+        ref = self._ref(lambda: self.ref.take_ready(self.now, LEASE_MS, consumed_only))
         assert lua == ref
         return lua
+
+    def note_consumers(self, consumer: str, models: list[str], ttl_ms: int) -> None:
+        self.core.note_consumers(consumer, models, ttl_ms)
+        if models:
+            self.ref.note_consumers(consumer, models, ttl_ms, self.now)
 
     def hold(self, lid: str, hold_ms: int) -> bool:
         lua = self.core.hold(lid, hold_ms)

@@ -54,7 +54,7 @@ def _load_scripts() -> dict[str, str]:
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
         for name in ("admit", "renew", "finish", "hold", "heartbeat", "penalize", "trip", "set_quota", "remove_quota",
-                     "restore", "stock", "take_ready")
+                     "restore", "stock", "take_ready", "consumers")
     }
 
 
@@ -112,8 +112,7 @@ class AdmissionCore:
         return other
 
     def load_scripts(self) -> None:
-        """Load every script into Redis now. Otherwise the first call of each on a
-        fresh server costs two round trips more (EVALSHA refused, SCRIPT LOAD)."""
+        """Load every script now (else each one's first call costs two round trips more: EVALSHA, SCRIPT LOAD)."""
         for script in self._scripts.values():
             self.redis.script_load(script.script)
 
@@ -161,13 +160,15 @@ class AdmissionCore:
         return Rejected(f"no such model: {wanted}" if wanted else "no models configured")
 
     # -- operations ------------------------------------------------------------
-    def admit(self, candidates: Sequence[Candidate]) -> list[Decision]:
-        """Admit a batch in one atomic call; one decision per candidate, in order."""
+    def admit(self, candidates: Sequence[Candidate], *, consumed_only: bool = False) -> list[Decision]:
+        """Admit a batch in one atomic call; one decision per candidate, in order. With
+        ``consumed_only`` (the dispatcher's), only models a worker consumes now may take them."""
         if not candidates:
             return []
 
         def args() -> list[object]:
-            flat: list[object] = [self._now(), self.lease_ms, self.base_quantum, len(candidates)]
+            flat: list[object] = [self._now(), self.lease_ms, self.base_quantum, "1" if consumed_only else "",
+                                  len(candidates)]
             for cand in candidates:
                 flat.append(cand.estimated_tokens)
                 flat.append(",".join(cand.allowed) if cand.allowed else "")
@@ -203,13 +204,10 @@ class AdmissionCore:
 
     def finish_and_take(self, admission_id: str, settlement: Settlement | None = None,
                         lease_ms: int | None = None) -> ReadyTask | None:
-        """:meth:`finish`, and in the same round trip the freed slot's next call:
-        the head of its model's ready list, if the model can admit it now.
-
-        The task returned is admitted and its lease started (both start gates
-        passed): wait ``start_delay_ms`` and call, with no :meth:`renew`.
-        None if nothing was ready or it must wait (then the dispatcher's
-        :meth:`take_ready` admits it when it can)."""
+        """:meth:`finish`, and in the same round trip the freed slot's next call: the head of its
+        model's ready list, if the model can admit it now. The task returned is admitted and its
+        lease started (both start gates passed): wait ``start_delay_ms`` and call, with no :meth:`renew`.
+        None if nothing was ready or it must wait (the dispatcher's :meth:`take_ready` admits it later)."""
         reply = self._finish(admission_id, settlement, lease_ms or self.lease_ms)
         if len(reply) < 8:
             return None
@@ -246,12 +244,12 @@ class AdmissionCore:
             flat.extend(entry)
         return [done == 1 for done in self._run_with_state("stock", lambda: flat)]
 
-    def take_ready(self) -> tuple[list[ReadyTask], list[ReadyTask]]:
+    def take_ready(self, *, consumed_only: bool = False) -> tuple[list[ReadyTask], list[ReadyTask]]:
         """(taken, dropped): ready entries free slots admitted now (leases not
         started: renew them as after :meth:`admit`), and entries that can no
-        longer be taken (expired, model disabled or too small), whose tasks
-        must go back to pending."""
-        reply = self._run_with_state("take_ready", lambda: [self._now(), self.lease_ms])
+        longer be taken (expired, model disabled or too small; with ``consumed_only``,
+        every entry of a model no worker consumes), whose tasks must go back to pending."""
+        reply = self._run_with_state("take_ready", lambda: [self._now(), self.lease_ms, "1" if consumed_only else ""])
         taken: list[ReadyTask] = []
         dropped: list[ReadyTask] = []
         for i in range(0, len(reply), 5):
@@ -260,16 +258,19 @@ class AdmissionCore:
             (taken if kind == b"T" else dropped).append(entry)
         return taken, dropped
 
+    def note_consumers(self, consumer: str, models: Sequence[str], ttl_ms: int) -> None:
+        """``consumer`` (a worker process) consumes these queues for ``ttl_ms`` more (0: no more): consumers.lua."""
+        if models:
+            self._run("consumers", [self._now(), max(0, int(ttl_ms)), consumer, *models])
+
     def release(self, admission_id: str) -> bool:
         """Free the slot; releasing twice, or an unknown id, is harmless."""
         return self.finish(admission_id)[1]
 
     def withdraw(self, admission_ids: Sequence[str]) -> int:
-        """Hand back admissions whose calls will never start (the dispatch that
-        admitted them did not commit), in one round trip. Each lease ends now
-        (hold.lua with 0 ms), so it holds no slot, and the next admission on
-        its model purges it: a lease never started gets its tokens and request
-        back in full (``purge`` in limits.lua). Returns how many were live."""
+        """Hand back admissions whose calls will never start (their dispatch did not commit), in one
+        round trip: each lease ends now (hold.lua with 0 ms), and the next admission on its model
+        purges it, its tokens and request back in full (``purge`` in limits.lua). Returns how many were live."""
         if not admission_ids:
             return 0
         with self.redis.pipeline(transaction=False) as pipe:
@@ -278,9 +279,8 @@ class AdmissionCore:
             return sum(reply == 1 for reply in pipe.execute())
 
     def hold(self, admission_id: str, hold_ms: int) -> bool:
-        """Keep a cancelled call's slot ``hold_ms`` longer (never past its lease),
-        its reservation charged, for a provider that finishes the call anyway.
-        True if a live lease is now held; it is freed when it expires."""
+        """Keep a cancelled call's slot ``hold_ms`` longer (never past its lease), its reservation charged,
+        for a provider that finishes the call anyway. True if a live lease is now held (freed when it expires)."""
         return self._run("hold", [self._now(), admission_id, max(0, int(hold_ms))]) == 1
 
     def heartbeat(self, admission_id: str, lease_ms: int | None = None, *, starting: bool = False) -> bool:

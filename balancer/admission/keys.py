@@ -43,6 +43,7 @@ LIVE_CALLS = ":calls:live"
 FAIR_SHARES = ":fairshare"
 FAIR_SHARED = ":fairshare:shared"
 LAST_FAILURE_INFIX = ":failure:"
+CONSUMERS_INFIX = ":consumers:"
 
 #: The dispatcher's queue: its ticks (dispatch, sweep, ingest) and every task not sent elsewhere.
 CONTROL_QUEUE = "control"
@@ -133,6 +134,13 @@ def beat_seen(namespace: str) -> str:
     return tag(namespace) + BEAT_SEEN
 
 
+def consumers(namespace: str, name: str) -> str:
+    """The worker processes consuming a model's queue (zset): consumer id -> until when (ms,
+    Redis time), renewed by each worker's beat (:mod:`balancer.pipeline.consumers`); the
+    dispatcher admits nothing to a model with none live (admit.lua, ``consumed`` in state.lua)."""
+    return tag(namespace) + CONSUMERS_INFIX + name
+
+
 def live_calls(namespace: str) -> str:
     """The calls workers keep alive (zset): admission id -> until when (ms, Redis time),
     for the sweep (see :mod:`balancer.pipeline.heartbeat`)."""
@@ -197,6 +205,7 @@ LUA_PRELUDE = "\n".join(
         f"local STATS_INFIX = '{STATS_INFIX}'",
         f"local READY_INFIX = '{READY_INFIX}'",
         f"local SYSTEM_STATS = '{SYSTEM_STATS}'",
+        f"local CONSUMERS_INFIX = '{CONSUMERS_INFIX}'",
         "",
     ]
 )

@@ -38,6 +38,7 @@ class ModelLive:
     slots: int | None = None
     circuit_open: bool = False  # repeated transient failures opened its circuit: probed one call at a time
     failures: int = 0  # consecutive transient failures toward opening it (0 once a call is answered)
+    consumers: int = 0  # worker processes consuming its queue now (a live record each: keys.consumers)
 
     @property
     def cap_now(self) -> int:
@@ -75,7 +76,7 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
 
     Read-only and pipelined: one round trip for the clock and the model
     names, one for every model's hash, live-lease count (ZCOUNT, so the cost does not grow
-    with the number of calls in flight), latency sketch and ready-list length.
+    with the number of calls in flight), latency sketch, ready-list length and live consumers.
     """
     models_key = keys.script_keys(namespace)[1]
     first = client.pipeline(transaction=False)
@@ -91,10 +92,11 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         pipe.zcount(keys.inflight(namespace, name), f"({now_ms}", "+inf")
         pipe.hgetall(keys.latency(namespace, name))
         pipe.llen(keys.ready(namespace, name))
+        pipe.zcount(keys.consumers(namespace, name), f"({now_ms}", "+inf")
     replies = pipe.execute()
     view = {}
     for i, name in enumerate(names):
-        raw, in_flight, sketch, ready = replies[4 * i:4 * i + 4]
+        raw, in_flight, sketch, ready, consumers = replies[5 * i:5 * i + 5]
         if not raw:
             continue  # removed between the two reads
         m = fields.with_defaults({k.decode(): int(v) for k, v in raw.items()})
@@ -109,7 +111,7 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
                                requests / UNITS if limits.max_requests_per_minute else None,
                                m["deficit"], paused_ms, outside_rate(limits.max_tokens_per_minute, m["ext"]),
                                latency, ready, learned,
-                               slots_now(quota, learned, now_ms), m["probing"] == 1, m["fails"])
+                               slots_now(quota, learned, now_ms), m["probing"] == 1, m["fails"], consumers)
     return view
 
 

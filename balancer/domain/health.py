@@ -8,9 +8,11 @@ the same reasons. A new kind of trouble is one entry of :data:`REASONS`, one
 fact, and one line in the function that reads it.
 
 A fact that a process does not record yet stays at its "not known" default
-(None) and yields no reason: ``consumers`` (the workers consuming a model's
-queue: a liveness record per model) and a source's ``read_error`` and
-``unwritable`` (its table's last read error, the write-backs its table refused).
+(None) and yields no reason: a source's ``read_error`` and ``unwritable`` (its
+table's last read error, the write-backs its table refused). ``consumers`` (the
+worker processes consuming a model's queue, a live record each:
+:mod:`balancer.pipeline.consumers`) is known where the dispatcher requires one
+(``BALANCER_CONSUMERS_REQUIRED``), else None.
 
 >>> m = ModelFacts("gpt-a", failures=2, last_error="cannot reach backend: ConnectError: refused", unreachable=True)
 >>> [r.text for r in model_reasons(m)]

@@ -35,6 +35,15 @@ lists what free slots can take now and returns what expired or can no longer
 run to pending (:func:`take_from_ready`). How many tasks and for how long:
 :mod:`balancer.domain.ready`.
 
+Work goes only where someone consumes it: each worker process keeps a
+short-lived record per model it consumes (:mod:`balancer.pipeline.consumers`).
+With ``BALANCER_CONSUMERS_REQUIRED`` (the default) a model with no live
+record is admitted nothing (admit.lua), stocked nothing, its ready list goes
+back to pending at once (take_ready.lua), and so do its queued tasks, whose
+messages wait in a queue nobody reads (:func:`served_view`): other models, or
+hedges, take them. When a worker comes back, its model takes work at the
+next round.
+
 A source whose budget per day is spent takes no new calls: the run reads
 which sources are over budget once (:class:`HeldSources`), and its claims, stock and
 hedges leave their tasks pending (:mod:`balancer.pipeline.budgets`).
@@ -72,6 +81,7 @@ from balancer.storage.claims import (
     models_with_pinned_backlog,
 )
 from balancer.storage.hedges import hedge_spending, mark_hedged, stragglers
+from balancer.storage.leases import return_unconsumed
 from balancer.storage.ready import unstock
 
 log = logging.getLogger(__name__)
@@ -98,6 +108,8 @@ class DispatchReport:
     stocked: int = 0
     unstocked: int = 0
     rounds: int = 0
+    #: queued tasks returned to pending because no worker consumes their model's queue
+    unconsumed: int = 0
     #: sources over their budget: none of their tasks was claimed (balancer.pipeline.budgets)
     held: frozenset[str] = frozenset()
     #: ms until the earliest refused task could be admitted (None: unknown or nothing waits)
@@ -186,6 +198,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if round_no == 0 and any(m.ready for m in view.values()):
             if take_from_ready(services, publish, report):
                 view = core.live()
+        view = served_view(services, view, report, returning=round_no == 0)
         free = open_slots(view)
         if not free:
             break
@@ -216,7 +229,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                 idle = True
                 break
             pending = [task for task, _ in batch]
-            decisions = core.admit([candidate for _, candidate in batch])
+            decisions = core.admit([candidate for _, candidate in batch], consumed_only=consumed_only(services))
             admitted_ids.extend(d.admission_id for d in decisions if isinstance(d, Admitted))
             admitted: list[Assignment] = []
             failed: list[tuple[int, str]] = []
@@ -254,7 +267,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
 def take_from_ready(services: Services, publish: Publisher, report: DispatchReport) -> int:
     """Admit the ready tasks free slots can take now, and send dropped ones back
     to pending. Returns how many were admitted (published like any admission)."""
-    taken, dropped = services.core.take_ready()
+    taken, dropped = services.core.take_ready(consumed_only=consumed_only(services))
     if dropped:
         with services.engine.begin() as conn:
             report.unstocked += unstock(conn, [(t.task_id, t.admission_id) for t in dropped])
@@ -262,6 +275,30 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
     publish(assignments)
     report.count_admitted(assignments)
     return len(assignments)
+
+
+def consumed_only(services: Services) -> bool:
+    """Whether admissions need a live consumer (``BALANCER_CONSUMERS_REQUIRED``)."""
+    return services.settings.consumers_required
+
+
+def served_view(services: Services, view: dict[str, ModelLive], report: DispatchReport, *,
+                returning: bool) -> dict[str, ModelLive]:
+    """The models a worker consumes now (all of them with ``BALANCER_CONSUMERS_REQUIRED`` off): the
+    only ones a round claims, places, stocks or hedges for. With ``returning`` (a run's first
+    round), the queued tasks of the others go back to pending now and their leases are withdrawn:
+    their messages wait in queues nobody reads, and would hold them until their deadline."""
+    if not consumed_only(services):
+        return view
+    unserved = sorted(name for name, m in view.items() if m.consumers == 0)
+    if unserved and returning:
+        returned = return_unconsumed(services.engine, unserved)
+        if returned:
+            services.core.withdraw([admission_id for _, admission_id in returned])
+            report.unconsumed += len(returned)
+            log.warning("returned %d queued task(s) to pending: no worker consumes %s", len(returned),
+                        ", ".join(f"model.{name}" for name in unserved))
+    return {name: m for name, m in view.items() if m.consumers > 0}
 
 
 def plan_batch(
@@ -327,7 +364,8 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
         picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent)
         if not picks:
             return 0
-        decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks])
+        decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks],
+                               consumed_only=consumed_only(services))
         admitted_ids.extend(d.admission_id for d in decisions if isinstance(d, Admitted))
         for (key, _), decision in zip(picks, decisions, strict=True):
             if not isinstance(decision, Admitted):

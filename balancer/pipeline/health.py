@@ -77,7 +77,11 @@ def source_facts(budgets: Mapping[str, Standing]) -> list[SourceFacts]:
 
 
 def read_health(client: redis.Redis, namespace: str, view: Mapping[str, ModelLive],
-                counters: Mapping[str, Mapping[str, int]], budgets: Mapping[str, Standing], unfinished: int) -> Health:
-    """One look's reasons (:func:`balancer.domain.health.assess`)."""
+                counters: Mapping[str, Mapping[str, int]], budgets: Mapping[str, Standing], unfinished: int, *,
+                consumers: bool = False) -> Health:
+    """One look's reasons (:func:`balancer.domain.health.assess`). With ``consumers``
+    (``BALANCER_CONSUMERS_REQUIRED``: the dispatcher sends nothing to a model no worker
+    consumes), each model's live consumer count from the view, so one with none says so."""
     failures = read_failures(client, namespace, sorted(view))
-    return assess(model_facts(view, counters, failures), source_facts(budgets), unfinished)
+    counts = {name: m.consumers for name, m in view.items()} if consumers else None
+    return assess(model_facts(view, counters, failures, counts), source_facts(budgets), unfinished)

@@ -180,7 +180,8 @@ class BalancerCollector(Collector):
         quotas = svc.quotas.all()  # once: the budgets' prices and the spend's
         standings = read_standings(svc, quotas=quotas)  # once: the ETA's held sources and the per-source budgets
         drain = estimate_band(svc, view, left, held(standings))
-        health = read_health(svc.redis, svc.settings.namespace, view, per_model, standings, left.unfinished)
+        health = read_health(svc.redis, svc.settings.namespace, view, per_model, standings, left.unfinished,
+                             consumers=svc.settings.consumers_required)
         for name in view:
             present = {r.kind for r in health.models.get(name, [])}
             for kind in kinds("model"):

@@ -44,6 +44,7 @@ def read_overview(services: ReadServices) -> Overview:
     budgets, left = read_standings(services, quotas=quotas), backlog(db)
     view = services.core.live()
     counts, rows, counters, drain = read(services, held(budgets), left, view)
-    health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished)
+    health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished,
+                         consumers=services.settings.consumers_required)
     return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),
                     health)

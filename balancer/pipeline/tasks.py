@@ -14,6 +14,7 @@ from celery.worker import state as worker_state
 from balancer.admission import keys
 from balancer.pipeline import runtime
 from balancer.pipeline.app import app
+from balancer.pipeline.consumers import ConsumerBeat
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.pipeline.heartbeat import live_calls
@@ -28,6 +29,7 @@ from balancer.storage.leases import sweep_expired
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
 app.steps["consumer"].add(QuotaWatcher)
+app.steps["consumer"].add(ConsumerBeat)  # each model this worker consumes: a live record (balancer.pipeline.consumers)
 
 
 @worker_process_init.connect

@@ -55,6 +55,33 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
     return result.rowcount, kept
 
 
+#: The old admission id comes from the locked subquery (RETURNING shows the row as updated). A
+#: row a worker is starting (locked) is skipped: its start wins, and the call runs.
+_RETURN_UNCONSUMED = sa.text(
+    """
+    UPDATE tasks AS t
+       SET status = 'pending', model = NULL, admission_id = NULL, deadline = NULL, updated_at = now(),
+           error = 'returned to pending: no worker consumes model.' || old.model
+      FROM (SELECT id, model, admission_id FROM tasks
+             WHERE status = 'queued' AND model = ANY(CAST(:models AS text[])) FOR UPDATE SKIP LOCKED) AS old
+     WHERE t.id = old.id
+    RETURNING old.id, old.admission_id
+    """
+)
+
+
+def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int, str]]:
+    """Queued tasks of models no worker consumes now (their solve messages wait in a queue
+    nobody reads) back to pending at once, not at their deadline; (task id, admission id)
+    of each, whose leases the caller withdraws. A message consumed later finds its task
+    no longer under its admission and makes no call (``stale``). No attempt is counted."""
+    if not models:
+        return []
+    with engine.begin() as conn:
+        rows = conn.execute(_RETURN_UNCONSUMED, {"models": sorted(models)}).all()
+    return [(r.id, r.admission_id) for r in rows]
+
+
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
     """Calls PostgreSQL believes are in flight, to re-seed a restored Redis.
 

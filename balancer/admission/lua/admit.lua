@@ -3,7 +3,10 @@
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] lease length in ms
 -- ARGV[3] base quantum in tokens (a model's quantum is weight * base quantum)
--- ARGV[4] number of candidates N, then N triples:
+-- ARGV[4] '1': only models a worker consumes (a live record, consumed() in
+--         state.lua) may admit: the dispatcher's batches; '' (the router's
+--         callers, outside Celery): any model
+-- ARGV[5] number of candidates N, then N triples:
 --         estimated tokens, allowed models ('' = any, else comma-separated names),
 --         model to avoid ('' = none: else a model whose call for it just failed;
 --         it is passed over when another model is eligible)
@@ -15,15 +18,18 @@
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
-local lease_ms, quantum, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease_ms, quantum, n = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
+local need_consumer = ARGV[4] == '1'
 
 local names = redis.call('ZRANGE', MODELS, 0, -1)
 local models = {}
+local serves = {}  -- a model may take a call: consumed by a worker, or no consumer needed
 for _, name in ipairs(names) do
   local m = load_model(name)
   refill(m, now)
   purge(m, now)
   models[name] = m
+  serves[name] = (not need_consumer) or consumed(name, now)
 end
 local meta = redis.call('HMGET', META, 'epoch', 'seq', 'rr')
 local epoch, seq, rr = meta[1], tonumber(meta[2]), meta[3] or ''
@@ -31,7 +37,7 @@ local epoch, seq, rr = meta[1], tonumber(meta[2]), meta[3] or ''
 local held = {}
 local out = {}
 for c = 0, n - 1 do
-  local est, spec, avoid = tonumber(ARGV[5 + 3 * c]), ARGV[6 + 3 * c], ARGV[7 + 3 * c]
+  local est, spec, avoid = tonumber(ARGV[6 + 3 * c]), ARGV[7 + 3 * c], ARGV[8 + 3 * c]
   local allowed = nil
   if spec ~= '' then
     allowed = {}
@@ -50,7 +56,7 @@ for c = 0, n - 1 do
   else
     local fits, eligible, is_eligible = {}, {}, {}
     for _, m in ipairs(pool) do
-      if m.enabled == 1 and est <= m.burst then
+      if m.enabled == 1 and est <= m.burst and serves[m.name] then
         fits[#fits + 1] = m
         if not held[m.name] and has_capacity(m, est, now) then
           eligible[#eligible + 1] = m

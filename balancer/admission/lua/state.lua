@@ -36,6 +36,7 @@
 --                                 waiting), gap<le> (gaps up to le ms), gap_ms (their sum), gaps,
 --                                 ready_taken (next calls a finishing call took from the ready list)
 --   <tag>:ready:<name>     list   the model's ready list: 'task:lid:est:expires_ms' (see take_ready below)
+--   <tag>:consumers:<name> zset   consumer id -> until (ms): the worker processes consuming its queue
 --   <tag>:stats            hash   admitted, not_now, rejected (admission decisions), dispatch_rounds
 --                                 (admit calls)
 --
@@ -51,6 +52,13 @@ local function fmt(n) return string.format('%d', n) end
 local function model_key(name) return PREFIX .. MODEL_INFIX .. name end
 local function inflight_key(name) return PREFIX .. INFLIGHT_INFIX .. name end
 local function latency_key(name) return PREFIX .. LATENCY_INFIX .. name end
+
+-- Whether a worker process consumes the model's queue now: a live record in
+-- <tag>:consumers:<name> (zset: consumer id -> until, ms), renewed by each
+-- worker's beat (consumers.lua). The dispatcher's admissions require one.
+local function consumed(name, now)
+  return redis.call('ZCOUNT', PREFIX .. CONSUMERS_INFIX .. name, '(' .. fmt(now), '+inf') > 0
+end
 
 -- Counters for `balancer metrics` (<tag>:stats:<name>, <tag>:stats): observation
 -- only, never read by any rule here, so the reference model does not keep them.

@@ -37,6 +37,9 @@ given, which the dispatcher makes priority-then-age):
    round-robin order (after the last one chosen) whose deficit covers the
    estimate takes it; its deficit, tokens and request are debited and a lease
    is created.
+   With ``consumed_only`` (the dispatcher's batches), a model no worker
+   consumes now (no live record, :meth:`note_consumers`) is passed over as a
+   disabled one is: work goes only where someone takes it from the queue.
 5. No eligible model: the answer is **not now**, with the earliest time any of
    its models could take it (token refill, request refill, or the deadline of
    the lease whose expiry frees a slot). The model among those short of
@@ -75,13 +78,14 @@ class ReferenceCore(Signals):
 
     # -- operations ------------------------------------------------------------
     def admit(
-        self, candidates: Sequence[Candidate], now: int, lease_ms: int, base_quantum: int
+        self, candidates: Sequence[Candidate], now: int, lease_ms: int, base_quantum: int, consumed_only: bool = False
     ) -> list[Decision]:
         self._require_state()
         names = self._names()
         for name in names:
             self._refill(name, now)
             self._purge(name, now)
+        serves = {name for name in names if not consumed_only or self._consumed(name, now)}
         held: set[str] = set()
         decisions: list[Decision] = []
         for cand in candidates:
@@ -95,7 +99,7 @@ class ReferenceCore(Signals):
             if est > largest:
                 decisions.append(Rejected(rejection_reason(est, largest)))
                 continue
-            fits = [n for n in pool if self.models[n].quota.enabled and est <= self.models[n].quota.burst]
+            fits = [n for n in pool if self.models[n].quota.enabled and est <= self.models[n].quota.burst and n in serves]
             if not fits:
                 decisions.append(NotNow(None, now))
                 continue
@@ -274,12 +278,14 @@ class ReferenceCore(Signals):
         restock = len(self.ready.get(name, [])) < self.models[name].limits.max_concurrent_requests
         return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay, restock)
 
-    def take_ready(self, now: int, lease_ms: int) -> tuple[list[ReadyTask], list[ReadyTask]]:
+    def take_ready(self, now: int, lease_ms: int, consumed_only: bool = False) -> tuple[list[ReadyTask], list[ReadyTask]]:
         """The dispatcher's pass over the ready lists (``take_ready.lua``): per model
         with entries, in name order, what free slots take now (leases not
         started: the worker renews them) and what is dropped (to go back to
         pending). A freed slot whose finish could not take its next call (the
-        tokens were short then) is filled from here, so no entry is stranded."""
+        tokens were short then) is filled from here, so no entry is stranded.
+        With ``consumed_only``, a model no worker consumes takes nothing and its
+        whole list is dropped at once."""
         self._require_state()
         taken: list[ReadyTask] = []
         dropped: list[ReadyTask] = []
@@ -288,10 +294,29 @@ class ReferenceCore(Signals):
                 continue
             self._refill(name, now)
             self._purge(name, now)
-            got, lost = self._take_ready(name, now, lease_ms, False, math.inf, True)
+            if consumed_only and not self._consumed(name, now):
+                got, lost = [], self.ready.pop(name)  # type: list[ReadyEntry], list[ReadyEntry]
+            else:
+                got, lost = self._take_ready(name, now, lease_ms, False, math.inf, True)
             taken += [ReadyTask(e.task_id, e.admission_id, name, e.estimated_tokens) for e in got]
             dropped += [ReadyTask(e.task_id, e.admission_id, name, e.estimated_tokens) for e in lost]
         return taken, dropped
+
+    def note_consumers(self, consumer: str, models: Sequence[str], ttl_ms: int, now: int) -> int:
+        """``consumer`` (a worker process) consumes these models' queues until ``now + ttl_ms``
+        (0: no more): its beat renews the record (``consumers.lua``). Records past their time
+        are dropped as a model's are written. Needs no live state. Returns how many models."""
+        for name in models:
+            records = self.consumers.setdefault(name, {})
+            if ttl_ms > 0:
+                records[consumer] = now + ttl_ms
+            else:
+                records.pop(consumer, None)
+            for who in [w for w, until in records.items() if until <= now]:
+                del records[who]
+            if not records:
+                del self.consumers[name]
+        return len(models)
 
     def set_quota(self, quota: Quota, now: int) -> None:
         """Create or change a model. Applies to the very next admission."""
@@ -360,6 +385,7 @@ class ReferenceCore(Signals):
         self.leases.clear()
         self.latency.clear()
         self.ready.clear()
+        self.consumers.clear()
         self.loaded = False
         self.epoch = self.seq = 0
         self.rr = ""
