@@ -180,6 +180,10 @@ class Settings:
     writeback_tick: float = _setting(
         "seconds the dispatcher's write-back loop waits when no ended task of a source table is waiting", 0.2,
         partial(_seconds, low=0.01, high=3600))
+    writeback_attempts: int = _setting(
+        "times a source table may refuse one row's write-back (a CHECK, a value too long) before it is left "
+        "unwritable (a transient failure, its database away, is retried without limit)", 5,
+        partial(_int, maximum=1000))
     router_token: str | None = _setting(
         "bearer token the router requires (required when it binds beyond loopback; never logged)", None, _text,
         secret=True)

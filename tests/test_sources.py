@@ -261,10 +261,11 @@ def test_a_write_back_committed_before_a_crash_is_not_written_again(svc: Service
     solve_pending(svc)
     with svc.engine.connect() as conn:
         [definition] = all_sources(conn)
-        task = dict(conn.execute(sa.select(tasks.c.key, tasks.c.answer, tasks.c.model, tasks.c.error)
+        task = dict(conn.execute(sa.select(tasks.c.key, tasks.c.answer, tasks.c.model, tasks.c.error,
+                                           tasks.c.source_fingerprint.label("fingerprint"))
                                  .where(tasks.c.key == "2")).one()._mapping)
     with team_connection(definition, svc.engine) as team, team.begin():  # the write that committed before the crash
-        assert write_back(team, definition, "solved", task) is True
+        assert write_back(team, definition, "solved", task) == "written"
     drained = drain(svc)
     assert (drained.written, drained.conflicts) == (3, 0)
     assert legacy.count("SELECT count(*) FROM writes") == 3

@@ -6,6 +6,7 @@ PostgreSQL: the team's table in a throwaway database (or schema) per test."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +17,11 @@ from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources.ingest import ingest_sources
-from balancer.sources.schema import sources
+from balancer.sources.schema import source_outbox, sources
 from balancer.sources.writeback import drain
-from tests.legacy import SOURCE_FILE, legacy_database, legacy_schema
-from tests.test_sources import Legacy, import_legacy, run, solve_pending
+from balancer.storage.schema import tasks
+from tests.legacy import SOURCE_FILE, add_rows, legacy_database, legacy_schema
+from tests.test_sources import Legacy, counts, import_legacy, run, solve_pending
 
 
 @pytest.fixture
@@ -91,3 +93,151 @@ def test_a_stored_where_that_leaves_its_parentheses_writes_into_no_other_row(
     drain(svc)
     assert legacy.count("SELECT count(*) FROM writes") == 0
     assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'unsolved' AND answer IS NULL") == 20
+
+
+# -- finding 5: one refused row fails alone, and ends unwritable ---------------------------------
+
+def outbox_states(svc: Services) -> dict[str, int]:
+    with svc.engine.connect() as conn:
+        return dict(conn.execute(sa.select(source_outbox.c.state, sa.func.count()).group_by(source_outbox.c.state)).all())
+
+
+def drain_past_backoff(svc: Services, times: int) -> list:
+    """``drain`` ``times`` times, each after the back-off of the last (a test does not wait it out)."""
+    reports = []
+    for _ in range(times):
+        with svc.engine.begin() as conn:
+            conn.execute(sa.update(source_outbox).values(next_attempt_at=sa.func.now()))
+        reports.append(drain(svc))
+    return reports
+
+
+def test_a_check_refusing_ten_of_fifty_rows_leaves_forty_written_and_ten_unwritable_with_the_error(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 5: one UPDATE the team's table refuses rolled its whole batch back,
+    for ever. Now the 40 writable rows are written by the first drain; each of the 10 a CHECK
+    refuses fails alone, is tried again after a back-off, and after BALANCER_WRITEBACK_ATTEMPTS
+    refusals is left ``unwritable`` with its error."""
+    legacy.add(50)  # 'legacy prompt 0' .. 'legacy prompt 49'
+    legacy.execute("ALTER TABLE prompts ADD CONSTRAINT no_three_nor_seven "
+                   "CHECK (answer IS NULL OR right(answer, 1) NOT IN ('3', '7'))")
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 50
+    first = drain(svc)
+    assert (first.written, first.refused, first.unwritable) == (40, 10, 0)
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved' AND answer = 'answer to ' || body") == 40
+    assert outbox_states(svc) == {"waiting": 10}
+    with svc.engine.connect() as conn:
+        waits = conn.execute(sa.text("SELECT min(next_attempt_at - now()) FROM source_outbox")).scalar_one()
+    assert waits.total_seconds() > 0  # tried again after a back-off, not on the next pass
+    later = drain_past_backoff(svc, svc.settings.writeback_attempts - 1)
+    assert sum(r.written for r in later) == 0 and later[-1].unwritable == 10
+    assert outbox_states(svc) == {"unwritable": 10}
+    with svc.engine.connect() as conn:
+        errors = conn.execute(sa.select(source_outbox.c.last_error, source_outbox.c.refusals)).all()
+    assert all("no_three_nor_seven" in e and n == svc.settings.writeback_attempts for e, n in errors)
+    assert drain_past_backoff(svc, 1)[0].refused == 0  # unwritable: not tried again
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'unsolved'") == 10
+
+
+def test_a_varchar_20_answer_column_refuses_the_long_answers_alone(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 5: an answer longer than a ``varchar(20)`` fails its own row, not its batch."""
+    legacy.execute("ALTER TABLE prompts ALTER COLUMN answer TYPE varchar(20); "
+                   "INSERT INTO prompts (body) SELECT CASE WHEN mod(g, 5) = 0 THEN 'a much longer prompt ' || g "
+                   "ELSE 'q' || g END FROM generate_series(1, 20) g")
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 20
+    drained = drain(svc)
+    assert (drained.written, drained.refused) == (16, 4)
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved'") == 16
+    with svc.engine.connect() as conn:
+        errors = conn.execute(sa.select(source_outbox.c.last_error)).scalars().all()
+    assert len(errors) == 4 and all("character varying(20)" in e for e in errors)
+
+
+def test_a_source_away_with_a_thousand_tries_neither_overflows_nor_stops_the_next_source(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Issue 38 finding 5: the back-off ``power(2, attempts)`` overflowed PostgreSQL's float8
+    after about 1,024 tries, and then ``drain()`` raised for every source after it. A
+    transient failure is retried without limit (never unwritable), with a capped back-off."""
+    legacy.add(3)
+    other = legacy_schema(legacy.engine)
+    add_rows(legacy.engine, 4, table=f"{other}.prompts")
+    monkeypatch.setenv("AWAY_DATABASE_URL", legacy.engine.url.render_as_string(hide_password=False))
+    path = tmp_path / "two.toml"
+    path.write_text(SOURCE_FILE.format(name="aaa", env='database_url_env = "AWAY_DATABASE_URL"\n',
+                                       table=f"{other}.prompts", batch=100)
+                    + SOURCE_FILE.format(name="crm", env='database_url_env = "LEGACY_DATABASE_URL"\n',
+                                         table=legacy.table, batch=100))
+    assert run(capsys, "source", "import", str(path))[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 7
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(source_outbox).where(source_outbox.c.source == "aaa").values(attempts=1_100))
+    good = legacy.engine.url.render_as_string(hide_password=False)
+    monkeypatch.setenv("AWAY_DATABASE_URL", good.replace(f"/{legacy.engine.url.database}", "/no_such_database_here"))
+    drained = drain(svc)
+    assert (drained.written, drained.retrying) == (3, 4)
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved'") == 3
+    with svc.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT state, attempts, refusals, extract(epoch FROM next_attempt_at - now()) "
+                                    "FROM source_outbox WHERE source = 'aaa'")).all()
+    assert all(state == "waiting" and attempts == 1_101 and refusals == 0 and 50 < wait <= 60
+               for state, attempts, refusals, wait in rows)
+
+
+# -- finding 3: a fence on every write-back ----------------------------------------------------------
+
+def test_a_prompt_the_team_edits_after_it_was_read_gets_its_new_answer_never_the_old_one(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 3: the write-back's guard was only ``where``: the team edited the prompt
+    of 30 pending rows and all 30 got the old prompt's answer. Now each is counted as changed,
+    not overwritten, and asked again with its new prompt, whose answer is written."""
+    legacy.add(30)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    legacy.execute("UPDATE prompts SET body = 'edited ' || body")
+    assert solve_pending(svc) == 30  # answered from the prompts as read
+    drained = drain(svc)
+    assert (drained.written, drained.changed, drained.conflicts) == (0, 30, 0)
+    assert legacy.count("SELECT count(*) FROM prompts WHERE answer IS NOT NULL OR status <> 'unsolved'") == 0
+    with svc.engine.connect() as conn:
+        asked = conn.execute(sa.select(tasks.c.status, tasks.c.prompt)).all()
+    assert sorted(asked) == sorted(("pending", f"edited legacy prompt {i}") for i in range(30))
+    assert solve_pending(svc) == 30
+    assert drain(svc).written == 30
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved' "
+                        "AND answer = 'answer to edited legacy prompt ' || id - 1") == 30
+
+
+def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 3 (and 7): a row re-opened by the team (set back to match ``where``)
+    after its answer was written was never asked again. The read behind the cursor finds it,
+    reads it once more, and asks it again with its prompt as it is now."""
+    legacy.add(5)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 5
+    assert drain(svc).written == 5
+    legacy.execute("UPDATE prompts SET status = 'unsolved', answer = NULL, body = 'try again' WHERE id = 2")
+    deadline = time.monotonic() + 30
+    while counts(svc.engine, "SELECT count(*) FROM tasks WHERE status = 'pending'") == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)  # poll_seconds
+        ingest_sources(svc)
+    with svc.engine.connect() as conn:
+        pending = conn.execute(sa.select(tasks.c.key, tasks.c.prompt).where(tasks.c.status == "pending")).all()
+    assert [tuple(p) for p in pending] == [("2", "try again")]
+    for _ in range(3):  # read again and again: asked once
+        time.sleep(0.1)
+        ingest_sources(svc)
+    assert solve_pending(svc) == 1
+    assert drain(svc).written == 1
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id = 2 AND status = 'solved' AND answer = 'answer to try again'") == 1
+    for _ in range(3):  # written again: not asked a third time
+        time.sleep(0.1)
+        ingest_sources(svc)
+    assert counts(svc.engine, "SELECT count(*) FROM tasks WHERE status <> 'solved'") == 0

@@ -1,5 +1,5 @@
 """The team's table: its database, its catalog checks, and the only SQL balancer
-runs on it (one read of a batch, one guarded write-back per row).
+runs on it (one read of a batch, one guarded and fenced write-back per row).
 
 Every identifier comes from the source's definition, is a plain identifier
 (:func:`balancer.sources.definition.check_identifier`), was found in the
@@ -8,10 +8,16 @@ catalog at import, and is quoted with :class:`psycopg2.sql.Identifier`. Values
 text and compared as the key column's own type, so an integer, text or uuid
 key works alike. ``where`` is the team's own condition, placed in
 parentheses; the read runs in a ``READ ONLY`` transaction.
+
+The fence: a task carries the md5 of the prompt it was read with; its
+write-back changes the row only while the row still matches ``where`` *and*
+its prompt still hashes to that (computed on both sides over the prompt's text
+as UTF-8, so the table's encoding does not matter).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -121,7 +127,8 @@ def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composa
     priority = sql.Identifier(definition.priority) if definition.priority else sql.SQL("NULL")
     # ORDER BY the qualified column: a bare name would take the output column of
     # that name, the key's text form, and order 10 before 9.
-    return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, {prompt} AS balancer_prompt, {priority} AS balancer_priority "
+    return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, CAST({prompt} AS text) AS balancer_prompt, "
+                   "{priority} AS balancer_priority "
                    "FROM {table} WHERE {cond} ORDER BY {table}.{key} LIMIT %s").format(
         key=key, prompt=sql.Identifier(definition.prompt), priority=priority, table=_table(definition),
         cond=sql.SQL(" AND ").join(conditions))
@@ -140,6 +147,18 @@ def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: 
         return [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
 
 
+def read_one(conn: Connection, definition: SourceDef, key: str) -> str | None:
+    """The prompt of the row ``key`` if it matches ``where`` now (None: it does not, or is
+    gone), in its own READ ONLY transaction."""
+    query = sql.SQL("SELECT CAST({prompt} AS text) FROM {table} WHERE {key} = %s AND {cond}").format(
+        prompt=sql.Identifier(definition.prompt), table=_table(definition), key=sql.Identifier(definition.key),
+        cond=_where(definition))
+    with conn.begin():
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        row = conn.exec_driver_sql(_render(conn, query), (key,)).first()
+    return None if row is None else row[0]
+
+
 def _sets(definition: SourceDef, outcome: str) -> list[tuple[str, str]]:
     """The (role, column) pairs a write-back of ``outcome`` sets."""
     roles = ["answer", "model"] if outcome == "solved" else ["error"]
@@ -147,52 +166,110 @@ def _sets(definition: SourceDef, outcome: str) -> list[tuple[str, str]]:
     return [(role, col) for role in roles if (col := definition.columns.get(role)) is not None]
 
 
+def _fingerprint(definition: SourceDef) -> sql.Composable:
+    """The team's side of the fence: md5 of the prompt column's text as UTF-8, whatever the
+    table's encoding (balancer's side: :func:`balancer.sources.store.insert_source_tasks`)."""
+    return sql.SQL("md5(convert_to(CAST({} AS text), 'UTF8'))").format(sql.Identifier(definition.prompt))
+
+
+def fingerprint(prompt: str) -> str:
+    """A prompt's fingerprint as balancer computes it from what it read.
+
+    >>> fingerprint("hi")
+    '49f68a5c8493ec2c0bf489821c21fc3b'
+    """
+    return hashlib.md5(prompt.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
 def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | None:
     """The guarded UPDATE of one row: it changes the row only while the row still
-    matches ``where`` (someone else's change is never overwritten). None: nothing to write."""
+    matches ``where`` and its prompt is still the one read (the fence: someone else's
+    change is never overwritten). It returns whether the row, written, still matches
+    ``where``. None: nothing to write."""
     sets = _sets(definition, outcome)
     if not sets:
         return None
     assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(col)) for _, col in sets)
-    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND {cond} RETURNING 1").format(
-        table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition))
+    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND {cond} AND {fingerprint} = %s "
+                   "RETURNING coalesce({cond}, false)").format(
+        table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition),
+        fingerprint=_fingerprint(definition))
 
 
 def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
-    """The values :func:`writeback_query` binds, in its order (the key last)."""
+    """The values :func:`writeback_query` binds, in its order (the key and the fingerprint last)."""
     value = {"answer": task.get("answer"), "model": task.get("model"), "error": task.get("error"),
              "status": definition.solved if outcome == "solved" else definition.failed}
-    return [value[role] for role, _ in _sets(definition, outcome)] + [task["key"]]
+    return [value[role] for role, _ in _sets(definition, outcome)] + [task["key"], task.get("fingerprint")]
+
+
+#: What :func:`write_back` did: ``written``; ``written_matching`` (written, and the row still
+#: matches ``where``: a re-read would take it for re-opened); ``missed`` (the guard matched no
+#: row: changed, or gone); ``nothing`` (the source writes nothing back for this outcome).
+WRITTEN, WRITTEN_MATCHING, MISSED, NOTHING = "written", "written_matching", "missed", "nothing"
 
 
 def write_back(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any],
-               rendered: dict[str, str | None] | None = None) -> bool | None:
-    """Write one task's end to its row in the caller's transaction. True: written;
-    False: the row no longer matches ``where`` (or is gone); None: nothing to write.
-    ``rendered`` keeps each outcome's statement text across the calls of one batch."""
+               rendered: dict[str, str | None] | None = None) -> str:
+    """Write one task's end to its row in the caller's transaction (one of the values above).
+    ``task``: its key, answer, model, error and fingerprint. ``rendered`` keeps each
+    outcome's statement text across the calls of one batch."""
     rendered = {} if rendered is None else rendered
     if outcome not in rendered:
         query = writeback_query(definition, outcome)
         rendered[outcome] = None if query is None else _render(conn, query)
     text = rendered[outcome]
     if text is None:
-        return None
-    return conn.exec_driver_sql(text, tuple(writeback_values(definition, outcome, task))).first() is not None
+        return NOTHING
+    row = conn.exec_driver_sql(text, tuple(writeback_values(definition, outcome, task))).first()
+    return MISSED if row is None else WRITTEN_MATCHING if row[0] else WRITTEN
 
 
-def holds(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any]) -> bool:
-    """Whether the row already holds exactly what the write-back of ``task`` writes
-    (a write-back committed before a crash, its outbox row not yet removed)."""
+@dataclass(frozen=True)
+class RowNow:
+    """A team's row as it is now, beside a write-back its guard refused."""
+
+    matches: bool  # it matches ``where``
+    prompt: str | None  # its prompt column's text
+    holds: bool  # it holds exactly what the write-back writes (written before a crash)
+
+
+def inspect(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any]) -> RowNow | None:
+    """The row of ``task`` now (None: gone), to tell why its guarded write-back matched nothing."""
     sets = _sets(definition, outcome)
-    if not sets:
-        return True
-    wanted = writeback_values(definition, outcome, task)
-    columns = sql.SQL(", ").join(sql.SQL("CAST({} AS text)").format(sql.Identifier(c)) for _, c in sets)
-    query = sql.SQL("SELECT {cols} FROM {table} WHERE {key} = %s").format(
-        cols=columns, table=_table(definition), key=sql.Identifier(definition.key))
+    columns = sql.SQL("").join(sql.SQL(", CAST({} AS text)").format(sql.Identifier(c)) for _, c in sets)
+    query = sql.SQL("SELECT coalesce({cond}, false), CAST({prompt} AS text){cols} FROM {table} WHERE {key} = %s").format(
+        cond=_where(definition), prompt=sql.Identifier(definition.prompt), cols=columns, table=_table(definition),
+        key=sql.Identifier(definition.key))
     row = conn.exec_driver_sql(_render(conn, query), (task["key"],)).first()
-    return row is not None and [None if v is None else str(v) for v in row] == [
-        None if v is None else str(v) for v in wanted[:-1]]
+    if row is None:
+        return None
+    wanted = writeback_values(definition, outcome, task)[:len(sets)]
+    held = [None if v is None else str(v) for v in row[2:]] == [None if v is None else str(v) for v in wanted]
+    return RowNow(bool(row[0]), row[1], held)
+
+
+#: SQLSTATE classes of an error one row's write causes (its value refused: a data exception,
+#: a constraint, a trigger's RAISE, a view's check option): that row fails alone. Any other
+#: error (connection, lock or statement timeout, privileges, a table or column gone) is the
+#: table's or the database's, transient: the whole batch is tried again, without limit.
+_ROW_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "P0")
+#: Write-backs' time limits on the team's database: a locked or stalled table fails the
+#: batch (retried later) instead of holding the write-back loop.
+LOCK_TIMEOUT_S = 5
+STATEMENT_TIMEOUT_S = 15
+
+
+def refused_by_row(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal of one row's values rather than a transient failure."""
+    code = getattr(getattr(exc, "orig", exc), "pgcode", None)
+    return isinstance(code, str) and code[:2] in _ROW_CLASSES
+
+
+def limit_time(conn: Connection) -> None:
+    """In the caller's transaction: the write-backs' time limits."""
+    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_S}s'; "
+                         f"SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT_S}s'")
 
 
 # -- checks at import ------------------------------------------------------------------
@@ -267,7 +344,8 @@ def check_source(conn: Connection, definition: SourceDef) -> None:
             query = writeback_query(definition, outcome)
             if query is None:
                 continue
-            values = writeback_values(definition, outcome, {"key": None, "answer": "", "model": "", "error": ""})
+            values = writeback_values(definition, outcome, {"key": None, "answer": "", "model": "", "error": "",
+                                                            "fingerprint": ""})
             try:
                 with conn.begin_nested():
                     conn.exec_driver_sql("EXPLAIN " + _render(conn, query), tuple(values))

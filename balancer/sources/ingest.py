@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from balancer.services import Services
 from balancer.sources.catalog import TimeLimits, read_rows, team_connection
 from balancer.sources.definition import SourceDef
+from balancer.sources.reask import ask_reopened
 from balancer.sources.rows import after_read, after_rescan, row_to_task
 from balancer.sources.schema import sources
 from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
@@ -36,6 +37,7 @@ class SourceIngest:
     read: int = 0
     created: int = 0
     skipped: int = 0
+    reasked: int = 0  # rows found re-opened behind the cursor, asked again (balancer.sources.reask)
     caught_up: bool = False
 
 
@@ -91,6 +93,7 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
             rows = read_rows(team, definition, start.rescan, position, definition.batch, limits)
             rescan = after_rescan([r[0] for r in rows], definition.batch)
             _insert(services, definition, rows, models, start, Cursor(position, rescan), True, report)
+            report.reasked += ask_reopened(services, definition, team, [r[0] for r in rows])
     return report
 
 

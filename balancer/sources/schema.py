@@ -3,7 +3,8 @@
 ``sources``: each declared source (its TOML definition as JSON, never a
 secret) and its read cursor. ``source_outbox``: the write-backs still to do,
 one row per task that ended, inserted by the ``tasks_finished`` trigger in the
-transaction that ended it.
+transaction that ended it, and those that ended otherwise than written
+(:mod:`balancer.sources.outbox`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ source_outbox = Table(
     Column("source", Text, nullable=False),
     Column("outcome", Text, nullable=False),
     Column("state", Text, nullable=False, server_default="waiting"),
-    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("attempts", Integer, nullable=False, server_default="0"),  # every try, the back-off's count
     Column("last_error", Text, nullable=True),
+    Column("refusals", Integer, nullable=False, server_default="0"),  # tries the team's table refused (0020)
     Column("next_attempt_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

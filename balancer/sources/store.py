@@ -145,8 +145,8 @@ def remove_source(engine: Engine, name: str, *, by: str) -> None:
 # VALUES list of thousands of rows costs more to send and parse than to insert).
 _INSERT_BATCH = sa.text("""
 WITH inserted AS (
-    INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models)
-    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed
+    INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models, source_fingerprint)
+    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed, md5(convert_to(r.prompt, 'UTF8'))
     FROM unnest(:keys, :prompts, :priorities, :estimated) AS r(key, prompt, priority, estimated)
     ON CONFLICT (source, key) WHERE key IS NOT NULL DO NOTHING
     RETURNING id
@@ -160,7 +160,8 @@ SELECT coalesce(array_agg(id), '{}') FROM inserted
 def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed: tuple[str, ...] | None,
                         rows: list[TaskRow], *, dedup: bool = False) -> int:
     """Insert one batch of a source's tasks (all with its ``max_tokens`` and allowed
-    models), skipping keys already present; returns how many were inserted. With
+    models, each with its prompt's fingerprint: :func:`balancer.sources.catalog.fingerprint`),
+    skipping keys already present; returns how many were inserted. With
     ``dedup``, they may take identical tasks' answers (:func:`balancer.storage.intake.share_answers`)."""
     if not rows:
         return 0

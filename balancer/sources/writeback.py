@@ -4,16 +4,29 @@ The ``tasks_finished`` trigger (migration 0010) puts a row in ``source_outbox``
 in the very transaction that ends the task, so no end is missed and none is
 queued twice. :func:`drain` takes waiting outbox rows (``FOR UPDATE SKIP
 LOCKED``: two drainers never take the same row) and writes each to the team's
-row with a guarded UPDATE (``... AND (where)``): a row someone else changed
-meanwhile is not overwritten; its outbox row becomes a ``conflict``, counted
-in ``balancer status``.
+row with a guarded, fenced UPDATE (``... AND (where) AND md5(prompt) = <read>``,
+:mod:`balancer.sources.catalog`): a row someone else changed meanwhile is never
+overwritten. Its outbox row becomes a ``conflict`` (the row no longer matches
+``where``), or ``changed`` (its prompt changed and it still matches: its task is
+asked again with the new prompt, :mod:`balancer.sources.reask`); both are
+counted in ``balancer status``.
+
+Each row alone: a batch is written in one transaction; when the team's table
+refuses one row (a CHECK, a value too long for its column, a character its
+encoding lacks), the batch is written again with a savepoint per row, so that
+row fails alone with its error and the others are written. A refused row is
+tried again after a back-off, and after ``BALANCER_WRITEBACK_ATTEMPTS``
+refusals it is left ``unwritable`` (:mod:`balancer.sources.outbox`). A
+transient failure (the database away, a lock or statement timeout, privileges)
+fails the batch, which is tried again after the back-off without limit; a
+source's failure never stops the sources after it.
 
 Exactly once: in balancer's own database the UPDATE and the outbox row's
 removal commit together. In another database the UPDATE commits first; if
 balancer dies before removing the outbox row, the retry's guarded UPDATE
 matches nothing (the written row no longer matches ``where``) and the row is
 read back: holding exactly what was to be written, it counts as done, not as
-a conflict. A failed attempt (the database away) is retried with a back-off.
+a conflict.
 
 :class:`WritebackLoop` drains in every dispatcher process (the consumer of the
 ``control`` queue), on a thread of its own: again at once while there was
@@ -25,118 +38,195 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
 
-import sqlalchemy as sa
 from celery import bootsteps
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from balancer.admission import keys
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.sources.catalog import describe, holds, team_connection, write_back
+from balancer.sources import outbox
+from balancer.sources.catalog import (
+    MISSED,
+    NOTHING,
+    WRITTEN,
+    WRITTEN_MATCHING,
+    describe,
+    fingerprint,
+    inspect,
+    limit_time,
+    refused_by_row,
+    team_connection,
+    write_back,
+)
 from balancer.sources.definition import SourceDef
-from balancer.sources.schema import source_outbox
+from balancer.sources.reask import ask_again
 from balancer.sources.store import all_sources
-from balancer.storage.schema import tasks
 
 log = logging.getLogger(__name__)
 
-#: The longest wait before a failed write-back is tried again.
-MAX_BACKOFF_S = 60
+#: What one row's write-back came to, beside :mod:`balancer.sources.catalog`'s written ones.
+CONFLICT, CHANGED, REFUSED = "conflict", "changed", "refused"
 
 
 @dataclass
 class Drained:
     written: int = 0
-    conflicts: int = 0
-    retrying: int = 0
+    conflicts: int = 0  # not overwritten: the row no longer matched where
+    changed: int = 0  # not overwritten: its prompt changed; asked again
+    refused: int = 0  # refused by the team's table this time (tried again, or left unwritable)
+    unwritable: int = 0  # of those, left unwritable
+    retrying: int = 0  # a transient failure: tried again later
+
+    def add(self, other: Drained) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def _claim(conn: Connection, source: str, limit: int) -> list[dict]:
-    query = (
-        sa.select(source_outbox.c.id, source_outbox.c.outcome, tasks.c.key, tasks.c.answer, tasks.c.error, tasks.c.model)
-        .join(tasks, tasks.c.id == source_outbox.c.task_id)
-        .where(source_outbox.c.source == source, source_outbox.c.state == "waiting",
-               source_outbox.c.next_attempt_at <= sa.func.now())
-        .order_by(source_outbox.c.id).limit(limit)
-        .with_for_update(of=source_outbox, skip_locked=True)
-    )
-    return [dict(r._mapping) for r in conn.execute(query)]
+def _write_one(conn: Connection, definition: SourceDef, row: dict[str, Any],
+               rendered: dict[str, str | None]) -> tuple[str, str | None]:
+    """One row's write-back, and why it was not written (a changed row: its prompt now)."""
+    did = write_back(conn, definition, row["outcome"], row, rendered)
+    if did != MISSED:
+        return did, None
+    now = inspect(conn, definition, row["outcome"], row)
+    if now is not None and now.holds:
+        return WRITTEN, None  # written before a crash, its outbox row not yet removed
+    if now is not None and now.matches and now.prompt is not None and fingerprint(now.prompt) != row["fingerprint"]:
+        return CHANGED, now.prompt
+    return CONFLICT, None
 
 
-def _settle(conn: Connection, done: list[int], conflicts: list[int]) -> None:
-    if done:
-        conn.execute(sa.delete(source_outbox).where(source_outbox.c.id.in_(done)))
-    if conflicts:
-        conn.execute(sa.update(source_outbox).where(source_outbox.c.id.in_(conflicts)).values(state="conflict"))
-
-
-def _retry_later(conn: Connection, ids: list[int], error: str) -> None:
-    delay = sa.func.least(MAX_BACKOFF_S, sa.func.power(2, source_outbox.c.attempts))
-    conn.execute(sa.update(source_outbox).where(source_outbox.c.id.in_(ids)).values(
-        attempts=source_outbox.c.attempts + 1, last_error=error,
-        next_attempt_at=sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, delay)))
-
-
-def _write_batch(services: Services, definition: SourceDef, conn: Connection, claimed: list[dict]) -> tuple[list[int], list[int]]:
-    """Write ``claimed`` back; the outbox ids done and those refused (someone else changed the row)."""
-    done: list[int] = []
-    conflicts: list[int] = []
+def _write_rows(conn: Connection, definition: SourceDef, claimed: list[dict], *,
+                isolate: bool) -> dict[int, tuple[str, str | None]]:
+    """Every claimed row's write-back in the caller's transaction; ``isolate``: each in a
+    savepoint, a row the table refuses failing alone with its error."""
     rendered: dict[str, str | None] = {}
-    if definition.database_url_env is None:  # balancer's own database: one transaction for both
-        with conn.begin_nested():
-            for row in claimed:
-                written = write_back(conn, definition, row["outcome"], row, rendered)
-                (conflicts if written is False else done).append(row["id"])
-        return done, conflicts
+    results = {}
+    for row in claimed:
+        if not isolate:
+            results[row["id"]] = _write_one(conn, definition, row, rendered)
+            continue
+        try:
+            with conn.begin_nested():
+                results[row["id"]] = _write_one(conn, definition, row, rendered)
+        except DBAPIError as exc:
+            if not refused_by_row(exc):
+                raise
+            results[row["id"]] = (REFUSED, describe(definition, exc))
+    return results
+
+
+@contextmanager
+def _transaction(services: Services, definition: SourceDef, own: Connection) -> Iterator[Connection]:
+    """A transaction on the team's database: a savepoint of ``own``'s when it is balancer's."""
+    if definition.database_url_env is None:
+        with own.begin_nested():
+            yield own
+        return
     with team_connection(definition, services.engine) as team, team.begin():
-        for row in claimed:
-            written = write_back(team, definition, row["outcome"], row, rendered)
-            if written is False and not holds(team, definition, row["outcome"], row):
-                conflicts.append(row["id"])
-            else:
-                done.append(row["id"])
-    return done, conflicts
+        limit_time(team)
+        yield team
+
+
+def _write_batch(services: Services, definition: SourceDef, conn: Connection,
+                 claimed: list[dict]) -> dict[int, tuple[str, str | None]]:
+    """Write ``claimed`` back: at once, or, when the table refuses a row, again row by row."""
+    try:
+        with _transaction(services, definition, conn) as team:
+            return _write_rows(team, definition, claimed, isolate=False)
+    except DBAPIError as exc:
+        if not refused_by_row(exc):
+            raise
+    with _transaction(services, definition, conn) as team:
+        return _write_rows(team, definition, claimed, isolate=True)
+
+
+def _settle(services: Services, definition: SourceDef, conn: Connection, claimed: list[dict],
+            results: dict[int, tuple[str, str | None]]) -> Drained:
+    """The claimed rows' outbox states after their write-backs (in the claim's transaction)."""
+    report = Drained()
+    by_state: dict[str, list[int]] = {}
+    refused: dict[int, str] = {}
+    models: dict[str, int] | None = None
+    for row in claimed:
+        result, detail = results[row["id"]]
+        if result == REFUSED:
+            refused[row["id"]] = detail or "refused"
+            continue
+        if result == CHANGED and detail is not None:
+            models = models if models is not None else {q.name: q.burst for q in services.quotas.all()}
+            why = ask_again(conn, definition, row, detail, models)
+            if why is not None:
+                log.warning("source %s: row %.80r changed since it was read, not asked again: %s", definition.name,
+                            row["key"], why)
+                result = CONFLICT
+        state = {WRITTEN: "deleted", NOTHING: "deleted", WRITTEN_MATCHING: outbox.WRITTEN, CONFLICT: outbox.CONFLICT,
+                 CHANGED: outbox.CHANGED}[result]
+        by_state.setdefault(state, []).append(row["id"])
+    for state, ids in by_state.items():
+        outbox.mark(conn, ids, state)
+    report.written = len(by_state.get("deleted", [])) + len(by_state.get(outbox.WRITTEN, []))
+    report.conflicts = len(by_state.get(outbox.CONFLICT, []))
+    report.changed = len(by_state.get(outbox.CHANGED, []))
+    report.refused = len(refused)
+    report.unwritable = outbox.refuse(conn, refused, services.settings.writeback_attempts)
+    return report
 
 
 def drain_source(services: Services, definition: SourceDef, *, limit: int = 500, rounds: int = 20) -> Drained:
     report = Drained()
     for _ in range(rounds):
         with services.engine.begin() as conn:
-            claimed = _claim(conn, definition.name, limit)
+            if definition.database_url_env is None:
+                limit_time(conn)
+            claimed = outbox.claim(conn, definition.name, limit)
             if not claimed:
                 break
             try:
-                done, conflicts = _write_batch(services, definition, conn, claimed)
+                results = _write_batch(services, definition, conn, claimed)
             except Exception as exc:  # noqa: BLE001 - the team's database away, a lock timeout...: retried later
-                _retry_later(conn, [r["id"] for r in claimed], describe(definition, exc))
+                outbox.retry_later(conn, [r["id"] for r in claimed], describe(definition, exc))
                 report.retrying += len(claimed)
                 log.warning("source %s: %d write-back(s) failed, will retry: %s", definition.name, len(claimed),
                             describe(definition, exc))
                 break
-            _settle(conn, done, conflicts)
-        report.written += len(done)
-        log.info("source %s: %d task(s) written back", definition.name, len(done))
-        report.conflicts += len(conflicts)
-        if conflicts:
-            log.warning("source %s: %d row(s) changed by someone else meanwhile, not overwritten", definition.name,
-                        len(conflicts))
+            round_report = _settle(services, definition, conn, claimed, results)
+        report.add(round_report)
+        _log(definition, round_report)
         if len(claimed) < limit:
             break
     return report
 
 
+def _log(definition: SourceDef, report: Drained) -> None:
+    log.info("source %s: %d task(s) written back", definition.name, report.written)
+    if report.conflicts:
+        log.warning("source %s: %d row(s) no longer matching where, not overwritten", definition.name, report.conflicts)
+    if report.changed:
+        log.warning("source %s: %d row(s) whose prompt changed since it was read, not overwritten: asked again",
+                    definition.name, report.changed)
+    if report.refused:
+        log.warning("source %s: %d write-back(s) refused by its table (%d now unwritable)", definition.name,
+                    report.refused, report.unwritable)
+
+
 def drain(services: Services) -> Drained:
-    """One pass over every declared source's waiting write-backs."""
+    """One pass over every declared source's waiting write-backs; one source's failure
+    (even balancer's database failing it) is logged and the next source is drained."""
     with services.engine.connect() as conn:
         definitions = all_sources(conn)
     total = Drained()
     for definition in definitions:
-        report = drain_source(services, definition)
-        total.written += report.written
-        total.conflicts += report.conflicts
-        total.retrying += report.retrying
+        try:
+            total.add(drain_source(services, definition))
+        except Exception as exc:  # noqa: BLE001 - the next sources are drained all the same
+            log.warning("source %s: write-back not drained this pass: %s", definition.name, describe(definition, exc))
     return total
 
 
@@ -166,7 +256,7 @@ class WritebackLoop(bootsteps.StartStopStep):
         while not self._stop.wait(wait):
             try:
                 drained = drain(svc)
-                wait = 0.0 if drained.written or drained.conflicts else idle
+                wait = 0.0 if drained.written or drained.conflicts or drained.changed or drained.refused else idle
             except Exception:  # keep going through a PostgreSQL blip
                 log.exception("write-back failed; retrying")
                 wait = max(idle, 1.0)

@@ -93,6 +93,8 @@ tasks = Table(
     # Identity: unique within its source when set (``tasks_source_key``); metadata is kept and returned with the answer.
     Column("key", Text, nullable=True),
     Column("metadata", JSONB, nullable=True),
+    # A source task's fence: md5 of the prompt it was read with, as UTF-8 (balancer.sources.catalog).
+    Column("source_fingerprint", Text, nullable=True),
 )
 
 #: The ledger: one row per call sent to the backend, answered or not (a hedge that

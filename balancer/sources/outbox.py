@@ -1,0 +1,135 @@
+"""The write-back outbox: each ended task of a declared source, until its row is written.
+
+A row of ``source_outbox`` is in one state:
+
+- ``waiting``: to write (again at ``next_attempt_at``);
+- ``conflict``: not overwritten: the team's row no longer matched ``where`` (someone
+  else answered or changed it), or is gone;
+- ``changed``: not overwritten: the team changed the row's prompt since it was read
+  and the row still matches ``where``; its task was asked again with the new prompt
+  (:mod:`balancer.sources.reask`), whose end queues a new outbox row;
+- ``written``: written, but the written row still matches ``where`` (so a re-read
+  would take it for re-opened): kept, so that it is not asked again;
+- ``unwritable``: the team's table refused it ``BALANCER_WRITEBACK_ATTEMPTS`` times
+  (a CHECK, a value too long, a character its encoding lacks), ``last_error`` says
+  why; ``balancer source unwritable NAME --retry`` writes it again, ``--drop`` gives up;
+- ``dropped``: given up by an operator (audited in ``source_changes``); kept, so that
+  its row, which still matches ``where``, is not asked again.
+
+A row written back is deleted. The back-off of a failed try is 2 ** tries seconds,
+the exponent capped so that it never overflows, at most :data:`MAX_BACKOFF_S`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.engine import Connection, Engine
+
+from balancer.errors import BalancerError
+from balancer.sources.schema import source_outbox
+from balancer.storage.schema import source_changes, tasks
+
+WAITING, CONFLICT, CHANGED, WRITTEN, UNWRITABLE, DROPPED = (
+    "waiting", "conflict", "changed", "written", "unwritable", "dropped")
+#: The states that keep a task from being asked again when its row is read matching ``where``.
+KEEPS_TASK = (WAITING, WRITTEN, UNWRITABLE, DROPPED)
+#: The longest wait before a failed write-back is tried again.
+MAX_BACKOFF_S = 60
+#: 2 ** this is past MAX_BACKOFF_S: the exponent never grows beyond it.
+_MAX_EXPONENT = 6
+
+
+def _backoff(tries: Any) -> Any:
+    """``now()`` plus the back-off after ``tries`` failed tries (an SQL expression)."""
+    seconds = sa.func.least(MAX_BACKOFF_S, sa.func.power(2, sa.func.least(tries, _MAX_EXPONENT)))
+    return sa.func.now() + sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+
+
+def claim(conn: Connection, source: str, limit: int) -> list[dict]:
+    """Up to ``limit`` of ``source``'s waiting write-backs that are due, locked for the caller's
+    transaction (``SKIP LOCKED``: two drainers never take the same row), with their tasks'
+    end and fence (a task ingested before the fence existed: its prompt's md5 now)."""
+    fingerprint = sa.func.coalesce(tasks.c.source_fingerprint,
+                                   sa.func.md5(sa.func.convert_to(tasks.c.prompt, "UTF8")))
+    query = (
+        sa.select(source_outbox.c.id, source_outbox.c.outcome, source_outbox.c.task_id, tasks.c.key, tasks.c.answer,
+                  tasks.c.error, tasks.c.model, tasks.c.priority, tasks.c.max_tokens, fingerprint.label("fingerprint"))
+        .join(tasks, tasks.c.id == source_outbox.c.task_id)
+        .where(source_outbox.c.source == source, source_outbox.c.state == WAITING,
+               source_outbox.c.next_attempt_at <= sa.func.now())
+        .order_by(source_outbox.c.id).limit(limit)
+        .with_for_update(of=source_outbox, skip_locked=True)
+    )
+    return [dict(r._mapping) for r in conn.execute(query)]
+
+
+def mark(conn: Connection, ids: list[int], state: str, error: str | None = None) -> None:
+    """``ids`` to ``state``; ``"deleted"``: written back, gone."""
+    if not ids:
+        return
+    rows = source_outbox.c.id.in_(ids)
+    if state == "deleted":
+        conn.execute(sa.delete(source_outbox).where(rows))
+    else:
+        conn.execute(sa.update(source_outbox).where(rows).values(
+            state=state, **({"last_error": error} if error is not None else {})))
+
+
+def retry_later(conn: Connection, ids: list[int], error: str) -> None:
+    """A transient failure (the database away, a lock or statement timeout): tried again after
+    the back-off, without limit."""
+    conn.execute(sa.update(source_outbox).where(source_outbox.c.id.in_(ids)).values(
+        attempts=source_outbox.c.attempts + 1, last_error=error, next_attempt_at=_backoff(source_outbox.c.attempts)))
+
+
+_REFUSE = sa.text(f"""
+UPDATE source_outbox o SET refusals = o.refusals + 1, attempts = o.attempts + 1, last_error = v.error,
+       state = CASE WHEN o.refusals + 1 >= :most THEN '{UNWRITABLE}' ELSE o.state END,
+       next_attempt_at = now() + make_interval(secs => least({MAX_BACKOFF_S}, power(2, least(o.refusals, {_MAX_EXPONENT}))))
+FROM unnest(:ids, :errors) AS v(id, error) WHERE o.id = v.id
+RETURNING o.state
+""").bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)), sa.bindparam("errors", type_=ARRAY(sa.Text)))  # noqa: S608
+
+
+def refuse(conn: Connection, refused: dict[int, str], most: int) -> int:
+    """Write-backs the team's table refused, each with its error: tried again after the
+    back-off, or ``unwritable`` at the ``most``-th refusal. Returns how many became unwritable."""
+    if not refused:
+        return 0
+    states = conn.execute(_REFUSE, {"ids": list(refused), "errors": list(refused.values()), "most": most}).scalars()
+    return sum(1 for s in states if s == UNWRITABLE)
+
+
+# -- the operator's command: balancer source unwritable NAME [--retry | --drop] --------------
+
+def unwritable(engine: Engine, source: str) -> list[dict[str, Any]]:
+    """``source``'s unwritable write-backs, oldest first: the task, its key, outcome, tries and last error."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(source_outbox.c.task_id, tasks.c.key, source_outbox.c.outcome, source_outbox.c.refusals,
+                      source_outbox.c.last_error)
+            .join(tasks, tasks.c.id == source_outbox.c.task_id)
+            .where(source_outbox.c.source == source, source_outbox.c.state == UNWRITABLE)
+            .order_by(source_outbox.c.id)).mappings().all()
+    return [dict(r) for r in rows]
+
+
+def settle_unwritable(engine: Engine, source: str, action: str, *, by: str) -> int:
+    """``retry``: ``source``'s unwritable write-backs wait again, their refusals reset; ``drop``:
+    they are given up (``dropped``). Audited in ``source_changes``. Returns how many."""
+    if action not in ("retry", "drop"):
+        raise BalancerError(f"unknown action {action!r}")
+    values: dict[str, Any] = ({"state": WAITING, "refusals": 0, "next_attempt_at": sa.func.now()} if action == "retry"
+                              else {"state": DROPPED})
+    with engine.begin() as conn:
+        ids = conn.execute(sa.update(source_outbox)
+                           .where(source_outbox.c.source == source, source_outbox.c.state == UNWRITABLE)
+                           .values(**values).returning(source_outbox.c.task_id)).scalars().all()
+        if ids:
+            conn.execute(sa.insert(source_changes).values(
+                source=source, changed_by=by, action=f"{action} unwritable", old_value={"unwritable": len(ids)},
+                new_value={"task_ids": sorted(ids)}))
+    return len(ids)
