@@ -147,14 +147,15 @@ def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: 
         return [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
 
 
-def read_one(conn: Connection, definition: SourceDef, key: str) -> str | None:
+def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimits | None = None) -> str | None:
     """The prompt of the row ``key`` if it matches ``where`` now (None: it does not, or is
-    gone), in its own READ ONLY transaction."""
+    gone), in its own READ ONLY transaction within ``limits``."""
     query = sql.SQL("SELECT CAST({prompt} AS text) FROM {table} WHERE {key} = %s AND {cond}").format(
         prompt=sql.Identifier(definition.prompt), table=_table(definition), key=sql.Identifier(definition.key),
         cond=_where(definition))
     with conn.begin():
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        (limits or TimeLimits()).apply(conn, local=True)
         row = conn.exec_driver_sql(_render(conn, query), (key,)).first()
     return None if row is None else row[0]
 
@@ -254,22 +255,12 @@ def inspect(conn: Connection, definition: SourceDef, outcome: str, task: dict[st
 #: error (connection, lock or statement timeout, privileges, a table or column gone) is the
 #: table's or the database's, transient: the whole batch is tried again, without limit.
 _ROW_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "P0")
-#: Write-backs' time limits on the team's database: a locked or stalled table fails the
-#: batch (retried later) instead of holding the write-back loop.
-LOCK_TIMEOUT_S = 5
-STATEMENT_TIMEOUT_S = 15
 
 
 def refused_by_row(exc: BaseException) -> bool:
     """Whether ``exc`` is a refusal of one row's values rather than a transient failure."""
     code = getattr(getattr(exc, "orig", exc), "pgcode", None)
     return isinstance(code, str) and code[:2] in _ROW_CLASSES
-
-
-def limit_time(conn: Connection) -> None:
-    """In the caller's transaction: the write-backs' time limits."""
-    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT_S}s'; "
-                         f"SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT_S}s'")
 
 
 # -- checks at import ------------------------------------------------------------------

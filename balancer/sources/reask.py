@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from balancer.services import Services
-from balancer.sources.catalog import fingerprint, read_one
+from balancer.sources.catalog import TimeLimits, fingerprint, read_one
 from balancer.sources.definition import SourceDef
 from balancer.sources.outbox import KEEPS_TASK
 from balancer.sources.rows import row_to_task
@@ -80,9 +80,10 @@ def ask_reopened(services: Services, definition: SourceDef, team: Connection, ke
     if not ended:
         return 0
     models = {q.name: q.burst for q in services.quotas.all()}
+    limits = TimeLimits.of(services.settings)
     asked = 0
     for task in ended:
-        prompt = read_one(team, definition, task["key"])  # after its write-back was seen done: not a stale read
+        prompt = read_one(team, definition, task["key"], limits)  # after its write-back was seen done: not a stale read
         if prompt is None:
             continue
         with services.engine.begin() as conn:

@@ -17,7 +17,8 @@ encoding lacks), the batch is written again with a savepoint per row, so that
 row fails alone with its error and the others are written. A refused row is
 tried again after a back-off, and after ``BALANCER_WRITEBACK_ATTEMPTS``
 refusals it is left ``unwritable`` (:mod:`balancer.sources.outbox`). A
-transient failure (the database away, a lock or statement timeout, privileges)
+transient failure (the database away, a lock or statement timeout:
+``BALANCER_SOURCE_LOCK_TIMEOUT``, ``BALANCER_SOURCE_STATEMENT_TIMEOUT``; privileges)
 fails the batch, which is tried again after the back-off without limit; a
 source's failure never stops the sources after it.
 
@@ -56,10 +57,10 @@ from balancer.sources.catalog import (
     NOTHING,
     WRITTEN,
     WRITTEN_MATCHING,
+    TimeLimits,
     describe,
     fingerprint,
     inspect,
-    limit_time,
     refused_by_row,
     team_connection,
     write_back,
@@ -129,9 +130,8 @@ def _transaction(services: Services, definition: SourceDef, own: Connection) -> 
         with own.begin_nested():
             yield own
         return
-    with team_connection(definition, services.engine) as team, team.begin():
-        limit_time(team)
-        yield team
+    with team_connection(definition, services.engine, TimeLimits.of(services.settings)) as team, team.begin():
+        yield team  # within the session's time limits
 
 
 def _write_batch(services: Services, definition: SourceDef, conn: Connection,
@@ -184,7 +184,7 @@ def drain_source(services: Services, definition: SourceDef, *, limit: int = 500,
     for _ in range(rounds):
         with services.engine.begin() as conn:
             if definition.database_url_env is None:
-                limit_time(conn)
+                TimeLimits.of(services.settings).apply(conn, local=True)
             claimed = outbox.claim(conn, definition.name, limit)
             if not claimed:
                 break
