@@ -471,7 +471,7 @@ def test_a_where_with_a_percent_and_the_cli_round_trip(svc: Services, legacy: Le
     assert code == 0 and "1 unchanged" in out
     solve_pending(svc)
     code, _, err = run(capsys, "source", "remove", "crm")
-    assert code == 2 and "write-backs waiting" in err
+    assert code == 2 and "1 write-back(s) waiting" in err
     drain(svc)
     assert run(capsys, "source", "remove", "crm")[0] == 0
     assert run(capsys, "source", "remove", "crm")[0] == 2

@@ -115,11 +115,20 @@ def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing
 
 @source.command("remove")
 @click.argument("name")
+@click.option("--cancel", is_flag=True,
+              help="Remove it now: cancel its pending tasks and drop its waiting write-backs (its tasks in flight "
+                   "end without one). Without it, removal is refused while any of them is left.")
 @click.option("--by", help="Who made the change (default: the OS user), for the audit.")
-def source_remove(name: str, by: str | None) -> None:
-    """Stop reading NAME (its tasks stay); refused while write-backs of it are waiting."""
+def source_remove(name: str, cancel: bool, by: str | None) -> None:
+    """Stop reading NAME (its tasks stay; its table is not touched). Refused, with the counts, while
+    it has tasks not ended or write-backs waiting, unless --cancel; importing it again resumes them."""
     from balancer.sources.store import remove_source
     from balancer.storage.quotas import default_actor
 
-    remove_source(migrated().engine, name, by=by or default_actor())
-    click.echo(f"{printable(name)}: removed")
+    done = remove_source(migrated().engine, name, by=by or default_actor(), cancel=cancel)
+    if not done:
+        click.echo(f"{printable(name)}: removed")
+        return
+    click.echo(f"{printable(name)}: removed; cancelled {len(done['cancelled_tasks'])} pending task(s), dropped "
+               f"{len(done['dropped_writebacks'])} waiting write-back(s); {done['in_flight']} task(s) in flight end "
+               "without a write-back (importing it again resumes them)")

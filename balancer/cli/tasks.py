@@ -139,14 +139,19 @@ def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
 @click.option("--by", help="Who acts (default: the OS user), for the audit.")
 def tasks_prune(before: datetime, yes: bool, by: str | None) -> None:
     """Delete solved, failed and cancelled tasks last changed before --before
-    (never a pending, ready, queued or running one); audited, batch by batch."""
+    (never a pending, ready, queued or running one, nor one whose write-back to its
+    source's table has not ended: those are counted as kept); audited, batch by batch."""
     from balancer.storage.quotas import default_actor
-    from balancer.storage.retention import prune
+    from balancer.storage.retention import kept_for_writeback, prune
 
     when = before.replace(tzinfo=UTC) if before.tzinfo is None else before
-    n = prune(_migrated().engine, when, by=by or default_actor(), apply=yes)
+    engine = _migrated().engine
+    n = prune(engine, when, by=by or default_actor(), apply=yes)
+    kept = kept_for_writeback(engine, when)
+    kept_text = (f"; kept {kept} whose write-back to their source's table has not ended (balancer source list)"
+                 if kept else "")
     if not yes:
-        click.echo(f"would delete {n} finished task(s) last changed before {when:%Y-%m-%d %H:%M:%S} UTC "
-                   "(dry run: pass --yes to apply)")
+        click.echo(f"would delete {n} finished task(s) last changed before {when:%Y-%m-%d %H:%M:%S} UTC"
+                   f"{kept_text.replace('; kept', '; would keep')} (dry run: pass --yes to apply)")
         return
-    click.echo(f"deleted {n} finished task(s) last changed before {when:%Y-%m-%d %H:%M:%S} UTC")
+    click.echo(f"deleted {n} finished task(s) last changed before {when:%Y-%m-%d %H:%M:%S} UTC{kept_text}")

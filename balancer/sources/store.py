@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from balancer.domain.intake import TaskRow
 from balancer.sources.definition import SourceDef, SourceFileError, source_from_dict
+from balancer.sources.removal import cancel_for_removal, left, refusal, resume
 from balancer.sources.schema import source_outbox, sources
 from balancer.sources.weights import set_weight
 from balancer.storage.intake import share_answers
@@ -89,9 +90,9 @@ def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, repl
             (summary.unchanged if old == d else summary.updated if old else summary.created).append(d.name)
         if replace:
             summary.removed = gone
-            waiting = _waiting(conn, gone)
-            if waiting:
-                raise SourceFileError(f"source {waiting[0]} still has write-backs waiting; remove it once they are done")
+            for name in gone:
+                if (going := left(conn, name)).anything:
+                    raise SourceFileError(refusal(name, going))
         if dry_run:
             return summary
         for d in wanted:
@@ -106,39 +107,39 @@ def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, repl
                 if not old.reads_same_rows(d):
                     values |= {"position": sa.null(), "rescan": sa.null(), "caught_up_at": None}
                 conn.execute(sa.update(sources).where(sources.c.name == d.name).values(**values))
+            resumed = resume(conn, d.name, by) if old is None else {}
             conn.execute(sa.insert(source_changes).values(
                 source=d.name, changed_by=by, action="import" if old is None else "update",
-                old_value=None if old is None else old.as_dict(), new_value=d.as_dict()))
+                old_value=None if old is None else old.as_dict(), new_value=d.as_dict() | resumed))
             set_weight(conn, d.name, d.weight, by=by)
         for name in summary.removed:
-            _remove(conn, current[name], by)
+            _remove(conn, name, current[name].as_dict(), by)
     return summary
 
 
-def _waiting(conn: Connection, names: Sequence[str]) -> list[str]:
-    if not names:
-        return []
-    return list(conn.execute(sa.select(source_outbox.c.source).distinct()
-                             .where(source_outbox.c.source.in_(list(names)), source_outbox.c.state == "waiting")).scalars())
+def _remove(conn: Connection, name: str, old: dict[str, Any], by: str, done: dict[str, Any] | None = None) -> None:
+    conn.execute(sa.delete(sources).where(sources.c.name == name))
+    conn.execute(sa.delete(source_outbox).where(source_outbox.c.source == name))
+    conn.execute(sa.insert(source_changes).values(source=name, changed_by=by, action="remove",
+                                                  old_value=old, new_value=done))
 
 
-def _remove(conn: Connection, definition: SourceDef, by: str) -> None:
-    conn.execute(sa.delete(sources).where(sources.c.name == definition.name))
-    conn.execute(sa.delete(source_outbox).where(source_outbox.c.source == definition.name))
-    conn.execute(sa.insert(source_changes).values(source=definition.name, changed_by=by, action="remove",
-                                                  old_value=definition.as_dict(), new_value=None))
-
-
-def remove_source(engine: Engine, name: str, *, by: str) -> None:
-    """Remove a source (its tasks stay); refused while write-backs of it are waiting."""
+def remove_source(engine: Engine, name: str, *, by: str, cancel: bool = False) -> dict[str, Any]:
+    """Remove a source (its tasks stay; its table is not read): refused while it has tasks not
+    ended or write-backs waiting, unless ``cancel`` (:mod:`balancer.sources.removal`). What was
+    cancelled and dropped."""
     with engine.begin() as conn:
         row = conn.execute(sa.select(sources.c.name, sources.c.definition)
                            .where(sources.c.name == name).with_for_update()).first()
         if row is None:
             raise SourceFileError(f"no source {name!r}")
-        if _waiting(conn, [name]):
-            raise SourceFileError(f"source {name} still has write-backs waiting; remove it once they are done")
-        _remove(conn, _definition(row), by)
+        going = left(conn, name)
+        if going.anything and not cancel:
+            raise SourceFileError(refusal(name, going))
+        done = cancel_for_removal(conn, name, by) if cancel else {}
+        # The definition as stored: one today's checks would refuse is removed all the same.
+        _remove(conn, name, dict(row.definition), by, done or None)
+    return done
 
 
 # One statement for a whole batch: its columns as arrays, unnested into rows (a

@@ -18,7 +18,9 @@ day's spend against each source's budget per day, so pruning today's tasks
 gives nothing back to a budget; a prune after the day turns deletes them. So
 spend so far counts the tasks kept, plus the calls of today's pruned ones. A task
 that is pending, queued or running is never deleted, and a failed task a
-``retry`` sends back to pending meanwhile is not matched.
+``retry`` sends back to pending meanwhile is not matched. Nor is a task of a
+source table whose write-back has not ended (:data:`WRITEBACK_ENDED`): the
+prune says how many it kept (:func:`kept_for_writeback`).
 """
 
 from __future__ import annotations
@@ -65,8 +67,29 @@ def finished_counts(engine: Engine) -> dict[str, int]:
     return counts
 
 
+#: balancer.sources' outbox, as far as a prune reads it (storage sits below the sources room).
+_outbox = sa.table("source_outbox", sa.column("task_id", sa.BigInteger), sa.column("state", sa.Text))
+#: The one outbox state that ends a write-back for good and lets its task go: the team's row no
+#: longer matched ``where`` (changed by someone else, or gone), so reading it again finds nothing.
+#: Any other state (waiting, or kept so that a row still matching ``where`` is not asked again)
+#: keeps its task: deleting it would have the row read as new work and paid for twice.
+WRITEBACK_ENDED = "conflict"
+
+
+def _writeback_open() -> sa.ColumnElement[bool]:
+    return sa.exists().where(_outbox.c.task_id == tasks.c.id, _outbox.c.state != WRITEBACK_ENDED)
+
+
 def _prunable(before: datetime) -> list[sa.ColumnElement[bool]]:
-    return [tasks.c.status.in_(FINISHED_STATUSES), tasks.c.updated_at < before]
+    return [tasks.c.status.in_(FINISHED_STATUSES), tasks.c.updated_at < before, ~_writeback_open()]
+
+
+def kept_for_writeback(engine: Engine, before: datetime) -> int:
+    """Finished tasks last changed before ``before`` that a prune keeps: a write-back of theirs
+    to a source table has not ended (issue 38 finding 7)."""
+    with engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).where(
+            tasks.c.status.in_(FINISHED_STATUSES), tasks.c.updated_at < before, _writeback_open())).scalar_one())
 
 
 def prune(engine: Engine, before: datetime, *, by: str, apply: bool) -> int:
@@ -85,6 +108,8 @@ def prune(engine: Engine, before: datetime, *, by: str, apply: bool) -> int:
                 sa.delete(tasks).where(tasks.c.id.in_(batch), *_prunable(before)).returning(tasks.c.id)
             ).scalars())
             if ids:
+                # Their ended write-backs go with them (no outbox row outlives its task).
+                conn.execute(sa.delete(_outbox).where(_outbox.c.task_id.in_(ids)))
                 delete_usage(conn, ids, today)  # their calls' ledger rows go with them, but today's
                 conn.execute(sa.insert(task_operations).values(
                     done_by=by, action="prune", filter={"before": before.isoformat()}, task_ids=ids))

@@ -1,0 +1,127 @@
+"""Issue 38 finding 7: the operator commands around a source's life lose nothing (``tasks
+prune``, ``tasks retry``, ``source remove``, importing again), on real PostgreSQL with the
+team's table in a database the tests create and drop (tests/legacy.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from balancer.services import Services
+from balancer.sources.ingest import ingest_sources
+from balancer.sources.schema import source_outbox, sources
+from balancer.sources.writeback import drain
+from balancer.storage.schema import source_changes, task_operations, tasks
+from tests import test_sources as base
+from tests.test_sources import Legacy, import_legacy, run, solve_pending
+
+# The fixtures of tests/test_sources.py: balancer's services, and the team's table in its own database.
+svc, legacy_url, legacy = base.svc, base.legacy_url, base.legacy
+
+SOLVED = "SELECT count(*) FROM prompts WHERE status = 'solved'"
+
+
+def counted(svc: Services, *where: sa.ColumnElement[bool]) -> int:
+    with svc.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(tasks).where(*where)).scalar_one())
+
+
+def waiting(svc: Services) -> int:
+    with svc.engine.connect() as conn:
+        return int(conn.execute(sa.select(sa.func.count()).where(source_outbox.c.state == "waiting")).scalar_one())
+
+
+def later() -> str:
+    return (datetime.now(UTC) + timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def test_prune_keeps_a_task_whose_write_back_has_not_ended(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                           capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 7: ``tasks prune`` while write-backs waited deleted their tasks (20 of 20
+    rows then paid twice, 20 orphan outbox rows). It keeps them, says how many, and prunes them
+    once written; their rows are not read again."""
+    legacy.add(20)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 20 and waiting(svc) == 20
+    code, out, _ = run(capsys, "tasks", "prune", "--before", later(), "--yes")
+    assert code == 0 and "deleted 0 finished task(s)" in out and "kept 20 whose write-back" in out, out
+    assert counted(svc, tasks.c.source == "crm") == 20
+    assert drain(svc).written == 20
+    code, out, _ = run(capsys, "tasks", "prune", "--before", later(), "--yes")
+    assert code == 0 and "deleted 20 finished task(s)" in out and "kept" not in out, out
+    ingest_sources(svc)
+    assert counted(svc, tasks.c.source == "crm") == 0  # written rows no longer match where: nothing asked twice
+    assert legacy.count("SELECT count(*) FROM writes") == 20
+
+
+def test_remove_refuses_with_the_counts_and_cancel_cancels_audited(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                  capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 7: ``source remove`` mid-run was accepted and its rows were never
+    written. By default it is refused, saying what is left; ``--cancel`` cancels the pending
+    tasks and drops the waiting write-backs, audited, and says so."""
+    legacy.add(20)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc, limit=5) == 5
+    code, _, err = run(capsys, "source", "remove", "crm")
+    assert code != 0 and "15 pending task(s), 0 in flight and 5 write-back(s) waiting" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    code, out, _ = run(capsys, "source", "remove", "crm", "--cancel", "--by", "ops")
+    assert code == 0 and "cancelled 15 pending task(s), dropped 5 waiting write-back(s)" in out, out
+    assert counted(svc, tasks.c.source == "crm", tasks.c.status == "cancelled") == 15
+    with svc.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(sources)).scalar_one() == 0
+        assert conn.execute(sa.select(sa.func.count()).select_from(source_outbox)).scalar_one() == 0
+        audit = conn.execute(sa.select(source_changes.c.changed_by, source_changes.c.new_value)
+                             .where(source_changes.c.action == "remove")).one()
+        assert audit.changed_by == "ops" and len(audit.new_value["cancelled_tasks"]) == 15
+        assert len(audit.new_value["dropped_writebacks"]) == 5
+        cancel = conn.execute(sa.select(task_operations.c.task_ids).where(task_operations.c.action == "cancel")).one()
+        assert len(cancel.task_ids) == 15
+
+
+def test_a_source_whose_table_is_gone_can_be_removed(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                    capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 7: a source whose table was dropped, its write-backs failing for ever,
+    could never be removed. ``--cancel`` removes it without touching its table."""
+    legacy.add(4)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    solve_pending(svc)
+    legacy.execute("DROP TABLE prompts CASCADE")
+    assert drain(svc).written == 0
+    code, _, err = run(capsys, "source", "remove", "crm")
+    assert code != 0 and "4 write-back(s) waiting" in err
+    code, out, _ = run(capsys, "source", "remove", "crm", "--cancel")
+    assert code == 0 and "dropped 4 waiting write-back(s)" in out, out
+    assert waiting(svc) == 0
+
+
+def test_importing_a_removed_source_again_resumes_its_keys(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                         capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 7: re-importing a removed source did not bring back the rows its removal
+    left: its cancelled tasks go back to pending and its write-backs dropped (or of tasks that
+    ended meanwhile) are queued again; every row answered and written once, no task twice."""
+    legacy.add(20)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc, limit=10) == 10
+    with svc.engine.begin() as conn:  # one in flight when the source is removed
+        conn.execute(sa.update(tasks).where(tasks.c.key == "20").values(status="running"))
+    assert run(capsys, "source", "remove", "crm", "--cancel")[0] == 0
+    with svc.engine.begin() as conn:  # ... which ends while the source is not declared: no write-back queued
+        conn.execute(sa.update(tasks).where(tasks.c.key == "20").values(status="solved", answer="late", model="a",
+                                                                          updated_at=sa.func.now()))
+    assert waiting(svc) == 0
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    assert counted(svc, tasks.c.source == "crm", tasks.c.status == "pending") == 9
+    assert waiting(svc) == 11
+    ingest_sources(svc)
+    assert counted(svc, tasks.c.source == "crm") == 20
+    solve_pending(svc)
+    assert drain(svc).written == 20
+    assert legacy.count(SOLVED) == 20
+    assert legacy.count("SELECT count(DISTINCT row_id) FROM writes") == legacy.count("SELECT count(*) FROM writes") == 20
