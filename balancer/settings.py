@@ -146,6 +146,9 @@ class Settings:
         "PostgreSQL connections each process keeps open and never exceeds (its threads share them)", 5,
         partial(_int, maximum=100))
     max_attempts: int = _setting("backend attempts before a task is marked failed", 5, _int)
+    max_retry_after: float = _setting(
+        "seconds a 429's Retry-After pauses its model at most (a longer one is capped, and logged)", 60.0,
+        partial(_seconds, low=1, high=86_400))
     expected_output_tokens: int = _setting("output tokens assumed when estimating a prompt", 256, _int)
     expected_latency_s: float = _setting(
         "latency prior (median, seconds) of a model with no measured calls and no expected_latency_s", 30.0,

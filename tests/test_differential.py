@@ -521,6 +521,10 @@ def test_limit_headers_are_adopted_and_an_unset_rpm_is_discovered(twin: Twin) ->
     [admitted] = twin.admit([Candidate(100)])
     assert isinstance(admitted, Admitted)
     twin.finish(admitted.admission_id, Settlement(used_tokens=100, limit_tokens=90_000, limit_requests=120))
+    assert limits_of(twin).max_requests_per_minute is None       # no RPM held: any is far below, until a second reply
+    [admitted] = twin.admit([Candidate(100)])
+    assert isinstance(admitted, Admitted)
+    twin.finish(admitted.admission_id, Settlement(used_tokens=100, limit_tokens=90_000, limit_requests=120))
     limits = limits_of(twin)
     assert limits.max_requests_per_minute == 120 and limits.request_burst == 120
     assert limits.max_tokens_per_minute == 60_000                # never above the configured TPM

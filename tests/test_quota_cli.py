@@ -56,10 +56,11 @@ def test_set_prints_what_changed_from_and_to_not_the_whole_quota(capsys: pytest.
     code, out, _ = run(capsys, "quota", "set", "gpt-b", "--create", "--tpm", "6000", "--concurrency", "2")
     assert code == 0 and out == "gpt-b: created: max_concurrent_requests 2, max_tokens_per_minute 6,000\n"
     code, out, _ = run(capsys, "quota", "set", "gpt-b", "--tpm", "9000", "--weight", "3")
-    assert code == 0 and out == "gpt-b: updated: max_tokens_per_minute 6,000 → 9,000, weight 1 → 3\n"
+    cleared = "; what it learned (limits, limit headers) and any token debt cleared\n"
+    assert code == 0 and out == "gpt-b: updated: max_tokens_per_minute 6,000 → 9,000, weight 1 → 3" + cleared
     assert "{" not in out  # no JSON
     code, out, _ = run(capsys, "quota", "set", "gpt-b", "--tpm", "9000")
-    assert code == 0 and out == "gpt-b: unchanged\n"
+    assert code == 0 and out == "gpt-b: unchanged" + cleared
 
 
 def test_a_price_change_keeps_what_the_model_learned(capsys: pytest.CaptureFixture[str]) -> None:

@@ -110,6 +110,8 @@ STATE_FIELDS: dict[str, str] = {
     "bound_tpm": "ms a call first waited for the effective TPM's tokens since the last raise or lowering (learned.note_bound)",
     "bound_rpm": "ms a call first waited for a request of the effective RPM since then",
     "bound_cap": "ms a call first found every slot taken, or ended on a full model, since then",
+    "ctpm": "an x-ratelimit-limit-tokens far below the TPM held to, not believed until a second reply states it (0: none)",
+    "crpm": "an x-ratelimit-limit-requests far below the RPM held to (or with none), not believed until stated again",
 }
 
 #: Every field of a model's hash.

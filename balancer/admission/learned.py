@@ -85,6 +85,8 @@ class Learned:
     bound_tpm: int = 0
     bound_rpm: int = 0
     bound_cap: int = 0
+    ctpm: int = 0
+    crpm: int = 0
 
     @classmethod
     def from_fields(cls, m: dict[str, int]) -> Learned:
@@ -97,6 +99,22 @@ class Learned:
 def lower_of(limit: int, other: int) -> int:
     """The lower of two limits, 0 meaning none."""
     return other if other > 0 and (limit == 0 or other < limit) else limit
+
+
+def believed(header: int, held: int, candidate: int, confirmed: bool) -> bool:
+    """Whether a limit header that differs from the one adopted is believed now
+    (signals.lua, believed): one that is not far below the limit the model is held
+    to (``held``, 0: none), at least half of it, is; one far below it is not until
+    it is confirmed, by a 429 that carries it (``confirmed``) or by a second reply
+    that states it again (``candidate``: the one a reply stated last, not believed).
+    One reply's ``x-ratelimit-limit-tokens: 1`` held a model at 0 calls in 30 s.
+
+    >>> believed(45_000, 90_000, 0, False), believed(1, 90_000, 0, False), believed(1, 90_000, 1, False)
+    (True, False, True)
+    >>> believed(1, 90_000, 0, True), believed(120, 0, 0, False)     # a 429; no RPM held: any is far below
+    (True, False)
+    """
+    return confirmed or header == candidate or (held > 0 and header * 2 >= held)
 
 
 def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:

@@ -177,6 +177,18 @@ def token_cap(quota: Quota) -> int:
     return burst - min(quota.max_tokens_per_minute * TRANSIT_MS, burst // 2)
 
 
+def most_charged(charged: int, estimated: int, quota: Quota) -> int:
+    """What a finished call is charged at most (finish.lua): its quota's token bucket,
+    or its estimate if larger. A call larger than the bucket could not have been
+    admitted; a reply's usage of 3e9 tokens (or a router's ``actual_tokens`` of 1e8)
+    otherwise left a debt of hours.
+
+    >>> most_charged(3_000_000_000, 1_200, Quota("m", 1, 90_000)), most_charged(900, 1_200, Quota("m", 1, 90_000))
+    (90000, 900)
+    """
+    return min(charged, max(estimated, quota.burst))
+
+
 def outside_ceiling(tpm: int) -> int:
     """The most others' use is ever taken to be: 9/10 of ``tpm``, so the bucket refills at a
     tenth of it at least (limits.lua, outside_ceiling).

@@ -203,8 +203,12 @@ def quota_set(
 
     check_model_name(model)
     svc = migrated()
-    old, new = svc.quotas.set(model, changes, create=create, by=by)
-    click.echo(f"{model}: {change_text(old, new)}")
+    # A limit given, even unchanged, resets what the live model learned and owes (a price alone does not:
+    # it is for spend, not admission).
+    reset = bool(changes.keys() - {"price_per_million_input", "price_per_million_output"})
+    old, new = svc.quotas.set(model, changes, create=create, by=by, reset=reset)
+    cleared = "; what it learned (limits, limit headers) and any token debt cleared" if reset and old else ""
+    click.echo(f"{model}: {change_text(old, new)}{cleared}")
 
 
 def _warn_stranded(svc: Services) -> None:

@@ -22,5 +22,20 @@ def heuristic_prompt_tokens(prompt: str) -> int:
     return max(1, math.ceil(len(prompt) / 4))
 
 
+#: Tokens a chat call adds to its prompt at most (the role markers of its one message).
+CHAT_OVERHEAD_TOKENS = 32
+
+
+def most_prompt_tokens(prompt: str) -> int:
+    """The most prompt tokens a call of ``prompt`` can use: a tokenizer's token is at
+    least one byte of UTF-8, plus the chat format's overhead. A reply that reports more
+    is not believed (balancer.pipeline.signals.answered).
+
+    >>> most_prompt_tokens("abcdefgh"), most_prompt_tokens("é")
+    (40, 34)
+    """
+    return len(prompt.encode("utf-8", "surrogatepass")) + CHAT_OVERHEAD_TOKENS
+
+
 def estimate_task_tokens(prompt: str, max_tokens: int) -> int:
     return heuristic_prompt_tokens(prompt) + max_tokens

@@ -34,6 +34,7 @@ from balancer.domain.cost import CallEnd, billed_tokens
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
+from balancer.pipeline.signals import believable
 from balancer.services import Services
 from balancer.storage.hedges import clear_hedge, hedge_in_flight, start_hedge
 from balancer.storage.ledger import Usage
@@ -200,7 +201,7 @@ class Call:
             self.slot.let_go(self.services, msg.model, time.monotonic() - called_at)
             self.heartbeat.slot_freed(self.admission_id)
             raise
-        return completion, round((time.monotonic() - called_at) * 1000)
+        return believable(completion, ctx), round((time.monotonic() - called_at) * 1000)  # usage capped
 
     # -- the task ------------------------------------------------------------------------
     def change(self, outcome: str, change: Change) -> str:

@@ -160,7 +160,7 @@ def outcome_of(core: AdmissionCore, settings: Settings, msg: SolveMessage, ctx: 
     if isinstance(exc, (Transient, Permanent)):
         note_failed(core, msg.model, exc)
     if isinstance(exc, RateLimited):
-        pause_for(core, msg.model, exc, msg.admission_id)
+        pause_for(core, settings, msg.model, exc, msg.admission_id)
         if ctx.rate_limited + 1 >= MAX_RATE_LIMITED:
             return "failed", Failure(msg.model, f"rate limited {MAX_RATE_LIMITED} times: {error}", attempt, was_429=True)
         return "rate_limited", Failure(msg.model, error, attempt, was_429=True)
@@ -375,7 +375,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
     except (RateLimited, Transient, Permanent) as exc:
         call.unanswered(writer, ctx, exc)
         if isinstance(exc, RateLimited):
-            pause_for(core, msg.model, exc, msg.admission_id)
+            pause_for(core, services.settings, msg.model, exc, msg.admission_id)
         elif isinstance(exc, Transient):
             note_failed(core, msg.model, exc)
             trip(core, msg.model, str(exc))

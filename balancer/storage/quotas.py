@@ -150,9 +150,10 @@ class QuotaStore:
         )
 
     @contextlib.contextmanager
-    def _writing(self) -> Iterator[tuple[Connection, list[Change]]]:
+    def _writing(self, reset: bool = False) -> Iterator[tuple[Connection, list[Change]]]:
         """One serialized quota write: a transaction, committed, then its changes
-        pushed to the live state, all under :data:`QUOTA_LOCK`."""
+        pushed to the live state (with ``reset``, each one, changed or not: :meth:`_push`),
+        all under :data:`QUOTA_LOCK`."""
         changes: list[Change] = []
         if self.live is not None:
             # A missing live state is rebuilt from the set *before* this change, so
@@ -165,7 +166,7 @@ class QuotaStore:
             try:
                 with conn.begin():
                     yield conn, changes
-                self._push(changes)
+                self._push(changes, reset)
             finally:
                 try:
                     conn.execute(sa.select(sa.func.pg_advisory_unlock(QUOTA_LOCK)))
@@ -173,12 +174,14 @@ class QuotaStore:
                 except Exception:  # noqa: BLE001 - a dead session holds no lock; a live one must not keep it
                     conn.invalidate()
 
-    def _push(self, changes: Sequence[Change]) -> None:
+    def _push(self, changes: Sequence[Change], reset: bool = False) -> None:
         """Send the changes Redis holds to the live state: a model created or removed, or
         one whose :func:`quota_fields` changed. A change of price or currency alone stays in
-        PostgreSQL (admission has no use for it), so it forgets nothing the model learned."""
+        PostgreSQL (admission has no use for it), so it forgets nothing the model learned;
+        with ``reset`` (``quota set``) every change is sent, so the model forgets what it
+        learned and any debt (set_quota.lua) even when its limits stay."""
         live = [((new or old).name, new) for old, new in changes  # type: ignore[union-attr]
-                if old is None or new is None or quota_fields(old) != quota_fields(new)]
+                if reset or old is None or new is None or quota_fields(old) != quota_fields(new)]
         if self.live is None or not live:
             return
         try:  # one transaction: an import reaches Redis whole, or not at all
@@ -213,10 +216,12 @@ class QuotaStore:
         row = conn.execute(_SELECT.where(quotas.c.name == name).with_for_update()).first()
         return quota_from_row(row) if row else None
 
-    def set(self, name: str, changes: dict[str, Any], *, create: bool = False, by: str | None = None) -> tuple[Quota | None, Quota]:
-        """Change (or with ``create``, add) one model. Returns (old, new)."""
+    def set(self, name: str, changes: dict[str, Any], *, create: bool = False, by: str | None = None,
+            reset: bool = False) -> tuple[Quota | None, Quota]:
+        """Change (or with ``create``, add) one model. Returns (old, new). With ``reset``
+        its live state forgets what it learned and any debt, even if nothing changed (:meth:`_push`)."""
         by = by or default_actor()
-        with self._writing() as (conn, pushed):
+        with self._writing(reset) as (conn, pushed):
             old = self._locked(conn, name)
             if old is None:
                 if not create:
@@ -232,6 +237,8 @@ class QuotaStore:
                 new = old.replace(**changes)
             if new != old:
                 self._record(conn, pushed, old, new, by)
+            elif reset:
+                pushed.append((old, new))  # unchanged: only the live state's reset
         return old, new
 
     def remove(self, name: str, *, by: str | None = None, check: Callable[[Connection], None] | None = None) -> Quota:

@@ -15,7 +15,10 @@
 -- Settling: the provider's charge is the usage (settle) or the reservation
 -- (reserve). A charge above the estimate is always debited. A charge below it
 -- is credited only by a `settle` model, and only within the quota generation
--- that charged it; a `reserve` model keeps it, as the provider does.
+-- that charged it; a `reserve` model keeps it, as the provider does. No charge
+-- exceeds the quota's token bucket (or the estimate, if larger): a call larger
+-- than that could not have been admitted, and one reply's usage of 3e9 tokens
+-- would otherwise hold the model for hours.
 -- Header sync: see sync_to_headers in signals.lua (lowers, never raises, and
 -- learns the rate others use of the quota), and learn_from_spent (an RPM far
 -- above the provider's, seen before its first 429).
@@ -49,6 +52,7 @@ if m then
   if ARGV[3] ~= '' then
     local charged = tonumber(ARGV[3])
     if m.settle == 0 then charged = tonumber(ARGV[4]) or lease.e end
+    charged = math.min(charged, math.max(lease.e, m.burst))  -- at most a bucket (most_charged in values.py)
     local surplus = lease.e - charged
     if surplus < 0 or (m.settle == 1 and same_generation(m, lease)) then
       m.tokens = math.min(token_cap(m), m.tokens + surplus * UNITS)
@@ -56,7 +60,7 @@ if m then
     end
     settled = 1
   end
-  sync_limits(m, ARGV[12] or '', ARGV[13] or '')
+  sync_limits(m, ARGV[12] or '', ARGV[13] or '', false)
   local left, unstarted = sync_to_headers(m, now, ARGV[5], ARGV[6], lid)
   learn_from_spent(m, now, left, unstarted)
   if ARGV[7] ~= '' then

@@ -20,7 +20,7 @@
 -- less one (those started by the refused call's start, with ARGV[8]), and its peak at them, and one for tokens or requests with no remaining count empties
 -- that bucket (empty_after_429). While the pause runs, calls admitted before it that have not
 -- started yet do not start (renew.lua).
--- The limit headers are synced first (sync_limits).
+-- The limit headers are synced first (sync_limits), as confirmed: a 429 carries them.
 -- Returns 1 if this call started a pause, 0 if one was running (or no model).
 
 local m = load_model(ARGV[2])
@@ -29,7 +29,7 @@ count(ARGV[2], 'rate_limited', 1)  -- every 429, paused or not (metrics)
 local now = clock(ARGV[1])
 refill(m, now)
 local started = 0  -- (sync_to_headers refills the token gate's bucket itself)
-sync_limits(m, ARGV[6] or '', ARGV[7] or '')
+sync_limits(m, ARGV[6] or '', ARGV[7] or '', true)
 if m.paused <= now then
   m.paused = now + tonumber(ARGV[3])
   started = 1

@@ -11,9 +11,12 @@
 -- is the circuit breaker's state. What 429s taught (learned limits, their
 -- steps and window) is forgotten: the new quota starts clean, with a first
 -- bucket of its own (first_at, first_calls, first_tokens) and, created or
--- changed, a slow start from the calls in flight (ramp_quota in limits.lua). The provider's
--- limit headers (htpm, hrpm) are kept: they are facts, not guesses; so is how
--- many calls the provider lately served at once (served, served_at). What others
+-- changed, a slow start from the calls in flight (ramp_quota in limits.lua). So are
+-- the provider's limit headers (htpm, hrpm, and any not yet believed): the
+-- operator's quota is what holds until the next replies state them again (one
+-- reply's `x-ratelimit-limit-tokens: 1` was otherwise cleared only by --no-learn),
+-- and so is any debt: buckets below 0 start at 0, the start gate at now. How
+-- many calls the provider lately served at once (served, served_at) is kept. What others
 -- use (ext) is learned again, from a new baseline (synced_at = 0: the clipped
 -- buckets are no one's use): kept, an estimate from a larger quota, cut to 9/10
 -- of a smaller one, left it a tenth of its TPM.
@@ -43,6 +46,10 @@ else
   if had_rpm then m.requests = math.min(m.requests, eff_rburst(m) * UNITS) else m.requests = eff_rburst(m) * UNITS end
   m.deficit = math.min(m.deficit, m.burst)
   m.ext, m.synced_at = 0, 0  -- learned again; the clipped buckets are no one's use
+  m.htpm, m.hrpm, m.ctpm, m.crpm = 0, 0, 0, 0  -- the limit headers too: the next replies state them again
+  -- No debt: a bucket below 0 (an overdraft, a hostile usage) starts the new quota at 0.
+  m.tokens, m.ptokens, m.requests = math.max(m.tokens, 0), math.max(m.ptokens, 0), math.max(m.requests, 0)
+  m.tat = math.min(m.tat, now)  -- nor a start gate booked ahead
 end
 ramp_quota(m, now)  -- a slow start from the calls in flight (a recreated model's too)
 save_model(m)

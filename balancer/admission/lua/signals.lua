@@ -86,31 +86,50 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
   return nil
 end
 
+-- Whether a limit header that differs from the one adopted is believed now
+-- (balancer.admission.learned.believed): at least half the limit the model is
+-- held to (`held`, 0: none), or confirmed: carried by a 429 (`confirmed`), or
+-- stated again by a second reply (`candidate`: the one a reply stated last).
+local function believed(h, held, candidate, confirmed)
+  return confirmed or h == candidate or (held > 0 and h * 2 >= held)
+end
+
 -- The provider's x-ratelimit-limit-tokens / -requests ('' = not sent), with
 -- learn = 1: they cap the effective limits, and give an RPM to a quota that
--- has none. A changed one makes what 429s taught of that kind stale: forgotten.
+-- has none. One far below the limit the model is held to is not believed
+-- until confirmed (believed; `confirmed`: a 429 carries it): it is kept as
+-- the candidate (ctpm, crpm) a second reply must state again, so that one
+-- reply cannot stall a model. A changed one makes what 429s taught of that kind stale: forgotten.
 -- It also forgets the concurrency cap's peak (pcap, back to the quota's cap): no
 -- header states concurrency, and a provider that changed its limits may have
 -- changed that one too, so a lowered cap climbs back at one step a window, not
 -- slowly at the level it was refused at (see PEAK_WINDOWS).
 -- A new token limit also restarts the outside-use estimate (ext, synced_at):
 -- the gaps seen while the old limit held measured our own overdraft, not others.
-local function sync_limits(m, limit_tokens, limit_requests)
+local function sync_limits(m, limit_tokens, limit_requests, confirmed)
   if m.learn ~= 1 then return end
   local changed = false
   if limit_tokens ~= '' then
     local h = tonumber(limit_tokens)
-    if h > 0 and h ~= m.htpm then
+    if h > 0 and h ~= m.htpm and not believed(h, eff_tpm(m), m.ctpm, confirmed) then
+      m.ctpm = h
+    elseif h > 0 and h ~= m.htpm then
       if m.htpm > 0 then m.ltpm, m.ptpm, m.window, changed = 0, 0, 0, true end
       if lower_of(m.tpm, h) ~= lower_of(m.tpm, m.htpm) then m.ext, m.synced_at = 0, 0 end
-      m.htpm = h
+      m.htpm, m.ctpm = h, 0
+    elseif h > 0 then
+      m.ctpm = 0
     end
   end
   if limit_requests ~= '' then
     local h = tonumber(limit_requests)
-    if h > 0 and h ~= m.hrpm then
+    if h > 0 and h ~= m.hrpm and not believed(h, eff_rpm(m), m.crpm, confirmed) then
+      m.crpm = h
+    elseif h > 0 and h ~= m.hrpm then
       if m.hrpm > 0 then m.lrpm, m.prpm, m.window, changed = 0, 0, 0, true end
-      m.hrpm = h
+      m.hrpm, m.crpm = h, 0
+    elseif h > 0 then
+      m.crpm = 0
     end
   end
   if changed and m.lcap > 0 then m.pcap = m.cap end

@@ -335,7 +335,7 @@ class ReferenceCore(Signals):
         ):
             state.generation += 1
         state.quota = quota
-        # What 429s taught is forgotten; the provider's limit headers are kept.
+        # What 429s taught is forgotten, and so are the provider's limit headers.
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
         k.first_at = k.first_calls = k.first_tokens = 0  # the new quota's first bucket
@@ -347,6 +347,9 @@ class ReferenceCore(Signals):
         state.requests = min(state.requests, rburst * UNITS) if had_rpm else rburst * UNITS
         state.deficit = min(state.deficit, quota.burst)
         state.external, state.synced_at = 0, 0  # learned again; the clipped buckets are no one's use
+        k.htpm = k.hrpm = k.ctpm = k.crpm = 0  # the limit headers too (set_quota.lua says why)
+        state.tokens, state.started_tokens = max(state.tokens, 0), max(state.started_tokens, 0)  # and any debt
+        state.requests, state.tat = max(state.requests, 0), min(state.tat, now)
 
     def remove_quota(self, name: str) -> bool:
         self._require_state()

@@ -15,6 +15,7 @@ from balancer.admission.values import (
     UNITS,
     Settlement,
     gate_shape,
+    most_charged,
     outside_estimate,
     token_cap,
 )
@@ -110,6 +111,7 @@ class Signals(ReferenceState):
             charged = settlement.used_tokens
             if not state.quota.settles:
                 charged = settlement.reserved_tokens if settlement.reserved_tokens is not None else lease.estimated_tokens
+            charged = most_charged(charged, lease.estimated_tokens, state.quota)
             surplus = lease.estimated_tokens - charged
             if surplus < 0 or (state.quota.settles and self._same_generation(lease)):
                 state.tokens = min(token_cap(state.limits), state.tokens + surplus * UNITS)
@@ -206,7 +208,7 @@ class Signals(ReferenceState):
         if state is None:
             return False
         self._refill(model, now)
-        state.sync_limits(limit_tokens, limit_requests)
+        state.sync_limits(limit_tokens, limit_requests, confirmed=True)
         started = state.paused_until <= now
         if started:
             state.paused_until = now + retry_after_ms

@@ -9,6 +9,7 @@ from balancer.admission.learned import (
     CLEAN_MS,
     MAX_WINDOW_MS,
     Learned,
+    believed,
     effective,
     first_bucket_rate,
     lower_of,
@@ -162,26 +163,38 @@ class ModelState:
         self.learned.ramp_from = in_flight
         self.learned.ramp_at = 0
 
-    def sync_limits(self, limit_tokens: int | None, limit_requests: int | None) -> None:
-        """Adopt the provider's x-ratelimit-limit-* (signals.lua, sync_limits): a changed
+    def sync_limits(self, limit_tokens: int | None, limit_requests: int | None, confirmed: bool = False) -> None:
+        """Adopt the provider's x-ratelimit-limit-* (signals.lua, sync_limits): one far
+        below the limit the model is held to waits for a 429 that carries it
+        (``confirmed``) or a second reply that states it again (:func:`believed`); a changed
         one makes what 429s taught of that kind stale, and forgets the cap's peak (no
         header states concurrency; a provider that changed its limits may have changed
         that one too); a new token limit restarts the outside-use estimate (its gaps
         measured our own overdraft)."""
         if not self.quota.learn:
             return
-        k, changed = self.learned, False
+        k, changed, limits = self.learned, False, self.limits
         if limit_tokens is not None and limit_tokens > 0 and limit_tokens != k.htpm:
-            if k.htpm > 0:
-                k.ltpm, k.ptpm, k.window, changed = 0, 0, 0, True
-            tpm = self.quota.max_tokens_per_minute
-            if lower_of(tpm, limit_tokens) != lower_of(tpm, k.htpm):  # a new token limit: others' use is re-learned
-                self.external, self.synced_at = 0, 0
-            k.htpm = limit_tokens
+            if not believed(limit_tokens, limits.max_tokens_per_minute, k.ctpm, confirmed):
+                k.ctpm = limit_tokens
+            else:
+                if k.htpm > 0:
+                    k.ltpm, k.ptpm, k.window, changed = 0, 0, 0, True
+                tpm = self.quota.max_tokens_per_minute
+                if lower_of(tpm, limit_tokens) != lower_of(tpm, k.htpm):  # a new token limit: others' use is re-learned
+                    self.external, self.synced_at = 0, 0
+                k.htpm, k.ctpm = limit_tokens, 0
+        elif limit_tokens is not None and limit_tokens > 0:
+            k.ctpm = 0
         if limit_requests is not None and limit_requests > 0 and limit_requests != k.hrpm:
-            if k.hrpm > 0:
-                k.lrpm, k.prpm, k.window, changed = 0, 0, 0, True
-            k.hrpm = limit_requests
+            if not believed(limit_requests, limits.max_requests_per_minute or 0, k.crpm, confirmed):
+                k.crpm = limit_requests
+            else:
+                if k.hrpm > 0:
+                    k.lrpm, k.prpm, k.window, changed = 0, 0, 0, True
+                k.hrpm, k.crpm = limit_requests, 0
+        elif limit_requests is not None and limit_requests > 0:
+            k.crpm = 0
         if changed and k.lcap:
             k.pcap = self.quota.max_concurrent_requests
 
