@@ -76,20 +76,31 @@ class Slot:
     takes its next call from the model's ready list in that round trip
     (:attr:`next`)."""
 
-    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool | Callable[[], bool] = False) -> None:
+    def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool | Callable[[], bool] = False,
+                 keep: Callable[[str, Settlement | None], None] | None = None) -> None:
         self.core, self.admission_id, self.done = core, admission_id, False
         self.take_next = take_next
         self.next: ReadyTask | None = None
+        self.keep = keep
 
     def free(self, settlement: Settlement | None = None) -> bool:
-        """Free the slot, settling what the call tells; False if it was already."""
+        """Free the slot, settling what the call tells; False if it was already. If Redis
+        cannot be reached and a ``keep`` is given, the finish is kept and applied once Redis
+        answers (:mod:`balancer.pipeline.finishes`): no next call is taken then."""
         if self.done:
             return False
         self.done = True
-        if settlement is not None and (self.take_next() if callable(self.take_next) else self.take_next):
-            self.next = self.core.finish_and_take(self.admission_id, settlement)
-        else:
-            self.core.finish(self.admission_id, settlement)
+        try:
+            if settlement is not None and (self.take_next() if callable(self.take_next) else self.take_next):
+                self.next = self.core.finish_and_take(self.admission_id, settlement)
+            else:
+                self.core.finish(self.admission_id, settlement)
+        except (redis.RedisError, OSError) as exc:
+            if self.keep is None:
+                raise
+            self.keep(self.admission_id, settlement)
+            log.warning("freeing slot %s failed on Redis (%s); its finish is kept and applied when Redis answers",
+                        self.admission_id, (str(exc).splitlines() or [""])[0])
         return True
 
     def disown(self) -> None:
@@ -133,7 +144,8 @@ class Call:
         self.taken_at = time.monotonic()
         #: The solve's deadline (monotonic): the call ends within it, and its writes' retries give up there.
         self.deadline = self.taken_at + settings.hard_time_limit
-        self.slot = Slot(services.core, msg.admission_id, take_next=False if msg.hedge else take_next)
+        self.slot = Slot(services.core, msg.admission_id, take_next=False if msg.hedge else take_next,
+                         keep=heartbeat.finishes.keep)
         #: The answer's write, once handed to the writer: its result is the outcome's name.
         self.answer: Future[str] | None = None
         self._over = False
@@ -149,8 +161,9 @@ class Call:
 
     def free_answered(self, settlement: Settlement) -> None:
         """Free the slot of a call that answered. A Redis error here must not lose
-        the paid answer: it is logged, the slot's lease expires on its own, and
-        no next call is taken; the answer is still handed to the writer."""
+        the paid answer: the finish is kept and applied when Redis answers (the
+        slot's :class:`Slot` ``keep``; without one, its lease expires on its own), no
+        next call is taken, and the answer is still handed to the writer."""
         try:
             self.free(settlement)
         except (redis.RedisError, OSError) as exc:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from balancer.admission import keys
+from balancer.pipeline.finishes import KeptFinishes
 from balancer.services import Services
 from balancer.storage.transitions import extend_deadlines
 
@@ -93,6 +94,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._writing_deadlines = threading.Lock()  # one deadline write at a time
         self._beating_redis = threading.Lock()  # one Redis half at a time
+        #: Finishes of this process's calls that could not reach Redis, applied when it answers.
+        self.finishes = KeptFinishes(services.core)
 
     # -- a call's registration ---------------------------------------------------------
     def register(self, admission_id: str, *, until: float) -> None:
