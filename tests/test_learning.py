@@ -108,3 +108,35 @@ def test_the_audit_records_a_learned_change_once_it_has_stood_a_minute(migrated:
     [row] = [r for r in QuotaStore(engine).history("m") if r["changed_by"] == "learned"]
     assert row["old_value"]["max_requests_per_minute"] == 600
     assert row["new_value"]["max_requests_per_minute"] == 420 and "lowered by 429s" in row["new_value"]["reason"]
+
+
+def test_an_operators_quota_change_after_a_learned_row_is_not_audited_as_learned(migrated: dict[str, str]) -> None:
+    """Issue 38 finding 13: after a learned row, an operator's `quota set` (which clears what was
+    learned) moved the limits in force away from that row, and the next sweep wrote a second
+    ``learned`` row for the operator's change. The operator's row is the new baseline."""
+    import sqlalchemy as sa
+
+    from balancer.admission.learned import Learned
+    from balancer.admission.live import ModelLive
+    from balancer.domain.quota import Quota
+    from balancer.storage.db import cached_engine
+    from balancer.storage.learned_audit import STEADY_MS, record_learned
+    from balancer.storage.quotas import QuotaStore
+    from balancer.storage.schema import quota_changes
+
+    engine = cached_engine(migrated["BALANCER_DATABASE_URL"])
+    quota = Quota("m", 40, 600_000, max_requests_per_minute=600)
+    lowered = ModelLive(quota, 0, 0.0, 0.0, 0, learned=Learned(lrpm=420, prpm=600, lowered_at=1_000_000))
+    assert record_learned(engine, {"m": lowered}, 1_000_000 + STEADY_MS) == ["m"]
+    changed = Quota("m", 40, 900_000, max_requests_per_minute=500)
+    with engine.begin() as conn:
+        conn.execute(sa.insert(quota_changes).values(model="m", changed_by="ops", action="update",
+                                                     old_value=quota.as_dict(), new_value=changed.as_dict()))
+    after_set = ModelLive(changed, 0, 0.0, 0.0, 0, learned=Learned())
+    assert record_learned(engine, {"m": after_set}, 1_000_000 + 3 * STEADY_MS) == []
+    assert [r["changed_by"] for r in QuotaStore(engine).history("m")] == ["learned", "ops"]  # oldest first
+    # A limit learned after the operator's change is audited against the operator's values.
+    relowered = ModelLive(changed, 0, 0.0, 0.0, 0, learned=Learned(lrpm=300, prpm=500, lowered_at=2_000_000))
+    assert record_learned(engine, {"m": relowered}, 2_000_000 + STEADY_MS) == ["m"]
+    row = QuotaStore(engine).history("m")[-1]
+    assert row["changed_by"] == "learned" and row["old_value"]["max_requests_per_minute"] == 500

@@ -2,7 +2,9 @@
 
 A model's effective limits move on their own (balancer.admission.learned): 429s
 lower them, clean windows raise them back. Each sweep tick compares them with
-the last ones audited for the model and, where they differ and have stood for
+the model's baseline: the last learned row, or the quota itself when an
+operator changed the quota after that row (a change by ``quota set`` or an
+import is the operator's, never audited again as learned). Where they differ and have stood for
 over :data:`STEADY_MS` (so the steps of one recovery are not each a row), writes
 one row: action ``learn``, changed_by ``learned``, the limits before and after
 (with why they differ from the quota).
@@ -35,9 +37,12 @@ def record_learned(engine: Engine, view: Mapping[str, ModelLive], now_ms: int) -
     """Write a row for each model whose limits in force changed since its last
     learned row and have stood for STEADY_MS; returns those models."""
     with engine.begin() as conn:
+        # Each model's last change of any kind: the last learned row is the baseline only while
+        # no operator's change came after it.
         last = {
             row.model: row.new_value
-            for row in conn.execute(last_change_per_model(quota_changes.c.changed_by == LEARNED_BY))
+            for row in conn.execute(last_change_per_model())
+            if row.changed_by == LEARNED_BY
         }
         written = []
         for name, live in sorted(view.items()):
