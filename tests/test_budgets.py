@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.domain.budget import Budget, BudgetError, Standing, check_money, check_tokens, day_start, held, standings
-from balancer.domain.cost import Price
+from balancer.domain.cost import Charged, Price, charge
 
 # -- the rule, on hand-made cases ------------------------------------------------------------
 
@@ -31,14 +31,14 @@ PRICES = {"cheap": Price(1.0, 2.0), "free": None}
     (Budget("s", 1.0), [("other", "cheap", 10**9, 0)], False),  # another source's spend is its own
 ])
 def test_a_source_is_over_budget_once_either_budget_is_reached(budget: Budget, rows: list, over: bool) -> None:
-    standing = standings([budget], rows, PRICES, "USD")[budget.source]
+    standing = standings([budget], charge(rows, PRICES, "USD"), "USD")[budget.source]
     assert standing.over is over
     assert held({budget.source: standing}) == (frozenset({budget.source}) if over else frozenset())
     assert (standing.waiting() is not None) is over
 
 
 def test_the_wait_says_why_with_what_was_spent_against_the_budget() -> None:
-    s = standings([Budget("crm", 5.0)], [("crm", "cheap", 3_000_000, 1_010_000)], PRICES, "USD")["crm"]
+    s = standings([Budget("crm", 5.0)], charge([("crm", "cheap", 3_000_000, 1_010_000)], PRICES, "USD"), "USD")["crm"]
     assert s.waiting() == "waiting: budget spent (5.02 of 5.00 USD today)"
     assert s.as_dict() == {"source": "crm", "budget_per_day": 5.0, "budget_tokens_per_day": None, "currency": "USD",
                            "spent_today": 5.02, "spent_tokens_today": 4_010_000, "unpriced_tokens_today": 0,
@@ -48,9 +48,21 @@ def test_the_wait_says_why_with_what_was_spent_against_the_budget() -> None:
 def test_a_money_budget_says_what_it_cannot_count() -> None:
     """A money budget with the source's calls on models with no price: the wait's
     text said '0.00 of 5.00 today' for ever, as if nothing had been spent."""
-    st = standings([Budget("s", 5.0)], [("s", "free", 600_000, 400_000), ("s", "cheap", 1_000_000, 0)], PRICES, "USD")
+    st = standings([Budget("s", 5.0)], charge([("s", "free", 600_000, 400_000), ("s", "cheap", 1_000_000, 0)],
+                                              PRICES, "USD"), "USD")
     assert not st["s"].over
-    assert st["s"].spent_text() == "1.00 of 5.00 USD today (and 1,000,000 tokens on models with no price, not counted)"
+    assert st["s"].spent_text() == "1.00 of 5.00 USD today (and 1,000,000 tokens with no price in it, not counted)"
+
+
+def test_a_budget_counts_each_call_at_its_own_price_and_never_adds_two_currencies() -> None:
+    """Issue 38 finding 13: budgets were priced at today's prices, so cutting a price or removing a
+    quota gave back what had been spent, and spends in two currencies were added together. Each
+    call now counts at the price of its start: a 4.00 USD call stays 4.00 whatever the price is
+    now; 9 EUR of calls made before the quotas moved to USD are not 9 USD."""
+    rows = [Charged("s", "cheap", 1_000_000, 1_000_000, 4.0, "USD"), Charged("s", "gone", 10, 0, 9.0, "EUR")]
+    st = standings([Budget("s", 5.0)], rows, "USD")["s"]
+    assert st.money == 4.0 and st.unpriced_tokens == 10 and not st.over
+    assert standings([Budget("s", 4.0)], rows, "USD")["s"].over  # reached, whatever today's prices say
 
 
 def test_the_day_starts_at_midnight_utc() -> None:
@@ -99,15 +111,22 @@ def add(svc, source: str, count: int, model: str | None = None) -> list[int]:  #
 
 
 def solve(svc, ids: list[int], prompt: int, completion: int, at: str = "now()") -> None:  # noqa: ANN001
-    """Solve ``ids`` on model m at ``at``, each by one answered call in the ledger (what spend counts)."""
+    """Solve ``ids`` on model m at ``at``, each by one answered call in the ledger (what spend counts),
+    priced at m's price now, as a worker prices a call at its start."""
+    from balancer.domain.cost import price_list
+
+    prices, currency = price_list(svc.quotas.all())
+    price = prices.get("m")
+    cost = None if price is None else price.cost(prompt, completion)
     with svc.engine.begin() as conn:
         conn.execute(sa.text(f"UPDATE tasks SET status = 'solved', model = 'm', prompt_tokens = :p, "  # noqa: S608
                              f"completion_tokens = :c, solved_at = {at}, updated_at = {at} WHERE id = ANY(:ids)"),
                      {"p": prompt, "c": completion, "ids": ids})
         conn.execute(sa.text("INSERT INTO call_usage (call_id, task_id, source, model, admission_id, prompt_tokens,"  # noqa: S608
-                             " completion_tokens, answered, hedge, ended_at) SELECT 'test-' || id, id, source, 'm',"
-                             f" 'a' || id, :p, :c, true, false, {at} FROM tasks WHERE id = ANY(:ids)"),
-                     {"p": prompt, "c": completion, "ids": ids})
+                             " completion_tokens, answered, hedge, ended_at, cost, currency) SELECT 'test-' || id, id,"
+                             f" source, 'm', 'a' || id, :p, :c, true, false, {at}, :cost, :currency FROM tasks"
+                             " WHERE id = ANY(:ids)"),
+                     {"p": prompt, "c": completion, "ids": ids, "cost": cost, "currency": None if cost is None else currency})
 
 
 def set_budget(svc, source: str, money: float | None = None, tokens: int | None = None) -> None:  # noqa: ANN001
@@ -119,7 +138,10 @@ def set_budget(svc, source: str, money: float | None = None, tokens: int | None 
 
 def test_spent_since_counts_solved_tasks_from_that_time_on(svc) -> None:  # noqa: ANN001
     from balancer.domain.quota import Quota
-    from balancer.storage.spend import spent_by_source_since
+    from balancer.storage.spend import charges
+
+    def spent_by_source_since(db, since):  # noqa: ANN001, ANN202 - the tokens of charges(db, since)
+        return sorted((c.source, c.model, c.prompt_tokens, c.completion_tokens) for c in charges(db, since))
 
     svc.quotas.replace_all([Quota("m", 4, 10**9)])
     today, yesterday = add(svc, "crm", 2), add(svc, "crm-old", 1)

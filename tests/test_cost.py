@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.cli import main
-from balancer.domain.cost import Price, billed_tokens, money, price_of, spend
+from balancer.domain.cost import Charged, Price, billed_tokens, charge, money, price_list, price_of, spend, spend_text
 from balancer.domain.quota import Quota
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError
@@ -60,13 +60,23 @@ def test_spend_by_model_and_source_on_hand_made_counts() -> None:
         ("etl", "big", 0, 20_000),             # 0.3
         ("etl", "free", 5_000, 5_000),         # unpriced: 10,000 tokens
     ]
-    s = spend(usage, prices, "EUR")
+    s = spend(charge(usage, prices, "EUR"), "EUR")
     assert s.total == pytest.approx(3.4)
     assert s.by_model == pytest.approx({"big": 2.4, "small": 1.0})
     assert s.by_source == pytest.approx({"crm": 3.1, "etl": 0.3})
     assert s.unpriced_tokens == {"free": 10_000}
-    assert spend([], prices, None).as_dict() == {"currency": None, "total": 0.0, "by_model": {}, "by_source": {},
-                                                 "unpriced_tokens": {}}
+    assert spend([], None).as_dict() == {"currency": None, "total": 0.0, "by_model": {}, "by_source": {},
+                                         "unpriced_tokens": {}, "other_currencies": {}}
+
+
+def test_spend_keeps_each_calls_own_price_and_other_currencies_apart() -> None:
+    """Issue 38 finding 13: spend re-priced the whole ledger at today's prices and added two
+    currencies together. Each row now carries what its calls cost when they were made."""
+    rows = [Charged("crm", "big", 1_000, 0, 2.0, "USD"), Charged("crm", "big", 1_000, 0, 1.0, "USD"),
+            Charged("crm", "big", 5, 0, 3.0, "EUR"), Charged("etl", "free", 7, 0)]
+    s = spend(rows, "USD")
+    assert (s.total, s.by_model, s.other_currencies, s.unpriced_tokens) == (3.0, {"big": 3.0}, {"EUR": 3.0}, {"free": 7})
+    assert spend_text(s) == "spent: 3.00 USD (big 3.00 USD); unpriced: free 7 tokens; in other currencies, not added: 3.00 EUR"
 
 
 def test_a_price_with_one_side_given_counts_the_other_as_zero() -> None:
@@ -133,10 +143,13 @@ def test_status_shows_spend_so_far_per_model_and_source(tmp_path: Path, capsys: 
         ("etl", "big", False, 50_000, 0),           # cut off at the timeout, then retried: 0.15
         ("etl", "free", True, 7, 3),                # unpriced
     ]
+    prices, currency = price_list(svc.quotas.all())  # each call priced as a worker prices it, at its start
     with svc.engine.begin() as conn:
         conn.execute(sa.insert(call_usage), [
             {"call_id": f"c{i}", "task_id": i, "source": s, "model": m, "admission_id": f"a{i}", "prompt_tokens": pt,
-             "completion_tokens": ct, "answered": answered, "hedge": False, "ended_at": datetime.now(UTC)}
+             "completion_tokens": ct, "answered": answered, "hedge": False, "ended_at": datetime.now(UTC),
+             "cost": None if prices[m] is None else prices[m].cost(pt, ct),  # type: ignore[union-attr]
+             "currency": None if prices[m] is None else currency}
             for i, (s, m, answered, pt, ct) in enumerate(rows)])
     capsys.readouterr()
     assert main(["status", "--json"]) == 0

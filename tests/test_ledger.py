@@ -19,7 +19,7 @@ from balancer.services import Services
 from balancer.storage.hedges import mark_hedged
 from balancer.storage.retention import prune
 from balancer.storage.schema import call_usage, tasks
-from balancer.storage.spend import spend_so_far, spent_by_source_since, token_usage
+from balancer.storage.spend import charges, spend_so_far, token_usage
 from tests.solving import chain, solve
 from tests.test_call import in_thread, wait_for, with_settings
 from tests.test_solver import (  # noqa: F401 - fixtures
@@ -86,6 +86,12 @@ def test_a_hedged_task_s_losing_call_is_in_spend(svc: Services, sim, monkeypatch
     loser = (m_prompt * 1.0 + m_completion * 10.0) / 1e6
     assert spent.by_model["m"] == pytest.approx(loser) and loser > 0
     assert spent.total == pytest.approx(loser + (n_prompt * 2.0 + n_completion * 20.0) / 1e6)
+    # Issue 38 finding 13: each call keeps the price of its start. Cutting m's price, or
+    # removing n's quota, changes nothing of what was spent (it re-priced the ledger before).
+    svc.quotas.set("m", {"price_per_million_input": 0.0, "price_per_million_output": 0.0}, by="test")
+    svc.quotas.remove("n", by="test")
+    again = spend_so_far(svc.engine, svc.quotas.all())
+    assert again.total == pytest.approx(spent.total) and again.by_model == pytest.approx(spent.by_model)
 
 
 def test_a_call_retried_after_a_5xx_and_a_timeout_is_in_spend(
@@ -114,9 +120,10 @@ def test_a_call_retried_after_a_5xx_and_a_timeout_is_in_spend(
     assert ledger(quick, a.task_id) == [("m", 0, 0, False, False), ("m", cut, 0, False, False),
                                         ("m", prompt_tokens, completion_tokens, True, False)]
     assert token_usage(quick.engine) == [("submit", "m", cut + prompt_tokens, completion_tokens)]
-    since = spent_by_source_since(quick.engine, datetime.now(UTC) - timedelta(minutes=1))
-    assert since == [("submit", "m", cut + prompt_tokens, completion_tokens)]
-    assert spent_by_source_since(quick.engine, datetime.now(UTC) + timedelta(minutes=1)) == []
+    since = charges(quick.engine, datetime.now(UTC) - timedelta(minutes=1))
+    assert [(c.source, c.model, c.prompt_tokens, c.completion_tokens) for c in since] == \
+        [("submit", "m", cut + prompt_tokens, completion_tokens)]
+    assert charges(quick.engine, datetime.now(UTC) + timedelta(minutes=1)) == []
     # Pruning the task takes its calls' rows with it (calls of an earlier day: today's are budgets' spend).
     with quick.engine.begin() as conn:
         conn.execute(sa.update(tasks).where(tasks.c.id == a.task_id).values(updated_at=sa.func.now() - timedelta(days=2)))

@@ -102,7 +102,6 @@ def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(fresh_schema_
     from balancer.domain.intake import parse_tasks
     from balancer.storage.intake import insert_tasks
     from balancer.storage.migrate import upgrade
-    from balancer.storage.spend import token_usage
 
     engine = fresh_schema_engine
     assert upgrade(engine, "0016") == "0016"
@@ -116,4 +115,29 @@ def test_0018_puts_each_solved_task_s_answering_call_in_the_ledger(fresh_schema_
     with engine.connect() as conn:
         ledger = conn.execute(sa.text("SELECT task_id, model, admission_id, answered FROM call_usage")).all()
     assert ledger == [(solved, "m", "a1", True)]
-    assert token_usage(engine) == [("submit", "m", 7, 3)]
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT source, model, prompt_tokens, completion_tokens FROM call_usage")).all() \
+            == [("submit", "m", 7, 3)]
+
+
+def test_0026_prices_the_calls_already_in_the_ledger_at_their_models_prices(fresh_schema_engine: sa.Engine) -> None:
+    """From 0026 each ledger row keeps its call's cost (issue 38 finding 13); the rows written
+    before it are priced once, at the prices their models have then; a model with no price stays
+    unpriced (NULL), and spend reads the stored costs from then on."""
+    from balancer.domain.cost import Charged
+    from balancer.storage.migrate import upgrade
+    from balancer.storage.spend import charges
+
+    engine = fresh_schema_engine
+    assert upgrade(engine, "0019") == "0019"
+    with engine.begin() as conn:
+        for name, price in (("m", "2.0"), ("free", "NULL")):
+            conn.execute(sa.text("INSERT INTO quotas (name, max_concurrent_requests, max_tokens_per_minute,"  # noqa: S608
+                                 f" price_per_million_input, price_per_million_output, currency) VALUES (:n, 1, 1000,"
+                                 f" {price}, {price}, CASE WHEN {price} IS NULL THEN NULL ELSE 'EUR' END)"), {"n": name})
+            conn.execute(sa.text("INSERT INTO call_usage (call_id, task_id, source, model, admission_id, prompt_tokens,"
+                                 " completion_tokens, answered, hedge, ended_at) VALUES (:n, 1, 's', :n, 'a', 500000,"
+                                 " 250000, true, false, now())"), {"n": name})
+    assert upgrade(engine, "0026") == "0026"
+    assert sorted(charges(engine)) == [Charged("s", "free", 500_000, 250_000, None, None),
+                                       Charged("s", "m", 500_000, 250_000, 1.5, "EUR")]

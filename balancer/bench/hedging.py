@@ -27,7 +27,7 @@ from balancer.bench.report import answered_usage, backend_usage, hedge_figures
 from balancer.bench.run import prepare
 from balancer.bench.sides import priced, run_side_pipeline
 from balancer.devtools.runner import RunResult
-from balancer.domain.cost import Price, price_list, spend
+from balancer.domain.cost import Price, charge, price_list, spend
 
 #: The two sides, in the order they run: (name, environment).
 SIDES: tuple[tuple[str, dict[str, str]], ...] = (("unhedged", {"BALANCER_HEDGE_BUDGET": "0"}), ("hedged", {}))
@@ -42,7 +42,7 @@ def tokens_and_cost(usage: list[tuple[str, str, int, int]], prices: dict[str, Pr
     >>> tokens_and_cost([("s", "a", 1_000_000, 100_000)], {"a": Price(1.0, 10.0)}, "USD")
     {'prompt': 1000000, 'completion': 100000, 'total': 1100000, 'cost': 2.0, 'unpriced_tokens': 0}
     """
-    priced_ = spend(usage, prices, currency)
+    priced_ = spend(charge(usage, prices, currency), currency)
     prompt, completion = sum(u[2] for u in usage), sum(u[3] for u in usage)
     return {"prompt": prompt, "completion": completion, "total": prompt + completion, "cost": round(priced_.total, 6),
             "unpriced_tokens": sum(priced_.unpriced_tokens.values())}

@@ -103,22 +103,23 @@ def _deferred_interrupts() -> Iterator[_Interrupts]:
 def results_export(source: str | None, since: str | None, fmt: str, follow: bool, out: Path | None, poll: float,
                    with_prompt: bool) -> None:
     """Solved and failed tasks with key, source, metadata, answer, model, tokens and times,
-    and what each task's calls cost (calls sent, billed tokens, cost at the quotas' prices).
+    and what each task's calls cost (calls sent, billed tokens, cost at the prices of each call's start).
 
     On stderr: what the exported tasks' calls cost by model and source, then,
     last, `cursor: XID-ID` (the last row written and flushed, also after a
     Ctrl-C): pass it to --since to resume with no gap and no repeat. CSV cells
     starting with = + - @ (or a tab or CR) get a leading ' (no spreadsheet formula)."""
     from balancer.cli.pipeline import _migrated
-    from balancer.domain.cost import money, price_list, spend, spend_text
+    from balancer.domain.cost import Charged, money, price_list, spend, spend_text
     from balancer.storage.results import START, columns, page, parse_cursor
 
     after = parse_cursor(since or START)
     written_columns = columns(with_prompt)
     services = _migrated()
     engine = services.engine
-    prices, currency = price_list(services.quotas.all())
-    usage: dict[tuple[str, str], list[int]] = {}  # (source, model) -> [prompt, completion]: the export's spend
+    currency = price_list(services.quotas.all())[1]
+    # (source, model, currency or None when unpriced) -> [prompt, completion, cost]: the export's spend
+    charged: dict[tuple[str, str, str | None, bool], list[float]] = {}
     try:
         sink: IO[str] = open(out, "a", encoding="utf-8", newline="") if out else sys.stdout  # noqa: SIM115
     except OSError as exc:
@@ -130,13 +131,14 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
     try:
         with _deferred_interrupts() as interrupts:
             while True:
-                rows, end = page(engine, after, source=source, prices=prices, with_prompt=with_prompt)
+                rows, end = page(engine, after, source=source, with_prompt=with_prompt)
                 with interrupts.page():  # a Ctrl-C meanwhile waits for the page to be written and flushed
                     for row in rows:
-                        for model, prompt_tokens, completion_tokens, _ in row["usage"]:
-                            tokens = usage.setdefault((row["source"], model), [0, 0])
-                            tokens[0] += prompt_tokens
-                            tokens[1] += completion_tokens
+                        for model, prompt_tokens, completion_tokens, _, cost, paid_in in row["usage"]:
+                            summed = charged.setdefault((row["source"], model, paid_in, cost is not None), [0, 0, 0.0])
+                            summed[0] += prompt_tokens
+                            summed[1] += completion_tokens
+                            summed[2] += cost or 0.0
                         if writer is not None:
                             writer.writerow([csv_cell(row[c]) for c in written_columns])
                         else:
@@ -158,8 +160,9 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
         if out:
             sink.close()
     click.echo(f"exported {written} task(s)", err=True)
-    if usage:
-        spent = spend([(src, model, p, c) for (src, model), (p, c) in sorted(usage.items())], prices, currency)
+    if charged:
+        spent = spend([Charged(src, model, int(p), int(c), cost if priced else None, paid_in)
+                       for (src, model, paid_in, priced), (p, c, cost) in sorted(charged.items(), key=str)], currency)
         by_source = ", ".join(f"{src} {money(amount, currency)}" for src, amount in sorted(spent.by_source.items()))
         click.echo(f"exported tasks' calls, {spend_text(spent)}" + (f"; by source: {by_source}" if by_source else ""),
                    err=True)

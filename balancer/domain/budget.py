@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from balancer.domain.cost import Price, money
+from balancer.domain.cost import Charged, money
 from balancer.errors import BalancerError
 
 #: The largest money budget per day (a typo guard, as prices have MAX_PRICE).
@@ -127,7 +127,7 @@ class Standing:
     budget: Budget
     tokens: int  # prompt + completion tokens today, priced or not
     money: float  # today's spend at the models' prices
-    unpriced_tokens: int  # today's tokens on models with no price (not in ``money``)
+    unpriced_tokens: int  # today's tokens of calls made with no price, or priced in another currency (not in ``money``)
     currency: str | None
 
     @property
@@ -149,14 +149,15 @@ class Standing:
         >>> Standing(Budget("crm", 5.0, 2_000_000), 2_100_000, 4.2, 0, "USD").spent_text()
         '4.20 of 5.00 USD today; 2,100,000 of 2,000,000 tokens today'
 
-        Tokens on models with no price cannot reach a money budget: they are said so, not hidden.
+        Tokens of calls with no price in the budget's currency cannot reach a money budget: they are
+        said so, not hidden.
 
         >>> Standing(Budget("crm", 5.0), 900_000, 0.0, 900_000, None).spent_text()
-        '0.00 of 5.00 today (and 900,000 tokens on models with no price, not counted)'
+        '0.00 of 5.00 today (and 900,000 tokens with no price in it, not counted)'
         """
         parts = []
         if self.budget.money_per_day is not None:
-            unpriced = f" (and {self.unpriced_tokens:,} tokens on models with no price, not counted)" \
+            unpriced = f" (and {self.unpriced_tokens:,} tokens with no price in it, not counted)" \
                 if self.unpriced_tokens else ""
             parts.append(f"{money(self.money, None)} of {money(self.budget.money_per_day, self.currency)} today{unpriced}")
         if self.budget.tokens_per_day is not None:
@@ -181,15 +182,16 @@ class Standing:
                 "unpriced_tokens_today": self.unpriced_tokens, "over": self.over, "waiting": self.waiting()}
 
 
-def standings(budgets: Iterable[Budget], usage: Iterable[tuple[str, str, int, int]],
-              prices: Mapping[str, Price | None], currency: str | None) -> dict[str, Standing]:
-    """Every budgeted source's :class:`Standing`, from today's ``(source, model, prompt
-    tokens, completion tokens)`` rows and the models' prices.
+def standings(budgets: Iterable[Budget], charged: Iterable[Charged], currency: str | None) -> dict[str, Standing]:
+    """Every budgeted source's :class:`Standing`, from today's :class:`Charged` rows: each call
+    at the price it was made at. A money budget is in ``currency`` (the quotas'); calls made
+    with no price, or priced in another currency, are not counted in it (they are said so).
 
-    >>> rows = [("crm", "a", 600_000, 400_000), ("crm", "b", 1_000, 0), ("web", "a", 5, 5)]
-    >>> out = standings([Budget("crm", 1.0, None), Budget("idle", None, 10)], rows, {"a": Price(1.0, 1.0)}, "USD")
+    >>> rows = [Charged("crm", "a", 600_000, 400_000, 1.0, "USD"), Charged("crm", "b", 1_000, 0),
+    ...         Charged("web", "a", 5, 5, 0.0, "USD"), Charged("crm", "a", 10, 0, 9.0, "EUR")]
+    >>> out = standings([Budget("crm", 1.0, None), Budget("idle", None, 10)], rows, "USD")
     >>> out["crm"].money, out["crm"].tokens, out["crm"].unpriced_tokens, out["crm"].over
-    (1.0, 1001000, 1000, True)
+    (1.0, 1001010, 1010, True)
     >>> out["idle"].over, sorted(out)
     (False, ['crm', 'idle'])
     """
@@ -197,15 +199,14 @@ def standings(budgets: Iterable[Budget], usage: Iterable[tuple[str, str, int, in
     tokens = dict.fromkeys(by_source, 0)
     spent = dict.fromkeys(by_source, 0.0)
     unpriced = dict.fromkeys(by_source, 0)
-    for source, model, prompt_tokens, completion_tokens in usage:
-        if source not in by_source:
+    for row in charged:
+        if row.source not in by_source:
             continue
-        tokens[source] += prompt_tokens + completion_tokens
-        price = prices.get(model)
-        if price is None:
-            unpriced[source] += prompt_tokens + completion_tokens
+        tokens[row.source] += row.tokens
+        if row.cost is None or row.currency != currency:
+            unpriced[row.source] += row.tokens
         else:
-            spent[source] += price.cost(prompt_tokens, completion_tokens)
+            spent[row.source] += row.cost
     return {s: Standing(b, tokens[s], spent[s], unpriced[s], currency) for s, b in by_source.items()}
 
 

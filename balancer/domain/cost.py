@@ -7,6 +7,11 @@ from its quota (``price_per_million_input`` for prompt tokens,
 quota file names. A model with no price costs nothing that can be counted:
 its tokens are reported as unpriced rather than as free.
 
+A call is priced when it is made, at the prices then in force, and the ledger
+keeps its cost in that currency (:class:`Charged`): a later price change, or a
+quota removed, does not change what was spent, and amounts in two currencies
+are never added together.
+
 >>> p = Price(input=3.0, output=15.0)
 >>> p.cost(prompt_tokens=1_000_000, completion_tokens=200_000)
 6.0
@@ -17,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from balancer.errors import QuotaError
 
@@ -115,59 +120,97 @@ def price_of(price_per_million_input: float | None, price_per_million_output: fl
 
 @dataclass
 class Spend:
-    """Money spent, by model and by source, and the tokens of models with no price."""
+    """Money spent, by model and by source, in one currency; the tokens of calls made with no price;
+    and what was spent in other currencies (kept apart, never added to ``total``)."""
 
     currency: str | None
     total: float = 0.0
     by_model: dict[str, float] = field(default_factory=dict)
     by_source: dict[str, float] = field(default_factory=dict)
     unpriced_tokens: dict[str, int] = field(default_factory=dict)  # model -> prompt + completion tokens
+    other_currencies: dict[str, float] = field(default_factory=dict)  # currency -> amount, not in total
 
     def as_dict(self) -> dict[str, Any]:
         return {"currency": self.currency, "total": round(self.total, 6),
                 "by_model": {k: round(v, 6) for k, v in sorted(self.by_model.items())},
                 "by_source": {k: round(v, 6) for k, v in sorted(self.by_source.items())},
-                "unpriced_tokens": dict(sorted(self.unpriced_tokens.items()))}
+                "unpriced_tokens": dict(sorted(self.unpriced_tokens.items())),
+                "other_currencies": {k: round(v, 6) for k, v in sorted(self.other_currencies.items())}}
 
 
-def spend(usage: Iterable[tuple[str, str, int, int]], prices: Mapping[str, Price | None], currency: str | None) -> Spend:
-    """Spend from ``(source, model, prompt tokens, completion tokens)`` rows.
+class Charged(NamedTuple):
+    """Calls of one source on one model: their tokens, and what they cost at the prices in force
+    when each was made (``cost`` None: the model had no price then), in ``currency``."""
 
-    >>> s = spend([("crm", "a", 1_000_000, 0), ("crm", "b", 0, 1_000_000), ("web", "a", 0, 2_000_000)],
-    ...           {"a": Price(1.0, 4.0), "b": None}, "USD")
-    >>> s.total, s.by_model, s.by_source, s.unpriced_tokens
-    (9.0, {'a': 9.0}, {'crm': 1.0, 'web': 8.0}, {'b': 1000000})
+    source: str
+    model: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost: float | None = None
+    currency: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def charge(usage: Iterable[tuple[str, str, int, int]], prices: Mapping[str, Price | None],
+           currency: str | None) -> list[Charged]:
+    """``(source, model, prompt tokens, completion tokens)`` rows priced at ``prices``: what
+    they would cost now (a what-if, such as a benchmark's two sides priced alike).
+
+    >>> charge([("crm", "a", 1_000_000, 0), ("crm", "b", 5, 0)], {"a": Price(2.0, 0.0)}, "USD")
+    [Charged(source='crm', model='a', prompt_tokens=1000000, completion_tokens=0, cost=2.0, currency='USD'), \
+Charged(source='crm', model='b', prompt_tokens=5, completion_tokens=0, cost=None, currency=None)]
     """
-    out = Spend(currency)
+    out = []
     for source, model, prompt_tokens, completion_tokens in usage:
         price = prices.get(model)
-        if price is None:
-            out.unpriced_tokens[model] = out.unpriced_tokens.get(model, 0) + prompt_tokens + completion_tokens
-            continue
-        amount = price.cost(prompt_tokens, completion_tokens)
-        out.total += amount
-        out.by_model[model] = out.by_model.get(model, 0.0) + amount
-        out.by_source[source] = out.by_source.get(source, 0.0) + amount
+        out.append(Charged(source, model, prompt_tokens, completion_tokens,
+                           None if price is None else price.cost(prompt_tokens, completion_tokens),
+                           None if price is None else currency))
     return out
 
 
-def task_cost(usage: Iterable[tuple[str, int, int]], prices: Mapping[str, Price | None]) -> float | None:
-    """What one task's calls cost, from ``(model, prompt tokens, completion tokens)``
-    per model called; None when a model with no price took tokens (not free: unpriced).
+def spend(charged: Iterable[Charged], currency: str | None) -> Spend:
+    """Spend in ``currency`` from :class:`Charged` rows; calls made with no price are unpriced
+    tokens, calls priced in another currency are kept apart.
 
-    >>> task_cost([("a", 1_000_000, 0), ("b", 0, 0)], {"a": Price(1.0, 4.0), "b": None})
+    >>> s = spend([Charged("crm", "a", 1_000_000, 0, 1.0, "USD"), Charged("crm", "b", 0, 1_000_000),
+    ...            Charged("web", "a", 0, 2_000_000, 8.0, "USD"), Charged("web", "a", 10, 0, 0.5, "EUR")], "USD")
+    >>> s.total, s.by_model, s.by_source, s.unpriced_tokens, s.other_currencies
+    (9.0, {'a': 9.0}, {'crm': 1.0, 'web': 8.0}, {'b': 1000000}, {'EUR': 0.5})
+    """
+    out = Spend(currency)
+    for row in charged:
+        if row.cost is None:
+            out.unpriced_tokens[row.model] = out.unpriced_tokens.get(row.model, 0) + row.tokens
+        elif row.currency != currency:
+            key = row.currency or "no currency"
+            out.other_currencies[key] = out.other_currencies.get(key, 0.0) + row.cost
+        else:
+            out.total += row.cost
+            out.by_model[row.model] = out.by_model.get(row.model, 0.0) + row.cost
+            out.by_source[row.source] = out.by_source.get(row.source, 0.0) + row.cost
+    return out
+
+
+def task_cost(usage: Iterable[tuple[str, int, int, float | None]]) -> float | None:
+    """What one task's calls cost, from ``(model, prompt tokens, completion tokens, cost when
+    called)`` per model called; None when a call made with no price took tokens (not free: unpriced).
+
+    >>> task_cost([("a", 1_000_000, 0, 1.0), ("b", 0, 0, None)])
     1.0
-    >>> task_cost([("a", 0, 1_000_000), ("b", 10, 0)], {"a": Price(1.0, 4.0)}) is None
+    >>> task_cost([("a", 0, 1_000_000, 4.0), ("b", 10, 0, None)]) is None
     True
     """
     total = 0.0
-    for model, prompt_tokens, completion_tokens in usage:
-        price = prices.get(model)
-        if price is None:
+    for _model, prompt_tokens, completion_tokens, cost in usage:
+        if cost is None:
             if prompt_tokens or completion_tokens:
                 return None
             continue
-        total += price.cost(prompt_tokens, completion_tokens)
+        total += cost
     return total
 
 
@@ -230,6 +273,9 @@ def spend_text(s: Spend) -> str:
         text += " (" + ", ".join(f"{m} {money(v, s.currency)}" for m, v in sorted(s.by_model.items())) + ")"
     if s.unpriced_tokens:
         text += "; unpriced: " + ", ".join(f"{m} {n:,} tokens" for m, n in sorted(s.unpriced_tokens.items()))
+    if s.other_currencies:
+        text += "; in other currencies, not added: " + ", ".join(
+            money(v, c) for c, v in sorted(s.other_currencies.items()))
     return text
 
 

@@ -2,8 +2,9 @@
 
 Once per dispatch run, in its first transaction, :func:`held_sources` reads the
 budgets (a small table; with none set that is the only read) and what the budgeted sources spent since
-00:00 UTC (:func:`balancer.storage.spend.spent_by_source_since`, priced by the
-quotas), and :func:`balancer.domain.budget.held` names the sources over budget.
+00:00 UTC (:func:`balancer.storage.spend.charges`: each call at the prices of its
+start, so a price changed or a quota removed later does not give back what was
+spent), and :func:`balancer.domain.budget.held` names the sources over budget.
 The run's claims leave those sources' pending tasks where they are: the
 pinned lane, the window, the ready lists' stock (:mod:`balancer.storage.claims`,
 :mod:`balancer.pipeline.fairness`) and hedges skip them, and a model whose
@@ -28,21 +29,21 @@ from balancer.snapshot import ReadServices
 from balancer.sources.reads import budgets
 from balancer.storage.quota_rows import all_quotas
 from balancer.storage.rows import RowSource, reading
-from balancer.storage.spend import spent_by_source_since
+from balancer.storage.spend import charges
 
 
 def read_standings(services: ReadServices, conn: RowSource | None = None, now: datetime | None = None,
                    quotas: Sequence[Quota] | None = None) -> dict[str, Standing]:
     """Every budgeted source's budget against what it spent today (empty: no budget set),
     read on ``conn`` (in the caller's transaction) or on ``services.db`` (an engine, or
-    ``status``'s snapshot); priced by ``quotas`` when the caller has read them."""
+    ``status``'s snapshot); in the currency of ``quotas`` when the caller has read them."""
     with reading(services.db if conn is None else conn) as db:
         set_now = budgets(db)
         if not set_now:
             return {}
-        usage = spent_by_source_since(db, day_start(now or datetime.now(UTC)))
-        prices, currency = price_list(all_quotas(db) if quotas is None else quotas)
-    return standings(set_now, usage, prices, currency)
+        today = charges(db, day_start(now or datetime.now(UTC)))
+        currency = price_list(all_quotas(db) if quotas is None else quotas)[1]
+    return standings(set_now, today, currency)
 
 
 def held_sources(services: ReadServices, conn: RowSource | None = None) -> frozenset[str]:

@@ -30,7 +30,7 @@ import redis
 
 from balancer.admission import AdmissionCore, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion
-from balancer.domain.cost import CallEnd, billed_tokens
+from balancer.domain.cost import CallEnd, billed_tokens, price_of
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener, cancel_call
 from balancer.pipeline.heartbeat import Heartbeat
@@ -274,14 +274,17 @@ class Call:
     # -- the ledger ----------------------------------------------------------------------
     def usage(self, ctx: SolveContext, end: CallEnd, completion: Completion | None = None) -> Usage | None:
         """This call's ledger row: the tokens it is counted for
-        (:func:`~balancer.domain.cost.billed_tokens`); None if it never reached the backend."""
+        (:func:`~balancer.domain.cost.billed_tokens`) and what they cost at its model's prices when
+        it started; None if it never reached the backend."""
         msg = self.msg
         reported = (completion.prompt_tokens, completion.completion_tokens) if completion is not None else None
         tokens = billed_tokens(end, msg.estimated_tokens - ctx.max_tokens, reported)
         if tokens is None:
             return None
+        price = price_of(ctx.price_per_million_input, ctx.price_per_million_output)
         return Usage(self.call_id, msg.task_id, ctx.source, msg.model, msg.admission_id, *tokens,
-                     answered=end == "answered", hedge=msg.hedge, ended_at=datetime.now(UTC))
+                     answered=end == "answered", hedge=msg.hedge, ended_at=datetime.now(UTC),
+                     cost=None if price is None else price.cost(*tokens), currency=None if price is None else ctx.currency)
 
     def unanswered(self, writer: AnswerWriter, ctx: SolveContext, exc: BaseException) -> None:
         """A call that got no answer: its ledger row, written behind it (an unexpected

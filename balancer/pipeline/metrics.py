@@ -32,7 +32,7 @@ from sqlalchemy.engine import Engine
 
 from balancer.domain import latency
 from balancer.domain.budget import held
-from balancer.domain.cost import Observed, price_list, project
+from balancer.domain.cost import Charged, Observed, price_list, project
 from balancer.domain.health import REASONS, kinds
 from balancer.domain.quota import Quota
 from balancer.pipeline.budgets import read_standings
@@ -42,7 +42,7 @@ from balancer.services import Services
 from balancer.sources.metrics import add_source_metrics, source_families
 from balancer.storage.reads import Backlog, backlog
 from balancer.storage.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
-from balancer.storage.spend import observed_usage, token_usage
+from balancer.storage.spend import charges, observed_usage
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
 OUTCOMES = ("solved", "rate_limited", "transient", "failed")
@@ -107,7 +107,7 @@ class BalancerCollector(Collector):
         self._finished: dict[str, int] | None = None
         # Read with the finished counts, at the same pace: spend so far by (source, model), from the
         # ledger, and what each model's answered calls used against their estimates.
-        self._usage: list[tuple[str, str, int, int]] = []
+        self._usage: list[Charged] = []
         self._observed: dict[str, Observed] = {}
         self._finished_at = 0.0
         self._recount = threading.Lock()
@@ -119,7 +119,7 @@ class BalancerCollector(Collector):
             try:
                 if self._finished is None or time.monotonic() - self._finished_at >= self.finished_every:
                     self._finished = finished_counts(engine)
-                    self._usage, self._observed = token_usage(engine), observed_usage(engine)
+                    self._usage, self._observed = charges(engine), observed_usage(engine)
                     self._finished_at = time.monotonic()
             finally:
                 self._recount.release()
@@ -199,13 +199,13 @@ class BalancerCollector(Collector):
         return iter(families.values())
 
     def _money(self, families: dict[str, Any], left: Backlog, quotas: Sequence[Quota]) -> None:
-        """Spend so far by model and source, and the backlog left's projected cost by model, in the quotas' currency."""
+        """Spend so far by model, source and currency (each call at the prices of its start), and the backlog
+        left's projected cost by model, in the quotas' currency."""
         prices, named = price_list(quotas)
         currency = named or ""
-        for source, model, prompt_tokens, completion_tokens in self._usage:
-            price = prices.get(model)
-            if price is not None:
-                families["balancer_spend"].add_metric([model, source, currency], price.cost(prompt_tokens, completion_tokens))
+        for row in self._usage:
+            if row.cost is not None:
+                families["balancer_spend"].add_metric([row.model, row.source, row.currency or ""], row.cost)
         enabled = {q.name: prices[q.name] for q in quotas if q.enabled}
         projected = project(left.estimates(), self._observed, enabled, currency or None)
         for model, amount in projected.by_model.items():

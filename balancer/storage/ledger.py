@@ -11,6 +11,10 @@ the writer's next batch, behind the call, never on its path. What a call
 that got no answer is counted for is one rule,
 :func:`balancer.domain.cost.billed_tokens`.
 
+Each row carries what the call cost at the prices in force when it was made,
+in their currency (:class:`balancer.domain.cost.Charged`): spend and budgets
+read that, so a later price change applies to later calls only.
+
 Each row carries its call's own id (``call_id``) and is inserted with
 ``ON CONFLICT DO NOTHING``, so a write retried after a commit whose reply was
 lost adds no second row. A row handed over and not yet written when its
@@ -46,6 +50,9 @@ class Usage:
     answered: bool
     hedge: bool
     ended_at: datetime
+    #: At the prices in force when the call was made (None: its model had no price).
+    cost: float | None = None
+    currency: str | None = None
 
 
 _COLUMNS = tuple(f.name for f in fields(Usage))

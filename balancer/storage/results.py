@@ -11,23 +11,23 @@ again when it ends again.
 Each task also carries what its calls cost, from the ledger
 (:func:`balancer.storage.spend.usage_by_task`): how many calls were sent
 (hedges and retries included), the tokens they are billed for, and their
-cost at the quotas' prices (:func:`balancer.domain.cost.task_cost`; empty
-when a model with no price took tokens).
+cost at the prices of each call's start (:func:`balancer.domain.cost.task_cost`;
+empty when a call made with no price took tokens).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from balancer.domain.cost import Price, task_cost
+from balancer.domain.cost import task_cost
 from balancer.errors import BalancerError, printable
-from balancer.storage.spend import usage_by_task
+from balancer.storage.spend import TaskUsage, usage_by_task
 
 #: The columns of the ``balancer_results`` view that an export writes, in order.
 VIEW_COLUMNS = ("id", "source", "key", "metadata", "status", "answer", "error", "model", "prompt_tokens",
@@ -84,9 +84,8 @@ ORDER BY finished_xid, id LIMIT :page
 
 
 def page(engine: Engine, after: ResultCursor, *, source: str | None, size: int = 1000,
-         prices: Mapping[str, Price | None] | None = None,
          with_prompt: bool = False) -> tuple[list[dict[str, Any]], ResultCursor]:
-    """The next ``size`` ended tasks after ``after``, each with its calls' cost at ``prices`` (and its prompt,
+    """The next ``size`` ended tasks after ``after``, each with its calls' cost (and its prompt,
     ``with_prompt``), and the cursor after them."""
     with engine.connect() as conn:
         rows = conn.execute(_PAGE, {"xid": str(after.xid), "task_id": after.task_id, "source": source,
@@ -96,25 +95,24 @@ def page(engine: Engine, after: ResultCursor, *, source: str | None, size: int =
         return [], after
     last = rows[-1]
     return [_with_cost({c: getattr(r, c) for c in VIEW_COLUMNS + (("prompt",) if with_prompt else ())},
-                       usage.get(r.id, []), prices or {}) for r in rows], \
+                       usage.get(r.id, [])) for r in rows], \
         ResultCursor(int(last.xid), int(last.id))
 
 
-def _with_cost(row: dict[str, Any], usage: list[tuple[str, int, int, int]],
-               prices: Mapping[str, Price | None]) -> dict[str, Any]:
-    row["calls"] = sum(calls for *_, calls in usage)
-    row["billed_prompt_tokens"] = sum(prompt for _, prompt, _, _ in usage)
-    row["billed_completion_tokens"] = sum(completion for _, _, completion, _ in usage)
-    row["cost"] = task_cost([(model, prompt, completion) for model, prompt, completion, _ in usage], prices)
+def _with_cost(row: dict[str, Any], usage: list[TaskUsage]) -> dict[str, Any]:
+    row["calls"] = sum(u[3] for u in usage)
+    row["billed_prompt_tokens"] = sum(u[1] for u in usage)
+    row["billed_completion_tokens"] = sum(u[2] for u in usage)
+    row["cost"] = task_cost([(model, prompt, completion, cost) for model, prompt, completion, _, cost, _ in usage])
     row["usage"] = usage  # per model called: what an export's spend summary adds up (not a written column)
     return row
 
 
-def pages(engine: Engine, after: ResultCursor, *, source: str | None, size: int = 1000,
-          prices: Mapping[str, Price | None] | None = None) -> Iterator[tuple[list[dict[str, Any]], ResultCursor]]:
+def pages(engine: Engine, after: ResultCursor, *, source: str | None,
+          size: int = 1000) -> Iterator[tuple[list[dict[str, Any]], ResultCursor]]:
     """Every page from ``after`` until none is left (memory: one page)."""
     while True:
-        rows, after = page(engine, after, source=source, size=size, prices=prices)
+        rows, after = page(engine, after, source=source, size=size)
         if not rows:
             return
         yield rows, after

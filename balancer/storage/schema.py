@@ -114,6 +114,9 @@ call_usage = Table(
     Column("answered", Boolean, nullable=False),
     Column("hedge", Boolean, nullable=False),
     Column("ended_at", DateTime(timezone=True), nullable=False),
+    # What the call cost at the prices in force when it was made (NULL: its model had no price).
+    Column("cost", Float, nullable=True),
+    Column("currency", Text, nullable=True),
 )
 
 #: Every source's share of the dispatch window (weighted deficit round robin

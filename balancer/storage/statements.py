@@ -34,6 +34,10 @@ class SolveContext:
     #: The call's model ends a request whose client went (``Quota.on_disconnect == "stop"``):
     #: only then is cutting the call off worth anything (see :mod:`balancer.pipeline.solver`).
     stops_on_disconnect: bool = False
+    #: The call's model's prices and currency when the call starts: its ledger row's cost.
+    price_per_million_input: float | None = None
+    price_per_million_output: float | None = None
+    currency: str | None = None
 
 
 def admission_guard(task_id: Any, admission_id: Any):  # noqa: ANN202
@@ -42,12 +46,15 @@ def admission_guard(task_id: Any, admission_id: Any):  # noqa: ANN202
 
 def context_columns(model: Any) -> tuple[Any, ...]:
     """What a call on ``model`` (a column naming it) needs, in :class:`SolveContext` order;
-    the model's ``on_disconnect`` comes in the same statement, from its quota row."""
-    stops = (
-        sa.select(quotas.c.on_disconnect == "stop").where(quotas.c.name == model).scalar_subquery()
-    )
+    the model's ``on_disconnect`` and prices come in the same statement, from its quota row."""
+    def of_quota(column: Any) -> Any:
+        return sa.select(column).where(quotas.c.name == model).scalar_subquery()
+
     return (tasks.c.id, tasks.c.status, tasks.c.prompt, tasks.c.max_tokens, tasks.c.admission_id,
-            tasks.c.attempts, tasks.c.rate_limited, tasks.c.source, sa.func.coalesce(stops, sa.false()))
+            tasks.c.attempts, tasks.c.rate_limited, tasks.c.source,
+            sa.func.coalesce(of_quota(quotas.c.on_disconnect == "stop"), sa.false()),
+            of_quota(quotas.c.price_per_million_input), of_quota(quotas.c.price_per_million_output),
+            of_quota(quotas.c.currency))
 
 
 def hedge_guard(task_id: Any, hedge_admission_id: Any):  # noqa: ANN202
