@@ -241,3 +241,78 @@ def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         time.sleep(0.1)
         ingest_sources(svc)
     assert counts(svc.engine, "SELECT count(*) FROM tasks WHERE status <> 'solved'") == 0
+
+
+# -- deliverable 4: the unwritable ones, shown and settled ---------------------------------------------
+
+def test_unwritable_write_backs_are_shown_per_source_with_their_error_and_written_again_or_dropped(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 5 (deliverable 4): the rows left unwritable show per source, with the last
+    error, in ``status``, ``top`` and the console (the source's health), and the metrics;
+    ``balancer source unwritable NAME`` lists them, ``--retry`` writes them once the cause is
+    fixed, ``--drop`` gives them up; both audited."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from balancer.cli.pipeline import health_lines
+    from balancer.pipeline.metrics import BalancerCollector
+    from balancer.pipeline.overview import read_overview
+    from balancer.storage.schema import source_changes
+    from balancer.web.sampler import take_sample
+
+    legacy.add(10)  # 'legacy prompt 0' .. 'legacy prompt 9': 3 and 7 refused
+    legacy.execute("ALTER TABLE prompts ADD CONSTRAINT no_three_nor_seven "
+                   "CHECK (answer IS NULL OR right(answer, 1) NOT IN ('3', '7'))")
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 10
+    drain_past_backoff(svc, svc.settings.writeback_attempts)
+    code, out, _ = run(capsys, "source", "unwritable", "crm")
+    lines = out.strip().splitlines()
+    assert code == 0 and len(lines) == 3 and all("no_three_nor_seven" in line for line in lines[:2])
+    assert lines[-1].startswith("crm: 2 unwritable write-back(s)")
+    code, out, _ = run(capsys, "status", "--json")
+    [crm] = json.loads(out)["sources"]
+    assert crm["unwritable"] == 2 and "no_three_nor_seven" in crm["unwritable_error"] and crm["writebacks_waiting"] == 0
+    code, out, _ = run(capsys, "status")
+    assert "unwritable 2 (last: new row for relation" in out
+    [line] = [line for line in health_lines(read_overview(svc).health) if line.startswith("health source crm")]  # top
+    assert "2 write-back(s) refused by its table" in line and "no_three_nor_seven" in line
+    why = take_sample(svc).health.sources["crm"]  # the console's Sources page
+    assert [r.kind for r in why] == ["unwritable"] and "no_three_nor_seven" in why[0].text
+    registry = CollectorRegistry()
+    registry.register(BalancerCollector(svc))
+    text = generate_latest(registry).decode()
+    assert 'balancer_source_unwritable{source="crm"} 2.0' in text
+    assert 'balancer_source_health{reason="unwritable",source="crm"} 1.0' in text
+
+    legacy.execute("ALTER TABLE prompts DROP CONSTRAINT no_three_nor_seven")  # the cause fixed
+    code, out, _ = run(capsys, "source", "unwritable", "crm", "--retry", "--by", "ops")
+    assert code == 0 and "2 unwritable write-back(s) waiting to be written again" in out
+    assert drain(svc).written == 2
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved'") == 10
+    code, out, _ = run(capsys, "source", "unwritable", "crm")
+    assert out.strip() == "crm: 0 unwritable write-back(s)"
+
+    legacy.add(1, 13)  # 'legacy prompt 13': refused by a new constraint, then dropped
+    legacy.execute("ALTER TABLE prompts ADD CONSTRAINT no_13 CHECK (answer IS NULL OR right(answer, 2) <> '13')")
+    ingest_sources(svc)
+    assert solve_pending(svc) == 1
+    drain_past_backoff(svc, svc.settings.writeback_attempts)
+    code, out, _ = run(capsys, "source", "unwritable", "crm", "--drop", "--by", "ops")
+    assert code == 0 and "1 unwritable write-back(s) dropped" in out
+    for _ in range(3):  # its row still matches where: it is not asked again
+        time.sleep(0.1)
+        ingest_sources(svc)
+    assert counts(svc.engine, "SELECT count(*) FROM tasks WHERE status <> 'solved'") == 0
+    code, out, _ = run(capsys, "status", "--json")
+    assert json.loads(out)["sources"][0]["unwritable"] == 0
+    with svc.engine.connect() as conn:
+        audit = conn.execute(sa.select(source_changes.c.action, source_changes.c.changed_by, source_changes.c.new_value)
+                             .where(source_changes.c.action.like("% unwritable")).order_by(source_changes.c.id)).all()
+    assert [(a, by, len(v["task_ids"])) for a, by, v in audit] == [("retry unwritable", "ops", 2),
+                                                                   ("drop unwritable", "ops", 1)]
+    code, _, err = run(capsys, "source", "unwritable", "nope")
+    assert code == 2 and "no source 'nope'" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "source", "unwritable", "crm", "--retry", "--drop")
+    assert code == 2 and "not both" in err

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from balancer.cli.import_export import echo_changes, read_text, write_text
+from balancer.cli.source_unwritable import unwritable_command
 from balancer.cli.source_weight import set_command
 from balancer.cli.startwait import migrated
 from balancer.errors import BalancerError, printable
@@ -20,6 +21,7 @@ def source() -> None:
 
 
 source.add_command(set_command)
+source.add_command(unwritable_command)
 
 
 @source.command("import")
@@ -97,8 +99,11 @@ def source_list(as_json: bool) -> None:
 def source_line(r) -> str:  # noqa: ANN001 - a storage.source_reads.SourceStatus
     """One source's counts, as ``status`` and ``source list`` print them."""
     lag = "never read to its end" if r.lag_s is None else f"{r.lag_s:g} s"
-    return (f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
-            f"write-backs waiting {r.writebacks_waiting}, not overwritten {r.conflicts}, cursor lag {lag}")
+    unwritable = f" (last: {r.unwritable_error})" if r.unwritable and r.unwritable_error else ""
+    return printable(f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
+                     f"write-backs waiting {r.writebacks_waiting}, not overwritten {r.conflicts}, "
+                     f"prompt changed (asked again) {r.changed}, unwritable {r.unwritable}{unwritable}, "
+                     f"cursor lag {lag}", limit=600)
 
 
 def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing

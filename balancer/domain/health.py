@@ -40,7 +40,7 @@ REASONS: dict[str, tuple[str, bool, str]] = {
     "failing": ("its last calls failed and none was answered since", False, "model"),
     "unreadable": ("the source's table could not be read", True, "source"),
     "over_budget": ("the source's budget per day is spent: its pending tasks wait", True, "source"),
-    "unwritable": ("the source's table refuses write-backs", False, "source"),
+    "unwritable": ("the source's table refused write-backs until they were left unwritable", False, "source"),
 }
 
 
@@ -84,7 +84,8 @@ class SourceFacts:
     name: str
     read_error: str | None = None  # its table's last read failed with this error; None: read, or not known
     over_budget: str | None = None  # its budget per day that is spent ("money", "tokens"); None: none spent
-    unwritable: int | None = None  # write-backs its table refused, waiting; None: not known
+    unwritable: int | None = None  # write-backs its table refused until they were left unwritable; None: not known
+    unwritable_error: str | None = None  # the latest of those's error
 
 
 def _seconds(s: float) -> str:
@@ -132,7 +133,7 @@ def source_reasons(s: SourceFacts) -> list[Reason]:
     >>> [r.text for r in source_reasons(SourceFacts("legacy", read_error="LEGACY_URL is not set"))]
     ['table unreadable: LEGACY_URL is not set']
     >>> [r.text for r in source_reasons(SourceFacts("team", over_budget="money", unwritable=3))]
-    ['over its money budget per day: its pending tasks wait', '3 write-back(s) refused by its table']
+    ['over its money budget per day: its pending tasks wait', '3 write-back(s) refused by its table: balancer source unwritable team']
     """
     reasons = []
     if s.read_error:
@@ -140,7 +141,9 @@ def source_reasons(s: SourceFacts) -> list[Reason]:
     if s.over_budget:
         reasons.append(Reason("over_budget", f"over its {s.over_budget} budget per day: its pending tasks wait"))
     if s.unwritable:
-        reasons.append(Reason("unwritable", f"{s.unwritable} write-back(s) refused by its table"))
+        error = f" (last: {s.unwritable_error})" if s.unwritable_error else ""
+        reasons.append(Reason("unwritable", f"{s.unwritable} write-back(s) refused by its table{error}: "
+                                            f"balancer source unwritable {s.name}"))
     return reasons
 
 

@@ -69,19 +69,29 @@ def model_facts(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[st
     return facts
 
 
-def source_facts(budgets: Mapping[str, Standing]) -> list[SourceFacts]:
-    """Each source's facts: its budgets' standing. (Its table's read error and refused
-    write-backs are ``SourceFacts.read_error`` and ``unwritable``, where recorded.)"""
-    return [SourceFacts(name, over_budget="money" if st.money_spent else "tokens" if st.tokens_spent else None)
-            for name, st in sorted(budgets.items())]
+def source_facts(budgets: Mapping[str, Standing],
+                 unwritable: Mapping[str, tuple[int, str | None]] | None = None) -> list[SourceFacts]:
+    """Each source's facts: its budgets' standing, and its write-backs left unwritable (how
+    many, the latest one's error: :func:`balancer.sources.reads.unwritable_by_source`).
+    (Its table's read error is ``SourceFacts.read_error``, where recorded.)"""
+    unwritable = unwritable or {}
+    facts = []
+    for name in sorted(budgets.keys() | unwritable.keys()):
+        st = budgets.get(name)
+        count, error = unwritable.get(name, (0, None))
+        facts.append(SourceFacts(
+            name, over_budget=None if st is None else "money" if st.money_spent else "tokens" if st.tokens_spent else None,
+            unwritable=count, unwritable_error=error))
+    return facts
 
 
 def read_health(client: redis.Redis, namespace: str, view: Mapping[str, ModelLive],
                 counters: Mapping[str, Mapping[str, int]], budgets: Mapping[str, Standing], unfinished: int, *,
-                consumers: bool = False) -> Health:
+                consumers: bool = False, unwritable: Mapping[str, tuple[int, str | None]] | None = None) -> Health:
     """One look's reasons (:func:`balancer.domain.health.assess`). With ``consumers``
     (``BALANCER_CONSUMERS_REQUIRED``: the dispatcher sends nothing to a model no worker
-    consumes), each model's live consumer count from the view, so one with none says so."""
+    consumes), each model's live consumer count from the view, so one with none says so.
+    ``unwritable``: each source's write-backs left unwritable, and the latest one's error."""
     failures = read_failures(client, namespace, sorted(view))
     counts = {name: m.consumers for name, m in view.items()} if consumers else None
-    return assess(model_facts(view, counters, failures, counts), source_facts(budgets), unfinished)
+    return assess(model_facts(view, counters, failures, counts), source_facts(budgets, unwritable), unfinished)

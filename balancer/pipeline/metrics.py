@@ -40,6 +40,7 @@ from balancer.pipeline.health import read_health
 from balancer.pipeline.summary import estimate_band
 from balancer.services import Services
 from balancer.sources.metrics import add_source_metrics, source_families
+from balancer.sources.reads import unwritable_by_source
 from balancer.storage.reads import Backlog, backlog
 from balancer.storage.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
 from balancer.storage.spend import charges, observed_usage
@@ -181,7 +182,7 @@ class BalancerCollector(Collector):
         standings = read_standings(svc, quotas=quotas)  # once: the ETA's held sources and the per-source budgets
         drain = estimate_band(svc, view, left, held(standings))
         health = read_health(svc.redis, svc.settings.namespace, view, per_model, standings, left.unfinished,
-                             consumers=svc.settings.consumers_required)
+                             consumers=svc.settings.consumers_required, unwritable=unwritable_by_source(svc.engine))
         for name in view:
             present = {r.kind for r in health.models.get(name, [])}
             for kind in kinds("model"):

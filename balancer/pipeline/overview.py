@@ -19,6 +19,7 @@ from balancer.pipeline.budgets import read_standings
 from balancer.pipeline.health import read_health
 from balancer.pipeline.summary import ModelSummary, read
 from balancer.snapshot import ReadServices
+from balancer.sources.reads import unwritable_by_source
 from balancer.storage.quota_rows import all_quotas
 from balancer.storage.reads import backlog
 from balancer.storage.spend import projected_cost, spend_so_far
@@ -45,6 +46,6 @@ def read_overview(services: ReadServices) -> Overview:
     view = services.core.live()
     counts, rows, counters, drain = read(services, held(budgets), left, view)
     health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished,
-                         consumers=services.settings.consumers_required)
+                         consumers=services.settings.consumers_required, unwritable=unwritable_by_source(db))
     return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),
                     health)

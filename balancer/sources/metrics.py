@@ -24,6 +24,12 @@ def source_families() -> dict[str, Any]:
         "balancer_source_not_overwritten": GaugeMetricFamily(
             "balancer_source_not_overwritten", "Write-backs refused: the row no longer matched where "
             "(someone else changed it)", labels=source),
+        "balancer_source_changed": GaugeMetricFamily(
+            "balancer_source_changed", "Write-backs not done: the row's prompt changed since it was read "
+            "(its task asked again with the new prompt)", labels=source),
+        "balancer_source_unwritable": GaugeMetricFamily(
+            "balancer_source_unwritable", "Write-backs the source's table refused BALANCER_WRITEBACK_ATTEMPTS times, "
+            "left unwritable (balancer source unwritable NAME)", labels=source),
         "balancer_source_cursor_lag_seconds": GaugeMetricFamily(
             "balancer_source_cursor_lag_seconds", "Seconds since the source was last read to its end", labels=source),
         "balancer_source_over_budget": GaugeMetricFamily(
@@ -47,5 +53,7 @@ def add_source_metrics(families: dict[str, Any], engine: Engine, budgets: Mappin
             families["balancer_source_tasks"].add_metric([s.name, state], getattr(s, state))
         families["balancer_source_writebacks_waiting"].add_metric([s.name], s.writebacks_waiting)
         families["balancer_source_not_overwritten"].add_metric([s.name], s.conflicts)
+        families["balancer_source_changed"].add_metric([s.name], s.changed)
+        families["balancer_source_unwritable"].add_metric([s.name], s.unwritable)
         if s.lag_s is not None:
             families["balancer_source_cursor_lag_seconds"].add_metric([s.name], s.lag_s)

@@ -1,6 +1,7 @@
 """What ``status``, ``top``, ``source list``, the metrics exporter and the dispatcher read per
 source: each source table's tasks by state, write-backs and cursor lag
-(:func:`source_status`), every budget per day set (:func:`budgets`), and whether any task carries a
+(:func:`source_status`), write-backs left unwritable (:func:`unwritable_by_source`),
+every budget per day set (:func:`budgets`), and whether any task carries a
 source (:func:`has_tasks`). SQL text, run on
 an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`)."""
 
@@ -22,9 +23,12 @@ class SourceStatus:
     solved: int
     failed: int
     writebacks_waiting: int
-    conflicts: int
+    conflicts: int  # not overwritten: the row no longer matched where
     ingested: int
     lag_s: float | None  # seconds since the source was last read to its end (None: never)
+    changed: int = 0  # not overwritten: the row's prompt changed since it was read (asked again)
+    unwritable: int = 0  # refused by the table BALANCER_WRITEBACK_ATTEMPTS times (balancer.sources.outbox)
+    unwritable_error: str | None = None  # the latest unwritable write-back's error
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -34,14 +38,18 @@ class SourceStatus:
 #: rows ingested and the seconds since it was last read to its end.
 _SOURCE_STATUS = f"""
 SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
-       coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at)
+       coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at),
+       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error
 FROM sources s
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
                   count(*) FILTER (WHERE status IN {sql_list(IN_FLIGHT)}) AS in_flight,
                   count(*) FILTER (WHERE status = 'solved') AS solved, count(*) FILTER (WHERE status = 'failed') AS failed
            FROM tasks WHERE source IN (SELECT name FROM sources) GROUP BY source) t ON t.source = s.name
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
-                  count(*) FILTER (WHERE state = 'conflict') AS conflicts
+                  count(*) FILTER (WHERE state = 'conflict') AS conflicts,
+                  count(*) FILTER (WHERE state = 'changed') AS changed,
+                  count(*) FILTER (WHERE state = 'unwritable') AS unwritable,
+                  (array_agg(last_error ORDER BY id DESC) FILTER (WHERE state = 'unwritable'))[1] AS unwritable_error
            FROM source_outbox GROUP BY source) o ON o.source = s.name
 ORDER BY s.name
 """  # noqa: S608 - the statuses are statuses.py's constants, not input
@@ -50,8 +58,21 @@ ORDER BY s.name
 def source_status(db: RowSource) -> list[SourceStatus]:
     """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
     return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(waiting), int(conflicts),
-                         int(ingested), None if lag is None else round(float(lag), 1))
-            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag in fetch(db, _SOURCE_STATUS)]
+                         int(ingested), None if lag is None else round(float(lag), 1), int(changed), int(unwritable),
+                         error)
+            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable, error
+            in fetch(db, _SOURCE_STATUS)]
+
+
+_UNWRITABLE = """
+SELECT source, count(*), (array_agg(last_error ORDER BY id DESC))[1] FROM source_outbox
+WHERE state = 'unwritable' GROUP BY source ORDER BY source
+"""
+
+
+def unwritable_by_source(db: RowSource) -> dict[str, tuple[int, str | None]]:
+    """Each source with write-backs left unwritable: how many, and the latest one's error."""
+    return {source: (int(n), error) for source, n, error in fetch(db, _UNWRITABLE)}
 
 
 _BUDGETS = """
