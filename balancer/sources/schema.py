@@ -1,4 +1,4 @@
-"""The source tables (SQLAlchemy Core), created by migration 0010.
+"""The source tables (SQLAlchemy Core), created by migration 0013 (``relations``: 0021).
 
 ``sources``: each declared source (its TOML definition as JSON, never a
 secret) and its read cursor. ``source_outbox``: the write-backs still to do,
@@ -10,7 +10,7 @@ transaction that ended it, and those that ended otherwise than written
 from __future__ import annotations
 
 from sqlalchemy import BigInteger, Column, DateTime, Integer, Table, Text, func
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from balancer.storage.schema import metadata
 
@@ -26,6 +26,7 @@ sources = Table(
     Column("caught_up_at", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("relations", ARRAY(Text), nullable=True),  # the tables it reads, resolved at import (migration 0021)
 )
 
 source_outbox = Table(

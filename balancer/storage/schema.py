@@ -95,6 +95,7 @@ tasks = Table(
     Column("metadata", JSONB, nullable=True),
     # A source task's fence: md5 of the prompt it was read with, as UTF-8 (balancer.sources.catalog).
     Column("source_fingerprint", Text, nullable=True),
+    Column("from_table", Boolean, nullable=False, server_default="false"),  # ingested from its source's table
 )
 
 #: The ledger: one row per call sent to the backend, answered or not (a hedge that
