@@ -271,9 +271,12 @@ _ROW_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "P0")
 
 
 def refused_by_row(exc: BaseException) -> bool:
-    """Whether ``exc`` is a refusal of one row's values rather than a transient failure."""
-    code = getattr(getattr(exc, "orig", exc), "pgcode", None)
-    return isinstance(code, str) and code[:2] in _ROW_CLASSES
+    """Whether ``exc`` is a refusal of one row's values rather than a transient failure: an
+    SQLSTATE of :data:`_ROW_CLASSES`, or a value the connection's encoding (the table's
+    database's) cannot encode, which the driver refuses before sending it."""
+    cause = getattr(exc, "orig", exc)
+    code = getattr(cause, "pgcode", None)
+    return isinstance(cause, UnicodeError) or (isinstance(code, str) and code[:2] in _ROW_CLASSES)
 
 
 # -- checks at import ------------------------------------------------------------------
