@@ -204,17 +204,33 @@ def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | Non
     if not sets:
         return None
     assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(col)) for _, col in sets)
-    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND {cond} AND {fingerprint} = %s "
+    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND ({cond} OR {replaces}) AND {fingerprint} = %s "
                    "RETURNING coalesce({cond}, false)").format(
         table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition),
-        fingerprint=_fingerprint(definition))
+        replaces=_replaces(definition), fingerprint=_fingerprint(definition))
+
+
+def _replaces(definition: SourceDef) -> sql.Composable:
+    """The guard's other way in, for a task ``tasks retry`` sent back after its failure was
+    written: the row still holds exactly that failure (balancer's own write, nobody else's).
+    Its values: whether the task has one, then each column's value (:func:`writeback_values`)."""
+    failed = _sets(definition, "failed")
+    if not failed:
+        return sql.SQL("false")
+    return sql.SQL("(%s AND {})").format(sql.SQL(" AND ").join(
+        sql.SQL("CAST({} AS text) IS NOT DISTINCT FROM %s").format(sql.Identifier(col)) for _, col in failed))
 
 
 def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
-    """The values :func:`writeback_query` binds, in its order (the key and the fingerprint last)."""
+    """The values :func:`writeback_query` binds, in its order: the columns set, the key, the
+    failure a retried task may replace (``task["replaces"]``), the fingerprint."""
     value = {"answer": task.get("answer"), "model": task.get("model"), "error": task.get("error"),
              "status": definition.solved if outcome == "solved" else definition.failed}
-    return [value[role] for role, _ in _sets(definition, outcome)] + [task["key"], task.get("fingerprint")]
+    replaces = task.get("replaces")
+    failure = {"status": definition.failed, "error": replaces.get("error") if replaces else None}
+    failed = [failure[role] for role, _ in _sets(definition, "failed")]
+    return ([value[role] for role, _ in _sets(definition, outcome)] + [task["key"]]
+            + ([replaces is not None, *failed] if failed else []) + [task.get("fingerprint")])
 
 
 #: What :func:`write_back` did: ``written``; ``written_matching`` (written, and the row still
