@@ -6,14 +6,14 @@ source task's failure wrote to its row before ``tasks retry``: its next write-ba
 replace exactly that).
 
 Revision ID: 0022
-Revises: 0026
+Revises: 0021
 """
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
 revision = "0022"
-down_revision = "0026"
+down_revision = "0021"
 branch_labels = None
 depends_on = None
 
