@@ -384,3 +384,28 @@ def test_top_fits_100_columns_with_one_line_per_model_and_names_the_burst(capsys
         (row,) = [line for line in lines if name in line]  # one line: no cell wrapped
         assert "0 / 2M+2M" in row and "0 / 10k+10k" in row, row  # each rate against its TPM/RPM plus the burst
     assert any("/ TPM+burst" in line for line in lines) and any("/ RPM+burst" in line for line in lines)
+
+
+def test_a_window_cap_is_set_audited_exported_and_enforced(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Issue 41 deliverable 3: ``--window-cap`` is stored, audited, pushed to the live state and round-trips
+    through the quotas file; a burst above the rate under a cap is one line, exit 2, nothing changed."""
+    code, out, err = run(capsys, "quota", "set", "w", "--create", "--tpm", "3000", "--concurrency", "8", "--window-cap")
+    assert code == 0 and "window_cap true" in out, err
+    history = services().quotas.history("w")
+    assert history[-1]["new_value"]["window_cap"] is True
+    live = services().core.live()["w"]
+    assert live.quota.window_cap
+    core = services().core
+    assert isinstance(core.admit([Candidate(3_000, ("w",))])[0], Admitted)
+    assert isinstance(core.admit([Candidate(1, ("w",))])[0], NotNow)  # the window is full for 60 s
+    code, _, err = run(capsys, "quota", "set", "w", "--burst", "4000")
+    assert code == 2 and err.count("\n") == 1 and "burst_tokens 4,000 is above max_tokens_per_minute 3,000" in err
+    assert services().quotas.get("w").burst_tokens is None  # nothing changed
+    exported = tmp_path / "q.toml"
+    assert run(capsys, "quota", "export", str(exported))[0] == 0
+    assert "window_cap = true" in exported.read_text()
+    code, out, _ = run(capsys, "quota", "set", "w", "--no-window-cap")
+    assert code == 0 and out.startswith("w: updated: window_cap true → false")
+    assert services().quotas.history("w")[-1]["old_value"]["window_cap"] is True
+    assert run(capsys, "quota", "import", str(exported))[0] == 0
+    assert services().quotas.get("w").window_cap and services().core.live()["w"].quota.window_cap

@@ -17,6 +17,8 @@ from balancer.admission import AdmissionCore, Candidate, Decision, NoState, Read
 from balancer.admission.fields import MODEL_FIELDS, STATE_FIELDS, quota_fields
 from balancer.admission.reference import ReferenceCore
 from balancer.admission.values import UNITS, outside_rate
+from balancer.admission.window import entry_text
+from balancer.admission.window import sums as window_sums
 from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 
@@ -44,7 +46,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
 
 
 #: What the model's other keys hold, beside its hash (see AdmissionCore.raw_state).
-OTHER_KEYS = ("inflight", "latency", "ready")
+OTHER_KEYS = ("inflight", "latency", "ready", "window")
 
 
 def reference_fields(ref: ReferenceCore, name: str) -> dict:
@@ -55,12 +57,14 @@ def reference_fields(ref: ReferenceCore, name: str) -> dict:
         "gen": s.generation, "paused": s.paused_until, "tat": s.tat, "ext": s.external, "synced_at": s.synced_at,
         "sync_gap": s.sync_gap, "ptokens": s.started_tokens, "prefilled_at": s.started_refilled_at, "fails": s.failures,
         "probing": int(s.probing), "backoff": s.backoff_ms, **s.learned.as_dict(),
+        **dict(zip(("wtokens", "wcalls"), window_sums(s.window))),
     }
     assert set(state) == set(STATE_FIELDS), "the twin must compare every state field the scripts keep"
     return {
         **quota_fields(s.quota), **state,
         "inflight": ref._inflight(name), "latency": ref.latency.get(name, {}),
         "ready": [f"{e.task_id}:{e.admission_id}:{e.estimated_tokens}:{e.expires_at}" for e in ref.ready.get(name, [])],
+        "window": [entry_text(at, est) for at, est in s.window],
     }
 
 

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import redis
 
-from balancer.admission import fields, keys, learned, values
+from balancer.admission import fields, keys, learned, values, window
 from balancer.admission.live import ModelLive as ModelLive
 from balancer.admission.live import open_slots as open_slots
 from balancer.admission.live import read_live
@@ -44,12 +44,12 @@ RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
 
 #: The scripts' library in ``lua/``, put before every script in this order (Redis Lua has no
 #: ``require``): each file uses what the ones before it define (see the head of state.lua).
-LIBRARY = ("state", "limits", "signals", "ready")
+LIBRARY = ("state", "window", "limits", "signals", "ready")
 
 
 def _load_scripts() -> dict[str, str]:
     folder = resources.files("balancer.admission") / "lua"
-    preludes = keys.LUA_PRELUDE + fields.LUA_PRELUDE + values.LUA_PRELUDE + learned.LUA_PRELUDE
+    preludes = keys.LUA_PRELUDE + fields.LUA_PRELUDE + values.LUA_PRELUDE + learned.LUA_PRELUDE + window.LUA_PRELUDE
     lib = preludes + "\n".join((folder / f"{n}.lua").read_text() for n in LIBRARY)
     return {
         name: lib + "\n" + (folder / f"{name}.lua").read_text()
@@ -380,13 +380,12 @@ class AdmissionCore:
         for raw_name in r.zrange(models_key, 0, -1):
             name = raw_name.decode()
             fields = {k.decode(): int(v) for k, v in r.hgetall(keys.model(self.namespace, name)).items()}
-            inflight = [
-                (int(score), member.decode())
-                for member, score in r.zrange(keys.inflight(self.namespace, name), 0, -1, withscores=True)
-            ]
+            inflight = [(int(score), member.decode())
+                        for member, score in r.zrange(keys.inflight(self.namespace, name), 0, -1, withscores=True)]
             latency = {k.decode(): int(v) for k, v in r.hgetall(keys.latency(self.namespace, name)).items()}
-            ready = [entry.decode() for entry in r.lrange(keys.ready(self.namespace, name), 0, -1)]
-            models[name] = {**fields, "inflight": inflight, "latency": latency, "ready": ready}
+            lists = {kind: [entry.decode() for entry in r.lrange(key(self.namespace, name), 0, -1)]
+                     for kind, key in (("ready", keys.ready), ("window", keys.window))}
+            models[name] = {**fields, "inflight": inflight, "latency": latency, **lists}
         leases = {k.decode(): json.loads(v) for k, v in r.hgetall(leases_key).items()}
         return {"meta": meta, "models": models, "leases": leases}
 

@@ -10,7 +10,7 @@ lists and spells no field list itself.
 >>> q = Quota("gpt-a", 8, 60_000, max_requests_per_minute=600, on_disconnect="stop")
 >>> quota_fields(q)  # doctest: +NORMALIZE_WHITESPACE
 {'weight': 1, 'cap': 8, 'tpm': 60000, 'rpm': 600, 'burst': 60000, 'enabled': 1, 'settle': 0, 'rburst': 600,
- 'prior': 0, 'stops': 1, 'learn': 1, 'slow_start': 1}
+ 'prior': 0, 'stops': 1, 'learn': 1, 'slow_start': 1, 'window_cap': 0}
 >>> back = quota_from_fields("gpt-a", quota_fields(q))   # the same limits, defaults spelled out
 >>> back.burst_tokens, back.on_disconnect, quota_fields(back) == quota_fields(q)
 (60000, 'stop', True)
@@ -38,6 +38,7 @@ def quota_fields(quota: Quota) -> dict[str, int]:
         "stops": int(quota.on_disconnect == "stop"),  # 1: the provider stops a call whose client went
         "learn": int(quota.learn),  # 1: learn effective limits below these (limits.lua, "Limits that learn")
         "slow_start": int(quota.slow_start),  # 1 (with learn): a new quota's slots open gradually (limits.lua, ramp_cap)
+        "window_cap": int(quota.window_cap),  # 1: no 60 s window admits above TPM/RPM (window.lua)
     }
 
 
@@ -57,6 +58,7 @@ def quota_from_fields(name: str, m: Mapping[str, int]) -> Quota:
         on_disconnect="stop" if m["stops"] else "continue",
         learn=bool(m["learn"]),
         slow_start=bool(m["slow_start"]),
+        window_cap=bool(m["window_cap"]),
     )
 
 
@@ -112,6 +114,9 @@ STATE_FIELDS: dict[str, str] = {
     "bound_cap": "ms a call first found every slot taken, or ended on a full model, since then",
     "ctpm": "an x-ratelimit-limit-tokens far below the TPM held to, not believed until a second reply states it (0: none)",
     "crpm": "an x-ratelimit-limit-requests far below the RPM held to (or with none), not believed until stated again",
+    # The window cap (window.lua): sums of the model's window list, entries of the last WINDOW_MS.
+    "wtokens": "with window_cap: the tokens admitted in the last 60 s",
+    "wcalls": "with window_cap: the calls admitted in the last 60 s",
 }
 
 #: Every field of a model's hash.

@@ -32,6 +32,7 @@ INFLIGHT_INFIX = ":inflight:"
 LATENCY_INFIX = ":latency:"
 STATS_INFIX = ":stats:"
 READY_INFIX = ":ready:"
+WINDOW_INFIX = ":window:"
 SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
@@ -102,6 +103,12 @@ def ready(namespace: str, name: str) -> str:
     """A model's ready list: tasks the dispatcher placed on it ahead of a free slot,
     each ``task_id:admission_id:estimated_tokens:expires_ms`` (see stock.lua)."""
     return tag(namespace) + READY_INFIX + name
+
+
+def window(namespace: str, name: str) -> str:
+    """A model's window list, with a window cap: ``admitted_ms:tokens`` per admission of the
+    last 60 s, oldest first (see :mod:`balancer.admission.window`)."""
+    return tag(namespace) + WINDOW_INFIX + name
 
 
 def latency(namespace: str, name: str) -> str:
@@ -204,6 +211,7 @@ LUA_PRELUDE = "\n".join(
         f"local LATENCY_INFIX = '{LATENCY_INFIX}'",
         f"local STATS_INFIX = '{STATS_INFIX}'",
         f"local READY_INFIX = '{READY_INFIX}'",
+        f"local WINDOW_INFIX = '{WINDOW_INFIX}'",
         f"local SYSTEM_STATS = '{SYSTEM_STATS}'",
         f"local CONSUMERS_INFIX = '{CONSUMERS_INFIX}'",
         "",

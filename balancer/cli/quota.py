@@ -154,6 +154,8 @@ def latency_cell(latency: dict | None) -> str:
               help="learn: lower the effective limits on 429s and adopt x-ratelimit-limit-* headers (or not)")
 @click.option("--slow-start/--no-slow-start", "slow_start", default=None,
               help="slow_start (with learn): open a new or changed quota's slots gradually until a 429 or the cap (or not)")
+@click.option("--window-cap/--no-window-cap", "window_cap", default=None,
+              help="window_cap: no 60 s window admits more than the TPM (and RPM), instead of the burst on top (or not)")
 @click.option("--create", is_flag=True, help="Add the model if it does not exist.")
 @click.option("--by", help="Who made the change (default: the OS user).")
 def quota_set(
@@ -172,6 +174,7 @@ def quota_set(
     enabled: bool | None,
     learn: bool | None,
     slow_start: bool | None,
+    window_cap: bool | None,
     create: bool,
     by: str | None,
 ) -> None:
@@ -191,13 +194,14 @@ def quota_set(
         "enabled": enabled,
         "learn": learn,
         "slow_start": slow_start,
+        "window_cap": window_cap,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
             "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn "
-            "--slow-start/--no-slow-start"
+            "--slow-start/--no-slow-start --window-cap/--no-window-cap"
         )
     from balancer.domain.quota import change_text, check_model_name
 

@@ -4,8 +4,8 @@ Pure values and validation only; storing them is :mod:`balancer.storage.quotas`,
 enforcing them is :mod:`balancer.admission`.
 
 >>> q = Quota("gpt-a", max_concurrent_requests=8, max_tokens_per_minute=60_000)
->>> q.burst
-60000
+>>> q.burst, q.allowed_per_minute, q.replace(window_cap=True).allowed_per_minute
+(60000, (120000, None), (60000, None))
 """
 
 from __future__ import annotations
@@ -75,6 +75,17 @@ def check_limit(field: str, value: Any, *, optional: bool = False, maximum: int 
 LATENCY_RANGE = (0.01, 3600.0)
 
 
+def check_window_cap(quota: Quota) -> None:
+    """A window cap admits at most the TPM (RPM) in 60 s, so no burst may be larger: a call
+    the bucket fits but no window does would wait for ever."""
+    for burst, rate, what in ((quota.burst_tokens, quota.max_tokens_per_minute, "max_tokens_per_minute"),
+                              (quota.burst_requests, quota.max_requests_per_minute, "max_requests_per_minute")):
+        if burst is not None and rate is not None and burst > rate:
+            field = "burst_tokens" if what == "max_tokens_per_minute" else "burst_requests"
+            raise QuotaError(f"{field} {burst:,} is above {what} {rate:,}: "
+                             "with window_cap no 60 s window admits more than the rate")
+
+
 def check_latency(field: str, value: Any) -> None:
     """A latency prior: None, or a finite number of seconds within ``LATENCY_RANGE``."""
     if value is None:
@@ -129,6 +140,11 @@ class Quota:
     #: the cap, so a quota above what the provider allows draws a few 429s, not
     #: one per slot (balancer.admission.learned.ramp_cap). False: the whole cap at once.
     slow_start: bool = True
+    #: A window cap instead of the burst on top of the rate: no 60 s window admits more than
+    #: ``max_tokens_per_minute`` tokens, nor (with an RPM) ``max_requests_per_minute`` calls
+    #: (balancer.admission.window). False: the token bucket alone, which admits up to its burst
+    #: on top of a minute of refill in one minute (docs/admission.md, "What a quota guarantees").
+    window_cap: bool = False
 
     def __post_init__(self) -> None:
         check_model_name(self.name)
@@ -147,9 +163,11 @@ class Quota:
             raise QuotaError(f"on_disconnect must be one of {', '.join(ON_DISCONNECT)}, got {self.on_disconnect!r}")
         if not isinstance(self.enabled, bool):
             raise QuotaError(f"enabled must be true or false, got {self.enabled!r}")
-        for flag in ("learn", "slow_start"):
+        for flag in ("learn", "slow_start", "window_cap"):
             if not isinstance(getattr(self, flag), bool):
                 raise QuotaError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.window_cap:
+            check_window_cap(self)
         check_price("price_per_million_input", self.price_per_million_input)
         check_price("price_per_million_output", self.price_per_million_output)
         check_currency(self.currency)
@@ -165,6 +183,15 @@ class Quota:
         if not self.max_requests_per_minute:
             return 0
         return self.burst_requests if self.burst_requests is not None else self.max_requests_per_minute
+
+    @property
+    def allowed_per_minute(self) -> tuple[int, int | None]:
+        """The most tokens and requests (None: no RPM) one minute may admit: the rate plus its
+        burst, or the rate alone under a window cap. What a display compares a minute's rate to."""
+        if self.window_cap:
+            return self.max_tokens_per_minute, self.max_requests_per_minute
+        rpm = self.max_requests_per_minute
+        return self.max_tokens_per_minute + self.burst, rpm + self.request_burst if rpm else None
 
     @property
     def settles(self) -> bool:

@@ -11,6 +11,7 @@ Format::
     enabled = true                  # optional, default true
     learn = true                    # optional, default true: learn real limits below these
     slow_start = true               # optional, default true (with learn): open a new quota's slots gradually
+    window_cap = false              # optional, default false: true caps every 60 s at the TPM (and RPM), no burst on top
     price_per_million_input = 2.5   # optional, in the file's currency
     price_per_million_output = 10.0 # optional
 

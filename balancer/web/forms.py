@@ -31,6 +31,7 @@ QUOTA_FIELDS: dict[str, tuple[str, Any]] = {
     "expected_latency": ("expected_latency_s", "seconds"),
     "on_disconnect": ("on_disconnect", ON_DISCONNECT),
     "enabled": ("enabled", ("yes", "no")),
+    "window_cap": ("window_cap", ("yes", "no")),
     "price_input": ("price_per_million_input", "price"),
     "price_output": ("price_per_million_output", "price"),
 }
@@ -84,8 +85,8 @@ def filter_params(flt: TaskFilter) -> dict[str, str]:
 def quota_changes(form: Mapping[str, str]) -> dict[str, Any]:
     """The fields of a quota form that were filled in, as ``QuotaStore.set`` takes them.
 
-    >>> quota_changes({"tpm": "90000", "rpm": "", "accounting": "settle", "enabled": "no"})
-    {'max_tokens_per_minute': 90000, 'token_accounting': 'settle', 'enabled': False}
+    >>> quota_changes({"tpm": "90000", "rpm": "", "accounting": "settle", "enabled": "no", "window_cap": "yes"})
+    {'max_tokens_per_minute': 90000, 'token_accounting': 'settle', 'enabled': False, 'window_cap': True}
     >>> quota_changes({"concurrency": "0"})
     Traceback (most recent call last):
     balancer.errors.QuotaError: concurrency must be a whole number >= 1, got '0'
@@ -107,7 +108,7 @@ def quota_changes(form: Mapping[str, str]) -> dict[str, Any]:
                 raise QuotaError(f"{name} must be a number ({unit}), got {printable(text, 40)!r}") from None
         elif text not in kind:
             raise QuotaError(f"{name} must be one of {', '.join(kind)}, got {printable(text, 40)!r}")
-        elif field == "enabled":
+        elif field in ("enabled", "window_cap"):  # the yes/no fields
             changes[field] = text == "yes"
         else:
             changes[field] = text

@@ -80,7 +80,8 @@ for c = 0, n - 1 do
       for _, m in ipairs(fits) do
         local at = now + wait_ms(m, est, now)
         if earliest == nil or at < earliest then earliest = at end
-        if not held[m.name] and m.tokens < tokens_needed(m, est) and (starved_at == nil or at < starved_at) then
+        local short = m.tokens < tokens_needed(m, est) or window_short(m, est)
+        if not held[m.name] and short and (starved_at == nil or at < starved_at) then
           starved, starved_at = m.name, at
         end
       end
@@ -115,7 +116,7 @@ for c = 0, n - 1 do
         end
       end
       chosen.deficit = chosen.deficit - est
-      charge(chosen, est)
+      charge(chosen, est, now)
       seq = seq + 1
       local lid = epoch .. '-' .. fmt(seq)
       put_lease(lid, chosen, est, now + lease_ms, 0)

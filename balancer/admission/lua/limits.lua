@@ -98,7 +98,8 @@ local function tokens_needed(m, est)
   return math.min(est * UNITS + outside_rate(m) * OUTSIDE_MARGIN_MS, token_cap(m))
 end
 
--- Refill the buckets at the effective rates up to now, then raise learned limits (relax).
+-- Refill the buckets at the effective rates up to now, then raise learned limits (relax);
+-- admissions WINDOW_MS old leave the window (window.lua).
 local function refill(m, now)
   local dt = now - m.refilled_at
   if dt < 0 then dt = 0 end
@@ -107,6 +108,7 @@ local function refill(m, now)
   if rpm > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + dt * rpm) end
   if now > m.refilled_at then m.refilled_at = now end
   relax(m, now)
+  window_expire(m, now)
 end
 
 -- Credits (refunds, settlement surpluses) go back only to the quota generation
@@ -187,19 +189,20 @@ local function note_bound(m, now, slots, tokens, requests)
 end
 
 -- A model paused by a 429 takes nothing until the pause ends, whichever limit caused it.
--- Otherwise each limit a call finds short binds now (note_bound).
+-- Otherwise each limit a call finds short binds now (note_bound). A window cap must fit
+-- too (window.lua); it binds no learned limit.
 local function has_capacity(m, est, now)
   if m.paused > now then return false end
   local slots = redis.call('ZCARD', inflight_key(m.name)) < slot_cap(m, now)
   local tokens = m.tokens >= tokens_needed(m, est)
   local requests = eff_rpm(m) == 0 or m.requests >= UNITS
   note_bound(m, now, slots, tokens, requests)
-  return slots and tokens and requests
+  return slots and tokens and requests and window_fits(m, m.wtokens, m.wcalls, est)
 end
 
--- ms until m has a slot, the tokens and a request for est, and no pause.
+-- ms until m has a slot, the tokens and a request for est, room in its window, and no pause.
 local function wait_ms(m, est, now)
-  local w = math.max(0, m.paused - now)
+  local w = math.max(0, m.paused - now, window_wait(m, est, now))
   local need = tokens_needed(m, est)
   if m.tokens < need then w = math.max(w, math.ceil((need - m.tokens) / token_rate(m))) end
   local rpm = eff_rpm(m)
@@ -217,9 +220,10 @@ local function wait_ms(m, est, now)
   return w
 end
 
-local function charge(m, est)
+local function charge(m, est, now)
   m.tokens = m.tokens - est * UNITS
   if eff_rpm(m) > 0 then m.requests = m.requests - UNITS end
+  window_add(m, est, now)
 end
 
 -- The token gate: a second token bucket, charged when a call *starts* (renew),

@@ -32,7 +32,7 @@ local function take_ready(m, now, lease_ms, started, limit, drop, taken, dropped
       dropped[#dropped + 1] = r
     elseif r.x > now and m.enabled == 1 and r.e <= m.burst and has_capacity(m, r.e, now) then
       redis.call('LPOP', key)
-      charge(m, r.e)
+      charge(m, r.e, now)
       put_lease(r.lid, m, r.e, now + lease_ms, started)
       taken[#taken + 1] = r
     else

@@ -72,7 +72,7 @@ elseif m.enabled ~= 1 then
 elseif not has_capacity(m, est, now) then
   result = {'W', fmt(now + wait_ms(m, est, now)), fmt(now)}
 else
-  charge(m, est)
+  charge(m, est, now)
   put_lease(lid, m, est, now + lease_ms, 1)
   local delay = start_delay(m, est, true, now)
   set_call_at(lid, now + delay)

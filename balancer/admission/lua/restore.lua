@@ -14,7 +14,7 @@
 if loaded() then return 0 end
 local now = clock(ARGV[1])
 for _, name in ipairs(redis.call('ZRANGE', MODELS, 0, -1)) do
-  redis.call('DEL', model_key(name), inflight_key(name), latency_key(name), ready_key(name))
+  redis.call('DEL', model_key(name), inflight_key(name), latency_key(name), ready_key(name), window_key(name))
 end
 redis.call('DEL', MODELS, LEASES)
 redis.call('HSET', META, 'loaded', '1', 'epoch', fmt(now), 'seq', '0', 'rr', '')
@@ -22,6 +22,7 @@ local q = tonumber(ARGV[2])
 local i = 3
 for _ = 1, q do
   local m = new_model(ARGV[i], quota_from_argv(i + 1), now)  -- its buckets empty
+  window_clear(m)  -- and its window (the admissions before the loss are not known)
   save_model(m)
   redis.call('ZADD', MODELS, 0, m.name)
   i = i + 1 + #QUOTA_FIELDS

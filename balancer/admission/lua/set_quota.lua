@@ -19,7 +19,8 @@
 -- many calls the provider lately served at once (served, served_at) is kept. What others
 -- use (ext) is learned again, from a new baseline (synced_at = 0: the clipped
 -- buckets are no one's use): kept, an estimate from a larger quota, cut to 9/10
--- of a smaller one, left it a tenth of its TPM.
+-- of a smaller one, left it a tenth of its TPM. A window cap kept keeps its window (a
+-- lower TPM waits for it to empty); one set on starts with an empty window (window.lua).
 
 if not loaded() then return {'NOSTATE'} end
 local now = clock(ARGV[1])
@@ -30,6 +31,7 @@ local created = not m
 if created then
   m = new_model(name, q, now)
   m.tokens, m.ptokens, m.requests = token_cap(m), token_cap(m), q.rburst * UNITS
+  window_clear(m)
   redis.call('ZADD', MODELS, 0, name)
 else
   refill(m, now)  -- at the old rates, up to now
@@ -50,6 +52,7 @@ else
   -- No debt: a bucket below 0 (an overdraft, a hostile usage) starts the new quota at 0.
   m.tokens, m.ptokens, m.requests = math.max(m.tokens, 0), math.max(m.ptokens, 0), math.max(m.requests, 0)
   m.tat = math.min(m.tat, now)  -- nor a start gate booked ahead
+  if m.window_cap ~= 1 then window_clear(m) end  -- a cap kept keeps its window
 end
 ramp_quota(m, now)  -- a slow start from the calls in flight (a recreated model's too)
 save_model(m)

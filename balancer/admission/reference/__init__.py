@@ -23,7 +23,8 @@ given, which the dispatcher makes priority-then-age):
    never run: **rejected**, with the reason.
 3. *Eligible* models are enabled, fit the estimate, are not held (step 5), and
    have a free slot, enough tokens and (if RPM is set) a request, and are not
-   paused by a 429 (``penalize``) or an open circuit (``trip``): a model whose
+   paused by a 429 (``penalize``) or an open circuit (``trip``), and, with a
+   window cap, have room in their last 60 s (:mod:`balancer.admission.window`): a model whose
    circuit is open takes one call at a time once its pause ends, a probe.
    A candidate may name a model to *avoid*
    (its last call there failed transiently): that model is passed over when
@@ -43,7 +44,7 @@ given, which the dispatcher makes priority-then-age):
 5. No eligible model: the answer is **not now**, with the earliest time any of
    its models could take it (token refill, request refill, or the deadline of
    the lease whose expiry frees a slot). The model among those short of
-   *tokens* that could serve it soonest is **held** for the rest of the batch,
+   *tokens* (its bucket's, or its window cap's) that could serve it soonest is **held** for the rest of the batch,
    so a stream of small tasks behind a large one cannot keep draining the
    bucket it is waiting for (no starvation). Holding affects tokens only on
    that one model; other models keep serving (no head-of-line blocking).
@@ -54,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from balancer.admission import window
 from balancer.admission.reference.signals import Signals
 from balancer.admission.reference.state import Lease, ModelState, ReadyEntry
 from balancer.admission.values import (
@@ -116,7 +118,8 @@ class ReferenceCore(Signals):
                         earliest = at
                     if (
                         n not in held
-                        and self.models[n].tokens < self.models[n].tokens_needed(est)
+                        and (self.models[n].tokens < self.models[n].tokens_needed(est)
+                             or window.tokens_short(self.models[n].quota, self.models[n].window, est))
                         and (starved_at is None or at < starved_at)
                     ):
                         starved, starved_at = n, at
@@ -138,7 +141,7 @@ class ReferenceCore(Signals):
             order = names[start:] + names[:start]
             chosen = next(n for n in order if n in eligible and self.models[n].deficit >= est)
             self.models[chosen].deficit -= est
-            self._charge(chosen, est)
+            self._charge(chosen, est, now)
             lid = self._new_lease(chosen, est, now + lease_ms, started=False)
             self.rr = chosen
             decisions.append(Admitted(chosen, lid))
@@ -199,7 +202,7 @@ class ReferenceCore(Signals):
             return NotNow(None, now)
         if not self._has_capacity(model, est, now):
             return NotNow(now + self._wait(model, est, now), now)
-        self._charge(model, est)
+        self._charge(model, est, now)
         delay = self._start_delay(model, est, True, now)
         self.leases[admission_id] = Lease(
             model, est, now + lease_ms, started=True, generation=self.models[model].generation, call_at=now + delay
@@ -247,7 +250,7 @@ class ReferenceCore(Signals):
                 dropped.append(queue.pop(0))
             elif head.expires_at > now and quota.enabled and est <= quota.burst and self._has_capacity(name, est, now):
                 queue.pop(0)
-                self._charge(name, est)
+                self._charge(name, est, now)
                 self.leases[head.admission_id] = Lease(
                     name, est, now + lease_ms, started=started, generation=self.models[name].generation
                 )
@@ -350,6 +353,8 @@ class ReferenceCore(Signals):
         k.htpm = k.hrpm = k.ctpm = k.crpm = 0  # the limit headers too (set_quota.lua says why)
         state.tokens, state.started_tokens = max(state.tokens, 0), max(state.started_tokens, 0)  # and any debt
         state.requests, state.tat = max(state.requests, 0), min(state.tat, now)
+        if not quota.window_cap:
+            state.window.clear()  # a cap kept keeps its window; one set on starts empty
 
     def remove_quota(self, name: str) -> bool:
         self._require_state()

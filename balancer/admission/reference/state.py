@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from balancer.admission import window
 from balancer.admission.learned import (
     CLEAN_MS,
     MAX_WINDOW_MS,
@@ -51,6 +52,8 @@ class ModelState:
     probing: bool = False  # the circuit is open: paused, then one call at a time until one is answered
     backoff_ms: int = 0  # the circuit's last pause
     learned: Learned = field(default_factory=Learned)  # limits that learn (balancer.admission.learned)
+    #: With a window cap: (admitted ms, tokens) per admission of the last 60 s, oldest first (window.lua).
+    window: list[tuple[int, int]] = field(default_factory=list)
     #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
     started_tokens: int = field(init=False)
     started_refilled_at: int = field(init=False)
@@ -261,6 +264,8 @@ class ReferenceState:
                                                 state.external, now)
         state.refilled_at = max(state.refilled_at, now)
         state.relax(now)
+        if state.quota.window_cap:  # admissions WINDOW_MS old leave the window
+            del state.window[:window.expired_count(state.window, now)]
 
     def _purge(self, name: str, now: int) -> None:
         for deadline, lid in self._inflight(name):
@@ -297,7 +302,7 @@ class ReferenceState:
 
     def _has_capacity(self, name: str, est: int, now: int) -> bool:
         """No pause, a slot, the tokens and a request for ``est``; each limit found short
-        binds now (:func:`note_bound`; limits.lua, has_capacity)."""
+        binds now (:func:`note_bound`; limits.lua, has_capacity); and room in a window cap."""
         state = self.models[name]
         quota = state.limits
         if state.paused_until > now:
@@ -306,10 +311,11 @@ class ReferenceState:
         tokens = state.tokens >= state.tokens_needed(est)
         requests = not quota.max_requests_per_minute or state.requests >= UNITS
         note_bound(state.learned, now, slots, tokens, requests)
-        return slots and tokens and requests
+        return slots and tokens and requests and window.fits(state.quota, state.window, est)
 
     def _wait(self, name: str, est: int, now: int) -> int:
-        """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``, and no pause."""
+        """Milliseconds until ``name`` has a slot, the tokens and a request for ``est``, room in its
+        window, and no pause."""
         state = self.models[name]
         quota = state.limits
         token_wait = 0
@@ -325,7 +331,8 @@ class ReferenceState:
             slot_wait = inflight[len(inflight) - cap][0] - now
             if not state.probing and cap < quota.max_concurrent_requests:  # slow start's next step may come first
                 slot_wait = min(slot_wait, ramp_wait_ms(state.learned, now))
-        return max(token_wait, request_wait, slot_wait, state.paused_until - now)
+        window_wait = window.wait_ms(state.quota, state.window, est, now)
+        return max(token_wait, request_wait, slot_wait, state.paused_until - now, window_wait)
 
     @staticmethod
     def _refill_started(state: ModelState, now: int) -> None:
@@ -374,11 +381,13 @@ class ReferenceState:
         state.tat = max(state.tat, start) + interval
         return start - now
 
-    def _charge(self, name: str, est: int) -> None:
+    def _charge(self, name: str, est: int, now: int) -> None:
         state = self.models[name]
         state.tokens -= est * UNITS
         if state.limits.max_requests_per_minute:
             state.requests -= UNITS
+        if state.quota.window_cap:
+            state.window.append((now, est))
 
     def _new_lease(self, name: str, est: int, deadline: int, started: bool) -> str:
         self.seq += 1
