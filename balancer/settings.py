@@ -150,6 +150,11 @@ class Settings:
         "seconds a 429's Retry-After pauses its model at most (a longer one is capped, and logged)", 60.0,
         partial(_seconds, low=1, high=86_400))
     expected_output_tokens: int = _setting("output tokens assumed when estimating a prompt", 256, _int)
+    max_prompt_bytes: int = _setting(
+        "longest prompt (UTF-8 bytes) a task may have, from a JSONL line or a source table's row (a longer one is "
+        "refused with its reason, never read into memory)", 1024 * 1024, partial(_int, maximum=4 * 1024 * 1024))
+    max_source_chars: int = _setting("longest source name (characters) a JSONL line, the inbox or --source may give",
+                                     256, partial(_int, maximum=1024))
     expected_latency_s: float = _setting(
         "latency prior (median, seconds) of a model with no measured calls and no expected_latency_s", 30.0,
         partial(_seconds, low=0.01, high=3600))

@@ -115,6 +115,7 @@ EVERY_MODEL_KEY = {
     "accounting": "'settle'", "rpm_window": "10", "headers": "false", "foreign_share": "0.2", "on_disconnect": "'stop'",
     "real_tokens": "0.5", "real_requests": "0.5", "real_concurrency": "0.5", "limit_changes": "[[1, 0.5]]",
     "limit_headers": "false",
+    "headers_at": "\"response\"",
 }
 EVERY_WORKLOAD_KEY = {
     "tasks": "2", "prompt_tokens": "{median=9,p99=9,min=9,max=9}", "output_tokens": "{median=8,p99=8,min=8,max=8}",

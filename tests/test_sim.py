@@ -140,3 +140,26 @@ def test_real_limits_are_shares_of_the_quota_and_change_mid_run() -> None:
     assert (lim.cap, lim.rpm, lim.request_burst) == (4, 60, 60)
     headers = Simulator([model]).rate_limit_headers("m", 0.0)
     assert "x-ratelimit-remaining-requests" in headers and "x-ratelimit-limit-requests" not in headers
+
+
+@pytest.mark.parametrize(("headers_at", "left"), [("admission", 40_000 - 110), ("response", 40_000 - 220)])
+def test_remaining_counts_are_taken_at_admission_by_default_or_at_the_response(headers_at: str, left: int) -> None:
+    """Issue 39 deliverable 1: a provider (or a proxy's limiter) that stamps its remaining counts
+    as it admits a call sends counts as old as the call: a call admitted after this one and
+    still running when this one ends is not in them. ``headers_at = "response"`` counts it."""
+    slow, fast = Latency(0.4, 0.4, 0.4, 0.4), Latency(0.01, 0.01, 0.01, 0.01)
+    model = SimModel("m", 4, 60, burst_tokens=40_000, latency=slow, headers_at=headers_at)
+    sim = Simulator([model], time_scale=1.0)
+    assert SimModel("m", 1, 1).headers_at == "admission"
+
+    async def go() -> httpx.Response:
+        async with client_for(sim) as client:
+            first = asyncio.ensure_future(client.post("/single", json={"model": "m", "prompt": "x" * 40, "max_tokens": 100}))
+            await asyncio.sleep(0.1)
+            sim.models["m"] = SimModel("m", 4, 60, burst_tokens=40_000, latency=fast, headers_at=headers_at)
+            await client.post("/single", json={"model": "m", "prompt": "y" * 40, "max_tokens": 100})
+            return await first
+
+    reply = asyncio.run(go())
+    # 110 tokens a call, a refill of 1 token/s: one call's charge (this one's) at admission, two at the response.
+    assert int(reply.headers["x-ratelimit-remaining-tokens"]) == pytest.approx(left, abs=1)

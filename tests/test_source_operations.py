@@ -125,3 +125,32 @@ def test_importing_a_removed_source_again_resumes_its_keys(svc: Services, legacy
     assert drain(svc).written == 20
     assert legacy.count(SOLVED) == 20
     assert legacy.count("SELECT count(DISTINCT row_id) FROM writes") == legacy.count("SELECT count(*) FROM writes") == 20
+
+
+def test_retry_of_a_failed_source_task_writes_its_new_answer_back(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                 capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 7: ``tasks retry`` of a source task whose failure was written back turned
+    its new answer into a "conflict" (the row no longer matched ``where``). The new answer
+    replaces balancer's own failed write; a failed row the team changed since is still not
+    overwritten, and a failure not yet written is never written."""
+    legacy.add(4)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.key.in_(["1", "2"]))
+                     .values(status="failed", error="backend said no", updated_at=sa.func.now()))
+    assert drain(svc).written == 2
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'failed' AND error = 'backend said no'") == 2
+    legacy.execute("UPDATE prompts SET error = 'looked at by hand' WHERE id = 2")
+    with svc.engine.begin() as conn:  # a failure whose write-back still waits: the retry drops it
+        conn.execute(sa.update(tasks).where(tasks.c.key == "3").values(status="failed", error="later"))
+    code, out, _ = run(capsys, "tasks", "retry", "--source", "crm", "--yes")
+    assert code == 0 and "retried 3 task(s)" in out, out
+    assert waiting(svc) == 0
+    assert solve_pending(svc) == 4
+    drained = drain(svc)
+    assert (drained.written, drained.conflicts) == (3, 1)
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved' AND left(answer, 9) = 'answer to'") == 3
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id = 2 AND status = 'failed' "
+                        "AND error = 'looked at by hand'") == 1
+    assert legacy.count("SELECT count(*) FROM writes WHERE row_id = 3") == 1  # its failure never written

@@ -299,7 +299,8 @@ def test_a_source_in_balancers_own_database(svc: Services, tmp_path: Path, capsy
     assert solve_pending(svc) == 30
     own.execute("INSERT INTO prompts (id, body) VALUES (31, 'x')")  # failed for good: its status and error go back
     with svc.engine.begin() as conn:
-        conn.execute(sa.insert(tasks).values(source="own", key="31", prompt="x", max_tokens=5, estimated_tokens=6))
+        conn.execute(sa.insert(tasks).values(source="own", key="31", prompt="x", max_tokens=5, estimated_tokens=6,
+                                             from_table=True))  # as the source's ingest inserts it
         conn.execute(sa.update(tasks).where(tasks.c.key == "31").values(status="failed", error="too long"))
     assert drain(svc).written == 31
     assert own.count("SELECT count(*) FROM prompts WHERE status = 'solved' AND answer = 'answer to ' || body") == 30

@@ -211,6 +211,14 @@ def test_a_prompt_the_team_edits_after_it_was_read_gets_its_new_answer_never_the
     assert drain(svc).written == 30
     assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved' "
                         "AND answer = 'answer to edited legacy prompt ' || id - 1") == 30
+    code, out, _ = run(capsys, "status", "--json")
+    assert json.loads(out)["sources"][0]["changed"] == 30
+    from datetime import UTC, datetime, timedelta
+
+    from balancer.storage.retention import prune
+
+    # Written after they were asked again: their write-backs ended, a prune may take them.
+    assert prune(svc.engine, datetime.now(UTC) + timedelta(hours=1), by="test", apply=True) == 30
 
 
 def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
@@ -316,3 +324,53 @@ def test_unwritable_write_backs_are_shown_per_source_with_their_error_and_writte
     assert code == 2 and "no source 'nope'" in err and len(err.strip().splitlines()) == 1
     code, _, err = run(capsys, "source", "unwritable", "crm", "--retry", "--drop")
     assert code == 2 and "not both" in err
+
+
+def test_a_latin1_table_refuses_an_emoji_alone_and_its_accented_prompts_are_not_taken_for_changed(
+        svc: Services, service_urls, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Issue 38 finding 5: an answer a LATIN1 column cannot hold (an emoji) failed its whole batch.
+    It fails alone; and the fence reads an accented LATIN1 prompt as the one it read (md5 over
+    UTF-8 on both sides), so no row is taken for changed."""
+    import uuid
+
+    from balancer.urls import normalize_database_url
+
+    base = normalize_database_url(service_urls[1])
+    name = "legacy_latin1_" + uuid.uuid4().hex[:8]
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE \"{name}\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    url = sa.engine.make_url(base).set(database=name).render_as_string(hide_password=False)
+    team = sa.create_engine(url)
+    try:
+        with team.begin() as conn:
+            conn.connection.cursor().execute(legacy_table_sql())
+            conn.exec_driver_sql("INSERT INTO prompts (body) SELECT 'café crème ' || g FROM generate_series(1, 6) g")
+        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+        assert import_legacy(tmp_path, capsys, "prompts", batch=100)[0] == 0
+        ingest_sources(svc)
+        assert solve_pending(svc) == 6
+        with svc.engine.begin() as conn:
+            conn.execute(sa.update(tasks).where(tasks.c.key == "4").values(answer="answer with an emoji \N{GRINNING FACE}"))
+        drained = drain(svc)
+        assert (drained.written, drained.refused, drained.changed, drained.conflicts) == (5, 1, 0, 0)
+        with team.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE status = 'solved' "
+                                        "AND answer = 'answer to ' || body").scalar_one() == 5
+        with svc.engine.connect() as conn:
+            [error] = conn.execute(sa.select(source_outbox.c.last_error)).scalars().all()
+        assert "latin" in error.lower()
+    finally:
+        team.dispose()
+        from balancer.storage.db import dispose_engines
+
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def legacy_table_sql() -> str:
+    from tests.legacy import LEGACY_TABLE
+
+    return LEGACY_TABLE

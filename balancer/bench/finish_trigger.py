@@ -41,9 +41,10 @@ def run(count: int, batch: int, console: Console) -> dict[str, float]:
                 with engine.begin() as conn:
                     source = "legacy" if mode == MODES[2] else "submit"
                     ids = [r[0] for r in conn.exec_driver_sql(
-                        "INSERT INTO tasks (source, key, prompt, max_tokens, estimated_tokens, status, admission_id) "
-                        "SELECT %s, %s || '-' || g, 'prompt ' || g, 10, 20, 'running', 'a' || g "
-                        "FROM generate_series(1, %s) g RETURNING id", (source, f"{round_no}{mode}", per_round))]
+                        "INSERT INTO tasks (source, key, prompt, max_tokens, estimated_tokens, status, admission_id, "
+                        "from_table) SELECT %s, %s || '-' || g, 'prompt ' || g, 10, 20, 'running', 'a' || g, %s "
+                        "FROM generate_series(1, %s) g RETURNING id",
+                        (source, f"{round_no}{mode}", source == "legacy", per_round))]
                     conn.exec_driver_sql("UPDATE tasks SET admission_id = 'a' || id WHERE admission_id IS NOT NULL "
                                          "AND status = 'running'")
                     conn.exec_driver_sql(f"ALTER TABLE tasks {'DISABLE' if mode == MODES[0] else 'ENABLE'} "

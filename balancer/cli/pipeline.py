@@ -27,7 +27,8 @@ def submit(file: Path, strict: bool, source: str) -> None:
     present. Exit 3: valid lines accepted, bad ones
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
-    from balancer.domain.intake import LineError, TaskRow, batches, parse_stream
+    from balancer.domain.intake import LineError, TaskRow, batches, check_source, parse_stream
+    from balancer.sources.store import intake_rules
     from balancer.storage.intake import insert_tasks
 
     try:  # read as a stream, a batch of lines at a time: memory does not grow with the file
@@ -40,8 +41,13 @@ def submit(file: Path, strict: bool, source: str) -> None:
         raise QuotaError("no models are configured: add quotas first (`balancer quota import FILE`)")
     accepted = present = errors = 0
     with stream, svc.engine.begin() as conn:  # one transaction: all valid lines, or none
+        rules = intake_rules(conn, svc.settings)  # no table source's name, prompts and names within their limits
+        try:
+            check_source(source, rules)
+        except ValueError as exc:
+            raise BalancerError(f"--source: {exc}") from None
         items = parse_stream(stream, models=models, default_max_tokens=svc.settings.expected_output_tokens,
-                             default_source=source)
+                             default_source=source, rules=rules)
         try:
             for batch in batches(items, 1000):
                 bad = [item for item in batch if isinstance(item, LineError)]

@@ -45,10 +45,12 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
     if not definitions and not replace:
         raise BalancerError(f"{name} lists no sources")
     svc = migrated()
+    relations = {}  # the tables each reads, whatever its spelling: one table is one source
     for definition in definitions:
         with team_connection(definition, svc.engine) as conn:
-            check_source(conn, definition)
-    summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run)
+            relations[definition.name] = check_source(conn, definition)
+    summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run,
+                             relations=relations)
     echo_changes(summary, f"{len(definitions)} source(s)", name, dry_run)
 
 

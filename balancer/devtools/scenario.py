@@ -33,6 +33,7 @@ The format is a public interface; docs/scenarios.md documents it. Example::
     real_concurrency = 0.1                 # optional: ... of max_concurrent_requests
     limit_changes = [[30, 0.5], [90, 1.0]] # optional: [seconds after the model's first call, factor of the real limits]
     limit_headers = true                   # optional: with headers, send x-ratelimit-limit-* too
+    headers_at = "admission"               # optional: remaining counts as the call was admitted (default) | response
 """
 
 from __future__ import annotations
@@ -198,6 +199,7 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
                 real_concurrency=float(m.get("real_concurrency", 1.0)),
                 limit_changes=tuple((float(at), float(f)) for at, f in m.get("limit_changes", [])),
                 limit_headers=bool(m.get("limit_headers", True)),
+                headers_at=m.get("headers_at", "admission"),
             )
             model.quota(time_scale=time_scale)  # validates every limit
         except BalancerError as exc:
@@ -206,6 +208,8 @@ def parse_scenario(text: str, name: str = "scenario") -> Scenario:
             raise ScenarioError(f"{where}.error_rate must be in [0, 1)")
         if model.rpm_window not in (1, 10, 60):
             raise ScenarioError(f"{where}.rpm_window must be 1, 10 or 60 (seconds)")
+        if model.headers_at not in ("admission", "response"):
+            raise ScenarioError(f"{where}.headers_at must be admission or response, got {model.headers_at!r}")
         if not 0 <= model.foreign_share < 1:
             raise ScenarioError(f"{where}.foreign_share must be in [0, 1)")
         shares = (model.real_tokens, model.real_requests, model.real_concurrency, *(f for _, f in model.limit_changes))

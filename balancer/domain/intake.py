@@ -16,7 +16,11 @@ a bad line never costs the good ones. Lines are split as JSONL says: on
 (decoded with ``surrogateescape``), NUL characters, lone surrogates,
 nesting deeper than ``MAX_DEPTH`` and lines over ``MAX_LINE_BYTES`` are
 per-line errors: PostgreSQL could not store the first three, and the last
-two are how a hostile file exhausts a parser.
+two are how a hostile file exhausts a parser. :class:`IntakeRules` adds what
+the deployment decides: the longest prompt and source name
+(``BALANCER_MAX_PROMPT_BYTES``, ``BALANCER_MAX_SOURCE_CHARS``), and the
+names of the table sources, whose tasks come from their table only: a line
+under such a name is a per-line error that names the source.
 
 >>> rows, errors = parse_tasks('{"prompt": "hi"}\\n{"prompt": 3}\\n', models={"m": 1000})
 >>> [r.prompt for r in rows], [e.line for e in errors]
@@ -46,6 +50,19 @@ MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_DEPTH = 32
 BOM = "\ufeff"
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class IntakeRules:
+    """What a line may hold beyond its shape. ``None``: no limit but :data:`MAX_LINE_BYTES`.
+    ``table_sources``: names a line may not take (each is a table source's)."""
+
+    max_prompt_bytes: int | None = None
+    max_source_chars: int | None = None
+    table_sources: frozenset[str] = frozenset()
+
+
+NO_RULES = IntakeRules()
 
 
 @dataclass(frozen=True)
@@ -131,6 +148,44 @@ def check_key(value: object) -> str:
     return value
 
 
+def check_source(value: object, rules: IntakeRules = NO_RULES) -> str:
+    """A task's source name: a non-empty string PostgreSQL can store, within
+    ``rules.max_source_chars``, and no table source's.
+
+    >>> check_source("crm")
+    'crm'
+    >>> check_source("legacy", IntakeRules(table_sources=frozenset({"legacy"})))
+    Traceback (most recent call last):
+    ...
+    ValueError: source 'legacy' is a table source: its tasks come from its table only (give another source name)
+    """
+    if not isinstance(value, str) or not value:
+        raise ValueError("source must be a non-empty string")
+    if rules.max_source_chars is not None and len(value) > rules.max_source_chars:
+        raise ValueError(f"source is {len(value):,} characters, more than BALANCER_MAX_SOURCE_CHARS "
+                         f"({rules.max_source_chars:,})")
+    _check_text("source", value)
+    if value in rules.table_sources:
+        raise ValueError(f"source {printable(value, 80)!r} is a table source: its tasks come from its table only "
+                         "(give another source name)")
+    return value
+
+
+def check_prompt_size(prompt: str, max_bytes: int | None) -> None:
+    """A prompt within ``max_bytes`` UTF-8 bytes (None: any).
+
+    >>> check_prompt_size("héllo", 5)
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt is 6 bytes, more than BALANCER_MAX_PROMPT_BYTES (5)
+    """
+    if max_bytes is None or len(prompt) * 4 <= max_bytes:
+        return
+    size = len(prompt.encode("utf-8", "surrogateescape"))
+    if size > max_bytes:
+        raise ValueError(f"prompt is {size:,} bytes, more than BALANCER_MAX_PROMPT_BYTES ({max_bytes:,})")
+
+
 def check_metadata(value: object) -> dict[str, Any]:
     """Task metadata: a JSON object of at most :data:`MAX_METADATA_BYTES`, storable by PostgreSQL."""
     if not isinstance(value, dict):
@@ -145,7 +200,8 @@ def check_metadata(value: object) -> dict[str, Any]:
 
 
 def parse_line(
-    text: str, *, models: Mapping[str, int], default_max_tokens: int, default_source: str
+    text: str, *, models: Mapping[str, int], default_max_tokens: int, default_source: str,
+    rules: IntakeRules = NO_RULES,
 ) -> TaskRow:
     """One JSONL line to a task. ``models`` maps each known model to its burst_tokens."""
     if len(text) > MAX_LINE_BYTES or len(text.encode("utf-8", "surrogateescape")) > MAX_LINE_BYTES:
@@ -170,6 +226,7 @@ def parse_line(
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     if not prompt.strip():
         raise ValueError("empty prompt")
+    check_prompt_size(prompt, rules.max_prompt_bytes)
     _check_text("prompt", prompt)
     priority = _int_field(data, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
     max_tokens = _int_field(data, "max_tokens", default_max_tokens, 1, 1_000_000)
@@ -188,10 +245,7 @@ def parse_line(
         unknown_models = [m for m in allowed if m not in models]
         if unknown_models:
             raise ValueError(f"unknown model(s): {', '.join(printable(m) for m in unknown_models)}")
-    source = data.get("source", default_source)
-    if not isinstance(source, str) or not source:
-        raise ValueError("source must be a non-empty string")
-    _check_text("source", source)
+    source = check_source(data.get("source", default_source), rules)
     key = check_key(data["key"]) if "key" in data else None
     metadata = check_metadata(data["metadata"]) if data.get("metadata") is not None else None
     estimated = estimate_task_tokens(prompt, max_tokens)
@@ -256,6 +310,7 @@ def parse_stream(
     models: Mapping[str, int],
     default_max_tokens: int = 256,
     default_source: str = "submit",
+    rules: IntakeRules = NO_RULES,
 ) -> Iterator[TaskRow | LineError]:
     """Each line of a JSONL stream as a task or an error, in order, one at a
     time (bounded memory); blank lines are skipped. A byte that is not UTF-8
@@ -268,7 +323,8 @@ def parse_stream(
         if not line.strip():
             continue
         try:
-            yield parse_line(line, models=models, default_max_tokens=default_max_tokens, default_source=default_source)
+            yield parse_line(line, models=models, default_max_tokens=default_max_tokens, default_source=default_source,
+                             rules=rules)
         except ValueError as exc:
             yield LineError(number, str(exc))
 
@@ -295,6 +351,7 @@ def parse_tasks(
     models: Mapping[str, int],
     default_max_tokens: int = 256,
     default_source: str = "submit",
+    rules: IntakeRules = NO_RULES,
 ) -> tuple[list[TaskRow], list[LineError]]:
     """All valid rows and all errors of a whole text; blank lines are skipped.
 
@@ -305,6 +362,7 @@ def parse_tasks(
     rows: list[TaskRow] = []
     errors: list[LineError] = []
     stream = io.BytesIO(text.encode("utf-8", errors="surrogateescape"))
-    for item in parse_stream(stream, models=models, default_max_tokens=default_max_tokens, default_source=default_source):
+    for item in parse_stream(stream, models=models, default_max_tokens=default_max_tokens, default_source=default_source,
+                             rules=rules):
         (errors if isinstance(item, LineError) else rows).append(item)  # type: ignore[arg-type]
     return rows, errors

@@ -41,6 +41,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from balancer.domain.intake import LineError, TaskRow, batches, parse_stream
 from balancer.services import Services
+from balancer.sources.store import intake_rules
 from balancer.storage.intake import insert_tasks
 from balancer.storage.schema import ingested_files
 
@@ -226,8 +227,9 @@ def _ingest_file(services: Services, path: Path, fh: BinaryIO, digest: str, mode
         if not claimed:
             return IngestedFile(path.name, 0, 0, duplicate=True)
         fh.seek(0)
+        rules = intake_rules(conn, services.settings)  # no table source's name, prompts and names within their limits
         stream = parse_stream(fh, models=models, default_max_tokens=services.settings.expected_output_tokens,
-                              default_source=f"inbox:{path.name}")
+                              default_source=f"inbox:{path.name}", rules=rules)
         with report.open("w", encoding="utf-8", errors="backslashreplace") as out:
             for batch in batches(stream, BATCH):
                 rows = [item for item in batch if isinstance(item, TaskRow)]

@@ -31,8 +31,13 @@ from sqlalchemy.exc import DBAPIError
 from balancer.errors import ConfigError, ServiceUnavailable, printable
 from balancer.settings import Settings
 from balancer.sources.definition import SourceDef, SourceFileError
+from balancer.sources.rows import TooLong
+from balancer.sources.tables import base_tables, check_view_key, identities, key_is_unique
 from balancer.storage.db import cached_engine
 from balancer.urls import mask_url, scrub
+
+#: ``BALANCER_MAX_PROMPT_BYTES``'s default, for a read not given the deployment's setting.
+DEFAULT_MAX_PROMPT_BYTES: int = Settings.max_prompt_bytes
 
 
 def team_url(definition: SourceDef, own_url: str) -> str:
@@ -117,8 +122,11 @@ def _where(definition: SourceDef) -> sql.Composable:
 
 
 def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composable:
-    """Rows of work past a key (and up to one): key as text, prompt, priority; in key order."""
+    """Rows of work past a key (and up to one): key as text, prompt (NULL when longer than
+    the bytes bound first), the prompt's length in bytes, priority; in key order. The team's
+    database measures the prompt, so a longer one never crosses the wire."""
     key = sql.Identifier(definition.key)
+    prompt = sql.Identifier(definition.prompt)
     conditions = [_where(definition)]
     if after:
         conditions.append(sql.SQL("{} > %s").format(key))
@@ -127,24 +135,29 @@ def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composa
     priority = sql.Identifier(definition.priority) if definition.priority else sql.SQL("NULL")
     # ORDER BY the qualified column: a bare name would take the output column of
     # that name, the key's text form, and order 10 before 9.
-    return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, CAST({prompt} AS text) AS balancer_prompt, "
-                   "{priority} AS balancer_priority "
+    size = sql.SQL("octet_length(CAST({} AS text))").format(prompt)
+    return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, "
+                   "CASE WHEN {size} <= %s THEN CAST({prompt} AS text) END AS balancer_prompt, "
+                   "{size} AS balancer_prompt_bytes, {priority} AS balancer_priority "
                    "FROM {table} WHERE {cond} ORDER BY {table}.{key} LIMIT %s").format(
-        key=key, prompt=sql.Identifier(definition.prompt), priority=priority, table=_table(definition),
+        key=key, prompt=prompt, size=size, priority=priority, table=_table(definition),
         cond=sql.SQL(" AND ").join(conditions))
 
 
 def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, limit: int,
-              limits: TimeLimits | None = None) -> list[tuple]:
-    """One batch of work rows with key > ``after`` (and <= ``upto``), in one READ ONLY transaction
-    within ``limits`` (a table the team holds locked fails it in ``lock_s``):
-    the only lock taken on the team's table is this read's."""
-    params: list[Any] = [p for p in (after, upto) if p is not None] + [limit]
+              limits: TimeLimits | None = None, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES) -> list[tuple]:
+    """One batch of work rows (key, prompt, priority) with key > ``after`` (and <= ``upto``), in
+    one READ ONLY transaction within ``limits`` (a table the team holds locked fails it in
+    ``lock_s``): the only lock taken on the team's table is this read's. A prompt longer than
+    ``max_prompt_bytes`` is not read: its row holds a :class:`~balancer.sources.rows.TooLong`."""
+    params: list[Any] = [max_prompt_bytes] + [p for p in (after, upto) if p is not None] + [limit]
     query = _render(conn, read_query(definition, after=after is not None, upto=upto is not None))
     with conn.begin():
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
         (limits or TimeLimits()).apply(conn, local=True)
-        return [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
+        rows = conn.exec_driver_sql(query, tuple(params)).all()
+    return [(key, TooLong(size, max_prompt_bytes) if prompt is None and size is not None and size > max_prompt_bytes
+             else prompt, priority) for key, prompt, size, priority in rows]
 
 
 def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimits | None = None) -> str | None:
@@ -191,17 +204,33 @@ def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | Non
     if not sets:
         return None
     assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(col)) for _, col in sets)
-    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND {cond} AND {fingerprint} = %s "
+    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND ({cond} OR {replaces}) AND {fingerprint} = %s "
                    "RETURNING coalesce({cond}, false)").format(
         table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition),
-        fingerprint=_fingerprint(definition))
+        replaces=_replaces(definition), fingerprint=_fingerprint(definition))
+
+
+def _replaces(definition: SourceDef) -> sql.Composable:
+    """The guard's other way in, for a task ``tasks retry`` sent back after its failure was
+    written: the row still holds exactly that failure (balancer's own write, nobody else's).
+    Its values: whether the task has one, then each column's value (:func:`writeback_values`)."""
+    failed = _sets(definition, "failed")
+    if not failed:
+        return sql.SQL("false")
+    return sql.SQL("(%s AND {})").format(sql.SQL(" AND ").join(
+        sql.SQL("CAST({} AS text) IS NOT DISTINCT FROM %s").format(sql.Identifier(col)) for _, col in failed))
 
 
 def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
-    """The values :func:`writeback_query` binds, in its order (the key and the fingerprint last)."""
+    """The values :func:`writeback_query` binds, in its order: the columns set, the key, the
+    failure a retried task may replace (``task["replaces"]``), the fingerprint."""
     value = {"answer": task.get("answer"), "model": task.get("model"), "error": task.get("error"),
              "status": definition.solved if outcome == "solved" else definition.failed}
-    return [value[role] for role, _ in _sets(definition, outcome)] + [task["key"], task.get("fingerprint")]
+    replaces = task.get("replaces")
+    failure = {"status": definition.failed, "error": replaces.get("error") if replaces else None}
+    failed = [failure[role] for role, _ in _sets(definition, "failed")]
+    return ([value[role] for role, _ in _sets(definition, outcome)] + [task["key"]]
+            + ([replaces is not None, *failed] if failed else []) + [task.get("fingerprint")])
 
 
 #: What :func:`write_back` did: ``written``; ``written_matching`` (written, and the row still
@@ -258,9 +287,12 @@ _ROW_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "P0")
 
 
 def refused_by_row(exc: BaseException) -> bool:
-    """Whether ``exc`` is a refusal of one row's values rather than a transient failure."""
-    code = getattr(getattr(exc, "orig", exc), "pgcode", None)
-    return isinstance(code, str) and code[:2] in _ROW_CLASSES
+    """Whether ``exc`` is a refusal of one row's values rather than a transient failure: an
+    SQLSTATE of :data:`_ROW_CLASSES`, or a value the connection's encoding (the table's
+    database's) cannot encode, which the driver refuses before sending it."""
+    cause = getattr(exc, "orig", exc)
+    code = getattr(cause, "pgcode", None)
+    return isinstance(cause, UnicodeError) or (isinstance(code, str) and code[:2] in _ROW_CLASSES)
 
 
 # -- checks at import ------------------------------------------------------------------
@@ -271,10 +303,6 @@ WHERE c.oid = to_regclass(CASE WHEN %(schema)s IS NULL THEN quote_ident(%(table)
                                ELSE quote_ident(%(schema)s) || '.' || quote_ident(%(table)s) END)
 """
 _COLUMNS = "SELECT attname, attnum FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped"
-_UNIQUE = """
-SELECT 1 FROM pg_index WHERE indrelid = %s AND indisunique AND indpred IS NULL AND indexprs IS NULL
-AND indnkeyatts = 1 AND indkey[0] = %s
-"""
 
 
 #: PostgreSQL's type oid of ``boolean``.
@@ -303,10 +331,12 @@ def _check_condition(conn: Connection, definition: SourceDef) -> None:
         raise SourceFileError(f"sources.{definition.name}: where is not one boolean condition")
 
 
-def check_source(conn: Connection, definition: SourceDef) -> None:
+def check_source(conn: Connection, definition: SourceDef) -> list[str]:
     """Check the definition against the source's catalog: the table, every column,
-    a unique key, a ``where`` that is a condition on it, write-backs that would
-    parse. :class:`SourceFileError` in one line when anything is wrong; changes nothing."""
+    a unique key (a view's through its table: :func:`balancer.sources.tables.check_view_key`),
+    a ``where`` that is a condition on it, write-backs that would parse.
+    :class:`SourceFileError` in one line when anything is wrong; changes nothing.
+    Returns the tables it reads, as :func:`balancer.sources.tables.identities` writes them."""
     name = definition.name
     schema, table = definition.schema_and_table
     with conn.begin():
@@ -318,14 +348,18 @@ def check_source(conn: Connection, definition: SourceDef) -> None:
         for role, column in definition.columns.items():
             if column not in columns:
                 raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}")
-        if relation.relkind in ("r", "p") and conn.exec_driver_sql(
-                _UNIQUE, (relation.oid, columns[definition.key])).first() is None:
+        if relation.relkind in ("r", "p", "m") and not key_is_unique(conn, relation.oid, columns[definition.key]):
             raise SourceFileError(f"sources.{name}: key column {definition.key!r} of {definition.table} is not unique "
                                   "(give a column with a primary key or a unique index of its own)")
+        bases = base_tables(conn, [relation.oid])[relation.oid]
+        if relation.relkind == "v":
+            check_view_key(conn, definition, _render(conn, sql.SQL("SELECT {} FROM {}").format(
+                sql.Identifier(definition.key), _table(definition))), bases)
+        relations = identities(conn, bases)
         try:
             with conn.begin_nested():
                 conn.exec_driver_sql("EXPLAIN " + _render(conn, read_query(definition, after=True, upto=False)),
-                                     (None, 1))
+                                     (1, None, 1))
         except DBAPIError as exc:
             raise SourceFileError(f"sources.{name}: where is not a condition on {definition.table}: "
                                   f"{describe(definition, exc)}") from None
@@ -344,4 +378,5 @@ def check_source(conn: Connection, definition: SourceDef) -> None:
                 raise SourceFileError(f"sources.{name}: the write-back of a {outcome} task would fail: "
                                       f"{describe(definition, exc)}") from None
         transaction.rollback()
+    return relations
 

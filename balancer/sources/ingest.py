@@ -79,7 +79,7 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
                 start = read_cursor(conn, definition.name)
             if start is None:
                 return report  # removed meanwhile
-            rows = read_rows(team, definition, start.position, None, definition.batch, limits)
+            rows = read_rows(team, definition, start.position, None, definition.batch, limits, services.settings.max_prompt_bytes)
             report.read += len(rows)
             position, caught_up = after_read(start.position, [r[0] for r in rows], definition.batch)
             moved = _insert(services, definition, rows, models, start, Cursor(position, start.rescan), caught_up, report)
@@ -90,7 +90,7 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
                 return report
         if start.position is not None:
             start = Cursor(position, start.rescan)
-            rows = read_rows(team, definition, start.rescan, position, definition.batch, limits)
+            rows = read_rows(team, definition, start.rescan, position, definition.batch, limits, services.settings.max_prompt_bytes)
             rescan = after_rescan([r[0] for r in rows], definition.batch)
             _insert(services, definition, rows, models, start, Cursor(position, rescan), True, report)
             report.reasked += ask_reopened(services, definition, team, [r[0] for r in rows])

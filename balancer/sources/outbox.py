@@ -56,7 +56,8 @@ def claim(conn: Connection, source: str, limit: int) -> list[dict]:
                                    sa.func.md5(sa.func.convert_to(tasks.c.prompt, "UTF8")))
     query = (
         sa.select(source_outbox.c.id, source_outbox.c.outcome, source_outbox.c.task_id, tasks.c.key, tasks.c.answer,
-                  tasks.c.error, tasks.c.model, tasks.c.priority, tasks.c.max_tokens, fingerprint.label("fingerprint"))
+                  tasks.c.error, tasks.c.model, tasks.c.priority, tasks.c.max_tokens, fingerprint.label("fingerprint"),
+                  tasks.c.source_replaces.label("replaces"))
         .join(tasks, tasks.c.id == source_outbox.c.task_id)
         .where(source_outbox.c.source == source, source_outbox.c.state == WAITING,
                source_outbox.c.next_attempt_at <= sa.func.now())

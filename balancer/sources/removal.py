@@ -102,7 +102,7 @@ def resume(conn: Connection, name: str, by: str) -> dict[str, int]:
         conn.execute(sa.insert(task_operations).values(done_by=by, action="retry", task_ids=resumed,
                                                        filter={"source": name, "by": "source import"}))
     no_outbox = ~sa.exists().where(source_outbox.c.task_id == tasks.c.id)
-    ended = sa.and_(tasks.c.source == name, tasks.c.key.is_not(None), tasks.c.status.in_(("solved", "failed")),
+    ended = sa.and_(tasks.c.source == name, tasks.c.from_table, tasks.c.status.in_(("solved", "failed")),
                     no_outbox)
     unwritten = sa.or_(tasks.c.id.in_([int(i) for i in done.get("dropped_writebacks", [])]),
                        tasks.c.updated_at >= removal.changed_at)

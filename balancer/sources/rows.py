@@ -10,9 +10,21 @@ and wraps to the start when it reaches the end.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from balancer.domain.intake import MAX_PRIORITY, TaskRow, check_key
 from balancer.domain.tokens import estimate_task_tokens
+
+
+@dataclass(frozen=True)
+class TooLong:
+    """A row's prompt left unread: ``size`` bytes, more than ``limit`` (``BALANCER_MAX_PROMPT_BYTES``)."""
+
+    size: int
+    limit: int
+
+    def __str__(self) -> str:
+        return f"prompt is {self.size:,} bytes, more than BALANCER_MAX_PROMPT_BYTES ({self.limit:,})"
 
 
 def after_read(position: str | None, keys: Sequence[str], batch: int) -> tuple[str | None, bool]:
@@ -41,11 +53,15 @@ def row_to_task(source: str, key: str, prompt: object, priority: object, *, mode
     3
     >>> row_to_task("crm", "8", "  ", None, models={"m": 1000}, allowed=None, max_tokens=10)
     'empty prompt'
+    >>> row_to_task("crm", "9", TooLong(10_485_760, 1_048_576), None, models={"m": 1000}, allowed=None, max_tokens=10)
+    'prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)'
     """
     try:
         check_key(key)
     except ValueError as exc:
         return str(exc)
+    if isinstance(prompt, TooLong):
+        return str(prompt)
     if not isinstance(prompt, str) or not prompt.strip():
         return "empty prompt"
     if "\x00" in prompt:

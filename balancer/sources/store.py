@@ -14,7 +14,7 @@ read at, in the transaction that inserts the batch's tasks
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +22,15 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
-from balancer.domain.intake import TaskRow
+from balancer.domain.intake import IntakeRules, TaskRow
+from balancer.settings import Settings
 from balancer.sources.definition import SourceDef, SourceFileError, source_from_dict
 from balancer.sources.removal import cancel_for_removal, left, refusal, resume
 from balancer.sources.schema import source_outbox, sources
+from balancer.sources.tables import own_relations
 from balancer.sources.weights import set_weight
 from balancer.storage.intake import share_answers
-from balancer.storage.schema import source_changes
+from balancer.storage.schema import metadata, source_changes, tasks
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +60,67 @@ class ImportSummary:
     removed: list[str] = field(default_factory=list)
 
 
-def _same_table_clash(wanted: Sequence[SourceDef], kept: Sequence[SourceDef]) -> str | None:
+def _same_table_clash(wanted: Sequence[SourceDef], kept: Sequence[SourceDef],
+                      relations: Mapping[str, Sequence[str]]) -> str | None:
+    """The first two sources that read the same table: the same relation (whatever the
+    spelling: ``relations``, resolved at import), or, where that is not known, the same spelling."""
     everyone = {d.name: d for d in kept} | {d.name: d for d in wanted}
-    seen: dict[tuple[str | None, str], str] = {}
+    seen: dict[Any, str] = {}
     for d in sorted(everyone.values(), key=lambda d: d.name):
-        spot = (d.database_url_env, d.table)
-        if spot in seen:
-            return (f"sources {seen[spot]} and {d.name} read the same table {d.table}: a table is one source "
+        spots = [("spelled", d.database_url_env, d.table)] + [("relation", r) for r in relations.get(d.name, ())]
+        first = next((seen[spot] for spot in spots if spot in seen), None)
+        if first is not None:
+            return (f"sources {first} and {d.name} read the same table {d.table}: a table is one source "
                     "(import it once, under one name)")
-        seen[spot] = d.name
+        seen.update((spot, d.name) for spot in spots)
+    return None
+
+
+#: Balancer's own relations, never a source's table (its tables, and the results view).
+OWN_RELATIONS = ("alembic_version", "balancer_results")
+
+
+def _own_table_clash(conn: Connection, wanted: Sequence[SourceDef], relations: Mapping[str, Sequence[str]]) -> str | None:
+    if not any(relations.get(d.name) for d in wanted):
+        return None
+    own = own_relations(conn, sorted(metadata.tables) + list(OWN_RELATIONS))
+    for d in wanted:
+        mine = next((own[r] for r in relations.get(d.name, ()) if r in own), None)
+        if mine is not None:
+            return f"sources.{d.name}: {d.table} is balancer's own table {mine}: a source is one of the team's tables"
+    return None
+
+
+def _taken_name(conn: Connection, created: Sequence[str]) -> str | None:
+    """A new source's name under which tasks were submitted (JSONL or the inbox): a table
+    source's name is its own, so they would share its keys, fair share and budget."""
+    for name in created:
+        if conn.execute(sa.select(tasks.c.id).where(tasks.c.source == name, tasks.c.from_table.is_(False))
+                        .limit(1)).first() is not None:
+            return (f"sources.{name}: tasks were submitted under the name {name} (JSONL or the inbox); "
+                    "a table source's name is its own: choose another name")
     return None
 
 
 def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, replace: bool,
-                   dry_run: bool) -> ImportSummary:
+                   dry_run: bool, relations: Mapping[str, Sequence[str]] | None = None) -> ImportSummary:
     """Store ``wanted`` (create or update each), in one transaction, audited;
     with ``replace``, remove the sources not in it. Each source's weight is set
-    in the same transaction. A changed table or key resets that source's cursor."""
+    in the same transaction. A changed table or key resets that source's cursor.
+    ``relations``: the tables each source reads (:func:`balancer.sources.catalog.check_source`),
+    stored with it; two sources reading one table, and a source on balancer's own tables, are refused."""
     summary = ImportSummary()
+    relations = relations or {}
     with engine.begin() as conn:
         conn.execute(sa.text("LOCK TABLE sources IN SHARE ROW EXCLUSIVE MODE"))
         current = {d.name: d for d in all_sources(conn)}
+        stored = {row.name: row.relations or () for row in conn.execute(sa.select(sources.c.name, sources.c.relations))}
         names = {d.name for d in wanted}
         gone = sorted(set(current) - names)
         kept = [] if replace else [current[n] for n in gone]
-        clash = _same_table_clash(wanted, kept)
+        known = {d.name: stored[d.name] for d in kept} | {d.name: relations.get(d.name, ()) for d in wanted}
+        clash = (_own_table_clash(conn, wanted, relations) or _same_table_clash(wanted, kept, known)
+                 or _taken_name(conn, [d.name for d in wanted if d.name not in current]))
         if clash:
             raise SourceFileError(clash)
         for d in wanted:
@@ -97,10 +135,17 @@ def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, repl
             return summary
         for d in wanted:
             old = current.get(d.name)
+            resolved: dict[str, Any]
+            if d.name in relations:
+                resolved = {"relations": list(relations[d.name])}
+            else:
+                resolved = {} if old is not None and old.same_table(d) else {"relations": None}
             if old == d:
+                if resolved:
+                    conn.execute(sa.update(sources).where(sources.c.name == d.name).values(**resolved))
                 set_weight(conn, d.name, d.weight, by=by)
                 continue
-            values: dict[str, Any] = {"definition": d.as_dict(), "updated_at": sa.func.now()}
+            values: dict[str, Any] = {"definition": d.as_dict(), "updated_at": sa.func.now(), **resolved}
             if old is None:
                 conn.execute(sa.insert(sources).values(name=d.name, **values))
             else:
@@ -142,12 +187,26 @@ def remove_source(engine: Engine, name: str, *, by: str, cancel: bool = False) -
     return done
 
 
+def intake_rules(conn: Connection, settings: Settings) -> IntakeRules:
+    """What the JSONL lines inserted in the caller's transaction are held to: the size
+    limits, and no table source's name. The names are read under ``ROW EXCLUSIVE`` on
+    ``sources``, which a source's import (``SHARE ROW EXCLUSIVE``) waits for: a source
+    declared while these lines are inserted is declared after they commit, and its import
+    then sees them (:func:`_taken_name`)."""
+    conn.execute(sa.text("LOCK TABLE sources IN ROW EXCLUSIVE MODE"))
+    names = frozenset(conn.execute(sa.select(sources.c.name)).scalars())
+    return IntakeRules(settings.max_prompt_bytes, settings.max_source_chars, names)
+
+
 # One statement for a whole batch: its columns as arrays, unnested into rows (a
 # VALUES list of thousands of rows costs more to send and parse than to insert).
+# ``from_table``: these are the source's own rows, the only tasks written back to its table.
 _INSERT_BATCH = sa.text("""
 WITH inserted AS (
-    INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models, source_fingerprint)
-    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed, md5(convert_to(r.prompt, 'UTF8'))
+    INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models, source_fingerprint,
+                       from_table)
+    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed, md5(convert_to(r.prompt, 'UTF8')),
+           true
     FROM unnest(:keys, :prompts, :priorities, :estimated) AS r(key, prompt, priority, estimated)
     ON CONFLICT (source, key) WHERE key IS NOT NULL DO NOTHING
     RETURNING id

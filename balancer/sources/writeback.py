@@ -71,6 +71,9 @@ from balancer.sources.store import all_sources
 
 log = logging.getLogger(__name__)
 
+#: What a write-back may raise: the database's error, or the driver's for a value the
+#: connection's encoding cannot hold (:func:`balancer.sources.catalog.refused_by_row` tells them apart).
+_WRITE_ERRORS = (DBAPIError, UnicodeError)
 #: What one row's write-back came to, beside :mod:`balancer.sources.catalog`'s written ones.
 CONFLICT, CHANGED, REFUSED = "conflict", "changed", "refused"
 
@@ -116,7 +119,7 @@ def _write_rows(conn: Connection, definition: SourceDef, claimed: list[dict], *,
         try:
             with conn.begin_nested():
                 results[row["id"]] = _write_one(conn, definition, row, rendered)
-        except DBAPIError as exc:
+        except _WRITE_ERRORS as exc:
             if not refused_by_row(exc):
                 raise
             results[row["id"]] = (REFUSED, describe(definition, exc))
@@ -140,7 +143,7 @@ def _write_batch(services: Services, definition: SourceDef, conn: Connection,
     try:
         with _transaction(services, definition, conn) as team:
             return _write_rows(team, definition, claimed, isolate=False)
-    except DBAPIError as exc:
+    except _WRITE_ERRORS as exc:
         if not refused_by_row(exc):
             raise
     with _transaction(services, definition, conn) as team:

@@ -85,9 +85,20 @@ def get_task(engine: Engine, task_id: int) -> Any:
 
 
 #: What a retry resets: a failed task becomes a fresh pending one.
+#: balancer.sources' tables, as far as a retry reads them (storage sits below the sources room).
+_sources = sa.table("sources", sa.column("name", sa.Text))
+_outbox = sa.table("source_outbox", sa.column("task_id", sa.BigInteger), sa.column("state", sa.Text))
+#: A retried source task's write-backs still to do of its failure: dropped, its new end is written instead.
+_FAILURE_UNWRITTEN = ("waiting", "unwritable")
+
 _RETRY = dict(status="pending", attempts=0, rate_limited=0, error=None, model=None, admission_id=None,
               hedge_admission_id=None, hedge_model=None, avoid_model=None, not_before=None, deadline=None,
-              answer=None, queued_at=None, started_at=None, solved_at=None, hedges=0)
+              answer=None, queued_at=None, started_at=None, solved_at=None, hedges=0,
+              # A declared source's task: what its failure wrote to its row, which the new end's
+              # write-back may replace (issue 38 finding 7; balancer.sources.catalog).
+              source_replaces=sa.case(
+                  (sa.and_(tasks.c.key.is_not(None), sa.exists().where(_sources.c.name == tasks.c.source)),
+                   sa.func.jsonb_build_object("error", tasks.c.error)), else_=sa.null()))
 
 
 def retry_failed(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> list[int]:
@@ -113,6 +124,8 @@ def _act(engine: Engine, action: str, acts_on: str, flt: TaskFilter, values: dic
         ids = sorted(conn.execute(
             sa.update(tasks).where(*where).values(updated_at=sa.func.now(), **values).returning(tasks.c.id)
         ).scalars())
+        if ids and action == "retry":
+            conn.execute(sa.delete(_outbox).where(_outbox.c.task_id.in_(ids), _outbox.c.state.in_(_FAILURE_UNWRITTEN)))
         if ids:
             conn.execute(sa.insert(task_operations).values(done_by=by, action=action, filter=flt.as_dict(), task_ids=ids))
     return ids

@@ -69,15 +69,17 @@ def finished_counts(engine: Engine) -> dict[str, int]:
 
 #: balancer.sources' outbox, as far as a prune reads it (storage sits below the sources room).
 _outbox = sa.table("source_outbox", sa.column("task_id", sa.BigInteger), sa.column("state", sa.Text))
-#: The one outbox state that ends a write-back for good and lets its task go: the team's row no
-#: longer matched ``where`` (changed by someone else, or gone), so reading it again finds nothing.
-#: Any other state (waiting, or kept so that a row still matching ``where`` is not asked again)
-#: keeps its task: deleting it would have the row read as new work and paid for twice.
-WRITEBACK_ENDED = "conflict"
+#: The outbox states that end a write-back for good and let its task go: ``conflict``, the team's
+#: row no longer matched ``where`` (changed by someone else, or gone), so reading it again finds
+#: nothing; ``changed``, its prompt changed and the task was asked again (its next write-back has
+#: an outbox row of its own). Any other state (waiting, or kept so that a row still matching
+#: ``where`` is not asked again: balancer.sources.outbox) keeps its task: deleting it would have
+#: the row read as new work and paid for twice.
+WRITEBACK_ENDED = ("conflict", "changed")
 
 
 def _writeback_open() -> sa.ColumnElement[bool]:
-    return sa.exists().where(_outbox.c.task_id == tasks.c.id, _outbox.c.state != WRITEBACK_ENDED)
+    return sa.exists().where(_outbox.c.task_id == tasks.c.id, _outbox.c.state.notin_(WRITEBACK_ENDED))
 
 
 def _prunable(before: datetime) -> list[sa.ColumnElement[bool]]:

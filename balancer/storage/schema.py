@@ -96,6 +96,10 @@ tasks = Table(
     Column("metadata", JSONB, nullable=True),
     # A source task's fence: md5 of the prompt it was read with, as UTF-8 (balancer.sources.catalog).
     Column("source_fingerprint", Text, nullable=True),
+    Column("from_table", Boolean, nullable=False, server_default="false"),  # ingested from its source's table
+    # What the task's failure wrote to its row before a ``tasks retry`` ({"error": ...}): its
+    # next write-back may replace exactly that (balancer.sources.catalog, migration 0022).
+    Column("source_replaces", JSONB, nullable=True),
 )
 
 #: The ledger: one row per call sent to the backend, answered or not (a hedge that

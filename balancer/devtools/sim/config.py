@@ -74,6 +74,10 @@ class SimModel:
     limit_changes: tuple[tuple[float, float], ...] = ()
     #: With ``headers``, also send x-ratelimit-limit-tokens / -requests (False: only the remaining counts).
     limit_headers: bool = True
+    #: When the remaining counts sent with a reply are taken: "admission" (the default, strict:
+    #: as the provider's limiter, or a proxy's, admitted the call, so a count is as old as the
+    #: call's latency when it arrives) or "response" (as the call ends).
+    headers_at: str = "admission"
 
     def provider_limits(self, factor: float = 1.0, time_scale: float = 1.0) -> dict[str, float | None]:
         """The provider's real limits at ``factor`` (rates in real-time per minute):

@@ -8,7 +8,9 @@
 As strict as the providers it stands in for, by default: tokens reserved
 (prompt + max_tokens) on arrival and kept, no grace above the buckets, RPM
 paced over each model's window, 429 with ``Retry-After`` and ``retry-after-ms``,
-and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply. Models
+and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply, their
+remaining counts taken as the call was admitted (``headers_at``; or as it
+ends, ``"response"``). Models
 with a ``foreign_share`` lose that share of their quota to another client.
 A call whose client disconnects runs to its end, holding its slot and charged
 in full (``on_disconnect = "continue"``, the default, as providers treat
@@ -103,12 +105,12 @@ class Simulator:
                     took, _ = limiter.take_foreign(now, share * limiter.tpm / 60 * tick, requests)
                     self.foreign_taken[name] += took
 
-    def rate_limit_headers(self, model: str, now: float) -> dict[str, str]:
-        """OpenAI-style ``x-ratelimit-*`` headers, if this model sends them."""
+    def rate_limit_headers(self, model: str, now: float, *, locked: bool = False) -> dict[str, str]:
+        """OpenAI-style ``x-ratelimit-*`` headers, if this model sends them (``locked``: the caller holds the lock)."""
         if not self.models[model].headers:
             return {}
         limiter = self.limiters[model]
-        with self._lock:
+        with contextlib.nullcontext() if locked else self._lock:
             tokens, requests = limiter.remaining(now)
         headers = {"x-ratelimit-limit-tokens": str(int(limiter.tpm)), "x-ratelimit-remaining-tokens": str(tokens)}
         if requests is not None:
@@ -165,6 +167,8 @@ class Simulator:
             return 429, {"error": "rate limited (injected)"}, {} if retry_after is None else {"Retry-After": f"{retry_after:.3f}"}
         with self._lock:
             accepted, retry_after = limiter.try_start(start, charge)
+            # The counts as the limiter admitted the call (headers_at = "admission"): sent with its reply.
+            admitted = self.rate_limit_headers(model, start, locked=True) if accepted else {}
         if not accepted:
             self.record({"start": start, "end": start, "model": model, "status": 429, "endpoint": endpoint,
                          "prompt_tokens": prompt_tokens, "charge": charge, "counted": 0, "limit": limiter.refused_by,
@@ -208,7 +212,7 @@ class Simulator:
             self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,
                          "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status in (200, 499) else 0,
                          "charge": charge, "counted": counted, "client_gone": client_gone, "prompt_key": key})
-        return status, body, self.rate_limit_headers(model, end)
+        return status, body, admitted if spec.headers_at == "admission" else self.rate_limit_headers(model, end)
 
     def next_model(self) -> str:
         with self._lock:

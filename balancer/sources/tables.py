@@ -1,0 +1,132 @@
+"""What a source's table is, whatever its spelling: checked at ``source import``.
+
+A table is named in a sources file as ``s3``, ``public.s3`` or through a view
+over it; balancer resolves the name to the relations it reads, each written
+``SYSTEM:DATABASE:OID`` (the server's system identifier, the database's oid,
+the table's oid; a partition as its partitioned table, a view as every table
+it reads, through its rewrite rule's dependencies). Two sources whose
+relations meet read the same rows, and are refused
+(:func:`balancer.sources.store.import_sources`), as is a source on one of
+balancer's own tables (:func:`own_relations`).
+
+A view has no index, so its key is unique only through the table it reads:
+a view is accepted when it reads one table, its plan is a plain scan of it
+(no join, union, DISTINCT or aggregate: each view row is one table row), and
+its key is a column of that table with a unique index of its own.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from balancer.errors import printable
+from balancer.sources.definition import SourceDef, SourceFileError
+
+# The relations each of ``oids`` reads: itself, or for a view (or a materialized
+# view), what its rewrite rule depends on, recursively; a partition as its root.
+_READS = """
+WITH RECURSIVE reads(start, rel) AS (
+    SELECT s, s FROM unnest(CAST(%(oids)s AS oid[])) AS s
+    UNION
+    SELECT reads.start, d.refobjid FROM reads
+    JOIN pg_rewrite r ON r.ev_class = reads.rel
+    JOIN pg_depend d ON d.classid = 'pg_rewrite'::regclass AND d.objid = r.oid
+                    AND d.refclassid = 'pg_class'::regclass AND d.refobjid <> reads.rel
+)
+SELECT DISTINCT reads.start, coalesce(pg_partition_root(c.oid), c.oid)::oid AS base
+FROM reads JOIN pg_class c ON c.oid = reads.rel WHERE c.relkind IN ('r', 'p', 'f')
+"""
+_SYSTEM = "SELECT system_identifier::text FROM pg_control_system()"
+_SERVER = "SELECT coalesce(host(inet_server_addr()), 'local') || '/' || coalesce(inet_server_port(), 0)"
+_DATABASE = "SELECT oid FROM pg_database WHERE datname = current_database()"
+_UNIQUE = """
+SELECT 1 FROM pg_index WHERE indrelid = %s AND indisunique AND indpred IS NULL AND indexprs IS NULL
+AND indnkeyatts = 1 AND indkey[0] = %s
+"""
+_ATTNUM = "SELECT attnum FROM pg_attribute WHERE attrelid = %s AND attname = %s AND attnum > 0 AND NOT attisdropped"
+_NAME = "SELECT CAST(CAST(%s AS regclass) AS text)"
+#: The plain scans a view's plan may be: each row of the view is one row of its table.
+_SCANS = {"Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan", "Tid Scan", "Tid Range Scan"}
+#: ``alias.column`` in a plan's output, either part possibly quoted.
+_OUTPUT = re.compile(r'^(?:"(?:[^"]|"")+"|[^".]+)\.("(?:[^"]|"")+"|[^".]+)$')
+
+
+def _database(conn: Connection) -> str:
+    """This database's identity: the server's system identifier (or, where the role may
+    not read it, its address) and the database's oid."""
+    try:
+        with conn.begin_nested():
+            server = conn.exec_driver_sql(_SYSTEM).scalar_one()
+    except DBAPIError:
+        server = conn.exec_driver_sql(_SERVER).scalar_one()
+    return f"{server}:{conn.exec_driver_sql(_DATABASE).scalar_one()}"
+
+
+def base_tables(conn: Connection, oids: list[int]) -> dict[int, list[int]]:
+    """The tables each of ``oids`` reads (itself for a table), by oid, in the caller's transaction."""
+    found: dict[int, list[int]] = {oid: [] for oid in oids}
+    for start, base in conn.exec_driver_sql(_READS, {"oids": list(oids)}):
+        found[int(start)].append(int(base))
+    return {oid: sorted(bases) for oid, bases in found.items()}
+
+
+def identities(conn: Connection, oids: list[int]) -> list[str]:
+    """Tables of this database as ``SYSTEM:DATABASE:OID``."""
+    database = _database(conn)
+    return sorted(f"{database}:{oid}" for oid in oids)
+
+
+def own_relations(conn: Connection, names: list[str]) -> dict[str, str]:
+    """The tables balancer's own tables and views (``names``, found on its search path)
+    are and read, as ``SYSTEM:DATABASE:OID``, each mapped to the name of balancer's it is."""
+    oids: dict[int, str] = {}
+    for name in names:
+        oid = conn.exec_driver_sql("SELECT CAST(to_regclass(quote_ident(%s)) AS oid)", (name,)).scalar_one()
+        if oid is not None:
+            oids[int(oid)] = name
+    database = _database(conn)
+    own: dict[str, str] = {}
+    for oid, bases in base_tables(conn, list(oids)).items():
+        for base in bases:  # a table under its own name, rather than a view's that reads it
+            if base == oid or f"{database}:{base}" not in own:
+                own[f"{database}:{base}"] = oids[oid]
+    return own
+
+
+def _plan_key_column(plan: dict[str, Any]) -> str | None:
+    """The table column a plain scan outputs first (the view's key), unquoted; None if the
+    plan is not one plain scan or its first output is not a plain column."""
+    if plan.get("Node Type") not in _SCANS or not plan.get("Output"):
+        return None
+    match = _OUTPUT.match(plan["Output"][0])
+    if match is None:
+        return None
+    column = match.group(1)
+    return column[1:-1].replace('""', '"') if column.startswith('"') else column
+
+
+def check_view_key(conn: Connection, definition: SourceDef, view_sql: str, bases: list[int]) -> None:
+    """A view's key is unique: it reads one table, its plan is a plain scan of it, and its
+    key is a column of that table with a unique index of its own. :class:`SourceFileError` otherwise."""
+    name, table = definition.name, printable(definition.table, 130)
+    if len(bases) != 1:
+        raise SourceFileError(f"sources.{name}: view {table} reads {len(bases)} tables, so its key "
+                              f"{definition.key!r} cannot be shown unique: declare the table itself")
+    [base] = bases
+    plan = conn.exec_driver_sql("EXPLAIN (VERBOSE, FORMAT JSON) " + view_sql).scalar_one()
+    column = _plan_key_column((plan[0] if isinstance(plan, list) else plan)["Plan"])
+    attnum = None if column is None else conn.exec_driver_sql(_ATTNUM, (base, column)).scalar()
+    if attnum is None or conn.exec_driver_sql(_UNIQUE, (base, attnum)).first() is None:
+        under = conn.exec_driver_sql(_NAME, (base,)).scalar_one()
+        raise SourceFileError(f"sources.{name}: the key {definition.key!r} of view {table} is not a column of "
+                              f"{printable(under, 130)} with a unique index of its own (a view that joins, "
+                              "unions, groups or computes its key may repeat it): declare the table itself")
+
+
+def key_is_unique(conn: Connection, oid: int, attnum: int) -> bool:
+    """Whether column ``attnum`` of relation ``oid`` has a unique index of its own."""
+    return conn.exec_driver_sql(_UNIQUE, (oid, attnum)).first() is not None
