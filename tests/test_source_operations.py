@@ -154,3 +154,100 @@ def test_retry_of_a_failed_source_task_writes_its_new_answer_back(svc: Services,
     assert legacy.count("SELECT count(*) FROM prompts WHERE id = 2 AND status = 'failed' "
                         "AND error = 'looked at by hand'") == 1
     assert legacy.count("SELECT count(*) FROM writes WHERE row_id = 3") == 1  # its failure never written
+
+
+def ingest_twice(svc: Services) -> None:
+    """Two reads of every source, regardless of poll_seconds: the second one's rescan goes round the table."""
+    from balancer.sources.ingest import ingest_source, quota_bursts
+    from balancer.sources.store import all_sources
+
+    with svc.engine.connect() as conn:
+        definitions = all_sources(conn)
+    for _ in range(2):
+        for definition in definitions:
+            ingest_source(svc, definition, quota_bursts(svc))
+
+
+KEYED_SOURCE = """
+[sources.keyed]
+database_url_env = "LEGACY_DATABASE_URL"
+table = "{table}"
+key = "k"
+prompt = "body"
+where = "status = 'unsolved'"
+answer = "answer"
+status = "status"
+"""
+
+
+def test_rows_with_a_null_key_or_an_empty_prompt_are_counted_with_their_reason(svc: Services, legacy: Legacy,
+                                                                             tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 7: rows with a NULL key were never ingested, silently (and sent the cursor
+    back to the start). They are counted per source with their reason, beside the rows that are
+    not tasks for another reason (recorded before the cursor moves past them), in ``source list``
+    and ``status``; the other rows are tasks."""
+    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
+                   "INSERT INTO keyed (k, body) VALUES ('a', 'first'), (NULL, 'no key'), (NULL, 'none either'), "
+                   "('b', 'second'), ('c', '   ')")
+    path = tmp_path / "keyed.toml"
+    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
+    assert run(capsys, "source", "import", str(path))[0] == 0
+    ingest_twice(svc)
+    with svc.engine.connect() as conn:
+        assert sorted(conn.execute(sa.select(tasks.c.key).where(tasks.c.source == "keyed")).scalars()) == ["a", "b"]
+        assert conn.execute(sa.select(sources.c.position)).scalar_one() == "c"
+    code, out, _ = run(capsys, "source", "list")
+    assert code == 0 and "rows not tasks 3 (NULL key 2, empty prompt 1)" in out, out
+    code, out, _ = run(capsys, "status", "--json")
+    assert code == 0
+    import json
+
+    assert json.loads(out)["sources"][0]["not_tasks"] == {"NULL key": 2, "empty prompt": 1}
+
+
+def test_an_undecodable_prompt_fails_its_row_alone(service_urls, tmp_path: Path, capsys, monkeypatch,  # noqa: ANN001
+                                                   svc: Services) -> None:
+    """Issue 38 finding 7: a SQL_ASCII table holding a LATIN1 ``\\xe9`` failed the batch read on
+    every tick, and the 11 rows after it were never ingested. That row is recorded with its
+    reason, the cursor moves past it only with that record, and every other row is a task
+    (a UTF-8 ``é`` in the same table included)."""
+    import uuid
+
+    from balancer.urls import normalize_database_url
+
+    base = normalize_database_url(service_urls[1])
+    name = "legacy_ascii_" + uuid.uuid4().hex[:10]
+    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
+    url = sa.engine.make_url(base).set(database=name).render_as_string(hide_password=False)
+    team = sa.create_engine(url)
+    try:
+        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+        with team.begin() as conn:
+            conn.exec_driver_sql(
+                "CREATE TABLE prompts (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                "'unsolved', answer text, solved_by text, error text, priority int);"
+                "INSERT INTO prompts (id, body) VALUES (1, 'plain'), "
+                "(2, convert_from('\\x6361666ee9'::bytea, 'SQL_ASCII')), "
+                "(3, convert_from('\\x636166c3a9'::bytea, 'SQL_ASCII'));"
+                "INSERT INTO prompts (id, body) SELECT g, 'later ' || g FROM generate_series(4, 14) g")
+        assert import_legacy(tmp_path, capsys, "prompts", batch=40)[0] == 0
+        ingest_twice(svc)
+        with svc.engine.connect() as conn:
+            keys = sorted(conn.execute(sa.select(tasks.c.key).where(tasks.c.source == "crm")).scalars(), key=int)
+            assert keys == ["1", *map(str, range(3, 15))]
+            assert conn.execute(sa.select(tasks.c.prompt).where(tasks.c.key == "3")).scalar_one() == "café"
+            assert conn.execute(sa.select(sources.c.position)).scalar_one() == "14"
+            assert conn.execute(sa.text("SELECT key, reason FROM source_rejects")).all() == [
+                ("2", "prompt is not valid UTF-8 text")]
+        code, out, _ = run(capsys, "source", "list")
+        assert "rows not tasks 1 (prompt is not valid UTF-8 text 1)" in out, out
+    finally:
+        team.dispose()
+        from balancer.storage.db import dispose_engines
+
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()

@@ -105,7 +105,19 @@ def source_line(r) -> str:  # noqa: ANN001 - a storage.source_reads.SourceStatus
     return printable(f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
                      f"write-backs waiting {r.writebacks_waiting}, not overwritten {r.conflicts}, "
                      f"prompt changed (asked again) {r.changed}, unwritable {r.unwritable}{unwritable}, "
-                     f"cursor lag {lag}", limit=600)
+                     f"cursor lag {lag}{not_tasks_text(r.not_tasks)}", limit=800)
+
+
+def not_tasks_text(not_tasks: dict[str, int]) -> str:
+    """The rows of work that are not tasks, by reason, as ``status`` and ``source list`` append them.
+
+    >>> not_tasks_text({"NULL key": 2, "empty prompt": 1}), not_tasks_text({})
+    ('; rows not tasks 3 (NULL key 2, empty prompt 1)', '')
+    """
+    if not not_tasks:
+        return ""
+    reasons = ", ".join(f"{reason} {n}" for reason, n in not_tasks.items())
+    return f"; rows not tasks {sum(not_tasks.values())} ({reasons})"
 
 
 def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing

@@ -18,93 +18,24 @@ as UTF-8, so the table's encoding does not matter).
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from psycopg2 import sql
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from balancer.errors import ConfigError, ServiceUnavailable, printable
+from balancer.errors import printable
 from balancer.settings import Settings
 from balancer.sources.definition import SourceDef, SourceFileError
-from balancer.sources.rows import TooLong
+from balancer.sources.rows import TooLong, decode_prompt
 from balancer.sources.tables import base_tables, check_view_key, identities, key_is_unique
-from balancer.storage.db import cached_engine
-from balancer.urls import mask_url, scrub
+
+# The team's database, imported from here by the rest of the room.
+from balancer.sources.teamdb import TimeLimits, describe, team_connection, team_engine, team_url  # noqa: F401
 
 #: ``BALANCER_MAX_PROMPT_BYTES``'s default, for a read not given the deployment's setting.
 DEFAULT_MAX_PROMPT_BYTES: int = Settings.max_prompt_bytes
-
-
-def team_url(definition: SourceDef, own_url: str) -> str:
-    """The URL of the source's database: its ``database_url_env`` variable's value, or balancer's own."""
-    if definition.database_url_env is None:
-        return own_url
-    url = os.environ.get(definition.database_url_env)
-    if not url:
-        raise ConfigError(f"source {definition.name}: the environment variable {definition.database_url_env} "
-                          "(its database URL) is not set")
-    return url
-
-
-def team_engine(definition: SourceDef, own: Engine) -> Engine:
-    """An engine on the source's database (``own`` when it is balancer's)."""
-    if definition.database_url_env is None:
-        return own
-    return cached_engine(team_url(definition, ""), pool_size=2)
-
-
-def describe(definition: SourceDef, exc: BaseException) -> str:
-    """A database error in one line, without any secret of the source's URL."""
-    text = str(getattr(exc, "orig", exc)).strip().splitlines()
-    first = text[0] if text else type(exc).__name__
-    if definition.database_url_env is not None:
-        url = os.environ.get(definition.database_url_env, "")
-        if url:
-            first = scrub(first, url)
-    return printable(first, 300)
-
-
-@dataclass(frozen=True)
-class TimeLimits:
-    """How long a statement on the team's table may wait for the team's lock, and run: the
-    team's database must never hold balancer's threads (``BALANCER_SOURCE_LOCK_TIMEOUT``,
-    ``BALANCER_SOURCE_STATEMENT_TIMEOUT``)."""
-
-    lock_s: float = Settings.source_lock_timeout
-    statement_s: float = Settings.source_statement_timeout
-
-    @classmethod
-    def of(cls, settings: Settings) -> TimeLimits:
-        return cls(settings.source_lock_timeout, settings.source_statement_timeout)
-
-    def apply(self, conn: Connection, *, local: bool) -> None:
-        """Set both limits on ``conn``: for its transaction (``local``) or its session."""
-        conn.exec_driver_sql("SELECT set_config('lock_timeout', %s, %s), set_config('statement_timeout', %s, %s)",
-                             (f"{max(1, round(self.lock_s * 1000))}ms", local,
-                              f"{max(1, round(self.statement_s * 1000))}ms", local))
-
-
-@contextmanager
-def team_connection(definition: SourceDef, own: Engine, limits: TimeLimits | None = None) -> Iterator[Connection]:
-    """A connection on the source's database; an unreachable one is a one-line :class:`ServiceUnavailable`.
-    On the team's own database, every statement of the session has ``limits``; on balancer's,
-    :func:`read_rows` sets them for its transaction (a pooled session of balancer's keeps its own)."""
-    engine = team_engine(definition, own)
-    try:
-        conn = engine.connect()
-        if definition.database_url_env is not None:
-            (limits or TimeLimits()).apply(conn, local=False)
-            conn.commit()
-    except DBAPIError as exc:
-        where = mask_url(team_url(definition, "")) if definition.database_url_env else "balancer's database"
-        raise ServiceUnavailable(f"source {definition.name}: cannot reach {where}: {describe(definition, exc)}") from None
-    with conn:
-        yield conn
 
 
 def _render(conn: Connection, query: sql.Composable) -> str:
@@ -121,13 +52,14 @@ def _where(definition: SourceDef) -> sql.Composable:
     return sql.SQL("({})").format(sql.SQL(definition.where.replace("%", "%%")))
 
 
-def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composable:
+def read_query(definition: SourceDef, *, after: bool, upto: bool, as_bytes: bool = False) -> sql.Composable:
     """Rows of work past a key (and up to one): key as text, prompt (NULL when longer than
-    the bytes bound first), the prompt's length in bytes, priority; in key order. The team's
-    database measures the prompt, so a longer one never crosses the wire."""
+    the bytes bound first; its bytes as stored if ``as_bytes``), the prompt's length in bytes,
+    priority; in key order. The team's database measures the prompt, so a longer one never
+    crosses the wire. A row whose key is NULL is never read (:func:`count_null_keys` counts them)."""
     key = sql.Identifier(definition.key)
     prompt = sql.Identifier(definition.prompt)
-    conditions = [_where(definition)]
+    conditions = [_where(definition), sql.SQL("{} IS NOT NULL").format(key)]
     if after:
         conditions.append(sql.SQL("{} > %s").format(key))
     if upto:
@@ -137,11 +69,11 @@ def read_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Composa
     # that name, the key's text form, and order 10 before 9.
     size = sql.SQL("octet_length(CAST({} AS text))").format(prompt)
     return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, "
-                   "CASE WHEN {size} <= %s THEN CAST({prompt} AS text) END AS balancer_prompt, "
+                   "CASE WHEN {size} <= %s THEN {text} END AS balancer_prompt, "
                    "{size} AS balancer_prompt_bytes, {priority} AS balancer_priority "
                    "FROM {table} WHERE {cond} ORDER BY {table}.{key} LIMIT %s").format(
-        key=key, prompt=prompt, size=size, priority=priority, table=_table(definition),
-        cond=sql.SQL(" AND ").join(conditions))
+        key=key, text=sql.SQL("CAST(CAST({} AS text) AS bytea)" if as_bytes else "CAST({} AS text)").format(prompt),
+        size=size, priority=priority, table=_table(definition), cond=sql.SQL(" AND ").join(conditions))
 
 
 def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, limit: int,
@@ -151,13 +83,43 @@ def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: 
     ``lock_s``): the only lock taken on the team's table is this read's. A prompt longer than
     ``max_prompt_bytes`` is not read: its row holds a :class:`~balancer.sources.rows.TooLong`."""
     params: list[Any] = [max_prompt_bytes] + [p for p in (after, upto) if p is not None] + [limit]
-    query = _render(conn, read_query(definition, after=after is not None, upto=upto is not None))
+    try:
+        rows = _read(conn, definition, after, upto, params, limits, as_bytes=False)
+    except (UnicodeDecodeError, DBAPIError) as exc:
+        if isinstance(exc, DBAPIError) and getattr(exc.orig, "pgcode", None) not in _NOT_TEXT:
+            raise
+        # A prompt that is not text in the table's encoding: the batch again, prompts as their
+        # bytes, each decoded alone, so that only its own row fails (recorded, never a task).
+        rows = _read(conn, definition, after, upto, params, limits, as_bytes=True)
+    return [(key, TooLong(size, max_prompt_bytes) if prompt is None and size is not None and size > max_prompt_bytes
+             else prompt, priority) for key, prompt, size, priority in rows]
+
+
+_NOT_TEXT = ("22021", "22P05")  # SQLSTATEs of bytes that are not text in an encoding
+
+
+def _read(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, params: list[Any],
+          limits: TimeLimits | None, *, as_bytes: bool) -> list[tuple]:
+    query = _render(conn, read_query(definition, after=after is not None, upto=upto is not None, as_bytes=as_bytes))
     with conn.begin():
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
         (limits or TimeLimits()).apply(conn, local=True)
-        rows = conn.exec_driver_sql(query, tuple(params)).all()
-    return [(key, TooLong(size, max_prompt_bytes) if prompt is None and size is not None and size > max_prompt_bytes
-             else prompt, priority) for key, prompt, size, priority in rows]
+        rows = [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
+        if not as_bytes:
+            return rows
+        encoding = str(conn.exec_driver_sql("SHOW server_encoding").scalar_one())
+    return [(key, decode_prompt(prompt, encoding), *rest) for key, prompt, *rest in rows]
+
+
+def count_null_keys(conn: Connection, definition: SourceDef, limits: TimeLimits | None = None) -> int:
+    """Rows matching ``where`` whose key is NULL: they can never be a task (nothing to write
+    back to), so they are counted instead (``sources.null_keys``), in a READ ONLY transaction."""
+    query = sql.SQL("SELECT count(*) FROM {table} WHERE {cond} AND {key} IS NULL").format(
+        table=_table(definition), cond=_where(definition), key=sql.Identifier(definition.key))
+    with conn.begin():
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        (limits or TimeLimits()).apply(conn, local=True)
+        return int(conn.exec_driver_sql(_render(conn, query)).scalar_one())
 
 
 def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimits | None = None) -> str | None:

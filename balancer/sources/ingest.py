@@ -19,13 +19,14 @@ import time
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
 
 from balancer.services import Services
-from balancer.sources.catalog import TimeLimits, read_rows, team_connection
+from balancer.sources.catalog import TimeLimits, count_null_keys, read_rows, team_connection
 from balancer.sources.definition import SourceDef
 from balancer.sources.reask import ask_reopened
 from balancer.sources.rows import after_read, after_rescan, row_to_task
-from balancer.sources.schema import sources
+from balancer.sources.schema import source_rejects, sources
 from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,13 @@ def _insert(services: Services, definition: SourceDef, rows: list[tuple], models
             end: Cursor, caught_up: bool, report: SourceIngest) -> bool:
     max_tokens = definition.max_tokens or services.settings.expected_output_tokens
     tasks = []
+    refused: list[tuple[str, str]] = []
     for key, prompt, priority in rows:
         task = row_to_task(definition.name, key, prompt, priority, models=models, allowed=definition.models,
                            max_tokens=max_tokens)
         if isinstance(task, str):
             report.skipped += 1
-            log.warning("source %s: row %.80r is not a task: %s", definition.name, key, task)
+            refused.append((key, task))
         else:
             tasks.append(task)
     with services.engine.begin() as conn:
@@ -61,6 +63,9 @@ def _insert(services: Services, definition: SourceDef, rows: list[tuple], models
             return False  # another ingester moved the cursor first; its batch held these rows
         inserted = insert_source_tasks(conn, definition.name, max_tokens, definition.models, tasks,
                                        dedup=definition.dedup or services.settings.dedup)
+        # Recorded before the cursor moves past them, in its transaction (issue 38 finding 7).
+        for key, reason in record_rejects(conn, definition.name, refused, [t.key for t in tasks if t.key]):
+            log.warning("source %s: row %.80r is not a task: %s", definition.name, key, reason)
         if not advance(conn, definition.name, start, end, inserted=inserted, caught_up=caught_up):
             raise RuntimeError(f"source {definition.name}: its cursor moved under a row lock")
     report.created += inserted
@@ -93,8 +98,41 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
             rows = read_rows(team, definition, start.rescan, position, definition.batch, limits, services.settings.max_prompt_bytes)
             rescan = after_rescan([r[0] for r in rows], definition.batch)
             _insert(services, definition, rows, models, start, Cursor(position, rescan), True, report)
+            if rescan is None:  # the rescan went round the table: count its rows with no key again
+                set_null_keys(services.engine, definition.name, count_null_keys(team, definition, limits))
             report.reasked += ask_reopened(services, definition, team, [r[0] for r in rows])
     return report
+
+
+_RECORD = sa.text("""
+INSERT INTO source_rejects (source, key, reason)
+SELECT :source, r.key, r.reason FROM unnest(CAST(:keys AS text[]), CAST(:reasons AS text[])) AS r(key, reason)
+ON CONFLICT (source, key) DO UPDATE SET reason = EXCLUDED.reason, recorded_at = now()
+WHERE source_rejects.reason IS DISTINCT FROM EXCLUDED.reason
+RETURNING key, reason
+""")
+#: A key is recorded with at most this many characters (an index entry has a size limit).
+MAX_RECORDED_KEY = 200
+
+
+def record_rejects(conn: Connection, source: str, refused: list[tuple[str, str]], taken: list[str]) -> list[tuple]:
+    """In the batch's transaction: each row that is not a task, with its reason (``source_rejects``);
+    a row that is a task now (the team fixed it) is no longer counted. The rows newly recorded."""
+    if taken:
+        conn.execute(sa.delete(source_rejects).where(source_rejects.c.source == source,
+                                                     source_rejects.c.key.in_(taken)))
+    if not refused:
+        return []
+    return [tuple(r) for r in conn.execute(_RECORD, {"source": source, "keys": [k[:MAX_RECORDED_KEY] for k, _ in refused],
+                                                     "reasons": [reason for _, reason in refused]})]
+
+
+def set_null_keys(engine: Engine, source: str, count: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.update(sources).where(sources.c.name == source, sources.c.null_keys != count)
+                     .values(null_keys=count))
+    if count:
+        log.warning("source %s: %d row(s) of work have a NULL key: never tasks", source, count)
 
 
 def due_sources(services: Services) -> list[SourceDef]:

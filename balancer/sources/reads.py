@@ -7,7 +7,7 @@ an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from balancer.domain.budget import Budget
@@ -29,6 +29,9 @@ class SourceStatus:
     changed: int = 0  # not overwritten: the row's prompt changed since it was read (asked again)
     unwritable: int = 0  # refused by the table BALANCER_WRITEBACK_ATTEMPTS times (balancer.sources.outbox)
     unwritable_error: str | None = None  # the latest unwritable write-back's error
+    #: rows of work that are not tasks, by reason (an empty or undecodable prompt, no model
+    #: configured, a NULL key ...), each recorded before the cursor moved past it
+    not_tasks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -39,7 +42,9 @@ class SourceStatus:
 _SOURCE_STATUS = f"""
 SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
        coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at),
-       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error
+       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error,
+       coalesce(r.reasons, '{{}}'::jsonb) || CASE WHEN s.null_keys > 0 THEN jsonb_build_object('NULL key', s.null_keys)
+                                                  ELSE '{{}}'::jsonb END
 FROM sources s
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
                   count(*) FILTER (WHERE status IN {sql_list(IN_FLIGHT)}) AS in_flight,
@@ -51,6 +56,9 @@ LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
                   count(*) FILTER (WHERE state = 'unwritable') AS unwritable,
                   (array_agg(last_error ORDER BY id DESC) FILTER (WHERE state = 'unwritable'))[1] AS unwritable_error
            FROM source_outbox GROUP BY source) o ON o.source = s.name
+LEFT JOIN (SELECT source, jsonb_object_agg(reason, n) AS reasons
+           FROM (SELECT source, reason, count(*) AS n FROM source_rejects GROUP BY source, reason) x
+           GROUP BY source) r ON r.source = s.name
 ORDER BY s.name
 """  # noqa: S608 - the statuses are statuses.py's constants, not input
 
@@ -59,9 +67,9 @@ def source_status(db: RowSource) -> list[SourceStatus]:
     """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
     return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(waiting), int(conflicts),
                          int(ingested), None if lag is None else round(float(lag), 1), int(changed), int(unwritable),
-                         error)
-            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable, error
-            in fetch(db, _SOURCE_STATUS)]
+                         error, {str(k): int(v) for k, v in sorted((not_tasks or {}).items())})
+            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable, error,
+            not_tasks in fetch(db, _SOURCE_STATUS)]
 
 
 _UNWRITABLE = """

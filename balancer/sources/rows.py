@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from psycopg2.extensions import encodings
+
 from balancer.domain.intake import MAX_PRIORITY, TaskRow, check_key
 from balancer.domain.tokens import estimate_task_tokens
 
@@ -25,6 +27,36 @@ class TooLong:
 
     def __str__(self) -> str:
         return f"prompt is {self.size:,} bytes, more than BALANCER_MAX_PROMPT_BYTES ({self.limit:,})"
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A row's prompt whose bytes are not text in the team's database encoding (a SQL_ASCII
+    table holding a LATIN1 ``\\xe9``): the row is recorded with this reason, the others are read."""
+
+    encoding: str
+
+    def __str__(self) -> str:
+        return f"prompt is not valid {self.encoding} text"
+
+
+def decode_prompt(raw: bytes | memoryview | None, encoding: str) -> str | Undecodable | None:
+    """A prompt's bytes as stored in a database of ``encoding`` (PostgreSQL's name), as text;
+    :class:`Undecodable` if they are not text in it. A SQL_ASCII database's bytes are taken as
+    UTF-8, the common case.
+
+    >>> decode_prompt(b"caf\\xc3\\xa9", "SQL_ASCII"), decode_prompt(b"caf\\xe9", "LATIN1")
+    ('café', 'café')
+    >>> str(decode_prompt(b"caf\\xe9", "SQL_ASCII"))
+    'prompt is not valid UTF-8 text'
+    """
+    if raw is None:
+        return None
+    name = "UTF8" if encoding == "SQL_ASCII" else encoding
+    try:
+        return bytes(raw).decode(encodings.get(name, "utf-8"))
+    except (UnicodeDecodeError, LookupError):
+        return Undecodable("UTF-8" if name == "UTF8" else name)
 
 
 def after_read(position: str | None, keys: Sequence[str], batch: int) -> tuple[str | None, bool]:
@@ -60,7 +92,7 @@ def row_to_task(source: str, key: str, prompt: object, priority: object, *, mode
         check_key(key)
     except ValueError as exc:
         return str(exc)
-    if isinstance(prompt, TooLong):
+    if isinstance(prompt, TooLong | Undecodable):
         return str(prompt)
     if not isinstance(prompt, str) or not prompt.strip():
         return "empty prompt"
