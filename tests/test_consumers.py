@@ -105,6 +105,26 @@ def test_a_ready_list_of_a_model_no_worker_consumes_goes_back_at_once(svc: Servi
     assert statuses(svc, ids) == [("pending", None)] * 3
 
 
+def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Services) -> None:
+    """Issue 40 finding 1: a call whose model no worker consumes any longer (its worker's host
+    cut off) may never end, and its task waited a whole lease for the sweep while other models
+    sat idle. Now it is hedged at once on a model a worker consumes, whatever its latency says
+    and whatever the hedge budget (here a call 0 s old, which no straggler rule would hedge)."""
+    from balancer.storage.transitions import start_solve
+
+    svc.core.note_consumers("w-b", ["b"], 60_000)
+    (task_id,) = submit(svc, None, 1)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert [(a.task_id, a.model) for a in sent] == [(task_id, "b")]
+    assert start_solve(svc.engine, task_id, sent[0].admission_id, 60) is not None
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's is there
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    sent.clear()
+    report = dispatch(svc, sent.extend)
+    assert report.hedges == 1 and [(a.task_id, a.model, a.hedge) for a in sent] == [(task_id, "a", True)]
+
+
 @pytest.mark.e2e
 def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_path: Path) -> None:
     """Issue 40 finding 1, with real processes: two workers, one per model. One is frozen

@@ -142,3 +142,28 @@ def test_kept_finishes_are_bounded_and_keep_no_provider_headers(own_redis: OwnRe
         kept.keep(aid, Settlement(used_tokens=5, reserved_tokens=10, remaining_tokens=1))
     assert kept.waiting() == 2 and kept.dropped == 1
     assert kept.apply() == 2 and kept.waiting() == 0
+
+
+def test_a_message_taken_while_redis_is_away_goes_back_to_pending_at_once(
+        own_redis: OwnRedis, sim, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Issue 40 finding 3: a worker that took a message during the outage could not re-assert
+    its slot; the Redis error ended the solve with the task ``running``, and it waited a whole
+    lease for the sweep after Redis was back. Now the call is not made, its slot's finish is
+    kept, and the task is back to pending at once (no attempt counted)."""
+    url, simulator = sim
+    monkeypatch.setenv("BALANCER_BACKEND_URL", url)
+    monkeypatch.setenv("BALANCER_LEASE_SECONDS", "60")
+    monkeypatch.setenv("BALANCER_REDIS_URL", own_redis.url)
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([MODEL.quota()])
+    a = dispatch_one(svc, {"prompt": "taken in the outage", "model": "m", "max_tokens": 20})
+    own_redis.kill()
+    heartbeat = Heartbeat(svc)
+    try:
+        assert chain(svc, make_backend(svc.settings), message(a), heartbeat=heartbeat) == ["no_room"]
+        row = task_row(svc, a.task_id)
+        assert (row.status, row.attempts) == ("pending", 0)
+        assert simulator.log == []
+        assert heartbeat.finishes.waiting() == 1
+    finally:
+        heartbeat.close()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -267,7 +267,8 @@ def slot_wait_ms(model: ModelOutlook, free_slots: int, queued: int = 0) -> float
     return max(model.paused_ms, (queued + 1) * model.latency.p50_ms / max(1, model.in_flight))
 
 
-def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float) -> list[tuple[int, str]]:
+def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float,
+                unserved: Collection[str] = ()) -> list[tuple[int, str]]:
     """(call key, model) for each hedge to send now, the calls expected to end last first.
 
     A hedge goes to the allowed model (not the call's own) where a fresh call
@@ -279,6 +280,12 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     (whose free slots the end game leaves idle) is a second heavy-tailed draw
     when a fast model would have a slot in a moment. The hedges' token
     estimates stay within ``budget_tokens``.
+
+    A call on an ``unserved`` model (no worker consumes its queue: its worker's
+    host is cut off, or gone) may never end, and without a hedge its task waits
+    a whole lease for the sweep: it is hedged first, whatever its latency says
+    and whatever the budget, on a model that is served. No hedge goes to an
+    unserved model.
 
     >>> slow = ModelOutlook("slow", cap=2, free_slots=0, in_flight=2, latency=LatencyEstimate(10_000, 30_000, 90_000, 50))
     >>> fast = ModelOutlook("fast", cap=1, free_slots=1, in_flight=0, latency=LatencyEstimate(1_000, 2_000, 4_000, 50))
@@ -292,6 +299,9 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     []
     >>> pick_hedges([Running(1, "slow", 45_000, 500)], [slow, mid], 10_000)              # mid is the best there is
     [(1, 'mid')]
+    >>> orphaned = [Running(1, "slow", 45_000, 500), Running(2, "fast", 10, 500)]
+    >>> pick_hedges(orphaned, [slow, fast, mid], 0), pick_hedges(orphaned, [slow, fast, mid], 0, {"fast"})  # no budget
+    ([], [(2, 'mid')])
     """
     by_name = {m.name: m for m in models}
     free = {m.name: m.free_slots for m in models}
@@ -299,15 +309,19 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     out: list[tuple[int, str]] = []
     def expected_end(call: Running) -> float:
         running = by_name.get(call.model)
+        if call.model in unserved:
+            return math.inf
         return -math.inf if running is None else remaining_ms(call.elapsed_ms, running.latency)
 
     for call in sorted(calls, key=lambda c: -expected_end(c)):
         running = by_name.get(call.model)
-        if running is None or call.estimated_tokens > budget_tokens:
+        orphan = call.model in unserved
+        if running is None or (call.estimated_tokens > budget_tokens and not orphan):
             continue
         targets = [
             by_name[n] for n in (call.allowed or by_name)
-            if n in by_name and n != call.model and worth_hedging(call.elapsed_ms, running.latency, by_name[n].latency)
+            if n in by_name and n != call.model and n not in unserved
+            and (orphan or worth_hedging(call.elapsed_ms, running.latency, by_name[n].latency))
         ]
         if not targets:
             continue

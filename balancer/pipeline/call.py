@@ -28,7 +28,7 @@ from typing import Literal, cast
 
 import redis
 
-from balancer.admission import AdmissionCore, ReadyTask, Settlement
+from balancer.admission import AdmissionCore, Decision, ReadyTask, Settlement
 from balancer.backends import Backend, Cancelled, Completion
 from balancer.domain.cost import CallEnd, billed_tokens, price_of
 from balancer.pipeline.answers import AnswerWriter
@@ -177,6 +177,18 @@ class Call:
         """A redelivered copy: the slot is the live call's, not this message's."""
         self.slot.disown()
         self.heartbeat.slot_freed(self.admission_id)
+
+    def renew(self) -> Decision | None:
+        """Re-assert the slot of a message from the dispatcher before calling (the RPM start
+        gate's delay with it). None if Redis cannot be reached: no call, and the task goes
+        back to pending now, not at its deadline (a failover), its slot's finish kept."""
+        msg = self.msg
+        try:
+            return self.services.core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("task %d: could not re-assert its slot on %s (%s); not called, back to pending",
+                        msg.task_id, msg.model, (str(exc).splitlines() or [""])[0])
+            return None
 
     def still_holds_its_lease(self) -> bool:
         """Re-assert the lease of a call taken from a ready list whose start took

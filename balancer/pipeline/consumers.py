@@ -32,9 +32,9 @@ from balancer.pipeline.pool import model_queues
 log = logging.getLogger(__name__)
 
 #: How long a record lives without a renewal: a worker unheard of for this long consumes nothing.
-TTL_MS = 6_000
+TTL_MS = 3_000
 #: How often a worker renews its records (a few renewals may fail before its models look unconsumed).
-BEAT_S = 1.5
+BEAT_S = 1.0
 
 
 class ConsumerBeat(bootsteps.StartStopStep):

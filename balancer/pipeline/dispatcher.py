@@ -187,6 +187,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     over_budget = HeldSources(services, report)
     idle = False  # the last round found nothing pending that a free slot could take
     view_predates_stock = False  # the round stocked after reading ``view``: its ready counts are old
+    every: dict[str, ModelLive] = {}
     for round_no in range(max_rounds):
         view = core.live()
         view_predates_stock = False
@@ -198,6 +199,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if round_no == 0 and any(m.ready for m in view.values()):
             if take_from_ready(services, publish, report):
                 view = core.live()
+        every = view  # unserved models too: their running calls are the first to hedge
         view = served_view(services, view, report, returning=round_no == 0)
         free = open_slots(view)
         if not free:
@@ -250,7 +252,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if round_no == 0 and stocking:
             # Refill the lists now, not only at the end: the next rounds publish
             # for a while, and every call that ends meanwhile takes its next from them.
-            report.stocked += stock_ready(services, core.live(), held)  # as the round left the buckets
+            report.stocked += stock_ready(services, served_view(services, core.live(), report, returning=False), held)
             view_predates_stock = True
         report.rounds += 1
         report.count_admitted(admitted)
@@ -258,7 +260,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not admitted and not failed:
             break
     if idle and services.settings.hedging:  # the view of the round that found nothing
-        report.hedges = hedge_stragglers(services, publish, view, over_budget.read())
+        report.hedges = hedge_stragglers(services, publish, every, over_budget.read())
     if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)
         report.stocked += stock_ready(services, view, over_budget.read())
     return report
@@ -348,11 +350,13 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     Which calls and where is :func:`balancer.domain.endgame.pick_hedges`; each
     hedge is admitted like any call (so it never breaks a quota), recorded on
     its task (at most ``max_hedges`` per task, within ``hedge_budget`` of the
-    run's tokens) and published as a ``solve`` message marked as a hedge.
+    run's tokens) and published as a ``solve`` message marked as a hedge. ``view`` holds
+    every model: a call on one no worker consumes is hedged first (on a served model).
     """
     core, settings = services.core, services.settings
     models = outlooks(view, settings.expected_latency_s)
-    if not any(m.free_slots for m in models) or not any(m.in_flight for m in models):
+    unserved = {name for name, m in view.items() if m.consumers == 0} if consumed_only(services) else set()
+    if not any(m.free_slots for m in models if m.name not in unserved) or not any(m.in_flight for m in models):
         return 0
     sent: list[Assignment] = []
     with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
@@ -361,7 +365,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
             return 0
         spent, run_tokens = hedge_spending(conn)
         running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
-        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent)
+        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent, unserved)
         if not picks:
             return 0
         decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks],

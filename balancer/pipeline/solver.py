@@ -308,7 +308,7 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
             return call.change("lease_lost", CHANGES["lease_lost"](failure))
         start_delay_ms = msg.start_delay_ms or 0
     else:  # from the dispatcher: re-assert the slot
-        renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+        renewed = call.renew()
         if not isinstance(renewed, Admitted):
             call.free()
             return call.change("no_room", CHANGES["no_room"](Failure(msg.model, "no slot to start the call", ctx.attempts)))
@@ -360,7 +360,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
     ctx = call.start_hedge()
     if ctx is None:
         return "stale"  # the first call answered (or the sweep returned the task) before the hedge started
-    renewed = core.renew(msg.admission_id, msg.model, msg.estimated_tokens)
+    renewed = call.renew()
     if not isinstance(renewed, Admitted):
         call.free()
         call.clear_hedge()
