@@ -31,7 +31,7 @@ source.add_command(unwritable_command)
 @click.option("--by", help="Who made the change (default: the OS user), for the audit.")
 def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
-    from balancer.sources.catalog import check_source, team_connection
+    from balancer.sources.catalog import check_source, poll_note, team_connection
     from balancer.sources.definition import SourceFileError, parse_source_file
     from balancer.sources.store import import_sources
     from balancer.storage.quotas import default_actor
@@ -46,12 +46,17 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
         raise BalancerError(f"{name} lists no sources")
     svc = migrated()
     relations = {}  # the tables each reads, whatever its spelling: one table is one source
+    notes = []
     for definition in definitions:
         with team_connection(definition, svc.engine) as conn:
             relations[definition.name] = check_source(conn, definition)
+            notes.append(poll_note(conn, definition))  # a poll that cannot use an index (issue 38 finding 11)
     summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run,
                              relations=relations)
     echo_changes(summary, f"{len(definitions)} source(s)", name, dry_run)
+    for note in notes:
+        if note:
+            click.echo(note)
 
 
 @source.command("export")

@@ -293,6 +293,42 @@ def _check_condition(conn: Connection, definition: SourceDef) -> None:
         raise SourceFileError(f"sources.{definition.name}: where is not one boolean condition")
 
 
+#: A table with fewer rows than this gets no note: any plan reads it in a moment.
+NOTE_FROM_ROWS = 10_000
+_SCANS = ("Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan")
+_RELTUPLES = "SELECT reltuples FROM pg_class WHERE oid = to_regclass(quote_ident(%s) || '.' || quote_ident(%s))"
+
+
+def _reads_past_where(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The scans of a plan (EXPLAIN's JSON) that read rows and only then check a condition."""
+    found = [plan] if plan.get("Node Type") in _SCANS and (plan["Node Type"] == "Seq Scan" or "Filter" in plan) else []
+    return found + [scan for child in plan.get("Plans", []) for scan in _reads_past_where(child)]
+
+
+def poll_note(conn: Connection, definition: SourceDef) -> str | None:
+    """A note for the import when a poll of the source cannot use an index for ``where`` (issue 38
+    finding 11): EXPLAIN of its read behind the cursor (the rescan) over the whole key range
+    finds a scan that reads rows and filters them, on a table of :data:`NOTE_FROM_ROWS` rows or
+    more. Then each poll reads every row behind the cursor, matching or not. None: no note."""
+    key, table = sql.Identifier(definition.key), _table(definition)
+    with conn.begin():
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        low, high = conn.exec_driver_sql(_render(conn, sql.SQL(
+            "SELECT CAST(min({key}) AS text), CAST(max({key}) AS text) FROM {table}").format(key=key, table=table))).one()
+        if low is None:
+            return None
+        query = _render(conn, read_query(definition, after=True, upto=True))
+        [[plan]] = conn.exec_driver_sql("EXPLAIN (FORMAT JSON, VERBOSE) " + query, (1, low, high, definition.batch)).one()
+        rows = [float(conn.exec_driver_sql(_RELTUPLES, (scan.get("Schema"), scan.get("Relation Name"))).scalar() or 0)
+                for scan in _reads_past_where(plan["Plan"])]
+    if not rows or max(rows) < NOTE_FROM_ROWS:
+        return None
+    return (f"note: sources.{definition.name}: where cannot use an index of {printable(definition.table, 130)}: each "
+            f"poll reads the rows behind its cursor (about {max(rows):,.0f}) to find the rows of work. An index that "
+            f"holds only those, e.g. CREATE INDEX ON {printable(definition.table, 130)} ({definition.key}) WHERE "
+            f"{printable(definition.where, 200)}, makes a poll read the rows of work only")
+
+
 def check_source(conn: Connection, definition: SourceDef) -> list[str]:
     """Check the definition against the source's catalog: the table, every column,
     a unique key (a view's through its table: :func:`balancer.sources.tables.check_view_key`),
