@@ -409,3 +409,39 @@ def test_a_window_cap_is_set_audited_exported_and_enforced(capsys: pytest.Captur
     assert services().quotas.history("w")[-1]["old_value"]["window_cap"] is True
     assert run(capsys, "quota", "import", str(exported))[0] == 0
     assert services().quotas.get("w").window_cap and services().core.live()["w"].quota.window_cap
+
+
+def test_displays_show_a_window_cap_as_such_and_the_burst_otherwise(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41 deliverable 3: status, top (wide and narrow) and the metrics show a capped model's rate
+    against its TPM named "window cap", and the others' against the TPM plus the burst, named as such."""
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from balancer.pipeline.metrics import BalancerCollector
+
+    assert run(capsys, "quota", "set", "capped", "--create", "--tpm", "30000", "--rpm", "60", "--concurrency", "4",
+               "--window-cap")[0] == 0
+    assert run(capsys, "quota", "set", "bursty", "--create", "--tpm", "30000", "--rpm", "60", "--concurrency", "4")[0] == 0
+    code, out, _ = run(capsys, "status", "--json")
+    models = {m["name"]: m for m in json.loads(out)["models"]}
+    assert models["capped"]["window_cap"] is True and models["bursty"]["window_cap"] is False
+    for columns, capped_cells, bursty_cells in (("160", ("0 / 30,000 window cap", "0 / 60 window cap"),
+                                                 ("0 / 30,000 + 30,000 burst", "0 / 60 + 60 burst")),
+                                                ("100", ("0 / 30k cap", "0 / 60 cap"), ("0 / 30k+30k", "0 / 60+60"))):
+        done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "1"], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=120, env={**os.environ, "COLUMNS": columns})
+        assert done.returncode == 0, done.stderr
+        (capped,) = [line for line in done.stdout.splitlines() if "capped" in line]
+        (bursty,) = [line for line in done.stdout.splitlines() if "bursty" in line]
+        assert all(cell in capped for cell in capped_cells), capped
+        assert all(cell in bursty for cell in bursty_cells) and "cap" not in bursty.replace("capped", ""), bursty
+    registry = CollectorRegistry()
+    registry.register(BalancerCollector(services(), finished_every=0))
+    samples = {(s.name, s.labels.get("model")): s.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode()) for s in family.samples}
+    assert samples[("balancer_model_window_cap", "capped")] == 1 and samples[("balancer_model_window_cap", "bursty")] == 0
+    assert samples[("balancer_model_tokens_per_60s_allowed", "capped")] == 30_000
+    assert samples[("balancer_model_tokens_per_60s_allowed", "bursty")] == 60_000
+    assert samples[("balancer_model_requests_per_60s_allowed", "capped")] == 60
+    assert samples[("balancer_model_requests_per_60s_allowed", "bursty")] == 120

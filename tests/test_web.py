@@ -474,6 +474,13 @@ def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_dr
     assert "0 / 60,000 + 60,000 burst" in browser.text_of('tr[data-model="model-0"]')  # the rate against TPM + burst
     assert "tokens/min / TPM + burst" in browser.text_of("table.models thead")
     shoot(browser, "models-health")
+    # Issue 41 deliverable 3: a window-capped model's rate is shown against its TPM, named "window cap".
+    services.quotas.set("model-1", {"window_cap": True}, by="test")
+    eventually(lambda: browser.get(f"{console.url}/models") or "0 / 60,000 window cap" in browser.text_of('tr[data-model="model-1"]'))
+    assert "burst" not in browser.text_of('tr[data-model="model-1"]')
+    browser.get(f"{console.url}/quotas")
+    assert browser.text_of('tr[data-model="model-1"] td.per60') == "60,000 (window cap)"
+    assert browser.text_of('tr[data-model="model-0"] td.per60') == "120,000 (TPM + burst)"
     browser.get(f"{console.url}/drain")
     blocked = browser.wait_find("b.blocked").text
     assert blocked.startswith("blocked: model-0: quota disabled; model-1: quota disabled"), blocked

@@ -146,7 +146,9 @@ class BalancerCollector(Collector):
                 "balancer_model_max_concurrent_requests": q.max_concurrent_requests,
                 "balancer_model_tokens_available": live.tokens_available,
                 "balancer_model_token_bucket_capacity": q.burst,
-                "balancer_model_tokens_per_60s_allowed": q.burst + q.max_tokens_per_minute,
+                "balancer_model_tokens_per_60s_allowed": q.allowed_per_minute[0],
+                "balancer_model_requests_per_60s_allowed": q.allowed_per_minute[1],
+                "balancer_model_window_cap": int(q.window_cap),
                 "balancer_model_tokens_per_minute_limit": q.max_tokens_per_minute,
                 "balancer_model_requests_available": live.requests_available,
                 "balancer_model_requests_per_minute_limit": q.max_requests_per_minute,
@@ -221,7 +223,11 @@ class BalancerCollector(Collector):
             "balancer_model_tokens_available": "Tokens in the bucket now",
             "balancer_model_token_bucket_capacity": "Token bucket capacity (burst_tokens)",
             "balancer_model_tokens_per_60s_allowed": "The most tokens any 60 s window may carry: the TPM plus the "
-                                                     "burst on top of it (the bucket full at the window's start)",
+                                                     "burst on top of it (the bucket full at the window's start), "
+                                                     "or the TPM alone under a window cap",
+            "balancer_model_requests_per_60s_allowed": "The most requests any 60 s window may carry: the RPM plus its "
+                                                       "burst, or the RPM alone under a window cap (models with an RPM)",
+            "balancer_model_window_cap": "1: the quota's window cap is on (no 60 s window above its TPM/RPM, no burst on top)",
             "balancer_model_tokens_per_minute_limit": "TPM quota",
             "balancer_model_requests_available": "Requests in the bucket now (models with an RPM quota)",
             "balancer_model_requests_per_minute_limit": "RPM quota (models that have one)",

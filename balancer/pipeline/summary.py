@@ -83,23 +83,35 @@ class ModelSummary:
     limit_rpm: int | None = None
     learned: str = ""
     request_burst: int = 0  # the request bucket's size (0 without an RPM)
+    window_cap: bool = False  # no 60 s window above the TPM (RPM): no burst on top (balancer.admission.window)
 
     @property
     def tokens_allowed_per_60s(self) -> int:
-        """The most tokens any 60 s window may carry: a full bucket (the burst) on top of a minute of TPM."""
-        return self.tpm + self.burst
+        """The most tokens any 60 s window may carry: a full bucket (the burst) on top of a minute of TPM,
+        or the TPM alone under a window cap."""
+        return self.tpm if self.window_cap else self.tpm + self.burst
 
     def allowance_cells(self, tokens_per_min: float, requests_per_min: float, *, short: bool = False) -> tuple[str, str]:
         """A minute's tokens and requests against what the quota allows in 60 s: the rate plus the burst
-        on top of it, named as such (a rate above the TPM alone is the burst, not a breach); ``short``:
-        in thousands and millions, the word burst left to the column's title.
+        on top of it, named as such (a rate above the TPM alone is the burst, not a breach), or the rate
+        alone, named "window cap", under a window cap; ``short``: in thousands and millions, the word
+        burst left to the column's title (a window cap's says "cap").
 
         >>> row = ModelSummary("m", 1, 4, 0.0, 30_000, 30_000, None, 60, 0, 0, 1.0, 1.0, True, "none", request_burst=60)
         >>> row.allowance_cells(46_531, 12)
         ('46,531 / 30,000 + 30,000 burst', '12 / 60 + 60 burst')
         >>> row.allowance_cells(46_531, 12, short=True)
         ('46.5k / 30k+30k', '12 / 60+60')
+        >>> from dataclasses import replace
+        >>> capped = replace(row, window_cap=True)
+        >>> capped.allowance_cells(29_000, 12), capped.allowance_cells(29_000, 12, short=True)
+        (('29,000 / 30,000 window cap', '12 / 60 window cap'), ('29k / 30k cap', '12 / 60 cap'))
         """
+        if self.window_cap:
+            word = "cap" if short else "window cap"
+            shown = _short if short else (lambda n: f"{n:,.0f}")
+            return (f"{shown(tokens_per_min)} / {shown(self.tpm)} {word}",
+                    f"{shown(requests_per_min)} / " + (f"{shown(self.rpm)} {word}" if self.rpm else "-"))
         if short:
             return (f"{_short(tokens_per_min)} / {_short(self.tpm)}+{_short(self.burst)}",
                     f"{_short(requests_per_min)} / " + (f"{_short(self.rpm)}+{_short(self.request_burst)}" if self.rpm else "-"))
@@ -183,6 +195,7 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
             latency_measured=latency.samples > 0, binding=binding_limit(live, tokens_per_call),
             limit_cap=live.cap_now, limit_tpm=live.limits.max_tokens_per_minute,
             limit_rpm=live.limits.max_requests_per_minute, learned=live.limits_reason, request_burst=q.request_burst,
+            window_cap=q.window_cap,
         ))
     return rows
 
