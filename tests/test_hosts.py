@@ -44,21 +44,21 @@ LEASE_S = 10
 CUT_S = LEASE_S + 3
 #: Seconds into a batch when its fault starts.
 FAULT_AT_S = 2.0
-#: The stated bounds, which today's code meets on a loaded 2-core machine. A cut: the cut, two
-#: leases and a slack over the fault-free makespan (without a per-model consumer liveness, the cut
-#: host's models keep their share of the work until it heals, and tasks cycle through their queues).
-#: A master killed: twice the outage, three leases and the slack over it (the promoted replica keeps
-#: the leases of calls that ended during the outage until they expire). Issue 40's targets are
-#: tighter: a cut, 1.5 times the fault-free makespan; a master killed, fault-free + 2 x outage.
+#: The stated bounds, which today's code meets on a loaded 2-core machine (docs/production.md has
+#: the runs). A cut: issue 40's 1.5 times the fault-free makespan, and a slack for the machine's
+#: load (a cut host's models are known unconsumed within 3 s, its queued tasks go back at once and
+#: its running calls are hedged on the other host's models). A master killed: twice the outage, a
+#: lease and the slack over it (a task whose broker message was lost in the failover waits for its
+#: lease and the sweep). Issue 40's target there is tighter: fault-free + 2 x outage.
 SLACK_S = 10.0
 
 
 def cut_bound(no_fault_s: float) -> float:
-    return no_fault_s + CUT_S + 2 * LEASE_S + SLACK_S
+    return 1.5 * no_fault_s + SLACK_S
 
 
 def kill_bound(no_fault_s: float, outage_s: float) -> float:
-    return no_fault_s + 2 * outage_s + 3 * LEASE_S + SLACK_S
+    return no_fault_s + 2 * outage_s + LEASE_S + SLACK_S
 
 
 @pytest.fixture
