@@ -1,15 +1,20 @@
 """Write-back lag: how long after a task is solved its answer is in the team's row.
 
-    python -m balancer.bench.writeback_lag [--scenario fast] [--tasks N]
+    python -m balancer.bench.writeback_lag [--scenario fast] [--tasks N] [--refused PERCENT]
 
 The scenario's models and simulator (``fast.toml``: about 130 answers per
 second at the bound), but the backlog is a source table in an isolated schema:
 ``prompts`` with the scenario's prompts as rows, declared as a source (balancer's
-own database), ingested by beat's ingest tick and written back by its
-write-back tick (``BALANCER_WRITEBACK_TICK``, default 0.5 s). A trigger on
-``prompts`` stamps each write with ``clock_timestamp()``. Reported: the lag
-from ``tasks.solved_at`` to that stamp (one server clock), p50 / p99 / max
-(target: p99 under 2 s), and how many rows were written more than once (0).
+own database), ingested by beat's ingest tick and written back by the
+dispatcher's write-back loop (``BALANCER_WRITEBACK_TICK``, 0.2 s when idle). A
+trigger on ``prompts`` stamps each write with ``clock_timestamp()``. With
+``--refused PERCENT``, a CHECK refuses the answer of that share of the rows
+(every row whose id is a multiple of 100 / PERCENT): each fails alone and ends
+``unwritable`` after ``BALANCER_WRITEBACK_ATTEMPTS`` refusals, while the others
+are written. Reported: the lag from ``tasks.solved_at`` to that stamp (one
+server clock) over the rows written, p50 / p99 / max (target: p99 under 2 s,
+also with 1 % refused), how many rows were written more than once (0), and how
+many refused rows ended unwritable, how long after the last writable row.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from balancer.sources.store import import_sources
 
 TEAM_TABLE = """
 CREATE TABLE prompts (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved',
-                      answer text, solved_by text);
+                      answer text, solved_by text, refuse boolean NOT NULL DEFAULT false,
+                      CONSTRAINT refused CHECK (NOT refuse OR answer IS NULL));
 CREATE TABLE writes (row_id bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp());
 CREATE FUNCTION count_write() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN EXECUTE format('INSERT INTO %I.writes (row_id) VALUES ($1)', TG_TABLE_SCHEMA) USING NEW.id; RETURN NEW; END $$;
@@ -44,7 +50,10 @@ FROM writes w JOIN tasks t ON t.source = 'team' AND t.key = CAST(w.row_id AS tex
 """
 
 
-def run(scenario_name: str, tasks: int | None, console: Console) -> dict[str, float]:
+UNWRITABLE = "SELECT count(*) FROM source_outbox WHERE source = 'team' AND state = 'unwritable'"
+
+
+def run(scenario_name: str, tasks: int | None, console: Console, refused_pct: float = 0.0) -> dict[str, float]:
     name, text = locate(scenario_name)
     scenario = parse_scenario(text, name)
     lines = scenario.task_lines()[: tasks or None]
@@ -53,8 +62,11 @@ def run(scenario_name: str, tasks: int | None, console: Console) -> dict[str, fl
         svc.quotas.replace_all(scenario.quotas(), by="bench")
         with svc.engine.begin() as conn:
             conn.connection.cursor().execute(TEAM_TABLE)  # no parameters: the trigger's '%I' stays as it is
-            conn.exec_driver_sql("INSERT INTO prompts (id, body) SELECT * FROM unnest(%s, %s)",
-                                 (list(range(1, len(lines) + 1)), [line["prompt"] for line in lines]))
+            ids = list(range(1, len(lines) + 1))
+            every = round(100 / refused_pct) if refused_pct > 0 else 0
+            refuse = [bool(every) and i % every == 0 for i in ids]
+            conn.exec_driver_sql("INSERT INTO prompts (id, body, refuse) SELECT * FROM unnest(%s, %s, %s)",
+                                 (ids, [line["prompt"] for line in lines], refuse))
         [definition] = parse_source_file(
             f'[sources.team]\ntable = "{iso.schema}.prompts"\nkey = "id"\nprompt = "body"\n'
             "where = \"status = 'unsolved'\"\nanswer = \"answer\"\nstatus = \"status\"\nmodel = \"solved_by\"\n"
@@ -72,7 +84,8 @@ def run(scenario_name: str, tasks: int | None, console: Console) -> dict[str, fl
         while True:
             supervisor.check_alive()
             with svc.engine.connect() as conn:
-                left = conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE status = 'unsolved'").scalar_one()
+                left = conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE status = 'unsolved' "
+                                            "AND NOT refuse").scalar_one()
             if left == 0:
                 break
             if time.monotonic() - started > 1800:
@@ -82,21 +95,37 @@ def run(scenario_name: str, tasks: int | None, console: Console) -> dict[str, fl
         time.sleep(2)  # a second write of any row would land within a few ticks
         with svc.engine.connect() as conn:
             row = conn.exec_driver_sql(LAG).one()
+        refused = sum(refuse)
+        while True:  # the refused rows: tried again after their back-offs, then unwritable
+            with svc.engine.connect() as conn:
+                unwritable = int(conn.exec_driver_sql(UNWRITABLE).scalar_one())
+            if unwritable >= refused or time.monotonic() - started - elapsed > 300:
+                break
+            supervisor.check_alive()
+            time.sleep(0.5)
+        settled = time.monotonic() - started - elapsed
     return {"rows": len(lines), "seconds": round(elapsed, 1), "written": int(row.written), "distinct_rows": int(row.rows),
             "lag_p50_s": round(float(row.p50), 3), "lag_p99_s": round(float(row.p99), 3),
-            "lag_max_s": round(float(row.worst), 3)}
+            "lag_max_s": round(float(row.worst), 3), "refused": refused, "unwritable": unwritable,
+            "unwritable_after_s": round(settled, 1)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", default="fast")
     parser.add_argument("--tasks", type=int, help="only the first N of the scenario's tasks")
+    parser.add_argument("--refused", type=float, default=0.0, metavar="PERCENT",
+                        help="the share of rows whose answer a CHECK refuses (0 to 50)")
     args = parser.parse_args()
+    if not 0 <= args.refused <= 50:
+        parser.error("--refused must be from 0 to 50")
     console = Console(stderr=True)
-    result = run(args.scenario, args.tasks, console)
+    result = run(args.scenario, args.tasks, console, args.refused)
     console.print(f"{result['rows']} rows in {result['seconds']} s; write-back lag p50 {result['lag_p50_s']} s, "
                   f"p99 {result['lag_p99_s']} s, max {result['lag_max_s']} s; "
-                  f"{result['written'] - result['distinct_rows']} row(s) written twice")
+                  f"{result['written'] - result['distinct_rows']} row(s) written twice; "
+                  f"{result['unwritable']} of {result['refused']} refused row(s) unwritable "
+                  f"{result['unwritable_after_s']} s after the last written")
     print(json.dumps(result))
 
 
