@@ -30,7 +30,7 @@ from balancer.services import Services
 from balancer.sources.catalog import TimeLimits, fingerprint, read_one
 from balancer.sources.definition import SourceDef
 from balancer.sources.outbox import KEEPS_TASK
-from balancer.sources.rows import row_to_task
+from balancer.sources.rows import TooLong, row_to_task
 from balancer.sources.schema import source_outbox
 from balancer.storage.operations import _RETRY as RETRY_VALUES  # what an operator's retry resets, declared once
 from balancer.storage.schema import tasks
@@ -47,13 +47,14 @@ def _kept() -> Any:
 
 
 def ask_again(conn: Connection, definition: SourceDef, task: Mapping[str, Any], prompt: str,
-              models: Mapping[str, int], *, checked: bool = False) -> str | None:
+              models: Mapping[str, int], max_prompt_bytes: int, *, checked: bool = False) -> str | None:
     """In the caller's transaction: the ended ``task`` (its ``task_id``, ``key``, ``priority``,
     ``max_tokens``) back to pending with ``prompt``. None: asked again; else why not (the
-    prompt is no task: empty, a NUL, no model; or the task moved meanwhile). ``checked``: only
-    while no outbox row keeps it."""
-    row = row_to_task(definition.name, task["key"], prompt, task["priority"], models=models,
-                      allowed=definition.models, max_tokens=task["max_tokens"])
+    prompt is no task: empty, a NUL, over ``max_prompt_bytes``, no model; or the task moved
+    meanwhile). ``checked``: only while no outbox row keeps it."""
+    size = len(prompt.encode("utf-8"))
+    row = row_to_task(definition.name, task["key"], TooLong(size, max_prompt_bytes) if size > max_prompt_bytes else prompt,
+                      task["priority"], models=models, allowed=definition.models, max_tokens=task["max_tokens"])
     if isinstance(row, str):
         return row
     guard = [tasks.c.id == task["task_id"], tasks.c.status.in_(_ENDED)] + ([~_kept()] if checked else [])
@@ -87,7 +88,8 @@ def ask_reopened(services: Services, definition: SourceDef, team: Connection, ke
         if prompt is None:
             continue
         with services.engine.begin() as conn:
-            why = ask_again(conn, definition, dict(task), prompt, models, checked=True)
+            why = ask_again(conn, definition, dict(task), prompt, models, services.settings.max_prompt_bytes,
+                            checked=True)
         if why is None:
             asked += 1
         else:

@@ -11,10 +11,11 @@ overwritten. Its outbox row becomes a ``conflict`` (the row no longer matches
 asked again with the new prompt, :mod:`balancer.sources.reask`); both are
 counted in ``balancer status``.
 
-Each row alone: a batch is written in one transaction; when the team's table
-refuses one row (a CHECK, a value too long for its column, a character its
-encoding lacks), the batch is written again with a savepoint per row, so that
-row fails alone with its error and the others are written. A refused row is
+Each row alone: a batch is written in one transaction, one statement per
+outcome (:mod:`balancer.sources.batchwrite`); when the team's table refuses a
+value (a CHECK, a value too long for its column, a character its encoding
+lacks), the statement is halved, each half in a savepoint, down to the row
+refused, which fails alone with its error while the others are written. A refused row is
 tried again after a back-off, and after ``BALANCER_WRITEBACK_ATTEMPTS``
 refusals it is left ``unwritable`` (:mod:`balancer.sources.outbox`). A
 transient failure (the database away, a lock or statement timeout:
@@ -52,8 +53,8 @@ from balancer.admission import keys
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources import outbox
+from balancer.sources.batchwrite import column_types, write_many
 from balancer.sources.catalog import (
-    MISSED,
     NOTHING,
     WRITTEN,
     WRITTEN_MATCHING,
@@ -63,7 +64,6 @@ from balancer.sources.catalog import (
     inspect,
     refused_by_row,
     team_connection,
-    write_back,
 )
 from balancer.sources.definition import SourceDef
 from balancer.sources.reask import ask_again
@@ -92,12 +92,9 @@ class Drained:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def _write_one(conn: Connection, definition: SourceDef, row: dict[str, Any],
-               rendered: dict[str, str | None]) -> tuple[str, str | None]:
-    """One row's write-back, and why it was not written (a changed row: its prompt now)."""
-    did = write_back(conn, definition, row["outcome"], row, rendered)
-    if did != MISSED:
-        return did, None
+def _why_missed(conn: Connection, definition: SourceDef, row: dict[str, Any]) -> tuple[str, str | None]:
+    """A row whose guarded write matched nothing: written before a crash, changed (its prompt
+    now), or a conflict."""
     now = inspect(conn, definition, row["outcome"], row)
     if now is not None and now.holds:
         return WRITTEN, None  # written before a crash, its outbox row not yet removed
@@ -106,24 +103,30 @@ def _write_one(conn: Connection, definition: SourceDef, row: dict[str, Any],
     return CONFLICT, None
 
 
-def _write_rows(conn: Connection, definition: SourceDef, claimed: list[dict], *,
-                isolate: bool) -> dict[int, tuple[str, str | None]]:
-    """Every claimed row's write-back in the caller's transaction; ``isolate``: each in a
-    savepoint, a row the table refuses failing alone with its error."""
-    rendered: dict[str, str | None] = {}
-    results = {}
-    for row in claimed:
-        if not isolate:
-            results[row["id"]] = _write_one(conn, definition, row, rendered)
-            continue
-        try:
-            with conn.begin_nested():
-                results[row["id"]] = _write_one(conn, definition, row, rendered)
-        except _WRITE_ERRORS as exc:
-            if not refused_by_row(exc):
-                raise
-            results[row["id"]] = (REFUSED, describe(definition, exc))
-    return results
+def _write_group(conn: Connection, definition: SourceDef, outcome: str, rows: list[dict], types: dict[str, str],
+                 rendered: dict[str, str | None], results: dict[int, tuple[str, str | None]]) -> None:
+    """``rows`` (all ending as ``outcome``) in one statement, in a savepoint; a value the table
+    refuses: each half again, down to the row refused alone with its error."""
+    try:
+        with conn.begin_nested():
+            written = write_many(conn, definition, outcome, rows, types, rendered)
+    except _WRITE_ERRORS as exc:
+        if not refused_by_row(exc):
+            raise
+        if len(rows) == 1:
+            results[rows[0]["id"]] = (REFUSED, describe(definition, exc))
+            return
+        half = len(rows) // 2
+        _write_group(conn, definition, outcome, rows[:half], types, rendered, results)
+        _write_group(conn, definition, outcome, rows[half:], types, rendered, results)
+        return
+    for i, row in enumerate(rows):
+        if written is None:
+            results[row["id"]] = (NOTHING, None)
+        elif i in written:
+            results[row["id"]] = (WRITTEN_MATCHING if written[i] else WRITTEN, None)
+        else:
+            results[row["id"]] = _why_missed(conn, definition, row)
 
 
 @contextmanager
@@ -139,15 +142,16 @@ def _transaction(services: Services, definition: SourceDef, own: Connection) -> 
 
 def _write_batch(services: Services, definition: SourceDef, conn: Connection,
                  claimed: list[dict]) -> dict[int, tuple[str, str | None]]:
-    """Write ``claimed`` back: at once, or, when the table refuses a row, again row by row."""
-    try:
-        with _transaction(services, definition, conn) as team:
-            return _write_rows(team, definition, claimed, isolate=False)
-    except _WRITE_ERRORS as exc:
-        if not refused_by_row(exc):
-            raise
+    """Write ``claimed`` back in one transaction: one statement per outcome, a refused row alone."""
+    results: dict[int, tuple[str, str | None]] = {}
     with _transaction(services, definition, conn) as team:
-        return _write_rows(team, definition, claimed, isolate=True)
+        types = column_types(team, definition)
+        rendered: dict[str, str | None] = {}
+        for outcome in ("solved", "failed"):
+            rows = [r for r in claimed if r["outcome"] == outcome]
+            if rows:
+                _write_group(team, definition, outcome, rows, types, rendered, results)
+    return results
 
 
 def _settle(services: Services, definition: SourceDef, conn: Connection, claimed: list[dict],
@@ -164,7 +168,7 @@ def _settle(services: Services, definition: SourceDef, conn: Connection, claimed
             continue
         if result == CHANGED and detail is not None:
             models = models if models is not None else {q.name: q.burst for q in services.quotas.all()}
-            why = ask_again(conn, definition, row, detail, models)
+            why = ask_again(conn, definition, row, detail, models, services.settings.max_prompt_bytes)
             if why is not None:
                 log.warning("source %s: row %.80r changed since it was read, not asked again: %s", definition.name,
                             row["key"], why)

@@ -1,0 +1,75 @@
+"""A batch of write-backs in one statement on the team's table.
+
+The same guarded, fenced UPDATE as :func:`balancer.sources.catalog.write_back`,
+for many rows at once: their values arrive as arrays (``unnest``), each cast
+to its column's type as the catalog names it (without a length: a value too
+long for a ``varchar(n)`` is refused by the column, never cut), and the
+statement returns which rows it wrote and whether each, written, still matches
+``where``. One round trip for a batch instead of one per row.
+
+When the table refuses a value (:func:`balancer.sources.catalog.refused_by_row`),
+the batch is halved, each half in a savepoint of its own, down to the one row
+that is refused: a batch of n rows with one refused row takes about 2 log2(n)
+statements, not n.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg2 import sql
+from sqlalchemy.engine import Connection
+
+from balancer.sources.catalog import _fingerprint, _render, _sets, _table, _where
+from balancer.sources.definition import SourceDef
+
+#: Each column's type, without its length or precision (``character varying``, not ``(20)``).
+_TYPES = """
+SELECT attname, format_type(atttypid, NULL) FROM pg_attribute
+WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped
+"""
+
+
+def column_types(conn: Connection, definition: SourceDef) -> dict[str, str]:
+    """The source's columns and their types, as the team's catalog names them now."""
+    name = _render(conn, _table(definition))
+    return {column: kind for column, kind in conn.exec_driver_sql(_TYPES, (name,))}
+
+
+def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> sql.Composable | None:
+    """The UPDATE of many rows ending as ``outcome``; it returns each written row's index
+    and whether, written, it still matches ``where``. None: nothing to write."""
+    sets = _sets(definition, outcome)
+    if not sets:
+        return None
+    values = [sql.Identifier(f"balancer_v{i}") for i in range(len(sets))]
+    assignments = sql.SQL(", ").join(
+        sql.SQL("{} = CAST(balancer_v.{} AS {})").format(sql.Identifier(col), value, sql.SQL(types[col]))
+        for (_, col), value in zip(sets, values, strict=True))
+    arrays = sql.SQL(", ").join([sql.SQL("%s::text[]")] * (len(sets) + 2) + [sql.SQL("%s::int[]")])
+    table, key = _table(definition), sql.Identifier(definition.key)
+    return sql.SQL(
+        "UPDATE {table} SET {sets} FROM unnest({arrays}) AS balancer_v({values}, balancer_key, balancer_fp, balancer_i) "
+        "WHERE {table}.{key} = CAST(balancer_v.balancer_key AS {key_type}) AND {cond} AND {fingerprint} = balancer_v.balancer_fp "
+        "RETURNING balancer_v.balancer_i, coalesce({cond}, false)").format(
+        table=table, sets=assignments, arrays=arrays, values=sql.SQL(", ").join(values), key=key,
+        key_type=sql.SQL(types[definition.key]), cond=_where(definition), fingerprint=_fingerprint(definition))
+
+
+def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: list[dict[str, Any]],
+               types: dict[str, str], rendered: dict[str, str | None]) -> dict[int, bool] | None:
+    """Write ``tasks`` (all ending as ``outcome``) in one statement in the caller's transaction:
+    for each task written (by its index in ``tasks``), whether its row still matches ``where``.
+    None: the source writes nothing back for ``outcome``. A refused value raises."""
+    if outcome not in rendered:
+        query = batch_query(definition, outcome, types)
+        rendered[outcome] = None if query is None else _render(conn, query)
+    text = rendered[outcome]
+    if text is None:
+        return None
+    value = {"answer": "answer", "model": "model", "error": "error"}
+    status = definition.solved if outcome == "solved" else definition.failed
+    columns = [[status for _ in tasks] if role == "status" else [t.get(value[role]) for t in tasks]
+               for role, _ in _sets(definition, outcome)]
+    params = (*columns, [t["key"] for t in tasks], [t.get("fingerprint") for t in tasks], list(range(len(tasks))))
+    return {int(i): bool(matches) for i, matches in conn.exec_driver_sql(text, params)}
