@@ -143,8 +143,9 @@ def test_a_check_refusing_ten_of_fifty_rows_leaves_forty_written_and_ten_unwrita
 
 def test_a_varchar_20_answer_column_refuses_the_long_answers_alone(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    """Issue 38 finding 5: an answer longer than a ``varchar(20)`` fails its own row, not its batch."""
-    legacy.execute("ALTER TABLE prompts ALTER COLUMN answer TYPE varchar(20); "
+    """Issue 38 finding 5: an answer longer than a ``varchar(20)`` fails its own row, not its batch
+    (and a value for a ``char(10)`` column is written whole, never cut to its type's default length)."""
+    legacy.execute("ALTER TABLE prompts ALTER COLUMN answer TYPE varchar(20), ALTER COLUMN status TYPE char(10); "
                    "INSERT INTO prompts (body) SELECT CASE WHEN mod(g, 5) = 0 THEN 'a much longer prompt ' || g "
                    "ELSE 'q' || g END FROM generate_series(1, 20) g")
     assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
@@ -152,7 +153,7 @@ def test_a_varchar_20_answer_column_refuses_the_long_answers_alone(
     assert solve_pending(svc) == 20
     drained = drain(svc)
     assert (drained.written, drained.refused) == (16, 4)
-    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved'") == 16
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved' AND answer = 'answer to ' || body") == 16
     with svc.engine.connect() as conn:
         errors = conn.execute(sa.select(source_outbox.c.last_error)).scalars().all()
     assert len(errors) == 4 and all("character varying(20)" in e for e in errors)

@@ -23,10 +23,12 @@ from sqlalchemy.engine import Connection
 from balancer.sources.catalog import _fingerprint, _render, _sets, _table, _where
 from balancer.sources.definition import SourceDef
 
-#: Each column's type, without its length or precision (``character varying``, not ``(20)``).
+#: Each column's type by its catalog name, without its length or precision (``pg_catalog.varchar``,
+#: not ``(20)``; ``pg_catalog.bpchar``, not ``character``, which a cast would read as ``character(1)``).
 _TYPES = """
-SELECT attname, format_type(atttypid, NULL) FROM pg_attribute
-WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT attisdropped
+SELECT a.attname, quote_ident(n.nspname) || '.' || quote_ident(t.typname)
+FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_namespace n ON n.oid = t.typnamespace
+WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped
 """
 
 
