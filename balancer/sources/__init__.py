@@ -10,10 +10,14 @@ each ended task back to its own row.
 - ``rows``: a table's rows to tasks, the cursor's moves (pure);
 - ``schema``: balancer's tables for declared sources and their outbox;
 - ``store``: declared sources, their import (audited) and cursors;
-- ``catalog``: the only SQL balancer runs on the team's table (checks at import,
-  the read, the guarded write-back);
+- ``catalog``: the SQL balancer runs on the team's table (checks at import,
+  the read, the guarded and fenced write-back of one row), and ``batchwrite``:
+  that write-back for a batch in one statement;
 - ``ingest``: rows past the cursor become tasks;
-- ``writeback``: ended tasks back to their rows (the outbox, drained on a thread);
+- ``writeback``: ended tasks back to their rows (drained on a thread), each row
+  alone; ``outbox``: the write-backs' states (waiting, conflict, changed,
+  unwritable...) and the command's retry and drop; ``reask``: a row changed
+  since it was read, or re-opened, asked again;
 - ``weights`` and ``budgets``: every source's share and budget per day (audited);
 - ``reads`` and ``metrics``: per-source status, for ``status``, the console and
   the metrics.
