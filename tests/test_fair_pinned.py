@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from balancer.domain.fairshare import Shares, claim_sizes, fill
+from balancer.domain.fairshare import UNDECLARED, Shares, claim_sizes, claim_weights, fill, refund
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,39 @@ def test_pinned_tasks_take_turns_like_any_other_in_the_pure_rule() -> None:
     order, _ = fill(queues, 10, {}, Shares())
     assert [t.source for t in order[:4]] == ["backfill", "live", "backfill", "live"]
     assert sum(t.source == "live" for t in order) == 5
+
+
+def test_thousands_of_undeclared_names_share_one_share_beside_a_declared_source() -> None:
+    """Issue 38 finding 12: 2,000 backfill source names took 2,000 of every 2,001 turns from a
+    live source. The names no one declared a weight for share one flow, taking turns within
+    it by name, so a declared live source gets half the window, round after round."""
+    names = {f"b{i:04}": [T(f"b{i:04}", j) for j in range(3)] for i in range(2000)}
+    live = [T("live", i) for i in range(40)]
+    state, served = Shares(), []
+    for _ in range(4):  # rounds of 10, the state carried over
+        order, state = fill({"live": live[len([t for t in served if t.source == "live"]):], **names}, 10,
+                            {"live": 1}, state, declared={"live"})
+        served += order
+    assert sum(t.source == "live" for t in served) == 20
+    backfill = [t.source for t in served if t.source != "live"]
+    assert backfill == [f"b{i:04}" for i in range(20)]  # each name its turn, in order, across rounds
+    assert set(state.deficits) == {"live", UNDECLARED} and state.inner == "b0019"
+
+
+def test_undeclared_names_alone_take_turns_as_before() -> None:
+    """Issue 38 finding 12: with no weight set anywhere (two JSONL sources), the two still alternate."""
+    order, _ = fill({"backfill": [T("backfill", i) for i in range(10)], "live": [T("live", i) for i in range(3)]},
+                    6, {}, Shares(), declared=set())
+    assert [t.source for t in order] == ["backfill", "live"] * 3
+
+
+def test_claim_weights_and_refunds_go_to_the_flow() -> None:
+    """Issue 38 finding 12: each undeclared name claims its part of the group's share; a refund of
+    an undeclared source's task goes back to the group's deficit."""
+    parts = claim_weights(["live", *(f"b{i}" for i in range(2000))], {"live": 1}, {"live"})
+    sizes = claim_sizes(parts, 32)
+    assert sizes["live"] == 32 and sizes["b42"] == 1
+    assert refund(Shares({UNDECLARED: 0, "live": 5}, "live"), [(UNDECLARED, 400)]).deficits[UNDECLARED] == 400
 
 
 # -- the dispatcher's rounds, on real PostgreSQL and Redis -----------------------------------------
@@ -89,6 +122,29 @@ def test_a_live_source_gets_its_share_beside_a_pinned_backfill(svc) -> None:  # 
     order = run_rounds(svc, 10)
     assert len(order) == 40
     assert sum(task in live for task in order) >= 16, order  # half of 40 calls, less a round's slack
+
+
+def test_a_declared_live_source_gets_its_share_beside_2000_pinned_backfill_names(svc) -> None:  # noqa: ANN001
+    """Issue 38 finding 12: a pinned backfill spread over 2,000 source names beat a live source
+    (4 of 20 answers in 120 s). Declared with a weight, the live source has half the calls."""
+    from balancer.domain.quota import Quota
+    from balancer.sources.weights import set_weight
+
+    svc.quotas.replace_all([Quota("x", 4, 10**9, slow_start=False)])
+    from balancer.domain.intake import parse_tasks
+    from balancer.storage.intake import insert_tasks
+
+    lines = [{"prompt": f"backfill-{i}", "source": f"backfill-{i % 2000:04}", "models": ["x"]} for i in range(4000)]
+    rows, errors = parse_tasks("\n".join(json.dumps(line) for line in lines),
+                               models={q.name: q.burst for q in svc.quotas.all()})
+    assert not errors
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+        set_weight(conn, "live", 1, by="test")
+    live = set(add(svc, "live", 20))
+    order = run_rounds(svc, 10)
+    assert len(order) == 40
+    assert sum(task in live for task in order) >= 16, order
 
 
 @pytest.mark.e2e

@@ -19,6 +19,7 @@ from balancer.domain.fairshare import Shares
 
 _DEFICIT = "d:"
 _LAST = "last"
+_INNER = "inner"
 
 
 def load(client: redis.Redis, namespace: str) -> Shares:
@@ -26,16 +27,19 @@ def load(client: redis.Redis, namespace: str) -> Shares:
     raw: dict[bytes, bytes] = client.hgetall(keys.fair_shares(namespace))  # type: ignore[assignment]  # sync client
     deficits: dict[str, int] = {}
     last: str | None = None
+    inner: str | None = None
     for name, value in raw.items():
         field, text = name.decode(), value.decode()
         if field == _LAST:
             last = text
+        elif field == _INNER:
+            inner = text
         elif field.startswith(_DEFICIT):
             try:
                 deficits[field[len(_DEFICIT):]] = int(text)
             except ValueError:  # not ours: start that source from nothing
                 continue
-    return Shares(deficits, last)
+    return Shares(deficits, last, inner)
 
 
 def save(client: redis.Redis, namespace: str, shares: Shares, shared_for_ms: int) -> None:
@@ -45,6 +49,8 @@ def save(client: redis.Redis, namespace: str, shares: Shares, shared_for_ms: int
     mapping: dict[FieldT, EncodableT] = {_DEFICIT + source: int(d) for source, d in shares.deficits.items()}
     if shares.last is not None:
         mapping[_LAST] = shares.last
+    if shares.inner is not None:
+        mapping[_INNER] = shares.inner
     pipe = client.pipeline(transaction=True)
     pipe.delete(key)
     if mapping:

@@ -28,7 +28,7 @@ gives their estimates back.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -82,11 +82,28 @@ class Shares:
     """The round robin's state between rounds."""
 
     deficits: Mapping[str, int] = field(default_factory=dict)
-    last: str | None = None  # the source served last; the next turn goes to the one after it
+    last: str | None = None  # the flow served last; the next turn goes to the one after it
+    inner: str | None = None  # the undeclared source served last; the group's next turn goes to the one after it
+
+
+#: The flow the sources no one declared a weight for share (a key of ``Shares.deficits``): never
+#: a source's name, which may not hold a NUL character.
+UNDECLARED = "\x00undeclared"
+
+
+def flow_of(source: str, declared: Collection[str] | None) -> str:
+    """The flow a source's tasks are charged to: its own when declared (or when no one declares
+    anything: ``declared`` None), else :data:`UNDECLARED`.
+
+    >>> flow_of("crm", {"crm"}), flow_of("crm", None), flow_of("b7", {"crm"}) == UNDECLARED
+    ('crm', 'crm', True)
+    """
+    return source if declared is None or source in declared else UNDECLARED
 
 
 def fill(queues: Mapping[str, Sequence[W]], limit: int, weights: Mapping[str, int], shares: Shares,
-         *, default_weight: int = 1, quantum: int = DEFAULT_QUANTUM) -> tuple[list[W], Shares]:
+         *, default_weight: int = 1, quantum: int = DEFAULT_QUANTUM,
+         declared: Collection[str] | None = None) -> tuple[list[W], Shares]:
     """Up to ``limit`` tasks from ``queues`` (each a source's head, priority then
     age), in the order the window admits them, and the state after charging them.
 
@@ -107,54 +124,92 @@ def fill(queues: Mapping[str, Sequence[W]], limit: int, weights: Mapping[str, in
     ['u0', 'a0', 'a1']
     >>> len(fill({"a": a}, 4, {}, Shares())[0])
     4
+
+    With ``declared``, the sources not in it share one flow of ``default_weight``, taking turns
+    within it by name: a backfill over many names weighs as one source beside a declared one.
+
+    >>> names = {f"n{i:02}": [T(f"n{i:02}", 0, 400)] for i in range(50)}
+    >>> [t.name for t in fill({"live": b, **names}, 6, {"live": 1}, Shares(), declared={"live"})[0]]
+    ['n00', 'b0', 'n01', 'b1', 'n02', 'b2']
     """
     heads = {source: 0 for source, queue in queues.items() if queue}
-    # A source with nothing pending banks nothing (a DRR queue that empties resets).
-    deficits = {source: max(0, int(shares.deficits.get(source, 0))) for source in heads}
-    ring = sorted(heads)
-    last = shares.last
+    members: dict[str, list[str]] = {}
+    for source in sorted(heads):
+        members.setdefault(flow_of(source, declared), []).append(source)
+    # A flow with nothing pending banks nothing (a DRR queue that empties resets).
+    deficits = {flow: max(0, int(shares.deficits.get(flow, 0))) for flow in members}
+    ring = sorted(members)
+    last, inner = shares.last, shares.inner
+
+    def head(flow: str) -> str:
+        """The source whose task is the flow's next: the flow's own, or the undeclared one
+        after ``inner`` whose head has the group's top priority."""
+        pending = [s for s in members[flow] if s in heads]
+        if len(pending) == 1:
+            return pending[0]
+        top = max(queues[s][heads[s]].priority for s in pending)
+        return next(s for s in _after(pending, inner) if queues[s][heads[s]].priority == top)
+
     out: list[W] = []
     while len(out) < limit and heads:
-        top = max(queues[s][heads[s]].priority for s in heads)
-        tier = [s for s in _after(ring, last) if s in heads and queues[s][heads[s]].priority == top]
-        payer = next((s for s in tier if deficits[s] >= _cost(queues[s][heads[s]])), None)
+        now = {flow: head(flow) for flow in members if any(s in heads for s in members[flow])}
+        top = max(queues[s][heads[s]].priority for s in now.values())
+        tier = [f for f in _after(ring, last) if f in now and queues[now[f]][heads[now[f]]].priority == top]
+        payer = next((f for f in tier if deficits[f] >= _cost(queues[now[f]][heads[now[f]]])), None)
         if payer is None:
-            grants = {s: max(1, weights.get(s, default_weight)) * quantum for s in tier}
-            k = min(math.ceil((_cost(queues[s][heads[s]]) - deficits[s]) / grants[s]) for s in tier)
-            for s in tier:
-                deficits[s] += k * grants[s]
+            grants = {f: max(1, weights.get(f, default_weight)) * quantum for f in tier}
+            k = min(math.ceil((_cost(queues[now[f]][heads[now[f]]]) - deficits[f]) / grants[f]) for f in tier)
+            for f in tier:
+                deficits[f] += k * grants[f]
             continue
-        task = queues[payer][heads[payer]]
+        source = now[payer]
+        task = queues[source][heads[source]]
         out.append(task)
         deficits[payer] -= _cost(task)
-        heads[payer] += 1
-        if heads[payer] == len(queues[payer]):
-            del heads[payer]
+        heads[source] += 1
+        if heads[source] == len(queues[source]):
+            del heads[source]
         last = payer
-    return out, Shares(deficits, last)
+        if payer == UNDECLARED:
+            inner = source
+    return out, Shares(deficits, last, inner)
 
 
-def claim_sizes(weights: Mapping[str, int], limit: int) -> dict[str, int]:
+def claim_sizes(weights: Mapping[str, float], limit: int) -> dict[str, int]:
     """How many of each source's head to claim for a window of ``limit``: twice its share of
     the window by weight (a source that banked a deficit may take more than its share), at
     least one, at most ``limit``. So thousands of sources cost a task or two each, not a window each.
 
-    >>> claim_sizes({"live": 2000, **{f"b{i}": 1 for i in range(2000)}}, 32)["live"], \
-    ...     claim_sizes({"live": 2000, **{f"b{i}": 1 for i in range(2000)}}, 32)["b7"]
+    >>> sizes = claim_sizes({"live": 1, **{f"b{i}": 1 / 2000 for i in range(2000)}}, 32)
+    >>> sizes["live"], sizes["b7"]
     (32, 1)
     >>> claim_sizes({"a": 1, "b": 1}, 10)
     {'a': 10, 'b': 10}
     """
-    total = sum(max(1, w) for w in weights.values()) or 1
-    return {s: max(1, min(limit, math.ceil(2 * limit * max(1, w) / total))) for s, w in weights.items()}
+    total = sum(max(0.0, w) for w in weights.values()) or 1.0
+    return {s: max(1, min(limit, math.ceil(2 * limit * max(0.0, w) / total))) for s, w in weights.items()}
+
+
+def claim_weights(sources: Iterable[str], weights: Mapping[str, int], declared: Collection[str],
+                  default_weight: int = 1) -> dict[str, float]:
+    """Each source's part of the window for :func:`claim_sizes`: a declared source its weight,
+    an undeclared one its equal part of the group's ``default_weight``.
+
+    >>> claim_weights(["live", "b1", "b2"], {"live": 2}, {"live"})
+    {'live': 2, 'b1': 0.5, 'b2': 0.5}
+    """
+    names = list(sources)
+    undeclared = [s for s in names if s not in declared]
+    return {s: weights.get(s, default_weight) if s in declared else default_weight / len(undeclared) for s in names}
 
 
 def refund(shares: Shares, unserved: Iterable[tuple[str, int]]) -> Shares:
-    """Give back the estimates of (source, estimated tokens) charged by :func:`fill`
-    but not served (the admission refused them, or no ready list had room).
+    """Give back the estimates of (flow, estimated tokens) charged by :func:`fill`
+    but not served (the admission refused them, or no ready list had room); a
+    source's flow is :func:`flow_of` it.
 
     >>> refund(Shares({"a": 100, "b": 0}, "a"), [("a", 400), ("a", 50)])
-    Shares(deficits={'a': 550, 'b': 0}, last='a')
+    Shares(deficits={'a': 550, 'b': 0}, last='a', inner=None)
 
     A refunded deficit is at most what it was before the charge, so refunds
     never grow a source's claim beyond what a grant gave it.
@@ -163,7 +218,7 @@ def refund(shares: Shares, unserved: Iterable[tuple[str, int]]) -> Shares:
     for source, tokens in unserved:
         if source in deficits:
             deficits[source] += max(0, tokens)
-    return Shares(deficits, shares.last)
+    return Shares(deficits, shares.last, shares.inner)
 
 
 def _cost(task: Work) -> int:

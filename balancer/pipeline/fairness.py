@@ -9,6 +9,10 @@ state. While several sources share, the pinned tasks an open model may take
 are in their sources' queues like any other (the dispatcher then claims no
 pinned lane ahead of them; issue 38 finding 12), and each source's head is
 claimed by its share of the window (:func:`balancer.domain.fairshare.claim_sizes`).
+A source with a weight set (a source table, or ``balancer source set NAME
+--weight``) has a share of its own; the names no one set a weight for share one
+share between them, taking turns by name, so a backfill spread over thousands
+of source names weighs as one source (:func:`balancer.domain.fairshare.flow_of`).
 With one source pending there is nothing to share: the window is
 claimed as with fairness off (:func:`balancer.storage.claims.claim_window`,
 which never reads tasks no open model may take), and no state is read or
@@ -39,6 +43,7 @@ class Window:
 
     tasks: list[PendingTask]
     shares: fairshare.Shares | None = None
+    declared: frozenset[str] = frozenset()  # the sources with a share of their own (a weight set)
 
 
 @dataclass(frozen=True)
@@ -75,22 +80,24 @@ def claim_flexible(services: Services, conn: Connection, limit: int, open_models
         queues = claim_by_source(conn, who.kept, limit, open_models)
         return Window(sorted((task for queue in queues.values() for task in queue),
                              key=lambda t: (-t.priority, t.id))[:limit])
-    declared = weights(conn)
-    shares = {source: declared.get(source, DEFAULT_WEIGHT) for source in who.kept}
-    # Each source's share of the window twice over: thousands of sources cost a task or two each.
-    queues = claim_by_source(conn, who.kept, fairshare.claim_sizes(shares, limit), open_models)
+    declared = weights(conn)  # a source with a weight set has a share of its own; the others share one
+    # Each source's part of the window twice over: thousands of sources cost a task or two each.
+    parts = fairshare.claim_weights(who.kept, declared, declared.keys(), DEFAULT_WEIGHT)
+    queues = claim_by_source(conn, who.kept, fairshare.claim_sizes(parts, limit), open_models)
     if len(queues) <= 1:
         return Window([task for queue in queues.values() for task in queue][:limit])
     state = shared_state.load(services.redis, services.settings.namespace)
-    order, after = fairshare.fill(queues, limit, shares, state, default_weight=DEFAULT_WEIGHT)
-    return Window(order, after)
+    order, after = fairshare.fill(queues, limit, declared, state, default_weight=DEFAULT_WEIGHT,
+                                  declared=declared.keys())
+    return Window(order, after, frozenset(declared))
 
 
 def settle(services: Services, window: Window, served: Collection[int]) -> None:
     """Refund the window's tasks not in ``served`` (task ids) and store the state."""
     if window.shares is None:
         return
-    unserved: Sequence[tuple[str, int]] = [(t.source, t.estimated_tokens) for t in window.tasks if t.id not in served]
+    unserved: Sequence[tuple[str, int]] = [(fairshare.flow_of(t.source, window.declared), t.estimated_tokens)
+                                           for t in window.tasks if t.id not in served]
     shared_state.save(services.redis, services.settings.namespace, fairshare.refund(window.shares, unserved),
                       fairshare.SHARED_FOR_MS)
 
