@@ -19,6 +19,16 @@ and waits. Either way:
   it. (When every thread wrote its own answer, 120 threads in one process
   held all five connections through a stall, and starts queued behind them.)
 
+**One answer never fails the others.** An answer PostgreSQL cannot store (a NUL
+character, a lone surrogate, tokens past an ``integer`` column:
+:func:`~balancer.storage.transitions.unstorable`) is kept out of its batch's
+statement; a statement PostgreSQL refuses anyway is written again one answer at
+a time. Either way the answer refused ends its task ``failed`` with the reason
+(and its call's ledger row), under its own guard: the call was made and paid,
+and the task is never called again for an answer that cannot be kept (nor
+stored altered: a stripped answer would be written to a team's table as if it
+were the model's). An outage is not a refusal: it is retried as before.
+
 The guarantees: each answer under its own admission guard (exactly once),
 retried while PostgreSQL is unreachable until the earliest deadline of its
 batch, and a chain returns (and its message is acknowledged) only after its
@@ -46,10 +56,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from balancer.errors import printable
 from balancer.storage.ledger import Usage, record_usage
 from balancer.storage.retry import SOLVE_DEADLINE, with_db_retry
-from balancer.storage.transitions import Answer, Written, mark_solved, mark_solved_many
+from balancer.storage.transitions import Answer, Written, mark_solved, mark_solved_many, mark_unstorable, unstorable
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +84,19 @@ def _aligned(group: list[_Pending], written: list[Written | None]) -> list[Writt
 
 def _solved_one(engine: Engine, answer: Answer, usage: tuple[Usage, ...]) -> list[Written | None]:
     return [mark_solved(engine, answer, usage)]
+
+
+def _rows_one(engine: Engine, usage: tuple[Usage, ...]) -> list[Written | None]:
+    record_usage(engine, usage)
+    return [None]
+
+
+def _plain_one(engine: Engine, answer: Answer, usage: tuple[Usage, ...]) -> list[Written | None]:
+    return mark_solved_many(engine, [answer], usage)
+
+
+def _refused_one(engine: Engine, answer: Answer, reason: str, usage: tuple[Usage, ...]) -> list[Written | None]:
+    return [mark_unstorable(engine, answer, reason, usage)]
 
 
 def _log_unrecorded(outcome: Future[str]) -> None:
@@ -216,7 +242,15 @@ class AnswerWriter:
     def _write(self, batch: list[_Pending]) -> None:
         """The plain answers in one statement, with every ledger row of theirs and of the
         calls that got no answer (alone in a statement when no plain answer waits);
-        each hedge's answer in a statement of its own, with its row."""
+        each hedge's answer in a statement of its own, with its row. An answer PostgreSQL
+        cannot store (:func:`~balancer.storage.transitions.unstorable`) is kept out of the
+        statement: its task ends failed with the reason, in a statement of its own."""
+        refused: set[int] = set()
+        for p in batch:
+            if p.answer is not None and (reason := unstorable(p.answer)) is not None:
+                refused.add(id(p))
+                self._write_group([p], partial(_refused_one, self.engine, p.answer, reason, p.usage), isolate=False)
+        batch = [p for p in batch if id(p) not in refused]
         plain = [p.answer for p in batch if p.answer is not None and p.answer.hedge_model is None]
         rows = [p for p in batch if p.answer is None or p.answer.hedge_model is None]
         usage = [u for p in rows for u in p.usage]
@@ -232,16 +266,42 @@ class AnswerWriter:
             if hedge.answer is not None and hedge.answer.hedge_model is not None:
                 self._write_group([hedge], partial(_solved_one, self.engine, hedge.answer, hedge.usage))
 
-    @staticmethod
-    def _write_group(group: list[_Pending], write: Callable[[], list[Written | None]]) -> None:
-        """One statement for ``group``, retried until its earliest deadline; each solve gets its outcome."""
+    def _write_one(self, p: _Pending) -> None:
+        """One answer (or one call's ledger rows) in a statement of its own."""
+        if p.answer is None:
+            self._write_group([p], partial(_rows_one, self.engine, p.usage))
+        elif p.answer.hedge_model is not None:
+            self._write_group([p], partial(_solved_one, self.engine, p.answer, p.usage))
+        else:
+            self._write_group([p], partial(_plain_one, self.engine, p.answer, p.usage))
+
+    def _write_group(self, group: list[_Pending], write: Callable[[], list[Written | None]], *,
+                     isolate: bool = True) -> None:
+        """One statement for ``group``, retried until its earliest deadline; each solve gets its outcome.
+
+        A statement PostgreSQL refuses (not an outage) fails none of the others: a group
+        is written again one answer at a time, and an answer refused alone ends its task
+        failed with the reason (:func:`~balancer.storage.transitions.mark_unstorable`),
+        so it is never called again; only what even that cannot write reaches its solve."""
         deadlines = [p.deadline for p in group if p.deadline is not None]
         token = SOLVE_DEADLINE.set(min(deadlines) if deadlines else time.monotonic() + DEFAULT_DEADLINE_S)
         try:
             written = with_db_retry(write)
-        except Exception as exc:  # noqa: BLE001 - every waiting solve gets it
-            for p in group:
-                p.outcome.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - every waiting solve gets it, or its own write
+            refused = _refused_by_database(exc) if isolate else None
+            if refused is not None and len(group) > 1:
+                log.warning("a batch of %d answers was refused (%s); writing each alone", len(group), refused)
+                for p in group:
+                    self._write_one(p)
+            elif refused is not None and group[0].answer is not None:
+                answer = group[0].answer
+                log.error("task %d: its answer could not be stored (%s); the task fails", answer.task_id, refused)
+                self._write_group(group, partial(_refused_one, self.engine, answer,
+                                                 f"the answer could not be stored: {refused}", group[0].usage),
+                                  isolate=False)
+            else:
+                for p in group:
+                    p.outcome.set_exception(exc)
             return
         finally:
             SOLVE_DEADLINE.reset(token)
@@ -250,3 +310,14 @@ class AnswerWriter:
                 p.outcome.set_result(p.then(w))
             except Exception as exc:  # noqa: BLE001 - the solve that handed it over gets it
                 p.outcome.set_exception(exc)
+
+
+def _refused_by_database(exc: BaseException) -> str | None:
+    """What PostgreSQL (or the driver, before sending) refused in a write, in one line; None for
+    an outage (the write was retried until its deadline: the answer may still be storable)."""
+    if isinstance(exc, (OperationalError, PoolTimeout)) or (isinstance(exc, DBAPIError) and exc.connection_invalidated):
+        return None
+    if not isinstance(exc, (DBAPIError, ValueError, UnicodeError)):
+        return None  # a bug, not the data: the solve gets it
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return printable(lines[0] if lines else type(exc).__name__, 200)

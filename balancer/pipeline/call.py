@@ -314,13 +314,18 @@ class Call:
         return self.answer
 
     def _won(self, outcome: str, written: Written | None) -> str:
-        """After the write: cut off the task's other call if it had one; the outcome's name."""
+        """After the write: cut off the task's other call if it had one; the outcome's name
+        (``unstorable``: the answer could not be stored, and the task failed with the reason)."""
         if written is None:
             log.info("task %d: the answer of its call on %s was not written: the task was already finished or "
                      "taken from this call", self.msg.task_id, self.msg.model)
             return "duplicate"
         if written.other_call is not None:
             cancel_call(self.services.redis, self.services.settings.namespace, written.other_call)
+        if written.refused is not None:
+            log.warning("task %d: the answer of its call on %s cannot be stored (%s): the task failed, and is not "
+                        "called again", self.msg.task_id, self.msg.model, written.refused)
+            return "unstorable"
         return outcome
 
     def end(self) -> None:

@@ -53,6 +53,7 @@ solved             as soon as the backend answers: settle the tokens as the
 duplicate          the answer's write found the task finished, or no longer
                    under this admission: nothing written (logged) but the
                    call's ledger row
+unstorable         the answer cannot be stored: its task failed, alone (see answers.py)
 cancelled          the task's other call answered first and cut this one off
 =================  ==============================================================
 

@@ -24,7 +24,7 @@ process dies is lost, as an answer is.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from datetime import datetime
 from typing import Any
 
@@ -79,6 +79,12 @@ def usage_params(usage: Sequence[Usage]) -> dict[str, list[Any]]:
     """The bound arrays of ``usage``, for :data:`_INSERT` or a statement :func:`with_usage` built."""
     columns = list(zip(*(astuple(u) for u in usage), strict=True)) if usage else [()] * len(_COLUMNS)
     return {f"u_{name}": list(values) for name, values in zip(_COLUMNS, columns, strict=True)}
+
+
+def storable_usage(usage: Sequence[Usage], most: int) -> list[Usage]:
+    """``usage`` with each row's tokens held to 0..``most`` (what its columns hold)."""
+    return [replace(u, prompt_tokens=max(0, min(most, u.prompt_tokens)),
+                    completion_tokens=max(0, min(most, u.completion_tokens))) for u in usage]
 
 
 def with_usage(statement: Any) -> Any:

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Engine
 
-from balancer.storage.ledger import Usage, usage_params, with_usage
+from balancer.storage.ledger import Usage, storable_usage, usage_params, with_usage
 from balancer.storage.schema import tasks
 from balancer.storage.statements import (
     ADMISSION_ID,
@@ -134,9 +134,12 @@ def _guarded_update(engine: Engine, task_id: int, admission: str, /, *, unhedged
 @dataclass(frozen=True)
 class Written:
     """An answer stored. ``other_call``: the admission id of the task's other call
-    when it was hedged, the loser of the race, to be cancelled; else None."""
+    when it was hedged, the loser of the race, to be cancelled; else None.
+    ``refused``: the answer could not be stored, and its task failed with this reason
+    (:func:`mark_unstorable`)."""
 
     other_call: str | None = None
+    refused: str | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,57 @@ class Answer:
     prompt_tokens: int
     completion_tokens: int
     hedge_model: str | None = None
+
+
+#: The largest value an ``integer`` column (a task's or a ledger row's tokens) holds.
+MAX_INT = 2**31 - 1
+
+
+def unstorable(answer: Answer) -> str | None:
+    """Why PostgreSQL could not store ``answer``, or None: a NUL character or a lone
+    surrogate in its text, or reported tokens outside an ``integer`` column.
+
+    >>> unstorable(Answer(1, "a", "fine", 10, 2)) is None
+    True
+    >>> unstorable(Answer(1, "a", "bad\x00", 10, 2))
+    "the model's answer contains a NUL character (PostgreSQL's text cannot hold one)"
+    >>> unstorable(Answer(1, "a", "ok", 2**31, 2))
+    'the backend reported 2,147,483,648 prompt tokens, more than a task can record (2,147,483,647)'
+    """
+    if "\x00" in answer.answer:
+        return "the model's answer contains a NUL character (PostgreSQL's text cannot hold one)"
+    try:
+        answer.answer.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the model's answer is not valid UTF-8 (a lone surrogate)"
+    for kind, value in (("prompt", answer.prompt_tokens), ("completion", answer.completion_tokens)):
+        if not 0 <= value <= MAX_INT:
+            return f"the backend reported {value:,} {kind} tokens, more than a task can record ({MAX_INT:,})"
+    return None
+
+
+def _failed(error: Any) -> dict[str, Any]:
+    return dict(status="failed", error=error, deadline=None, updated_at=sa.func.now())
+
+
+# An answer that cannot be stored ends its task failed, under the call's guard (a hedge's under the hedge's).
+_REFUSE = with_usage(sa.update(tasks).where(admission_guard(TASK_ID, ADMISSION_ID))
+                     .values(**_failed(sa.bindparam("b_error"))).returning(tasks.c.hedge_admission_id))
+_REFUSE_HEDGE = with_usage(sa.update(tasks).where(hedge_guard(TASK_ID, ADMISSION_ID))
+                           .values(model=sa.bindparam("b_model"), **_failed(sa.bindparam("b_error")))
+                           .returning(tasks.c.admission_id))
+
+
+def mark_unstorable(engine: Engine, answer: Answer, reason: str, usage: Sequence[Usage] = ()) -> Written | None:
+    """The task of an answer PostgreSQL cannot store (:func:`unstorable`, or a write it refused)
+    ends ``failed`` with ``reason``, so it is never called again for it; ``usage``'s ledger rows
+    (the call was made, and paid) in the same statement, their tokens held to :data:`MAX_INT`.
+    None if the task was already finished or taken from this call."""
+    params = {"b_task_id": answer.task_id, "b_admission_id": answer.admission_id, "b_error": reason,
+              "b_model": answer.hedge_model, **usage_params(storable_usage(usage, MAX_INT))}
+    with one_statement(engine) as conn:
+        row = conn.execute(_REFUSE if answer.hedge_model is None else _REFUSE_HEDGE, params).first()
+    return None if row is None else Written(row[0], refused=reason)
 
 
 def mark_solved(engine: Engine, answer: Answer, usage: Sequence[Usage] = ()) -> Written | None:
