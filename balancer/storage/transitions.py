@@ -165,7 +165,7 @@ def unstorable(answer: Answer) -> str | None:
 
     >>> unstorable(Answer(1, "a", "fine", 10, 2)) is None
     True
-    >>> unstorable(Answer(1, "a", "bad\x00", 10, 2))
+    >>> unstorable(Answer(1, "a", "bad\\x00", 10, 2))
     "the model's answer contains a NUL character (PostgreSQL's text cannot hold one)"
     >>> unstorable(Answer(1, "a", "ok", 2**31, 2))
     'the backend reported 2,147,483,648 prompt tokens, more than a task can record (2,147,483,647)'
