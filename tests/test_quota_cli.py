@@ -404,6 +404,8 @@ def test_a_window_cap_is_set_audited_exported_and_enforced(capsys: pytest.Captur
     exported = tmp_path / "q.toml"
     assert run(capsys, "quota", "export", str(exported))[0] == 0
     assert "window_cap = true" in exported.read_text()
+    code, out, _ = run(capsys, "quota", "list")
+    assert code == 0 and "3,000 window cap" in out
     code, out, _ = run(capsys, "quota", "set", "w", "--no-window-cap")
     assert code == 0 and out.startswith("w: updated: window_cap true → false")
     assert services().quotas.history("w")[-1]["old_value"]["window_cap"] is True

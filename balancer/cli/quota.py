@@ -84,7 +84,7 @@ def quota_list(as_json: bool) -> None:
     learned = any(learned_text(row["live"] or {}) for row in rows)  # the column only when a model learned
     for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",
                 "p50 / p90 / p99 s", *(["learned: in force"] if learned else [])):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=col == "TPM")  # "30,000 window cap" on one line
     for row in rows:
         lv = row["live"] or {}
         table.add_row(
@@ -93,7 +93,7 @@ def quota_list(as_json: bool) -> None:
             str(row["weight"]),
             row["token_accounting"],
             f"{lv.get('in_flight', '-')}/{row['max_concurrent_requests']}",
-            f"{row['max_tokens_per_minute']:,}",
+            f"{row['max_tokens_per_minute']:,}" + (" window cap" if row["window_cap"] else ""),
             f"{lv['tokens_available']:,.0f}/{row['burst_tokens']:,}" if lv else f"-/{row['burst_tokens']:,}",
             f"{row['max_requests_per_minute']:,}" if row["max_requests_per_minute"] else "-",
             "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
