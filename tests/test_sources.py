@@ -392,7 +392,8 @@ def test_export_writes_the_prompt_only_when_asked(svc: Services, tmp_path: Path,
 def test_export_says_what_each_task_s_calls_cost_and_the_export_s_spend_by_model_and_source(
         svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """A task's cost counts every call the ledger holds for it (a hedge's loser too),
-    at the quotas' prices; a task on a model with no price has no cost (unpriced, not free)."""
+    each at the price of its start (the ledger's cost, as a worker records it); a task on a model
+    with no price has no cost (unpriced, not free)."""
     from datetime import UTC, datetime
 
     from balancer.storage.schema import call_usage
@@ -408,11 +409,12 @@ def test_export_says_what_each_task_s_calls_cost_and_the_export_s_spend_by_model
         conn.execute(sa.delete(call_usage))  # only the calls below: a hedged task and an unpriced one
         conn.execute(sa.insert(call_usage), [
             {"call_id": call, "task_id": ids[key], "source": src, "model": model, "admission_id": call,
-             "prompt_tokens": p, "completion_tokens": c, "answered": True, "hedge": hedge, "ended_at": datetime.now(UTC)}
-            for call, key, src, model, p, c, hedge in [
-                ("x", "c0", "crm", "a", 500_000, 125_000, False),     # 1.00 + 1.00
-                ("y", "c0", "crm", "a", 500_000, 0, True),            # the hedge that lost: 1.00
-                ("z", "c1", "etl", "free", 1_000, 10, False)]])       # no price
+             "prompt_tokens": p, "completion_tokens": c, "answered": True, "hedge": hedge, "ended_at": datetime.now(UTC),
+             "cost": cost, "currency": None if cost is None else "USD"}
+            for call, key, src, model, p, c, hedge, cost in [
+                ("x", "c0", "crm", "a", 500_000, 125_000, False, 2.0),  # 1.00 + 1.00
+                ("y", "c0", "crm", "a", 500_000, 0, True, 1.0),         # the hedge that lost: 1.00
+                ("z", "c1", "etl", "free", 1_000, 10, False, None)]])   # no price
     deadline = time.monotonic() + 30
     while True:  # an export holds back tasks ended after any open transaction began (another session's too)
         code, out, err = run(capsys, "results", "export")
