@@ -20,7 +20,7 @@ from typing import Any
 from psycopg2 import sql
 from sqlalchemy.engine import Connection
 
-from balancer.sources.catalog import _fingerprint, _render, _sets, _table, _where
+from balancer.sources.catalog import _fingerprint, _render, _replaces, _sets, _table, _where
 from balancer.sources.definition import SourceDef
 
 #: Each column's type by its catalog name, without its length or precision (``pg_catalog.varchar``,
@@ -48,14 +48,20 @@ def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> s
     assignments = sql.SQL(", ").join(
         sql.SQL("{} = CAST(balancer_v.{} AS {})").format(sql.Identifier(col), value, sql.SQL(types[col]))
         for (_, col), value in zip(sets, values, strict=True))
-    arrays = sql.SQL(", ").join([sql.SQL("%s::text[]")] * (len(sets) + 2) + [sql.SQL("%s::int[]")])
+    arrays = sql.SQL(", ").join([sql.SQL("%s::text[]")] * (len(sets) + 2)
+                                + [sql.SQL("%s::int[]"), sql.SQL("%s::boolean[]"), sql.SQL("%s::text[]")])
     table, key = _table(definition), sql.Identifier(definition.key)
+    # A task ``tasks retry`` sent back may replace exactly the failure it wrote (catalog._replaces).
+    replaces = _replaces(definition, sql.SQL("balancer_v.balancer_r"),
+                         {"status": sql.Literal(definition.failed), "error": sql.SQL("balancer_v.balancer_re")})
     return sql.SQL(
-        "UPDATE {table} SET {sets} FROM unnest({arrays}) AS balancer_v({values}, balancer_key, balancer_fp, balancer_i) "
-        "WHERE {table}.{key} = CAST(balancer_v.balancer_key AS {key_type}) AND {cond} AND {fingerprint} = balancer_v.balancer_fp "
+        "UPDATE {table} SET {sets} FROM unnest({arrays}) AS balancer_v({values}, balancer_key, balancer_fp, balancer_i, "
+        "balancer_r, balancer_re) WHERE {table}.{key} = CAST(balancer_v.balancer_key AS {key_type}) "
+        "AND ({cond} OR {replaces}) AND {fingerprint} = balancer_v.balancer_fp "
         "RETURNING balancer_v.balancer_i, coalesce({cond}, false)").format(
         table=table, sets=assignments, arrays=arrays, values=sql.SQL(", ").join(values), key=key,
-        key_type=sql.SQL(types[definition.key]), cond=_where(definition), fingerprint=_fingerprint(definition))
+        key_type=sql.SQL(types[definition.key]), cond=_where(definition), replaces=replaces,
+        fingerprint=_fingerprint(definition))
 
 
 def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: list[dict[str, Any]],
@@ -73,5 +79,6 @@ def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: lis
     status = definition.solved if outcome == "solved" else definition.failed
     columns = [[status for _ in tasks] if role == "status" else [t.get(value[role]) for t in tasks]
                for role, _ in _sets(definition, outcome)]
-    params = (*columns, [t["key"] for t in tasks], [t.get("fingerprint") for t in tasks], list(range(len(tasks))))
+    params = (*columns, [t["key"] for t in tasks], [t.get("fingerprint") for t in tasks], list(range(len(tasks))),
+              [t.get("replaces") is not None for t in tasks], [(t.get("replaces") or {}).get("error") for t in tasks])
     return {int(i): bool(matches) for i, matches in conn.exec_driver_sql(text, params)}

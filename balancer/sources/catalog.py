@@ -172,15 +172,22 @@ def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | Non
         replaces=_replaces(definition), fingerprint=_fingerprint(definition))
 
 
-def _replaces(definition: SourceDef) -> sql.Composable:
+_PARAMETER = sql.SQL("%s")
+
+
+def _replaces(definition: SourceDef, flag: sql.Composable = _PARAMETER,
+              values: dict[str, sql.Composable] | None = None) -> sql.Composable:
     """The guard's other way in, for a task ``tasks retry`` sent back after its failure was
     written: the row still holds exactly that failure (balancer's own write, nobody else's).
-    Its values: whether the task has one, then each column's value (:func:`writeback_values`)."""
+    ``flag``: whether the task has one; ``values``: each failed column's value (default: bound
+    parameters, :func:`writeback_values`'s; the batch write passes its own columns)."""
     failed = _sets(definition, "failed")
     if not failed:
         return sql.SQL("false")
-    return sql.SQL("(%s AND {})").format(sql.SQL(" AND ").join(
-        sql.SQL("CAST({} AS text) IS NOT DISTINCT FROM %s").format(sql.Identifier(col)) for _, col in failed))
+    given = values or {}
+    return sql.SQL("({} AND {})").format(flag, sql.SQL(" AND ").join(
+        sql.SQL("CAST({} AS text) IS NOT DISTINCT FROM {}").format(sql.Identifier(col), given.get(role, _PARAMETER))
+        for role, col in failed))
 
 
 def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
