@@ -312,3 +312,6 @@ def test_a_source_row_over_the_prompt_limit_is_refused_with_its_reason_unread(
     assert "prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)" in caplog.text
     with svc.engine.connect() as conn:
         assert sorted(conn.execute(sa.select(tasks.c.key)).scalars()) == ["1", "2"]
+        recorded = dict(conn.exec_driver_sql("SELECT key, reason FROM source_rejects WHERE source = 'crm'").all())
+    assert recorded == {k: "prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)"
+                        for k in ("10", "11", "12")}
