@@ -551,11 +551,12 @@ def test_requests_spent_early_lower_the_rpm_before_a_429(twin: Twin) -> None:
     twin.advance(2_000)
     calls["m-b"] += [d for d in twin.admit([Candidate(100, allowed=("m-b",))] * 2) if isinstance(d, Admitted)]
     assert [len(c) for c in calls.values()] == [6, 8]
-    # m-a: 2 left, for its 2 calls admitted and not started: 6 calls in 2 s show 600 x 6 / (600 + 20) = 5 RPM.
-    # m-b: 4 left for its 4 not started: 8 in 2 s show 60 x 8 / (6 + 2) = 60, its own.
+    # m-a: 2 left, for its 2 calls admitted and not started: 6 calls by the start of the call that
+    # carried the count (it may be as old as that call) show 600 x 6 / 600 = 6 RPM.
+    # m-b: 4 left for its 4 not started: 8 by then show 60 x 8 / 6 = 80, more than its own.
     for name, left in (("m-a", 2), ("m-b", 4)):
         twin.finish(calls[name][0].admission_id, Settlement(used_tokens=100, reserved_tokens=100, remaining_requests=left))
-    assert limits_of(twin).max_requests_per_minute == 5
+    assert limits_of(twin).max_requests_per_minute == 6
     assert twin.core.live(twin.now)["m-a"].learned.lowered_at == twin.now
     assert limits_of(twin, "m-b").max_requests_per_minute == 60
     twin.check_same_state()
@@ -855,3 +856,29 @@ def test_a_model_hash_from_the_previous_version_reads_its_new_state_fields_as_0(
     twin.finish(admitted[0].admission_id, Settlement(used_tokens=100, latency_ms=500))   # note_served on 0s
     assert twin.core.live(twin.now)["m-a"].learned.served == 2
     twin.check_same_state()
+
+
+def test_a_count_as_old_as_its_call_is_not_read_as_someone_else_s_use(twin: Twin) -> None:
+    """Issue 39 finding: a provider that takes its remaining counts as it admits a call sends
+    counts as old as the call. One 2 s old read as others using all of a TPM-bound model's
+    TPM (the estimate at its ceiling, 9/10: the bucket refilled at a tenth of it, nothing in
+    flight). The gap is taken against the count plus the refill since the call started, less
+    our calls started since, when that leaves more; the bucket still goes to the count."""
+    twin.set_quota(Quota("m-a", 8, 60_000, burst_tokens=6_000, slow_start=False))   # 1,000 tokens/s
+    a, b = [d for d in twin.admit([Candidate(3_000), Candidate(2_000)]) if isinstance(d, Admitted)]
+    start(twin, [a], est=3_000)
+    start(twin, [b], est=2_000)
+    twin.advance(50)
+    twin.finish(b.admission_id, Settlement(used_tokens=2_000, reserved_tokens=2_000, remaining_tokens=750))
+    twin.advance(2_000)                                   # a's count, taken as the provider admitted it
+    twin.finish(a.admission_id, Settlement(used_tokens=3_000, reserved_tokens=3_000, remaining_tokens=750))
+    twin.check_same_state()
+    live = twin.core.live(twin.now)["m-a"]
+    assert live.external_tpm == 0 and live.tokens_available == 750   # was 54,000: a refill of 100 tokens/s
+    twin.advance(1_000)
+    assert twin.core.live(twin.now)["m-a"].tokens_available == 1_750
+    # A fresh count (a 429's, or an answer's as current) that still shows the gap is someone else's.
+    twin.advance(1_000)
+    twin.penalize("m-a", 1, remaining_tokens=750)
+    twin.check_same_state()
+    assert twin.core.live(twin.now)["m-a"].external_tpm > 0

@@ -61,8 +61,8 @@ if m then
     settled = 1
   end
   sync_limits(m, ARGV[12] or '', ARGV[13] or '', false)
-  local left, unstarted = sync_to_headers(m, now, ARGV[5], ARGV[6], lid)
-  learn_from_spent(m, now, left, unstarted)
+  local left, unstarted, counted_at = sync_to_headers(m, now, ARGV[5], ARGV[6], lid)
+  learn_from_spent(m, now, left, unstarted, counted_at)
   if ARGV[7] ~= '' then
     m.fails, m.probing, m.backoff = 0, 0, 0
     note_served(m, now)  -- (its own lease still counted)

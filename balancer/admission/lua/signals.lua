@@ -10,9 +10,19 @@
 -- leases whose call starts after now - SYNC_LAG_MS (charged to the start gates
 -- too: waiting at a gate, or on their way). Returns their tokens and number,
 -- then those of the started ones; the call being finished (`own`, or nil) is
--- not one of them (balancer.admission.reference.signals, _unarrived).
+-- not one of them. A provider may take its counts as it admits a call, and send
+-- them with its answer: then they are as old as that call (`own`), and miss
+-- every call started after it. So also: when the call `own` started (nil: no
+-- such call, or a 429's counts, taken as it refused), and the tokens of the
+-- calls not started or started after it (balancer.admission.reference.signals, _unarrived).
 local function unarrived(m, now, own)
-  local tokens, calls, started_tokens, started_calls = 0, 0, 0, 0
+  local own_at = nil
+  local own_raw = own and redis.call('HGET', LEASES, own)
+  if own_raw then
+    local lease = cjson.decode(own_raw)
+    if lease.s == 1 and (lease.a or 0) > 0 and lease.a < now then own_at = lease.a end
+  end
+  local tokens, calls, started_tokens, started_calls, aged_tokens = 0, 0, 0, 0, 0
   for _, lid in ipairs(redis.call('ZRANGEBYSCORE', inflight_key(m.name), '(' .. fmt(now), '+inf')) do
     local raw = redis.call('HGET', LEASES, lid)
     if raw and lid ~= own then
@@ -20,9 +30,10 @@ local function unarrived(m, now, own)
       local waiting = lease.s == 1 and (lease.a or 0) > now - SYNC_LAG_MS
       if lease.s == 0 or waiting then tokens, calls = tokens + lease.e, calls + 1 end
       if waiting then started_tokens, started_calls = started_tokens + lease.e, started_calls + 1 end
+      if own_at and (lease.s == 0 or (lease.a or 0) > own_at) then aged_tokens = aged_tokens + lease.e end
     end
   end
-  return tokens, calls, started_tokens, started_calls
+  return tokens, calls, started_tokens, started_calls, own_at, aged_tokens
 end
 
 -- The outside-use estimate after a sync: moved by the gap's `growth` over
@@ -55,19 +66,33 @@ end
 -- of 1 % of TPM on average, where there was none, on fast.toml). Only its part
 -- above 0 is others' use (outside_rate).
 -- `own`: the lease of the call whose answer carried them (finish.lua), or nil (a 429).
--- Returns the requests left for more calls (nil: not sent, or no RPM), and how
--- many of those on their way were not started (learn_from_spent).
+-- A count an answer carries may be as old as its call (a provider that counts as
+-- it admits a call, a proxy's limiter): then what is left now is the count, plus
+-- the refill since the call started, less our calls started since (unarrived).
+-- The buckets are lowered to the count read as current (the safe side), but the
+-- gap that moves `ext` is taken against whichever reading leaves more, and so is
+-- the gap a sync leaves: a count's age is not read as someone else's use (with
+-- counts taken at admission, one answer 2 s old read as others using all of a
+-- TPM-bound model's TPM, and its bucket refilled at a tenth of it for seconds,
+-- nothing in flight).
+-- Returns the requests left for more calls (nil: not sent, or no RPM), how
+-- many of those on their way were not started, and when the call that carried
+-- the counts started (nil: a 429's, or none): learn_from_spent.
 -- m must be refilled to now first.
 local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own)
   if remaining_tokens == '' and remaining_requests == '' then return nil end
-  local tokens, calls, started_tokens, started_calls = unarrived(m, now, own)
+  local tokens, calls, started_tokens, started_calls, own_at, aged_tokens = unarrived(m, now, own)
   if remaining_tokens ~= '' then
     local remaining = tonumber(remaining_tokens) * UNITS
     local ours_left = remaining - tokens * UNITS  -- the count less our calls on their way
-    local gap = m.tokens - ours_left
+    local explained = ours_left  -- or, for a count as old as the call that carried it, more
+    if own_at then
+      explained = math.max(ours_left, math.min(token_cap(m), remaining + (now - own_at) * token_rate(m)) - aged_tokens * UNITS)
+    end
+    local gap = m.tokens - explained
     if m.synced_at > 0 then m.ext = outside_estimate(m, gap - m.sync_gap, now - m.synced_at, remaining >= token_cap(m)) end
-    m.synced_at, m.sync_gap = now, math.min(gap, 0)
     m.tokens = math.min(m.tokens, ours_left)
+    m.synced_at, m.sync_gap = now, m.tokens - explained  -- (<= 0)
     refill_started(m, now)
     m.ptokens = math.min(m.ptokens, remaining - started_tokens * UNITS)
   end
@@ -81,7 +106,7 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
     m.requests = math.min(m.requests, left * UNITS)
     local interval, tolerance = gate_shape(m)
     m.tat = math.max(m.tat, now + tolerance - (left - 1) * interval)
-    return left - calls, calls - started_calls
+    return left - calls, calls - started_calls, own_at
   end
   return nil
 end
@@ -249,10 +274,12 @@ end
 -- (nil: not sent), `unstarted` of them admitted and not started: a provider that
 -- states no request limit (hrpm) shows its rate (first_bucket_rate, of the calls
 -- started and those), and an RPM above 10/9 of it is lowered to it before that
--- 429, once (balancer.admission.learned.spent_early).
-local function learn_from_spent(m, now, left, unstarted)
+-- 429, once (balancer.admission.learned.spent_early). The count may be as old as
+-- the call that carried it (`counted_at`: its start): its rate is read as of then,
+-- or a right quota's burst, spent at its own rate, reads as a lower one.
+local function learn_from_spent(m, now, left, unstarted, counted_at)
   if m.learn ~= 1 or left == nil or left > 0 or m.hrpm > 0 or m.lrpm > 0 or eff_rpm(m) == 0 then return end
-  local shown = first_bucket_rate(m.rpm, m.rburst, m.first_calls + unstarted, now - m.first_at)
+  local shown = first_bucket_rate(m.rpm, m.rburst, m.first_calls + unstarted, math.max(0, (counted_at or now) - m.first_at))
   if shown <= 0 or shown * 10 >= eff_rpm(m) * 9 then return end
   m.prpm, m.lrpm, m.lowered_at = shown, shown, now
 end

@@ -124,26 +124,34 @@ class Signals(ReferenceState):
             state.learn_from_spent(now, *spent)
         return settled
 
-    def _unarrived(self, model: str, now: int, own: str | None) -> tuple[int, int, int, int]:
+    def _unarrived(self, model: str, now: int, own: str | None) -> tuple[int, int, int, int, int | None, int]:
         """The model's live calls the provider had not counted when it sent the
         headers being synced (signals.lua, unarrived): leases not started, and
         leases whose call starts after ``now - SYNC_LAG_MS`` (waiting at a start
         gate, or on their way). Their tokens and number, then those of the started
-        ones; the call being finished (``own``) is not one of them."""
-        tokens = calls = started_tokens = started_calls = 0
+        ones; the call being finished (``own``) is not one of them. Then, for counts
+        as old as the call ``own`` (taken as the provider admitted it): when it
+        started (None: no such call), and the tokens and number of the calls not
+        started or started after it."""
+        own_lease = self.leases.get(own) if own else None
+        own_at = own_lease.call_at if own_lease is not None and own_lease.started and 0 < own_lease.call_at < now \
+            else None
+        tokens = calls = started_tokens = started_calls = aged_tokens = 0
         for deadline, lid in self._inflight(model):
-            if lid == own:
+            if lid == own or deadline <= now:
                 continue
             lease = self.leases[lid]
             waiting = lease.started and lease.call_at > now - SYNC_LAG_MS
-            if deadline > now and (not lease.started or waiting):
+            if not lease.started or waiting:
                 tokens, calls = tokens + lease.estimated_tokens, calls + 1
-            if deadline > now and waiting:
+            if waiting:
                 started_tokens, started_calls = started_tokens + lease.estimated_tokens, started_calls + 1
-        return tokens, calls, started_tokens, started_calls
+            if own_at is not None and (not lease.started or lease.call_at > own_at):
+                aged_tokens += lease.estimated_tokens
+        return tokens, calls, started_tokens, started_calls, own_at, aged_tokens
 
     def _sync_to_headers(self, model: str, now: int, remaining_tokens: int | None, remaining_requests: int | None,
-                         own: str | None = None) -> tuple[int, int] | None:
+                         own: str | None = None) -> tuple[int, int, int | None] | None:
         """Lower the buckets to the provider's ``x-ratelimit-remaining-*``, the token
         buckets less what our calls it has not counted yet will take (:meth:`_unarrived`; ``own``:
         the lease of the call whose answer carried them, or None for a 429); never raise them.
@@ -163,17 +171,21 @@ class Signals(ReferenceState):
         if remaining_tokens is None and remaining_requests is None:
             return None
         state = self.models[model]
-        tokens, calls, started_tokens, started_calls = self._unarrived(model, now, own)
+        tokens, calls, started_tokens, started_calls, own_at, aged_tokens = self._unarrived(model, now, own)
         if remaining_tokens is not None:
             remaining = remaining_tokens * UNITS
             ours_left = remaining - tokens * UNITS  # the count less our calls on their way
-            gap = state.tokens - ours_left
+            explained = ours_left  # or, for a count as old as the call that carried it, more (signals.lua)
+            if own_at is not None:
+                explained = max(ours_left, min(token_cap(state.limits), remaining + (now - own_at) * state.refill_rate)
+                                - aged_tokens * UNITS)
+            gap = state.tokens - explained
             if state.synced_at > 0:
                 count_full = remaining >= token_cap(state.limits)
                 state.external = outside_estimate(state.external, state.limits.max_tokens_per_minute,
                                                   gap - state.sync_gap, now - state.synced_at, count_full)
-            state.synced_at, state.sync_gap = now, min(gap, 0)
             state.tokens = min(state.tokens, ours_left)
+            state.synced_at, state.sync_gap = now, state.tokens - explained  # (<= 0)
             ReferenceState._refill_started(state, now)
             state.started_tokens = min(state.started_tokens, remaining - started_tokens * UNITS)
         if remaining_requests is not None and state.limits.max_requests_per_minute:
@@ -182,7 +194,7 @@ class Signals(ReferenceState):
             state.requests = min(state.requests, remaining_requests * UNITS)
             interval, tolerance = gate_shape(state.limits)
             state.tat = max(state.tat, now + tolerance - (remaining_requests - 1) * interval)
-            return remaining_requests - calls, calls - started_calls
+            return remaining_requests - calls, calls - started_calls, own_at
         return None
 
     def penalize(

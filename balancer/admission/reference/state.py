@@ -138,17 +138,17 @@ class ModelState:
             k.lcap = max(1, math.floor(k.pcap * 7 / 10))
         k.lowered_at = now
 
-    def learn_from_spent(self, now: int, left: int, unstarted: int) -> None:
+    def learn_from_spent(self, now: int, left: int, unstarted: int, counted_at: int | None = None) -> None:
         """Requests spent in the first bucket: ``left`` after our calls on their way,
         ``unstarted`` of them admitted and not started. A provider that states no
         request limit shows its rate (of the calls started and those), and an RPM well
         above it is lowered to it before its 429, once (:func:`spent_early`; signals.lua,
-        learn_from_spent)."""
+        learn_from_spent), read as of ``counted_at`` (the start of the call that carried the count)."""
         k, limits, q = self.learned, self.limits, self.quota
         if not q.learn or left > 0 or k.hrpm or k.lrpm or not limits.max_requests_per_minute:
             return
         shown = first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls + unstarted,
-                                  now - k.first_at)
+                                  max(0, (counted_at if counted_at is not None else now) - k.first_at))
         rpm = spent_early(limits.max_requests_per_minute, shown)
         if rpm:
             k.prpm, k.lrpm, k.lowered_at = rpm, rpm, now
