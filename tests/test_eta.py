@@ -120,9 +120,11 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
 
     true = {"m": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
     slow_prior = {"m": ModelCapacity(concurrency=10, mean_latency=4.0, tpm=None, burst=0)}
-    # 240 solved in 60 s at 5 tasks/s capacity: pace 0.8; the 100 left take 20 / 0.8 = 25 s, plus 1 s of tail.
+    # 240 solved in 60 s at 5 tasks/s capacity: 48 s of bound, a pace of (48 + 1) / (60 + 1) (it starts
+    # from PACE_PRIOR_S at the bound); the 100 left take 20 s over it, plus 1 s of tail.
     pace = efficiency(true, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
-    assert round(drain_eta(true, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace), 3) == 26.0
+    assert pace == pytest.approx(49 / 61)
+    assert drain_eta(true, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace) == pytest.approx(20 * 61 / 49 + 1)
     pace_slow = efficiency(slow_prior, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=100)
     assert pace_slow == 1.0  # 1.6 measured
     assert round(drain_eta(slow_prior, [(None, 100)], in_flight={}, tokens_per_task=100, pace=pace_slow), 3) == 42.0
@@ -132,10 +134,10 @@ def test_the_pace_of_the_last_minute_scales_the_bound() -> None:
         20 + 2 * sum(1 / i for i in range(2, 11)), 3)
     assert round(drain_eta(true, [(["m"], 50), (None, 50)], in_flight={}, tokens_per_task=100, pace=0.8), 3) == round(
         20 / 0.9 + 1, 3)
-    # Too short a window (a run's first seconds) tells nothing yet.
-    assert efficiency(true, [(None, 100)], in_flight={}, window_s=10, tokens_per_task=100) == 1.0
+    # A run's first seconds tell already (issue 39): 30 solved in 10 s, 6 s of bound.
+    assert efficiency(true, [(None, 30)], in_flight={}, window_s=10, tokens_per_task=100) == pytest.approx(7 / 11)
     # Calls in flight count as half done; a stall cannot claim more than twice the bound, a burst no less.
-    assert round(efficiency(true, [(None, 200)], in_flight={"m": 40}, window_s=60, tokens_per_task=100), 6) == 0.733333
+    assert efficiency(true, [(None, 200)], in_flight={"m": 40}, window_s=60, tokens_per_task=100) == pytest.approx(45 / 61)
     assert efficiency(true, [(None, 2_000)], in_flight={}, window_s=60, tokens_per_task=100) == 1.0
     assert efficiency(true, [(None, 30)], in_flight={}, window_s=60, tokens_per_task=100) == 0.5
     # Pinned work solved on its own model: the bound of the window holds it there.
@@ -284,7 +286,7 @@ def test_a_window_that_starts_with_the_run_counts_the_full_buckets_as_capacity()
     started = efficiency(bucket, [(None, 36)], in_flight={}, window_s=30, tokens_per_task=1_000,
                          start_buckets={"m": (10_000.0, None)})
     assert steady == 1.0
-    assert started == pytest.approx(26 / 30, rel=1e-6)
+    assert started == pytest.approx(27 / 31, rel=1e-6)   # 26 s of bound in 30, from 1 s at the bound
 
 
 def test_a_model_on_its_prior_reads_the_calls_it_answered_and_has_running() -> None:
@@ -416,3 +418,24 @@ def test_a_ready_list_past_what_its_model_finishes_in_its_ttl_is_any_model_s_wor
     assert held is not None and spread is not None
     assert held > 130 / 4                   # every ready task on its model, at 4 a second
     assert spread < 130 / (4 + 5) + 3       # 20 there, 110 on either: about 14 s, and the last calls
+
+
+def test_a_run_below_its_bound_is_promised_its_own_pace_from_its_first_seconds() -> None:
+    """Issue 39 deliverable 3: the ETA assumed the run went at its bound until 20 s had passed,
+    so a run of about 20 s at 0.85 of its bound was promised its bound, 20 to 45 % short. The
+    pace achieved against the bound counts from the first seconds: 8.5 s of bound done in 10 s."""
+    from balancer.domain.eta import PACE_PRIOR_S, DrainState, achieved_pace, forecast
+
+    assert achieved_pace(8.5, 10.0) == pytest.approx((8.5 + PACE_PRIOR_S) / (10.0 + PACE_PRIOR_S))
+    assert achieved_pace(0.0, 0.0) == 1.0                       # nothing run yet: the bound
+    assert achieved_pace(17.0, 20.0) == pytest.approx(18 / 21)  # 0.85 read as 0.857, not 0.95
+    assert achieved_pace(25.0, 20.0) == 1.0                     # no run beats its bound
+    assert achieved_pace(1.0, 30.0) == 0.5                      # a stall: at most twice as long
+    # FAST: 10 slots of 2 s, 5 tasks/s. 42 solved in 10 s (8.4 s of bound, 1 call in flight: 8.5 s).
+    state = DrainState({"fast": FAST}, [(None, 100)], in_flight={"fast": 1}, tokens_per_task=500, unfinished=101,
+                       solved=[(None, 42)], window_s=10.0)
+    paced = forecast(state).eta
+    at_bound = forecast(replace(state, solved=[], window_s=0.0)).eta
+    assert paced is not None and at_bound is not None
+    scaled = 1 + (9.5 / 11 - 1) * 100 / 101   # the pace, on the work left free to run (the call in flight is not)
+    assert paced - 1.0 == pytest.approx((at_bound - 1.0) / scaled)   # the bound left, over it; 1 s of tail

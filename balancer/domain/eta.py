@@ -24,8 +24,9 @@ docs/benchmarks.md (issue 28):
 * the last calls still take their latency after the fluid bound says the work is "done":
   half a call at the mean latency over every slot (:func:`end_tail`);
 * the run does not reach the bound: the :func:`efficiency` of the last minute (or less: since a
-  learned limit changed), the bound of the work solved in it over its time (full buckets counted
-  while it starts with the run), never above 1, divides the bound of the work left free to run;
+  learned limit changed, or the run started), the bound of the work solved in it over its time
+  (full buckets counted while it starts with the run), never above 1, divides the bound of the
+  work left free to run, from the run's first seconds (:func:`achieved_pace`);
 * work held to one model cannot move to a faster one, so the end game cannot shorten its last
   calls: a model with pinned tasks left finishes no sooner than :func:`pinned_finish`, its own
   bound for them plus the spread of its last calls, at that model's own latency;
@@ -38,10 +39,8 @@ across disjoint subsets reads optimistic.
 
 >>> from balancer.domain.capacity import ModelCapacity
 >>> fast = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)
->>> round(drain_eta({"fast": fast}, [(None, 100)], in_flight={}, tokens_per_task=500), 1)   # 5 tasks/s + 1 s
-21.0
->>> drain_eta({"fast": fast}, [], in_flight={}, tokens_per_task=500)
-0.0
+>>> [round(drain_eta({"fast": fast}, groups, in_flight={}, tokens_per_task=500), 1) for groups in ([(None, 100)], [])]
+[21.0, 0.0]
 """
 
 from __future__ import annotations
@@ -54,9 +53,11 @@ from balancer.domain.capacity import ModelCapacity, makespan_bound
 from balancer.domain.latency import early_mean_s
 from balancer.domain.ready import ready_on_model
 
-#: Fewer tasks solved in the window than this, or a window shorter than
-#: MIN_WINDOW_S (a run's first seconds): no efficiency correction (1.0).
+#: Fewer tasks solved in the window than this: no efficiency correction (1.0). A window
+#: shorter than MIN_WINDOW_S (a run's first seconds) keeps the early band (:func:`forecast`).
 MIN_SOLVED, MIN_WINDOW_S = 20, 20.0
+#: Seconds of running at the bound the pace starts from (:func:`achieved_pace`).
+PACE_PRIOR_S = 1.0
 #: The efficiency is kept within these bounds: a stall of one minute must not
 #: multiply the forecast by more than two, and no run beats its capacity bound
 #: (a lower bound on the time by construction), so a pace above 1 is an error of
@@ -75,20 +76,18 @@ def efficiency(
 ) -> float:
     """How fast the run went lately, as a share of its capacity bound: the bound
     of the work solved in the last ``window_s`` seconds (calls in flight count
-    as half done), over ``window_s``. The bound is at steady state (no bucket
-    contents) for a window inside the run; for a window that starts with the run,
-    ``start_buckets`` (each model's full token and request buckets) are what
-    its bursts could spend, so the first minute's bursts do not read as speed.
+    as half done), over ``window_s``, from the run's first seconds (:func:`achieved_pace`).
+    The bound is at steady state (no bucket contents) for a window inside the run; for a
+    window that starts with the run, ``start_buckets`` (each model's full token and request
+    buckets) are what its bursts could spend, so the first minute's bursts do not read as speed.
 
     >>> from balancer.domain.capacity import ModelCapacity
     >>> fast = {"fast": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
-    >>> round(efficiency(fast, [(None, 240)], in_flight={}, window_s=60, tokens_per_task=500), 6)   # 4 tasks/s of 5
-    0.8
-    >>> efficiency(fast, [(None, 5)], in_flight={}, window_s=60, tokens_per_task=500)   # too few to tell
-    1.0
+    >>> [round(efficiency(fast, [(None, n)], in_flight={}, window_s=60, tokens_per_task=500), 3) for n in (240, 5)]
+    [0.803, 1.0]
     """
     done = sum(n for _, n in solved)
-    if done < MIN_SOLVED or window_s < MIN_WINDOW_S:
+    if done < MIN_SOLVED or window_s <= 0:
         return 1.0
     full = start_buckets or {}
     steady = {name: ModelCapacity(m.concurrency, m.mean_latency, m.tpm, full.get(name, (0.0, None))[0], m.rpm,
@@ -96,10 +95,20 @@ def efficiency(
               for name, m in models.items()}
     half_in_flight = {name: n / 2 for name, n in in_flight.items()}
     bound = _bound(steady, solved, half_in_flight, tokens_per_task)
-    if bound is None:
-        return 1.0
+    return 1.0 if bound is None else achieved_pace(bound, window_s)
+
+
+def achieved_pace(bound_s: float, window_s: float) -> float:
+    """The run's pace: ``bound_s``, the capacity bound of the work it did in ``window_s``,
+    over ``window_s``, starting from PACE_PRIOR_S at the bound; within EFFICIENCY_RANGE.
+    A run at 0.85 of its bound reads so from its first seconds (it waited for 20 s
+    before, and a run of about 20 s was promised its bound, 20 to 45 % short, to the end).
+
+    >>> [round(achieved_pace(b, w), 3) for b, w in ((8.5, 10), (0, 0), (1.7, 2), (30, 20), (2, 60))]   # last: a stall
+    [0.864, 1.0, 0.9, 1.0, 0.5]
+    """
     low, high = EFFICIENCY_RANGE
-    return min(high, max(low, bound / window_s))
+    return min(high, max(low, (bound_s + PACE_PRIOR_S) / (window_s + PACE_PRIOR_S)))
 
 
 def drain_eta(
@@ -159,10 +168,8 @@ def pinned_finish(model: ModelCapacity, calls: float, tokens_per_task: float) ->
     stand-in for the heavy-tailed ones of LLM calls), c = min(slots, calls).
 
     >>> slow = ModelCapacity(concurrency=3, mean_latency=30.0, tpm=None, burst=0)
-    >>> round(pinned_finish(slow, 14, tokens_per_task=500), 1)   # 14 × 30 / 3 = 140, plus (1/2 + 1/3) × 30
-    165.0
-    >>> round(pinned_finish(slow, 1, tokens_per_task=500), 1)   # one call: its latency
-    30.0
+    >>> [round(pinned_finish(slow, n, 500), 1) for n in (14, 1)]   # 14 × 30 / 3 = 140, plus (1/2 + 1/3) × 30; one call
+    [165.0, 30.0]
     """
     bound = makespan_bound([model], tokens_per_task=max(1.0, tokens_per_task), any_model=0, pinned={0: calls})
     last = int(min(model.concurrency, math.ceil(calls)))
@@ -287,12 +294,8 @@ def held_in_flight(in_flight: Mapping[str, int], running: int) -> dict[str, floa
     are no work left. When there are more calls than running tasks, each model's
     count shrinks in proportion.
 
-    >>> held_in_flight({"a": 6, "b": 2}, running=4)
-    {'a': 3.0, 'b': 1.0}
-    >>> held_in_flight({"a": 3}, running=5)
-    {'a': 3.0}
-    >>> held_in_flight({"a": 3}, running=0)
-    {'a': 0.0}
+    >>> held_in_flight({"a": 6, "b": 2}, running=4), held_in_flight({"a": 3}, running=5), held_in_flight({"a": 3}, 0)
+    ({'a': 3.0, 'b': 1.0}, {'a': 3.0}, {'a': 0.0})
     """
     calls = sum(in_flight.values())
     share = 1.0 if calls <= running else max(0, running) / calls
@@ -312,10 +315,8 @@ def little_latency(in_flight: float, solved: int, window_s: float) -> float | No
     on, the short ones: the long calls of a heavy tail are still running), this
     counts the calls still running too.
 
-    >>> little_latency(16, 40, 60.0)   # 16 slots busy, 40 answers a minute: 24 s a call
-    24.0
-    >>> little_latency(16, 5, 60.0) is None, little_latency(16, 40, 10.0) is None
-    (True, True)
+    >>> little_latency(16, 40, 60.0), little_latency(16, 5, 60.0), little_latency(16, 40, 10.0)   # 24 s a call
+    (24.0, None, None)
     """
     if solved < MIN_MODEL_SOLVED or in_flight <= 0 or window_s < MIN_WINDOW_S:
         return None
@@ -350,10 +351,8 @@ def rate_bound(model: ModelCapacity, tokens_per_task: float) -> bool:
     law reads their wait as latency (learn.toml's tpm-10: 35 calls held, most waiting, 15
     answered in 23 s: 53 s a call for 2.5 s), and its latency does not set its rate anyway.
 
-    >>> rate_bound(ModelCapacity(40, 2.5, tpm=30_000, burst=0), 400)   # 1.25 calls/s of tokens, 16 of slots
-    True
-    >>> rate_bound(ModelCapacity(4, 2.5, tpm=None, burst=0), 400)
-    False
+    >>> rate_bound(ModelCapacity(40, 2.5, tpm=30_000, burst=0), 400), rate_bound(ModelCapacity(4, 2.5, None, 0), 400)
+    (True, False)
     """
     return model.rate(tokens_per_task) < model.concurrency / model.mean_latency
 
