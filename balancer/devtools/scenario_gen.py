@@ -64,11 +64,11 @@ def _short_model(rng: random.Random, i: int, per_call: int, binding: str, bound_
     burst_calls = 0.0
     if binding == "requests":
         rpm = max(6, int(rate * 60))
-        window = rng.choice([10, 60])  # the request bucket: RPM x window / 60
+        window = rng.choice([1, 10])  # the request bucket: RPM x window / 60 (a minute's would outlast the run)
         lines += [f"max_requests_per_minute = {rpm}", f"rpm_window = {window}"]
         burst_calls = rpm * window / 60
-    if binding == "tokens":
-        burst = max(2 * per_call, tpm // rng.choice([2, 4, 6]))
+    if binding == "tokens":  # a bucket of 2 to 6 s of its refill: the TPM binds within the run
+        burst = max(2 * per_call, tpm * rng.choice([2, 4, 6]) // 60)
         lines.append(f"burst_tokens = {burst}")
         burst_calls = burst / per_call
     lines.append(f"latency = {{ median = {median}, p99 = {max(p99, median)}, min = 0.1, max = 60.0 }}")
