@@ -173,3 +173,25 @@ def test_an_answer_postgresql_refuses_is_written_alone_and_fails_only_its_task(
     assert {p: r.status for p, r in rows.items()} == {p: "failed" if p == "prompt 4" else "solved" for p in prompts}
     assert 'the answer could not be stored: new row for relation "tasks" violates check constraint "no_poison"' \
         in rows["prompt 4"].error
+
+
+def test_reported_tokens_past_an_integer_column_fail_only_their_task(svc: Services) -> None:
+    """Issue 38 finding 6: a reported usage above 2^31 - 1 failed the writer's whole batch.
+    Such an answer is kept out of the statement: its task fails with the reason, the
+    answer beside it is written."""
+    from balancer.storage.transitions import Answer
+
+    big, fine = dispatched(svc, ["big usage", "fine"])
+    writer = AnswerWriter(svc.engine)
+    try:
+        named = lambda w: "duplicate" if w is None else (f"refused: {w.refused}" if w.refused else "solved")  # noqa: E731
+        outcomes = [writer.submit(Answer(big.task_id, big.admission_id, "ok", 2**31, 5), named),
+                    writer.submit(Answer(fine.task_id, fine.admission_id, "ok", 10, 5), named)]
+        got = [o.result(30) for o in outcomes]
+    finally:
+        writer.close()
+    assert got == ["refused: the backend reported 2,147,483,648 prompt tokens, more than a task can record "
+                   "(2,147,483,647)", "solved"]
+    with svc.engine.connect() as conn:
+        statuses = dict(conn.execute(sa.select(tasks.c.prompt, tasks.c.status)).all())
+    assert statuses == {"big usage": "failed", "fine": "solved"}
