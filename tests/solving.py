@@ -53,3 +53,14 @@ def stall_start(monkeypatch: pytest.MonkeyPatch, task_id: int, action: Callable[
         return start_solve(engine, started, *args)
 
     monkeypatch.setattr(solver, "start_solve", stalled)
+
+
+def priced(services: Services, row: dict[str, Any]) -> dict[str, Any]:
+    """A ``call_usage`` row with the cost and currency a worker records for it: its tokens at its
+    model's price now (:meth:`balancer.pipeline.call.Call.usage` prices a call at its start)."""
+    from balancer.domain.cost import price_list
+
+    prices, currency = price_list(services.quotas.all())
+    price = prices.get(row["model"])
+    cost = None if price is None else price.cost(row["prompt_tokens"], row["completion_tokens"])
+    return {**row, "cost": cost, "currency": None if cost is None else currency}

@@ -50,8 +50,9 @@ def backlog(svc) -> None:  # noqa: ANN001
                                  f"completion_tokens = 30, created_at = now() - interval '3 hours', solved_at = {at}, "
                                  f"updated_at = {at} WHERE id = ANY(:ids)"), {"ids": solved[when]})
         conn.execute(sa.text("INSERT INTO call_usage (call_id, task_id, source, model, admission_id, prompt_tokens, "
-                             "completion_tokens, answered, hedge, ended_at) SELECT 'c' || id, id, source, 'm', 'a' || id, "
-                             "700, 30, true, false, updated_at FROM tasks WHERE id = ANY(:ids)"), {"ids": ids[:10]})
+                             "completion_tokens, answered, hedge, ended_at, cost, currency) SELECT 'c' || id, id, source, "
+                             "'m', 'a' || id, 700, 30, true, false, updated_at, :cost, 'USD' FROM tasks WHERE id = ANY(:ids)"),
+                     {"ids": ids[:10], "cost": (700 * 1.0 + 30 * 2.0) / 1e6})  # m's price, as a worker records it
         conn.execute(sa.text("UPDATE tasks SET status = 'solved', model = 'm', reused_from = :first, prompt_tokens = 0, "
                              "completion_tokens = 0 WHERE id = :id"), {"first": ids[0], "id": ids[10]})
         conn.execute(sa.text("UPDATE tasks SET status = 'queued', model = 'm', admission_id = 'gone', "
@@ -91,7 +92,8 @@ def test_status_reads_the_same_on_its_snapshot_as_on_the_engine(svc) -> None:  #
     assert [s["name"] for s in on_engine["sources"]] == ["crm"]
     assert on_engine["sources"][0] | {"lag_s": None} == {
         "name": "crm", "pending": 17, "in_flight": 1, "solved": 11, "failed": 1, "writebacks_waiting": 1,
-        "conflicts": 1, "ingested": 33, "lag_s": None}
+        "conflicts": 1, "ingested": 33, "lag_s": None, "changed": 0, "not_tasks": {}, "unwritable": 0,
+        "unwritable_error": None}
     assert {b["source"]: b["over"] for b in on_engine["budgets"]} == {"crm": True, "web": False}
     assert [m["name"] for m in on_engine["models"]] == ["m", "n"]
 

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 
 from balancer.devtools.embedded import free_port
 from balancer.supervisor import Supervisor
+from tests.solving import priced
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "docs" / "img"
@@ -326,9 +327,9 @@ def test_spend_so_far_shows_per_model_and_per_source(browser: Any, services: Any
         conn.execute(sa.insert(tasks), [{"source": src, "prompt": "p", "status": "solved", "model": "model-0",
                                          "max_tokens": 10, "estimated_tokens": 20} for src in ("crm", "etl")])
         conn.execute(sa.insert(call_usage), [
-            {"call_id": f"c{i}", "task_id": i, "source": src, "model": model, "admission_id": f"a{i}",
-             "prompt_tokens": pt, "completion_tokens": ct, "answered": answered, "hedge": False,
-             "ended_at": datetime.now(UTC)}
+            priced(services, {"call_id": f"c{i}", "task_id": i, "source": src, "model": model, "admission_id": f"a{i}",
+                              "prompt_tokens": pt, "completion_tokens": ct, "answered": answered, "hedge": False,
+                              "ended_at": datetime.now(UTC)})
             for i, (src, model, pt, ct, answered) in enumerate([
                 ("crm", "model-0", 500_000, 250_000, True),   # 1.00 + 2.00
                 ("etl", "model-0", 0, 62_500, True),          # 0.50
@@ -424,9 +425,9 @@ def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any,
              "estimated_tokens": 20, "prompt_tokens": 500_000, "completion_tokens": 250_000,
              "solved_at": datetime.now(UTC)} for src in ("crm", "etl")]).all()
         conn.execute(sa.insert(call_usage), [
-            {"call_id": f"c{task_id}", "task_id": task_id, "source": src, "model": "model-0",
-             "admission_id": f"a{task_id}", "prompt_tokens": 500_000, "completion_tokens": 250_000, "answered": True,
-             "hedge": False, "ended_at": datetime.now(UTC)} for task_id, src in solved])
+            priced(services, {"call_id": f"c{task_id}", "task_id": task_id, "source": src, "model": "model-0",
+                              "admission_id": f"a{task_id}", "prompt_tokens": 500_000, "completion_tokens": 250_000,
+                              "answered": True, "hedge": False, "ended_at": datetime.now(UTC)}) for task_id, src in solved])
     add_tasks(services, ["waits"], source="crm")
     assert main(["source", "set", "crm", "--budget-per-day", "2.50"]) == 0
     assert main(["source", "set", "etl", "--budget-tokens-per-day", "2000000", "--new"]) == 0
