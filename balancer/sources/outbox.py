@@ -86,13 +86,14 @@ def retry_later(conn: Connection, ids: list[int], error: str) -> None:
         attempts=source_outbox.c.attempts + 1, last_error=error, next_attempt_at=_backoff(source_outbox.c.attempts)))
 
 
-_REFUSE = sa.text(f"""
+_REFUSE = sa.text("""
 UPDATE source_outbox o SET refusals = o.refusals + 1, attempts = o.attempts + 1, last_error = v.error,
-       state = CASE WHEN o.refusals + 1 >= :most THEN '{UNWRITABLE}' ELSE o.state END,
-       next_attempt_at = now() + make_interval(secs => least({MAX_BACKOFF_S}, power(2, least(o.refusals, {_MAX_EXPONENT}))))
+       state = CASE WHEN o.refusals + 1 >= :most THEN :unwritable ELSE o.state END,
+       next_attempt_at = now() + make_interval(secs => least(:max_backoff, power(2, least(o.refusals, :max_exponent))))
 FROM unnest(:ids, :errors) AS v(id, error) WHERE o.id = v.id
 RETURNING o.state
-""").bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)), sa.bindparam("errors", type_=ARRAY(sa.Text)))  # noqa: S608
+""").bindparams(sa.bindparam("ids", type_=ARRAY(sa.BigInteger)), sa.bindparam("errors", type_=ARRAY(sa.Text)),
+                unwritable=UNWRITABLE, max_backoff=MAX_BACKOFF_S, max_exponent=_MAX_EXPONENT)
 
 
 def refuse(conn: Connection, refused: dict[int, str], most: int) -> int:
