@@ -92,11 +92,10 @@ def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
     if bool(models) == all_models:
         raise BalancerError("give --model NAME (repeatable) or --all-models, not both")
+    warn_if_backend_refuses()
     svc = _migrated(wait=True)
     known = start_when_ready(lambda: _worker_quotas(svc, models, all_models), resolved_settings().start_wait,
                              retry_on=(QuotaRemoved,), awaited="a removed quota to come back")
-    # After the checks that stop it: an error in its own input is a worker's only line.
-    warn_if_backend_refuses()
     queues, concurrency, name = worker_pool(known, models, all_models)
     # The pid keeps node names unique when several processes share a host
     # (RabbitMQ's exclusive pidbox queue refuses a second node of the same name).
