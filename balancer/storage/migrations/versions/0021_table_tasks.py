@@ -3,14 +3,14 @@ ingest), the write-back trigger queuing only those, and ``sources.relations``
 (what each source's table is, resolved at import: one table is one source)
 
 Revision ID: 0021
-Revises: 0026
+Revises: 0020
 """
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import ARRAY
 
 revision = "0021"
-down_revision = "0026"
+down_revision = "0020"
 branch_labels = None
 depends_on = None
 

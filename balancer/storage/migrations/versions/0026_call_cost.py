@@ -5,13 +5,13 @@ models have now (the best that is known of them); later calls are priced by
 the worker when each starts (balancer.pipeline.call).
 
 Revision ID: 0026
-Revises: 0020
+Revises: 0024
 """
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0026"
-down_revision = "0020"
+down_revision = "0024"
 branch_labels = None
 depends_on = None
 
