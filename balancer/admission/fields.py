@@ -115,8 +115,8 @@ STATE_FIELDS: dict[str, str] = {
     "ctpm": "an x-ratelimit-limit-tokens far below the TPM held to, not believed until a second reply states it (0: none)",
     "crpm": "an x-ratelimit-limit-requests far below the RPM held to (or with none), not believed until stated again",
     # The window cap (window.lua): sums of the model's window list, entries of the last WINDOW_MS.
-    "wtokens": "with window_cap: the tokens admitted in the last 60 s",
-    "wcalls": "with window_cap: the calls admitted in the last 60 s",
+    "wtokens": "with window_cap: the tokens admitted in the window (WINDOW_MS)",
+    "wcalls": "with window_cap: the calls admitted in the window (WINDOW_MS)",
 }
 
 #: Every field of a model's hash.

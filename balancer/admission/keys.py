@@ -107,7 +107,7 @@ def ready(namespace: str, name: str) -> str:
 
 def window(namespace: str, name: str) -> str:
     """A model's window list, with a window cap: ``admitted_ms:tokens`` per admission of the
-    last 60 s, oldest first (see :mod:`balancer.admission.window`)."""
+    window (a minute and the hop), oldest first (see :mod:`balancer.admission.window`)."""
     return tag(namespace) + WINDOW_INFIX + name
 
 

@@ -24,7 +24,7 @@ given, which the dispatcher makes priority-then-age):
 3. *Eligible* models are enabled, fit the estimate, are not held (step 5), and
    have a free slot, enough tokens and (if RPM is set) a request, and are not
    paused by a 429 (``penalize``) or an open circuit (``trip``), and, with a
-   window cap, have room in their last 60 s (:mod:`balancer.admission.window`): a model whose
+   window cap, have room in their window (a minute and the hop) (:mod:`balancer.admission.window`): a model whose
    circuit is open takes one call at a time once its pause ends, a probe.
    A candidate may name a model to *avoid*
    (its last call there failed transiently): that model is passed over when

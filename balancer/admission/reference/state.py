@@ -52,7 +52,7 @@ class ModelState:
     probing: bool = False  # the circuit is open: paused, then one call at a time until one is answered
     backoff_ms: int = 0  # the circuit's last pause
     learned: Learned = field(default_factory=Learned)  # limits that learn (balancer.admission.learned)
-    #: With a window cap: (admitted ms, tokens) per admission of the last 60 s, oldest first (window.lua).
+    #: With a window cap: (admitted ms, tokens) per admission of the last WINDOW_MS, oldest first (window.lua).
     window: list[tuple[int, int]] = field(default_factory=list)
     #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
     started_tokens: int = field(init=False)
