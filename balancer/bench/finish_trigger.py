@@ -1,11 +1,11 @@
-"""What the ``tasks_finished`` trigger (migration 0010) costs the solve path.
+"""What the ``tasks_finished`` trigger (created by migration 0013) costs the solve path.
 
     python -m balancer.bench.finish_trigger [--tasks 12000] [--batch 50]
 
 In an isolated schema: running tasks are marked solved with
 ``storage.transitions.mark_solved_many`` in batches of ``--batch`` (the answer
 writer's statement), in rounds alternating three ways: the trigger disabled
-(``ALTER TABLE tasks DISABLE TRIGGER``, as before migration 0010), enabled
+(``ALTER TABLE tasks DISABLE TRIGGER``, as before migration 0013), enabled
 for tasks of no declared source (it stamps ``finished_xid`` only), and
 enabled for keyed tasks of a declared source (it also queues a write-back).
 Reported: microseconds of wall time per task, each way.

@@ -2,7 +2,7 @@
 
 It reads through a :class:`~balancer.snapshot.Snapshot`: Redis, and every PostgreSQL read in
 one read-only transaction on one psycopg2 connection, without SQLAlchemy, whose import it
-would pay on every run (its cost: docs/benchmarks.md). The reads are the ones ``top``, the console
+would pay on every run (its cost: docs/benchmark-history.md). The reads are the ones ``top``, the console
 and the metrics exporter run on their engine (:func:`read_status` takes either).
 """
 

@@ -39,7 +39,7 @@ INT_FIELDS = (
     "burst_requests",
 )
 
-#: How a provider counts a call against TPM (see README, "Token accounting"):
+#: How a provider counts a call against TPM (docs/admission.md, "How providers count"):
 #: ``reserve`` charges prompt + max_tokens when the call arrives and never
 #: refunds (OpenAI, Azure OpenAI); ``settle`` charges the estimate, then
 #: settles to actual usage (Anthropic, self-hosted backends).
@@ -133,7 +133,7 @@ class Quota:
     currency: str | None = None
     #: Learn the provider's real limits below these ones (429s lower an effective
     #: limit, clean windows raise it back; x-ratelimit-limit-* headers are
-    #: adopted): README, "Limits that learn". False: the limits above, exactly.
+    #: adopted): docs/admission.md, "Limits that learn". False: the limits above, exactly.
     learn: bool = True
     #: With ``learn``: open a new or changed quota's concurrency gradually (a few
     #: slots, doubling every quarter second from the first call) until a 429 or

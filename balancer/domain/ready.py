@@ -2,7 +2,8 @@
 
 When a call ends, its slot should carry the next call within milliseconds.
 Through the dispatcher that takes a trigger, a dispatch round, a publish and a
-consume (docs/benchmarks.md measured 60 to 300 ms). So the dispatcher keeps a
+consume: 60 to 300 ms between two calls of a busy model, measured before ready lists
+(docs/benchmark-history.md, the hot path). So the dispatcher keeps a
 *ready list* for each model that its concurrency cap binds: tasks placed on it
 ahead of a free slot (not ahead of the admission). The call that frees a slot
 admits the list's head in the same Redis round trip (``finish.lua``) and the
@@ -48,13 +49,12 @@ def depth(cap: int, mean_latency_ms: float | None, per_slot: float, ttl_s: float
     A model with no measured calls yet (``None``; no latency given in its quota
     either) keeps one per slot: at the start of a run, the first calls' ends
     take their next calls from the list instead of waiting for a dispatcher
-    busy placing the first wave (docs/benchmarks.md, round 4). If the model
+    busy placing the first wave. If the model
     turns out slow, its entries outlive their TTL and go back to pending.
 
     Three per slot by default (``BALANCER_READY_PER_SLOT``): on a loaded
     machine a dispatch run takes 100 ms or more, and lists of half a slot or
-    one slot ran dry between two restocks (docs/benchmarks.md, the hot path,
-    round 3).
+    one slot ran dry between two restocks (docs/benchmark-history.md, the hot path).
     """
     if per_slot <= 0 or cap <= 0:
         return 0

@@ -16,7 +16,7 @@ tasks have nowhere else to go, so they get first claim on their model: they
 go first in the batch, and while a model still has pinned tasks pending
 (counting those another dispatcher holds) it takes no flexible work. So a slow
 model's own tasks never queue behind flexible work it took on, which is what
-set the tail of ``bench/scenarios/default.toml`` (docs/benchmarks.md). It
+set the tail of ``bench/scenarios/default.toml`` (docs/benchmark-history.md). It
 admits the batch in one atomic call, marks the admitted
 ones ``queued`` and commits, and only then publishes their messages. If the
 transaction fails, the commit included, the round's admissions are withdrawn
@@ -145,7 +145,7 @@ Publisher = Callable[[Sequence[Assignment]], None]
 #: for the WDRR order and for tasks some models refuse, not a whole window for a
 #: few slots. A token-bound model shows free slots while its bucket is low;
 #: claiming 200 tasks for them and refusing nearly all, round after round, made
-#: a dispatch run take 0.2 to 0.8 s on fast.toml (docs/benchmarks.md, round 4).
+#: a dispatch run take 0.2 to 0.8 s on fast.toml (docs/benchmark-history.md, the hot path).
 CLAIMS_PER_OPEN_SLOT = 4
 
 

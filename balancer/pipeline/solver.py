@@ -245,7 +245,7 @@ def solve_chain(services: Services, backend: Backend, msg: SolveMessage, listene
     freed with no next call, or whose next call left its model's ready list
     below one entry per slot (the worker asks for a dispatch there). Above
     that the list still covers every slot, and a request per call only kept
-    the dispatcher running after every call (docs/benchmarks.md, round 5).
+    the dispatcher running after every call (docs/benchmark-history.md, the hot path).
 
     Each answer is written by the ``writer`` while the next call runs, so the
     durable commit's WAL flush (up to hundreds of ms when PostgreSQL's disk is

@@ -43,7 +43,7 @@ def freeze_startup_objects(**_: object) -> None:
     out of every later garbage collection. A full collection scanned them all
     and stopped every thread of the process for 60 to 170 ms, every second or
     two under load: the refill gaps over 100 ms in one worker process were
-    those pauses (docs/benchmarks.md, the hot path, round 4)."""
+    those pauses (docs/benchmark-history.md, the hot path)."""
     gc.freeze()
 
 

@@ -29,7 +29,7 @@ callers and pipeline workers draw from one budget per model:
 The Redis calls (blocking redis-py, each with socket timeouts) run in the
 thread pool, never on the event loop: a stalled Redis holds the requests that
 need it, not every request (the guards, validation, ``/openapi.json``).
-Measured against the calls on the loop: docs/benchmarks.md, the router section.
+Measured against the calls on the loop: docs/benchmark-history.md, the router.
 Reading a request's head and body has a deadline (:mod:`balancer.router.server`).
 
 Errors are 4xx with a ``detail`` that says why: malformed JSON (NaN and

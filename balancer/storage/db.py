@@ -24,7 +24,7 @@ def make_engine(url: str, pool_size: int = Settings.db_pool_size, **kwargs: obje
         # and the next burst opens it again, which forks a PostgreSQL server
         # process each time. With 10 + 20 overflow, overhead.toml opened about
         # 700 connections for 2,000 tasks, and their set-up and teardown cost
-        # more CPU than the statements (docs/benchmarks.md, the hot path, round 4).
+        # more CPU than the statements (docs/benchmark-history.md, the hot path).
         # Five per process keep a dozen processes inside PostgreSQL's default
         # max_connections (100).
         # The URL's own `options` (e.g. a search_path) are kept: connect_args would replace them.

@@ -2,7 +2,7 @@
 every connection of balancer's shares with it: libpq's options, and a refused connection as one line.
 
 ``status`` is a process that reads and exits, so it pays for SQLAlchemy's import (its
-cost: docs/benchmarks.md) and gets nothing from a pool. Its reads are the same SQL constants the engine
+cost: docs/benchmark-history.md, ``balancer status --json``) and gets nothing from a pool. Its reads are the same SQL constants the engine
 runs (:mod:`balancer.storage.rows`), all in one ``REPEATABLE READ READ ONLY`` transaction:
 one snapshot, so the counts, the spend and the ETA's inputs agree with each other.
 """

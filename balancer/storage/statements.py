@@ -86,7 +86,7 @@ def one_statement(engine: Engine) -> Iterator[Connection]:
 # The solve path's two statements per task, built once with bound parameters.
 # SQLAlchemy caches a statement's compiled SQL, but building the statement
 # object again on every call cost about four times what executing it does
-# (0.70 ms of CPU per start_solve against 0.16 ms; docs/benchmarks.md).
+# (0.70 ms of CPU per start_solve against 0.16 ms; docs/benchmark-history.md, the hot path).
 TASK_ID: Any = sa.bindparam("b_task_id")
 
 
