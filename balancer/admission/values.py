@@ -102,7 +102,7 @@ class ReadyTask:
     waits that long and calls, with no renew; ``restock`` says the list now
     holds fewer entries than the model has slots, so the caller asks the
     dispatcher to refill it (above that, a request per call only made the
-    dispatcher run after every call: docs/benchmarks.md, the hot path, round 5).
+    dispatcher run after every call: docs/benchmark-history.md, "The hot path").
     """
 
     task_id: int

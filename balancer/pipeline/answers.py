@@ -3,7 +3,7 @@ as many per statement as are waiting.
 
 Why a thread of its own. An answer's commit must be durable, so it waits for
 PostgreSQL's WAL flush, and on a busy disk a flush stalls every commit at once
-for 100 to 700 ms (docs/benchmarks.md, the hot path, round 4). A chain (see
+for 100 to 700 ms (docs/benchmark-history.md, "The hot path"). A chain (see
 :func:`balancer.pipeline.solver.solve_chain`) hands its answer here and its
 next call goes on the wire at once; a solve with no next call hands it here
 and waits. Either way:

@@ -1,6 +1,6 @@
 """Write-back: each ended task of a declared source goes back to its row, once.
 
-The ``tasks_finished`` trigger (migration 0010) puts a row in ``source_outbox``
+The ``tasks_finished`` trigger (migration 0013; 0021 redefines it) puts a row in ``source_outbox``
 in the very transaction that ends the task, so no end is missed and none is
 queued twice. :func:`drain` takes waiting outbox rows (``FOR UPDATE SKIP
 LOCKED``: two drainers never take the same row) and writes each to the team's
