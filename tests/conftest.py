@@ -193,9 +193,9 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's c
 SERIAL_GROUPS = {"test_demo.py": "demo", "test_wheel.py": "demo", "test_chaos.py": "chaos"}
 #: Modules that run real processes for seconds per test; handed out first, so the
 #: short tests fill the gaps at the end instead of one long test running alone.
-LONG_FIRST = ("test_hosts.py", "test_chaos.py", "test_faults.py", "test_sentinel.py",
-              "test_e2e.py", "test_endgame.py", "test_router_pipeline.py", "test_metrics.py",
-              "test_hostile.py", "test_cli_fuzz.py")
+LONG_FIRST = ("test_hosts.py", "test_chaos.py", "test_faults.py", "test_sentinel.py", "test_differential.py",
+              "test_inbox.py", "test_hostile.py", "test_intake.py", "test_health.py",
+              "test_e2e.py", "test_endgame.py", "test_router_pipeline.py", "test_metrics.py", "test_cli_fuzz.py")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -211,7 +211,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, AN
     return Scheduling(config, log)
 
 
+#: Fixtures that start real processes (a Celery pipeline, the console in Chromium, a supervisor):
+#: a test that uses one is of the long kind.
+LONG_FIXTURES = frozenset({"pipeline", "browser", "supervisor", "console"})
+#: Modules whose tests start real processes or hosts without those fixtures: the pipeline
+#: from the outside (`balancer run`, Flower, the quick start), Sentinel, network namespaces, the wheel.
+LONG_MODULES = frozenset({"test_run.py", "test_flower.py", "test_quickstart.py", "test_sentinel.py",
+                          "test_hosts.py", "test_chaos.py", "test_wheel.py", "test_web.py", "test_compose.py",
+                          "test_runner.py"})
+
+
+def is_long(item: pytest.Item) -> bool:
+    """Whether a test is of the long kinds the default ``pytest`` leaves out (``pytest -m long`` runs them):
+    end-to-end and fault tests, and those that start processes, a browser or hosts. A ``smoke`` test
+    stays in the default set whatever its kind: the default keeps a few end-to-end runs."""
+    if item.get_closest_marker("smoke"):
+        return False
+    return (any(item.get_closest_marker(kind) for kind in ("e2e", "faults"))
+            or bool(LONG_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or item.path.name in LONG_MODULES)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the `long` mark must be on by then
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_long(item):
+            item.add_marker(pytest.mark.long)
     if hasattr(config, "workerinput"):  # an xdist worker: the controller hands tests out in this order
         rank = {name: i for i, name in enumerate(LONG_FIRST)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -263,21 +263,21 @@ def run_sequence(client: redis.Redis, initial: list[Quota], ops: list[tuple]) ->
 
 
 @pytest.mark.smoke
-@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "50")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=st.lists(quotas, min_size=1, max_size=4, unique_by=lambda q: q.name), ops=operations)
 def test_lua_and_reference_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
     run_sequence(redis_client, initial, ops)
 
 
-@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "50")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=ready_quotas, ops=ready_operations)
 def test_ready_lists_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
     run_sequence(redis_client, initial, ops)
 
 
-@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "50")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=st.lists(window_quotas, min_size=1, max_size=3, unique_by=lambda q: q.name), ops=window_operations)
 def test_window_caps_agree(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
@@ -286,7 +286,7 @@ def test_window_caps_agree(redis_client: redis.Redis, initial: list[Quota], ops:
     run_sequence(redis_client, initial, ops)
 
 
-@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "150")), deadline=None,
+@settings(max_examples=int(__import__("os").environ.get("DIFF_EXAMPLES", "50")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(initial=learn_quotas, ops=learn_operations)
 def test_learning_under_load_agrees(redis_client: redis.Redis, initial: list[Quota], ops: list[tuple]) -> None:
