@@ -61,6 +61,17 @@ def test_the_readme_is_at_most_150_lines() -> None:
     assert len(lines) <= 150, f"README.md has {len(lines)} lines"
 
 
+def test_the_readme_names_the_test_command_ci_runs() -> None:
+    """Issue 42, deliverable 4: .ci/run runs the README's default test command as written there: the
+    first line starting with `pytest` after the marker, a plain `pytest` (the fast default set)."""
+    text = README.read_text()
+    assert "<!-- ci: test command -->" in text
+    after = text.split("<!-- ci: test command -->", 1)[1].splitlines()
+    command = next(line for line in after if line.startswith("pytest"))
+    assert command.split("#")[0].strip() == "pytest"
+    assert "<!-- ci: test command -->" in (ROOT / ".ci" / "run").read_text()
+
+
 def test_every_balancer_command_in_the_readme_exists() -> None:
     """Issue 42, checks: every `balancer ...` command the README shows runs (`--help` exits 0)."""
     commands = sorted(set(readme_commands()))

@@ -152,7 +152,10 @@ def test_the_router_s_actual_tokens_are_capped_at_a_bucket(svc: Services) -> Non
         done = httpx.post(f"{url}/complete", json={"admission_id": granted["admission_id"],
                                                    "actual_tokens": 100_000_000})
         assert done.json()["released"] is True
-    assert svc.core.live()["m"].tokens_available >= -1
+    # Without the cap the bucket holds about -1e8 (27.7 h of debt). With it, the charge is at most a
+    # bucket, which the admission took already: what is left is the refill since, read on this
+    # process's clock against Redis's (tens of milliseconds apart: a few dozen tokens either way).
+    assert svc.core.live()["m"].tokens_available >= -1_000
 
 
 def test_quota_set_clears_what_was_learned_and_any_debt_and_says_so(
