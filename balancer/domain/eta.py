@@ -6,7 +6,7 @@ or not): each model's concurrency over its mean latency, its token and
 request buckets as they are now plus their refill, pinned tasks held to
 their model. :func:`forecast` turns that fluid
 bound into a forecast with a band; its corrections, each measured in
-docs/benchmarks.md (issue 28):
+docs/benchmark-history.md ("The drain ETA"):
 
 * nothing left is 0: no task pending, queued or running, whatever calls still
   run (a hedge's loser); calls in flight beyond the tasks running shrink in
@@ -257,7 +257,7 @@ class Forecast:
 
 
 #: The band around the ETA, as shares of it: below and above. The run's actual
-#: remaining time fell within these in the runs docs/benchmarks.md reports
+#: remaining time fell within these in the runs docs/benchmark-history.md reports ("The drain ETA")
 #: once the pace applies; before it does (a run's first 20 s, a pace window cut
 #: short by a learned change, or a model still on its prior), EARLY_WIDENING wider each side.
 BAND = (0.15, 0.25)

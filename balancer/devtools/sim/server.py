@@ -253,7 +253,7 @@ class SingleRoute:
     It is the route every benchmark call takes. Through FastAPI (routing, body
     validation, request and response classes) the simulator spent about 2.8 ms
     of CPU per call, more than the pipeline's whole worker (py-spy on
-    overhead.toml, docs/benchmarks.md); on a shared machine the referee's own
+    overhead.toml, docs/benchmark-history.md, "The hot path"); on a shared machine the referee's own
     cost was charged to the system it referees. The semantics are the FastAPI
     route's: 422 for a body that is not a JSON object, 400 without a model and
     a prompt, the malformed-reply fault, and the client's disconnect watched
