@@ -128,3 +128,43 @@ def test_dispatch_goes_on_while_a_source_table_is_locked(team_url: str, tmp_path
     finally:
         p.stop()
         team.dispose()
+
+
+def test_a_source_table_that_cannot_be_read_says_why_in_status(team_url: str, tmp_path: Path, monkeypatch,  # noqa: ANN001
+                                                                capsys) -> None:  # noqa: ANN001
+    """Issue 41 finding 3: with the dispatcher missing the table's URL variable, the source's
+    read failed every tick and only the dispatcher's log said so; `status` showed a cursor
+    lag. Now the read's error is the source's health ("table unreadable: ...") in `status`
+    (and top, metrics, the console: one look, read_health), and it goes when a read succeeds."""
+    import json
+
+    from balancer.sources.ingest import quota_bursts
+    from balancer.sources.store import all_sources
+
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("a", 4, 100_000)])
+    team = sa.create_engine(team_url)
+    schema = legacy_schema(team)
+    add_rows(team, 3, table=f"{schema}.prompts")
+    assert main(["source", "import", str(source_file(tmp_path, {"legacy": f"{schema}.prompts"}))]) == 0
+    monkeypatch.delenv("LEGACY_DATABASE_URL")
+    poller = SourcePoller(svc)
+    assert poller.poll() == ["legacy"]
+    poller.join(30)
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    reasons = json.loads(capsys.readouterr().out)["health"]["sources"]["legacy"]
+    assert [r["kind"] for r in reasons] == ["unreadable"] and "LEGACY_DATABASE_URL" in reasons[0]["text"], reasons
+    assert main(["status"]) == 0
+    assert "table unreadable" in capsys.readouterr().out
+
+    monkeypatch.setenv("LEGACY_DATABASE_URL", team_url)
+    with svc.engine.connect() as conn:
+        [definition] = [d for d in all_sources(conn) if d.name == "legacy"]
+    from balancer.sources.ingest import ingest_logged
+
+    assert ingest_logged(svc, definition, quota_bursts(svc)) is not None
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    assert "legacy" not in json.loads(capsys.readouterr().out)["health"]["sources"]
+    team.dispose()

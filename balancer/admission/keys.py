@@ -44,6 +44,7 @@ LIVE_CALLS = ":calls:live"
 FAIR_SHARES = ":fairshare"
 FAIR_SHARED = ":fairshare:shared"
 LAST_FAILURE_INFIX = ":failure:"
+SOURCE_READ_ERRORS = ":source_read_errors"
 CONSUMERS_INFIX = ":consumers:"
 
 #: The dispatcher's queue: its ticks (dispatch, sweep, ingest) and every task not sent elsewhere.
@@ -146,6 +147,12 @@ def consumers(namespace: str, name: str) -> str:
     Redis time), renewed by each worker's beat (:mod:`balancer.pipeline.consumers`); the
     dispatcher admits nothing to a model with none live (admit.lua, ``consumed`` in state.lua)."""
     return tag(namespace) + CONSUMERS_INFIX + name
+
+
+def source_read_errors(namespace: str) -> str:
+    """Each source table's last failed read (hash): source name -> its error, removed when a read
+    succeeds (see :mod:`balancer.sources.read_errors`)."""
+    return tag(namespace) + SOURCE_READ_ERRORS
 
 
 def live_calls(namespace: str) -> str:

@@ -20,6 +20,7 @@ from balancer.admission import keys
 from balancer.admission.live import ModelLive
 from balancer.domain.budget import Standing
 from balancer.domain.health import Health, ModelFacts, SourceFacts, assess
+from balancer.sources.read_errors import read_errors
 
 #: How long a failed call is remembered when nothing answers or fails after it.
 FAILURE_TTL_S = 3600
@@ -70,18 +71,19 @@ def model_facts(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[st
 
 
 def source_facts(budgets: Mapping[str, Standing],
-                 unwritable: Mapping[str, tuple[int, str | None]] | None = None) -> list[SourceFacts]:
-    """Each source's facts: its budgets' standing, and its write-backs left unwritable (how
-    many, the latest one's error: :func:`balancer.sources.reads.unwritable_by_source`).
-    (Its table's read error is ``SourceFacts.read_error``, where recorded.)"""
-    unwritable = unwritable or {}
+                 unwritable: Mapping[str, tuple[int, str | None]] | None = None,
+                 read_errors: Mapping[str, str] | None = None) -> list[SourceFacts]:
+    """Each source's facts: its budgets' standing, its write-backs left unwritable (how
+    many, the latest one's error: :func:`balancer.sources.reads.unwritable_by_source`), and
+    its table's last failed read (:func:`balancer.sources.read_errors.read_errors`)."""
+    unwritable, read_errors = unwritable or {}, read_errors or {}
     facts = []
-    for name in sorted(budgets.keys() | unwritable.keys()):
+    for name in sorted(budgets.keys() | unwritable.keys() | read_errors.keys()):
         st = budgets.get(name)
         count, error = unwritable.get(name, (0, None))
         facts.append(SourceFacts(
             name, over_budget=None if st is None else "money" if st.money_spent else "tokens" if st.tokens_spent else None,
-            unwritable=count, unwritable_error=error))
+            unwritable=count, unwritable_error=error, read_error=read_errors.get(name)))
     return facts
 
 
@@ -91,7 +93,9 @@ def read_health(client: redis.Redis, namespace: str, view: Mapping[str, ModelLiv
     """One look's reasons (:func:`balancer.domain.health.assess`). With ``consumers``
     (``BALANCER_CONSUMERS_REQUIRED``: the dispatcher sends nothing to a model no worker
     consumes), each model's live consumer count from the view, so one with none says so.
-    ``unwritable``: each source's write-backs left unwritable, and the latest one's error."""
+    ``unwritable``: each source's write-backs left unwritable, and the latest one's error; each
+    source table's last failed read comes from Redis."""
     failures = read_failures(client, namespace, sorted(view))
     counts = {name: m.consumers for name, m in view.items()} if consumers else None
-    return assess(model_facts(view, counters, failures, counts), source_facts(budgets, unwritable), unfinished)
+    sources = source_facts(budgets, unwritable, read_errors(client, namespace))
+    return assess(model_facts(view, counters, failures, counts), sources, unfinished)

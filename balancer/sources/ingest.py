@@ -18,12 +18,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.services import Services
 from balancer.sources.catalog import TimeLimits, count_null_keys, read_rows, team_connection
 from balancer.sources.definition import SourceDef
+from balancer.sources.read_errors import clear_read_error, note_read_error
 from balancer.sources.reask import ask_reopened
 from balancer.sources.rows import after_read, after_rescan, row_to_task
 from balancer.sources.schema import source_rejects, sources
@@ -153,12 +155,23 @@ def quota_bursts(services: Services) -> dict[str, int]:
 
 def ingest_logged(services: Services, definition: SourceDef, models: dict[str, int], *,
                   budget_s: float = 2.0) -> SourceIngest | None:
-    """:func:`ingest_source`, its outcome logged; None if the source could not be read this time."""
+    """:func:`ingest_source`, its outcome logged, a failed read's error recorded for the displays
+    (:mod:`balancer.sources.read_errors`); None if the source could not be read this time."""
+    namespace = services.settings.namespace
     try:
         report = ingest_source(services, definition, models, budget_s=budget_s)
     except Exception as exc:  # noqa: BLE001 - one unreachable source must not starve the others
-        log.warning("source %s not read this tick: %s", definition.name, str(exc).splitlines()[0] if str(exc) else exc)
+        error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("source %s not read this tick: %s", definition.name, error)
+        try:
+            note_read_error(services.redis, namespace, definition.name, error)
+        except redis.RedisError:
+            pass  # Redis away too: the log says it
         return None
+    try:
+        clear_read_error(services.redis, namespace, definition.name)
+    except redis.RedisError:
+        pass
     if report.created or report.skipped:
         log.info("source %s: %d task(s) created, %d row(s) not tasks", definition.name, report.created, report.skipped)
     return report
