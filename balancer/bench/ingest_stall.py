@@ -20,6 +20,8 @@ import argparse
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
@@ -30,6 +32,7 @@ from balancer.devtools.embedded import free_port
 from balancer.devtools.runner import IsolatedServices, environment
 from balancer.devtools.sim.config import Latency, SimModel
 from balancer.devtools.sim.server import Simulator, create_app
+from balancer.supervisor import Supervisor
 
 LATENCY = Latency(median=0.3, p99=0.3, low=0.3, high=0.3)
 SETTINGS = {"BALANCER_READY_PER_SLOT": "0", "BALANCER_INGEST_TICK": "0.5", "BALANCER_HEDGE_BUDGET": "0"}
@@ -49,51 +52,75 @@ def longest_gap(starts: list[float], since: float, until: float) -> float:
     return max(b - a for a, b in zip(points, points[1:], strict=False))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=250_000)
-    parser.add_argument("--tasks", type=int, default=3000)
-    args = parser.parse_args()
-    console = Console()
-    models = [SimModel(f"stall-{i}", 4, 10**8, latency=LATENCY) for i in range(2)]
+@contextmanager
+def simulated_services(console: Console, label: str) -> Iterator[tuple[IsolatedServices, Simulator]]:
+    """Two models served by an in-process simulator (four slots each, every call 0.3 s), and
+    services of their own holding those quotas, with SETTINGS and the simulator's URL in the
+    environment of the processes started inside."""
+    models = [SimModel(f"{label}-{i}", 4, 10**8, latency=LATENCY) for i in range(2)]
     simulator = Simulator(models, time_scale=1.0)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(simulator), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        with IsolatedServices(console, "stall") as iso:
-            inbox = iso.workdir / "inbox"
-            inbox.mkdir()
-            with environment({**SETTINGS, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}", "BALANCER_INBOX": str(inbox)}):
-                iso.services.quotas.replace_all([m.quota() for m in models], by="bench")
-                sup = iso.supervisor()
-                sup.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
-                sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
-                sup.start("worker", ["worker", "--all-models", "--loglevel", "WARNING"])
-                iso.insert("\n".join(json.dumps({"prompt": f"p{i} " + "w " * 50, "max_tokens": 64}) for i in range(args.tasks)))
-                deadline = time.monotonic() + 60
-                while len(simulator.log) < 50:
-                    sup.check_alive()
-                    if time.monotonic() > deadline:
-                        raise SystemExit("calls never got going")
-                    time.sleep(0.2)
-                console.print(f"writing {args.lines:,} lines into the inbox ...")
-                write_file(iso.workdir / "big.jsonl", args.lines)
-                dropped = time.time()
-                (iso.workdir / "big.jsonl").rename(inbox / "big.jsonl")
-                deadline = time.monotonic() + 600
-                while not (inbox / "done" / "big.jsonl").exists():
-                    sup.check_alive()
-                    if time.monotonic() > deadline or (inbox / "rejected").exists():
-                        raise SystemExit("the file was not ingested")
-                    time.sleep(0.1)
-                done = time.time()
-                time.sleep(1.5)  # the calls running at ``done`` end and are logged
-                starts = [e["start"] for e in list(simulator.log) if e["status"] == 200]
+        with IsolatedServices(console, label) as iso, \
+                environment({**SETTINGS, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}"}):
+            iso.services.quotas.replace_all([m.quota() for m in models], by="bench")
+            yield iso, simulator
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def wait_for(sup: Supervisor, done: Callable[[], bool], seconds: float, failure: str, every: float = 0.1) -> None:
+    """Poll ``done`` until it holds, while every process stays alive; ``failure`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        sup.check_alive()
+        if time.monotonic() > deadline:
+            raise SystemExit(failure)
+        time.sleep(every)
+
+
+def start_calling(iso: IsolatedServices, simulator: Simulator, tasks: int,
+                  ready: Callable[[], bool] = lambda: True) -> Supervisor:
+    """A dispatcher, beat and worker calling ``tasks`` pending JSONL tasks: returned once 50 calls
+    have started (and ``ready()`` holds)."""
+    sup = iso.supervisor()
+    sup.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
+    sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
+    sup.start("worker", ["worker", "--all-models", "--loglevel", "WARNING"])
+    iso.insert("\n".join(json.dumps({"prompt": f"p{i} " + "w " * 50, "max_tokens": 64}) for i in range(tasks)))
+    wait_for(sup, lambda: len(simulator.log) >= 50 and ready(), 60, "calls never got going", every=0.2)
+    return sup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lines", type=int, default=250_000)
+    parser.add_argument("--tasks", type=int, default=3000)
+    args = parser.parse_args()
+    console = Console()
+    with simulated_services(console, "stall") as (iso, simulator):
+        inbox = iso.workdir / "inbox"
+        inbox.mkdir()
+        with environment({"BALANCER_INBOX": str(inbox)}):
+            sup = start_calling(iso, simulator, args.tasks)
+            console.print(f"writing {args.lines:,} lines into the inbox ...")
+            write_file(iso.workdir / "big.jsonl", args.lines)
+            dropped = time.time()
+            (iso.workdir / "big.jsonl").rename(inbox / "big.jsonl")
+
+            def ingested() -> bool:
+                if (inbox / "rejected").exists():
+                    raise SystemExit("the file was rejected")
+                return (inbox / "done" / "big.jsonl").exists()
+
+            wait_for(sup, ingested, 600, "the file was not ingested")
+            done = time.time()
+            time.sleep(1.5)  # the calls running at ``done`` end and are logged
+            starts = [e["start"] for e in list(simulator.log) if e["status"] == 200]
     window = done - dropped
     before = [s for s in starts if dropped - 10 <= s < dropped]
     during = [s for s in starts if dropped <= s <= done]

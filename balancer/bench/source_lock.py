@@ -21,25 +21,17 @@ stack; works in its own schema and namespace and removes them afterwards.
 from __future__ import annotations
 
 import argparse
-import json
-import threading
 import time
 
 import sqlalchemy as sa
-import uvicorn
 from rich.console import Console
 from rich.table import Table
 
-from balancer.bench.ingest_stall import LATENCY, longest_gap
-from balancer.devtools.embedded import free_port
-from balancer.devtools.runner import IsolatedServices, environment
-from balancer.devtools.sim.config import SimModel
-from balancer.devtools.sim.server import Simulator, create_app
+from balancer.bench.ingest_stall import longest_gap, simulated_services, start_calling, wait_for
 from balancer.sources.catalog import check_source, team_connection
 from balancer.sources.definition import parse_source_file
 from balancer.sources.store import import_sources
 
-SETTINGS = {"BALANCER_READY_PER_SLOT": "0", "BALANCER_INGEST_TICK": "0.5", "BALANCER_HEDGE_BUDGET": "0"}
 TEAM_TABLE = """
 CREATE TABLE team_prompts (id bigserial PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved',
                            answer text);
@@ -68,59 +60,30 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=5000)
     args = parser.parse_args()
     console = Console()
-    models = [SimModel(f"lock-{i}", 4, 10**8, latency=LATENCY) for i in range(2)]
-    simulator = Simulator(models, time_scale=1.0)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(simulator), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     span = args.lock_seconds
-    try:
-        with IsolatedServices(console, "srclock") as iso:
-            with environment({**SETTINGS, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}"}):
-                engine = iso.services.engine
-                iso.services.quotas.replace_all([m.quota() for m in models], by="bench")
-                with engine.begin() as conn:
-                    conn.exec_driver_sql(TEAM_TABLE)
-                definitions = parse_source_file(SOURCE_FILE)
-                with team_connection(definitions[0], engine) as conn:
-                    check_source(conn, definitions[0])
-                import_sources(engine, definitions, by="bench", replace=False, dry_run=False)
-                sup = iso.supervisor()
-                sup.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
-                sup.start("beat", ["beat", "--loglevel", "WARNING"], {"BALANCER_HOME": str(iso.workdir)})
-                sup.start("worker", ["worker", "--all-models", "--loglevel", "WARNING"])
-                iso.insert("\n".join(json.dumps({"prompt": f"p{i} " + "w " * 50, "max_tokens": 64})
-                                     for i in range(args.tasks)))
-                deadline = time.monotonic() + 60
-                while len(simulator.log) < 50 or source_tasks(engine) < 20:
-                    sup.check_alive()
-                    if time.monotonic() > deadline:
-                        raise SystemExit("calls never got going, or the source was never read")
-                    time.sleep(0.2)
-                console.print(f"{span:g} s as it is, then {span:g} s with the source's table locked ...")
-                free_from = time.time()
-                time.sleep(span)
-                with engine.connect() as holder:
-                    holder.exec_driver_sql("INSERT INTO team_prompts (body) SELECT 'late ' || g "
-                                           "FROM generate_series(1, 20) g")
-                    holder.exec_driver_sql("LOCK TABLE team_prompts IN ACCESS EXCLUSIVE MODE")
-                    locked_from = time.time()
-                    while time.time() - locked_from < span:
-                        sup.check_alive()
-                        time.sleep(0.5)
-                    locked_until = time.time()
-                    holder.commit()
-                while source_tasks(engine) < 40:
-                    sup.check_alive()
-                    if time.time() - locked_until > 60:
-                        raise SystemExit("the source's rows were not read after the lock")
-                    time.sleep(0.05)
-                read_after = time.time() - locked_until
-                starts = [e["start"] for e in list(simulator.log) if e["status"] == 200]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    with simulated_services(console, "lock") as (iso, simulator):
+        engine = iso.services.engine
+        with engine.begin() as conn:
+            conn.exec_driver_sql(TEAM_TABLE)
+        definitions = parse_source_file(SOURCE_FILE)
+        with team_connection(definitions[0], engine) as conn:
+            check_source(conn, definitions[0])
+        import_sources(engine, definitions, by="bench", replace=False, dry_run=False)
+        sup = start_calling(iso, simulator, args.tasks, ready=lambda: source_tasks(engine) >= 20)
+        console.print(f"{span:g} s as it is, then {span:g} s with the source's table locked ...")
+        free_from = time.time()
+        time.sleep(span)
+        with engine.connect() as holder:
+            holder.exec_driver_sql("INSERT INTO team_prompts (body) SELECT 'late ' || g "
+                                   "FROM generate_series(1, 20) g")
+            holder.exec_driver_sql("LOCK TABLE team_prompts IN ACCESS EXCLUSIVE MODE")
+            locked_from = time.time()
+            wait_for(sup, lambda: time.time() - locked_from >= span, span + 60, "the lock was not held", every=0.5)
+            locked_until = time.time()
+            holder.commit()
+        wait_for(sup, lambda: source_tasks(engine) >= 40, 60, "the source's rows were not read after the lock", every=0.05)
+        read_after = time.time() - locked_until
+        starts = [e["start"] for e in list(simulator.log) if e["status"] == 200]
     free = len([s for s in starts if free_from <= s < locked_from]) / (locked_from - free_from)
     locked = len([s for s in starts if locked_from <= s < locked_until]) / (locked_until - locked_from)
     table = Table(title=f"call starts while a source table is locked for {span:g} s ({args.tasks:,} JSONL tasks)")
