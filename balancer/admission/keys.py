@@ -185,6 +185,24 @@ def broker_prefix(namespace: str) -> str:
     return namespace + ":"
 
 
+#: kombu's Redis transport: the hash of messages delivered and not yet acknowledged.
+BROKER_UNACKED = "unacked"
+
+
+def broker_queue(namespace: str, queue: str) -> str:
+    """The broker's list of a queue's waiting messages (kombu's Redis transport, priority 0).
+
+    >>> broker_queue("prod", model_queue("gpt-a")), broker_unacked("prod")
+    ('prod:model.gpt-a', 'prod:unacked')
+    """
+    return broker_prefix(namespace) + queue
+
+
+def broker_unacked(namespace: str) -> str:
+    """The broker's hash of delivered, unacknowledged messages: delivery tag -> [message, exchange, key]."""
+    return broker_prefix(namespace) + BROKER_UNACKED
+
+
 def fair_shares(namespace: str) -> str:
     """The fair share's state across dispatch rounds (hash): ``d:<source>`` -> deficit
     in tokens, ``last`` -> the source served last (see :mod:`balancer.domain.fairshare`)."""

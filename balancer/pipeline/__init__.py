@@ -13,6 +13,7 @@
 * ``answers`` — the answer writer, the only way an answer reaches PostgreSQL
 * ``finishes`` — finishes that could not reach Redis, kept and applied once it answers
 * ``heartbeat`` — renews the leases of the calls this process owns
+* ``lost`` — queued tasks whose solve messages the broker lost, back to pending within seconds
 * ``cancellation`` — cuts off the losing call of a hedged task (Redis pub/sub)
 * ``consumers`` — each worker process's live record of the models whose queues it consumes
 * ``ingest`` — inbox JSONL files → tasks, each file once

@@ -18,6 +18,7 @@ from balancer.pipeline.consumers import ConsumerBeat
 from balancer.pipeline.dispatcher import Assignment, dispatch
 from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.pipeline.heartbeat import live_calls
+from balancer.pipeline.lost import LostMessages
 from balancer.pipeline.pool import QuotaWatcher
 from balancer.pipeline.solver import SolveMessage, solve_chain
 from balancer.pipeline.trigger import clear_requests, request_dispatch
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
 app.steps["consumer"].add(QuotaWatcher)
 app.steps["consumer"].add(ConsumerBeat)  # each model this worker consumes: a live record (balancer.pipeline.consumers)
+#: Tasks whose solve messages the broker lost (a failover) go back to pending within seconds.
+lost_messages = LostMessages()
 
 
 @worker_process_init.connect
@@ -78,6 +81,7 @@ def dispatch_task(from_beat: bool = False) -> dict:
     if from_beat:
         mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
     clear_requests(svc.redis, svc.settings.namespace)
+    lost_messages.check(svc)  # before the round, which dispatches the tasks it returns
     report = dispatch(svc, publish)
     if report.retry_in_ms is not None and report.retry_in_ms < svc.settings.dispatch_tick * 1000:
         trigger_dispatch(delay_ms=max(report.retry_in_ms, 10))

@@ -55,31 +55,56 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
     return result.rowcount, kept
 
 
-#: The old admission id comes from the locked subquery (RETURNING shows the row as updated). A
-#: row a worker is starting (locked) is skipped: its start wins, and the call runs.
-_RETURN_UNCONSUMED = sa.text(
-    """
-    UPDATE tasks AS t
-       SET status = 'pending', model = NULL, admission_id = NULL, deadline = NULL, updated_at = now(),
-           error = 'returned to pending: no worker consumes model.' || old.model
-      FROM (SELECT id, model, admission_id FROM tasks
-             WHERE status = 'queued' AND model = ANY(CAST(:models AS text[])) FOR UPDATE SKIP LOCKED) AS old
-     WHERE t.id = old.id
-    RETURNING old.id, old.admission_id
-    """
-)
+def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str) -> list[tuple[int, str]]:
+    """Queued tasks matching ``which`` back to pending now; (task id, old admission id) of each.
+
+    The old admission id comes from the locked subquery (RETURNING shows the row as updated).
+    A row a worker is starting (locked) is skipped: its start wins, and the call runs. A
+    message consumed later finds its task no longer under its admission and makes no call
+    (``stale``). No attempt is counted."""
+    old = (sa.select(tasks.c.id, tasks.c.model, tasks.c.admission_id)
+           .where(tasks.c.status == "queued", which).with_for_update(skip_locked=True).subquery("old"))
+    statement = (
+        sa.update(tasks).where(tasks.c.id == old.c.id)
+        .values(status="pending", model=None, admission_id=None, deadline=None, updated_at=sa.func.now(),
+                error=sa.literal(reason) + old.c.model)
+        .returning(old.c.id, old.c.admission_id)
+    )
+    with engine.begin() as conn:
+        rows = conn.execute(statement).all()
+    return [(r.id, r.admission_id) for r in rows]
 
 
 def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int, str]]:
     """Queued tasks of models no worker consumes now (their solve messages wait in a queue
     nobody reads) back to pending at once, not at their deadline; (task id, admission id)
-    of each, whose leases the caller withdraws. A message consumed later finds its task
-    no longer under its admission and makes no call (``stale``). No attempt is counted."""
+    of each, whose leases the caller withdraws."""
     if not models:
         return []
-    with engine.begin() as conn:
-        rows = conn.execute(_RETURN_UNCONSUMED, {"models": sorted(models)}).all()
-    return [(r.id, r.admission_id) for r in rows]
+    return _return_queued(engine, tasks.c.model.in_(sorted(models)), "returned to pending: no worker consumes model.")
+
+
+def queued_since(engine: Engine, seconds: float) -> list[tuple[str, str, float]]:
+    """(admission id, model, seconds queued) of the tasks ``queued`` for longer than ``seconds``:
+    their solve messages should long have been taken (see :mod:`balancer.pipeline.lost`)."""
+    age = sa.extract("epoch", sa.func.now() - tasks.c.queued_at)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(tasks.c.admission_id, tasks.c.model, age.label("age"))
+            .where(tasks.c.status == "queued", tasks.c.admission_id.is_not(None),
+                   tasks.c.queued_at < sa.func.now() - timedelta(seconds=seconds))
+        ).all()
+    return [(r.admission_id, r.model, float(r.age)) for r in rows]
+
+
+def return_lost(engine: Engine, admission_ids: Collection[str]) -> list[tuple[int, str]]:
+    """Queued tasks whose solve messages the broker lost (in no queue, held by no live worker)
+    back to pending now, not at their deadline; (task id, admission id) of each, whose leases
+    the caller withdraws."""
+    if not admission_ids:
+        return []
+    return _return_queued(engine, tasks.c.admission_id.in_(sorted(admission_ids)),
+                          "returned to pending: the broker lost its solve message to model.")
 
 
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
