@@ -251,19 +251,3 @@ def test_an_undecodable_prompt_fails_its_row_alone(service_urls, tmp_path: Path,
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
-
-
-def test_an_import_notes_a_where_that_cannot_use_an_index(svc: Services, legacy: Legacy, tmp_path: Path,
-                                                          capsys) -> None:  # noqa: ANN001
-    """Issue 38 finding 11: 1,000,000 rows that did not match ``where`` cost 6.0 M tuples read per
-    minute with nothing to do, and nothing said why. The import EXPLAINs the poll's read behind
-    the cursor and notes, with the index to create, when ``where`` cannot use one; with that
-    index there is no note."""
-    legacy.execute("INSERT INTO prompts (body, status) SELECT 'done ' || g, 'solved' FROM generate_series(1, 20000) g; "
-                   "INSERT INTO prompts (body) VALUES ('to do'); ANALYZE prompts")
-    code, out, _ = import_legacy(tmp_path, capsys, legacy.table)
-    assert code == 0 and "note: sources.crm: where cannot use an index" in out, out
-    assert f"CREATE INDEX ON {legacy.table} (id) WHERE status = 'unsolved'" in out
-    legacy.execute("CREATE INDEX ON prompts (id) WHERE status = 'unsolved'; ANALYZE prompts")
-    code, out, _ = import_legacy(tmp_path, capsys, legacy.table)
-    assert code == 0 and "note:" not in out, out

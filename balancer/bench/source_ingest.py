@@ -21,8 +21,8 @@ from rich.console import Console
 
 from balancer.devtools.runner import IsolatedServices
 from balancer.domain.quota import Quota
-from balancer.sources import catalog as sources_catalog
 from balancer.sources import ingest as source_ingest
+from balancer.sources import window as sources_window
 from balancer.sources.definition import parse_source_file
 from balancer.sources.store import import_sources
 
@@ -51,16 +51,16 @@ def run(rows: int, batch: int, console: Console) -> dict[str, float]:
             f"where = \"status = 'unsolved'\"\nanswer = \"answer\"\nstatus = \"status\"\nbatch = {batch}\n")
         import_sources(svc.engine, [definition], by="bench", replace=False, dry_run=False)
         reads: list[float] = []
-        timed = sources_catalog.read_rows
+        timed = sources_window.read_window
 
-        def read_rows(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the same call, timed
+        def read_window(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the same call, timed
             began = time.monotonic()
             try:
                 return timed(*args, **kwargs)
             finally:
                 reads.append(time.monotonic() - began)
 
-        source_ingest.read_rows = read_rows
+        source_ingest.read_window = read_window
         rss_before = rss_mb()
         models = {"m": 10_000_000}
         started = time.monotonic()
@@ -71,7 +71,7 @@ def run(rows: int, batch: int, console: Console) -> dict[str, float]:
             if report.caught_up:
                 break
         elapsed = time.monotonic() - started
-        source_ingest.read_rows = timed
+        source_ingest.read_window = timed
         with svc.engine.connect() as conn:
             stored = conn.exec_driver_sql("SELECT count(*) FROM tasks WHERE source = 'bench'").scalar_one()
     result = {"rows": rows, "batch": batch, "created": created, "stored": stored, "seconds": round(elapsed, 2),

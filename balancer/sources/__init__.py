@@ -11,8 +11,9 @@ each ended task back to its own row.
 - ``schema``: balancer's tables for declared sources and their outbox;
 - ``store``: declared sources, their import (audited) and cursors;
 - ``catalog``: the SQL balancer runs on the team's table (checks at import,
-  the read, the guarded and fenced write-back of one row), and ``batchwrite``:
-  that write-back for a batch in one statement;
+  the guarded and fenced write-back of one row), and ``batchwrite``: that
+  write-back for a batch in one statement; ``window``: a poll's read, one
+  window of rows in the source's order (its cost the rows it examines);
 - ``ingest``: rows past the cursor become tasks;
 - ``writeback``: ended tasks back to their rows (drained on a thread), each row
   alone; ``outbox``: the write-backs' states (waiting, conflict, changed,

@@ -1,5 +1,6 @@
 """The team's table: its database, its catalog checks, and the only SQL balancer
-runs on it (one read of a batch, one guarded and fenced write-back per row).
+runs on it (a poll's read of a window, :mod:`balancer.sources.window`; one
+guarded and fenced write-back per row).
 
 Every identifier comes from the source's definition, is a plain identifier
 (:func:`balancer.sources.definition.check_identifier`), was found in the
@@ -26,100 +27,12 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from balancer.errors import printable
-from balancer.settings import Settings
 from balancer.sources.definition import SourceDef, SourceFileError
-from balancer.sources.rows import TooLong, decode_prompt
 from balancer.sources.tables import base_tables, check_view_key, identities, key_is_unique
 
 # The team's database, imported from here by the rest of the room.
 from balancer.sources.teamdb import TimeLimits, describe, team_connection, team_engine, team_url  # noqa: F401
-
-#: ``BALANCER_MAX_PROMPT_BYTES``'s default, for a read not given the deployment's setting.
-DEFAULT_MAX_PROMPT_BYTES: int = Settings.max_prompt_bytes
-
-
-def _render(conn: Connection, query: sql.Composable) -> str:
-    return query.as_string(conn.connection.dbapi_connection)
-
-
-def _table(definition: SourceDef) -> sql.Composable:
-    schema, table = definition.schema_and_table
-    return sql.Identifier(schema, table) if schema else sql.Identifier(table)
-
-
-def _where(definition: SourceDef) -> sql.Composable:
-    # Bound parameters go with this text, so a '%' of the team's condition is doubled to stay a '%'.
-    return sql.SQL("({})").format(sql.SQL(definition.where.replace("%", "%%")))
-
-
-def read_query(definition: SourceDef, *, after: bool, upto: bool, as_bytes: bool = False) -> sql.Composable:
-    """Rows of work past a key (and up to one): key as text, prompt (NULL when longer than
-    the bytes bound first; its bytes as stored if ``as_bytes``), the prompt's length in bytes,
-    priority; in key order. The team's database measures the prompt, so a longer one never
-    crosses the wire. A row whose key is NULL is never read (:func:`count_null_keys` counts them)."""
-    key = sql.Identifier(definition.key)
-    prompt = sql.Identifier(definition.prompt)
-    conditions = [_where(definition), sql.SQL("{} IS NOT NULL").format(key)]
-    if after:
-        conditions.append(sql.SQL("{} > %s").format(key))
-    if upto:
-        conditions.append(sql.SQL("{} <= %s").format(key))
-    priority = sql.Identifier(definition.priority) if definition.priority else sql.SQL("NULL")
-    # ORDER BY the qualified column: a bare name would take the output column of
-    # that name, the key's text form, and order 10 before 9.
-    size = sql.SQL("octet_length(CAST({} AS text))").format(prompt)
-    return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, "
-                   "CASE WHEN {size} <= %s THEN {text} END AS balancer_prompt, "
-                   "{size} AS balancer_prompt_bytes, {priority} AS balancer_priority "
-                   "FROM {table} WHERE {cond} ORDER BY {table}.{key} LIMIT %s").format(
-        key=key, text=sql.SQL("CAST(CAST({} AS text) AS bytea)" if as_bytes else "CAST({} AS text)").format(prompt),
-        size=size, priority=priority, table=_table(definition), cond=sql.SQL(" AND ").join(conditions))
-
-
-def read_rows(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, limit: int,
-              limits: TimeLimits | None = None, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES) -> list[tuple]:
-    """One batch of work rows (key, prompt, priority) with key > ``after`` (and <= ``upto``), in
-    one READ ONLY transaction within ``limits`` (a table the team holds locked fails it in
-    ``lock_s``): the only lock taken on the team's table is this read's. A prompt longer than
-    ``max_prompt_bytes`` is not read: its row holds a :class:`~balancer.sources.rows.TooLong`."""
-    params: list[Any] = [max_prompt_bytes] + [p for p in (after, upto) if p is not None] + [limit]
-    try:
-        rows = _read(conn, definition, after, upto, params, limits, as_bytes=False)
-    except (UnicodeDecodeError, DBAPIError) as exc:
-        if isinstance(exc, DBAPIError) and getattr(exc.orig, "pgcode", None) not in _NOT_TEXT:
-            raise
-        # A prompt that is not text in the table's encoding: the batch again, prompts as their
-        # bytes, each decoded alone, so that only its own row fails (recorded, never a task).
-        rows = _read(conn, definition, after, upto, params, limits, as_bytes=True)
-    return [(key, TooLong(size, max_prompt_bytes) if prompt is None and size is not None and size > max_prompt_bytes
-             else prompt, priority) for key, prompt, size, priority in rows]
-
-
-_NOT_TEXT = ("22021", "22P05")  # SQLSTATEs of bytes that are not text in an encoding
-
-
-def _read(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, params: list[Any],
-          limits: TimeLimits | None, *, as_bytes: bool) -> list[tuple]:
-    query = _render(conn, read_query(definition, after=after is not None, upto=upto is not None, as_bytes=as_bytes))
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-        (limits or TimeLimits()).apply(conn, local=True)
-        rows = [tuple(r) for r in conn.exec_driver_sql(query, tuple(params))]
-        if not as_bytes:
-            return rows
-        encoding = str(conn.exec_driver_sql("SHOW server_encoding").scalar_one())
-    return [(key, decode_prompt(prompt, encoding), *rest) for key, prompt, *rest in rows]
-
-
-def count_null_keys(conn: Connection, definition: SourceDef, limits: TimeLimits | None = None) -> int:
-    """Rows matching ``where`` whose key is NULL: they can never be a task (nothing to write
-    back to), so they are counted instead (``sources.null_keys``), in a READ ONLY transaction."""
-    query = sql.SQL("SELECT count(*) FROM {table} WHERE {cond} AND {key} IS NULL").format(
-        table=_table(definition), cond=_where(definition), key=sql.Identifier(definition.key))
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-        (limits or TimeLimits()).apply(conn, local=True)
-        return int(conn.exec_driver_sql(_render(conn, query)).scalar_one())
+from balancer.sources.window import _render, _table, _where, read_query
 
 
 def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimits | None = None) -> str | None:
@@ -300,40 +213,38 @@ def _check_condition(conn: Connection, definition: SourceDef) -> None:
         raise SourceFileError(f"sources.{definition.name}: where is not one boolean condition")
 
 
-#: A table with fewer rows than this gets no note: any plan reads it in a moment.
+#: A table with fewer rows than this gets no note: the rescan goes round it in a few polls.
 NOTE_FROM_ROWS = 10_000
-_SCANS = ("Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan")
-_RELTUPLES = "SELECT reltuples FROM pg_class WHERE oid = to_regclass(quote_ident(%s) || '.' || quote_ident(%s))"
-
-
-def _reads_past_where(plan: dict[str, Any]) -> list[dict[str, Any]]:
-    """The scans of a plan (EXPLAIN's JSON) that read rows and only then check a condition."""
-    found = [plan] if plan.get("Node Type") in _SCANS and (plan["Node Type"] == "Seq Scan" or "Filter" in plan) else []
-    return found + [scan for child in plan.get("Plans", []) for scan in _reads_past_where(child)]
+#: Key types whose new values grow (a serial, a sequence's default, a time): new rows land past the cursor.
+_GROWING = ("smallint", "integer", "bigint", "numeric", "date", "timestamp without time zone",
+            "timestamp with time zone")
+_KEY_TYPE = "SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute WHERE attrelid = %s AND attname = %s"
+_ROWS = "SELECT reltuples FROM pg_class WHERE oid = %s"
 
 
 def poll_note(conn: Connection, definition: SourceDef) -> str | None:
-    """A note for the import when a poll of the source cannot use an index for ``where`` (issue 38
-    finding 11): EXPLAIN of its read behind the cursor (the rescan) over the whole key range
-    finds a scan that reads rows and filters them, on a table of :data:`NOTE_FROM_ROWS` rows or
-    more. Then each poll reads every row behind the cursor, matching or not. None: no note."""
-    key, table = sql.Identifier(definition.key), _table(definition)
+    """A note for the import when the source's new rows need not land past its cursor (issue 38
+    finding 11): its key is not of a type whose values grow (a uuid, a text) and it declares no
+    ``cursor`` column, on a table of :data:`NOTE_FROM_ROWS` rows or more. Then a new row is found
+    by the rescan, one window of ``batch`` rows a poll: within about rows / batch polls. None: no note."""
+    if definition.cursor is not None:
+        return None
+    schema, table = definition.schema_and_table
     with conn.begin():
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-        low, high = conn.exec_driver_sql(_render(conn, sql.SQL(
-            "SELECT CAST(min({key}) AS text), CAST(max({key}) AS text) FROM {table}").format(key=key, table=table))).one()
-        if low is None:
+        relation = conn.exec_driver_sql(_RELATION, {"schema": schema, "table": table}).first()
+        if relation is None:
             return None
-        query = _render(conn, read_query(definition, after=True, upto=True))
-        [[plan]] = conn.exec_driver_sql("EXPLAIN (FORMAT JSON, VERBOSE) " + query, (1, low, high, definition.batch)).one()
-        rows = [float(conn.exec_driver_sql(_RELTUPLES, (scan.get("Schema"), scan.get("Relation Name"))).scalar() or 0)
-                for scan in _reads_past_where(plan["Plan"])]
-    if not rows or max(rows) < NOTE_FROM_ROWS:
+        kind, _ = conn.exec_driver_sql(_KEY_TYPE, (relation.oid, definition.key)).one()
+        rows = float(conn.exec_driver_sql(_ROWS, (relation.oid,)).scalar() or 0)
+    if kind in _GROWING or rows < NOTE_FROM_ROWS:
         return None
-    return (f"note: sources.{definition.name}: where cannot use an index of {printable(definition.table, 130)}: each "
-            f"poll reads the rows behind its cursor (about {max(rows):,.0f}) to find the rows of work. An index that "
-            f"holds only those, e.g. CREATE INDEX ON {printable(definition.table, 130)} ({definition.key}) WHERE "
-            f"{printable(definition.where, 200)}, makes a poll read the rows of work only")
+    wait = rows / definition.batch * definition.poll_seconds
+    return (f"note: sources.{definition.name}: key {definition.key} ({printable(kind, 40)}) does not grow with each new "
+            f"row: a new row behind the cursor is found by the rescan, {definition.batch:,} rows a poll, within about "
+            f"{wait:,.0f} s for the {rows:,.0f} rows of {printable(definition.table, 130)}. A NOT NULL column that grows "
+            "with each new row (a serial, a creation time), declared as cursor = \"COLUMN\" and indexed, finds them "
+            "at the next poll")
 
 
 def check_source(conn: Connection, definition: SourceDef) -> list[str]:
@@ -353,6 +264,10 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
         for role, column in definition.columns.items():
             if column not in columns:
                 raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}")
+        if definition.cursor and relation.relkind != "v" and not conn.exec_driver_sql(
+                _KEY_TYPE, (relation.oid, definition.cursor)).one()[1]:
+            raise SourceFileError(f"sources.{name}: cursor column {definition.cursor!r} of {definition.table} may be "
+                                  "NULL (a row with a NULL there would never be read): give a NOT NULL column")
         if relation.relkind in ("r", "p", "m") and not key_is_unique(conn, relation.oid, columns[definition.key]):
             raise SourceFileError(f"sources.{name}: key column {definition.key!r} of {definition.table} is not unique "
                                   "(give a column with a primary key or a unique index of its own)")
@@ -364,7 +279,7 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
         try:
             with conn.begin_nested():
                 conn.exec_driver_sql("EXPLAIN " + _render(conn, read_query(definition, after=True, upto=False)),
-                                     (1, None, 1))
+                                     (1, *[None] * len(definition.order), 1))
         except DBAPIError as exc:
             raise SourceFileError(f"sources.{name}: where is not a condition on {definition.table}: "
                                   f"{describe(definition, exc)}") from None

@@ -15,6 +15,7 @@ Format::
     error = "error"                          # optional
     model = "solved_by"                      # optional
     priority = "priority"                    # optional: a column read as the task's priority
+    cursor = "seq"                           # optional: a NOT NULL column that grows with each new row; the cursor follows it
     weight = 1
     poll_seconds = 5
     batch = 1000
@@ -70,6 +71,9 @@ class SourceDef:
     error: str | None = None
     model: str | None = None
     priority: str | None = None
+    #: a NOT NULL column whose values grow with each new row (a serial, a creation time): the
+    #: cursor follows (cursor, key), so new rows of a key that does not grow (a uuid) are past it
+    cursor: str | None = None
     weight: int = 1
     poll_seconds: float = 5.0
     batch: int = 1000
@@ -86,7 +90,7 @@ class SourceDef:
     @property
     def columns(self) -> dict[str, str]:
         """Each role (key, prompt, answer, ...) and the column that plays it."""
-        roles = ("key", "prompt", "answer", "status", "error", "model", "priority")
+        roles = ("key", "prompt", "answer", "status", "error", "model", "priority", "cursor")
         return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
 
     def same_table(self, other: SourceDef) -> bool:
@@ -94,7 +98,12 @@ class SourceDef:
 
     def reads_same_rows(self, other: SourceDef) -> bool:
         """Whether ``other`` reads the same rows in the same order (its cursor stays valid)."""
-        return self.same_table(other) and self.key == other.key
+        return self.same_table(other) and (self.key, self.cursor) == (other.key, other.cursor)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The columns a read orders its rows by and its cursor holds: (cursor, key), or key."""
+        return (self.cursor, self.key) if self.cursor else (self.key,)
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in asdict(self).items() if v is not None and k != "name"}
@@ -104,10 +113,10 @@ class SourceDef:
 
 
 _STRING_FIELDS = ("table", "key", "prompt", "answer", "where", "database_url_env", "status", "solved", "failed",
-                  "error", "model", "priority")
+                  "error", "model", "priority", "cursor")
 _KNOWN = {*_STRING_FIELDS, "weight", "poll_seconds", "batch", "max_tokens", "models", "dedup"}
 _REQUIRED = ("table", "key", "prompt", "answer", "where")
-_IDENTIFIER_FIELDS = ("key", "prompt", "answer", "status", "error", "model", "priority")
+_IDENTIFIER_FIELDS = ("key", "prompt", "answer", "status", "error", "model", "priority", "cursor")
 
 
 def check_identifier(what: str, value: str) -> str:
@@ -258,7 +267,7 @@ def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
         name=name, table=table, key=fields["key"], prompt=fields["prompt"], answer=fields["answer"],
         where=fields["where"], database_url_env=env, status=fields.get("status"),
         solved=fields.get("solved", "solved"), failed=fields.get("failed", "failed"), error=fields.get("error"),
-        model=fields.get("model"), priority=fields.get("priority"),
+        model=fields.get("model"), priority=fields.get("priority"), cursor=fields.get("cursor"),
         weight=_int(name, fields, "weight", 1, 1, 1_000_000) or 1, poll_seconds=float(poll),
         batch=_int(name, fields, "batch", 1000, 1, MAX_BATCH) or 1000,
         max_tokens=_int(name, fields, "max_tokens", None, 1, 1_000_000),

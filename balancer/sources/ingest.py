@@ -1,15 +1,19 @@
 """Source tables into the backlog: every row matching a source's ``where`` becomes a task once.
 
-Each tick reads each source past its cursor, in batches of at most ``batch``
-rows, each batch one short READ ONLY read of the team's table (no lock held
-beyond it). The batch's tasks are inserted and the cursor moved in one
-transaction of balancer's database; a (source, key) already present is
-skipped (the ``tasks_source_key`` index). So a crash mid-batch re-reads the
-batch, and two ingesters at once insert each row once: the cursor only moves
-from where it was read (:func:`balancer.sources.store.advance`). Once a
-source is caught up, each tick also rescans one batch behind the cursor, for
-rows that committed behind it (a writer's transaction that took a smaller key
-and committed late); those are inserted then.
+Each tick reads each source past its cursor, in windows of at most ``batch``
+rows in the source's order (:mod:`balancer.sources.window`), each window one
+short READ ONLY read of the team's table (no lock held beyond it). The
+window's rows of work become tasks and the cursor moves to the window's last
+row, matching ``where`` or not, in one transaction of balancer's database; a
+(source, key) already present is skipped (the ``tasks_source_key`` index). So
+a crash mid-window re-reads the window, and two ingesters at once insert each
+row once: the cursor only moves from where it was read
+(:func:`balancer.sources.store.advance`). Once a source is caught up, each
+tick also rescans one window behind the cursor, for rows that committed
+behind it (a writer's transaction that took a smaller key and committed
+late), rows of a key that does not grow, and rows re-opened: a poll examines
+the new rows and at most ``batch`` rows behind the cursor, whatever the
+table's size (issue 38 finding 11).
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.services import Services
-from balancer.sources.catalog import TimeLimits, count_null_keys, read_rows, team_connection
+from balancer.sources.catalog import TimeLimits, team_connection
 from balancer.sources.definition import SourceDef
 from balancer.sources.read_errors import clear_read_error, note_read_error
 from balancer.sources.reask import ask_reopened
 from balancer.sources.rows import after_read, after_rescan, row_to_task
 from balancer.sources.schema import source_rejects, sources
 from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
+from balancer.sources.window import count_null_keys, read_window
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ def _insert(services: Services, definition: SourceDef, rows: list[tuple], models
 
 def ingest_source(services: Services, definition: SourceDef, models: dict[str, int], *,
                   budget_s: float = 2.0) -> SourceIngest:
-    """Read ``definition`` past its cursor until caught up (or ``budget_s`` is spent), then one rescan batch."""
+    """Read ``definition`` past its cursor until caught up (or ``budget_s`` is spent), then one rescan window."""
     report = SourceIngest(definition.name)
     deadline = time.monotonic() + budget_s
     limits = TimeLimits.of(services.settings)
@@ -86,10 +91,12 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
                 start = read_cursor(conn, definition.name)
             if start is None:
                 return report  # removed meanwhile
-            rows = read_rows(team, definition, start.position, None, definition.batch, limits, services.settings.max_prompt_bytes)
-            report.read += len(rows)
-            position, caught_up = after_read(start.position, [r[0] for r in rows], definition.batch)
-            moved = _insert(services, definition, rows, models, start, Cursor(position, start.rescan), caught_up, report)
+            window = read_window(team, definition, start.position, None, definition.batch, limits,
+                                 services.settings.max_prompt_bytes)
+            report.read += len(window.rows)
+            position, caught_up = after_read(start.position, window.last, window.examined, definition.batch)
+            moved = _insert(services, definition, window.rows, models, start, Cursor(position, start.rescan), caught_up,
+                            report)
             if caught_up and moved:
                 report.caught_up = True
                 break
@@ -97,12 +104,13 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
                 return report
         if start.position is not None:
             start = Cursor(position, start.rescan)
-            rows = read_rows(team, definition, start.rescan, position, definition.batch, limits, services.settings.max_prompt_bytes)
-            rescan = after_rescan([r[0] for r in rows], definition.batch)
-            _insert(services, definition, rows, models, start, Cursor(position, rescan), True, report)
+            window = read_window(team, definition, start.rescan, position, definition.batch, limits,
+                                 services.settings.max_prompt_bytes)
+            rescan = after_rescan(window.last, window.examined, definition.batch)
+            _insert(services, definition, window.rows, models, start, Cursor(position, rescan), True, report)
             if rescan is None:  # the rescan went round the table: count its rows with no key again
                 set_null_keys(services.engine, definition.name, count_null_keys(team, definition, limits))
-            report.reasked += ask_reopened(services, definition, team, [r[0] for r in rows])
+            report.reasked += ask_reopened(services, definition, team, [r[0] for r in window.rows])
     return report
 
 

@@ -1,14 +1,17 @@
 """A source table's rows to tasks, and its read cursor's moves: pure.
 
-The cursor is the largest key read (keys as the team's database writes them
-as text; only the database compares them). A batch read past it moves it to
-the batch's last key; a batch shorter than asked means the read has caught up.
-The rescan walks from the start up to the cursor, one batch per caught-up tick,
-and wraps to the start when it reaches the end.
+The cursor is the last row examined in the source's order (its key, or its
+``cursor`` column and key: :attr:`~balancer.sources.definition.SourceDef.order`),
+as the team's database writes them as text; only the database compares them.
+A read examines a window of at most ``batch`` rows past it, whether they match
+``where`` or not, and moves it to the window's last row; a window shorter than
+asked means the read has caught up. The rescan walks from the start up to the
+cursor, one window per caught-up tick, and wraps to the start at the end.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,22 +62,44 @@ def decode_prompt(raw: bytes | memoryview | None, encoding: str) -> str | Undeco
         return Undecodable("UTF-8" if name == "UTF8" else name)
 
 
-def after_read(position: str | None, keys: Sequence[str], batch: int) -> tuple[str | None, bool]:
-    """The cursor after reading ``keys`` past ``position``, and whether the read caught up.
+def position_values(position: str | None, columns: int) -> list[str] | None:
+    """A stored position as the values of the order's ``columns``: the key's text alone, or a
+    JSON list of (cursor, key) texts.
 
-    >>> after_read(None, ["1", "2"], 2), after_read("2", ["3"], 2), after_read("3", [], 2)
+    >>> position_values("7", 1), position_values('["2026-01-01 00:00:00+00", "ab"]', 2)
+    (['7'], ['2026-01-01 00:00:00+00', 'ab'])
+    """
+    if position is None:
+        return None
+    return [position] if columns == 1 else [str(v) for v in json.loads(position)]
+
+
+def position_text(values: Sequence[str]) -> str:
+    """:func:`position_values`'s inverse.
+
+    >>> position_text(["7"]), position_text(["3", "ab"])
+    ('7', '["3", "ab"]')
+    """
+    return values[0] if len(values) == 1 else json.dumps(list(values))
+
+
+def after_read(position: str | None, last: str | None, examined: int, span: int) -> tuple[str | None, bool]:
+    """The cursor after a window that examined ``examined`` rows past ``position``, ``last`` the
+    last of them (matching ``where`` or not), and whether the read caught up (fewer than ``span``).
+
+    >>> after_read(None, "2", 2, 2), after_read("2", "3", 1, 2), after_read("3", None, 0, 2)
     (('2', False), ('3', True), ('3', True))
     """
-    return (keys[-1] if keys else position), len(keys) < batch
+    return (last if last is not None else position), examined < span
 
 
-def after_rescan(keys: Sequence[str], batch: int) -> str | None:
-    """The rescan's next start: the last key of a full batch, else None (the start again).
+def after_rescan(last: str | None, examined: int, span: int) -> str | None:
+    """The rescan's next start: the last row of a full window, else None (the start again).
 
-    >>> after_rescan(["1", "2"], 2), after_rescan(["3"], 2)
+    >>> after_rescan("2", 2, 2), after_rescan("3", 1, 2)
     ('2', None)
     """
-    return keys[-1] if len(keys) == batch else None
+    return last if examined == span else None
 
 
 def row_to_task(source: str, key: str, prompt: object, priority: object, *, models: Mapping[str, int],
