@@ -97,6 +97,9 @@ class Supervisor:
     restarts: list[str] = field(default_factory=list)
     #: Dead children waiting for their restart: (when, the child that died).
     waiting: list[tuple[float, Child]] = field(default_factory=list)
+    #: The children's working directory (None: this process's). ``python -m`` puts it first on
+    #: sys.path, so a child runs the ``balancer`` found there ahead of PYTHONPATH's.
+    cwd: Path | None = None
 
     def __enter__(self) -> Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,7 @@ class Supervisor:
             stdout=log.open("ab"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            cwd=self.cwd,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )

@@ -38,3 +38,23 @@ def test_a_run_that_killed_its_own_redis_still_drops_its_schema_and_exits_cleanl
                             {"s": schema}).first()
     admin.dispose()
     assert left is None
+
+
+def test_its_children_run_the_code_of_the_run_that_started_them_whatever_the_working_directory(
+        service_urls: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m balancer`` puts the working directory first on sys.path: a benchmark started
+    from another checkout ran that checkout's pipeline whatever PYTHONPATH said. The children
+    start from the tree this process's ``balancer`` came from."""
+    other = tmp_path / "other-checkout"
+    (other / "balancer").mkdir(parents=True)
+    (other / "balancer" / "__init__.py").write_text("")
+    (other / "balancer" / "__main__.py").write_text("print('the other checkout')\n")
+    monkeypatch.chdir(other)
+    monkeypatch.setenv("BALANCER_REDIS_URL", service_urls[0])
+    monkeypatch.setenv("BALANCER_DATABASE_URL", service_urls[1])
+    with IsolatedServices(Console(file=io.StringIO()), "runnertest", keep_workdir=False) as iso:
+        child = iso.supervisor().start("help", ["--help"])
+        assert child.process.wait(timeout=60) == 0
+        out = child.log.read_text()
+    assert "the other checkout" not in out
+    assert "Usage" in out

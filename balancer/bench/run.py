@@ -37,7 +37,7 @@ def prepare(spec: str, out: Path) -> tuple[Scenario, Path]:
     scenario = parse_scenario(text, name)
     scenario.check_pinned_fit()  # before anything starts: such a task could never be admitted
     out.mkdir(parents=True, exist_ok=True)
-    path = out / name
+    path = (out / name).resolve()  # the simulator runs from the code's tree (runner.code_tree)
     path.write_text(text, encoding="utf-8")
     return scenario, path
 

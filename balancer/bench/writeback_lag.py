@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 from rich.console import Console
 
@@ -53,6 +54,12 @@ FROM writes w JOIN tasks t ON t.source = 'team' AND t.key = CAST(w.row_id AS tex
 UNWRITABLE = "SELECT count(*) FROM source_outbox WHERE source = 'team' AND state = 'unwritable'"
 
 
+def sim_scenario(spec: str) -> str:
+    """The simulator's --scenario for ``spec``: a bundled name as it is, a file by its absolute
+    path (the simulator runs from the code's tree: runner.code_tree)."""
+    return str(Path(spec).resolve()) if Path(spec).is_file() else spec
+
+
 def run(scenario_name: str, tasks: int | None, console: Console, refused_pct: float = 0.0) -> dict[str, float]:
     name, text = locate(scenario_name)
     scenario = parse_scenario(text, name)
@@ -72,7 +79,7 @@ def run(scenario_name: str, tasks: int | None, console: Console, refused_pct: fl
             "where = \"status = 'unsolved'\"\nanswer = \"answer\"\nstatus = \"status\"\nmodel = \"solved_by\"\n"
             "max_tokens = 100\npoll_seconds = 0.5\nbatch = 1000\n")
         supervisor = iso.supervisor()
-        iso.start_sim(supervisor, ["--scenario", scenario_name,
+        iso.start_sim(supervisor, ["--scenario", sim_scenario(scenario_name),
                                    "--seed", str(scenario.seed)])
         supervisor.start("dispatcher", ["dispatcher", "--loglevel", "WARNING"])
         supervisor.start("workers", ["worker", "--all-models", "--loglevel", "WARNING"])

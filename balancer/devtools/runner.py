@@ -129,7 +129,9 @@ class IsolatedServices:
         self._stack.close()
 
     def supervisor(self) -> Supervisor:
-        return self._stack.enter_context(Supervisor(self.workdir / "logs", env={**os.environ}))
+        """Children that run this process's code: started from the tree its ``balancer``
+        came from (:func:`code_tree`), whatever directory the run was started in."""
+        return self._stack.enter_context(Supervisor(self.workdir / "logs", env={**os.environ}, cwd=code_tree()))
 
     def start_sim(self, supervisor: Supervisor, sim_args: Sequence[str]) -> str:
         port = free_port()
@@ -153,6 +155,15 @@ class IsolatedServices:
     def task_rows(self) -> list[Any]:
         with self.services.engine.connect() as conn:
             return list(conn.execute(sa.select(tasks_table).order_by(tasks_table.c.id)).all())
+
+
+def code_tree() -> Path:
+    """The directory this process's ``balancer`` package is in (a checkout, or site-packages).
+    A child started with ``python -m balancer`` from another checkout would run that one's code,
+    since ``python -m`` puts the working directory first on sys.path."""
+    import balancer
+
+    return Path(balancer.__file__).resolve().parent.parent
 
 
 def control_app(name: str = "balancer-control") -> Celery:
