@@ -14,11 +14,11 @@ from balancer.sources.ingest import ingest_sources
 from balancer.sources.schema import source_outbox, sources
 from balancer.sources.writeback import drain
 from balancer.storage.schema import source_changes, task_operations, tasks
-from tests import test_sources as base
-from tests.test_sources import Legacy, import_legacy, run, solve_pending
+from tests import legacy as legacy_fixtures
+from tests.legacy import Legacy, import_legacy, legacy_database, run, solve_pending
 
-# The fixtures of tests/test_sources.py: balancer's services, and the team's table in its own database.
-svc, legacy_url, legacy = base.svc, base.legacy_url, base.legacy
+# The team's table and balancer's services (tests/legacy.py).
+svc, legacy_url, legacy = legacy_fixtures.svc, legacy_fixtures.legacy_url, legacy_fixtures.legacy
 
 SOLVED = "SELECT count(*) FROM prompts WHERE status = 'solved'"
 
@@ -211,43 +211,28 @@ def test_an_undecodable_prompt_fails_its_row_alone(service_urls, tmp_path: Path,
     every tick, and the 11 rows after it were never ingested. That row is recorded with its
     reason, the cursor moves past it only with that record, and every other row is a task
     (a UTF-8 ``é`` in the same table included)."""
-    import uuid
-
-    from balancer.urls import normalize_database_url
-
-    base = normalize_database_url(service_urls[1])
-    name = "legacy_ascii_" + uuid.uuid4().hex[:10]
-    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE {name} ENCODING 'SQL_ASCII' TEMPLATE template0 LC_COLLATE 'C' LC_CTYPE 'C'")
-    url = sa.engine.make_url(base).set(database=name).render_as_string(hide_password=False)
-    team = sa.create_engine(url)
-    try:
-        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
-        with team.begin() as conn:
-            conn.exec_driver_sql(
-                "CREATE TABLE prompts (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
-                "'unsolved', answer text, solved_by text, error text, priority int);"
-                "INSERT INTO prompts (id, body) VALUES (1, 'plain'), "
-                "(2, convert_from('\\x6361666ee9'::bytea, 'SQL_ASCII')), "
-                "(3, convert_from('\\x636166c3a9'::bytea, 'SQL_ASCII'));"
-                "INSERT INTO prompts (id, body) SELECT g, 'later ' || g FROM generate_series(4, 14) g")
-        assert import_legacy(tmp_path, capsys, "prompts", batch=40)[0] == 0
-        ingest_twice(svc)
-        with svc.engine.connect() as conn:
-            keys = sorted(conn.execute(sa.select(tasks.c.key).where(tasks.c.source == "crm")).scalars(), key=int)
-            assert keys == ["1", *map(str, range(3, 15))]
-            assert conn.execute(sa.select(tasks.c.prompt).where(tasks.c.key == "3")).scalar_one() == "café"
-            assert conn.execute(sa.select(sources.c.position)).scalar_one() == "14"
-            assert conn.execute(sa.text("SELECT key, reason FROM source_rejects")).all() == [
-                ("2", "prompt is not valid UTF-8 text")]
-        code, out, _ = run(capsys, "source", "list")
-        assert "rows not tasks 1 (prompt is not valid UTF-8 text 1)" in out, out
-    finally:
-        team.dispose()
-        from balancer.storage.db import dispose_engines
-
-        dispose_engines()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+    with legacy_database(service_urls[1], encoding="SQL_ASCII") as url:
+        team = sa.create_engine(url)
+        try:
+            monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+            with team.begin() as conn:
+                conn.exec_driver_sql(
+                    "CREATE TABLE prompts (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                    "'unsolved', answer text, solved_by text, error text, priority int);"
+                    "INSERT INTO prompts (id, body) VALUES (1, 'plain'), "
+                    "(2, convert_from('\\x6361666ee9'::bytea, 'SQL_ASCII')), "
+                    "(3, convert_from('\\x636166c3a9'::bytea, 'SQL_ASCII'));"
+                    "INSERT INTO prompts (id, body) SELECT g, 'later ' || g FROM generate_series(4, 14) g")
+            assert import_legacy(tmp_path, capsys, "prompts", batch=40)[0] == 0
+            ingest_twice(svc)
+            with svc.engine.connect() as conn:
+                keys = sorted(conn.execute(sa.select(tasks.c.key).where(tasks.c.source == "crm")).scalars(), key=int)
+                assert keys == ["1", *map(str, range(3, 15))]
+                assert conn.execute(sa.select(tasks.c.prompt).where(tasks.c.key == "3")).scalar_one() == "café"
+                assert conn.execute(sa.select(sources.c.position)).scalar_one() == "14"
+                assert conn.execute(sa.text("SELECT key, reason FROM source_rejects")).all() == [
+                    ("2", "prompt is not valid UTF-8 text")]
+            code, out, _ = run(capsys, "source", "list")
+            assert "rows not tasks 1 (prompt is not valid UTF-8 text 1)" in out, out
+        finally:
+            team.dispose()

@@ -9,95 +9,22 @@ import io
 import json
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from balancer.cli import main
-from balancer.domain.quota import Quota
 from balancer.services import Services
-from balancer.settings import Settings
 from balancer.sources.ingest import ingest_sources
 from balancer.sources.reads import source_status
 from balancer.sources.schema import source_outbox, sources
 from balancer.sources.writeback import drain
 from balancer.storage.schema import source_changes, tasks
-from tests.legacy import SOURCE_FILE, add_rows, legacy_database, legacy_schema
+from tests import legacy as legacy_fixtures
+from tests.legacy import SOURCE_FILE, Legacy, counts, import_legacy, legacy_schema, run, solve_pending
 
-
-@pytest.fixture
-def svc(migrated) -> Services:
-    services = Services.connect(Settings.from_env())
-    services.quotas.replace_all([Quota("a", 4, 100_000)])
-    return services
-
-
-@pytest.fixture(scope="module")
-def legacy_url(service_urls) -> Iterator[str]:  # noqa: ANN001
-    with legacy_database(service_urls[1]) as url:
-        yield url
-
-
-@dataclass
-class Legacy:
-    """The team's database, and this test's own copy of the legacy table in it."""
-
-    engine: sa.Engine
-    schema: str
-
-    @property
-    def table(self) -> str:
-        return f"{self.schema}.prompts"
-
-    def count(self, query: str) -> int:
-        with self.engine.connect() as conn:
-            conn.exec_driver_sql(f'SET search_path = "{self.schema}"')
-            return int(conn.exec_driver_sql(query).scalar_one())
-
-    def execute(self, statement: str) -> None:
-        with self.engine.begin() as conn:
-            conn.exec_driver_sql(f'SET LOCAL search_path = "{self.schema}"; {statement}')
-
-    def add(self, count: int, start: int = 0) -> None:
-        add_rows(self.engine, count, start, table=self.table)
-
-
-@pytest.fixture
-def legacy(legacy_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Legacy]:
-    monkeypatch.setenv("LEGACY_DATABASE_URL", legacy_url)
-    engine = sa.create_engine(legacy_url)
-    yield Legacy(engine, legacy_schema(engine))
-    engine.dispose()
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def import_legacy(tmp_path: Path, capsys, table: str, *, name: str = "crm", batch: int = 40,  # noqa: ANN001
-                  env: bool = True) -> tuple[int, str, str]:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(SOURCE_FILE.format(name=name, env='database_url_env = "LEGACY_DATABASE_URL"\n' if env else "",
-                                       table=table, batch=batch))
-    return run(capsys, "source", "import", str(path))
-
-
-def solve_pending(svc: Services, *, limit: int | None = None) -> int:
-    """Stand-in for the solver: pending tasks straight to solved (the status change fires the trigger)."""
-    with svc.engine.begin() as conn:
-        pick = sa.select(tasks.c.id).where(tasks.c.status == "pending").order_by(tasks.c.id).limit(limit)
-        return conn.execute(sa.update(tasks).where(tasks.c.id.in_(pick)).values(
-            status="solved", answer="answer to " + tasks.c.prompt, model="a")).rowcount
-
-
-def counts(engine: sa.Engine, query: str) -> int:
-    with engine.connect() as conn:
-        return int(conn.exec_driver_sql(query).scalar_one())
+# The team's table and balancer's services (tests/legacy.py).
+svc, legacy_url, legacy = legacy_fixtures.svc, legacy_fixtures.legacy_url, legacy_fixtures.legacy
 
 
 # -- task identity -----------------------------------------------------------------------

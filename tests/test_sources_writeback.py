@@ -7,42 +7,32 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from balancer.domain.quota import Quota
 from balancer.services import Services
-from balancer.settings import Settings
 from balancer.sources.ingest import ingest_sources
 from balancer.sources.schema import source_outbox, sources
 from balancer.sources.writeback import drain
 from balancer.storage.schema import tasks
-from tests.legacy import SOURCE_FILE, add_rows, legacy_database, legacy_schema
-from tests.test_sources import Legacy, counts, import_legacy, run, solve_pending
+from tests import legacy as legacy_fixtures
+from tests.legacy import (
+    LEGACY_TABLE,
+    SOURCE_FILE,
+    Legacy,
+    add_rows,
+    counts,
+    import_legacy,
+    legacy_database,
+    legacy_schema,
+    run,
+    solve_pending,
+)
 
-
-@pytest.fixture
-def svc(migrated) -> Services:  # noqa: ANN001
-    services = Services.connect(Settings.from_env())
-    services.quotas.replace_all([Quota("a", 4, 100_000)])
-    return services
-
-
-@pytest.fixture(scope="module")
-def legacy_url(service_urls) -> Iterator[str]:  # noqa: ANN001
-    with legacy_database(service_urls[1]) as url:
-        yield url
-
-
-@pytest.fixture
-def legacy(legacy_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Legacy]:
-    monkeypatch.setenv("LEGACY_DATABASE_URL", legacy_url)
-    engine = sa.create_engine(legacy_url)
-    yield Legacy(engine, legacy_schema(engine))
-    engine.dispose()
+# The team's table and balancer's services (tests/legacy.py).
+svc, legacy_url, legacy = legacy_fixtures.svc, legacy_fixtures.legacy_url, legacy_fixtures.legacy
 
 
 def source_file(tmp_path: Path, table: str, **changes: str) -> Path:
@@ -334,46 +324,25 @@ def test_a_latin1_table_refuses_an_emoji_alone_and_its_accented_prompts_are_not_
     """Issue 38 finding 5: an answer a LATIN1 column cannot hold (an emoji) failed its whole batch.
     It fails alone; and the fence reads an accented LATIN1 prompt as the one it read (md5 over
     UTF-8 on both sides), so no row is taken for changed."""
-    import uuid
-
-    from balancer.urls import normalize_database_url
-
-    base = normalize_database_url(service_urls[1])
-    name = "legacy_latin1_" + uuid.uuid4().hex[:8]
-    admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"CREATE DATABASE \"{name}\" ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
-    url = sa.engine.make_url(base).set(database=name).render_as_string(hide_password=False)
-    team = sa.create_engine(url)
-    try:
-        with team.begin() as conn:
-            conn.connection.cursor().execute(legacy_table_sql())
-            conn.exec_driver_sql("INSERT INTO prompts (body) SELECT 'café crème ' || g FROM generate_series(1, 6) g")
-        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
-        assert import_legacy(tmp_path, capsys, "prompts", batch=100)[0] == 0
-        ingest_sources(svc)
-        assert solve_pending(svc) == 6
-        with svc.engine.begin() as conn:
-            conn.execute(sa.update(tasks).where(tasks.c.key == "4").values(answer="answer with an emoji \N{GRINNING FACE}"))
-        drained = drain(svc)
-        assert (drained.written, drained.refused, drained.changed, drained.conflicts) == (5, 1, 0, 0)
-        with team.connect() as conn:
-            assert conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE status = 'solved' "
-                                        "AND answer = 'answer to ' || body").scalar_one() == 5
-        with svc.engine.connect() as conn:
-            [error] = conn.execute(sa.select(source_outbox.c.last_error)).scalars().all()
-        assert "latin" in error.lower()
-    finally:
-        team.dispose()
-        from balancer.storage.db import dispose_engines
-
-        dispose_engines()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-
-def legacy_table_sql() -> str:
-    from tests.legacy import LEGACY_TABLE
-
-    return LEGACY_TABLE
+    with legacy_database(service_urls[1], encoding="LATIN1") as url:
+        team = sa.create_engine(url)
+        try:
+            with team.begin() as conn:
+                conn.connection.cursor().execute(LEGACY_TABLE)
+                conn.exec_driver_sql("INSERT INTO prompts (body) SELECT 'café crème ' || g FROM generate_series(1, 6) g")
+            monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+            assert import_legacy(tmp_path, capsys, "prompts", batch=100)[0] == 0
+            ingest_sources(svc)
+            assert solve_pending(svc) == 6
+            with svc.engine.begin() as conn:
+                conn.execute(sa.update(tasks).where(tasks.c.key == "4").values(answer="answer with an emoji \N{GRINNING FACE}"))
+            drained = drain(svc)
+            assert (drained.written, drained.refused, drained.changed, drained.conflicts) == (5, 1, 0, 0)
+            with team.connect() as conn:
+                assert conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE status = 'solved' "
+                                            "AND answer = 'answer to ' || body").scalar_one() == 5
+            with svc.engine.connect() as conn:
+                [error] = conn.execute(sa.select(source_outbox.c.last_error)).scalars().all()
+            assert "latin" in error.lower()
+        finally:
+            team.dispose()

@@ -13,57 +13,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from balancer.cli import main
-from balancer.domain.quota import Quota
 from balancer.services import Services
-from balancer.settings import Settings
 from balancer.sources.ingest import ingest_sources
 from balancer.sources.schema import sources
 from balancer.sources.writeback import drain
 from balancer.storage.schema import tasks
-from tests.legacy import SOURCE_FILE, legacy_database, legacy_schema
-from tests.test_sources import Legacy, import_legacy
+from tests import legacy as legacy_fixtures
+from tests.legacy import SOURCE_FILE, Legacy, import_legacy, legacy_schema, run, solve_pending
 
-
-@pytest.fixture
-def svc(migrated) -> Services:  # noqa: ANN001
-    services = Services.connect(Settings.from_env())
-    services.quotas.replace_all([Quota("a", 4, 100_000)])
-    return services
-
-
-@pytest.fixture(scope="module")
-def legacy_url(service_urls) -> Iterator[str]:  # noqa: ANN001
-    with legacy_database(service_urls[1]) as url:
-        yield url
-
-
-@pytest.fixture
-def legacy(legacy_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Legacy]:
-    monkeypatch.setenv("LEGACY_DATABASE_URL", legacy_url)
-    engine = sa.create_engine(legacy_url)
-    yield Legacy(engine, legacy_schema(engine))
-    engine.dispose()
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def solve_pending(svc: Services, answer: sa.ColumnElement | str | None = None) -> int:
-    """Stand-in for the solver: pending tasks straight to solved (the status change fires the trigger)."""
-    with svc.engine.begin() as conn:
-        return conn.execute(sa.update(tasks).where(tasks.c.status == "pending").values(
-            status="solved", answer=answer if answer is not None else "answer to " + tasks.c.prompt,
-            model="a")).rowcount
+# The team's table and balancer's services (tests/legacy.py).
+svc, legacy_url, legacy = legacy_fixtures.svc, legacy_fixtures.legacy_url, legacy_fixtures.legacy
 
 
 def exportable(svc: Services, count: int) -> None:
