@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import click
 
 from balancer.errors import BalancerError, printable
 
-
-class Changes(Protocol):
-    """An import's names by what it does to them (``storage.quotas`` and ``sources.store`` each return one)."""
-
-    created: list[str]
-    updated: list[str]
-    removed: list[str]
-    unchanged: list[str]
+if TYPE_CHECKING:
+    from balancer.storage.declared import ImportSummary
 
 
 def read_text(file: Path, error: type[BalancerError] = BalancerError) -> str:
@@ -47,7 +41,7 @@ def write_text(file: Path | None, text: str, error: type[BalancerError] = Balanc
     click.echo(f"wrote {printable(str(file))}")
 
 
-def echo_changes(changes: Changes, listed: str, name: str, dry_run: bool) -> None:
+def echo_changes(changes: ImportSummary, listed: str, name: str, dry_run: bool) -> None:
     """What an import of ``listed`` (e.g. "3 model(s)") from the file ``name`` changed, or would change."""
     counts = (f"{len(changes.created)} created, {len(changes.updated)} updated, "
               f"{len(changes.removed)} removed, {len(changes.unchanged)} unchanged")

@@ -34,7 +34,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
     from balancer.sources.catalog import check_source, poll_note, team_connection
     from balancer.sources.definition import SourceFileError, parse_source_file
     from balancer.sources.store import import_sources
-    from balancer.storage.quotas import default_actor
+    from balancer.storage.audit import default_actor
 
     name = printable(str(file))
     text = read_text(file)
@@ -147,7 +147,7 @@ def source_remove(name: str, cancel: bool, by: str | None) -> None:
     """Stop reading NAME (its tasks stay; its table is not touched). Refused, with the counts, while
     it has tasks not ended or write-backs waiting, unless --cancel; importing it again resumes them."""
     from balancer.sources.store import remove_source
-    from balancer.storage.quotas import default_actor
+    from balancer.storage.audit import default_actor
 
     done = remove_source(migrated().engine, name, by=by or default_actor(), cancel=cancel)
     if not done:

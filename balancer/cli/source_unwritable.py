@@ -32,7 +32,7 @@ def unwritable_command(name: str, retry: bool, drop: bool, as_json: bool, by: st
 
     from balancer.sources.outbox import settle_unwritable, unwritable
     from balancer.sources.schema import sources
-    from balancer.storage.quotas import default_actor
+    from balancer.storage.audit import default_actor
 
     if retry and drop:
         raise BalancerError("--retry or --drop, not both")

@@ -52,8 +52,8 @@ def set_command(name: str, weight: int | None, money: str | None, tokens: str | 
     from balancer.sources.reads import budgets, has_tasks
     from balancer.sources.store import read_cursor
     from balancer.sources.weights import set_weight, weights
+    from balancer.storage.audit import default_actor
     from balancer.storage.quota_rows import all_quotas
-    from balancer.storage.quotas import default_actor
 
     check_source_name(name)
     if no_budget and (money is not None or tokens is not None):

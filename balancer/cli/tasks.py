@@ -97,7 +97,7 @@ def tasks_show(task_id: int, as_json: bool) -> None:
 
 def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any]) -> None:
     from balancer.storage import operations
-    from balancer.storage.quotas import default_actor
+    from balancer.storage.audit import default_actor
 
     flt = _filter(**given)
     act = operations.retry_failed if verb == "retry" else operations.cancel_pending
@@ -141,7 +141,7 @@ def tasks_prune(before: datetime, yes: bool, by: str | None) -> None:
     """Delete solved, failed and cancelled tasks last changed before --before
     (never a pending, ready, queued or running one, nor one whose write-back to its
     source's table has not ended: those are counted as kept); audited, batch by batch."""
-    from balancer.storage.quotas import default_actor
+    from balancer.storage.audit import default_actor
     from balancer.storage.retention import kept_for_writeback, prune
 
     when = before.replace(tzinfo=UTC) if before.tzinfo is None else before

@@ -14,6 +14,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import Connection
 
 from balancer.domain.budget import Budget, check_money, check_tokens
+from balancer.storage import audit
 from balancer.storage.schema import source_budgets, source_changes
 
 
@@ -35,8 +36,6 @@ def set_budget(conn: Connection, budget: Budget, *, by: str) -> bool:
         conn.execute(insert(source_budgets).values(source=budget.source, **values)
                      .on_conflict_do_update(index_elements=[source_budgets.c.source],
                                             set_={**values, "updated_at": sa.func.now()}))
-    conn.execute(sa.insert(source_changes).values(
-        source=budget.source, changed_by=by, action="budget", old_value=None if row is None else old.as_dict(),
-        new_value=budget.as_dict(),
-    ))
+    audit.record(conn, source_changes, budget.source, by=by, action="budget",
+                 old=None if row is None else old.as_dict(), new=budget.as_dict())
     return True

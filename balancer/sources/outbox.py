@@ -30,6 +30,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from balancer.errors import BalancerError
 from balancer.sources.schema import source_outbox
+from balancer.storage import audit
 from balancer.storage.schema import source_changes, tasks
 
 WAITING, CONFLICT, CHANGED, WRITTEN, UNWRITABLE, DROPPED = (
@@ -131,7 +132,6 @@ def settle_unwritable(engine: Engine, source: str, action: str, *, by: str) -> i
                            .where(source_outbox.c.source == source, source_outbox.c.state == UNWRITABLE)
                            .values(**values).returning(source_outbox.c.task_id)).scalars().all()
         if ids:
-            conn.execute(sa.insert(source_changes).values(
-                source=source, changed_by=by, action=f"{action} unwritable", old_value={"unwritable": len(ids)},
-                new_value={"task_ids": sorted(ids)}))
+            audit.record(conn, source_changes, source, by=by, action=f"{action} unwritable",
+                         old={"unwritable": len(ids)}, new={"task_ids": sorted(ids)})
     return len(ids)

@@ -27,6 +27,7 @@ from sqlalchemy.engine import Connection
 
 from balancer.domain.statuses import IN_FLIGHT
 from balancer.sources.schema import source_outbox
+from balancer.storage import audit
 from balancer.storage.schema import source_changes, task_operations, tasks
 
 #: The filter recorded with the cancel a removal makes (``task_operations``).
@@ -86,10 +87,7 @@ def cancel_for_removal(conn: Connection, name: str, by: str) -> dict[str, Any]:
 def resume(conn: Connection, name: str, by: str) -> dict[str, int]:
     """In the import's transaction, for a source created again: what its last removal left,
     resumed (see the module docstring). Counts, for the import's audit row."""
-    removal = conn.execute(
-        sa.select(source_changes.c.changed_at, source_changes.c.new_value)
-        .where(source_changes.c.source == name, source_changes.c.action == "remove")
-        .order_by(source_changes.c.id.desc()).limit(1)).first()
+    removal = audit.last(conn, source_changes, name, "remove")
     if removal is None:
         return {}
     done = dict(removal.new_value or {})

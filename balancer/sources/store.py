@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,6 +29,8 @@ from balancer.sources.removal import cancel_for_removal, left, refusal, resume
 from balancer.sources.schema import source_outbox, sources
 from balancer.sources.tables import own_relations
 from balancer.sources.weights import set_weight
+from balancer.storage import audit
+from balancer.storage.declared import ImportSummary, import_set
 from balancer.storage.intake import share_answers
 from balancer.storage.schema import metadata, source_changes, tasks
 
@@ -50,14 +52,6 @@ def all_sources(conn: Connection) -> list[SourceDef]:
         except SourceFileError as exc:
             log.warning("source %s skipped: %s; import it again", row.name, exc)
     return found
-
-
-@dataclass
-class ImportSummary:
-    created: list[str] = field(default_factory=list)
-    updated: list[str] = field(default_factory=list)
-    unchanged: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
 
 
 def _same_table_clash(wanted: Sequence[SourceDef], kept: Sequence[SourceDef],
@@ -109,64 +103,64 @@ def import_sources(engine: Engine, wanted: Sequence[SourceDef], *, by: str, repl
     in the same transaction. A changed table or key resets that source's cursor.
     ``relations``: the tables each source reads (:func:`balancer.sources.catalog.check_source`),
     stored with it; two sources reading one table, and a source on balancer's own tables, are refused."""
-    summary = ImportSummary()
-    relations = relations or {}
     with engine.begin() as conn:
-        conn.execute(sa.text("LOCK TABLE sources IN SHARE ROW EXCLUSIVE MODE"))
-        current = {d.name: d for d in all_sources(conn)}
+        return import_set(conn, _SourceSet(relations or {}), wanted, by=by, whole=replace, dry_run=dry_run)
+
+
+class _SourceSet:
+    """Sources as :func:`~balancer.storage.declared.import_set` stores them."""
+
+    table, changes, created = sources, source_changes, "import"
+
+    def __init__(self, relations: Mapping[str, Sequence[str]]) -> None:
+        self.relations = relations
+
+    def read(self, conn: Connection) -> dict[str, SourceDef]:
+        return {d.name: d for d in all_sources(conn)}
+
+    def refuse(self, conn: Connection, summary: ImportSummary, current: Mapping[str, SourceDef],
+               wanted: Mapping[str, SourceDef]) -> None:
+        """Two sources on one table, one on balancer's own, a name JSONL tasks carry; a source
+        removed while it has tasks or write-backs left."""
         stored = {row.name: row.relations or () for row in conn.execute(sa.select(sources.c.name, sources.c.relations))}
-        names = {d.name for d in wanted}
-        gone = sorted(set(current) - names)
-        kept = [] if replace else [current[n] for n in gone]
-        known = {d.name: stored[d.name] for d in kept} | {d.name: relations.get(d.name, ()) for d in wanted}
-        clash = (_own_table_clash(conn, wanted, relations) or _same_table_clash(wanted, kept, known)
-                 or _taken_name(conn, [d.name for d in wanted if d.name not in current]))
+        kept = [d for name, d in sorted(current.items()) if name not in wanted and name not in summary.removed]
+        known = {d.name: stored[d.name] for d in kept} | {name: self.relations.get(name, ()) for name in wanted}
+        clash = (_own_table_clash(conn, list(wanted.values()), self.relations)
+                 or _same_table_clash(list(wanted.values()), kept, known) or _taken_name(conn, summary.created))
         if clash:
             raise SourceFileError(clash)
-        for d in wanted:
-            old = current.get(d.name)
-            (summary.unchanged if old == d else summary.updated if old else summary.created).append(d.name)
-        if replace:
-            summary.removed = gone
-            for name in gone:
-                if (going := left(conn, name)).anything:
-                    raise SourceFileError(refusal(name, going))
-        if dry_run:
-            return summary
-        for d in wanted:
-            old = current.get(d.name)
-            resolved: dict[str, Any]
-            if d.name in relations:
-                resolved = {"relations": list(relations[d.name])}
-            else:
-                resolved = {} if old is not None and old.same_table(d) else {"relations": None}
-            if old == d:
-                if resolved:
-                    conn.execute(sa.update(sources).where(sources.c.name == d.name).values(**resolved))
-                set_weight(conn, d.name, d.weight, by=by)
-                continue
-            values: dict[str, Any] = {"definition": d.as_dict(), "updated_at": sa.func.now(), **resolved}
-            if old is None:
-                conn.execute(sa.insert(sources).values(name=d.name, **values))
-            else:
-                if not old.reads_same_rows(d):
-                    values |= {"position": sa.null(), "rescan": sa.null(), "caught_up_at": None}
-                conn.execute(sa.update(sources).where(sources.c.name == d.name).values(**values))
-            resumed = resume(conn, d.name, by) if old is None else {}
-            conn.execute(sa.insert(source_changes).values(
-                source=d.name, changed_by=by, action="import" if old is None else "update",
-                old_value=None if old is None else old.as_dict(), new_value=d.as_dict() | resumed))
-            set_weight(conn, d.name, d.weight, by=by)
         for name in summary.removed:
-            _remove(conn, name, current[name].as_dict(), by)
-    return summary
+            if (going := left(conn, name)).anything:
+                raise SourceFileError(refusal(name, going))
+
+    def write(self, conn: Connection, old: SourceDef | None, new: SourceDef | None, *, by: str) -> dict[str, Any]:
+        """A source created again resumes what its removal left (its counts, for the audit row)."""
+        if new is None:
+            if old is not None:
+                _drop(conn, old.name)
+            return {}
+        values: dict[str, Any] = {"definition": new.as_dict(), "updated_at": sa.func.now()}
+        if old is None:
+            conn.execute(sa.insert(sources).values(name=new.name, **values))
+            return resume(conn, new.name, by)
+        if not old.reads_same_rows(new):
+            values |= {"position": sa.null(), "rescan": sa.null(), "caught_up_at": None}
+        conn.execute(sa.update(sources).where(sources.c.name == new.name).values(**values))
+        return {}
+
+    def settle(self, conn: Connection, old: SourceDef | None, new: SourceDef, *, by: str) -> None:
+        """The tables it reads (resolved now, or kept while its table is the same) and its weight."""
+        if new.name in self.relations:
+            conn.execute(sa.update(sources).where(sources.c.name == new.name)
+                         .values(relations=list(self.relations[new.name])))
+        elif old is None or not old.same_table(new):
+            conn.execute(sa.update(sources).where(sources.c.name == new.name).values(relations=None))
+        set_weight(conn, new.name, new.weight, by=by)
 
 
-def _remove(conn: Connection, name: str, old: dict[str, Any], by: str, done: dict[str, Any] | None = None) -> None:
+def _drop(conn: Connection, name: str) -> None:
     conn.execute(sa.delete(sources).where(sources.c.name == name))
     conn.execute(sa.delete(source_outbox).where(source_outbox.c.source == name))
-    conn.execute(sa.insert(source_changes).values(source=name, changed_by=by, action="remove",
-                                                  old_value=old, new_value=done))
 
 
 def remove_source(engine: Engine, name: str, *, by: str, cancel: bool = False) -> dict[str, Any]:
@@ -182,8 +176,9 @@ def remove_source(engine: Engine, name: str, *, by: str, cancel: bool = False) -
         if going.anything and not cancel:
             raise SourceFileError(refusal(name, going))
         done = cancel_for_removal(conn, name, by) if cancel else {}
+        _drop(conn, name)
         # The definition as stored: one today's checks would refuse is removed all the same.
-        _remove(conn, name, dict(row.definition), by, done or None)
+        audit.record(conn, source_changes, name, by=by, action="remove", old=dict(row.definition), new=done or None)
     return done
 
 

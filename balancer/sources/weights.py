@@ -12,6 +12,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import Connection
 
 from balancer.domain.fairshare import MAX_WEIGHT
+from balancer.storage import audit
 from balancer.storage.schema import source_changes, source_weights
 
 #: The weight of a source that has none set.
@@ -35,8 +36,6 @@ def set_weight(conn: Connection, source: str, weight: int, *, by: str) -> bool:
         .on_conflict_do_update(index_elements=[source_weights.c.source],
                                set_={"weight": weight, "updated_at": sa.func.now()})
     )
-    conn.execute(sa.insert(source_changes).values(
-        source=source, changed_by=by, action="weight",
-        old_value=None if old is None else {"weight": int(old)}, new_value={"weight": weight},
-    ))
+    audit.record(conn, source_changes, source, by=by, action="weight",
+                 old=None if old is None else {"weight": int(old)}, new={"weight": weight})
     return True

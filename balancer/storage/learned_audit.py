@@ -15,11 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from balancer.admission.live import ModelLive
-from balancer.storage.quotas import last_change_per_model
+from balancer.storage import audit
 from balancer.storage.schema import quota_changes
 
 #: A learned change is audited once it has lasted this long.
@@ -41,7 +40,7 @@ def record_learned(engine: Engine, view: Mapping[str, ModelLive], now_ms: int) -
         # no operator's change came after it.
         last = {
             row.model: row.new_value
-            for row in conn.execute(last_change_per_model())
+            for row in conn.execute(audit.last_per_subject(quota_changes))
             if row.changed_by == LEARNED_BY
         }
         written = []
@@ -53,7 +52,6 @@ def record_learned(engine: Engine, view: Mapping[str, ModelLive], now_ms: int) -
             changed_at = max(live.learned.lowered_at, live.learned.raised_at)
             if now_ms - changed_at < STEADY_MS:
                 continue
-            conn.execute(sa.insert(quota_changes).values(model=name, changed_by=LEARNED_BY, action="learn",
-                                                         old_value=before, new_value=now_value))
+            audit.record(conn, quota_changes, name, by=LEARNED_BY, action="learn", old=before, new=now_value)
             written.append(name)
     return written

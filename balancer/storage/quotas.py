@@ -15,9 +15,7 @@ match PostgreSQL again, and logs what it changed.
 from __future__ import annotations
 
 import contextlib
-import getpass
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import sqlalchemy as sa
@@ -26,17 +24,14 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.admission.fields import quota_fields
 from balancer.domain.quota import Quota
 from balancer.errors import QuotaError
+from balancer.storage import audit
+from balancer.storage.audit import default_actor
+from balancer.storage.declared import ImportSummary, change, import_set
 from balancer.storage.quota_rows import QUOTA_COLUMNS, all_quotas, quota_from_row
 from balancer.storage.schema import quota_changes, quotas
 
 #: One model's row, as :func:`~balancer.storage.quota_rows.quota_from_row` reads it.
 _SELECT = sa.select(*(quotas.c[name] for name in QUOTA_COLUMNS))
-
-
-def last_change_per_model(*where: sa.ColumnElement[bool]) -> sa.Select[Any]:
-    """Each model's last ``quota_changes`` row among those matching ``where``."""
-    latest = sa.select(sa.func.max(quota_changes.c.id)).where(*where).group_by(quota_changes.c.model)
-    return sa.select(quota_changes).where(quota_changes.c.id.in_(latest))
 
 
 class LiveQuotas(Protocol):
@@ -60,38 +55,6 @@ class LiveNotUpdated(QuotaError):
 Change = tuple[Quota | None, Quota | None]  # (old, new); new None = removed
 
 
-def default_actor() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        return "unknown"
-
-
-@dataclass
-class ImportSummary:
-    created: list[str] = field(default_factory=list)
-    updated: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    unchanged: list[str] = field(default_factory=list)
-
-
-def import_diff(current: Mapping[str, Quota], wanted: Mapping[str, Quota]) -> ImportSummary:
-    """What replacing ``current`` with ``wanted`` does, model by model (pure).
-
-    >>> a, b = Quota("a", 1, 10), Quota("b", 1, 10)
-    >>> import_diff({"a": a, "b": b}, {"a": a.replace(weight=2), "c": Quota("c", 1, 10)})
-    ImportSummary(created=['c'], updated=['a'], removed=['b'], unchanged=[])
-    """
-    summary = ImportSummary(removed=sorted(current.keys() - wanted.keys()))
-    for name in sorted(wanted):
-        old = current.get(name)
-        if old == wanted[name]:
-            summary.unchanged.append(name)
-        else:
-            (summary.updated if old else summary.created).append(name)
-    return summary
-
-
 class QuotaStore:
     def __init__(self, engine: Engine, live: LiveQuotas | None = None) -> None:
         self.engine = engine
@@ -107,48 +70,20 @@ class QuotaStore:
         return quota_from_row(row) if row else None
 
     def history(self, name: str | None = None) -> list[dict[str, Any]]:
-        query = sa.select(quota_changes).order_by(quota_changes.c.id)
-        if name is not None:
-            query = query.where(quota_changes.c.model == name)
         with self.engine.connect() as conn:
-            return [dict(r._mapping) for r in conn.execute(query)]
+            return audit.history(conn, quota_changes, name)
 
     def removed(self, names: Sequence[str] | None) -> dict[str, dict[str, Any]]:
         """Those of ``names`` (None: every model) whose last create, update or remove row
         removes them: that row (a learned limit's row, written from a live view read before
         the removal, may come after it and is skipped)."""
         by_person = quota_changes.c.action.in_(("create", "update", "remove"))
-        last = last_change_per_model(by_person, *([] if names is None else [quota_changes.c.model.in_(list(names))]))
+        named = [] if names is None else [quota_changes.c.model.in_(list(names))]
         with self.engine.connect() as conn:
-            return {r.model: dict(r._mapping) for r in conn.execute(last) if r.action == "remove"}
+            rows = conn.execute(audit.last_per_subject(quota_changes, by_person, *named))
+            return {r.model: dict(r._mapping) for r in rows if r.action == "remove"}
 
     # -- writes ----------------------------------------------------------------
-    def _write(self, conn: Connection, old: Quota | None, new: Quota | None, by: str) -> None:
-        if new is None:
-            if old is None:
-                return  # nothing to remove, nothing to audit
-            conn.execute(sa.delete(quotas).where(quotas.c.name == old.name))
-            action = "remove"
-        else:
-            values = new.as_dict()
-            if old is None:
-                conn.execute(sa.insert(quotas).values(**values))
-                action = "create"
-            else:
-                conn.execute(
-                    sa.update(quotas).where(quotas.c.name == new.name).values(**values, updated_at=sa.func.now())
-                )
-                action = "update"
-        conn.execute(
-            sa.insert(quota_changes).values(
-                model=(new or old).name,  # type: ignore[union-attr]
-                changed_by=by,
-                action=action,
-                old_value=old.as_dict() if old else None,
-                new_value=new.as_dict() if new else None,
-            )
-        )
-
     @contextlib.contextmanager
     def _writing(self, reset: bool = False) -> Iterator[tuple[Connection, list[Change]]]:
         """One serialized quota write: a transaction, committed, then its changes
@@ -192,10 +127,6 @@ class QuotaStore:
                 "the dispatcher's sweep tick applies it when Redis is back"
             ) from None
 
-    def _record(self, conn: Connection, changes: list[Change], old: Quota | None, new: Quota | None, by: str) -> None:
-        self._write(conn, old, new, by)
-        changes.append((old, new))
-
     def repair_drift(self) -> list[str]:
         """Make the live state match PostgreSQL (a push lost to a Redis outage,
         a hand edit); returns the models it changed, for the log."""
@@ -236,7 +167,7 @@ class QuotaStore:
             else:
                 new = old.replace(**changes)
             if new != old:
-                self._record(conn, pushed, old, new, by)
+                change(conn, _QuotaSet(pushed), old, new, by=by)
             elif reset:
                 pushed.append((old, new))  # unchanged: only the live state's reset
         return old, new
@@ -250,7 +181,7 @@ class QuotaStore:
                 raise QuotaError(f"unknown model {name!r}")
             if check is not None:
                 check(conn)
-            self._record(conn, changes, old, None, by or default_actor())
+            change(conn, _QuotaSet(changes), old, None, by=by or default_actor())
         return old
 
     def replace_all(
@@ -262,21 +193,42 @@ class QuotaStore:
         changes nothing and raises :class:`QuotaError` listing them; with
         ``dry_run``, nothing is written and the summary says what would be.
         """
-        by = by or default_actor()
-        wanted = {q.name: q for q in new_set}
         with self._writing() as (conn, changes):
-            conn.execute(sa.text("LOCK TABLE quotas IN SHARE ROW EXCLUSIVE MODE"))
-            current = {q.name: q for q in all_quotas(conn)}
-            summary = import_diff(current, wanted)
-            if summary.removed and not allow_removal and not dry_run:
-                raise QuotaError(
-                    f"this import would remove {len(summary.removed)} model(s) ({', '.join(summary.removed)}): "
-                    "check with --dry-run, then pass --replace"
-                )
-            if dry_run:
-                return summary
-            for name in summary.removed:
-                self._record(conn, changes, current[name], None, by)
-            for name in summary.created + summary.updated:
-                self._record(conn, changes, current.get(name), wanted[name], by)
-        return summary
+            return import_set(conn, _QuotaSet(changes, allow_removal=allow_removal or dry_run), new_set,
+                              by=by or default_actor(), whole=True, dry_run=dry_run)
+
+
+class _QuotaSet:
+    """Quotas as :func:`~balancer.storage.declared.import_set` stores them: each change written
+    to ``quotas`` and kept in ``pushed``, for the live state once committed."""
+
+    table, changes, created = quotas, quota_changes, "create"
+
+    def __init__(self, pushed: list[Change], *, allow_removal: bool = True) -> None:
+        self.pushed = pushed
+        self.allow_removal = allow_removal
+
+    def read(self, conn: Connection) -> dict[str, Quota]:
+        return {q.name: q for q in all_quotas(conn)}
+
+    def refuse(self, conn: Connection, summary: ImportSummary, current: Mapping[str, Quota],
+               wanted: Mapping[str, Quota]) -> None:
+        if summary.removed and not self.allow_removal:
+            raise QuotaError(
+                f"this import would remove {len(summary.removed)} model(s) ({', '.join(summary.removed)}): "
+                "check with --dry-run, then pass --replace"
+            )
+
+    def write(self, conn: Connection, old: Quota | None, new: Quota | None, *, by: str) -> dict[str, Any]:
+        if new is not None and old is None:
+            conn.execute(sa.insert(quotas).values(**new.as_dict()))
+        elif new is not None:
+            conn.execute(sa.update(quotas).where(quotas.c.name == new.name).values(**new.as_dict(),
+                                                                                   updated_at=sa.func.now()))
+        elif old is not None:
+            conn.execute(sa.delete(quotas).where(quotas.c.name == old.name))
+        self.pushed.append((old, new))
+        return {}
+
+    def settle(self, conn: Connection, old: Quota | None, new: Quota, *, by: str) -> None:
+        pass

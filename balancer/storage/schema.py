@@ -21,6 +21,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
+from balancer.storage.audit import audit_table
+
 metadata = MetaData()
 
 quotas = Table(
@@ -46,17 +48,11 @@ quotas = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
-quota_changes = Table(
-    "quota_changes",
-    metadata,
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
-    Column("model", Text, nullable=False),
-    Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    Column("changed_by", Text, nullable=False),
-    Column("action", Text, nullable=False),  # create | update | remove
-    Column("old_value", JSONB, nullable=True),
-    Column("new_value", JSONB, nullable=True),
-)
+#: Every change to a model's quota, by an operator or learned (action create | update | remove | learn).
+quota_changes = audit_table("quota_changes", "model", metadata)
+#: Every change to a source: its definition (import | update | remove), weight, budget, or
+#: unwritable write-backs retried or dropped.
+source_changes = audit_table("source_changes", "source", metadata)
 
 #: A task's ``status`` is one of ``balancer.domain.statuses.TASK_STATUSES``.
 tasks = Table(
@@ -143,19 +139,6 @@ source_budgets = Table(
     Column("money_per_day", Float, nullable=True),
     Column("tokens_per_day", BigInteger, nullable=True),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-)
-
-#: Every change to a source (its definition, weight or budget), audited as quota changes are.
-source_changes = Table(
-    "source_changes",
-    metadata,
-    Column("id", BigInteger, primary_key=True, autoincrement=True),
-    Column("source", Text, nullable=False),
-    Column("changed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    Column("changed_by", Text, nullable=False),
-    Column("action", Text, nullable=False),  # import | update | remove | weight | budget
-    Column("old_value", JSONB, nullable=True),
-    Column("new_value", JSONB, nullable=True),
 )
 
 #: Operator actions on tasks (``balancer tasks retry|cancel``), audited as quota changes are.

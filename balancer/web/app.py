@@ -33,7 +33,8 @@ from balancer.errors import BalancerError, QuotaError
 from balancer.httpguard import MAX_BODY_BYTES, ASGIApp, BodyLimit, HostGuard
 from balancer.services import Services
 from balancer.storage import operations
-from balancer.storage.quotas import LiveNotUpdated, default_actor
+from balancer.storage.audit import default_actor
+from balancer.storage.quotas import LiveNotUpdated
 from balancer.web import charts, formatting, forms
 from balancer.web.sampler import Sample, Sampler, per_minute
 from balancer.web.security import CSRF_COOKIE, Csrf, SecurityHeaders, TokenGuard
