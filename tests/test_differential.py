@@ -735,6 +735,31 @@ def test_a_quota_raised_under_a_straggler_still_starts_slowly_when_its_traffic_c
     assert len(admit_all(twin, 100)[0]) == RAMP_START
 
 
+def test_a_quota_changed_on_a_model_just_shown_right_opens_what_it_served_at_once(twin: Twin) -> None:
+    """A right quota of 16 slots ran 16 calls at once and all were answered; its TPM is
+    then changed between two calls. The provider just served 16 at once: those slots open
+    at once (from the calls in flight, 0, it opened 2 and took a second to refill 16), and
+    only the slots past them ramp. CLEAN_MS later that evidence is too old: from 2 again."""
+    twin.set_quota(Quota("m-a", 16, 6_000_000, slow_start=False))
+    calls = admit_all(twin, 16)[0]
+    start(twin, calls)
+    for call in calls:
+        twin.finish(call.admission_id, Settlement(used_tokens=100, reserved_tokens=100, latency_ms=500))
+    assert twin.core.live(twin.now)["m-a"].learned.served == 16
+    twin.set_quota(Quota("m-a", 32, 3_000_000))                          # slow start on, the cap raised
+    assert len(admit_all(twin, 32)[0]) == 16
+    assert twin.core.live(twin.now)["m-a"].limits_reason == ""           # nothing started yet: nothing to say
+    twin.set_quota(Quota("m-b", 16, 6_000_000, slow_start=False))
+    calls = [d for d in twin.admit([Candidate(100, allowed=("m-b",))] * 16) if isinstance(d, Admitted)]
+    start(twin, calls, model="m-b")
+    for call in calls:
+        twin.finish(call.admission_id, Settlement(used_tokens=100, reserved_tokens=100, latency_ms=500))
+    twin.advance(CLEAN_MS)
+    twin.set_quota(Quota("m-b", 16, 3_000_000))
+    assert twin.core.live(twin.now)["m-b"].cap_now == RAMP_START
+    twin.check_same_state()
+
+
 def test_a_clock_behind_the_ramp_s_start_opens_its_first_step(twin: Twin) -> None:
     """Redis TIME can step back (a failover), and the live view reads the clock before the
     hashes: a clock behind ``ramp_at`` is step 0 on both sides, not a negative step (a

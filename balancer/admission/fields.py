@@ -105,7 +105,7 @@ STATE_FIELDS: dict[str, str] = {
     "first_at": "ms the first call under the quota started (0: none yet): the first bucket starts",
     "first_calls": "calls started under the quota (the first bucket's count)",
     "first_tokens": "their estimated tokens",
-    "ramp_from": "slots slow start opens at first (0: RAMP_START): the calls live when the quota was set",
+    "ramp_from": "slots slow start opens at first (0: RAMP_START): the calls live at a quota set, or the most just served at once",
     "ramp_at": "ms slow start counts its steps from: the first call's start under the quota (0: none yet)",
     "served": "the most calls started and live in flight at an answered call's end, seen within CLEAN_MS (learned.note_served)",
     "served_at": "ms it was last seen",

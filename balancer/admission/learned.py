@@ -229,6 +229,21 @@ def ramp_cap(cap: int, learned: Learned, now: int) -> int:
     return int(min(cap, base + base * into // RAMP_MS))
 
 
+def ramp_start(learned: Learned, live: int, now: int) -> int:
+    """The slots a quota set or restored opens at once (``ramp_from``; limits.lua, ramp_quota):
+    the ``live`` calls in flight, whose slots stay open, or as many as the provider served at
+    once within CLEAN_MS (:func:`note_served`), if more. Those are not in doubt: a right quota
+    changed in its tokens, or raised, ramps only past what was just served (from the calls in
+    flight, a model between two calls opened 2 slots of 16 again and took a second to refill).
+    Evidence older than CLEAN_MS does not count: a provider may have changed since.
+
+    >>> k = Learned(served=16, served_at=1_000)
+    >>> ramp_start(k, 3, 2_000), ramp_start(k, 3, 1_000 + CLEAN_MS), ramp_start(k, 20, 2_000), ramp_start(Learned(), 0, 5)
+    (16, 3, 20, 0)
+    """
+    return max(live, learned.served) if now - learned.served_at < CLEAN_MS else live
+
+
 def slots_now(quota: Quota, learned: Learned, now: int) -> int:
     """The concurrency cap in force at ``now``: the effective one, or slow start's
     while it ramps (a learning quota with ``slow_start``: :func:`ramp_cap`).

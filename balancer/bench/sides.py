@@ -30,6 +30,8 @@ def run_side_pipeline(scenario: Scenario, path: Path, console: Console, quota_ac
     quotas = priced(scenario)
     if scenario.extra.get("learn") is False:  # the "before" side of limits that learn: the quotas, exactly
         quotas = [q.replace(learn=False) for q in quotas]
+    if scenario.extra.get("slow_start") is False:  # slow start's ablation: every quota's slots open at once
+        quotas = [q.replace(slow_start=False) for q in quotas]
     if quota_accounting is not None:
         quotas = [q.replace(token_accounting=quota_accounting) for q in quotas]
     with environment(env or {}), IsolatedServices(console, "bench") as iso:

@@ -165,9 +165,13 @@ local function ramp_wait(m, now)
 end
 -- A quota set (or restored) starts a slow start from its live calls in flight
 -- (their slots stay open, so one ending lets the next call start, and that
--- start begins the steps' clock: count_start).
+-- start begins the steps' clock: count_start), or from as many as the provider
+-- served at once within CLEAN_MS, if more: those slots are not in doubt
+-- (balancer.admission.learned.ramp_start).
 local function ramp_quota(m, now)
-  m.ramp_from = redis.call('ZCOUNT', inflight_key(m.name), '(' .. fmt(now), '+inf')
+  local live = redis.call('ZCOUNT', inflight_key(m.name), '(' .. fmt(now), '+inf')
+  if now - m.served_at < CLEAN_MS and m.served > live then live = m.served end
+  m.ramp_from = live
   m.ramp_at = 0
 end
 

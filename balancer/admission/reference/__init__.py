@@ -327,7 +327,7 @@ class ReferenceCore(Signals):
         state = self.models.get(quota.name)
         if state is None:
             state = self.models[quota.name] = ModelState(quota, token_cap(quota), quota.request_burst * UNITS, now, 0)
-            state.ramp_quota(self._live_count(quota.name, now))  # a model recreated under its calls in flight
+            state.ramp_quota(self._live_count(quota.name, now), now)  # a model recreated under its calls in flight
             return
         self._refill(quota.name, now)
         self._refill_started(state, now)
@@ -342,7 +342,7 @@ class ReferenceCore(Signals):
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
         k.first_at = k.first_calls = k.first_tokens = 0  # the new quota's first bucket
-        state.ramp_quota(self._live_count(quota.name, now))  # and a slow start from the calls in flight
+        state.ramp_quota(self._live_count(quota.name, now), now)  # and a slow start from the calls in flight
         limits = state.limits
         state.tokens = min(state.tokens, token_cap(limits))
         state.started_tokens = min(state.started_tokens, token_cap(limits))
@@ -384,7 +384,7 @@ class ReferenceCore(Signals):
                     seed.model, seed.estimated_tokens, now + seed.remaining_ms, started=True
                 )
         for name, state in self.models.items():  # slow start opens from the calls still running
-            state.ramp_quota(self._live_count(name, now))
+            state.ramp_quota(self._live_count(name, now), now)
         return True
 
     def forget(self) -> None:

@@ -16,6 +16,7 @@ from balancer.admission.learned import (
     lower_of,
     lowered,
     note_bound,
+    ramp_start,
     ramp_wait_ms,
     relaxed,
     slots_now,
@@ -160,10 +161,11 @@ class ModelState:
         k.ramp_at = k.ramp_at or now  # slow start's steps count from here
         k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
 
-    def ramp_quota(self, in_flight: int) -> None:
-        """A quota set or restored: slow start opens from the ``in_flight`` live calls, its
-        steps counted from the next call's start (limits.lua, ramp_quota)."""
-        self.learned.ramp_from = in_flight
+    def ramp_quota(self, in_flight: int, now: int) -> None:
+        """A quota set or restored: slow start opens from the ``in_flight`` live calls, or what the
+        provider just served at once (:func:`ramp_start`), its steps counted from the next call's
+        start (limits.lua, ramp_quota)."""
+        self.learned.ramp_from = ramp_start(self.learned, in_flight, now)
         self.learned.ramp_at = 0
 
     def sync_limits(self, limit_tokens: int | None, limit_requests: int | None, confirmed: bool = False) -> None:
