@@ -68,10 +68,11 @@ def tuples_read(team: sa.Engine, table: str) -> int:
     """Rows the team's table has had read so far (sequential scans' and index scans' heap
     fetches), once every other session of its database has ended and so reported its counts."""
     dispose_engines()  # balancer's connections to the team's database end, and report their counts on the way out
+    team.dispose()
     with team.connect() as conn:
         deadline = time.monotonic() + 30
         while conn.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                                   "AND pid <> pg_backend_pid()").scalar_one():
+                                   "AND backend_type = 'client backend' AND pid <> pg_backend_pid()").scalar_one():
             assert time.monotonic() < deadline, "the team's database still has other sessions"
             time.sleep(0.05)
         conn.exec_driver_sql("SELECT pg_stat_clear_snapshot()")

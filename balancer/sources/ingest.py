@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import redis
@@ -31,10 +32,10 @@ from balancer.sources.catalog import TimeLimits, team_connection
 from balancer.sources.definition import SourceDef
 from balancer.sources.read_errors import clear_read_error, note_read_error
 from balancer.sources.reask import ask_reopened
-from balancer.sources.rows import after_read, after_rescan, row_to_task
-from balancer.sources.schema import source_rejects, sources
+from balancer.sources.rows import after_read, after_rescan, rows_to_tasks
+from balancer.sources.schema import sources
 from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
-from balancer.sources.window import count_null_keys, read_window
+from balancer.sources.window import Window, count_null_keys, read_window
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,9 @@ class SourceIngest:
 def _insert(services: Services, definition: SourceDef, rows: list[tuple], models: dict[str, int], start: Cursor,
             end: Cursor, caught_up: bool, report: SourceIngest) -> bool:
     max_tokens = definition.max_tokens or services.settings.expected_output_tokens
-    tasks = []
-    refused: list[tuple[str, str]] = []
-    for key, prompt, priority in rows:
-        task = row_to_task(definition.name, key, prompt, priority, models=models, allowed=definition.models,
-                           max_tokens=max_tokens)
-        if isinstance(task, str):
-            report.skipped += 1
-            refused.append((key, task))
-        else:
-            tasks.append(task)
+    tasks, refused = rows_to_tasks(definition.name, rows, models=models, allowed=definition.models,
+                                   max_tokens=max_tokens)
+    report.skipped += len(refused)
     with services.engine.begin() as conn:
         # No wait for the WAL flush: a batch lost in a server crash loses its cursor move with it, and is read again.
         conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
@@ -85,16 +79,29 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
     report = SourceIngest(definition.name)
     deadline = time.monotonic() + budget_s
     limits = TimeLimits.of(services.settings)
-    with team_connection(definition, services.engine, limits) as team:
+
+    def read(position: str | None) -> Window:
+        return read_window(team, definition, position, None, definition.batch, limits, services.settings.max_prompt_bytes)
+
+    # The executor's exit waits for a read ahead before the team's connection closes.
+    with team_connection(definition, services.engine, limits) as team, \
+            ThreadPoolExecutor(1, thread_name_prefix=f"source-read-ahead-{definition.name}") as reader:
+        ahead: tuple[str | None, Future[Window]] | None = None
         while True:
             with services.engine.connect() as conn:
                 start = read_cursor(conn, definition.name)
+            # Waited for in any case: the team's connection is then free again.
+            read_from, read_ahead = (ahead[0], ahead[1].result()) if ahead is not None else (None, None)
             if start is None:
                 return report  # removed meanwhile
-            window = read_window(team, definition, start.position, None, definition.batch, limits,
-                                 services.settings.max_prompt_bytes)
+            window = read_ahead if read_ahead is not None and read_from == start.position else read(start.position)
+            ahead = None
             report.read += len(window.rows)
             position, caught_up = after_read(start.position, window.last, window.examined, definition.batch)
+            if not caught_up and time.monotonic() < deadline:
+                # The next window is read while this one's tasks are inserted (the team's database and
+                # balancer's work at once); it is used only if the cursor is where this window leaves it.
+                ahead = (position, reader.submit(read, position))
             moved = _insert(services, definition, window.rows, models, start, Cursor(position, start.rescan), caught_up,
                             report)
             if caught_up and moved:
@@ -121,6 +128,7 @@ ON CONFLICT (source, key) DO UPDATE SET reason = EXCLUDED.reason, recorded_at = 
 WHERE source_rejects.reason IS DISTINCT FROM EXCLUDED.reason
 RETURNING key, reason
 """)
+_FORGET = sa.text("DELETE FROM source_rejects WHERE source = :source AND key = ANY(CAST(:keys AS text[]))")
 #: A key is recorded with at most this many characters (an index entry has a size limit).
 MAX_RECORDED_KEY = 200
 
@@ -128,9 +136,8 @@ MAX_RECORDED_KEY = 200
 def record_rejects(conn: Connection, source: str, refused: list[tuple[str, str]], taken: list[str]) -> list[tuple]:
     """In the batch's transaction: each row that is not a task, with its reason (``source_rejects``);
     a row that is a task now (the team fixed it) is no longer counted. The rows newly recorded."""
-    if taken:
-        conn.execute(sa.delete(source_rejects).where(source_rejects.c.source == source,
-                                                     source_rejects.c.key.in_(taken)))
+    if taken:  # one array bound, not a list of thousands of parameters
+        conn.execute(_FORGET, {"source": source, "keys": taken})
     if not refused:
         return []
     return [tuple(r) for r in conn.execute(_RECORD, {"source": source, "keys": [k[:MAX_RECORDED_KEY] for k, _ in refused],

@@ -113,11 +113,46 @@ def row_to_task(source: str, key: str, prompt: object, priority: object, *, mode
     >>> row_to_task("crm", "9", TooLong(10_485_760, 1_048_576), None, models={"m": 1000}, allowed=None, max_tokens=10)
     'prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)'
     """
+    return _to_task(source, key, prompt, priority, allowed, max_tokens, _configured(models, allowed))
+
+
+def rows_to_tasks(source: str, rows: Sequence[tuple], *, models: Mapping[str, int], allowed: tuple[str, ...] | None,
+                  max_tokens: int) -> tuple[list[TaskRow], list[tuple[str, str]]]:
+    """:func:`row_to_task` over a window's rows (key, prompt, priority): the tasks, and each
+    refused row's key with its reason. What all its rows share (a model configured) is looked at once.
+
+    >>> tasks, refused = rows_to_tasks("crm", [("1", "hi", None), ("2", "", None)], models={"m": 9}, allowed=None,
+    ...                                max_tokens=10)
+    >>> [t.key for t in tasks], refused
+    (['1'], [('2', 'empty prompt')])
+    """
+    configured = _configured(models, allowed)
+    tasks: list[TaskRow] = []
+    refused: list[tuple[str, str]] = []
+    for key, prompt, priority in rows:
+        task = _to_task(source, key, prompt, priority, allowed, max_tokens, configured)
+        if isinstance(task, str):
+            refused.append((key, task))
+        else:
+            tasks.append(task)
+    return tasks, refused
+
+
+def _configured(models: Mapping[str, int], allowed: tuple[str, ...] | None) -> bool:
+    """Whether any model a task may use is configured."""
+    return any(m in models for m in (allowed if allowed is not None else tuple(models)))
+
+
+_UNREAD = (TooLong, Undecodable)
+
+
+def _to_task(source: str, key: str, prompt: object, priority: object, allowed: tuple[str, ...] | None,
+             max_tokens: int, configured: bool) -> TaskRow | str:
     try:
         check_key(key)
     except ValueError as exc:
         return str(exc)
-    if isinstance(prompt, TooLong | Undecodable):
+    if isinstance(prompt, _UNREAD):
         return str(prompt)
     if not isinstance(prompt, str) or not prompt.strip():
         return "empty prompt"
@@ -125,8 +160,6 @@ def row_to_task(source: str, key: str, prompt: object, priority: object, *, mode
         return "prompt contains a NUL character"
     level = priority if isinstance(priority, int) and not isinstance(priority, bool) else 0
     level = max(-MAX_PRIORITY, min(MAX_PRIORITY, level))
-    estimated = estimate_task_tokens(prompt, max_tokens)
-    candidates = [m for m in (allowed if allowed is not None else tuple(models)) if m in models]
-    if not candidates:
+    if not configured:
         return "none of its models is configured"
-    return TaskRow(prompt, level, allowed, max_tokens, estimated, source, key, None)
+    return TaskRow(prompt, level, allowed, max_tokens, estimate_task_tokens(prompt, max_tokens), source, key, None)
