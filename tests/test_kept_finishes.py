@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from balancer.admission import Settlement
+from balancer.admission import Admitted, Candidate, Settlement
 from balancer.backends import make_backend
 from balancer.devtools.embedded import free_port, redis_server_binary
 from balancer.pipeline.answers import AnswerWriter
@@ -167,3 +167,63 @@ def test_a_message_taken_while_redis_is_away_goes_back_to_pending_at_once(
         assert heartbeat.finishes.waiting() == 1
     finally:
         heartbeat.close()
+
+
+def test_a_cancelled_call_let_go_while_redis_is_away_is_applied_when_it_returns(
+        own_redis: OwnRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hedged task's losing call is cut off (Slot.let_go): its slot is freed (a model that stops
+    a call whose client went) or held for what the provider may still count. While Redis was
+    unreachable that raised, and the slot waited for its lease's end; now the release is kept and
+    applied when Redis answers: the freed slot is free within seconds, the held one still held."""
+    from balancer.domain.quota import Quota
+    from balancer.pipeline.call import Slot
+
+    monkeypatch.setenv("BALANCER_LEASE_SECONDS", "60")
+    monkeypatch.setenv("BALANCER_REDIS_URL", own_redis.url)
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("stops", 2, 600_000, slow_start=False, on_disconnect="stop"),
+                            Quota("finishes", 2, 600_000, slow_start=False)])
+    stopped, finishing = (svc.core.admit([Candidate(10, allowed=(m,))])[0] for m in ("stops", "finishes"))
+    assert isinstance(stopped, Admitted) and isinstance(finishing, Admitted)
+    kept = KeptFinishes(svc.core, retry_s=0.2)
+    own_redis.kill()
+    Slot(svc.core, stopped.admission_id, kept=kept).let_go(svc, "stops", ran_s=1.0)
+    Slot(svc.core, finishing.admission_id, kept=kept).let_go(svc, "finishes", ran_s=1.0)
+    assert kept.waiting() == 2
+    own_redis.start()
+    freed_in = wait_for(lambda: kept.waiting() == 0 and svc.core.live()["stops"].in_flight == 0, 10,
+                        "the cut-off call's slot freed after Redis returned")
+    assert freed_in < 3, freed_in
+    assert svc.core.live()["finishes"].in_flight == 1  # held (charged) for what the provider may still run
+
+
+def test_a_router_complete_while_redis_is_away_frees_the_slot_when_it_returns(
+        own_redis: OwnRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router caller's /complete while Redis is unreachable was a 503, and the slot waited for
+    its lease's end unless the caller retried. Now the router keeps the completion, answers
+    ``reason: kept``, and frees the slot within seconds of Redis answering again."""
+    import random
+
+    import httpx
+
+    from balancer.domain.quota import Quota
+    from balancer.router import server
+    from balancer.router.app import asgi, create_app
+    from tests.servers import served
+
+    monkeypatch.setenv("BALANCER_REDIS_URL", own_redis.url)
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("solo", 1, 60_000, burst_tokens=20_000, slow_start=False)], by="test")
+    lease_ms = 60_000
+    app = asgi(create_app(svc.core.with_lease(lease_ms), lease_ms=lease_ms, rng=random.Random(5)))
+    with served(app, server.config, read_timeout_s=5.0) as url, httpx.Client(base_url=url, timeout=30) as http:
+        granted = http.post("/schedule", json={"estimated_tokens": 100, "models": ["solo"]}).json()
+        assert svc.core.live()["solo"].in_flight == 1
+        own_redis.kill()
+        reply = http.post("/complete", json={"admission_id": granted["admission_id"], "actual_tokens": 80})
+        assert reply.status_code == 200 and reply.json() == {"ok": True, "released": False, "reason": "kept"}
+        own_redis.start()
+        freed_in = wait_for(lambda: svc.core.live()["solo"].in_flight == 0, 10, "the slot freed after Redis returned")
+        assert freed_in < 3, freed_in
+        again = http.post("/complete", json={"admission_id": granted["admission_id"]}).json()
+        assert again["released"] is False  # the kept completion freed it

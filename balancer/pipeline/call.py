@@ -33,6 +33,7 @@ from balancer.backends import Backend, Cancelled, Completion
 from balancer.domain.cost import CallEnd, billed_tokens, price_of
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener, cancel_call
+from balancer.pipeline.finishes import KeptFinishes
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.pipeline.signals import believable
 from balancer.services import Services
@@ -77,15 +78,15 @@ class Slot:
     (:attr:`next`)."""
 
     def __init__(self, core: AdmissionCore, admission_id: str, take_next: bool | Callable[[], bool] = False,
-                 keep: Callable[[str, Settlement | None], None] | None = None) -> None:
+                 kept: KeptFinishes | None = None) -> None:
         self.core, self.admission_id, self.done = core, admission_id, False
         self.take_next = take_next
         self.next: ReadyTask | None = None
-        self.keep = keep
+        self.kept = kept
 
     def free(self, settlement: Settlement | None = None) -> bool:
         """Free the slot, settling what the call tells; False if it was already. If Redis
-        cannot be reached and a ``keep`` is given, the finish is kept and applied once Redis
+        cannot be reached and ``kept`` is given, the finish is kept and applied once Redis
         answers (:mod:`balancer.pipeline.finishes`): no next call is taken then."""
         if self.done:
             return False
@@ -96,9 +97,9 @@ class Slot:
             else:
                 self.core.finish(self.admission_id, settlement)
         except (redis.RedisError, OSError) as exc:
-            if self.keep is None:
+            if self.kept is None:
                 raise
-            self.keep(self.admission_id, settlement)
+            self.kept.keep(self.admission_id, settlement)
             log.warning("freeing slot %s failed on Redis (%s); its finish is kept and applied when Redis answers",
                         self.admission_id, (str(exc).splitlines() or [""])[0])
         return True
@@ -108,15 +109,25 @@ class Slot:
         self.done = True
 
     def let_go(self, services: Services, model: str, ran_s: float) -> None:
-        """A cancelled call: its slot as the provider sees it (see the solver's docstring)."""
+        """A cancelled call: its slot as the provider sees it (see the solver's docstring). If Redis
+        cannot be reached and ``kept`` is given, the release is kept and applied once it answers."""
         if self.done:
             return
         self.done = True
         quota = services.quotas.get(model)
-        if quota is not None and quota.on_disconnect == "stop":
-            self.core.finish(self.admission_id)
-        else:
-            self.core.hold(self.admission_id, round(max(0.0, services.settings.backend_timeout - ran_s) * 1000))
+        stop = quota is not None and quota.on_disconnect == "stop"
+        hold_ms = 0 if stop else round(max(0.0, services.settings.backend_timeout - ran_s) * 1000)
+        try:
+            if stop:
+                self.core.finish(self.admission_id)
+            else:
+                self.core.hold(self.admission_id, hold_ms)
+        except (redis.RedisError, OSError) as exc:
+            if self.kept is None:
+                raise
+            self.kept.keep_hold(self.admission_id, hold_ms)  # (0: a finish)
+            log.warning("letting go of slot %s failed on Redis (%s); kept and applied when Redis answers",
+                        self.admission_id, (str(exc).splitlines() or [""])[0])
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class Call:
         #: The solve's deadline (monotonic): the call ends within it, and its writes' retries give up there.
         self.deadline = self.taken_at + settings.hard_time_limit
         self.slot = Slot(services.core, msg.admission_id, take_next=False if msg.hedge else take_next,
-                         keep=heartbeat.finishes.keep)
+                         kept=heartbeat.finishes)
         #: The answer's write, once handed to the writer: its result is the outcome's name.
         self.answer: Future[str] | None = None
         self._over = False
@@ -162,7 +173,7 @@ class Call:
     def free_answered(self, settlement: Settlement) -> None:
         """Free the slot of a call that answered. A Redis error here must not lose
         the paid answer: the finish is kept and applied when Redis answers (the
-        slot's :class:`Slot` ``keep``; without one, its lease expires on its own), no
+        slot's :class:`Slot` ``kept``; without one, its lease expires on its own), no
         next call is taken, and the answer is still handed to the writer."""
         try:
             self.free(settlement)

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import redis
 
@@ -49,19 +50,39 @@ limit_tokens=None, limit_requests=None, latency_ms=None, completion_tokens=None)
 
 
 class KeptFinishes:
-    """This process's finishes waiting for Redis; see the module docstring."""
+    """This process's finishes waiting for Redis; see the module docstring.
+
+    Each kept finish is an action under its admission id (a later one replaces it): a
+    call's finish (:meth:`keep`), a cancelled call's hold (:meth:`keep_hold`), or any
+    other (:meth:`keep_action`, e.g. the router's ``/complete``)."""
 
     def __init__(self, core: AdmissionCore, *, retry_s: float = RETRY_S, limit: int = MAX_KEPT) -> None:
         self.core, self.retry_s, self.limit = core, retry_s, limit
-        self._kept: OrderedDict[str, Settlement | None] = OrderedDict()
+        self._kept: OrderedDict[str, Callable[[], object]] = OrderedDict()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.dropped = 0
 
     def keep(self, admission_id: str, settlement: Settlement | None) -> None:
         """Keep a finish that failed on Redis, to apply when it answers."""
+        late = without_headers(settlement)
+        self.keep_action(admission_id, lambda: self.core.finish(admission_id, late))
+
+    def keep_hold(self, admission_id: str, hold_ms: int) -> None:
+        """Keep a cancelled call's hold (:meth:`AdmissionCore.hold`) that failed on Redis: applied
+        late, it holds the slot only for what is left of ``hold_ms`` (none left: a finish)."""
+        until = time.monotonic() + hold_ms / 1000
+
+        def hold() -> object:
+            left_ms = round((until - time.monotonic()) * 1000)
+            return self.core.hold(admission_id, left_ms) if left_ms > 0 else self.core.finish(admission_id)
+
+        self.keep_action(admission_id, hold)
+
+    def keep_action(self, admission_id: str, action: Callable[[], object]) -> None:
+        """Keep ``action``, which failed on Redis, to run when it answers (it raises a Redis error until then)."""
         with self._lock:
-            self._kept[admission_id] = without_headers(settlement)
+            self._kept[admission_id] = action
             while len(self._kept) > self.limit:
                 self._kept.popitem(last=False)
                 self.dropped += 1
@@ -81,14 +102,14 @@ class KeptFinishes:
         with self._lock:
             kept = list(self._kept.items())
         applied = 0
-        for admission_id, settlement in kept:
+        for admission_id, action in kept:
             try:
-                self.core.finish(admission_id, settlement)
+                action()
             except (redis.RedisError, OSError):
                 break
             applied += 1
             with self._lock:
-                if self._kept.get(admission_id, 0) is settlement:  # (not kept again meanwhile)
+                if self._kept.get(admission_id) is action:  # (not kept again meanwhile)
                     del self._kept[admission_id]
         if applied:
             log.info("applied %d finish(es) kept while Redis was unreachable: their slots are free", applied)

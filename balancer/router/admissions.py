@@ -25,6 +25,11 @@ address as well as the key, so a caller elsewhere that sends the same key
 that one; and ``/complete`` deletes it, so after the call no retry is handed an
 admission that has ended (the key then asks for a new one).
 
+A ``/complete`` that cannot reach Redis (a failover, a restart) is kept in memory
+(:class:`balancer.pipeline.finishes.KeptFinishes`: bounded, retried every half
+second) and applied when Redis answers, so the slot is free within moments of
+Redis's return rather than at its lease's end; the caller is told it was kept.
+
 Everything here is blocking Redis I/O: :mod:`balancer.router.app` runs it in a
 thread pool, off the event loop.
 """
@@ -38,7 +43,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected, Settlement, keys
+from balancer.pipeline.finishes import KeptFinishes
 
 #: Every router admission id starts with this; a pipeline admission id never does.
 ADMISSION_ID_PREFIX = "rt_"
@@ -88,6 +96,11 @@ class KeyReused:
 Outcome = Granted | Waiting | Rejected | InProgress | KeyReused
 
 
+@dataclass(frozen=True)
+class Kept:
+    """A ``/complete`` that could not reach Redis: kept, and applied when Redis answers."""
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -99,6 +112,8 @@ class Admissions:
         self.core, self.lease_ms = core, lease_ms
         self.redis, self.namespace = core.redis, core.namespace
         self._models: frozenset[str] = frozenset()
+        #: Completions that could not reach Redis, applied when it answers.
+        self.kept = KeptFinishes(core)
 
     def unknown_models(self, wanted: Sequence[str]) -> list[str]:
         """Names no quota has. The known names are cached and re-read on a miss."""
@@ -163,11 +178,19 @@ class Admissions:
         issued = self._issued(admission_id)
         return None if issued is None else issued[0]
 
-    def complete(self, admission_id: str, used_tokens: int | None) -> bool | None:
+    def complete(self, admission_id: str, used_tokens: int | None) -> bool | Kept | None:
         """Settle and free the slot: whether this call freed it (False: already
         completed), or None if the router has no such admission (never issued, or
         its lease ended), when nothing is changed. The idempotency record that
-        hands this admission out ends with it."""
+        hands this admission out ends with it. With Redis unreachable, the
+        completion is kept and applied when it answers (:class:`Kept`)."""
+        try:
+            return self._complete(admission_id, used_tokens)
+        except (redis.RedisError, OSError):
+            self.kept.keep_action(admission_id, lambda: self._complete(admission_id, used_tokens))
+            return Kept()
+
+    def _complete(self, admission_id: str, used_tokens: int | None) -> bool | None:
         issued = self._issued(admission_id)
         if issued is None:
             return None

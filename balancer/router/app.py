@@ -20,7 +20,9 @@ callers and pipeline workers draw from one budget per model:
   (``BALANCER_ROUTER_LEASE_SECONDS``). An expired one is gone: ``not_found``.
 - ``POST /complete`` settles the tokens as the model's accounting says and
   frees the slot; a second call, or a call after expiry, is harmless. Both
-  act only on ids this router issued: any other answers ``not_found``.
+  act only on ids this router issued: any other answers ``not_found``. One
+  that cannot reach Redis is kept by the router and applied when Redis
+  answers (``reason: kept``): the caller need not retry it.
 - A caller that dies stops heartbeating; its slot frees when the lease
   expires. Reclaim refunds what the provider did not charge: the lease was
   started at ``/schedule``, and strict providers charge a request on arrival,
@@ -68,6 +70,7 @@ from balancer.router.admissions import (
     Admissions,
     Granted,
     InProgress,
+    Kept,
     KeyReused,
 )
 
@@ -137,7 +140,8 @@ class CompleteRequest(_Handle):
 class Completed(BaseModel):
     ok: bool = Field(description="false: this router has no such admission (never issued, or its lease ended)")
     released: bool = Field(description="false for a second /complete, or after the lease expired")
-    reason: str | None = None
+    reason: str | None = Field(default=None, description="not_found; or kept: Redis was unreachable, and the router "
+                                                         "frees the slot when it answers (no retry needed)")
 
 
 class HeartbeatRequest(_Handle):
@@ -245,6 +249,8 @@ def create_app(core: AdmissionCore, *, lease_ms: int, token: str | None = None, 
         released = await run_in_threadpool(admissions.complete, body.admission, body.actual_tokens)
         if released is None:
             return Completed(ok=False, released=False, reason="not_found")
+        if isinstance(released, Kept):  # Redis unreachable: freed when it answers, no retry needed
+            return Completed(ok=True, released=False, reason="kept")
         return Completed(ok=True, released=released)
 
     @app.post("/heartbeat", response_model=HeartbeatReply, summary="Keep a call's slot for another lease")
