@@ -365,9 +365,10 @@ def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  #
     assert main(["source", "set", "web", "--budget-tokens-per-day", "100", "--new"]) == 0
     done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "1"],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
-                          env={**os.environ, "COLUMNS": "160"})  # wide enough that no budget cell wraps
+                          env={**os.environ, "COLUMNS": "200"})  # wide enough that no budget cell wraps
     assert done.returncode == 0, done.stderr
     rows = {cells[0]: cells[1:] for line in done.stdout.splitlines()
-            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 7}
-    assert rows["crm"] == ["2", "1", "2", "1", "3", "3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)"]
-    assert rows["web"] == ["-", "-", "-", "-", "1", "100 tokens per day; spent 0 of 100 tokens today"]
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 8}
+    assert rows["crm"] == ["2", "1", "2", "1", "3", "3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)",
+                           "0"]
+    assert rows["web"] == ["-", "-", "-", "-", "1", "100 tokens per day; spent 0 of 100 tokens today", "-"]

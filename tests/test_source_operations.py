@@ -184,8 +184,8 @@ def test_rows_with_a_null_key_or_an_empty_prompt_are_counted_with_their_reason(s
                                                                              tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 7: rows with a NULL key were never ingested, silently (and sent the cursor
     back to the start). They are counted per source with their reason, beside the rows that are
-    not tasks for another reason (recorded before the cursor moves past them), in ``source list``
-    and ``status``; the other rows are tasks."""
+    not tasks for another reason (recorded before the cursor moves past them), in ``source list``,
+    ``status``, ``top``, the metrics and the console's Sources page; the other rows are tasks."""
     legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
                    "INSERT INTO keyed (k, body) VALUES ('a', 'first'), (NULL, 'no key'), (NULL, 'none either'), "
                    "('b', 'second'), ('c', '   ')")
@@ -203,6 +203,36 @@ def test_rows_with_a_null_key_or_an_empty_prompt_are_counted_with_their_reason(s
     import json
 
     assert json.loads(out)["sources"][0]["not_tasks"] == {"NULL key": 2, "empty prompt": 1}
+    shown = "3 (NULL key 2, empty prompt 1)"
+    assert shown in top_sources_text(svc), top_sources_text(svc)
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from balancer.pipeline.metrics import BalancerCollector
+
+    registry = CollectorRegistry()
+    registry.register(BalancerCollector(svc))
+    text = generate_latest(registry).decode()
+    assert 'balancer_source_rows_not_tasks{reason="NULL key",source="keyed"} 2.0' in text, text
+    assert 'balancer_source_rows_not_tasks{reason="empty prompt",source="keyed"} 1.0' in text
+    from balancer.web.app import environment
+    from balancer.web.sampler import take_sample
+
+    sample = take_sample(svc)  # the console's Sources page, rendered as the page renders it
+    assert sample.not_tasks == {"keyed": {"NULL key": 2, "empty prompt": 1}}
+    page = environment().get_template("_sources.html").render(sample=sample, sources=sample.sources, in_flight=0)
+    assert "keyed: 3\n(NULL key 2, empty prompt 1)" in page, page
+
+
+def top_sources_text(svc: Services) -> str:
+    """``balancer top``'s table of sources, as it draws it."""
+    from rich.console import Console
+
+    from balancer.cli.pipeline import _source_table
+    from balancer.sources.reads import source_status
+
+    console = Console(width=200, record=True)
+    console.print(_source_table(source_status(svc.engine), {}, {}, 1))
+    return console.export_text()
 
 
 def test_an_undecodable_prompt_fails_its_row_alone(service_urls, tmp_path: Path, capsys, monkeypatch,  # noqa: ANN001

@@ -193,18 +193,22 @@ def health_lines(health: Any) -> list[str]:
 def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
     """``top``'s per-source table: each source table's tasks by state, as ``status`` reads them
     (``sources.reads.SourceStatus``), its weight, and its budget per day and whether its tasks wait
-    (``domain.budget.Standing``); a source with a budget and no table, its weight and budget alone."""
+    (``domain.budget.Standing``), its rows of work that are not tasks and why; a source with a budget
+    and no table, its weight and budget alone."""
     from rich.table import Table
 
-    from balancer.cli.source import budget_line
+    from balancer.cli.source import budget_line, not_tasks_count
 
     table = Table(title="sources")
-    for i, col in enumerate(("source", "pending", "in flight", "solved", "failed", "weight", "budget per day")):
-        table.add_column(col, justify="left" if i in (0, 6) else "right", no_wrap=i == 0)
+    for i, col in enumerate(("source", "pending", "in flight", "solved", "failed", "weight", "budget per day",
+                             "rows not tasks")):
+        table.add_column(col, justify="left" if i in (0, 6, 7) else "right", no_wrap=i == 0)
     counts = {s.name: [str(n) for n in (s.pending, s.in_flight, s.solved, s.failed)] for s in sources}
+    not_tasks = {s.name: printable(not_tasks_count(s.not_tasks), limit=400) for s in sources}
     for name in sorted(counts.keys() | budgets.keys()):
         table.add_row(printable(name), *counts.get(name, ["-"] * 4), str(weights.get(name, default_weight)),
-                      printable(budget_line(budgets[name]), limit=400) if name in budgets else "-")
+                      printable(budget_line(budgets[name]), limit=400) if name in budgets else "-",
+                      not_tasks.get(name, "-"))
     return table
 
 

@@ -119,10 +119,18 @@ def not_tasks_text(not_tasks: dict[str, int]) -> str:
     >>> not_tasks_text({"NULL key": 2, "empty prompt": 1}), not_tasks_text({})
     ('; rows not tasks 3 (NULL key 2, empty prompt 1)', '')
     """
+    return f"; rows not tasks {not_tasks_count(not_tasks)}" if not_tasks else ""
+
+
+def not_tasks_count(not_tasks: dict[str, int]) -> str:
+    """How many rows of work are not tasks, and why, as ``top`` and the console show them.
+
+    >>> not_tasks_count({"NULL key": 2, "empty prompt": 1}), not_tasks_count({})
+    ('3 (NULL key 2, empty prompt 1)', '0')
+    """
     if not not_tasks:
-        return ""
-    reasons = ", ".join(f"{reason} {n}" for reason, n in not_tasks.items())
-    return f"; rows not tasks {sum(not_tasks.values())} ({reasons})"
+        return "0"
+    return f"{sum(not_tasks.values())} ({', '.join(f'{reason} {n}' for reason, n in not_tasks.items())})"
 
 
 def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing

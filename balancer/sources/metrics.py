@@ -30,6 +30,9 @@ def source_families() -> dict[str, Any]:
         "balancer_source_unwritable": GaugeMetricFamily(
             "balancer_source_unwritable", "Write-backs the source's table refused BALANCER_WRITEBACK_ATTEMPTS times, "
             "left unwritable (balancer source unwritable NAME)", labels=source),
+        "balancer_source_rows_not_tasks": GaugeMetricFamily(
+            "balancer_source_rows_not_tasks", "A source table's rows of work that are not tasks, by reason (a NULL key, "
+            "an empty or undecodable prompt, no model configured ...)", labels=["source", "reason"]),
         "balancer_source_cursor_lag_seconds": GaugeMetricFamily(
             "balancer_source_cursor_lag_seconds", "Seconds since the source was last read to its end", labels=source),
         "balancer_source_over_budget": GaugeMetricFamily(
@@ -55,5 +58,7 @@ def add_source_metrics(families: dict[str, Any], engine: Engine, budgets: Mappin
         families["balancer_source_not_overwritten"].add_metric([s.name], s.conflicts)
         families["balancer_source_changed"].add_metric([s.name], s.changed)
         families["balancer_source_unwritable"].add_metric([s.name], s.unwritable)
+        for reason, n in s.not_tasks.items():
+            families["balancer_source_rows_not_tasks"].add_metric([s.name, reason], n)
         if s.lag_s is not None:
             families["balancer_source_cursor_lag_seconds"].add_metric([s.name], s.lag_s)

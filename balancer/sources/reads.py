@@ -1,9 +1,9 @@
 """What ``status``, ``top``, ``source list``, the metrics exporter and the dispatcher read per
 source: each source table's tasks by state, write-backs and cursor lag
-(:func:`source_status`), write-backs left unwritable (:func:`unwritable_by_source`),
-every budget per day set (:func:`budgets`), and whether any task carries a
-source (:func:`has_tasks`). SQL text, run on
-an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`)."""
+(:func:`source_status`), rows of work that are not tasks (:func:`not_tasks_by_source`),
+write-backs left unwritable (:func:`unwritable_by_source`), every budget per day set
+(:func:`budgets`), and whether any task carries a source (:func:`has_tasks`). SQL text, run
+on an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,23 @@ class SourceStatus:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+#: Per declared source: its rows of work that are not tasks, by reason (JSON), each recorded
+#: (``source_rejects``) before the cursor moved past it, and its rows with a NULL key.
+_NOT_TASKS = """
+SELECT s.name, coalesce(r.reasons, '{}'::jsonb) || CASE WHEN s.null_keys > 0 THEN jsonb_build_object('NULL key', s.null_keys)
+                                                        ELSE '{}'::jsonb END AS not_tasks
+FROM sources s
+LEFT JOIN (SELECT source, jsonb_object_agg(reason, n) AS reasons
+           FROM (SELECT source, reason, count(*) AS n FROM source_rejects GROUP BY source, reason) x
+           GROUP BY source) r ON r.source = s.name
+"""
+
 #: Per declared source, by name: its tasks by state, its write-backs waiting and refused, its
-#: rows ingested and the seconds since it was last read to its end.
+#: rows ingested and the seconds since it was last read to its end, its rows not tasks.
 _SOURCE_STATUS = f"""
 SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
        coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at),
-       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error,
-       coalesce(r.reasons, '{{}}'::jsonb) || CASE WHEN s.null_keys > 0 THEN jsonb_build_object('NULL key', s.null_keys)
-                                                  ELSE '{{}}'::jsonb END
+       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error, n.not_tasks
 FROM sources s
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
                   count(*) FILTER (WHERE status IN {sql_list(IN_FLIGHT)}) AS in_flight,
@@ -56,18 +65,26 @@ LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
                   count(*) FILTER (WHERE state = 'unwritable') AS unwritable,
                   (array_agg(last_error ORDER BY id DESC) FILTER (WHERE state = 'unwritable'))[1] AS unwritable_error
            FROM source_outbox GROUP BY source) o ON o.source = s.name
-LEFT JOIN (SELECT source, jsonb_object_agg(reason, n) AS reasons
-           FROM (SELECT source, reason, count(*) AS n FROM source_rejects GROUP BY source, reason) x
-           GROUP BY source) r ON r.source = s.name
+LEFT JOIN ({_NOT_TASKS}) n ON n.name = s.name
 ORDER BY s.name
 """  # noqa: S608 - the statuses are statuses.py's constants, not input
+
+
+def not_tasks_by_source(db: RowSource) -> dict[str, dict[str, int]]:
+    """Each declared source with rows of work that are not tasks: how many, by reason."""
+    return {name: reasons for name, not_tasks in fetch(db, _NOT_TASKS + " ORDER BY s.name")
+            if (reasons := _reasons(not_tasks))}
+
+
+def _reasons(not_tasks: dict[str, Any] | None) -> dict[str, int]:
+    return {str(k): int(v) for k, v in sorted((not_tasks or {}).items())}
 
 
 def source_status(db: RowSource) -> list[SourceStatus]:
     """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
     return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(waiting), int(conflicts),
                          int(ingested), None if lag is None else round(float(lag), 1), int(changed), int(unwritable),
-                         error, {str(k): int(v) for k, v in sorted((not_tasks or {}).items())})
+                         error, _reasons(not_tasks))
             for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable, error,
             not_tasks in fetch(db, _SOURCE_STATUS)]
 

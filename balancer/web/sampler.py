@@ -30,6 +30,7 @@ from balancer.domain.statuses import UNFINISHED
 from balancer.pipeline.overview import read_overview
 from balancer.pipeline.summary import ModelSummary
 from balancer.services import Services
+from balancer.sources.reads import not_tasks_by_source
 from balancer.urls import scrub
 from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts, top_sources
 
@@ -60,6 +61,8 @@ class Sample:
     waiting: int = 0  # pending tasks of sources over their budget: not in the ETA (balancer.domain.eta.Forecast.waiting)
     health: Health = field(default_factory=lambda: Health({}, {}, None))  # why nothing moves (balancer.domain.health)
     sources_other: SourceCounts | None = None  # every source past the busiest, added up (None: none)
+    #: per source table with rows of work that are not tasks: how many, by reason (balancer.sources.reads)
+    not_tasks: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def left(self) -> int:
@@ -189,4 +192,4 @@ def take_sample(services: Services) -> Sample:
                   None if drain is None else drain.low, None if drain is None else drain.high,
                   sources, kept_spend(o.spent, sources), o.projected,
                   error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), o.budgets,
-                  0 if drain is None else drain.waiting, o.health, other)
+                  0 if drain is None else drain.waiting, o.health, other, not_tasks_by_source(services.engine))
