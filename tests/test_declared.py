@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,3 +179,25 @@ def test_record_writes_who_changed_what_old_and_new_in_the_callers_transaction(e
 
 def test_default_actor_is_a_name() -> None:
     assert audit.default_actor().strip()
+
+
+def test_read_declared_names_the_file_in_each_failure(tmp_path: Path) -> None:
+    from balancer.cli.import_export import read_declared
+    from balancer.errors import BalancerError, QuotaError
+
+    def parse(text: str) -> list[str]:
+        if "bad" in text:
+            raise BalancerError("line 2: bad")
+        return text.split()
+
+    good, bad, latin = tmp_path / "good.toml", tmp_path / "bad.toml", tmp_path / "latin.toml"
+    good.write_text("a b")
+    bad.write_text("a\nbad")
+    latin.write_bytes(b"caf\xe9")
+    assert read_declared(good, parse) == (str(good), ["a", "b"])
+    with pytest.raises(QuotaError, match=r"bad\.toml: line 2: bad$"):
+        read_declared(bad, parse, QuotaError)
+    with pytest.raises(BalancerError, match=r"latin\.toml: not UTF-8 text \(byte 3\)"):
+        read_declared(latin, parse)
+    with pytest.raises(BalancerError, match="cannot read"):
+        read_declared(tmp_path / "missing.toml", parse)

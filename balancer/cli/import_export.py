@@ -1,12 +1,13 @@
 """What ``quota import/export`` and ``source import/export`` share: FILE (``-``: stdin) read as
-UTF-8 text, the set written to FILE (``-`` or none: stdout) through a temporary file, and what an
+UTF-8 text and parsed, the set written to FILE (``-`` or none: stdout) through a temporary file, and what an
 import changed (or, with ``--dry-run``, would change) told; each failure as one line."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
@@ -25,6 +26,20 @@ def read_text(file: Path, error: type[BalancerError] = BalancerError) -> str:
         raise error(f"cannot read {name}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise error(f"{name}: not UTF-8 text (byte {exc.start})") from None
+
+
+T = TypeVar("T")
+
+
+def read_declared(file: Path, parse: Callable[[str], list[T]], error: type[BalancerError] = BalancerError
+                  ) -> tuple[str, list[T]]:
+    """FILE's name as shown, and what ``parse`` reads in its text; each failure ``error``, naming FILE."""
+    name = printable(str(file))
+    text = read_text(file, error)
+    try:
+        return name, parse(text)
+    except BalancerError as exc:
+        raise error(f"{name}: {exc}") from None
 
 
 def write_text(file: Path | None, text: str, error: type[BalancerError] = BalancerError) -> None:

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from balancer.cli.import_export import echo_changes, read_text, write_text
+from balancer.cli.import_export import echo_changes, read_declared, write_text
 from balancer.cli.startwait import migrated
 from balancer.domain.quotafile import format_quota_file, parse_quota_file
-from balancer.errors import QuotaError, printable
+from balancer.errors import QuotaError
 
 if TYPE_CHECKING:
     from balancer.services import Services
@@ -270,12 +270,7 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
     """Make the quota set equal to FILE (TOML; see `quota export`).
 
     Removing models needs --replace; an empty FILE is refused."""
-    name = printable(str(file))
-    text = read_text(file, QuotaError)
-    try:
-        quotas = parse_quota_file(text)
-    except QuotaError as exc:
-        raise QuotaError(f"{name}: {exc}") from None
+    name, quotas = read_declared(file, parse_quota_file, QuotaError)
     if not quotas:
         raise QuotaError(f"{name} lists no models: refusing to remove every model (use `quota remove MODEL`)")
     svc = migrated()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from balancer.cli.import_export import echo_changes, read_text, write_text
+from balancer.cli.import_export import echo_changes, read_declared, write_text
 from balancer.cli.source_unwritable import unwritable_command
 from balancer.cli.source_weight import set_command
 from balancer.cli.startwait import migrated
@@ -32,16 +32,11 @@ source.add_command(unwritable_command)
 def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
     from balancer.sources.catalog import check_source, poll_note, team_connection
-    from balancer.sources.definition import SourceFileError, parse_source_file
+    from balancer.sources.definition import parse_source_file
     from balancer.sources.store import import_sources
     from balancer.storage.audit import default_actor
 
-    name = printable(str(file))
-    text = read_text(file)
-    try:
-        definitions = parse_source_file(text)
-    except SourceFileError as exc:
-        raise BalancerError(f"{name}: {exc}") from None
+    name, definitions = read_declared(file, parse_source_file)
     if not definitions and not replace:
         raise BalancerError(f"{name} lists no sources")
     svc = migrated()
