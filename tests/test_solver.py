@@ -189,11 +189,13 @@ def test_connection_refused_and_timeout_are_transient(
 ) -> None:
     url, _ = sim
     a = dispatch_one(svc, {"prompt": "p", "model": "m"})
+    # Both dispatched before a's retry: a dispatch after it took a again, with b, once a's back-off
+    # had passed (on a loaded machine, before b's dispatch).
+    b = dispatch_one(svc, {"prompt": "q", "model": "n"})
     refused = dataclasses.replace(Settings.from_env(), backend_url=f"http://127.0.0.1:{free_port()}")
     assert solve(svc, make_backend(refused), message(a)) == "retry"
     assert "cannot reach backend" in task_row(svc, a.task_id).error
     faults(url, hang={"n": 5.0})
-    b = dispatch_one(svc, {"prompt": "q", "model": "n"})
     started = time.monotonic()
     assert solve(svc, make_backend(svc.settings), message(b)) == "retry"
     assert time.monotonic() - started < 4  # the 2 s client timeout, not the 5 s hang

@@ -69,6 +69,21 @@ def test_an_unreachable_service_past_the_start_wait_exits_2(env: dict[str, str],
     assert 2 <= time.monotonic() - started < 30
 
 
+def test_the_start_wait_counts_from_after_the_imports(env: dict[str, str]) -> None:
+    """The first attempt imported the services' modules inside the wait: seconds on a loaded
+    machine, so a 2 s ``BALANCER_START_WAIT`` could be spent before the first refusal and the
+    process exited 2 without waiting once. The modules are imported before the clock starts."""
+    probe = ("import sys\n"
+             "from balancer.cli import startwait\n"
+             "def clock_starts(start, wait, **kw):\n"
+             "    sys.exit(0 if 'balancer.services' in sys.modules else 3)\n"
+             "startwait.start_when_ready = clock_starts\n"
+             "startwait.migrated(wait=True)\n")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, f"balancer.services not imported when the start wait began: {done.stderr}"
+
+
 def test_a_bad_url_exits_2_at_once_without_waiting(env: dict[str, str], tmp_path: Path) -> None:
     log = tmp_path / "dispatcher.log"
     proc = start({"BALANCER_DATABASE_URL": "mysql://root:hunter2@db/x", "BALANCER_START_WAIT": "120"}, log,

@@ -76,4 +76,5 @@ def migrated(*, wait: bool = False):  # noqa: ANN201 - Services, imported lazily
 
     if not wait:
         return start()
+    import balancer.services  # noqa: F401 - imported before the wait's clock starts: seconds on a loaded machine
     return start_when_ready(start, resolved_settings().start_wait)
