@@ -126,7 +126,8 @@ def test_calls_that_end_while_redis_is_away_free_their_slots_within_seconds_of_i
         own_redis.start()
         freed_in = wait_for(lambda: svc.core.live()["m"].in_flight == 0, 10, "the slots freed after Redis returned")
         assert freed_in < 3, freed_in
-        assert heartbeat.finishes.waiting() == 0
+        # (the last kept finish is dropped just after it is applied)
+        wait_for(lambda: heartbeat.finishes.waiting() == 0, 5, "no finish kept any more")
     finally:
         writer.close()
         heartbeat.close()
