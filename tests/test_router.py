@@ -384,7 +384,10 @@ def test_every_malformed_body_is_a_422_without_a_traceback(url: str, raw: bytes,
     assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]  # uvicorn logs a 500's traceback
 
 
-def test_a_retried_schedule_gets_the_same_admission(url: str, svc: Services) -> None:
+def test_a_retried_schedule_gets_the_same_admission(steady_url: str, svc: Services) -> None:
+    """The idempotency record lives as long as its admission's lease: on the 1.5 s lease, a loaded
+    machine let it end between two requests and the retry was a new admission."""
+    url = steady_url
     key = "k" * 20
     first = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["wide"]},
                        headers={"Idempotency-Key": key}).json()
