@@ -21,10 +21,10 @@ import pytest
 import redis
 
 from balancer.admission import Admitted, Candidate, Settlement
+from balancer.admission.finishes import KeptFinishes
 from balancer.backends import make_backend
 from balancer.devtools.embedded import free_port, redis_server_binary
 from balancer.pipeline.answers import AnswerWriter
-from balancer.pipeline.finishes import KeptFinishes
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.services import Services
 from balancer.settings import Settings

@@ -3,7 +3,8 @@
 ``core`` runs it atomically in Redis (Lua scripts in ``lua/``); ``values`` holds
 what production code passes to it and gets back; ``live`` reads the live
 state back (no Lua: nothing changes); ``keys`` names every Redis key
-and ``fields`` every field of a model's hash. ``reference`` is the
+and ``fields`` every field of a model's hash; ``finishes`` keeps the finishes
+that could not reach Redis and applies them once it answers. ``reference`` is the
 pure-Python model with identical semantics: the readable specification, used
 by the differential tests and imported by no production code.
 """

@@ -11,7 +11,6 @@
 * ``signals`` — what a call's end tells the admission core (429 pause, circuit, settlement)
 * ``call`` — one call's life: its admission, slot, heartbeat registration and answer
 * ``answers`` — the answer writer, the only way an answer reaches PostgreSQL
-* ``finishes`` — finishes that could not reach Redis, kept and applied once it answers
 * ``heartbeat`` — renews the leases of the calls this process owns
 * ``lost`` — queued tasks whose solve messages the broker lost, back to pending within seconds
 * ``cancellation`` — cuts off the losing call of a hedged task (Redis pub/sub)

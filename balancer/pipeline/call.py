@@ -29,11 +29,11 @@ from typing import Literal, cast
 import redis
 
 from balancer.admission import AdmissionCore, Decision, ReadyTask, Settlement
+from balancer.admission.finishes import KeptFinishes
 from balancer.backends import Backend, Cancelled, Completion
 from balancer.domain.cost import CallEnd, billed_tokens, price_of
 from balancer.pipeline.answers import AnswerWriter
 from balancer.pipeline.cancellation import CancelListener, cancel_call
-from balancer.pipeline.finishes import KeptFinishes
 from balancer.pipeline.heartbeat import Heartbeat
 from balancer.pipeline.signals import believable
 from balancer.services import Services
@@ -87,7 +87,7 @@ class Slot:
     def free(self, settlement: Settlement | None = None) -> bool:
         """Free the slot, settling what the call tells; False if it was already. If Redis
         cannot be reached and ``kept`` is given, the finish is kept and applied once Redis
-        answers (:mod:`balancer.pipeline.finishes`): no next call is taken then."""
+        answers (:mod:`balancer.admission.finishes`): no next call is taken then."""
         if self.done:
             return False
         self.done = True

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import redis
 
 from balancer.admission import keys
-from balancer.pipeline.finishes import KeptFinishes
+from balancer.admission.finishes import KeptFinishes
 from balancer.services import Services
 from balancer.storage.transitions import extend_deadlines
 

@@ -26,7 +26,7 @@ that one; and ``/complete`` deletes it, so after the call no retry is handed an
 admission that has ended (the key then asks for a new one).
 
 A ``/complete`` that cannot reach Redis (a failover, a restart) is kept in memory
-(:class:`balancer.pipeline.finishes.KeptFinishes`: bounded, retried every half
+(:class:`balancer.admission.finishes.KeptFinishes`: bounded, retried every half
 second) and applied when Redis answers, so the slot is free within moments of
 Redis's return rather than at its lease's end; the caller is told it was kept.
 
@@ -46,7 +46,7 @@ from typing import Any
 import redis
 
 from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected, Settlement, keys
-from balancer.pipeline.finishes import KeptFinishes
+from balancer.admission.finishes import KeptFinishes
 
 #: Every router admission id starts with this; a pipeline admission id never does.
 ADMISSION_ID_PREFIX = "rt_"
