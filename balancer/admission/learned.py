@@ -31,9 +31,7 @@ CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 #: A raise that takes a learned limit to the level its last 429 lowered it from
 #: (its peak), or past it, waits this many windows: back toward the level the
 #: provider refused at one step a window, at and past it slowly (TCP CUBIC's
-#: plateau). On learn.toml, conc-10 probed a fifth slot every window it was
-#: allowed (21, 41 and 81 s: three 429s a run) and tpm-10-silent climbed 10 % past
-#: its provider's TPM before the overdraft showed (two to four 429s).
+#: plateau), so a limit the provider enforces is probed rarely, not every window.
 PEAK_WINDOWS = 4
 
 #: Slow start (:func:`ramp_cap`): a new or changed quota's concurrency opens
@@ -45,9 +43,8 @@ RAMP_START, RAMP_MS = 2, 250
 
 #: A 429 shows the provider's rate from the first bucket (:func:`first_bucket_rate`) for this
 #: many bucket times after the first call: a token limit that sends no header may draw its
-#: first 429 before any call is answered, which reads as concurrency, and its first 429 read as
-#: tokens came 4 to 8 s in on learn.toml's tpm-10-silent (a 6-s bucket); past it, its TPM came
-#: down from the quota's by 7/10 a 429 at a time (11 429s in one run).
+#: first 429 before any call is answered, which reads as concurrency; past this time a limit
+#: read from 429s alone comes down 7/10 a 429 at a time, which costs many more 429s.
 FIRST_BUCKETS = 2
 
 #: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
@@ -233,9 +230,8 @@ def ramp_start(learned: Learned, live: int, now: int) -> int:
     """The slots a quota set or restored opens at once (``ramp_from``; limits.lua, ramp_quota):
     the ``live`` calls in flight, whose slots stay open, or as many as the provider served at
     once within CLEAN_MS (:func:`note_served`), if more. Those are not in doubt: a right quota
-    changed in its tokens, or raised, ramps only past what was just served (from the calls in
-    flight, a model between two calls opened 2 slots of 16 again and took a second to refill).
-    Evidence older than CLEAN_MS does not count: a provider may have changed since.
+    changed in its tokens, or raised, ramps only past what was just served, even between two
+    calls. Evidence older than CLEAN_MS does not count: a provider may have changed since.
 
     >>> k = Learned(served=16, served_at=1_000)
     >>> ramp_start(k, 3, 2_000), ramp_start(k, 3, 1_000 + CLEAN_MS), ramp_start(k, 20, 2_000), ramp_start(Learned(), 0, 5)
@@ -245,8 +241,7 @@ def ramp_start(learned: Learned, live: int, now: int) -> int:
 
 
 def slots_now(quota: Quota, learned: Learned, now: int) -> int:
-    """The concurrency cap in force at ``now``: the effective one, or slow start's
-    while it ramps (a learning quota with ``slow_start``: :func:`ramp_cap`).
+    """The concurrency cap at ``now``: the effective one, or slow start's while it ramps (:func:`ramp_cap`).
 
     >>> q = Quota("m", 40, 60_000)
     >>> slots_now(q, Learned(ramp_at=1_000), 1_500), slots_now(q.replace(slow_start=False), Learned(), 0)
@@ -257,8 +252,7 @@ def slots_now(quota: Quota, learned: Learned, now: int) -> int:
 
 
 def ramp_wait_ms(learned: Learned, now: int) -> int:
-    """Ms until slow start opens its next slot (limits.lua, ramp_wait); RAMP_MS before its
-    clock starts (``ramp_at``: the first call's start).
+    """Ms until slow start opens its next slot (limits.lua, ramp_wait); RAMP_MS before ``ramp_at``.
 
     >>> k = Learned(ramp_at=1_000)
     >>> ramp_wait_ms(k, 1_000), ramp_wait_ms(k, 1_124), ramp_wait_ms(k, 1_600), ramp_wait_ms(Learned(), 1_600), ramp_wait_ms(k, 900)

@@ -69,8 +69,7 @@ class ModelState:
 
     @property
     def refill_rate(self) -> int:
-        """Units per ms (= tokens per minute) the bucket refills at: TPM less what others
-        use (at most 9/10 of it)."""
+        """Units per ms (= tokens per minute) the bucket refills at: TPM less what others use (≤ 9/10)."""
         tpm = self.limits.max_tokens_per_minute
         return tpm - outside_rate(tpm, self.external)
 
@@ -297,8 +296,7 @@ class ReferenceState:
             state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
 
     def _slot_cap(self, name: str, now: int) -> int:
-        """The concurrency cap (slow start's while it ramps: :func:`ramp_cap`), or 1
-        while the circuit is open (a probe at a time)."""
+        """The concurrency cap (slow start's while it ramps: :func:`ramp_cap`), or 1 while the circuit is open."""
         state = self.models[name]
         return 1 if state.probing else slots_now(state.quota, state.learned, now)
 
