@@ -27,6 +27,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from balancer.domain.intake import TaskRow
 from balancer.services import Services
 from balancer.sources.catalog import TimeLimits, team_connection
 from balancer.sources.definition import SourceDef
@@ -50,11 +51,19 @@ class SourceIngest:
     caught_up: bool = False
 
 
-def _insert(services: Services, definition: SourceDef, rows: list[tuple], models: dict[str, int], start: Cursor,
-            end: Cursor, caught_up: bool, report: SourceIngest) -> bool:
+@dataclass
+class Read:
+    """A window read from the team's table, its rows already turned into tasks and refusals."""
+
+    window: Window
+    tasks: list[TaskRow]
+    refused: list[tuple[str, str]]
+
+
+def _insert(services: Services, definition: SourceDef, read: Read, start: Cursor, end: Cursor, caught_up: bool,
+            report: SourceIngest) -> bool:
     max_tokens = definition.max_tokens or services.settings.expected_output_tokens
-    tasks, refused = rows_to_tasks(definition.name, rows, models=models, allowed=definition.models,
-                                   max_tokens=max_tokens)
+    tasks, refused = read.tasks, read.refused
     report.skipped += len(refused)
     with services.engine.begin() as conn:
         # No wait for the WAL flush: a batch lost in a server crash loses its cursor move with it, and is read again.
@@ -80,13 +89,22 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
     deadline = time.monotonic() + budget_s
     limits = TimeLimits.of(services.settings)
 
-    def read(position: str | None) -> Window:
-        return read_window(team, definition, position, None, definition.batch, limits, services.settings.max_prompt_bytes)
+    max_tokens = definition.max_tokens or services.settings.expected_output_tokens
+
+    def prepared(window: Window) -> Read:
+        return Read(window, *rows_to_tasks(definition.name, window.rows, models=models, allowed=definition.models,
+                                           max_tokens=max_tokens))
+
+    def read(position: str | None) -> Read:
+        """A window past ``position``, turned into tasks on the reader's thread too (the GIL is free
+        while the other thread waits on balancer's database)."""
+        return prepared(read_window(team, definition, position, None, definition.batch, limits,
+                                    services.settings.max_prompt_bytes))
 
     # The executor's exit waits for a read ahead before the team's connection closes.
     with team_connection(definition, services.engine, limits) as team, \
             ThreadPoolExecutor(1, thread_name_prefix=f"source-read-ahead-{definition.name}") as reader:
-        ahead: tuple[str | None, Future[Window]] | None = None
+        ahead: tuple[str | None, Future[Read]] | None = None
         while True:
             with services.engine.connect() as conn:
                 start = read_cursor(conn, definition.name)
@@ -94,16 +112,15 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
             read_from, read_ahead = (ahead[0], ahead[1].result()) if ahead is not None else (None, None)
             if start is None:
                 return report  # removed meanwhile
-            window = read_ahead if read_ahead is not None and read_from == start.position else read(start.position)
+            this = read_ahead if read_ahead is not None and read_from == start.position else read(start.position)
             ahead = None
-            report.read += len(window.rows)
-            position, caught_up = after_read(start.position, window.last, window.examined, definition.batch)
+            report.read += len(this.window.rows)
+            position, caught_up = after_read(start.position, this.window.last, this.window.examined, definition.batch)
             if not caught_up and time.monotonic() < deadline:
                 # The next window is read while this one's tasks are inserted (the team's database and
                 # balancer's work at once); it is used only if the cursor is where this window leaves it.
                 ahead = (position, reader.submit(read, position))
-            moved = _insert(services, definition, window.rows, models, start, Cursor(position, start.rescan), caught_up,
-                            report)
+            moved = _insert(services, definition, this, start, Cursor(position, start.rescan), caught_up, report)
             if caught_up and moved:
                 report.caught_up = True
                 break
@@ -114,7 +131,7 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
             window = read_window(team, definition, start.rescan, position, definition.batch, limits,
                                  services.settings.max_prompt_bytes)
             rescan = after_rescan(window.last, window.examined, definition.batch)
-            _insert(services, definition, window.rows, models, start, Cursor(position, rescan), True, report)
+            _insert(services, definition, prepared(window), start, Cursor(position, rescan), True, report)
             if rescan is None:  # the rescan went round the table: count its rows with no key again
                 set_null_keys(services.engine, definition.name, count_null_keys(team, definition, limits))
             report.reasked += ask_reopened(services, definition, team, [r[0] for r in window.rows])
