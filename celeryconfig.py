@@ -13,11 +13,11 @@ export the URLs (see ``balancer.cli.resolved_settings``). Why each setting:
 * hard time limit < visibility timeout: a long call is never redelivered
   while it still runs (see Settings.check_timing). Its quota slot and its
   task's deadline are short leases a heartbeat renews while it runs
-  (balancer.pipeline.heartbeat), and a redelivered copy of a message whose
+  (balancer.calls.heartbeat), and a redelivered copy of a message whose
   call is still running starts no second call.
 * No result backend: results go to PostgreSQL.
 * JSON only. No ETA/countdown longer than a dispatch tick (well under the
-  visibility timeout; see balancer.pipeline.trigger).
+  visibility timeout; see balancer.dispatch.trigger).
 
 >>> conf = from_settings(Settings(redis_url="redis://h:6379/0", database_url=None, broker_url=None))
 >>> conf["broker_url"], conf["task_acks_late"], conf["broker_transport_options"]["global_keyprefix"]

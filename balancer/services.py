@@ -13,13 +13,15 @@ from dataclasses import dataclass
 import redis
 from sqlalchemy.engine import Engine
 
-from balancer.admission import AdmissionCore, LeaseSeed, keys
-from balancer.domain.quota import Quota
+from balancer.admission import keys
+from balancer.admission.core import AdmissionCore
+from balancer.admission.quota import Quota
+from balancer.admission.values import LeaseSeed
+from balancer.backlog.leases import in_flight_leases
+from balancer.quotas.store import QuotaStore
 from balancer.settings import Settings
 from balancer.snapshot import admission_core, redis_client, require_urls
 from balancer.storage.db import cached_engine
-from balancer.storage.leases import in_flight_leases
-from balancer.storage.quotas import QuotaStore
 
 
 def delete_namespace_keys(client: redis.Redis, namespace: str) -> int:

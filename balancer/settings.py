@@ -135,7 +135,7 @@ class Settings:
     visibility_timeout: int = _setting("broker visibility timeout, seconds", 900, _int)
     inbox: str | None = _setting("directory polled for *.jsonl files to ingest", None, _text)
     dispatch_window: int = _setting("pending tasks the dispatcher looks at per tick", 200, _int)
-    #: A concurrency-bound model keeps ceil(cap * this) tasks ready (balancer.domain.ready); 0: no ready lists.
+    #: A concurrency-bound model keeps ceil(cap * this) tasks ready (balancer.dispatch.ready); 0: no ready lists.
     ready_per_slot: float = _setting(
         "tasks a concurrency-bound model keeps ready, per slot, for its next free slots (0: off)", 3.0,
         partial(_number, valid=lambda v: 0 <= v <= 10, expected="a number from 0 to 10"))
@@ -159,13 +159,13 @@ class Settings:
         "latency prior (median, seconds) of a model with no measured calls and no expected_latency_s", 30.0,
         partial(_seconds, low=0.01, high=3600))
     end_game: bool = _setting(
-        "on: the last tasks go where they finish soonest (balancer.domain.endgame); off: greedy to the end", True,
+        "on: the last tasks go where they finish soonest (balancer.dispatch.endgame); off: greedy to the end", True,
         _switch)
     source_fairness: bool = _setting(
-        "on: fill the dispatch window across sources by weight (balancer.domain.fairshare); off: priority, then age",
+        "on: fill the dispatch window across sources by weight (balancer.sources.fairshare); off: priority, then age",
         True, _switch)
     consumers_required: bool = _setting(
-        "on: the dispatcher sends work only to models a live worker consumes (balancer.pipeline.consumers); "
+        "on: the dispatcher sends work only to models a live worker consumes (balancer.calls.consumers); "
         "off: to any model (tests that run no worker)", True, _switch)
     dedup: bool = _setting(
         "on: every new task may take the answer of an identical solved task instead of a call", False, _switch)
@@ -228,10 +228,10 @@ class Settings:
         within ``backend_timeout`` in total time (a watchdog cuts it,
         :func:`balancer.backends.cancel.cut_at`), and the writes' retries give
         up at ``hard_time_limit`` from the solve's start
-        (:data:`balancer.pipeline.solver.SOLVE_DEADLINE`). So the check is
+        (:data:`balancer.calls.solver.SOLVE_DEADLINE`). So the check is
         that limit against the visibility timeout. (A call's lease need not
         outlast the call: the heartbeat renews it, see
-        :mod:`balancer.pipeline.heartbeat`; and a redelivered message does not
+        :mod:`balancer.calls.heartbeat`; and a redelivered message does not
         start a second call while the first one's lease is alive.)"""
         if self.hard_time_limit >= self.visibility_timeout:
             raise ConfigError(

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import redis
 
-from balancer.admission import AdmissionCore
+from balancer.admission.core import AdmissionCore
 from balancer.errors import ConfigError, ServiceUnavailable, Unreachable
 from balancer.settings import Settings
 from balancer.storage.dbapi import ReadOnlyConnection, connect_read_only
@@ -86,7 +86,7 @@ def require_urls(settings: Settings) -> tuple[str, str]:
 
 
 class ReadServices(Protocol):
-    """What the read path (:mod:`balancer.pipeline.summary`, :mod:`balancer.pipeline.budgets`,
+    """What the read path (:mod:`balancer.views.summary`, :mod:`balancer.dispatch.budgets`,
     ``status``) needs: the settings, Redis and the admission core on it, and where PostgreSQL's reads run."""
 
     @property

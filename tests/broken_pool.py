@@ -1,5 +1,5 @@
 """A Celery pool that fails as the worker starts: a stand-in for any unrecoverable
-error (tests/test_faults.py checks the process then exits non-zero)."""
+error (tests/pipeline/test_faults.py checks the process then exits non-zero)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_url: str, database_url: str, name
         "BALANCER_DATABASE_URL": database_url,
         "BALANCER_NAMESPACE": namespace,
         # Most tests drive dispatch() with no worker process to consume a queue; the tests of the
-        # rule (tests/test_consumers.py, tests/test_hosts.py) turn it on, as production has it.
+        # rule (tests/admission/test_consumers.py, tests/pipeline/test_hosts.py) turn it on, as production has it.
         "BALANCER_CONSUMERS_REQUIRED": "off",
     }
     for key, value in values.items():

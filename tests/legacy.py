@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from balancer.admission.quota import Quota
 from balancer.cli import main
-from balancer.domain.quota import Quota
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.schema import tasks

@@ -18,16 +18,16 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
+from balancer.backlog.insert import insert_tasks
+from balancer.backlog.intake import parse_tasks
+from balancer.backlog.reads import status_counts
 from balancer.devtools.embedded import free_port
 from balancer.devtools.runner import control_app
 from balancer.devtools.scenario import parse_scenario
 from balancer.devtools.sim.audit import Call, Limits, audit, calls_from_log, limits_for
 from balancer.devtools.sim.config import SimModel, default_models
-from balancer.domain.intake import parse_tasks
 from balancer.services import Services
 from balancer.settings import Settings
-from balancer.storage.intake import insert_tasks
-from balancer.storage.reads import status_counts
 from balancer.storage.schema import tasks
 from balancer.supervisor import Supervisor, wait_for_http
 

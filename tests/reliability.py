@@ -19,7 +19,7 @@ COLUMNS = [
 ]
 
 
-#: The heading of the chaos run's section, written by hand from `python -m balancer.bench.chaos`;
+#: The heading of the chaos run's section, written by hand from `python -m balancer.bench.chaos.run`;
 #: regenerating the table above keeps it.
 CHAOS_HEADING = "## Chaos under load"
 

@@ -11,13 +11,13 @@ import pytest
 from sqlalchemy import Engine
 
 from balancer.backends import Backend
-from balancer.pipeline import solver
-from balancer.pipeline.answers import AnswerWriter
-from balancer.pipeline.cancellation import CancelListener
-from balancer.pipeline.heartbeat import Heartbeat
-from balancer.pipeline.solver import SolveMessage, solve_chain
+from balancer.backlog.transitions import SolveContext, start_solve
+from balancer.calls import solver
+from balancer.calls.answers import AnswerWriter
+from balancer.calls.cancellation import CancelListener
+from balancer.calls.heartbeat import Heartbeat
+from balancer.calls.solver import SolveMessage, solve_chain
 from balancer.services import Services
-from balancer.storage.transitions import SolveContext, start_solve
 
 
 def chain(services: Services, backend: Backend, msg: SolveMessage, listener: CancelListener | None = None, *,
@@ -57,8 +57,8 @@ def stall_start(monkeypatch: pytest.MonkeyPatch, task_id: int, action: Callable[
 
 def priced(services: Services, row: dict[str, Any]) -> dict[str, Any]:
     """A ``call_usage`` row with the cost and currency a worker records for it: its tokens at its
-    model's price now (:meth:`balancer.pipeline.call.Call.usage` prices a call at its start)."""
-    from balancer.domain.cost import price_list
+    model's price now (:meth:`balancer.calls.call.Call.usage` prices a call at its start)."""
+    from balancer.costs.cost import price_list
 
     prices, currency = price_list(services.quotas.all())
     price = prices.get(row["model"])

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import redis
 
-from balancer.admission import AdmissionCore, Candidate, Decision, NoState, ReadyTask, Settlement, keys
+from balancer.admission import keys
+from balancer.admission.core import AdmissionCore
 from balancer.admission.fields import MODEL_FIELDS, STATE_FIELDS, quota_fields
+from balancer.admission.quota import Quota
 from balancer.admission.reference import ReferenceCore
-from balancer.admission.values import UNITS, outside_rate
+from balancer.admission.values import UNITS, Candidate, Decision, NoState, ReadyTask, Settlement, outside_rate
 from balancer.admission.window import entry_text
 from balancer.admission.window import sums as window_sums
-from balancer.domain.quota import Quota
 from balancer.services import delete_namespace_keys
 
 LEASE_MS = 5_000  # short, so refunds of expired leases are not hidden by refill

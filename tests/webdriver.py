@@ -1,6 +1,6 @@
 """A small W3C WebDriver client (httpx) for Debian's chromedriver + Chromium.
 
-Enough for tests/test_web.py: open a page, find elements by CSS selector,
+Enough for tests/web/test_web.py: open a page, find elements by CSS selector,
 read text and attributes, click, type, run a script, take a screenshot. No
 Selenium: its dependencies (trio among them) would change what other
 modules import (httpcore picks trio up when it is installed).

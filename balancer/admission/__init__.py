@@ -1,38 +1,17 @@
 """Admission: which model may take a task now, or how long until one can.
 
-``core`` runs it atomically in Redis (Lua scripts in ``lua/``); ``values`` holds
-what production code passes to it and gets back; ``live`` reads the live
-state back (no Lua: nothing changes); ``keys`` names every Redis key
-and ``fields`` every field of a model's hash; ``finishes`` keeps the finishes
-that could not reach Redis and applies them once it answers. ``reference`` is the
-pure-Python model with identical semantics: the readable specification, used
-by the differential tests and imported by no production code.
+It runs atomically in Redis, in Lua scripts (``lua/``); ``reference/`` is the pure-Python
+model with identical semantics: the readable specification, used by the differential
+tests and imported by no production code. This package's ``__init__`` imports nothing:
+importers name the module (importing the quota value loads no Redis client).
+
+* ``quota`` — one model's quota: the limits the admission core enforces (pure)
+* ``core`` — the admission core: Redis I/O around the Lua scripts
+* ``values`` — what production code passes to the core and gets back; the bucket units the scripts get
+* ``live`` — the live state each model holds in Redis, read without Lua
+* ``learned`` — limits that learn: the effective limits, the decrease, the clean-window raise, slow start
+* ``window`` — the window cap: at most a quota's TPM tokens admitted in any 60 s
+* ``finishes`` — finishes that could not reach Redis, kept in memory and applied once it answers
+* ``keys`` — every Redis key name and queue name
+* ``fields`` — every field of a model's hash, declared once
 """
-
-from balancer.admission.core import AdmissionCore
-from balancer.admission.live import ModelLive
-from balancer.admission.values import (
-    Admitted,
-    Candidate,
-    Decision,
-    LeaseSeed,
-    NoState,
-    NotNow,
-    ReadyTask,
-    Rejected,
-    Settlement,
-)
-
-__all__ = [
-    "AdmissionCore",
-    "ModelLive",
-    "Admitted",
-    "Candidate",
-    "Decision",
-    "LeaseSeed",
-    "NoState",
-    "NotNow",
-    "ReadyTask",
-    "Rejected",
-    "Settlement",
-]

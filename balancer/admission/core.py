@@ -24,6 +24,7 @@ from balancer.admission import fields, keys, learned, values, window
 from balancer.admission.live import ModelLive as ModelLive
 from balancer.admission.live import open_slots as open_slots
 from balancer.admission.live import read_live
+from balancer.admission.quota import MAX_LIMIT, Quota
 from balancer.admission.values import (
     Admitted,
     Candidate,
@@ -35,8 +36,7 @@ from balancer.admission.values import (
     Settlement,
     rejection_reason,
 )
-from balancer.domain.latency import bucket_of
-from balancer.domain.quota import MAX_LIMIT, Quota
+from balancer.estimates.latency import bucket_of
 
 #: Called when the live state is missing: returns the quotas and in-flight leases to restore.
 RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]

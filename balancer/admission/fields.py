@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from balancer.domain.quota import Quota
+from balancer.admission.quota import Quota
 
 
 def quota_fields(quota: Quota) -> dict[str, int]:

@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import redis
 
-from balancer.admission import AdmissionCore, Settlement
+from balancer.admission.core import AdmissionCore
+from balancer.admission.values import Settlement
 
 log = logging.getLogger(__name__)
 

@@ -113,7 +113,7 @@ def window(namespace: str, name: str) -> str:
 
 
 def latency(namespace: str, name: str) -> str:
-    """A model's latency sketch (balancer.domain.latency): bucket counts and token sums."""
+    """A model's latency sketch (balancer.estimates.latency): bucket counts and token sums."""
     return tag(namespace) + LATENCY_INFIX + name
 
 
@@ -131,20 +131,20 @@ def system_stats(namespace: str) -> str:
 
 
 def dispatch_flags(namespace: str) -> tuple[str, str]:
-    """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.pipeline.trigger`."""
+    """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.dispatch.trigger`."""
     t = tag(namespace)
     return t + DISPATCH_REQUESTED, t + DISPATCH_TIMER
 
 
 def beat_seen(namespace: str) -> str:
     """When beat's dispatch tick last ran (ms, string; expires when beat is gone):
-    see :mod:`balancer.pipeline.fallback`."""
+    see :mod:`balancer.dispatch.fallback`."""
     return tag(namespace) + BEAT_SEEN
 
 
 def consumers(namespace: str, name: str) -> str:
     """The worker processes consuming a model's queue (zset): consumer id -> until when (ms,
-    Redis time), renewed by each worker's beat (:mod:`balancer.pipeline.consumers`); the
+    Redis time), renewed by each worker's beat (:mod:`balancer.calls.consumers`); the
     dispatcher admits nothing to a model with none live (admit.lua, ``consumed`` in state.lua)."""
     return tag(namespace) + CONSUMERS_INFIX + name
 
@@ -157,12 +157,12 @@ def source_read_errors(namespace: str) -> str:
 
 def live_calls(namespace: str) -> str:
     """The calls workers keep alive (zset): admission id -> until when (ms, Redis time),
-    for the sweep (see :mod:`balancer.pipeline.heartbeat`)."""
+    for the sweep (see :mod:`balancer.calls.heartbeat`)."""
     return tag(namespace) + LIVE_CALLS
 
 
 def cancel_channel(namespace: str) -> str:
-    """Pub/sub channel of calls to cut off: admission ids (see :mod:`balancer.pipeline.cancellation`)."""
+    """Pub/sub channel of calls to cut off: admission ids (see :mod:`balancer.calls.cancellation`)."""
     return tag(namespace) + CANCEL_CHANNEL
 
 
@@ -205,19 +205,19 @@ def broker_unacked(namespace: str) -> str:
 
 def fair_shares(namespace: str) -> str:
     """The fair share's state across dispatch rounds (hash): ``d:<source>`` -> deficit
-    in tokens, ``last`` -> the source served last (see :mod:`balancer.domain.fairshare`)."""
+    in tokens, ``last`` -> the source served last (see :mod:`balancer.sources.fairshare`)."""
     return tag(namespace) + FAIR_SHARES
 
 
 def fair_shared(namespace: str) -> str:
     """Set (with an expiry) while several sources have shared the dispatch window recently:
-    the ready lists stay shallow meanwhile (:data:`balancer.domain.fairshare.SHARED_READY_PER_SLOT`)."""
+    the ready lists stay shallow meanwhile (:data:`balancer.sources.fairshare.SHARED_READY_PER_SLOT`)."""
     return tag(namespace) + FAIR_SHARED
 
 
 def last_failure(namespace: str, name: str) -> str:
     """A model's last failed call (JSON: when, its error, whether it was never sent, the model's
-    answered count then), expiring; see :mod:`balancer.pipeline.health`."""
+    answered count then), expiring; see :mod:`balancer.health.facts`."""
     return tag(namespace) + LAST_FAILURE_INFIX + name
 
 

@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 
-from balancer.domain.quota import Quota
+from balancer.admission.quota import Quota
 
 #: A clean window (no 429 lowered a limit) raises each learned limit that bound
 #: through it one step (:func:`relaxed`); a raise that draws a 429 within its

@@ -14,9 +14,9 @@ import redis
 
 from balancer.admission import fields, keys
 from balancer.admission.learned import Learned, effective, reason, relaxed, slots_now
+from balancer.admission.quota import Quota
 from balancer.admission.values import UNITS, outside_rate, refilled
-from balancer.domain.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
-from balancer.domain.quota import Quota
+from balancer.estimates.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ModelLive:
     deficit: int
     paused_ms: int = 0  # how much longer a 429 holds the model
     external_tpm: int = 0  # tokens per minute others use of this quota, learned from the provider's headers
-    latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.domain.latency)
+    latency: LatencySketch = LatencySketch()  # what its finished calls took (balancer.estimates.latency)
     ready: int = 0  # tasks on its ready list, waiting for a slot (see AdmissionCore.stock)
     learned: Learned = field(default_factory=Learned)  # what it learned of the provider's real limits (balancer.admission.learned)
     #: The concurrency cap in force when read: the effective one, or slow start's

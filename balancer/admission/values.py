@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from balancer.domain.quota import Quota
+from balancer.admission.quota import Quota
 
 #: Bucket units per token (and per request): refill per ms == per-minute rate.
 UNITS = 60_000
@@ -245,7 +245,7 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
     RPM, up to the request burst (untouched without an RPM limit).
 
     The rule ``refill`` in limits.lua applies; the reference model and the live
-    view (:meth:`balancer.admission.AdmissionCore.live`) both use this function.
+    view (:meth:`balancer.admission.core.AdmissionCore.live`) both use this function.
 
     >>> q = Quota("m", 1, 600, max_requests_per_minute=60)   # 10 tokens/s, 1 request/s
     >>> [units / UNITS for units in refilled(q, 0, 0, refilled_at=0, external=0, now=2_000)]

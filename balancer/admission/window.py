@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from balancer.domain.quota import Quota
+from balancer.admission.quota import Quota
 
 #: How much later than another a call admitted with it may reach the provider (broker, worker):
 #: a run's first calls started up to 2.1 s after their admissions, the next minute's within 0.4 s,

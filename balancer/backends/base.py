@@ -40,7 +40,7 @@ class BackendError(Exception):
     """Base of every backend failure; the message never contains the API key.
 
     ``ended`` says how far the call got, for what the provider bills
-    (:func:`balancer.domain.cost.billed_tokens`): ``refused`` (an error status),
+    (:func:`balancer.costs.cost.billed_tokens`): ``refused`` (an error status),
     ``cut_off`` (the request reached the backend, no readable reply came) or
     ``unsent`` (no connection was made)."""
 

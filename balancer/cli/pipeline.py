@@ -27,9 +27,9 @@ def submit(file: Path, strict: bool, source: str) -> None:
     present. Exit 3: valid lines accepted, bad ones
     listed. Exit 2: nothing accepted (bad file, or --strict with a bad line).
     """
-    from balancer.domain.intake import LineError, TaskRow, batches, check_source, parse_stream
+    from balancer.backlog.insert import insert_tasks
+    from balancer.backlog.intake import LineError, TaskRow, batches, check_source, parse_stream
     from balancer.sources.store import intake_rules
-    from balancer.storage.intake import insert_tasks
 
     try:  # read as a stream, a batch of lines at a time: memory does not grow with the file
         stream = sys.stdin.buffer if str(file) == "-" else file.open("rb")
@@ -103,7 +103,7 @@ def eta_text(eta: float | None) -> str:
 def band_text(drain: Any) -> str:
     """The ETA's band for a person, after the ETA: `` (3 min 10 s to 4 min 40 s)``; empty when done or unknown.
 
-    >>> from balancer.domain.eta import Forecast
+    >>> from balancer.views.eta import Forecast
     >>> band_text(Forecast(245.0, 190.0, 280.0)), band_text(Forecast(0.0, 0.0, 0.0)), band_text(None)
     (' (3 min 10 s to 4 min 40 s)', '', '')
     """
@@ -114,9 +114,9 @@ def band_text(drain: Any) -> str:
 
 def drain_text(drain: Any, blocked: str | None = None) -> str:
     """The ETA, its band, and the pending tasks it leaves out because their source's budget is spent;
-    ``blocked`` (why nothing can run: :func:`balancer.domain.health.blocked`) instead of a number.
+    ``blocked`` (why nothing can run: :func:`balancer.health.reasons.blocked`) instead of a number.
 
-    >>> from balancer.domain.eta import Forecast
+    >>> from balancer.views.eta import Forecast
     >>> drain_text(Forecast(245.0, 190.0, 280.0)), drain_text(Forecast(0.0, 0.0, 0.0))
     ('4 min 05 s (3 min 10 s to 4 min 40 s)', 'done')
     >>> drain_text(Forecast(245.0, 190.0, 280.0, waiting=40))
@@ -181,7 +181,7 @@ def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None,
 def health_lines(health: Any) -> list[str]:
     """One line per model and per source with a reason (``status``, ``top``), each a person can act on.
 
-    >>> from balancer.domain.health import ModelFacts, SourceFacts, assess
+    >>> from balancer.health.reasons import ModelFacts, SourceFacts, assess
     >>> health_lines(assess([ModelFacts("a", paused_s=3), ModelFacts("b")], [SourceFacts("s", read_error="gone")], 1))
     ['health a: paused by a 429 for 3.0 s more', 'health source s: table unreadable: gone']
     """
@@ -193,7 +193,7 @@ def health_lines(health: Any) -> list[str]:
 def _source_table(sources: list, weights: dict[str, int], budgets: dict, default_weight: int):  # noqa: ANN202
     """``top``'s per-source table: each source table's tasks by state, as ``status`` reads them
     (``sources.reads.SourceStatus``), its weight, and its budget per day and whether its tasks wait
-    (``domain.budget.Standing``), its rows of work that are not tasks and why; a source with a budget
+    (``costs.budget.Standing``), its rows of work that are not tasks and why; a source with a budget
     and no table, its weight and budget alone."""
     from rich.table import Table
 
@@ -227,10 +227,10 @@ def top(interval: float, count: int | None) -> None:
     from rich.live import Live
     from rich.text import Text
 
-    from balancer.domain.cost import projection_text, spend_text
-    from balancer.pipeline.overview import read_overview
+    from balancer.costs.cost import projection_text, spend_text
     from balancer.sources.reads import source_status
     from balancer.sources.weights import DEFAULT_WEIGHT, weights
+    from balancer.views.overview import read_overview
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()
@@ -305,7 +305,7 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
     the pipeline against today's Airflow pattern and the capacity bound."""
     import time
 
-    from balancer.bench.run import main as run_bench
+    from balancer.bench.compare.run import main as run_bench
     from balancer.bench.scenarios import locate
 
     name, _ = locate(scenario)  # a bad name fails here, in one line, before anything starts
@@ -313,7 +313,7 @@ def bench(scenario: str, out: Path | None, only: str | None, quota_accounting: s
         out = Path("bench-out") / f"{name.removesuffix('.toml')}-{time.strftime('%Y%m%d-%H%M%S')}"
     click.echo(f"writing the report to {out.resolve()}", err=True)
     if compare_hedging:
-        from balancer.bench.hedging import main as run_hedging
+        from balancer.bench.compare.hedging import main as run_hedging
 
         run_hedging(scenario, out, worker_layout)
         return

@@ -15,7 +15,7 @@ from balancer.cli.startwait import start_when_ready
 from balancer.errors import BalancerError, ConfigError, QuotaError, QuotaRemoved, printable
 
 if TYPE_CHECKING:
-    from balancer.domain.quota import Quota
+    from balancer.admission.quota import Quota
     from balancer.services import Services
 
 
@@ -102,7 +102,7 @@ def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     _celery_worker([
         "worker", "-Q", queues, "-c", str(concurrency),
         "-n", f"{name[:50]}-{os.getpid()}@%h", "--without-gossip", "--without-mingle", "-l", loglevel,
-    ], pool="balancer.pipeline.pool:ResizableThreadPool", all_models=all_models)
+    ], pool="balancer.calls.pool:ResizableThreadPool", all_models=all_models)
 
 
 def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bool) -> tuple[str, int, str]:
@@ -110,7 +110,7 @@ def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bo
     model's queue once (a ``--model`` given twice does not double the pool), the
     pool the sum of their concurrency caps.
 
-    >>> from balancer.domain.quota import Quota
+    >>> from balancer.admission.quota import Quota
     >>> q = {m: Quota(m, c, 60_000) for m, c in (("a", 4), ("b", 2))}
     >>> worker_pool(q, ("b", "a", "b"), False)
     ('model.b,model.a', 6, 'b+a')
@@ -185,7 +185,7 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
     else:
         models = [dataclasses.replace(m, error_rate=error_rate, accounting=accounting) for m in default_models(count)]
     if print_quotas:
-        from balancer.domain.quotafile import format_quota_file
+        from balancer.quotas.file import format_quota_file
 
         click.echo(f"# The simulator's {len(models)} models at time scale {time_scale:g}: "
                    "`balancer quota import FILE` (their names and limits)")
@@ -207,7 +207,7 @@ def metrics(host: str, port: int, finished_every: float) -> None:
     BALANCER_METRICS_TOKEN set, a scrape must send it as a bearer token."""
     import threading
 
-    from balancer.pipeline.metrics import serve
+    from balancer.views.metrics import serve
 
     svc = _migrated()
     token = svc.settings.metrics_token

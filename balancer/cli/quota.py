@@ -14,8 +14,8 @@ import click
 
 from balancer.cli.import_export import echo_changes, read_declared, write_text
 from balancer.cli.startwait import migrated
-from balancer.domain.quotafile import format_quota_file, parse_quota_file
 from balancer.errors import QuotaError
+from balancer.quotas.file import format_quota_file, parse_quota_file
 
 if TYPE_CHECKING:
     from balancer.services import Services
@@ -203,7 +203,7 @@ def quota_set(
             "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn "
             "--slow-start/--no-slow-start --window-cap/--no-window-cap"
         )
-    from balancer.domain.quota import change_text, check_model_name
+    from balancer.admission.quota import change_text, check_model_name
 
     check_model_name(model)
     svc = migrated()
@@ -218,7 +218,7 @@ def quota_set(
 def _warn_stranded(svc: Services) -> None:
     """Say so when removing models left pending tasks that no model may take:
     they wait, untouched, until one of their models is added again."""
-    from balancer.storage.reads import stranded_pending
+    from balancer.backlog.reads import stranded_pending
 
     stranded = stranded_pending(svc.engine, [q.name for q in svc.quotas.all()])
     if stranded:
@@ -239,7 +239,7 @@ def quota_remove(model: str, force: bool, by: str | None) -> None:
     and the calls in flight keep their slots until they end."""
     from sqlalchemy.engine import Connection
 
-    from balancer.storage.removal import fail_pinned, model_occupancy
+    from balancer.backlog.removal import fail_pinned, model_occupancy
 
     svc = migrated()
     failed = 0

@@ -109,9 +109,9 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
     last, `cursor: XID-ID` (the last row written and flushed, also after a
     Ctrl-C): pass it to --since to resume with no gap and no repeat. CSV cells
     starting with = + - @ (or a tab or CR) get a leading ' (no spreadsheet formula)."""
+    from balancer.backlog.results import START, columns, page, parse_cursor
     from balancer.cli.pipeline import _migrated
-    from balancer.domain.cost import Charged, money, price_list, spend, spend_text
-    from balancer.storage.results import START, columns, page, parse_cursor
+    from balancer.costs.cost import Charged, money, price_list, spend, spend_text
 
     after = parse_cursor(since or START)
     written_columns = columns(with_prompt)

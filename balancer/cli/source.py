@@ -71,7 +71,7 @@ def source_export(file: Path | None) -> None:
 def source_list(as_json: bool) -> None:
     """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag;
     and every source with a budget per day, what it spent today and whether its tasks wait."""
-    from balancer.pipeline.budgets import read_standings
+    from balancer.dispatch.budgets import read_standings
     from balancer.sources.reads import source_status
     from balancer.sources.store import all_sources
 
@@ -128,10 +128,10 @@ def not_tasks_count(not_tasks: dict[str, int]) -> str:
     return f"{sum(not_tasks.values())} ({', '.join(f'{reason} {n}' for reason, n in not_tasks.items())})"
 
 
-def budget_line(b) -> str:  # noqa: ANN001 - a domain.budget.Standing
+def budget_line(b) -> str:  # noqa: ANN001 - a costs.budget.Standing
     """One source's budget per day, as ``status`` and ``source list`` print it.
 
-    >>> from balancer.domain.budget import Budget, Standing
+    >>> from balancer.costs.budget import Budget, Standing
     >>> budget_line(Standing(Budget("crm", 5.0), 10, 5.2, 0, "USD"))
     '5.00 USD per day; waiting: budget spent (5.20 of 5.00 USD today)'
     >>> budget_line(Standing(Budget("crm", None, 100), 10, 0.0, 0, None))

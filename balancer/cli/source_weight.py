@@ -2,11 +2,11 @@
 
 Any source has a weight, JSONL and inbox ones included (default 1); the
 dispatcher fills its window across sources in proportion
-(:mod:`balancer.domain.fairshare`). Any source may also have a budget per day,
+(:mod:`balancer.sources.fairshare`). Any source may also have a budget per day,
 in the quotas' currency (``--budget-per-day``) or in tokens
 (``--budget-tokens-per-day``), each cleared with ``none`` (``--no-budget``
 clears both): once it is spent, the source's tasks wait
-(:mod:`balancer.domain.budget`, :mod:`balancer.pipeline.budgets`). Each change
+(:mod:`balancer.costs.budget`, :mod:`balancer.dispatch.budgets`). Each change
 is audited in ``source_changes`` and applies to the next dispatch run. A name
 that no task carries, no source table has and nothing was set for is an error
 (a typo would otherwise pass unseen): ``--new`` sets it for tasks still to come.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import click
 
 from balancer.cli.startwait import migrated
-from balancer.domain.fairshare import MAX_WEIGHT
 from balancer.errors import BalancerError, ConfigError, printable
+from balancer.sources.fairshare import MAX_WEIGHT
 
 #: The longest source name (as a task's ``key``).
 MAX_SOURCE_NAME = 256
@@ -46,14 +46,14 @@ def check_source_name(name: str) -> str:
 def set_command(name: str, weight: int | None, money: str | None, tokens: str | None, no_budget: bool,
                 new_source: bool, by: str | None) -> None:
     """Set a source's weight (its share of the dispatch window within a priority) and its budget per day."""
-    from balancer.domain.budget import Budget, check_money, check_tokens
-    from balancer.domain.cost import price_list
+    from balancer.costs.budget import Budget, check_money, check_tokens
+    from balancer.costs.cost import price_list
+    from balancer.quotas.rows import all_quotas
     from balancer.sources.budgets import set_budget
     from balancer.sources.reads import budgets, has_tasks
     from balancer.sources.store import read_cursor
     from balancer.sources.weights import set_weight, weights
     from balancer.storage.audit import default_actor
-    from balancer.storage.quota_rows import all_quotas
 
     check_source_name(name)
     if no_budget and (money is not None or tokens is not None):

@@ -19,13 +19,13 @@ from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
 if TYPE_CHECKING:
-    from balancer.domain.budget import Standing
-    from balancer.domain.cost import Spend
-    from balancer.domain.eta import Forecast
-    from balancer.domain.health import Health
-    from balancer.pipeline.summary import ModelSummary
+    from balancer.costs.budget import Standing
+    from balancer.costs.cost import Spend
+    from balancer.health.reasons import Health
     from balancer.snapshot import ReadServices
     from balancer.sources.reads import SourceStatus
+    from balancer.views.eta import Forecast
+    from balancer.views.summary import ModelSummary
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class StatusReads:
 def read_status(services: ReadServices) -> StatusReads:
     """What ``status`` shows, read through ``services`` (a :class:`~balancer.snapshot.Snapshot`,
     or :class:`~balancer.services.Services`' engine)."""
-    from balancer.pipeline.beat_seen import beat_last_seen_s
-    from balancer.pipeline.overview import read_overview
+    from balancer.backlog.reads import overdue_count, reused_count
+    from balancer.dispatch.beat_seen import beat_last_seen_s
     from balancer.sources.reads import source_status
-    from balancer.storage.reads import overdue_count, reused_count
+    from balancer.views.overview import read_overview
 
     db, o = services.db, read_overview(services)
     return StatusReads(o.counts, o.rows, o.drain, reused_count(db), overdue_count(db),
@@ -93,7 +93,7 @@ def status(as_json: bool) -> None:
         click.echo(json.dumps(status_json(s)))
         return
     from balancer.cli.source import budget_line, source_line
-    from balancer.domain.cost import projection_text, spend_text
+    from balancer.costs.cost import projection_text, spend_text
 
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
                + f"  eta: {drain_text(s.drain, s.health.blocked)}")

@@ -1,7 +1,7 @@
 """``balancer tasks ...``: see, retry, cancel and prune tasks while the pipeline runs.
 
 ``retry``, ``cancel`` and ``prune`` are dry runs unless ``--yes``; they never
-touch a ready, queued or running task (balancer.storage.operations, balancer.storage.retention).
+touch a ready, queued or running task (balancer.backlog.operations, balancer.backlog.retention).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def filters(command: Any) -> Any:
 
 def _filter(status: str | None, model: str | None, source: str | None, created_after: datetime | None,
             created_before: datetime | None) -> Any:
-    from balancer.storage.operations import TaskFilter
+    from balancer.backlog.operations import TaskFilter
 
     return TaskFilter(status, model, source, _when(created_after), _when(created_before))
 
@@ -52,7 +52,7 @@ def tasks() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
     """The matching tasks, newest first."""
-    from balancer.storage.operations import list_tasks
+    from balancer.backlog.operations import list_tasks
 
     flt = _filter(**given)
     rows = list_tasks(_migrated().engine, flt, limit=limit)
@@ -77,7 +77,7 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def tasks_show(task_id: int, as_json: bool) -> None:
     """One task: prompt preview, status, model, attempts, errors and timings."""
-    from balancer.storage.operations import get_task
+    from balancer.backlog.operations import get_task
 
     row = get_task(_migrated().engine, task_id)
     if row is None:
@@ -96,7 +96,7 @@ def tasks_show(task_id: int, as_json: bool) -> None:
 
 
 def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any]) -> None:
-    from balancer.storage import operations
+    from balancer.backlog import operations
     from balancer.storage.audit import default_actor
 
     flt = _filter(**given)
@@ -141,8 +141,8 @@ def tasks_prune(before: datetime, yes: bool, by: str | None) -> None:
     """Delete solved, failed and cancelled tasks last changed before --before
     (never a pending, ready, queued or running one, nor one whose write-back to its
     source's table has not ended: those are counted as kept); audited, batch by batch."""
+    from balancer.backlog.retention import kept_for_writeback, prune
     from balancer.storage.audit import default_actor
-    from balancer.storage.retention import kept_for_writeback, prune
 
     when = before.replace(tzinfo=UTC) if before.tzinfo is None else before
     engine = _migrated().engine

@@ -31,9 +31,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from balancer.admission import keys
+from balancer.admission.quota import Quota
+from balancer.backlog.intake import parse_tasks
 from balancer.devtools.embedded import TemporaryStack, free_port
-from balancer.domain.intake import parse_tasks
-from balancer.domain.quota import Quota
 from balancer.services import Services, delete_namespace_keys
 from balancer.settings import Settings
 from balancer.storage.schema import tasks as tasks_table
@@ -146,7 +146,7 @@ class IsolatedServices:
         rows, errors = parse_tasks(jsonl, models={q.name: q.burst for q in self.services.quotas.all()})
         if errors:
             raise ValueError(f"workload has bad lines: {errors[:3]}")
-        from balancer.storage.intake import insert_tasks
+        from balancer.backlog.insert import insert_tasks
 
         with self.services.engine.begin() as conn:
             insert_tasks(conn, rows)
@@ -193,7 +193,7 @@ def wait_until_consuming(supervisor: Supervisor, nodes: int, timeout: float = 12
 
 def ask_for_dispatch(services: Services) -> None:
     """Request a dispatch run now, through the same flag the pipeline uses."""
-    from balancer.pipeline.trigger import request_dispatch
+    from balancer.dispatch.trigger import request_dispatch
 
     app = control_app("balancer-runner-submit")
     try:
@@ -218,9 +218,9 @@ def eta_sample(svc: Any, at: float, done: int) -> dict[str, Any]:
     its band and the state it came from (to replay other estimators on it)."""
     from dataclasses import asdict
 
-    from balancer.domain.eta import forecast
-    from balancer.pipeline.summary import PACE_WINDOW_S, drain_inputs, pace_window_s
-    from balancer.storage.spend import projected_cost, spend_so_far
+    from balancer.backlog.spend import projected_cost, spend_so_far
+    from balancer.views.eta import forecast
+    from balancer.views.summary import PACE_WINDOW_S, drain_inputs, pace_window_s
 
     def recorded(state: Any) -> dict[str, Any] | None:
         return None if state is None else {**asdict(state), "models": {k: asdict(v) for k, v in state.models.items()},
@@ -247,7 +247,7 @@ class RunResult:
     finished: float
     counts: dict[str, int]
     rows: list[Any]
-    #: Per model, the latency the pipeline learned (balancer.domain.latency), read at the end of the run.
+    #: Per model, the latency the pipeline learned (balancer.estimates.latency), read at the end of the run.
     learned_latency: dict[str, Any] = field(default_factory=dict)
     #: Drain ETAs made during the run: (share of tasks done, seconds since the start, the ETA in s or None).
     etas: list[tuple[float, float, float | None]] = field(default_factory=list)
@@ -297,10 +297,10 @@ def run_pipeline(
     its end) get up to that long to end and reach the ledger, which is read
     last (:attr:`RunResult.ledger`).
     """
-    from balancer.pipeline.summary import estimate_drain
-    from balancer.storage.ledger import calls_recorded
-    from balancer.storage.reads import status_counts
-    from balancer.storage.spend import token_usage
+    from balancer.backlog.ledger import calls_recorded
+    from balancer.backlog.reads import status_counts
+    from balancer.backlog.spend import token_usage
+    from balancer.views.summary import estimate_drain
 
     svc = iso.services
     svc.quotas.replace_all(list(quotas), by="runner")

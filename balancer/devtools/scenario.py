@@ -44,10 +44,10 @@ import random
 import tomllib
 from dataclasses import dataclass, field, fields
 
+from balancer.admission.quota import Quota
 from balancer.devtools.sim.config import Z99, Latency, SimModel
-from balancer.domain.quota import Quota
-from balancer.domain.tokens import estimate_task_tokens
 from balancer.errors import BalancerError
+from balancer.estimates.tokens import estimate_task_tokens
 
 
 class ScenarioError(BalancerError):

@@ -2,7 +2,7 @@
 
 Every setting is declared once, as a field of ``Settings`` (its default, its one-line meaning and how it is
 read); this module turns those fields into the configuration reference, so the page cannot drift from the
-code. ``tests/test_docs.py`` fails when docs/configuration.md differs from :func:`render`.
+code. ``tests/project/test_docs.py`` fails when docs/configuration.md differs from :func:`render`.
 
     python -m balancer.devtools.settings_doc > docs/configuration.md
 """

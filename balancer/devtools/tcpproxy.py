@@ -1,6 +1,6 @@
 """A loopback TCP proxy that can stall: a network partition with the sockets left open.
 
-The chaos run (``balancer.bench.chaos``) puts one in front of the workers'
+The chaos run (``balancer.bench.chaos.run``) puts one in front of the workers'
 PostgreSQL alone. :meth:`StallProxy.stall` stops forwarding in both directions
 without closing anything: the clients' writes sit in buffers, their reads wait,
 exactly as across a partition that drops packets. :meth:`StallProxy.resume`

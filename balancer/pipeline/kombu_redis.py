@@ -16,7 +16,7 @@ handle: the close or the ack is given up and the consumer reconnects. Nothing
 is lost: messages not acknowledged go back to their queues after the
 visibility timeout (or at once when the old Redis lost them anyway), and a
 copy of a call still running starts no second call
-(:mod:`balancer.pipeline.solver`). Imported with the Celery app
+(:mod:`balancer.calls.solver`). Imported with the Celery app
 (:mod:`balancer.pipeline.app`), so every worker, dispatcher and beat has it.
 """
 

@@ -12,25 +12,25 @@ from celery.signals import worker_process_init, worker_ready
 from celery.worker import state as worker_state
 
 from balancer.admission import keys
-from balancer.pipeline import runtime
+from balancer.backlog.leases import sweep_expired
+from balancer.calls import runtime
+from balancer.calls.consumers import ConsumerBeat
+from balancer.calls.heartbeat import live_calls
+from balancer.calls.pool import QuotaWatcher
+from balancer.calls.solver import SolveMessage, solve_chain
+from balancer.dispatch.dispatcher import Assignment, dispatch
+from balancer.dispatch.fallback import FallbackTicks, Tick, mark_beat_seen
+from balancer.dispatch.lost import LostMessages
+from balancer.dispatch.trigger import clear_requests, request_dispatch
 from balancer.pipeline.app import app
-from balancer.pipeline.consumers import ConsumerBeat
-from balancer.pipeline.dispatcher import Assignment, dispatch
-from balancer.pipeline.fallback import FallbackTicks, Tick, mark_beat_seen
-from balancer.pipeline.heartbeat import live_calls
-from balancer.pipeline.lost import LostMessages
-from balancer.pipeline.pool import QuotaWatcher
-from balancer.pipeline.solver import SolveMessage, solve_chain
-from balancer.pipeline.trigger import clear_requests, request_dispatch
 from balancer.settings import Settings
 from balancer.sources.polling import SourceReadLoop
 from balancer.sources.writeback import WritebackLoop
-from balancer.storage.leases import sweep_expired
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per backend call is noise
 app.steps["consumer"].add(QuotaWatcher)
-app.steps["consumer"].add(ConsumerBeat)  # each model this worker consumes: a live record (balancer.pipeline.consumers)
+app.steps["consumer"].add(ConsumerBeat)  # each model this worker consumes: a live record (balancer.calls.consumers)
 #: Tasks whose solve messages the broker lost (a failover) go back to pending within seconds.
 lost_messages = LostMessages()
 
@@ -128,8 +128,8 @@ def sweep_task() -> int:
     """Return tasks past their deadline to pending (a dead worker, a lost
     message), except those whose calls a worker still keeps alive, make the
     live quotas match PostgreSQL's, and audit learned limits that have stood
-    for a minute (balancer.storage.learned_audit)."""
-    from balancer.storage.learned_audit import record_learned
+    for a minute (balancer.quotas.learned_audit)."""
+    from balancer.quotas.learned_audit import record_learned
 
     svc = runtime.services()
     repaired = svc.quotas.repair_drift()
@@ -152,7 +152,7 @@ def sweep_task() -> int:
 @app.task(name=keys.INGEST_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def ingest_task() -> int:
     """The inbox. (Source tables are read by :class:`SourceReads`, off the control threads.)"""
-    from balancer.pipeline.ingest import ingest_inbox
+    from balancer.sources.inbox import ingest_inbox
 
     svc = runtime.services()
     if not svc.settings.inbox:
@@ -166,7 +166,7 @@ def ingest_task() -> int:
 
 
 class DispatcherTicks(FallbackTicks):
-    """Beat's ticks, sent by the dispatcher while beat is absent (see :mod:`balancer.pipeline.fallback`)."""
+    """Beat's ticks, sent by the dispatcher while beat is absent (see :mod:`balancer.dispatch.fallback`)."""
 
     def ticks(self, settings: Settings) -> list[Tick]:
         return [(settings.dispatch_tick, trigger_dispatch), (settings.sweep_tick, sweep_task.delay),

@@ -7,5 +7,5 @@ Redis core as the pipeline's, so both draw from one budget per model.
 See :mod:`balancer.router.app` for the endpoints,
 :mod:`balancer.router.admissions` for the router's own admission ids and
 idempotent ``/schedule``, :mod:`balancer.router.server` for serving with a
-read deadline, and :mod:`balancer.client` for the Python client.
+read deadline, :mod:`balancer.router.backpressure` for its waits and advice (pure), and :mod:`balancer.client` for the Python client.
 """

@@ -45,8 +45,10 @@ from typing import Any
 
 import redis
 
-from balancer.admission import AdmissionCore, Admitted, Candidate, NotNow, Rejected, Settlement, keys
+from balancer.admission import keys
+from balancer.admission.core import AdmissionCore
 from balancer.admission.finishes import KeptFinishes
+from balancer.admission.values import Admitted, Candidate, NotNow, Rejected, Settlement
 
 #: Every router admission id starts with this; a pipeline admission id never does.
 ADMISSION_ID_PREFIX = "rt_"

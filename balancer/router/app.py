@@ -8,7 +8,7 @@ callers and pipeline workers draw from one budget per model:
   (tokens as the provider charges them on arrival, requests per minute) may
   ask for a short delay, which the router waits out before it answers, so a
   caller may call the Models Backend the moment it gets a model. Otherwise
-  it answers ``wait_for_ms`` (:func:`balancer.domain.backpressure.wait_for_ms`).
+  it answers ``wait_for_ms`` (:func:`balancer.router.backpressure.wait_for_ms`).
   The admission's id is the router's own, unguessable, never a pipeline id;
   an ``Idempotency-Key`` header makes a retried ``/schedule`` get the same
   admission, from the same caller and until it is completed
@@ -61,8 +61,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from balancer.admission import AdmissionCore, Rejected
-from balancer.domain.backpressure import OutcomeWindow, advise, wait_for_ms
+from balancer.admission.core import AdmissionCore
+from balancer.admission.values import Rejected
 from balancer.httpguard import MAX_BODY_BYTES, ASGIApp, BodyLimit, HostGuard, Receive, Scope, Send, problem
 from balancer.router.admissions import (
     ADMISSION_ID_PATTERN,
@@ -73,6 +73,7 @@ from balancer.router.admissions import (
     Kept,
     KeyReused,
 )
+from balancer.router.backpressure import OutcomeWindow, advise, wait_for_ms
 
 log = logging.getLogger(__name__)
 

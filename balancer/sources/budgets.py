@@ -1,4 +1,4 @@
-"""Setting a source's budget per day (:mod:`balancer.domain.budget`), with its audit (they are
+"""Setting a source's budget per day (:mod:`balancer.costs.budget`), with its audit (they are
 read by :func:`balancer.sources.reads.budgets`).
 
 A source with no row has no budget. Any source, JSONL and inbox ones
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import Connection
 
-from balancer.domain.budget import Budget, check_money, check_tokens
+from balancer.costs.budget import Budget, check_money, check_tokens
 from balancer.storage import audit
 from balancer.storage.schema import source_budgets, source_changes
 

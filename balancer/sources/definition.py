@@ -40,8 +40,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from balancer.domain.toml_text import load_toml
 from balancer.errors import BalancerError, printable
+from balancer.toml_text import load_toml
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")

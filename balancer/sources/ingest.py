@@ -27,7 +27,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from balancer.domain.intake import TaskRow
+from balancer.backlog.intake import TaskRow
 from balancer.services import Services
 from balancer.sources.catalog import TimeLimits, team_connection
 from balancer.sources.definition import SourceDef

@@ -8,9 +8,9 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.engine import Engine
 
-from balancer.domain.budget import Standing
+from balancer.backlog.reads import reused_count
+from balancer.costs.budget import Standing
 from balancer.sources.reads import source_status
-from balancer.storage.reads import reused_count
 
 
 def source_families() -> dict[str, Any]:

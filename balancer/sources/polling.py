@@ -93,7 +93,7 @@ class SourceReadLoop(bootsteps.StartStopStep):
         self._stop.set()
 
     def _run(self) -> None:
-        # Connected here, not through balancer.pipeline.runtime: the sources room sits below the pipeline.
+        # Connected here, not through balancer.calls.runtime: the sources room sits below the pipeline.
         svc = Services.connect(Settings.from_env(), check=False)
         poller = SourcePoller(svc, self.created)
         tick = svc.settings.ingest_tick

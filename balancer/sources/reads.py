@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from balancer.domain.budget import Budget
-from balancer.domain.statuses import IN_FLIGHT, sql_list
+from balancer.backlog.statuses import IN_FLIGHT, sql_list
+from balancer.costs.budget import Budget
 from balancer.storage.rows import RowSource, fetch
 
 

@@ -26,13 +26,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from balancer.backlog.operations import _RETRY as RETRY_VALUES  # what an operator's retry resets, declared once
 from balancer.services import Services
 from balancer.sources.catalog import TimeLimits, fingerprint, read_one
 from balancer.sources.definition import SourceDef
 from balancer.sources.outbox import KEEPS_TASK
 from balancer.sources.rows import TooLong, row_to_task
 from balancer.sources.schema import source_outbox
-from balancer.storage.operations import _RETRY as RETRY_VALUES  # what an operator's retry resets, declared once
 from balancer.storage.schema import tasks
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from balancer.domain.statuses import IN_FLIGHT
+from balancer.backlog.statuses import IN_FLIGHT
 from balancer.sources.schema import source_outbox
 from balancer.storage import audit
 from balancer.storage.schema import source_changes, task_operations, tasks

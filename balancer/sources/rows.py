@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from psycopg2.extensions import encodings
 
-from balancer.domain.intake import MAX_PRIORITY, TaskRow, check_key
-from balancer.domain.tokens import estimate_task_tokens
+from balancer.backlog.intake import MAX_PRIORITY, TaskRow, check_key
+from balancer.estimates.tokens import estimate_task_tokens
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
-from balancer.domain.intake import IntakeRules, TaskRow
+from balancer.backlog.insert import share_answers
+from balancer.backlog.intake import IntakeRules, TaskRow
 from balancer.settings import Settings
 from balancer.sources.definition import SourceDef, SourceFileError, source_from_dict
 from balancer.sources.removal import cancel_for_removal, left, refusal, resume
@@ -31,7 +32,6 @@ from balancer.sources.tables import own_relations
 from balancer.sources.weights import set_weight
 from balancer.storage import audit
 from balancer.storage.declared import ImportSummary, import_set
-from balancer.storage.intake import share_answers
 from balancer.storage.schema import metadata, source_changes, tasks
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed:
     """Insert one batch of a source's tasks (all with its ``max_tokens`` and allowed
     models, each with its prompt's fingerprint: :func:`balancer.sources.catalog.fingerprint`),
     skipping keys already present; returns how many were inserted. With
-    ``dedup``, they may take identical tasks' answers (:func:`balancer.storage.intake.share_answers`)."""
+    ``dedup``, they may take identical tasks' answers (:func:`balancer.backlog.insert.share_answers`)."""
     if not rows:
         return 0
     ids = list(conn.execute(_INSERT_BATCH, {

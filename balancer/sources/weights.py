@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import Connection
 
-from balancer.domain.fairshare import MAX_WEIGHT
+from balancer.sources.fairshare import MAX_WEIGHT
 from balancer.storage import audit
 from balancer.storage.schema import source_changes, source_weights
 

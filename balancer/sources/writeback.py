@@ -256,7 +256,7 @@ class WritebackLoop(bootsteps.StartStopStep):
         self._stop.set()
 
     def _run(self) -> None:
-        # Connected here, not through balancer.pipeline.runtime: the sources room sits below the pipeline.
+        # Connected here, not through balancer.calls.runtime: the sources room sits below the pipeline.
         svc = Services.connect(Settings.from_env(), check=False)
         idle = svc.settings.writeback_tick
         wait = idle

@@ -7,7 +7,7 @@ in the caller's transaction, locks the stored table against another import, lets
 kind refuse, applies each change and writes one audit row per change
 (:mod:`balancer.storage.audit`). What differs, how a quota or a source is read,
 written, refused and what else it sets, is the kind's own (:class:`Kind`:
-:mod:`balancer.storage.quotas`, :mod:`balancer.sources.store`).
+:mod:`balancer.quotas.store`, :mod:`balancer.sources.store`).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ quota_changes = audit_table("quota_changes", "model", metadata)
 #: unwritable write-backs retried or dropped.
 source_changes = audit_table("source_changes", "source", metadata)
 
-#: A task's ``status`` is one of ``balancer.domain.statuses.TASK_STATUSES``.
+#: A task's ``status`` is one of ``balancer.backlog.statuses.TASK_STATUSES``.
 tasks = Table(
     "tasks",
     metadata,
@@ -75,7 +75,7 @@ tasks = Table(
     Column("attempts", Integer, nullable=False, server_default="0"),
     Column("rate_limited", Integer, nullable=False, server_default="0"),
     Column("avoid_model", Text, nullable=True),  # the model whose transient failure sent it back
-    # A hedge: a second call on another model for a straggling running task (pipeline.dispatcher).
+    # A hedge: a second call on another model for a straggling running task (dispatch.dispatcher).
     Column("hedge_admission_id", Text, nullable=True),  # the hedge in flight; cleared on return to pending
     Column("hedge_model", Text, nullable=True),
     Column("hedges", Integer, nullable=False, server_default="0"),
@@ -100,7 +100,7 @@ tasks = Table(
 
 #: The ledger: one row per call sent to the backend, answered or not (a hedge that
 #: lost, a call cut off, refused or retried), with the tokens it is counted for
-#: (:func:`balancer.domain.cost.billed_tokens`). ``call_id`` is the call's own,
+#: (:func:`balancer.costs.cost.billed_tokens`). ``call_id`` is the call's own,
 #: so a write retried after an unknown commit adds no second row.
 call_usage = Table(
     "call_usage",
@@ -130,7 +130,7 @@ source_weights = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
-#: A source's budget per day (balancer.domain.budget): money in the quotas'
+#: A source's budget per day (balancer.costs.budget): money in the quotas'
 #: currency, tokens, or both; a source with no row (or NULLs) has none.
 source_budgets = Table(
     "source_budgets",

@@ -2,7 +2,7 @@
 
 Pages render from the sampler's newest sample (:mod:`balancer.web.sampler`),
 so they cost no scan of the backlog; the task search and a task's page read
-PostgreSQL through :mod:`balancer.storage.operations` (newest first, with a
+PostgreSQL through :mod:`balancer.backlog.operations` (newest first, with a
 limit and a time limit); failed tasks grouped by error come with the sample. Every
 change is a POST with a CSRF token; retry and cancel are first a dry run
 (a GET that lists what would change) and then a confirmed POST, audited in
@@ -28,13 +28,13 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from balancer.domain.statuses import TASK_STATUSES
+from balancer.backlog import operations
+from balancer.backlog.statuses import TASK_STATUSES
 from balancer.errors import BalancerError, QuotaError
 from balancer.httpguard import MAX_BODY_BYTES, ASGIApp, BodyLimit, HostGuard
+from balancer.quotas.store import LiveNotUpdated
 from balancer.services import Services
-from balancer.storage import operations
 from balancer.storage.audit import default_actor
-from balancer.storage.quotas import LiveNotUpdated
 from balancer.web import charts, formatting, forms
 from balancer.web.sampler import Sample, Sampler, per_minute
 from balancer.web.security import CSRF_COOKIE, Csrf, SecurityHeaders, TokenGuard

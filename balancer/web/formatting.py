@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from balancer.domain.cost import money
+from balancer.costs.cost import money
 
 
 def clock(value: float | datetime | None) -> str:

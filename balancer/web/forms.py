@@ -3,7 +3,7 @@
 Bad input raises :class:`~balancer.errors.BalancerError` (or its
 :class:`~balancer.errors.QuotaError`) with a one-line message the page shows;
 nothing is changed. Range checks beyond "a positive whole number" stay where
-``balancer quota set`` has them (:class:`balancer.domain.quota.Quota`).
+``balancer quota set`` has them (:class:`balancer.admission.quota.Quota`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from balancer.domain.quota import ON_DISCONNECT, TOKEN_ACCOUNTING
+from balancer.admission.quota import ON_DISCONNECT, TOKEN_ACCOUNTING
+from balancer.backlog.operations import TaskFilter
 from balancer.errors import BalancerError, QuotaError, printable
-from balancer.storage.operations import TaskFilter
 
 #: The filter fields a task search takes, as query or form parameters.
 FILTER_FIELDS = ("status", "model", "source", "created_after", "created_before", "task_id")

@@ -1,8 +1,8 @@
 """The console's own read-only SQL: tasks per source, and failed tasks grouped by error.
 
 Everything else the console shows comes from the read paths ``status``,
-``top`` and ``balancer tasks`` already use (:mod:`balancer.pipeline.summary`,
-:mod:`balancer.storage.operations`).
+``top`` and ``balancer tasks`` already use (:mod:`balancer.views.summary`,
+:mod:`balancer.backlog.operations`).
 """
 
 from __future__ import annotations

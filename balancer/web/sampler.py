@@ -1,6 +1,6 @@
 """The console's background sampler: what ``status`` and ``top`` read, every few seconds, kept 15 minutes.
 
-One thread per console reads :func:`balancer.pipeline.overview.read_overview` (task
+One thread per console reads :func:`balancer.views.overview.read_overview` (task
 counts, per-model rows, counters, the drain ETA, the sources' budgets against today's
 spend, the spend so far and the backlog left's projected cost), the per-source counts
 (:func:`balancer.web.queries.source_counts`) and failed tasks grouped by
@@ -23,15 +23,15 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from balancer.domain.budget import Standing
-from balancer.domain.cost import Spend
-from balancer.domain.health import Health
-from balancer.domain.statuses import UNFINISHED
-from balancer.pipeline.overview import read_overview
-from balancer.pipeline.summary import ModelSummary
+from balancer.backlog.statuses import UNFINISHED
+from balancer.costs.budget import Standing
+from balancer.costs.cost import Spend
+from balancer.health.reasons import Health
 from balancer.services import Services
 from balancer.sources.reads import not_tasks_by_source
 from balancer.urls import scrub
+from balancer.views.overview import read_overview
+from balancer.views.summary import ModelSummary
 from balancer.web.queries import ErrorGroup, SourceCounts, error_groups, source_counts, top_sources
 
 log = logging.getLogger(__name__)
@@ -51,15 +51,15 @@ class Sample:
     rows: list[ModelSummary]
     counters: dict[str, dict[str, int]]
     eta_s: float | None
-    eta_low_s: float | None = None  # the ETA's band (balancer.domain.eta.Forecast)
+    eta_low_s: float | None = None  # the ETA's band (balancer.views.eta.Forecast)
     eta_high_s: float | None = None
     sources: list[SourceCounts] = field(default_factory=list)  # the busiest (queries.TOP_SOURCES), by name
-    spend: Spend = field(default_factory=lambda: Spend(None))  # so far, by model and source (balancer.storage.spend)
+    spend: Spend = field(default_factory=lambda: Spend(None))  # so far, by model and source (balancer.backlog.spend)
     projected: Spend = field(default_factory=lambda: Spend(None))  # the backlog left's projected cost, by model
     error_groups: list[ErrorGroup] | None = field(default_factory=list)  # None: too many failed tasks to group in time
     budgets: dict[str, Standing] = field(default_factory=dict)  # per source with a budget per day: spent today, waiting
-    waiting: int = 0  # pending tasks of sources over their budget: not in the ETA (balancer.domain.eta.Forecast.waiting)
-    health: Health = field(default_factory=lambda: Health({}, {}, None))  # why nothing moves (balancer.domain.health)
+    waiting: int = 0  # pending tasks of sources over their budget: not in the ETA (balancer.views.eta.Forecast.waiting)
+    health: Health = field(default_factory=lambda: Health({}, {}, None))  # why nothing moves (balancer.health.reasons)
     sources_other: SourceCounts | None = None  # every source past the busiest, added up (None: none)
     #: per source table with rows of work that are not tasks: how many, by reason (balancer.sources.reads)
     not_tasks: dict[str, dict[str, int]] = field(default_factory=dict)

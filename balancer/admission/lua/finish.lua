@@ -8,7 +8,7 @@
 -- ARGV[4] tokens a `reserve` provider kept (prompt + max_tokens), or ''
 -- ARGV[5] x-ratelimit-remaining-tokens, or '' if absent
 -- ARGV[6] x-ratelimit-remaining-requests, or '' if absent
--- ARGV[7] the call's latency bucket (balancer.domain.latency.bucket_of), or '' if no answer
+-- ARGV[7] the call's latency bucket (balancer.estimates.latency.bucket_of), or '' if no answer
 -- ARGV[8] its latency in ms, ARGV[9] prompt tokens, ARGV[10] completion tokens (with ARGV[7])
 -- ARGV[11] lease ms for a next call from the model's ready list, or '' to take none
 -- ARGV[12] x-ratelimit-limit-tokens, ARGV[13] x-ratelimit-limit-requests ('' if absent: sync_limits in signals.lua)

@@ -87,8 +87,8 @@ end
 
 -- Add one finished call to its model's latency sketch: decay every field by
 -- 1/64 (integer floor), then add the sample. The bucket index comes from the
--- caller (balancer.domain.latency.bucket_of), so this is integer arithmetic
--- only, exactly as balancer.domain.latency.record does it.
+-- caller (balancer.estimates.latency.bucket_of), so this is integer arithmetic
+-- only, exactly as balancer.estimates.latency.record does it.
 local SAMPLE_WEIGHT, DECAY = 1000, 64
 local function record_latency(name, bucket, latency_ms, prompt_tokens, completion_tokens)
   local key = latency_key(name)

@@ -3,7 +3,7 @@
 Why it exists: the Lua scripts are the product, but Lua inside Redis is hard to
 reason about and impossible to step through. This model has *exactly* the
 same semantics, so Hypothesis can drive both with the same random operations
-and demand identical decisions (``tests/test_differential.py``). It is also
+and demand identical decisions (``tests/admission/test_differential.py``). It is also
 where the scheduling rules are easiest to read.
 
 Units. Time is integer milliseconds. A token bucket holds integer *units*,
@@ -56,6 +56,7 @@ import math
 from collections.abc import Sequence
 
 from balancer.admission import window
+from balancer.admission.quota import Quota
 from balancer.admission.reference.signals import Signals
 from balancer.admission.reference.state import Lease, ModelState, ReadyEntry
 from balancer.admission.values import (
@@ -72,7 +73,6 @@ from balancer.admission.values import (
     rejection_reason,
     token_cap,
 )
-from balancer.domain.quota import Quota
 
 
 class ReferenceCore(Signals):

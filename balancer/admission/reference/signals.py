@@ -19,7 +19,7 @@ from balancer.admission.values import (
     outside_estimate,
     token_cap,
 )
-from balancer.domain import latency
+from balancer.estimates import latency
 
 
 class Signals(ReferenceState):

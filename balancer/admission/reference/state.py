@@ -23,6 +23,7 @@ from balancer.admission.learned import (
     spent_early,
     undone,
 )
+from balancer.admission.quota import Quota
 from balancer.admission.values import (
     UNITS,
     NoState,
@@ -33,7 +34,6 @@ from balancer.admission.values import (
     token_cap,
     tokens_needed,
 )
-from balancer.domain.quota import Quota
 
 
 @dataclass
@@ -229,7 +229,7 @@ class ReferenceState:
 
     models: dict[str, ModelState] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
-    #: Per model, the latency sketch's fields (balancer.domain.latency.record).
+    #: Per model, the latency sketch's fields (balancer.estimates.latency.record).
     latency: dict[str, dict[str, int]] = field(default_factory=dict)
     #: Per model, its ready list, oldest first (see :meth:`stock`).
     ready: dict[str, list[ReadyEntry]] = field(default_factory=dict)

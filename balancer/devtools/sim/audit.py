@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from balancer.domain.quota import Quota
+from balancer.admission.quota import Quota
 
 
 @dataclass(frozen=True)

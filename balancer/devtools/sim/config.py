@@ -12,8 +12,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from balancer.admission.quota import Quota
 from balancer.devtools.sim.limiter import ModelLimiter
-from balancer.domain.quota import Quota
 
 #: z-score of the 99th percentile of a standard normal.
 Z99 = 2.3263

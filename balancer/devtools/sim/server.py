@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from balancer.devtools.sim.config import SimModel
-from balancer.domain.tokens import heuristic_prompt_tokens
+from balancer.estimates.tokens import heuristic_prompt_tokens
 
 DEFAULT_MAX_TOKENS = 256
 

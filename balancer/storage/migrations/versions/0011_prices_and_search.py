@@ -1,6 +1,6 @@
 """prices per model and their currency; indexes for task search by status or source, newest first
 
-Prices: per million input and output tokens, in one currency (balancer.domain.cost).
+Prices: per million input and output tokens, in one currency (balancer.costs.cost).
 Search: ``balancer tasks list`` and the web console list tasks by status or by
 source, newest first, with a limit. ``(status, id)`` replaces ``(status)`` (it
 serves every lookup that one did, so the tasks' status changes maintain no

@@ -13,7 +13,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # balancer.storage.claims: the window reads tasks any model may take from
+    # balancer.backlog.claims: the window reads tasks any model may take from
     # their own index, so tasks pinned to models that cannot take them now
     # (disabled, or full) are never scanned past.
     op.execute(

@@ -12,7 +12,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # The dispatcher claims each source's head (balancer.storage.claims.claim_by_source):
+    # The dispatcher claims each source's head (balancer.backlog.claims.claim_by_source):
     # one skip-scan probe per source with pending work and one range scan of its
     # head, so the claim costs the same for a backlog of a thousand or of a million.
     # Partial, like tasks_pending_order: a task leaves it when it leaves pending.

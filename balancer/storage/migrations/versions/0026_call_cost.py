@@ -2,7 +2,7 @@
 
 Rows written before this revision are priced once here, at the prices their
 models have now (the best that is known of them); later calls are priced by
-the worker when each starts (balancer.pipeline.call).
+the worker when each starts (balancer.calls.call).
 
 Revision ID: 0026
 Revises: 0024

@@ -1,0 +1,112 @@
+"""The dispatcher's flexible window, filled fairly across sources.
+
+:func:`claim_flexible` claims each source's head (:func:`balancer.backlog.claims.claim_by_source`)
+and orders the window by weighted deficit round robin
+(:mod:`balancer.sources.fairshare`), with the weights of ``balancer source
+set`` and the round robin's state from Redis (:mod:`balancer.dispatch.shares`).
+:func:`settle` then gives back what the admission did not take and stores the
+state. While several sources share, the pinned tasks an open model may take
+are in their sources' queues like any other (the dispatcher then claims no
+pinned lane ahead of them; issue 38 finding 12), and each source's head is
+claimed by its share of the window (:func:`balancer.sources.fairshare.claim_sizes`).
+A source with a weight set (a source table, or ``balancer source set NAME
+--weight``) has a share of its own; the names no one set a weight for share one
+share between them, taking turns by name, so a backfill spread over thousands
+of source names weighs as one source (:func:`balancer.sources.fairshare.flow_of`).
+With one source pending there is nothing to share: the window is
+claimed as with fairness off (:func:`balancer.backlog.claims.claim_window`,
+which never reads tasks no open model may take), and no state is read or
+written. ``BALANCER_SOURCE_FAIRNESS=off``
+claims the window by priority, then age, across all sources (the old rule).
+A source over its budget (``held``) has none of its tasks claimed: while one
+has pending work, the others' heads are claimed by source, fairness on or off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Connection
+
+from balancer.backlog.claims import PendingTask, claim_by_source, claim_window, pending_sources
+from balancer.dispatch import shares as shared_state
+from balancer.services import Services
+from balancer.sources import fairshare
+from balancer.sources.weights import DEFAULT_WEIGHT, weights
+
+
+@dataclass(frozen=True)
+class Window:
+    """The flexible tasks a round claimed, in admission order, and the share
+    state after charging all of them (``None``: no sharing took place)."""
+
+    tasks: list[PendingTask]
+    shares: fairshare.Shares | None = None
+    declared: frozenset[str] = frozenset()  # the sources with a share of their own (a weight set)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The sources with pending work this round, and those of them not over their budget."""
+
+    sources: list[str]
+    kept: list[str]
+    fair: bool
+
+    @property
+    def shared(self) -> bool:
+        """Whether several sources share the window: then every task, pinned to one model or
+        not, takes its source's turn (no pinned lane ahead of the round robin)."""
+        return self.fair and len(self.kept) > 1
+
+
+def pending(services: Services, conn: Connection, held: Collection[str] = ()) -> Pending:
+    """Which sources have pending work (read only when fairness or a budget needs it)."""
+    fair = services.settings.source_fairness
+    sources = pending_sources(conn) if fair or held else []
+    return Pending(sources, [source for source in sources if source not in held], fair)
+
+
+def claim_flexible(services: Services, conn: Connection, limit: int, open_models: Iterable[str],
+                   held: Collection[str] = (), who: Pending | None = None) -> Window:
+    """Lock and order up to ``limit`` tasks for this round, none of a ``held`` source (over
+    its budget: :mod:`balancer.dispatch.budgets`): the flexible ones, and while sources share
+    (``who.shared``) the pinned ones an open model may take too, each in its source's turn."""
+    who = who or pending(services, conn, held)
+    if len(who.kept) == len(who.sources) and not who.shared:
+        return Window(claim_window(conn, limit, open_models))
+    if not who.shared:  # a held source has pending work: each other source's head, over its own index
+        queues = claim_by_source(conn, who.kept, limit, open_models)
+        return Window(sorted((task for queue in queues.values() for task in queue),
+                             key=lambda t: (-t.priority, t.id))[:limit])
+    declared = weights(conn)  # a source with a weight set has a share of its own; the others share one
+    # Each source's part of the window twice over: thousands of sources cost a task or two each.
+    parts = fairshare.claim_weights(who.kept, declared, declared.keys(), DEFAULT_WEIGHT)
+    queues = claim_by_source(conn, who.kept, fairshare.claim_sizes(parts, limit), open_models)
+    if len(queues) <= 1:
+        return Window([task for queue in queues.values() for task in queue][:limit])
+    state = shared_state.load(services.redis, services.settings.namespace)
+    order, after = fairshare.fill(queues, limit, declared, state, default_weight=DEFAULT_WEIGHT,
+                                  declared=declared.keys())
+    return Window(order, after, frozenset(declared))
+
+
+def settle(services: Services, window: Window, served: Collection[int]) -> None:
+    """Refund the window's tasks not in ``served`` (task ids) and store the state."""
+    if window.shares is None:
+        return
+    unserved: Sequence[tuple[str, int]] = [(fairshare.flow_of(t.source, window.declared), t.estimated_tokens)
+                                           for t in window.tasks if t.id not in served]
+    shared_state.save(services.redis, services.settings.namespace, fairshare.refund(window.shares, unserved),
+                      fairshare.SHARED_FOR_MS)
+
+
+def ready_per_slot(services: Services, *, shared_now: bool = False) -> float:
+    """Ready-list entries per slot: shallow while sources share the window (in
+    this claim, ``shared_now``, or within :data:`balancer.sources.fairshare.SHARED_FOR_MS`)."""
+    settings = services.settings
+    if not settings.source_fairness or settings.ready_per_slot <= fairshare.SHARED_READY_PER_SLOT:
+        return settings.ready_per_slot
+    shared = shared_now or shared_state.recently_shared(services.redis, settings.namespace)
+    return fairshare.ready_per_slot(settings.ready_per_slot, shared)

@@ -1,0 +1,101 @@
+"""The facts behind each model's and source's health (:mod:`balancer.health.reasons`), recorded and read.
+
+A worker records a model's failed call (:func:`note_failure`: its error, whether
+it was ever sent, and the model's answered count then), so that a look can say
+"backend unreachable: <the error>" without reading the worker's log. The record
+stands until a call of the model is answered (the count moved on) or it expires.
+:func:`read_health` gathers one look's facts: the live view, that record, the
+budgets' standings; the reasons themselves are pure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import redis
+
+from balancer.admission import keys
+from balancer.admission.live import ModelLive
+from balancer.costs.budget import Standing
+from balancer.health.reasons import Health, ModelFacts, SourceFacts, assess
+from balancer.sources.read_errors import read_errors
+
+#: How long a failed call is remembered when nothing answers or fails after it.
+FAILURE_TTL_S = 3600
+
+
+@dataclass(frozen=True)
+class Failure:
+    error: str
+    unsent: bool  # the request never reached the backend (refused, not reached)
+    answered: int  # the model's answered calls when it failed
+
+
+def note_failure(client: redis.Redis, namespace: str, model: str, error: str, *, unsent: bool) -> None:
+    """Record ``model``'s latest failed call (a failure path only: never on an answered call)."""
+    answered = int(client.hget(keys.stats(namespace, model), "solved") or 0)
+    record = {"error": error[:300], "unsent": unsent, "answered": answered}
+    client.set(keys.last_failure(namespace, model), json.dumps(record), ex=FAILURE_TTL_S)
+
+
+def read_failures(client: redis.Redis, namespace: str, names: list[str]) -> dict[str, Failure]:
+    """Each model's recorded last failure (those with one)."""
+    if not names:
+        return {}
+    raw = client.mget([keys.last_failure(namespace, n) for n in names])
+    out = {}
+    for name, value in zip(names, raw, strict=True):
+        if value:
+            record = json.loads(value)
+            out[name] = Failure(str(record["error"]), bool(record["unsent"]), int(record["answered"]))
+    return out
+
+
+def model_facts(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str, int]],
+                failures: Mapping[str, Failure], consumers: Mapping[str, int] | None = None) -> list[ModelFacts]:
+    """Each model's facts: its live state, and its last failure while no call was answered since.
+    ``consumers``: the workers consuming each model's queue, where a liveness record says so."""
+    facts = []
+    for name, live in sorted(view.items()):
+        failure = failures.get(name)
+        if failure is not None and counters.get(name, {}).get("solved", 0) != failure.answered:
+            failure = None  # a call was answered since: it is over
+        facts.append(ModelFacts(
+            name, enabled=live.quota.enabled, paused_s=live.paused_ms / 1000, circuit_open=live.circuit_open,
+            failures=live.failures, last_error=None if failure is None else failure.error,
+            unreachable=failure is not None and failure.unsent,
+            consumers=None if consumers is None else consumers.get(name, 0)))
+    return facts
+
+
+def source_facts(budgets: Mapping[str, Standing],
+                 unwritable: Mapping[str, tuple[int, str | None]] | None = None,
+                 read_errors: Mapping[str, str] | None = None) -> list[SourceFacts]:
+    """Each source's facts: its budgets' standing, its write-backs left unwritable (how
+    many, the latest one's error: :func:`balancer.sources.reads.unwritable_by_source`), and
+    its table's last failed read (:func:`balancer.sources.read_errors.read_errors`)."""
+    unwritable, read_errors = unwritable or {}, read_errors or {}
+    facts = []
+    for name in sorted(budgets.keys() | unwritable.keys() | read_errors.keys()):
+        st = budgets.get(name)
+        count, error = unwritable.get(name, (0, None))
+        facts.append(SourceFacts(
+            name, over_budget=None if st is None else "money" if st.money_spent else "tokens" if st.tokens_spent else None,
+            unwritable=count, unwritable_error=error, read_error=read_errors.get(name)))
+    return facts
+
+
+def read_health(client: redis.Redis, namespace: str, view: Mapping[str, ModelLive],
+                counters: Mapping[str, Mapping[str, int]], budgets: Mapping[str, Standing], unfinished: int, *,
+                consumers: bool = False, unwritable: Mapping[str, tuple[int, str | None]] | None = None) -> Health:
+    """One look's reasons (:func:`balancer.health.reasons.assess`). With ``consumers``
+    (``BALANCER_CONSUMERS_REQUIRED``: the dispatcher sends nothing to a model no worker
+    consumes), each model's live consumer count from the view, so one with none says so.
+    ``unwritable``: each source's write-backs left unwritable, and the latest one's error; each
+    source table's last failed read comes from Redis."""
+    failures = read_failures(client, namespace, sorted(view))
+    counts = {name: m.consumers for name, m in view.items()} if consumers else None
+    sources = source_facts(budgets, unwritable, read_errors(client, namespace))
+    return assess(model_facts(view, counters, failures, counts), sources, unfinished)

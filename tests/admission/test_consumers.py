@@ -1,0 +1,169 @@
+"""Work goes only where someone consumes it (issue 40, item 1): each worker process keeps a
+live record per model it consumes, and the dispatcher admits nothing to a model with none.
+
+The rule in the scripts and the reference model is held equal by tests/admission/test_differential.py
+(``admit_consumed``, ``take_ready_consumed``, ``consume``); here the dispatcher against real
+Redis and PostgreSQL, and real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from balancer.admission.quota import Quota
+from balancer.admission.values import Admitted, Candidate
+from balancer.backlog.insert import insert_tasks
+from balancer.backlog.intake import parse_tasks
+from balancer.dispatch.dispatcher import Assignment, dispatch
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.storage.schema import tasks
+
+pytestmark = pytest.mark.usefixtures("migrated")
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+@pytest.fixture
+def svc(monkeypatch: pytest.MonkeyPatch) -> Services:
+    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
+    services = Services.connect(Settings.from_env())
+    services.quotas.replace_all([Quota("a", 4, 600_000, slow_start=False), Quota("b", 4, 600_000, slow_start=False)])
+    return services
+
+
+def submit(svc: Services, model: str | None, n: int) -> list[int]:
+    lines = "\n".join(json.dumps({"prompt": f"p{i} {model}", **({"model": model} if model else {})}) for i in range(n))
+    rows, errors = parse_tasks(lines, models={q.name: q.burst for q in svc.quotas.all()})
+    assert not errors
+    with svc.engine.begin() as conn:
+        return insert_tasks(conn, rows)
+
+
+def statuses(svc: Services, ids: list[int]) -> list[tuple[str, str | None]]:
+    with svc.engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.select(tasks.c.status, tasks.c.model).where(tasks.c.id.in_(ids))
+                                                .order_by(tasks.c.id))]
+
+
+def test_the_dispatcher_admits_nothing_to_a_model_no_worker_consumes(svc: Services) -> None:
+    """Issue 40 finding 1: admission did not know whether anyone consumed model.<name>, so a cut
+    worker host's models took their share of the work into queues nobody read. Now a model with
+    no live consumer record is admitted nothing (a task that may go elsewhere goes elsewhere),
+    its queued tasks go back to pending at the next run, and it takes work again once a worker
+    says it consumes it. The router's admissions (callers outside Celery) need no consumer."""
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    sent: list[Assignment] = []
+    only_b = submit(svc, "b", 2)
+    anywhere = submit(svc, None, 3)
+    dispatch(svc, sent.extend)
+    assert {a.model for a in sent} == {"a"} and sorted(a.task_id for a in sent) == anywhere
+    assert statuses(svc, only_b) == [("pending", None)] * 2
+    routed = svc.core.admit([Candidate(10, ("b",))])[0]  # the router's callers: no consumer needed
+    assert isinstance(routed, Admitted)
+    svc.core.release(routed.admission_id)
+
+    svc.core.note_consumers("w-b", ["b"], 60_000)  # a worker for b comes: b takes its tasks at the next run
+    sent.clear()
+    dispatch(svc, sent.extend)
+    assert sorted(a.task_id for a in sent) == only_b and {a.model for a in sent} == {"b"}
+    assert svc.core.live()["b"].in_flight >= 2
+
+    svc.core.note_consumers("w-b", ["b"], 0)  # its worker stops: b's queued tasks go back now, leases freed
+    sent.clear()
+    report = dispatch(svc, sent.extend)
+    assert report.unconsumed == 2 and sent == []
+    assert statuses(svc, only_b) == [("pending", None)] * 2
+    live = svc.core.live()["b"]
+    assert live.in_flight == 0 and live.consumers == 0
+
+
+def test_a_ready_list_of_a_model_no_worker_consumes_goes_back_at_once(svc: Services) -> None:
+    """Issue 40 finding 1: the dispatcher's pass over the ready lists returns every entry of a
+    model no worker consumes to pending at once (not when each expires)."""
+    from balancer.backlog.ready import mark_ready
+
+    ids = submit(svc, "b", 3)
+    with svc.engine.begin() as conn:
+        mark_ready(conn, [(task_id, "b", f"r{task_id}") for task_id in ids], 60)
+    svc.core.stock([("b", task_id, 100, f"r{task_id}") for task_id in ids], 60_000)
+    report = dispatch(svc, lambda assignments: None)
+    assert report.unstocked == 3 and svc.core.live()["b"].ready == 0
+    assert statuses(svc, ids) == [("pending", None)] * 3
+
+
+def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Services) -> None:
+    """Issue 40 finding 1: a call whose model no worker consumes any longer (its worker's host
+    cut off) may never end, and its task waited a whole lease for the sweep while other models
+    sat idle. Now it is hedged at once on a model a worker consumes, whatever its latency says
+    and whatever the hedge budget (here a call 0 s old, which no straggler rule would hedge)."""
+    from balancer.backlog.transitions import start_solve
+
+    svc.core.note_consumers("w-b", ["b"], 60_000)
+    (task_id,) = submit(svc, None, 1)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert [(a.task_id, a.model) for a in sent] == [(task_id, "b")]
+    assert start_solve(svc.engine, task_id, sent[0].admission_id, 60) is not None
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's is there
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    sent.clear()
+    report = dispatch(svc, sent.extend)
+    assert report.hedges == 1 and [(a.task_id, a.model, a.hedge) for a in sent] == [(task_id, "a", True)]
+
+
+@pytest.mark.e2e
+def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_path: Path) -> None:
+    """Issue 40 finding 1, with real processes: two workers, one per model. One is frozen
+    (SIGSTOP: its host cut off, as far as Redis can tell). Its record expires within seconds:
+    the tasks queued for it meanwhile go back to pending, nothing more is admitted to it, the
+    overview (status, top, the console, metrics) says no worker consumes its queue, and work
+    that may go elsewhere does. Thawed, its model resumes within seconds, each task called once."""
+    from balancer.calls.consumers import BEAT_S, TTL_MS
+    from balancer.views.overview import read_overview
+    from tests.pipeline_harness import Pipeline
+
+    pipeline = Pipeline(tmp_path / "logs", model_count=2, extra_env={"BALANCER_CONSUMERS_REQUIRED": "on"})
+    try:
+        pipeline.start(workers=[["--model", "model-0"], ["--model", "model-1"]])
+        svc = pipeline.services
+        wait_until(lambda: all(m.consumers == 1 for m in svc.core.live().values()), 60, "both workers' records")
+        frozen = next(c for c in pipeline.supervisor.children if c.name == "worker-1")
+        os.killpg(frozen.process.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        pinned = submit(svc, "model-1", 4)
+        wait_until(lambda: any(s == "queued" for s, _ in statuses(svc, pinned)), 5, "tasks queued for model-1")
+        wait_until(lambda: all(s == "pending" for s, _ in statuses(svc, pinned)), TTL_MS / 1000 + 5,
+                   "model-1's queued tasks back to pending")
+        returned_after = time.monotonic() - stopped_at
+        overview = read_overview(svc)
+        assert [r.kind for r in overview.health.models["model-1"]] == ["no_consumer"]
+        assert overview.health.models["model-0"] == []
+        anywhere = submit(svc, None, 6)
+        pipeline.wait_done(6)
+        assert {m for _, m in statuses(svc, anywhere)} == {"model-0"}
+        assert all(s == "pending" for s, _ in statuses(svc, pinned))  # nothing admitted to model-1 meanwhile
+        os.killpg(frozen.process.pid, signal.SIGCONT)
+        thawed = time.monotonic()
+        pipeline.wait_done(10, timeout=30)
+        resumed_after = time.monotonic() - thawed
+        calls = [e for e in pipeline.sim_log() if e["model"] == "model-1"]
+        assert len(calls) == 4, calls  # each pinned task called once: the stale messages made no call
+        print(f"\nqueued tasks back {returned_after:.1f} s after the freeze; model-1 done {resumed_after:.1f} s "
+              f"after the thaw (beat {BEAT_S} s, record {TTL_MS / 1000:g} s)")
+        assert resumed_after < 15
+    finally:
+        pipeline.stop()

@@ -1,0 +1,173 @@
+"""``balancer run``: the dispatcher, workers and beat started, supervised, restarted and
+stopped together, against a real simulator, Redis and PostgreSQL; and the first line a
+process prints when the backend's address refuses connections."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from balancer.backlog.reads import status_counts
+from balancer.devtools.embedded import free_port
+from balancer.devtools.sim.config import default_models
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.supervisor import Supervisor, wait_for_http
+
+pytestmark = pytest.mark.timeout(240)
+
+TIME_SCALE = 0.02
+
+
+def refused_url() -> str:
+    """A loopback address nothing listens on (bound, never listening, so nobody else takes it meanwhile)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    refused_url.keep = sock  # type: ignore[attr-defined]  # held until the next call
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def lines_of(stream) -> queue.Queue[str]:  # noqa: ANN001
+    out: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            out.put(line.rstrip("\n"))
+        out.put("")  # closed
+
+    threading.Thread(target=pump, daemon=True).start()
+    return out
+
+
+def wait_for_line(lines: queue.Queue[str], pattern: str, seen: list[str], timeout: float = 60.0) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        seen.append(line)
+        found = re.search(pattern, line)
+        if found:
+            return found
+    raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f}s; saw:\n" + "\n".join(seen))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "State:\tZ" not in status.read_text()
+
+
+def poll(check, timeout: float, what: str):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def test_a_worker_says_on_its_first_line_that_the_backend_refuses_connections(migrated: dict[str, str]) -> None:
+    url = refused_url()
+    done = subprocess.run([sys.executable, "-m", "balancer", "worker", "--all-models"], capture_output=True, text=True,
+                          env={**os.environ, "BALANCER_BACKEND_URL": url}, timeout=60)
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("warning: the Models Backend at ") and url in first and "refuses connections" in first, first
+    assert done.returncode == 2 and "no model has a quota" in done.stderr  # and then its own error, one line
+
+
+def test_run_without_quotas_is_one_line_after_the_refusal(migrated: dict[str, str]) -> None:
+    done = subprocess.run([sys.executable, "-m", "balancer", "run"], capture_output=True, text=True,
+                          env={**os.environ, "BALANCER_BACKEND_URL": refused_url()}, timeout=60)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 2, done.stderr
+    assert "refuses connections" in lines[0] and lines[1].startswith("error: no model has a quota")
+
+
+def test_run_starts_restarts_and_stops_the_pipeline(migrated: dict[str, str], tmp_path: Path) -> None:
+    models = default_models(2)
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([m.quota(time_scale=TIME_SCALE) for m in models], by="test")
+    port = free_port()
+    env = {**os.environ, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}", "BALANCER_DISPATCH_TICK": "0.5",
+           "BALANCER_HOME": str(tmp_path)}
+    with Supervisor(tmp_path / "sim", env=env) as sims:
+        sim = sims.start("sim", ["sim", "--port", str(port), "--models", "2", "--time-scale", str(TIME_SCALE)])
+        wait_for_http(f"http://127.0.0.1:{port}/models", child=sim)
+        run = subprocess.Popen([sys.executable, "-m", "balancer", "run", "--per-model", "--log-dir", str(tmp_path / "logs")],
+                               env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        try:
+            lines, seen = lines_of(run.stderr), []
+            pids = {}
+            for name in ("dispatcher", "worker-model-0", "worker-model-1", "beat"):
+                found = wait_for_line(lines, rf"^{name}: pid (\d+), log (\S+)$", seen)
+                pids[name] = int(found[1])
+                assert Path(found[2]) == tmp_path / "logs" / f"{name}.log"
+            wait_for_line(lines, r"^running 4 processes for 2 model\(s\)", seen)
+
+            submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input="".join(
+                f'{{"prompt": "question {i}", "model": "model-{i % 2}"}}\n' for i in range(20)),
+                capture_output=True, text=True, env=env, timeout=60)
+            assert submit.returncode == 0, submit.stderr
+            poll(lambda: status_counts(svc.engine)["solved"] == 20, 120, "20 tasks solved")
+
+            os.kill(pids["worker-model-1"], signal.SIGKILL)  # a worker dies: it is started again, and works
+            wait_for_line(lines, r"^worker-model-1 exited \(code -9\); restarting it (now|in 1 s)", seen)  # it died young: a pause
+            again = int(wait_for_line(lines, r"^worker-model-1 started again \(pid (\d+)\)", seen)[1])
+            assert again != pids["worker-model-1"]
+            pids["worker-model-1 again"] = again
+            submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input="".join(
+                f'{{"prompt": "more {i}", "model": "model-1"}}\n' for i in range(5)),
+                capture_output=True, text=True, env=env, timeout=60)
+            assert submit.returncode == 0, submit.stderr
+            poll(lambda: status_counts(svc.engine)["solved"] == 25, 120, "the restarted worker's 5 tasks solved")
+
+            run.send_signal(signal.SIGTERM)  # stops them all together
+            assert run.wait(timeout=60) == 0
+            wait_for_line(lines, r"^stopped$", seen)
+            still = [name for name, pid in pids.items() if name != "worker-model-1" and alive(pid)]
+            assert not still, f"left running: {still}"
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+
+
+def test_the_ticks_are_logged_at_debug_not_info(migrated: dict[str, str], tmp_path: Path, redis_client) -> None:  # noqa: ANN001
+    """A dispatcher at INFO logs no tick it receives or ends; beat at DEBUG still logs each tick it sends."""
+    from balancer.admission import keys
+
+    env = {**os.environ, "BALANCER_DISPATCH_TICK": "0.2", "BALANCER_HOME": str(tmp_path)}
+    with Supervisor(tmp_path / "logs", env=env) as supervisor:
+        dispatcher = supervisor.start("dispatcher", ["dispatcher", "--loglevel", "INFO"])
+        beat = supervisor.start("beat", ["beat", "--loglevel", "DEBUG"])
+        seen: set[bytes] = set()
+
+        def ticked() -> bool:  # beat's dispatch tick ran in the dispatcher, five times
+            supervisor.check_alive()
+            value = redis_client.get(keys.beat_seen(migrated["BALANCER_NAMESPACE"]))
+            if value:
+                seen.add(value)
+            return len(seen) >= 5
+
+        poll(ticked, 90, "five dispatch ticks from beat")
+    worker_log, beat_log = dispatcher.log.read_text(), beat.log.read_text()
+    assert "ready." in worker_log  # it did log at INFO
+    assert f"{keys.DISPATCH_TASK}[" not in worker_log, worker_log[-2000:]  # "Task balancer.dispatch[id] received"
+    assert f"Sending due task dispatch ({keys.DISPATCH_TASK})" in beat_log, beat_log[-2000:]

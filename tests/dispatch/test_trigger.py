@@ -1,0 +1,18 @@
+"""Dispatch requests: the flag that coalesces them across processes (real Redis)."""
+
+from __future__ import annotations
+
+import redis
+
+from balancer.admission import keys
+from balancer.dispatch.trigger import clear_requests, request_dispatch
+
+
+def test_one_request_per_burst_until_a_run_clears_the_flag(redis_client: redis.Redis, namespace: str) -> None:
+    sent: list[float] = []
+    assert request_dispatch(redis_client, namespace, sent.append)
+    assert not request_dispatch(redis_client, namespace, sent.append)  # one already on its way
+    clear_requests(redis_client, namespace)  # a dispatch run starts
+    assert request_dispatch(redis_client, namespace, sent.append)
+    assert sent == [0.0, 0.0]
+    assert redis_client.pttl(keys.dispatch_flags(namespace)[0]) > 0  # it expires by itself if the message is lost

@@ -1,0 +1,116 @@
+"""Health with its reason: the pure reasons on hand-made cases, and a pipeline whose backend
+refuses connections, as ``status``, the metrics and the ETA say it (real Redis, PostgreSQL,
+Celery processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from balancer.admission.quota import Quota
+from balancer.health.reasons import REASONS, ModelFacts, SourceFacts, assess, blocked, kinds, model_reasons, source_reasons
+from balancer.services import Services
+from balancer.settings import Settings
+from balancer.supervisor import Supervisor, pipeline_plan
+
+#: One hand-made case per reason: every kind of REASONS is reachable from its facts.
+CASES: dict[str, ModelFacts | SourceFacts] = {
+    "disabled": ModelFacts("m", enabled=False),
+    "unreachable": ModelFacts("m", failures=1, last_error="cannot reach backend", unreachable=True),
+    "circuit_open": ModelFacts("m", circuit_open=True, paused_s=4, last_error="503 from /solve"),
+    "paused": ModelFacts("m", paused_s=2.5),
+    "no_consumer": ModelFacts("m", consumers=0),
+    "failing": ModelFacts("m", last_error="404 from /solve"),
+    "unreadable": SourceFacts("s", read_error="relation \"legacy\" does not exist"),
+    "over_budget": SourceFacts("s", over_budget="money"),
+    "unwritable": SourceFacts("s", unwritable=2),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(REASONS))
+def test_every_reason_comes_from_its_fact_alone(kind: str) -> None:
+    facts = CASES[kind]
+    reasons = model_reasons(facts) if isinstance(facts, ModelFacts) else source_reasons(facts)
+    assert [r.kind for r in reasons] == [kind]
+    assert kind in kinds(REASONS[kind][2])
+
+
+def test_a_model_with_no_trouble_and_unknown_facts_has_no_reason() -> None:
+    assert model_reasons(ModelFacts("m")) == [] and source_reasons(SourceFacts("s")) == []
+
+
+def test_an_unreachable_backend_is_said_with_its_error_over_the_open_circuit() -> None:
+    m = ModelFacts("m", circuit_open=True, paused_s=8, last_error="ConnectError: refused", unreachable=True)
+    assert [r.text for r in model_reasons(m)] == ["backend unreachable: ConnectError: refused"]
+
+
+def test_an_old_failure_without_failures_now_is_not_unreachable() -> None:
+    # A refused call long ago, then the circuit's count went back to 0 without an answer (a quota change):
+    # the error is still the model's last word, but it no longer blocks.
+    m = ModelFacts("m", last_error="ConnectError: refused", unreachable=True)
+    assert [r.kind for r in model_reasons(m)] == ["failing"] and blocked([m], pending=1) is None
+
+
+def test_blocked_only_while_every_model_is_blocked_and_work_waits() -> None:
+    stuck, fine, failing = CASES["paused"], ModelFacts("ok"), CASES["failing"]
+    assert blocked([stuck], 3) == "blocked: m: paused by a 429 for 2.5 s more"
+    assert blocked([stuck, fine], 3) is None
+    assert blocked([failing], 3) is None  # its tasks still end (failed): the drain moves
+    assert blocked([stuck], 0) is None
+    many = [ModelFacts(f"m{i}", enabled=False) for i in range(5)]
+    assert blocked(many, 1) == "blocked: m0: quota disabled; m1: quota disabled; m2: quota disabled; 2 more"
+
+
+def test_assess_keeps_only_the_sources_with_a_reason() -> None:
+    h = assess([], [SourceFacts("fine"), CASES["unreadable"]], unfinished=0)  # type: ignore[list-item]
+    assert list(h.sources) == ["s"] and h.blocked is None
+    assert h.as_dict()["sources"] == {"s": [{"kind": "unreadable", "text": 'table unreadable: relation "legacy" does not exist'}]}
+
+
+def refused_url() -> tuple[str, socket.socket]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused, and no one else takes the port
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", sock
+
+
+@pytest.mark.timeout(180)
+def test_a_backend_that_refuses_is_said_by_status_metrics_and_the_eta(migrated: dict[str, str], tmp_path: Path) -> None:
+    from balancer.views.metrics import BalancerCollector
+
+    url, sock = refused_url()
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("m1", 2, 60_000)], by="test")
+    env = {**os.environ, "BALANCER_BACKEND_URL": url, "BALANCER_DISPATCH_TICK": "0.5", "BALANCER_HOME": str(tmp_path)}
+    with sock, Supervisor(tmp_path / "logs", env=env) as supervisor:
+        supervisor.start_plan(pipeline_plan(None))
+        submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input='{"prompt": "hello"}\n'
+                                '{"prompt": "again"}\n', capture_output=True, text=True, env=env, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        deadline, status = time.monotonic() + 120, {}
+        while time.monotonic() < deadline:
+            supervisor.check_alive()
+            done = subprocess.run([sys.executable, "-m", "balancer", "status", "--json"], capture_output=True, text=True,
+                                  env=env, timeout=60)
+            status = json.loads(done.stdout)
+            if status["blocked"] and status["health"]["models"].get("m1"):
+                break
+            time.sleep(0.5)
+        reasons = status["health"]["models"].get("m1")
+        assert reasons and reasons[0]["kind"] == "unreachable", status
+        assert "Connection refused" in reasons[0]["text"] or "ConnectError" in reasons[0]["text"], reasons
+        assert status["blocked"].startswith("blocked: m1: backend unreachable") and status["eta_s"] is None
+        text = subprocess.run([sys.executable, "-m", "balancer", "status"], capture_output=True, text=True, env=env,
+                              timeout=60).stdout
+        assert "eta: blocked: m1: backend unreachable" in text and "health m1: backend unreachable" in text, text
+        families = {f.name: f for f in BalancerCollector(svc).collect()}
+        health = {(s.labels["model"], s.labels["reason"]): s.value for s in families["balancer_model_health"].samples}
+        assert health[("m1", "unreachable")] == 1 and health[("m1", "paused")] == 0
+        assert families["balancer_drain_blocked"].samples[0].value == 1
+        assert not families["balancer_drain_eta_seconds"].samples

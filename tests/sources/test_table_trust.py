@@ -1,0 +1,281 @@
+"""The team's table, trusted (issue 38): only a source's own rows reach its table,
+one table is one source, an unstorable answer fails alone, size limits with
+one-line errors, and an export that never skips a row. Real PostgreSQL (a
+throwaway "legacy" database for the team's table), real processes."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from balancer.services import Services
+from balancer.sources.ingest import ingest_sources
+from balancer.sources.schema import sources
+from balancer.sources.writeback import drain
+from balancer.storage.schema import tasks
+from tests import legacy as legacy_fixtures
+from tests.legacy import SOURCE_FILE, Legacy, import_legacy, legacy_schema, run, solve_pending
+
+# The team's table and balancer's services (tests/legacy.py).
+svc, legacy_url, legacy = legacy_fixtures.svc, legacy_fixtures.legacy_url, legacy_fixtures.legacy
+
+
+def exportable(svc: Services, count: int) -> None:
+    """Wait until ``count`` ended tasks are past every open transaction (another session's
+    open transaction holds the export's horizon back)."""
+    from balancer.backlog.results import START, page, parse_cursor
+
+    deadline = time.monotonic() + 30
+    while len(page(svc.engine, parse_cursor(START), source=None, size=count + 1)[0]) < count:
+        assert time.monotonic() < deadline, "the ended tasks never became exportable"
+        time.sleep(0.1)
+
+
+# -- finding 8: export --------------------------------------------------------------------
+
+def test_an_export_interrupted_mid_page_resumes_with_no_row_skipped(svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 8: Ctrl-C while a page is being written printed the cursor
+    past the whole page, so resuming skipped the rows not yet written. Now the
+    cursor printed is that of the last row written and flushed: an export killed
+    (SIGINT) mid-page and resumed from its cursor gives every row, none twice."""
+    count = 2500  # three pages of 1000; a page is ~300 KB, far more than a pipe holds
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"p{i} " + "x" * 200, "key": f"k{i}"}) + "\n" for i in range(count)))
+    assert run(capsys, "submit", str(jsonl))[0] == 0
+    assert solve_pending(svc) == count
+    exportable(svc, count)
+    export = subprocess.Popen([sys.executable, "-m", "balancer", "results", "export"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=os.environ.copy())
+    try:
+        assert export.stdout is not None
+        first = [export.stdout.readline() for _ in range(50)]  # the export now waits on the full pipe, mid-page
+        export.send_signal(signal.SIGINT)
+        rest = export.stdout.read()  # (through the same buffer as the lines above: communicate() would skip it)
+        assert export.stderr is not None
+        err = export.stderr.read()
+        export.wait(60)
+    finally:
+        if export.poll() is None:
+            export.kill()
+    lines = [line for line in b"".join(first).decode().splitlines() + rest.decode().splitlines() if line]
+    assert 50 <= len(lines) < count, "the export was not interrupted mid-way"
+    cursor = err.decode().strip().splitlines()[-1]
+    assert cursor.startswith("cursor: "), err
+    code, resumed, _ = run(capsys, "results", "export", "--since", cursor.split()[-1])
+    assert code == 0
+    keys = [json.loads(line)["key"] for line in lines + resumed.splitlines()]
+    assert len(keys) == count and set(keys) == {f"k{i}" for i in range(count)}  # no row skipped, none twice
+
+
+def test_csv_cells_are_escaped_against_formula_injection(svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 8: a CSV cell starting with '=' was written raw, so a spreadsheet
+    ran it as a formula. Cells starting with = + - @ (or a tab or CR) now start with '."""
+    hostile = ["=HYPERLINK(\"http://x\",\"y\")", "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"]
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": value, "key": f"k{i}"}) + "\n" for i, value in enumerate(hostile))
+                     + json.dumps({"prompt": "a=b", "key": "-7"}) + "\n")
+    assert run(capsys, "submit", str(jsonl))[0] == 0
+    assert solve_pending(svc, answer="=1+2") == len(hostile) + 1
+    exportable(svc, len(hostile) + 1)
+    code, out, _ = run(capsys, "results", "export", "--format", "csv", "--prompt")
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out, newline="")))
+    assert sorted(r["prompt"] for r in rows) == sorted(["'" + v for v in hostile] + ["a=b"])
+    assert {r["answer"] for r in rows} == {"'=1+2"} and "'-7" in {r["key"] for r in rows}
+    assert not [r for r in rows if r["id"].startswith("'") or r["prompt_tokens"].startswith("'")]  # numbers as they are
+    code, out, _ = run(capsys, "results", "export")  # JSONL is data, not a sheet: written as stored
+    assert code == 0 and {json.loads(line)["answer"] for line in out.splitlines()} == {"=1+2"}
+
+
+# -- finding 1: only a source's own rows reach its table ------------------------------------
+
+def test_a_jsonl_line_under_a_table_source_s_name_cannot_take_its_row(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 1: a JSONL line {"source": "crm", "key": "480"} submitted before
+    row 480 existed took the row: its answer was written there and the row's own prompt
+    was never asked. Now the line is refused (a per-line error naming the source), in
+    `balancer submit` and in the inbox, and row 480's own prompt is asked and written."""
+    from balancer.sources.inbox import ingest_inbox
+
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    legacy.add(3)
+    jsonl = tmp_path / "hijack.jsonl"
+    jsonl.write_text(json.dumps({"source": "crm", "key": "480", "prompt": "hijack"}) + "\n"
+                     + json.dumps({"source": "other", "key": "480", "prompt": "mine"}) + "\n")
+    code, out, err = run(capsys, "submit", str(jsonl))
+    assert code == 3 and "accepted 1 task(s)" in out, (out, err)
+    assert "hijack.jsonl:line 1: source 'crm' is a table source" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "submit", str(jsonl), "--source", "crm")
+    assert code == 2 and "--source: source 'crm' is a table source" in err
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "late.jsonl").write_text(json.dumps({"source": "crm", "key": "481", "prompt": "hijack"}) + "\n"
+                                      + json.dumps({"prompt": "fine"}) + "\n")
+    os.utime(inbox / "late.jsonl", (time.time() - 10, time.time() - 10))
+    [report] = ingest_inbox(svc, inbox)
+    assert (report.tasks, report.errors) == (1, 1)
+    assert "source 'crm' is a table source" in (inbox / "done" / "late.jsonl.errors").read_text()
+    legacy.execute("INSERT INTO prompts (id, body) VALUES (480, 'the row''s own prompt'), (481, 'row 481')")
+    ingest_sources(svc)
+    assert solve_pending(svc) == 3 + 2 + 1 + 1  # the three rows, 480 and 481, "other"'s and the inbox's line
+    assert drain(svc).written == 5
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id = 480 AND answer = 'answer to the row''s own prompt'") == 1
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id = 481 AND answer = 'answer to row 481'") == 1
+    assert legacy.count("SELECT count(*) FROM writes") == 5
+    with svc.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).where(tasks.c.prompt == "hijack")).scalar_one() == 0
+
+
+def test_a_name_tasks_were_submitted_under_is_refused_as_a_new_table_source(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 1: tasks submitted under a name before a table source took it
+    would share its keys (and take its rows' answers); such a name is refused at import."""
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text(json.dumps({"source": "crm", "key": "1", "prompt": "early"}) + "\n")
+    assert run(capsys, "submit", str(jsonl))[0] == 0
+    code, _, err = import_legacy(tmp_path, capsys, legacy.table)
+    assert code == 2 and "sources.crm: tasks were submitted under the name crm" in err
+    assert len(err.strip().splitlines()) == 1
+    with svc.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(sources)).scalar_one() == 0
+
+
+def test_only_the_rows_a_source_ingested_are_written_back(svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 1: the outbox trigger queued a write-back for any keyed task whose
+    source is declared; now only for the tasks its ingest inserted (``from_table``)."""
+    schema = legacy_schema(svc.engine)
+    own = Legacy(svc.engine, schema)
+    own.add(2)
+    assert import_legacy(tmp_path, capsys, f"{schema}.prompts", env=False, name="own")[0] == 0
+    ingest_sources(svc)
+    with svc.engine.begin() as conn:  # a keyed task under its name that its ingest did not insert
+        conn.execute(sa.insert(tasks).values(source="own", key="7", prompt="not a row's", max_tokens=5,
+                                             estimated_tokens=6))
+    own.execute("INSERT INTO prompts (id, body) VALUES (7, 'row 7')")
+    assert solve_pending(svc) == 3
+    assert drain(svc).written == 2
+    assert own.count("SELECT count(*) FROM prompts WHERE id = 7 AND answer IS NULL") == 1
+
+
+# -- finding 4: one table is one source ------------------------------------------------------
+
+def _import(tmp_path: Path, capsys, name: str, table: str, *, env: bool = True,  # noqa: ANN001
+            **fields: str) -> tuple[int, str, str]:
+    text = SOURCE_FILE.format(name=name, env='database_url_env = "LEGACY_DATABASE_URL"\n' if env else "",
+                              table=table, batch=10)
+    for key, value in fields.items():
+        text = "\n".join(f"{key} = {value}" if line.startswith(f"{key} = ") else line for line in text.splitlines())
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return run(capsys, "source", "import", str(path))
+
+
+def test_one_table_is_one_source_whatever_its_spelling(svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 4: ``s3`` and ``public.s3`` were accepted as two sources (every row
+    paid twice), and so was a view over a source's table. Both are refused, naming the first."""
+    table = "s3_" + legacy.schema.removeprefix("legacy_")
+    legacy.execute(f"CREATE TABLE public.{table} (LIKE prompts INCLUDING ALL)")
+    legacy.execute(f"CREATE VIEW open_prompts AS SELECT id, body, status, answer, solved_by, error, priority "
+                   f"FROM public.{table} WHERE priority IS NOT NULL")
+    try:
+        assert _import(tmp_path, capsys, "s3", table)[0] == 0
+        code, _, err = _import(tmp_path, capsys, "s3b", f"public.{table}")
+        assert code == 2 and f"sources s3 and s3b read the same table public.{table}" in err, err
+        assert len(err.strip().splitlines()) == 1
+        code, _, err = _import(tmp_path, capsys, "s3v", f"{legacy.schema}.open_prompts")
+        assert code == 2 and "sources s3 and s3v read the same table" in err, err
+        code, _, err = _import(tmp_path, capsys, "s3", f"public.{table}")  # the same source, respelled: fine
+        assert code == 0, err
+        with svc.engine.connect() as conn:
+            assert conn.execute(sa.select(sources.c.name)).scalars().all() == ["s3"]
+    finally:
+        legacy.execute(f"DROP TABLE public.{table} CASCADE")
+
+
+def test_a_view_is_a_source_only_when_its_key_is_a_unique_column_of_the_one_table_it_reads(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 4: a view with a duplicate key was accepted, and gave the second
+    row the first row's answer. A view is refused unless it reads one table and its key
+    is a column of that table with a unique index."""
+    columns = "id, body, status, answer, solved_by, error, priority"
+    legacy.execute(f"CREATE TABLE others (LIKE prompts INCLUDING ALL);"
+                   f"CREATE VIEW doubled AS SELECT {columns} FROM prompts UNION ALL SELECT {columns} FROM others;"
+                   f"CREATE VIEW twice AS SELECT {columns} FROM prompts UNION ALL SELECT {columns} FROM prompts;"
+                   f"CREATE VIEW renamed AS SELECT priority AS id, body, status, answer, solved_by, error, priority "
+                   f"FROM prompts;"
+                   f"CREATE VIEW plain AS SELECT {columns} FROM prompts WHERE body <> ''")
+    for view, message in (("doubled", "reads 2 tables"), ("twice", "is not a column of"),
+                          ("renamed", "is not a column of")):
+        code, _, err = _import(tmp_path, capsys, "v", f"{legacy.schema}.{view}")
+        assert code == 2 and message in err, (view, err)
+        assert len(err.strip().splitlines()) == 1
+    assert _import(tmp_path, capsys, "v", f"{legacy.schema}.plain")[0] == 0
+
+
+def test_a_source_on_balancer_s_own_tables_is_refused(svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Issue 38 finding 4: a source declared on balancer's own ``tasks`` table was accepted
+    (47 tasks became 94 in 21 s). Balancer's own tables and views are refused at import."""
+    for table, where in (("tasks", "status = 'pending'"), ("balancer_results", "status = 'failed'")):
+        path = tmp_path / "own.toml"
+        path.write_text(f'[sources.loop]\ntable = "{table}"\nkey = "id"\nprompt = "answer"\nanswer = "answer"\n'
+                        f'where = "{where}"\n')
+        code, _, err = run(capsys, "source", "import", str(path))
+        assert code == 2 and "is balancer's own table tasks" in err, (table, err)
+    with svc.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(sources)).scalar_one() == 0
+
+
+# -- finding 10: size limits ------------------------------------------------------------------
+
+def test_a_long_source_name_or_prompt_fails_its_line_with_a_clear_error(
+        svc: Services, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Issue 38 finding 10: a 10,000-character source name in a JSONL file failed the whole
+    file with a misleading "cannot reach PostgreSQL". Now that line fails with what is wrong,
+    as does a prompt over BALANCER_MAX_PROMPT_BYTES, and the other lines are accepted."""
+    monkeypatch.setenv("BALANCER_MAX_PROMPT_BYTES", "1000")
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text(json.dumps({"source": "s" * 10_000, "prompt": "a"}) + "\n"
+                     + json.dumps({"prompt": "é" * 600}) + "\n" + json.dumps({"prompt": "fine"}) + "\n")
+    code, out, err = run(capsys, "submit", str(jsonl))
+    assert code == 3 and "accepted 1 task(s), rejected 2 line(s)" in out, (out, err)
+    assert err.splitlines() == [
+        f"{jsonl}:line 1: source is 10,000 characters, more than BALANCER_MAX_SOURCE_CHARS (256)",
+        f"{jsonl}:line 2: prompt is 1,200 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,000)"]
+    code, _, err = run(capsys, "submit", str(jsonl), "--source", "x" * 300)
+    assert code == 2 and "--source: source is 300 characters" in err
+
+
+def test_a_source_row_over_the_prompt_limit_is_refused_with_its_reason_unread(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys, caplog) -> None:  # noqa: ANN001
+    """Issue 38 finding 10: 40 rows of 10 MB took the dispatcher from 95 MB to 3,007 MB.
+    A row whose prompt is over BALANCER_MAX_PROMPT_BYTES is now measured by the team's
+    database and never read: it is refused with its reason, the other rows become tasks."""
+    import tracemalloc
+
+    legacy.add(2)
+    legacy.execute("INSERT INTO prompts (id, body) SELECT g, repeat('x', 10 * 1024 * 1024) FROM generate_series(10, 12) g")
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    tracemalloc.start()
+    try:
+        [report] = ingest_sources(svc)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (report.created, report.skipped) == (2, 3)
+    assert peak < 8 * 1024 * 1024, f"{peak:,} bytes held while reading three 10 MB prompts"
+    assert "prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)" in caplog.text
+    with svc.engine.connect() as conn:
+        assert sorted(conn.execute(sa.select(tasks.c.key)).scalars()) == ["1", "2"]
+        recorded = dict(conn.exec_driver_sql("SELECT key, reason FROM source_rejects WHERE source = 'crm'").all())
+    assert recorded == {k: "prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)"
+                        for k in ("10", "11", "12")}
