@@ -203,6 +203,7 @@ class _QuotaSet:
     to ``quotas`` and kept in ``pushed``, for the live state once committed."""
 
     table, changes, created = quotas, quota_changes, "create"
+    lock = sa.text("LOCK TABLE quotas IN SHARE ROW EXCLUSIVE MODE")
 
     def __init__(self, pushed: list[Change], *, allow_removal: bool = True) -> None:
         self.pushed = pushed

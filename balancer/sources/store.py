@@ -111,6 +111,7 @@ class _SourceSet:
     """Sources as :func:`~balancer.storage.declared.import_set` stores them."""
 
     table, changes, created = sources, source_changes, "import"
+    lock = sa.text("LOCK TABLE sources IN SHARE ROW EXCLUSIVE MODE")
 
     def __init__(self, relations: Mapping[str, Sequence[str]]) -> None:
         self.relations = relations

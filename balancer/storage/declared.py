@@ -16,8 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-import sqlalchemy as sa
-from sqlalchemy import Table
+from sqlalchemy import Table, TextClause
 from sqlalchemy.engine import Connection
 
 from balancer.storage import audit
@@ -66,8 +65,10 @@ def plan(current: Mapping[str, Any], wanted: Mapping[str, Any], *, whole: bool) 
 class Kind(Protocol, Generic[D]):
     """What one kind of declared thing does in the store: only what is its own."""
 
-    #: The stored set, locked against another import; its audit table; the action created ones are audited as.
+    #: The stored set; the statement that locks it against another import (a constant: no SQL is
+    #: built from strings); its audit table; the action created ones are audited as.
     table: Table
+    lock: TextClause
     changes: Table
     created: str
 
@@ -105,7 +106,7 @@ def import_set(conn: Connection, kind: Kind[D], wanted: Sequence[D], *, by: str,
     """Make the stored set of ``kind`` match ``wanted`` (with ``whole``, remove the others) in
     the caller's transaction, one audit row per change; with ``dry_run``, write nothing.
     What it did (or would do)."""
-    conn.execute(sa.text(f"LOCK TABLE {kind.table.name} IN SHARE ROW EXCLUSIVE MODE"))
+    conn.execute(kind.lock)
     current = kind.read(conn)
     by_name = {d.name: d for d in wanted}
     summary = plan(current, by_name, whole=whole)

@@ -60,6 +60,7 @@ class Things:
     """A kind with a rule of its own (no size over 100) and a setting on every one listed."""
 
     table, changes, created = things, thing_changes, "add"
+    lock = sa.text("LOCK TABLE things IN SHARE ROW EXCLUSIVE MODE")
 
     def __init__(self) -> None:
         self.settled: list[str] = []
