@@ -406,12 +406,12 @@ def test_a_retried_schedule_gets_the_same_admission(steady_url: str, svc: Servic
     assert fresh["admission_id"] != first["admission_id"] and in_flight(svc, "wide") == 2
 
 
-def test_a_wait_leaves_the_key_for_the_next_try(url: str, svc: Services) -> None:
-    held = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}).json()
+def test_a_wait_leaves_the_key_for_the_next_try(steady_url: str, svc: Services) -> None:
+    held = httpx.post(f"{steady_url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}).json()
     key = {"Idempotency-Key": "w" * 20}
-    assert "wait_for_ms" in httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}, headers=key).json()
-    httpx.post(f"{url}/complete", json={"admission_id": held["admission_id"]})
-    got = httpx.post(f"{url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}, headers=key).json()
+    assert "wait_for_ms" in httpx.post(f"{steady_url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}, headers=key).json()
+    httpx.post(f"{steady_url}/complete", json={"admission_id": held["admission_id"]})
+    got = httpx.post(f"{steady_url}/schedule", json={"estimated_tokens": 100, "models": ["solo"]}, headers=key).json()
     assert got["model_backend_id"] == "solo" and got["admission_id"] != held["admission_id"]
 
 
@@ -429,9 +429,9 @@ class LoseFirstScheduleAnswer(httpx.HTTPTransport):
         return response
 
 
-def test_the_client_retrying_a_lost_answer_holds_one_slot(url: str, svc: Services) -> None:
+def test_the_client_retrying_a_lost_answer_holds_one_slot(steady_url: str, svc: Services) -> None:
     transport = LoseFirstScheduleAnswer()
-    with RouterClient(url, transport=transport) as client:
+    with RouterClient(steady_url, transport=transport) as client:
         slot = client.acquire(100, models=["wide"])
         assert transport.lost == 1
         assert in_flight(svc, "wide") == 1  # the lost answer's admission is the one the retry got
@@ -521,7 +521,7 @@ def test_a_stalled_redis_does_not_stall_the_event_loop(svc: Services) -> None:
     assert answered_in < 2, answered_in  # not after the 4 s socket timeout
 
 
-def test_concurrent_retries_of_one_schedule_share_one_admission(url: str, svc: Services) -> None:
+def test_concurrent_retries_of_one_schedule_share_one_admission(steady_url: str, svc: Services) -> None:
     """Eight copies of one logical /schedule at once (one key): whichever comes
     second is answered the first's admission, or a 409 the client retries."""
     import threading
@@ -531,7 +531,7 @@ def test_concurrent_retries_of_one_schedule_share_one_admission(url: str, svc: S
     barrier = threading.Barrier(8)
 
     def retry() -> None:
-        with RouterClient(url) as client:
+        with RouterClient(steady_url) as client:
             barrier.wait()
             got.append(client.schedule(100, ["wide"], key)["admission_id"])
 
