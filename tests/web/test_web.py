@@ -59,10 +59,13 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
 
 def shoot(driver: Any, name: str) -> None:
-    """A screenshot of the whole page into docs/img/web-<name>.png."""
+    """A screenshot of the whole page into docs/img/web-<name>.png; the page fits a 1440-px window
+    (no horizontal scroll bar: every column and every "change…" link is on screen)."""
     SHOTS.mkdir(parents=True, exist_ok=True)
     height = driver.execute("return document.documentElement.scrollHeight")
     driver.set_window_size(1440, max(700, min(int(height) + 40, 2400)))
+    wide, window = driver.execute("return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    assert wide <= window, f"the {name} page is {wide} px wide in a {window}-px window"
     driver.screenshot(SHOTS / f"web-{name}.png")
 
 
