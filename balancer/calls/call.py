@@ -163,13 +163,15 @@ class Call:
         self._over = False
         # Kept alive until the answer is written: a write hung on a stalled
         # connection is let go one write grace past the deadline.
-        heartbeat.register(self.admission_id, until=self.deadline + settings.write_grace)
+        # Its own registration (by call id): a copy of this message taken by this process ends
+        # without letting this call go.
+        heartbeat.register(self.admission_id, until=self.deadline + settings.write_grace, key=self.call_id)
 
     # -- the slot ------------------------------------------------------------------------
     def free(self, settlement: Settlement | None = None) -> None:
         """Free the slot (once); the heartbeat renews only the task's deadline from now on."""
         if self.slot.free(settlement):
-            self.heartbeat.slot_freed(self.admission_id)
+            self.heartbeat.slot_freed(self.call_id)
 
     def free_answered(self, settlement: Settlement) -> None:
         """Free the slot of a call that answered. A Redis error here must not lose
@@ -183,12 +185,12 @@ class Call:
                         "written, the slot's lease expires on its own, and no next call is taken",
                         self.msg.task_id, self.msg.model, exc)
             self.slot.next = None
-            self.heartbeat.slot_freed(self.admission_id)
+            self.heartbeat.slot_freed(self.call_id)
 
     def disown(self) -> None:
         """A redelivered copy: the slot is the live call's, not this message's."""
         self.slot.disown()
-        self.heartbeat.slot_freed(self.admission_id)
+        self.heartbeat.slot_freed(self.call_id)
 
     def renew(self) -> Decision | None:
         """Re-assert the slot of a message from the dispatcher before calling (the RPM start
@@ -228,7 +230,7 @@ class Call:
         stops a call whose client went; a cancelled call has let its slot go
         (:meth:`Slot.let_go`) before ``Cancelled`` is raised."""
         msg = self.msg
-        self.heartbeat.started(self.admission_id)
+        self.heartbeat.started(self.call_id)
         called_at = time.monotonic()
         watcher = listener if ctx.stops_on_disconnect else None
         try:
@@ -236,7 +238,7 @@ class Call:
                 completion = backend.complete(msg.model, ctx.prompt, ctx.max_tokens)
         except Cancelled:
             self.slot.let_go(self.services, msg.model, time.monotonic() - called_at)
-            self.heartbeat.slot_freed(self.admission_id)
+            self.heartbeat.slot_freed(self.call_id)
             raise
         return believable(completion, ctx), round((time.monotonic() - called_at) * 1000)  # usage capped
 
@@ -344,4 +346,4 @@ class Call:
         """The call is over: the heartbeat lets it go (once)."""
         if not self._over:
             self._over = True
-            self.heartbeat.release(self.admission_id)
+            self.heartbeat.release(self.call_id)

@@ -23,6 +23,12 @@ registered call holds:
   Redis that refuses or drops connections never holds up the deadlines.
   Each slot is renewed on its own: a Redis error on one does not skip the rest.
 
+Each call has a registration of its own (its ``key``, the call's id), and an
+admission is renewed while any of its registrations lasts: a redelivered copy
+of a message whose call this process runs (kombu puts a worker's unacknowledged
+messages back the moment its broker connection drops, and the same worker
+takes them) makes no call, and its end must not let the running call go.
+
 A registration lapses at its ``until`` (the solve's deadline plus one write
 grace) even if it was never released: no call is kept alive for ever by a
 write that hangs. A worker that dies stops beating: its slots free, and the
@@ -51,6 +57,7 @@ class _Registration:
     until: float  # time.monotonic(): renewals stop here
     slot: bool = True  # the slot is held (not yet freed)
     started: bool = False  # the call is under way: a lost slot lease is worth a warning
+    admission_id: str = ""  # what is renewed for it (one admission may have several registrations)
 
 
 def redis_now_ms(client: redis.Redis) -> int:
@@ -87,8 +94,8 @@ class Heartbeat:
         self.services = services
         self.lease_seconds = services.settings.lease_seconds
         self.interval = services.settings.heartbeat_seconds
-        self._calls: dict[str, _Registration] = {}
-        self._gone: list[str] = []  # released since the last beat: out of the live-call set
+        self._calls: dict[str, _Registration] = {}  # by registration key
+        self._gone: list[str] = []  # admissions released since the last beat: out of the live-call set
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,29 +105,30 @@ class Heartbeat:
         self.finishes = KeptFinishes(services.core)
 
     # -- a call's registration ---------------------------------------------------------
-    def register(self, admission_id: str, *, until: float) -> None:
-        """Keep ``admission_id`` alive until it is released, or ``until`` (monotonic) at the latest."""
+    def register(self, admission_id: str, *, until: float, key: str | None = None) -> None:
+        """Keep ``admission_id`` alive until registration ``key`` (a call's own id; by default the
+        admission id) is released, or ``until`` (monotonic) at the latest."""
         self._start()
         with self._lock:
-            self._calls[admission_id] = _Registration(until)
+            self._calls[key or admission_id] = _Registration(until, admission_id=admission_id)
 
-    def started(self, admission_id: str) -> None:
+    def started(self, key: str) -> None:
         """The call is under way (its slot should be live from now on)."""
         with self._lock:
-            if (reg := self._calls.get(admission_id)) is not None:
+            if (reg := self._calls.get(key)) is not None:
                 reg.started = True
 
-    def slot_freed(self, admission_id: str) -> None:
+    def slot_freed(self, key: str) -> None:
         """The call's slot is free: renew only its task's deadline from now on."""
         with self._lock:
-            if (reg := self._calls.get(admission_id)) is not None:
+            if (reg := self._calls.get(key)) is not None:
                 reg.slot = False
 
-    def release(self, admission_id: str) -> None:
+    def release(self, key: str) -> None:
         """The call is over (its answer written, or nothing left to write)."""
         with self._lock:
-            if self._calls.pop(admission_id, None) is not None:
-                self._gone.append(admission_id)
+            if (reg := self._calls.pop(key, None)) is not None:
+                self._gone.append(reg.admission_id)
 
     def mark_live_now(self, admission_id: str) -> None:
         """Put a registered call in the live-call set now, not at the next beat (a hedge's start:
@@ -133,9 +141,9 @@ class Heartbeat:
                         _first_line(exc))
 
     def holds(self, admission_id: str) -> bool:
-        """Whether ``admission_id`` is registered (for tests and logs)."""
+        """Whether ``admission_id`` is kept alive by some registration (for tests and logs)."""
         with self._lock:
-            return admission_id in self._calls
+            return any(reg.admission_id == admission_id for reg in self._calls.values())
 
     # -- the beat ------------------------------------------------------------------------
     def beat(self) -> tuple[int, int]:
@@ -149,13 +157,19 @@ class Heartbeat:
         return slots, extended
 
     def _take(self) -> tuple[dict[str, _Registration], list[str]]:
+        """The admissions to renew (each with what its registrations hold together), and those
+        released or lapsed that no registration keeps any more."""
         now = time.monotonic()
         with self._lock:
-            lapsed = [aid for aid, reg in self._calls.items() if reg.until <= now]
-            for aid in lapsed:
-                del self._calls[aid]
-            gone, self._gone = self._gone + lapsed, []
-            calls = {aid: _Registration(reg.until, reg.slot, reg.started) for aid, reg in self._calls.items()}
+            lapsed = [reg.admission_id for key, reg in self._calls.items() if reg.until <= now]
+            self._calls = {key: reg for key, reg in self._calls.items() if reg.until > now}
+            calls: dict[str, _Registration] = {}
+            for reg in self._calls.values():
+                both = calls.setdefault(reg.admission_id, _Registration(reg.until, False, False, reg.admission_id))
+                both.until, both.slot = max(both.until, reg.until), both.slot or reg.slot
+                both.started = both.started or reg.started
+            gone = sorted({aid for aid in self._gone + lapsed if aid not in calls})
+            self._gone = []
         if lapsed:
             log.warning("%d call(s) still unfinished one write grace past their solve's deadline (a start or an "
                         "answer's write hung on PostgreSQL): no longer kept alive, the sweep returns their tasks: %s",

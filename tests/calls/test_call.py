@@ -443,3 +443,34 @@ def test_a_hedge_answered_during_its_start_gate_does_not_call(svc: Services, sim
     assert svc.core.live()["n"].in_flight == 0
     row = task_row(svc, a.task_id)
     assert (row.status, row.answer) == ("solved", "first")
+
+
+def test_a_copy_of_a_running_call_taken_by_the_same_worker_keeps_the_call_alive(svc: Services, sim) -> None:  # noqa: F811
+    """Issue 40's overlapping calls after every Redis client connection is dropped. kombu puts a
+    worker's unacknowledged messages back in their queue the moment its broker connection drops,
+    and the same worker (one process serves a model) takes the copy while the first call still
+    runs. The copy makes no call (``running_elsewhere``), but it was registered with the heartbeat
+    under the same admission id as the first call: its registration replaced the call's, and its
+    end released it. The call then left the live-call set and its task's deadline was no longer
+    extended, so a lease later the sweep returned a task whose call was still running or whose
+    answer was still to be written, and it was called again. Each call now has a registration of
+    its own: the copy's end leaves the running call's alone."""
+    url, simulator = sim
+    faults(url, hang={"m": 1.5})
+    a = dispatch_one(svc, {"prompt": "first and copy", "model": "m", "max_tokens": 20})
+    backend = make_backend(svc.settings)
+    heartbeat, writer = Heartbeat(svc), AnswerWriter(svc.engine)
+    try:
+        thread, out = in_thread(lambda: chain(svc, backend, message(a), heartbeat=heartbeat, writer=writer))
+        wait_for(lambda: task_row(svc, a.task_id).status == "running" or bool(out), what="the first call's start")
+        assert chain(svc, backend, message(a), heartbeat=heartbeat, writer=writer) == ["running_elsewhere"]
+        assert heartbeat.holds(a.admission_id), "the copy's end let go of the running call"
+        heartbeat.beat()
+        assert a.admission_id in live_calls(svc.redis, svc.settings.namespace)
+        thread.join(10)
+        assert out == [["solved"]]
+    finally:
+        writer.close()
+        heartbeat.close()
+    assert [e["status"] for e in simulator.log] == [200]
+    assert task_row(svc, a.task_id).status == "solved"

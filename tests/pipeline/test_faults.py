@@ -446,6 +446,55 @@ def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipe
     })
 
 
+def test_dropping_a_workers_redis_connections_with_calls_longer_than_a_lease_calls_each_task_once(
+        pipeline, reliability) -> None:
+    """Issue 40: overlapping calls after every Redis client connection was dropped. The copies
+    kombu puts back of the worker's running calls' messages are taken by the same worker and
+    make no call, but each copy's end used to let its running call go (the heartbeat kept one
+    registration per admission id): a lease later its task's deadline had passed, it was out of
+    the live-call set, and the sweep returned it, to be called again while the first call ran.
+    Here the calls hang three leases (a 4 s lease): each task is called once, and no two calls
+    of one task overlap."""
+    from balancer.bench.chaos.witness import overlapping_calls
+    from balancer.devtools.sim.server import prompt_key
+
+    lease = 4
+    p = pipeline(time_scale=0.02, extra_env={"BALANCER_LEASE_SECONDS": str(lease), "BALANCER_SWEEP_TICK": "0.5",
+                                             "BALANCER_BACKEND_TIMEOUT": "30"}).start()
+    ids = start_hanging_calls(p, count=20, hang_s=3.0 * lease)
+    worker = next(c for c in p.supervisor.children if c.name == "worker-0")
+    running = sum(sim_stats(p)["in_flight"].values())
+    dropped = redis_connections_of(p.services.redis, worker.process.pid)
+    assert dropped, "found none of the worker's Redis connections"
+    for client_id in dropped:
+        p.services.redis.execute_command("CLIENT", "KILL", "ID", client_id)
+    dropped_at = time.monotonic()
+    set_faults(p)  # calls made after the drop are quick: a second call would end inside the first
+    result = finish_and_check(p, len(ids))
+    deadline = time.monotonic() + 6.0 * lease
+    while sum(sim_stats(p)["in_flight"].values()) > 0:  # the log has a call once it ended: wait for the first calls
+        assert time.monotonic() < deadline, "calls still in flight long after their hang"
+        time.sleep(0.1)
+    log = p.sim_log()
+    task_of = {prompt_key(row.prompt): row.id for row in p.rows()}
+    overlaps = overlapping_calls(log, task_of, [])
+    answered = sum(1 for e in log if e["status"] == 200)
+    assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
+    assert double_writes(p.services.engine) == 0
+    assert overlaps == [], f"{len(overlaps)} tasks called again while their first call ran"
+    assert answered == len(ids)  # one call per task
+    assert p.violations() == []
+    reliability({
+        "fault": f"a worker's Redis connections dropped mid-call (`CLIENT KILL ID`), calls hanging three leases "
+                 f"({3 * lease} s, {lease} s lease)",
+        "injected": f"{len(dropped)} connections of the worker killed with {running} calls running",
+        "tasks": len(ids), "lost": len(ids) - result["counts"]["solved"], "double_written": double_writes(p.services.engine),
+        "repeated_calls": answered - len(ids),
+        "bound": "0: a copy of a running call's message taken by the same worker leaves the call alive",
+        "recovery_s": round(time.monotonic() - dropped_at, 1), "rate_limited": rate_limited(p), "died": died(p),
+    })
+
+
 #: How long the backend answers 503 in the outage test: 2 minutes, as the issue
 #: asks, with BALANCER_FULL_OUTAGE=1 (docs/reliability.md); 20 s in CI, longer
 #: than the 1+2+4+8 s of back-off that used to fail every task.
