@@ -70,6 +70,22 @@ def test_two_calls_of_one_task_at_once_are_an_overlap_unless_its_worker_was_kill
     assert overlapping_calls([call(0.0, 1.0, "a"), call(1.0, 2.0, "a")], {"a": 1}, kills=[]) == []
 
 
+def test_a_call_the_backend_logged_just_after_its_worker_was_killed_is_that_workers() -> None:
+    """Seed 86's four-minute run (at 5d4cb66) called one repeat unexplained: worker-model-3 was
+    killed at +43.606 s, the backend logged a call of model-3 starting at +43.612 s, its answer was
+    never written, and the task was called again when its deadline had passed. The request was in
+    the socket when the worker died (a dead process sends nothing; the model's next worker starts
+    0.5 s later at the earliest). A call logged up to IN_SOCKET_S after its worker's kill is that
+    worker's; one logged later is not."""
+    calls = [call(43.612, 43.706, "a"), call(81.804, 81.976, "a"),  # in the socket at the kill
+             call(44.0, 44.1, "b"), call(50.0, 50.1, "b")]  # started 0.4 s after the kill: another worker's
+    kills = [("worker-m", 43.606)]
+    repeats, _ = repeated_calls(calls, {"a": 1, "b": 2}, kills, {1: [82.015], 2: [44.15, 50.15]})
+    assert [(r.task_id, r.explained_by) for r in repeats] == [(1, "worker-m killed at 43.606"), (2, None)]
+    overlaps = overlapping_calls([call(1.25, 3.0, "c"), call(2.0, 2.5, "c")], {"c": 3}, kills=[("worker-m", 1.2)])
+    assert [o.explained_by for o in overlaps] == ["worker-m killed at 1.200"]
+
+
 def test_calls_of_no_task_are_counted_apart_and_429s_pay_nothing() -> None:
     calls = [call(0.0, 1.0, "a"), call(0.5, 0.5, "a", status=429), call(0.0, 1.0, "zz")]
     repeats, orphans = repeated_calls(calls, {"a": 1}, kills=[])

@@ -33,6 +33,10 @@ QUOTA_SLACK_S = 1.0
 #: over a window of RATE_WINDOW_S, measured against the RATE_WINDOW_S * 3 before it.
 RATE_SHARE = 0.8
 RATE_WINDOW_S = 10.0
+#: A request its worker wrote to the socket just before a ``kill -9`` reaches the backend after
+#: it: a call the backend logs as started up to this long after its model's worker was killed is
+#: that worker's (the model's next worker is restarted 0.5 s after the kill at the earliest).
+IN_SOCKET_S = 0.2
 #: Faults during which no answer can be written anywhere: the workers'
 #: PostgreSQL stalled, every backend call refused, Redis down. Their time is
 #: not counted in another fault's recovery: nothing can recover meanwhile.
@@ -216,7 +220,9 @@ def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int
                    kills: Sequence[tuple[str, float]],
                    answers_written: Mapping[int, Sequence[float]] | None = None) -> tuple[list[Repeat], int]:
     """Every answered call beyond a task's first, and whether a kill of the worker
-    running the earlier call explains it; plus how many answered calls belong to no task.
+    running the earlier call explains it (a kill up to IN_SOCKET_S before the backend
+    logged the call's start: its request was already sent); plus how many answered calls belong
+    to no task.
 
     A worker's call lives from its start to its answer's durable write (see
     balancer.calls.call): a kill after the backend answered but before the
@@ -251,7 +257,7 @@ def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int
                 task_writes = written.get(task, [])
                 w = bisect.bisect_left(task_writes, earlier["end"])
                 held_until = min(later["start"], task_writes[w] if w < len(task_writes) else later["start"])
-                j = bisect.bisect_left(times, earlier["start"])
+                j = bisect.bisect_left(times, earlier["start"] - IN_SOCKET_S)
                 if j < len(times) and times[j] <= earlier["end"]:
                     explained = f"worker-{earlier['model']} killed at {times[j]:.3f}"
                     break
@@ -265,14 +271,14 @@ def repeated_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int
 
 def _kill_during(kill_times: Mapping[str, list[float]], model: str, start: float, end: float) -> str | None:
     times = kill_times.get(f"worker-{model}", [])
-    j = bisect.bisect_left(times, start)
+    j = bisect.bisect_left(times, start - IN_SOCKET_S)
     return f"worker-{model} killed at {times[j]:.3f}" if j < len(times) and times[j] <= end else None
 
 
 def overlapping_calls(calls: Sequence[Mapping[str, Any]], task_of: Mapping[str, int],
                       kills: Sequence[tuple[str, float]]) -> list[Overlap]:
     """Two accepted calls of one task running at once (whatever they answered), each
-    explained only by a kill of the worker that ran the earlier one, during it."""
+    explained only by a kill of the worker that ran the earlier one, during it (IN_SOCKET_S)."""
     kill_times: dict[str, list[float]] = {}
     for name, at in sorted(kills, key=lambda k: k[1]):
         kill_times.setdefault(name, []).append(at)
