@@ -39,22 +39,28 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "zz_test_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+                   env=clean_env(), check=True, capture_output=True, timeout=300)  # with PYTHONPATH: "already satisfied"
     shutil.rmtree(source)  # nothing of the checkout is left to lean on
     return venv / "bin"
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without PYTHONPATH: a checkout on it would be imported ahead of the wheel."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def user_env(service_urls: tuple[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BALANCER_") and k != "PYTHONPATH"}
+    env = {k: v for k, v in clean_env().items() if not k.startswith("BALANCER_")}
     env.update(BALANCER_REDIS_URL=service_urls[0], BALANCER_DATABASE_URL=service_urls[1])
     return env
 
 
 def test_the_wheel_is_what_runs(installed: Path, tmp_path: Path) -> None:
     where = subprocess.run([str(installed / "python"), "-c", "import balancer, celeryconfig; print(balancer.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(installed.parent)), where
-    help_text = subprocess.run([str(installed / "balancer"), "--help"], cwd=tmp_path, capture_output=True, text=True)
+    help_text = subprocess.run([str(installed / "balancer"), "--help"], cwd=tmp_path, env=clean_env(), capture_output=True,
+                               text=True)
     assert help_text.returncode == 0 and "bench" in help_text.stdout and "demo" in help_text.stdout
 
 
@@ -71,7 +77,8 @@ for name in names:
     env.get_template(name)
 print(len(names), (web / "static" / "app.js").read_text().count("data-poll"), len((web / "static" / "style.css").read_text()))
 """
-    proc = subprocess.run([str(installed / "python"), "-c", probe], cwd=tmp_path, capture_output=True, text=True)
+    proc = subprocess.run([str(installed / "python"), "-c", probe], cwd=tmp_path, env=clean_env(), capture_output=True,
+                          text=True)
     assert proc.returncode == 0, proc.stderr
     templates, polls, css = map(int, proc.stdout.split())
     assert templates == len(list((ROOT / "balancer" / "web" / "templates").glob("*.html"))) and polls >= 1 and css > 500
