@@ -23,9 +23,26 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from balancer.devtools.embedded import TemporaryStack
+from balancer.devtools.embedded import TemporaryStack, stop_stack
 from balancer.storage.db import dispose_engines
 from tests.twin import Twin, delete_keys
+
+
+@pytest.fixture(scope="session", autouse=True)
+def balancer_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A BALANCER_HOME of this test process's own: a ``balancer`` command that a test runs with no
+    ``BALANCER_*_URL`` and no home of its own starts its persistent embedded Redis and PostgreSQL
+    here, not in the checkout's ``.balancer`` (where they outlived the run), and they are stopped
+    when the session ends."""
+    home = tmp_path_factory.mktemp("balancer-home")
+    before = os.environ.get("BALANCER_HOME")
+    os.environ["BALANCER_HOME"] = str(home)
+    yield home
+    stop_stack(home)
+    if before is None:
+        os.environ.pop("BALANCER_HOME", None)
+    else:
+        os.environ["BALANCER_HOME"] = before
 
 
 @pytest.fixture(scope="session")
