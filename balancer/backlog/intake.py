@@ -211,6 +211,11 @@ def parse_line(
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
+        # A byte that is not UTF-8 (read with surrogateescape as U+DC80..U+DCFF) where the parser
+        # stopped, or before it, is the cause: say so (a UTF-16 or Latin-1 file), not "invalid JSON".
+        bad = next((i for i, ch in enumerate(text[:exc.pos + 1]) if "\udc80" <= ch <= "\udcff"), None)
+        if bad is not None:
+            raise ValueError(f"not UTF-8: byte 0x{ord(text[bad]) - 0xDC00:02X} at column {bad + 1}") from None
         raise ValueError(f"invalid JSON: {exc.msg} (column {exc.colno})") from None
     except RecursionError:
         raise ValueError(f"JSON nested deeper than {MAX_DEPTH} levels") from None

@@ -145,6 +145,8 @@ HOSTILE_LINES = [  # (line, what the error says)
     ('{"prompt": "x", "models": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper"),
     ('{"prompt": "' + "w" * (4 * 1024 * 1024) + '"}', "line longer than"),
     ('{"prompt": "bad byte \udcff here"}', "prompt is not valid UTF-8"),  # 0xff read with surrogateescape
+    ('\udcff\udcfe{"prompt": "x"}', "not UTF-8: byte 0xFF at column 1"),  # a UTF-16 file's BOM, read as UTF-8
+    ('{"prompt": \udce9"x"}', "not UTF-8: byte 0xE9 at column 12"),  # a Latin-1 byte where JSON expects a value
     ('{"prompt": "x", "model": "gpt\\u001b[31m-red"}', "unknown model(s): gpt\\x1b[31m-red"),
 ]
 
