@@ -305,7 +305,8 @@ def run_pipeline(
     svc = iso.services
     svc.quotas.replace_all(list(quotas), by="runner")
     supervisor = iso.supervisor()
-    console.print(f"starting the simulator, dispatcher, workers and beat (logs in {iso.workdir / 'logs'}) ...")
+    kept = "" if iso.keep_workdir else ", deleted when the run ends"  # the demo's: nothing outlives it
+    console.print(f"starting the simulator, dispatcher, workers and beat (logs in {iso.workdir / 'logs'}{kept}) ...")
     backend_url = iso.start_sim(supervisor, sim_args)
     # The processes `balancer run` starts; "per-model" as docker-compose.yml deploys: one process (one GIL) per model.
     plan = pipeline_plan([q.name for q in quotas] if worker_layout == "per-model" else None, "WARNING")
