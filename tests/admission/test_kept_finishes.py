@@ -117,6 +117,9 @@ def test_calls_that_end_while_redis_is_away_free_their_slots_within_seconds_of_i
             thread.start()
         wait_for(lambda: all(task_row(svc, a.task_id).status == "running" for a in sent), 10, "the calls' starts")
         wait_for(lambda: svc.core.live()["m"].in_flight == 3, 5, "three slots held")
+        # At the backend, so past re-asserting their slots: a call whose slot Redis cannot re-assert is not
+        # made (its task back to pending, "no_room"), which a kill between its start and its renew showed.
+        wait_for(lambda: simulator.limiters["m"].in_flight == 3, 5, "three calls at the backend")
         own_redis.kill()
         for thread in threads:
             thread.join(15)
