@@ -421,19 +421,25 @@ def redis_connections_of(client: redis.Redis, pgid: int) -> list[int]:
     return [int(c["id"]) for c in client.client_list() if int(c["addr"].rsplit(":", 1)[1]) in ports]
 
 
-def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipeline, reliability) -> None:
-    """Default timings. kombu restores the worker's unacked messages the moment its
-    broker connection drops; those copies reach workers while the first calls
-    still run. None may start a second call (0 429s, one answered call per task)."""
-    p = pipeline(time_scale=0.02).start()
-    ids = start_hanging_calls(p)
+def drop_worker_redis_connections(p) -> tuple[int, list[int], float]:  # noqa: ANN001 - a Pipeline
+    """``CLIENT KILL`` every Redis connection of worker-0: (calls running at the backend then, the
+    connections killed, when)."""
     worker = next(c for c in p.supervisor.children if c.name == "worker-0")
     running = sum(sim_stats(p)["in_flight"].values())
     dropped = redis_connections_of(p.services.redis, worker.process.pid)
     assert dropped, "found none of the worker's Redis connections"
     for client_id in dropped:
         p.services.redis.execute_command("CLIENT", "KILL", "ID", client_id)
-    dropped_at = time.monotonic()
+    return running, dropped, time.monotonic()
+
+
+def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipeline, reliability) -> None:
+    """Default timings. kombu restores the worker's unacked messages the moment its
+    broker connection drops; those copies reach workers while the first calls
+    still run. None may start a second call (0 429s, one answered call per task)."""
+    p = pipeline(time_scale=0.02).start()
+    ids = start_hanging_calls(p)
+    running, dropped, dropped_at = drop_worker_redis_connections(p)
     set_faults(p)
     result = finish_and_check(p, len(ids))
     log = p.sim_log()
@@ -469,13 +475,7 @@ def test_dropping_a_workers_redis_connections_with_calls_longer_than_a_lease_cal
     p = pipeline(time_scale=0.02, extra_env={"BALANCER_LEASE_SECONDS": str(lease), "BALANCER_SWEEP_TICK": "0.5",
                                              "BALANCER_BACKEND_TIMEOUT": "30"}).start()
     ids = start_hanging_calls(p, count=20, hang_s=3.0 * lease)
-    worker = next(c for c in p.supervisor.children if c.name == "worker-0")
-    running = sum(sim_stats(p)["in_flight"].values())
-    dropped = redis_connections_of(p.services.redis, worker.process.pid)
-    assert dropped, "found none of the worker's Redis connections"
-    for client_id in dropped:
-        p.services.redis.execute_command("CLIENT", "KILL", "ID", client_id)
-    dropped_at = time.monotonic()
+    running, dropped, dropped_at = drop_worker_redis_connections(p)
     set_faults(p)  # calls made after the drop are quick: a second call would end inside the first
     result = finish_and_check(p, len(ids))
     deadline = time.monotonic() + 6.0 * lease
