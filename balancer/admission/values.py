@@ -209,6 +209,26 @@ def outside_rate(tpm: int, external: int) -> int:
     return max(0, min(external, outside_ceiling(tpm)))
 
 
+def gap_growth(gap: int, sync_gap: int) -> int:
+    """How much a header sync's token gap (our level less what the count explains) grew since the
+    last sync left ``sync_gap`` (<= 0): what moves the outside-use estimate (signals.lua, gap_growth).
+
+    A gap that shrinks counts in full: the estimate falls. A gap that grows counts only for its
+    part above 0, where our bucket holds more than the provider has left. Below 0 we already hold
+    less than the count explains, whoever used the rest, so no call of ours can meet a 429 for it;
+    and a gap there moves with each count's age (a provider that counts as it admits a call sends
+    counts as old as that call), not with anyone's use. Counted in full, those swings drove the
+    estimate to 9/10 of a TPM-bound model's TPM, and its bucket refilled at a tenth of it, nothing
+    in flight, while the provider's count stayed near its burst.
+
+    >>> gap_growth(-200, -2_000), gap_growth(300, -2_000), gap_growth(300, 0), gap_growth(-2_500, -1_000)
+    (0, 300, 300, -1500)
+    """
+    if gap < sync_gap:
+        return gap - sync_gap
+    return max(gap, 0) - max(sync_gap, 0)
+
+
 def outside_estimate(external: int, tpm: int, growth: int, dt: int, count_full: bool) -> int:
     """The outside-use estimate (tokens per minute) after a header sync (signals.lua,
     outside_estimate). ``growth``: how much the gap between our token level and the

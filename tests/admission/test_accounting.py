@@ -347,6 +347,28 @@ def test_the_outside_rate_decays_when_the_outsider_stops(twin: Twin) -> None:
     assert twin.core.live(twin.now)["a"].external_tpm < 3_000
 
 
+def test_a_count_that_catches_up_from_above_is_not_read_as_outside_use(twin: Twin) -> None:
+    """No one else uses the quota. The provider's count starts 3,000 tokens above our bucket
+    and comes down to it over 3 s, as when its counts, taken as it admitted each call, get
+    younger: every sync shows a gap below 0 that grows toward 0. Counted as use, that growth
+    made an estimate of 54,000 of the 60,000 TPM (its ceiling), and the bucket refilled at a
+    tenth of it; below 0 no call of ours can meet a 429, so the estimate stays at 0 or under."""
+    twin.set_quota(Quota("a", 8, 60_000, burst_tokens=1_000_000))
+    drain = twin.admit([Candidate(900_000)])[0]  # far from full, so neither bucket is capped
+    twin.release(drain.admission_id)
+    for step in range(13):
+        twin.advance(250)
+        lease = twin.admit([Candidate(100)])[0]
+        surplus = 3_000 - 250 * step
+        twin.finish(lease.admission_id, Settlement(used_tokens=100, reserved_tokens=100,
+                                                    remaining_tokens=int(tokens(twin)) + surplus))
+    twin.check_same_state()
+    assert twin.ref.models["a"].external <= 0
+    before = tokens(twin)
+    twin.advance(1_000)
+    assert tokens(twin) - before == pytest.approx(1_000, abs=20)  # the whole TPM refills ours
+
+
 def test_the_token_gate_holds_back_calls_that_start_in_a_bunch(twin: Twin) -> None:
     """Admitted one by one as the bucket refilled, but started together (they waited
     in the broker): the provider, charging on arrival, would refuse the bunch. The

@@ -51,12 +51,20 @@ local function outside_estimate(m, growth, dt, count_full)
   return math.max(-math.floor(t / 10), math.min(outside_ceiling(t), m.ext + moved))
 end
 
+-- How much the token gap grew since the last sync left `sync_gap` (<= 0) (values.gap_growth says
+-- why): a shrinking gap in full, a growing one only for its part above 0, where our bucket holds
+-- more than the provider has left; below 0 a gap moves with each count's age, not with anyone's use.
+local function gap_growth(gap, sync_gap)
+  if gap < sync_gap then return gap - sync_gap end
+  return math.max(gap, 0) - math.max(sync_gap, 0)
+end
+
 -- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
 -- the token buckets less what our calls it has not counted yet will take
 -- (unarrived); never raise them.
 -- The token gap (our level against the count less our calls on their way)
 -- grows between two syncs by what others used beyond `ext` meanwhile: that
--- growth moves `ext` (outside_estimate), and the bucket refills at tpm - ext
+-- growth, its part above 0 only (gap_growth), moves `ext` (outside_estimate), and the bucket refills at tpm - ext
 -- (never below a tenth of tpm), so a steady outside user is expected, not met
 -- as a 429 after every sync. The gap a sync leaves
 -- (sync_gap: the bucket is never raised, so a gap below 0 stays) is not counted
@@ -90,7 +98,7 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
       explained = math.max(ours_left, math.min(token_cap(m), remaining + (now - own_at) * token_rate(m)) - aged_tokens * UNITS)
     end
     local gap = m.tokens - explained
-    if m.synced_at > 0 then m.ext = outside_estimate(m, gap - m.sync_gap, now - m.synced_at, remaining >= token_cap(m)) end
+    if m.synced_at > 0 then m.ext = outside_estimate(m, gap_growth(gap, m.sync_gap), now - m.synced_at, remaining >= token_cap(m)) end
     m.tokens = math.min(m.tokens, ours_left)
     m.synced_at, m.sync_gap = now, m.tokens - explained  -- (<= 0)
     refill_started(m, now)

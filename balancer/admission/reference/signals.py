@@ -14,6 +14,7 @@ from balancer.admission.values import (
     SYNC_LAG_MS,
     UNITS,
     Settlement,
+    gap_growth,
     gate_shape,
     most_charged,
     outside_estimate,
@@ -160,7 +161,8 @@ class Signals(ReferenceState):
 
         The token gap (our level against the count less our calls on their way)
         grows between two syncs by what others used of the quota beyond
-        ``external`` meanwhile; that growth moves ``external``
+        ``external`` meanwhile; that growth, its part above 0 only
+        (:func:`~balancer.admission.values.gap_growth`), moves ``external``
         (:func:`~balancer.admission.values.outside_estimate`), and the bucket refills
         at TPM less that (never below a tenth of TPM). So a steady outside user is expected instead of met as a
         429 after every sync. The gap left after a sync (``sync_gap``: the bucket
@@ -183,7 +185,7 @@ class Signals(ReferenceState):
             if state.synced_at > 0:
                 count_full = remaining >= token_cap(state.limits)
                 state.external = outside_estimate(state.external, state.limits.max_tokens_per_minute,
-                                                  gap - state.sync_gap, now - state.synced_at, count_full)
+                                                  gap_growth(gap, state.sync_gap), now - state.synced_at, count_full)
             state.tokens = min(state.tokens, ours_left)
             state.synced_at, state.sync_gap = now, state.tokens - explained  # (<= 0)
             ReferenceState._refill_started(state, now)
