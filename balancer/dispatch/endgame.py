@@ -62,6 +62,8 @@ class ModelOutlook:
     requests_available: float = math.inf
     requests_per_ms: float = math.inf
     paused_ms: float = 0.0
+    #: Its latency comes from its own calls (or its quota), not the global prior ("not known yet").
+    latency_known: bool = True
 
     def throughput_per_ms(self, mean_tokens: float) -> float:
         """Tasks per ms at this model's binding limit (0 if it takes nothing):
@@ -90,14 +92,31 @@ def drain_ms(pending: int, mean_tokens: float, models: Sequence[ModelOutlook]) -
     return math.inf if rate <= 0 else pending / rate
 
 
+def horizon_ms(models: Sequence[ModelOutlook], latency_field: str = CAUTIOUS) -> float:
+    """How long a call started now on the slowest of ``models`` takes (its ``latency_field``),
+    among those whose latency is known; all of them if none is. A model still on the global
+    prior (30 s: "not known yet") is left out: counted, it made every run shorter than that
+    an end game from the first seconds, in which a model on its prior is never chosen, so it
+    never measured the calls that would free it (mix-5's RPM-bound gen-0: 2 calls a run).
+
+    >>> fast = ModelOutlook("fast", cap=4, free_slots=4, in_flight=0, latency=LatencyEstimate(500, 1_000, 1_500, 50))
+    >>> new = ModelOutlook("new", cap=4, free_slots=4, in_flight=0, latency=LatencyEstimate.prior(30.0),
+    ...                    latency_known=False)
+    >>> horizon_ms([fast, new]), horizon_ms([new])
+    (1000, 57000.0)
+    """
+    known = [m for m in models if m.latency_known] or list(models)
+    return max((getattr(m.latency, latency_field) for m in known), default=0.0)
+
+
 def in_end_game(pending: int, mean_tokens: float, models: Sequence[ModelOutlook], latency_field: str = CAUTIOUS) -> bool:
     """True when the backlog would run out before a call started now on the
-    slowest model with a free slot would end (at its p90, or its mean with ``latency_field=HEDGED``)."""
+    slowest model with a free slot would end (at its p90, or its mean with ``latency_field=HEDGED``;
+    :func:`horizon_ms`)."""
     open_models = [m for m in models if m.free_slots > 0]
     if not open_models or pending <= 0:
         return False
-    horizon = max(getattr(m.latency, latency_field) for m in open_models)
-    return drain_ms(pending, mean_tokens, models) < horizon
+    return drain_ms(pending, mean_tokens, models) < horizon_ms(open_models, latency_field)
 
 
 @dataclass

@@ -43,6 +43,7 @@ def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOu
             requests_available=math.inf if m.requests_available is None else m.requests_available,
             requests_per_ms=rpm / 60_000 if rpm else math.inf,
             paused_ms=m.paused_ms,
+            latency_known=m.latency_known,
         ))
     return out
 

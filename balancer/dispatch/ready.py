@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from balancer.dispatch.endgame import ModelOutlook
+from balancer.dispatch.endgame import ModelOutlook, horizon_ms
 
 
 def depth(cap: int, mean_latency_ms: float | None, per_slot: float, ttl_s: float) -> int:
@@ -80,7 +80,7 @@ def backlog_to_stock(mean_tokens: float, models: Sequence[ModelOutlook], latency
     >>> backlog_to_stock(100, [fast, slow], "p90_ms")   # 18.5 tasks/s over the slow p90 of 4 s
     75
     """
-    horizon = max((getattr(m.latency, latency_field) for m in models if m.cap > 0), default=0.0)
+    horizon = horizon_ms([m for m in models if m.cap > 0], latency_field)
     return math.ceil(horizon * sum(m.throughput_per_ms(mean_tokens) for m in models))
 
 

@@ -96,6 +96,31 @@ def test_stragglers_queue_for_the_best_model_only_while_the_queue_is_short() -> 
     assert [model for _, model in picks] == ["fast2"] * 7  # 13 wait for fast: 14 x 167 ms > 2.2 s
 
 
+def test_a_model_still_on_the_prior_does_not_start_the_end_game() -> None:
+    """Ten known fast models drain 400 tasks in about 7 s; an eleventh has answered too
+    few calls to leave the global prior (30 s median, 57 s p90). Counted in the horizon,
+    it made those 7 s an end game, in which it is never chosen, so it never answered the
+    calls that would make its latency known (mix-5's gen-0 and gen-3: 2 calls a run each).
+    Left out, the bulk phase goes on and every free slot, its own too, takes work."""
+    fast = [outlook(f"fast{i}", FAST, cap=4) for i in range(10)]
+    new = outlook("new", LatencyEstimate.prior(30.0), cap=4, latency_known=False)
+    assert not in_end_game(400, 100, [*fast, new])
+    assert in_end_game(400, 100, [*fast, outlook("slow", SLOW, cap=4)])  # a slow model that is known still does
+    assert in_end_game(1, 100, [new])  # on the prior alone, the prior is all there is
+
+
+def test_ready_lists_are_stocked_while_a_model_is_still_on_the_prior() -> None:
+    """Likewise the stocking threshold: the backlog that outlasts the slowest model's call.
+    With a model on the prior it was 57 s of the run's throughput, more than most runs'
+    whole backlog, so no ready list was stocked."""
+    from balancer.dispatch.ready import backlog_to_stock
+
+    fast = [outlook(f"fast{i}", FAST, cap=4, free=0) for i in range(10)]
+    new = outlook("new", LatencyEstimate.prior(30.0), cap=4, free=0, latency_known=False)
+    assert backlog_to_stock(100, [*fast, new], CAUTIOUS) < 100
+    assert backlog_to_stock(100, [*fast, outlook("new", LatencyEstimate.prior(30.0), cap=4, free=0)], CAUTIOUS) > 1_000
+
+
 def test_no_end_game_when_no_model_has_a_free_slot() -> None:
     assert not in_end_game(3, 100, [outlook("fast", FAST, free=0), outlook("slow", SLOW, free=0)])
 
