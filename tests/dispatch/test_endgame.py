@@ -12,6 +12,7 @@ from balancer.admission.core import AdmissionCore
 from balancer.admission.quota import Quota
 from balancer.admission.values import Admitted, Candidate, Settlement
 from balancer.dispatch.endgame import CAUTIOUS, HEDGED, Job, ModelOutlook, Running, in_end_game, pick_hedges, plan
+from balancer.dispatch.ready import backlog_to_stock
 from balancer.estimates.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of, record
 
 FAST = LatencyEstimate(1_000, 2_000, 3_000, 100)
@@ -113,8 +114,6 @@ def test_ready_lists_are_stocked_while_a_model_is_still_on_the_prior() -> None:
     """Likewise the stocking threshold: the backlog that outlasts the slowest model's call.
     With a model on the prior it was 57 s of the run's throughput, more than most runs'
     whole backlog, so no ready list was stocked."""
-    from balancer.dispatch.ready import backlog_to_stock
-
     fast = [outlook(f"fast{i}", FAST, cap=4, free=0) for i in range(10)]
     new = outlook("new", LatencyEstimate.prior(30.0), cap=4, free=0, latency_known=False)
     assert backlog_to_stock(100, [*fast, new], CAUTIOUS) < 100
