@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import redis
@@ -38,8 +39,9 @@ class Node:
         return redis.Redis(self.host, self.port, socket_connect_timeout=timeout, socket_timeout=timeout)
 
 
-def wait_until(check: Callable[[], object], timeout: float, what: str, step: float = 0.1) -> object:
-    """Poll ``check`` until it returns something true (exceptions count as not yet)."""
+def wait_until(check: Callable[[], object], timeout: float, what: str | Callable[[], str], step: float = 0.1) -> object:
+    """Poll ``check`` until it returns something true (exceptions count as not yet). ``what`` names
+    it in the error, or is called then to say it (with what a log holds by that time)."""
     deadline = time.monotonic() + timeout
     last: object = None
     while True:
@@ -50,7 +52,8 @@ def wait_until(check: Callable[[], object], timeout: float, what: str, step: flo
         except (redis.RedisError, OSError) as exc:
             last = exc
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not after {timeout:.0f}s (last: {last!r})")
+            said = what() if callable(what) else what
+            raise AssertionError(f"{said}: not after {timeout:.0f}s (last: {last!r})")
         time.sleep(step)
 
 
@@ -62,12 +65,15 @@ class RedisGroup:
     master: Node
     replica: Node
     sentinels: list[Node]
+    #: Ports were picked free (on loopback, beside other tests): a server that could not bind its
+    #: port because something took it in between is started again on another.
+    ports_picked: bool = False
 
     @classmethod
     def on_loopback(cls, workdir: Path, sentinel_count: int = 3) -> RedisGroup:
         host = "127.0.0.1"
         return cls(workdir, Node("master", host, free_port()), Node("replica", host, free_port()),
-                   [Node(f"sentinel-{i}", host, free_port()) for i in range(sentinel_count)])
+                   [Node(f"sentinel-{i}", host, free_port()) for i in range(sentinel_count)], ports_picked=True)
 
     def url(self, db: int = 0) -> str:
         """The balancer's URL of this group: every Sentinel, the master's name, the database."""
@@ -83,19 +89,45 @@ class RedisGroup:
         node.process = subprocess.Popen(argv, stdout=(folder / "log").open("ab"), stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
+    def _start_listening(self, node: Node, config: Callable[[], list[str]], sentinel: bool = False) -> None:
+        """Start ``node`` and wait until it answers; a server that exits first (its port taken
+        since it was picked) is started again on a new port when the ports were picked here."""
+        for _attempt in range(5):
+            self._start(node, config(), sentinel)
+            wait_until(lambda: node.process.poll() is not None or self._answers_as_itself(node), 10,  # type: ignore[union-attr]
+                       lambda: f"{node.name} listening on {node.port}\n{self.log_tail(node)}")
+            if node.process.poll() is None:  # type: ignore[union-attr]
+                return
+            if not self.ports_picked:
+                break
+            node.port = free_port()
+        raise AssertionError(f"{node.name} exited at start:\n{self.log_tail(node)}")
+
+    @staticmethod
+    def _answers_as_itself(node: Node) -> bool:
+        """The server on the node's port is the node's own process (not another test's server)."""
+        assert node.process is not None
+        return int(node.client().info("server")["process_id"]) == node.process.pid
+
+    def log_tail(self, node: Node, lines: int = 15) -> str:
+        log = self.workdir / node.name / "log"
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else "(no log)"
+
     def start(self) -> RedisGroup:
-        self._start(self.master, [])
-        self._start(self.replica, [f"replicaof {self.master.host} {self.master.port}"])
+        self._start_listening(self.master, lambda: [])
+        self._start_listening(self.replica, lambda: [f"replicaof {self.master.host} {self.master.port}"])
         for node in self.sentinels:
-            self._start(node, [f"sentinel monitor {MASTER_NAME} {self.master.host} {self.master.port} 2",
-                               f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
-                               f"sentinel failover-timeout {MASTER_NAME} 10000",
-                               f"sentinel parallel-syncs {MASTER_NAME} 1"], sentinel=True)
+            self._start_listening(node, lambda: [
+                f"sentinel monitor {MASTER_NAME} {self.master.host} {self.master.port} 2",
+                f"sentinel down-after-milliseconds {MASTER_NAME} {DOWN_AFTER_MS}",
+                f"sentinel failover-timeout {MASTER_NAME} 10000",
+                f"sentinel parallel-syncs {MASTER_NAME} 1"], sentinel=True)
         wait_until(lambda: self.replica.client().info("replication").get("master_link_status") == "up", 20,
-                   "the replica in sync")
+                   lambda: f"the replica in sync; its log:\n{self.log_tail(self.replica)}\nthe master's:\n"
+                   f"{self.log_tail(self.master)}")
         # Every Sentinel knows the replica and the other Sentinels: a failover can be agreed.
         for node in self.sentinels:
-            wait_until(lambda node=node: self._sentinel_ready(node), 30, f"{node.name} ready")
+            wait_until(partial(self._sentinel_ready, node), 30, f"{node.name} ready")
         return self
 
     def _sentinel_ready(self, node: Node) -> bool:
