@@ -3,6 +3,7 @@ call needs, and clearing a hedge that got no answer."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -58,15 +59,18 @@ class Straggler:
     source: str = "submit"
 
 
-def stragglers(conn: Connection, max_hedges: int, limit: int = 50) -> list[Straggler]:
-    """Running tasks with no hedge in flight and fewer than ``max_hedges`` so far, longest-running first."""
+def stragglers(conn: Connection, max_hedges: int, limit: int = 50,
+               models: Collection[str] | None = None) -> list[Straggler]:
+    """Running tasks with no hedge in flight and fewer than ``max_hedges`` so far, longest-running
+    first; with ``models``, only those whose call runs on one of them."""
+    on_models = tasks.c.model.in_(sorted(models)) if models is not None else sa.true()
     rows = conn.execute(
         sa.select(
             tasks.c.id, tasks.c.model, tasks.c.admission_id, tasks.c.estimated_tokens, tasks.c.allowed_models,
             (sa.extract("epoch", sa.func.now() - tasks.c.started_at) * 1000).label("elapsed_ms"), tasks.c.source,
         )
         .where(tasks.c.status == "running", tasks.c.hedge_admission_id.is_(None), tasks.c.hedges < max_hedges,
-               tasks.c.started_at.is_not(None))
+               tasks.c.started_at.is_not(None), on_models)
         .order_by(tasks.c.started_at)
         .limit(limit)
     ).all()

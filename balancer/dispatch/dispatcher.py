@@ -200,6 +200,13 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                 view = core.live()
         every = view  # unserved models too: their running calls are the first to hedge
         view = served_view(services, view, report, returning=round_no == 0)
+        if round_no == 0 and services.settings.hedging and any(m.consumers == 0 and m.in_flight for m in every.values()) \
+                and consumed_only(services):
+            # A call on a model no worker consumes may never end: it is hedged before new work takes the
+            # free slots, not once the backlog is out (which kept a cut host's calls waiting to its end).
+            if hedged := hedge_stragglers(services, publish, every, over_budget.read(), orphans_only=True):
+                report.hedges += hedged
+                view = served_view(services, core.live(), report, returning=False)
         free = open_slots(view)
         if not free:
             break
@@ -259,7 +266,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if not admitted and not failed:
             break
     if idle and services.settings.hedging:  # the view of the round that found nothing
-        report.hedges = hedge_stragglers(services, publish, every, over_budget.read())
+        report.hedges += hedge_stragglers(services, publish, every, over_budget.read())
     if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)
         report.stocked += stock_ready(services, view, over_budget.read())
     return report
@@ -342,7 +349,7 @@ def plan_batch(
 
 
 def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, ModelLive],
-                     held: Collection[str] = ()) -> int:
+                     held: Collection[str] = (), *, orphans_only: bool = False) -> int:
     """Send hedges for straggling calls to free slots that no pending task can use
     (none for a task of a ``held`` source: a hedge is a call its budget pays for).
 
@@ -350,7 +357,8 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     hedge is admitted like any call (so it never breaks a quota), recorded on
     its task (at most ``max_hedges`` per task, within ``hedge_budget`` of the
     run's tokens) and published as a ``solve`` message marked as a hedge. ``view`` holds
-    every model: a call on one no worker consumes is hedged first (on a served model).
+    every model: a call on one no worker consumes is hedged first (on a served model). With
+    ``orphans_only``, only such calls are hedged (a run's first round, before new work).
     """
     core, settings = services.core, services.settings
     models = outlooks(view, settings.expected_latency_s)
@@ -359,7 +367,8 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
         return 0
     sent: list[Assignment] = []
     with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-        calls = {c.id: c for c in stragglers(conn, settings.max_hedges) if c.source not in held}
+        on = unserved if orphans_only else None
+        calls = {c.id: c for c in stragglers(conn, settings.max_hedges, models=on) if c.source not in held}
         if not calls:
             return 0
         spent, run_tokens = hedge_spending(conn)

@@ -125,6 +125,27 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Serv
     assert report.hedges == 1 and [(a.task_id, a.model, a.hedge) for a in sent] == [(task_id, "a", True)]
 
 
+def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_the_free_slots(svc: Services) -> None:
+    """Issue 40's cut at the issue's size: the calls a cut host had in flight were hedged only when
+    a dispatch round found no pending task for the free slots, so with a backlog they waited for
+    its end (10 s of a 15 s batch) and then for their hedges. Now the first round of a run hedges
+    them before it admits new work into those slots."""
+    from balancer.backlog.transitions import start_solve
+
+    svc.core.note_consumers("w-b", ["b"], 60_000)
+    (orphan,) = submit(svc, None, 1)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert start_solve(svc.engine, orphan, sent[0].admission_id, 60) is not None
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's is there, and a backlog waits
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    backlog = submit(svc, None, 10)
+    sent.clear()
+    report = dispatch(svc, sent.extend)
+    assert report.hedges == 1 and (sent[0].task_id, sent[0].model, sent[0].hedge) == (orphan, "a", True)
+    assert {a.task_id for a in sent[1:]} <= set(backlog) and len(sent) == 4  # a's other three slots: new work
+
+
 @pytest.mark.e2e
 def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_path: Path) -> None:
     """Issue 40 finding 1, with real processes: two workers, one per model. One is frozen
