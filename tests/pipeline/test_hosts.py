@@ -9,8 +9,8 @@ TCP proxy the test runs on its address on the bridge. Every balancer process rea
 Redis and the broker through Sentinel (``sentinel://…``).
 
 Three batches of the same work run one after another on the same processes:
-without a fault; with a worker host cut off for longer than a lease; with the Redis master
-killed (SIGKILL). After each, at the simulator and in PostgreSQL (a trigger logs
+without a fault; with the Redis master killed (SIGKILL); with a worker host cut off for
+longer than a lease. After each, at the simulator and in PostgreSQL (a trigger logs
 every write), the chaos witness (balancer.bench.chaos.witness) finds 0 tasks lost, 0
 answers written twice, 0 overlapping calls, 0 429s and no call over a cap, and
 the batch's makespan is within the bound stated below of the fault-free batch's.
@@ -34,14 +34,19 @@ from tests.sentinels import Node, RedisGroup, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
 
-TIME_SCALE = 0.05
+#: The run's size. The defaults keep the test within two minutes; the ``HOSTS_*`` variables run it
+#: larger for docs/reliability.md (1,000 tasks a batch, the default 30 s lease, a 150 s cut as in
+#: issue 40, longer than the batch), with the command given there.
+TIME_SCALE = float(os.environ.get("HOSTS_TIME_SCALE", "0.05"))
 MODELS = 10
-TASKS = 120
+TASKS = int(os.environ.get("HOSTS_TASKS", "120"))
 WARM_UP = 30
 #: A short lease keeps a cut "longer than a lease" within the test's two minutes (the default is 30 s);
 #: shorter than this, calls on a loaded 2-core machine lost their leases with no fault at all.
-LEASE_S = 10
-CUT_S = LEASE_S + 3
+LEASE_S = int(os.environ.get("HOSTS_LEASE_S", "10"))
+CUT_S = float(os.environ.get("HOSTS_CUT_S", LEASE_S + 3))
+#: How long a batch may take once its fault has ended.
+BATCH_TIMEOUT_S = float(os.environ.get("HOSTS_BATCH_TIMEOUT_S", "120"))
 #: Seconds into a batch when its fault starts.
 FAULT_AT_S = 2.0
 #: The stated bounds, which today's code meets on a loaded 2-core machine (docs/production.md has
@@ -158,26 +163,29 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
         ids, at = submit(0, WARM_UP)  # the first calls of a run wait on cold starts: not measured
         makespan(ids, at, 90)
         ids, at = submit(1)
-        figures["no fault"] = makespan(ids, at, 90)
+        figures["no fault"] = makespan(ids, at, BATCH_TIMEOUT_S)
 
         ids, at = submit(2)
-        time.sleep(FAULT_AT_S)
-        cut_at = time.time()
-        net.cut("worker-1")
-        time.sleep(CUT_S)
-        net.heal("worker-1")
-        healed_at = time.time()
-        figures["worker host cut"] = makespan(ids, at, 120)
-
-        ids, at = submit(3)
         time.sleep(FAULT_AT_S)
         killed_at = time.time()
         died = group.kill_master()
         group.wait_failover()
         outage = wait_until(lambda: services.redis.ping() and time.monotonic() - died, 60, "Redis back through Sentinel")
         back_at = time.time()
-        figures["redis master killed"] = makespan(ids, at, 120)
+        figures["redis master killed"] = makespan(ids, at, BATCH_TIMEOUT_S)
         figures["outage"] = float(outage)  # type: ignore[arg-type]
+
+        # The cut comes last: a cut longer than the backend's timeout ends with the cut host's calls
+        # timing out at the heal, which opens those models' circuits for a while; a batch after it
+        # would be charged for that.
+        ids, at = submit(3)
+        time.sleep(FAULT_AT_S)
+        cut_at = time.time()
+        net.cut("worker-1")
+        time.sleep(CUT_S)
+        net.heal("worker-1")
+        healed_at = time.time()
+        figures["worker host cut"] = makespan(ids, at, BATCH_TIMEOUT_S)
 
         assert [c.process.pid for c in supervisor.children] == pids  # none restarted, none exited
         entries = httpx.get(f"{sim_url}/log", timeout=30).json()["entries"]
