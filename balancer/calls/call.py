@@ -335,7 +335,11 @@ class Call:
                      "taken from this call", self.msg.task_id, self.msg.model)
             return "duplicate"
         if written.other_call is not None:
-            cancel_call(self.services.redis, self.services.settings.namespace, written.other_call)
+            try:
+                cancel_call(self.services.redis, self.services.settings.namespace, written.other_call)
+            except (redis.RedisError, OSError) as exc:  # the answer is written: the solve must not fail for this
+                log.warning("task %d: answered; its other call could not be cut off (%s): it runs to its end, and "
+                            "its answer is not written", self.msg.task_id, (str(exc).splitlines() or [""])[0])
         if written.refused is not None:
             log.warning("task %d: the answer of its call on %s cannot be stored (%s): the task failed, and is not "
                         "called again", self.msg.task_id, self.msg.model, written.refused)

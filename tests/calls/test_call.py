@@ -419,6 +419,33 @@ def test_a_hedge_keeps_its_task_from_the_sweep_from_its_start(svc: Services, sim
     assert task_row(svc, a.task_id).status == "solved"
 
 
+def test_a_hedge_that_wins_while_redis_is_away_still_ends_its_solve(
+    svc: Services, sim, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,  # noqa: F811
+) -> None:
+    """Issue 40's failover at the issue's size: a hedge's answer was written, then cutting off the
+    task's other call (a Redis publish) failed with the master gone, and the error went up through
+    the write's outcome: the Celery task raised ("raised unexpected: network:ConnectionError").
+    Now the answer's solve ends as a win, and says that the other call runs to its end."""
+    import redis
+
+    from balancer.calls import call as call_module
+
+    def unreachable(*args: object) -> int:
+        raise redis.ConnectionError("Error 111 connecting to 10.213.87.11:6379. Connection refused.")
+
+    monkeypatch.setattr(call_module, "cancel_call", unreachable)
+    caplog.set_level(logging.WARNING, logger="balancer.calls.call")
+    a, hedge_msg = hedged_task(svc)
+    heartbeat, writer = Heartbeat(svc), AnswerWriter(svc.engine)
+    try:
+        assert chain(svc, make_backend(svc.settings), hedge_msg, heartbeat=heartbeat, writer=writer) == ["hedge_won"]
+    finally:
+        writer.close()
+        heartbeat.close()
+    assert task_row(svc, a.task_id).status == "solved"
+    assert f"task {a.task_id}: answered; its other call could not be cut off (Error 111" in caplog.text
+
+
 def test_a_hedge_answered_during_its_start_gate_does_not_call(svc: Services, sim,  # noqa: F811
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 40 finding 5: a hedge that waited at its model's start gate called even though its
