@@ -61,6 +61,12 @@ def test_the_readme_is_at_most_150_lines() -> None:
     assert len(lines) <= 150, f"README.md has {len(lines)} lines"
 
 
+def test_the_benchmarks_page_is_one_page_of_current_results() -> None:
+    """Issue 42: docs/benchmarks.md holds the current figures (at most 15 KB); the history is elsewhere."""
+    size = len((ROOT / "docs" / "benchmarks.md").read_bytes())
+    assert size <= 15_000, f"docs/benchmarks.md is {size:,} bytes: move what is history to docs/benchmark-history.md"
+
+
 def test_the_readme_names_the_test_command_ci_runs() -> None:
     """Issue 42, deliverable 4: .ci/run runs the README's default test command as written there: the
     first line starting with `pytest` after the marker, a plain `pytest` (the fast default set)."""
