@@ -55,15 +55,17 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
     return result.rowcount, kept
 
 
-def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str) -> list[tuple[int, str]]:
-    """Queued tasks matching ``which`` back to pending now; (task id, old admission id) of each.
+def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str,
+                   statuses: tuple[str, ...] = ("queued",)) -> list[tuple[int, str]]:
+    """Queued tasks (or those in ``statuses``) matching ``which`` back to pending now; (task id,
+    old admission id) of each.
 
     The old admission id comes from the locked subquery (RETURNING shows the row as updated).
     A row a worker is starting (locked) is skipped: its start wins, and the call runs. A
     message consumed later finds its task no longer under its admission and makes no call
     (``stale``). No attempt is counted."""
     old = (sa.select(tasks.c.id, tasks.c.model, tasks.c.admission_id)
-           .where(tasks.c.status == "queued", which).with_for_update(skip_locked=True).subquery("old"))
+           .where(tasks.c.status.in_(statuses), which).with_for_update(skip_locked=True).subquery("old"))
     statement = (
         sa.update(tasks).where(tasks.c.id == old.c.id)
         .values(status="pending", model=None, admission_id=None, deadline=None, updated_at=sa.func.now(),
@@ -78,10 +80,14 @@ def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str) -
 def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int, str]]:
     """Queued tasks of models no worker consumes now (their solve messages wait in a queue
     nobody reads) back to pending at once, not at their deadline; (task id, admission id)
-    of each, whose leases the caller withdraws."""
+    of each, whose leases the caller withdraws. So are their ``ready`` tasks: those still on
+    a ready list are dropped from it in the same dispatch run, and one a worker had taken
+    from the list just before its host was cut off would otherwise wait for its deadline (its
+    start, if it ever comes, finds the task no longer under its admission and makes no call)."""
     if not models:
         return []
-    return _return_queued(engine, tasks.c.model.in_(sorted(models)), "returned to pending: no worker consumes model.")
+    return _return_queued(engine, tasks.c.model.in_(sorted(models)), "returned to pending: no worker consumes model.",
+                          statuses=("queued", "ready"))
 
 
 def queued_since(engine: Engine, seconds: float) -> list[tuple[str, str, float]]:

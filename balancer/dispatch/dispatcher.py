@@ -304,7 +304,7 @@ def served_view(services: Services, view: dict[str, ModelLive], report: Dispatch
         if returned:
             services.core.withdraw([admission_id for _, admission_id in returned])
             report.unconsumed += len(returned)
-            log.warning("returned %d queued task(s) to pending: no worker consumes %s", len(returned),
+            log.warning("returned %d queued or ready task(s) to pending: no worker consumes %s", len(returned),
                         ", ".join(f"model.{name}" for name in unserved))
     return {name: m for name, m in view.items() if m.consumers > 0}
 

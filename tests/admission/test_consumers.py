@@ -105,6 +105,27 @@ def test_a_ready_list_of_a_model_no_worker_consumes_goes_back_at_once(svc: Servi
     assert statuses(svc, ids) == [("pending", None)] * 3
 
 
+def test_a_ready_task_a_worker_took_before_its_host_was_cut_goes_back_at_once(svc: Services) -> None:
+    """Issue 40's cut at the issue's size: a task its worker had taken from a ready list just
+    before the cut was off the list, so the pass over the lists did not see it, and still
+    ``ready`` in PostgreSQL, so the return of queued tasks did not either: it waited 30 s for
+    the sweep. Now it goes back with the queued ones, and its lease is withdrawn."""
+    from balancer.backlog.ready import mark_ready
+
+    svc.core.note_consumers("w-b", ["b"], 60_000)
+    (task_id,) = submit(svc, "b", 1)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    with svc.engine.begin() as conn:  # as a worker's finish would leave it: taken from the list, not yet started
+        conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(status="pending", model=None, admission_id=None))
+        mark_ready(conn, [(task_id, "b", sent[0].admission_id)], 60)
+    assert svc.core.live()["b"].ready == 0
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's host is cut off
+    report = dispatch(svc, lambda assignments: None)
+    assert report.unconsumed == 1 and statuses(svc, [task_id]) == [("pending", None)]
+    assert svc.core.live()["b"].in_flight == 0
+
+
 def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Services) -> None:
     """Issue 40 finding 1: a call whose model no worker consumes any longer (its worker's host
     cut off) may never end, and its task waited a whole lease for the sweep while other models
