@@ -57,8 +57,8 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
 
 def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str,
                    statuses: tuple[str, ...] = ("queued",)) -> list[tuple[int, str]]:
-    """Queued tasks (or those in ``statuses``) matching ``which`` back to pending now; (task id,
-    old admission id) of each.
+    """Tasks in ``statuses`` matching ``which`` back to pending now; (task id, old admission id)
+    of each.
 
     The old admission id comes from the locked subquery (RETURNING shows the row as updated).
     A row a worker is starting (locked) is skipped: its start wins, and the call runs. A
@@ -80,10 +80,10 @@ def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str,
 def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int, str]]:
     """Queued tasks of models no worker consumes now (their solve messages wait in a queue
     nobody reads) back to pending at once, not at their deadline; (task id, admission id)
-    of each, whose leases the caller withdraws. So are their ``ready`` tasks: those still on
-    a ready list are dropped from it in the same dispatch run, and one a worker had taken
-    from the list just before its host was cut off would otherwise wait for its deadline (its
-    start, if it ever comes, finds the task no longer under its admission and makes no call)."""
+    of each, whose leases the caller withdraws. So are their ``ready`` tasks: a worker may have
+    taken one from its list just before its host was cut off, and it would wait for its deadline.
+    A returned task's start, if it ever comes, finds it no longer under its admission and makes no
+    call; an entry left on a list is refused the same way when a finishing call takes it."""
     if not models:
         return []
     return _return_queued(engine, tasks.c.model.in_(sorted(models)), "returned to pending: no worker consumes model.",

@@ -40,9 +40,10 @@ short-lived record per model it consumes (:mod:`balancer.calls.consumers`).
 With ``BALANCER_CONSUMERS_REQUIRED`` (the default) a model with no live
 record is admitted nothing (admit.lua), stocked nothing, its ready list goes
 back to pending at once (take_ready.lua), and so do its queued tasks, whose
-messages wait in a queue nobody reads (:func:`served_view`): other models, or
-hedges, take them. When a worker comes back, its model takes work at the
-next round.
+messages wait in a queue nobody reads, and its ready tasks a worker had taken
+(:func:`served_view`): other models, or hedges, take them. Its calls in flight
+are hedged in a run's first round, before new work. When a worker comes back,
+its model takes work at the next round.
 
 A source whose budget per day is spent takes no new calls: the run reads
 which sources are over budget once (:class:`HeldSources`), and its claims, stock and
@@ -107,7 +108,7 @@ class DispatchReport:
     stocked: int = 0
     unstocked: int = 0
     rounds: int = 0
-    #: queued tasks returned to pending because no worker consumes their model's queue
+    #: queued or ready tasks returned to pending because no worker consumes their model's queue
     unconsumed: int = 0
     #: sources over their budget: none of their tasks was claimed (balancer.dispatch.budgets)
     held: frozenset[str] = frozenset()
@@ -206,7 +207,8 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             # free slots, not once the backlog is out (which kept a cut host's calls waiting to its end).
             if hedged := hedge_stragglers(services, publish, every, over_budget.read(), orphans_only=True):
                 report.hedges += hedged
-                view = served_view(services, core.live(), report, returning=False)
+                every = core.live()
+                view = served_view(services, every, report, returning=False)
         free = open_slots(view)
         if not free:
             break
@@ -294,8 +296,8 @@ def served_view(services: Services, view: dict[str, ModelLive], report: Dispatch
                 returning: bool) -> dict[str, ModelLive]:
     """The models a worker consumes now (all of them with ``BALANCER_CONSUMERS_REQUIRED`` off): the
     only ones a round claims, places, stocks or hedges for. With ``returning`` (a run's first
-    round), the queued tasks of the others go back to pending now and their leases are withdrawn:
-    their messages wait in queues nobody reads, and would hold them until their deadline."""
+    round), the queued and ready tasks of the others go back to pending now and their leases are
+    withdrawn: their messages wait in queues nobody reads, and would hold them until their deadline."""
     if not consumed_only(services):
         return view
     unserved = sorted(name for name, m in view.items() if m.consumers == 0)
@@ -350,15 +352,15 @@ def plan_batch(
 
 def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, ModelLive],
                      held: Collection[str] = (), *, orphans_only: bool = False) -> int:
-    """Send hedges for straggling calls to free slots that no pending task can use
-    (none for a task of a ``held`` source: a hedge is a call its budget pays for).
+    """Send hedges for straggling calls to free slots that no pending task can use, or, with
+    ``orphans_only``, for the calls on models no worker consumes, before pending work (none for a
+    task of a ``held`` source: a hedge is a call its budget pays for).
 
     Which calls and where is :func:`balancer.dispatch.endgame.pick_hedges`; each
     hedge is admitted like any call (so it never breaks a quota), recorded on
     its task (at most ``max_hedges`` per task, within ``hedge_budget`` of the
     run's tokens) and published as a ``solve`` message marked as a hedge. ``view`` holds
-    every model: a call on one no worker consumes is hedged first (on a served model). With
-    ``orphans_only``, only such calls are hedged (a run's first round, before new work).
+    every model: a call on one no worker consumes is hedged first (on a served model).
     """
     core, settings = services.core, services.settings
     models = outlooks(view, settings.expected_latency_s)

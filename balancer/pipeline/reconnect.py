@@ -27,13 +27,15 @@ RETRY_MAX_S = 2.0
 class PromptConnection(kombu.Connection):
     """A kombu connection whose reconnection retries default to the intervals above."""
 
-    def _ensure_connection(self, errback: Any = None, max_retries: int | None = None,  # type: ignore[override]
+    def _ensure_connection(self, errback: Any = None, max_retries: int | None = None,
                            interval_start: float = RETRY_START_S, interval_step: float = RETRY_STEP_S,
-                           interval_max: float = RETRY_MAX_S, **kwargs: Any) -> Any:
-        return super()._ensure_connection(errback, max_retries, interval_start, interval_step, interval_max, **kwargs)
+                           interval_max: float = RETRY_MAX_S, *args: Any, **kwargs: Any) -> Any:
+        return super()._ensure_connection(errback, max_retries, interval_start, interval_step, interval_max,
+                                          *args, **kwargs)
 
 
 class PromptAMQP(AMQP):
     """Celery's AMQP layer with :class:`PromptConnection` for every broker connection (``Celery(amqp=...)``)."""
 
     Connection = PromptConnection
+    BrokerConnection = PromptConnection

@@ -111,6 +111,7 @@ def test_a_ready_task_a_worker_took_before_its_host_was_cut_goes_back_at_once(sv
     ``ready`` in PostgreSQL, so the return of queued tasks did not either: it waited 30 s for
     the sweep. Now it goes back with the queued ones, and its lease is withdrawn."""
     from balancer.backlog.ready import mark_ready
+    from balancer.backlog.transitions import start_solve
 
     svc.core.note_consumers("w-b", ["b"], 60_000)
     (task_id,) = submit(svc, "b", 1)
@@ -124,6 +125,7 @@ def test_a_ready_task_a_worker_took_before_its_host_was_cut_goes_back_at_once(sv
     report = dispatch(svc, lambda assignments: None)
     assert report.unconsumed == 1 and statuses(svc, [task_id]) == [("pending", None)]
     assert svc.core.live()["b"].in_flight == 0
+    assert start_solve(svc.engine, task_id, sent[0].admission_id, 60) is None  # the cut worker's late start: no call
 
 
 def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Services) -> None:
@@ -146,25 +148,39 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Serv
     assert report.hedges == 1 and [(a.task_id, a.model, a.hedge) for a in sent] == [(task_id, "a", True)]
 
 
-def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_the_free_slots(svc: Services) -> None:
+def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_the_free_slots(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 40's cut at the issue's size: the calls a cut host had in flight were hedged only when
     a dispatch round found no pending task for the free slots, so with a backlog they waited for
     its end (10 s of a 15 s batch) and then for their hedges. Now the first round of a run hedges
-    them before it admits new work into those slots."""
+    them before it admits new work into those slots; a straggler on a served model is not hedged
+    there, though a budget would pay for it and model c could take it."""
+    import sqlalchemy as sa
+
     from balancer.backlog.transitions import start_solve
 
-    svc.core.note_consumers("w-b", ["b"], 60_000)
-    (orphan,) = submit(svc, None, 1)
+    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
+    monkeypatch.setenv("BALANCER_HEDGE_BUDGET", "1")
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota(name, 4, 600_000, slow_start=False) for name in ("a", "b", "c")])
+    for name in ("a", "b", "c"):
+        svc.core.note_consumers(f"w-{name}", [name], 60_000)
+    (orphan,) = submit(svc, "b", 1)
+    (served,) = submit(svc, "a", 1)  # a long call on a served model: a straggler, but not an orphan
     sent: list[Assignment] = []
     dispatch(svc, sent.extend)
-    assert start_solve(svc.engine, orphan, sent[0].admission_id, 60) is not None
-    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's is there, and a backlog waits
-    svc.core.note_consumers("w-a", ["a"], 60_000)
-    backlog = submit(svc, None, 10)
+    for assignment in sent:
+        assert start_solve(svc.engine, assignment.task_id, assignment.admission_id, 60) is not None
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.id.in_([orphan, served]))
+                     .values(started_at=sa.func.now() - sa.text("interval '10 minutes'"), allowed_models=None))
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's and c's are there, and a backlog waits
+    backlog = submit(svc, None, 20)
     sent.clear()
     report = dispatch(svc, sent.extend)
-    assert report.hedges == 1 and (sent[0].task_id, sent[0].model, sent[0].hedge) == (orphan, "a", True)
-    assert {a.task_id for a in sent[1:]} <= set(backlog) and len(sent) == 4  # a's other three slots: new work
+    assert report.hedges == 1 and sent[0].task_id == orphan and sent[0].hedge and sent[0].model in ("a", "c")
+    assert [a for a in sent[1:] if a.hedge] == [] and {a.task_id for a in sent[1:]} <= set(backlog)
+    assert len(sent) == 7  # every free slot of a (three) and c (four): the hedge and six of the backlog
 
 
 @pytest.mark.e2e
