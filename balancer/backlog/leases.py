@@ -55,7 +55,7 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
     return result.rowcount, kept
 
 
-def _return_queued(engine: Engine, which: sa.ColumnElement[bool], reason: str,
+def _return_to_pending(engine: Engine, which: sa.ColumnElement[bool], reason: str,
                    statuses: tuple[str, ...] = ("queued",)) -> list[tuple[int, str]]:
     """Tasks in ``statuses`` matching ``which`` back to pending now; (task id, old admission id)
     of each.
@@ -86,7 +86,7 @@ def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int
     call; an entry left on a list is refused the same way when a finishing call takes it."""
     if not models:
         return []
-    return _return_queued(engine, tasks.c.model.in_(sorted(models)), "returned to pending: no worker consumes model.",
+    return _return_to_pending(engine, tasks.c.model.in_(sorted(models)), "returned to pending: no worker consumes model.",
                           statuses=("queued", "ready"))
 
 
@@ -109,7 +109,7 @@ def return_lost(engine: Engine, admission_ids: Collection[str]) -> list[tuple[in
     the caller withdraws."""
     if not admission_ids:
         return []
-    return _return_queued(engine, tasks.c.admission_id.in_(sorted(admission_ids)),
+    return _return_to_pending(engine, tasks.c.admission_id.in_(sorted(admission_ids)),
                           "returned to pending: the broker lost its solve message to model.")
 
 

@@ -201,10 +201,9 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                 view = core.live()
         every = view  # unserved models too: their running calls are the first to hedge
         view = served_view(services, view, report, returning=round_no == 0)
-        if round_no == 0 and services.settings.hedging and any(m.consumers == 0 and m.in_flight for m in every.values()) \
-                and consumed_only(services):
+        if round_no == 0 and services.settings.hedging and any(every[name].in_flight for name in unserved(services, every)):
             # A call on a model no worker consumes may never end: it is hedged before new work takes the
-            # free slots, not once the backlog is out (which kept a cut host's calls waiting to its end).
+            # free slots, not once the backlog is out.
             if hedged := hedge_stragglers(services, publish, every, over_budget.read(), orphans_only=True):
                 report.hedges += hedged
                 every = core.live()
@@ -300,15 +299,20 @@ def served_view(services: Services, view: dict[str, ModelLive], report: Dispatch
     withdrawn: their messages wait in queues nobody reads, and would hold them until their deadline."""
     if not consumed_only(services):
         return view
-    unserved = sorted(name for name, m in view.items() if m.consumers == 0)
-    if unserved and returning:
-        returned = return_unconsumed(services.engine, unserved)
+    unconsumed = sorted(unserved(services, view))
+    if unconsumed and returning:
+        returned = return_unconsumed(services.engine, unconsumed)
         if returned:
             services.core.withdraw([admission_id for _, admission_id in returned])
             report.unconsumed += len(returned)
             log.warning("returned %d queued or ready task(s) to pending: no worker consumes %s", len(returned),
-                        ", ".join(f"model.{name}" for name in unserved))
-    return {name: m for name, m in view.items() if m.consumers > 0}
+                        ", ".join(f"model.{name}" for name in unconsumed))
+    return {name: m for name, m in view.items() if name not in unconsumed}
+
+
+def unserved(services: Services, view: dict[str, ModelLive]) -> set[str]:
+    """The models of ``view`` no worker consumes now (none with ``BALANCER_CONSUMERS_REQUIRED`` off)."""
+    return {name for name, m in view.items() if m.consumers == 0} if consumed_only(services) else set()
 
 
 def plan_batch(
@@ -364,18 +368,18 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     """
     core, settings = services.core, services.settings
     models = outlooks(view, settings.expected_latency_s)
-    unserved = {name for name, m in view.items() if m.consumers == 0} if consumed_only(services) else set()
-    if not any(m.free_slots for m in models if m.name not in unserved) or not any(m.in_flight for m in models):
+    orphaned = unserved(services, view)
+    if not any(m.free_slots for m in models if m.name not in orphaned) or not any(m.in_flight for m in models):
         return 0
     sent: list[Assignment] = []
     with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-        on = unserved if orphans_only else None
+        on = orphaned if orphans_only else None
         calls = {c.id: c for c in stragglers(conn, settings.max_hedges, models=on) if c.source not in held}
         if not calls:
             return 0
         spent, run_tokens = hedge_spending(conn)
         running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
-        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent, unserved)
+        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent, orphaned)
         if not picks:
             return 0
         decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks],

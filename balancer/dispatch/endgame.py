@@ -97,7 +97,7 @@ def horizon_ms(models: Sequence[ModelOutlook], latency_field: str = CAUTIOUS) ->
     among those whose latency is known; all of them if none is. A model still on the global
     prior (30 s: "not known yet") is left out: counted, it made every run shorter than that
     an end game from the first seconds, in which a model on its prior is never chosen, so it
-    never measured the calls that would free it (mix-5's RPM-bound gen-0: 2 calls a run).
+    never measured the calls that would free it.
 
     >>> fast = ModelOutlook("fast", cap=4, free_slots=4, in_flight=0, latency=LatencyEstimate(500, 1_000, 1_500, 50))
     >>> new = ModelOutlook("new", cap=4, free_slots=4, in_flight=0, latency=LatencyEstimate.prior(30.0),

@@ -3,9 +3,9 @@
 kombu retries a lost broker connection 2 s after the first failure, then 4, 6,
 ... up to 30 s apart (Celery's consumer and beat pass no intervals of their
 own). After a Redis failover that takes a few seconds, that wait can cost as
-much again as the outage: in ``tests/pipeline/test_hosts.py`` every worker and
-the dispatcher reconnected 3.8 s after Sentinel had named the new master, and
-work stood still meanwhile. Here the retries start :data:`RETRY_START_S` after
+much again as the outage: workers and the dispatcher come back seconds after
+Sentinel has named the new master, and work stands still meanwhile. Here the
+retries start :data:`RETRY_START_S` after
 a failure and grow by :data:`RETRY_STEP_S` to at most :data:`RETRY_MAX_S`, so a
 process is back at most that long after its broker, and a broker that stays
 dead costs one connection attempt per broker URL every :data:`RETRY_MAX_S`.
