@@ -98,7 +98,7 @@ def live_ref(ref: ReferenceCore, now: int) -> dict:
                       s.requests / UNITS if s.limits.max_requests_per_minute else None,
                       s.deficit, max(0, s.paused_until - now),
                       outside_rate(s.limits.max_tokens_per_minute, s.external),
-                      sum(1 for until in ref.consumers.get(name, {}).values() if until > now))
+                      sum(1 for until in ref.consumers.records.get(name, {}).values() if until > now))
     return view
 
 
@@ -131,7 +131,9 @@ class Twin:
 
     def check_same_state(self) -> None:
         assert canonical_lua(self.core) == canonical_ref(self.ref)
-        assert self.lua_consumers(set(self.ref.consumers) | set(self.ref.models)) == self.ref.consumers
+        assert self.lua_consumers(set(self.ref.consumers.records) | set(self.ref.models)) == self.ref.consumers.records
+        heard = self.client.hmget(keys.consumers_heard(self.namespace), "heard", "resumed")
+        assert [None if v is None else int(v) for v in heard] == [self.ref.consumers.heard, self.ref.consumers.resumed]
 
     def lua_consumers(self, names: set[str]) -> dict[str, dict[str, int]]:
         """Each model's consumer records in Redis (models with none left out), as the reference keeps them."""

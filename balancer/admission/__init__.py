@@ -9,6 +9,7 @@ importers name the module (importing the quota value loads no Redis client).
 * ``core`` — the admission core: Redis I/O around the Lua scripts
 * ``values`` — what production code passes to the core and gets back; the bucket units the scripts get
 * ``live`` — the live state each model holds in Redis, read without Lua
+* ``liveness`` — how long a worker's consumer record lives, and when lapsed records can be believed (pure)
 * ``learned`` — limits that learn: the effective limits, the decrease, the clean-window raise, slow start
 * ``window`` — the window cap: at most a quota's TPM tokens admitted in any 60 s
 * ``finishes`` — finishes that could not reach Redis, kept in memory and applied once it answers

@@ -20,10 +20,10 @@ from typing import Any, cast
 
 import redis
 
-from balancer.admission import fields, keys, learned, values, window
+from balancer.admission import fields, keys, learned, liveness, values, window
 from balancer.admission.live import ModelLive as ModelLive
 from balancer.admission.live import open_slots as open_slots
-from balancer.admission.live import read_live
+from balancer.admission.live import read_live, records_trusted_now
 from balancer.admission.quota import MAX_LIMIT, Quota
 from balancer.admission.values import (
     Admitted,
@@ -261,7 +261,7 @@ class AdmissionCore:
     def note_consumers(self, consumer: str, models: Sequence[str], ttl_ms: int) -> None:
         """``consumer`` (a worker process) consumes these queues for ``ttl_ms`` more (0: no more): consumers.lua."""
         if models:
-            self._run("consumers", [self._now(), max(0, int(ttl_ms)), consumer, *models])
+            self._run("consumers", [self._now(), max(0, int(ttl_ms)), liveness.SILENCE_MS, consumer, *models])
 
     def release(self, admission_id: str) -> bool:
         """Free the slot; releasing twice, or an unknown id, is harmless."""
@@ -357,12 +357,8 @@ class AdmissionCore:
             for name in names:
                 pipe.hgetall(keys.stats(self.namespace, name))
             pipe.hgetall(keys.system_stats(self.namespace))
-            replies = pipe.execute()
-
-        def ints(raw: dict) -> dict[str, int]:
-            return {k.decode(): int(v) for k, v in raw.items()}
-
-        return {name: ints(raw) for name, raw in zip(names, replies, strict=False)}, ints(replies[-1])
+            replies = [{k.decode(): int(v) for k, v in raw.items()} for raw in pipe.execute()]
+        return dict(zip(names, replies, strict=False)), replies[-1]
 
     def model_names(self) -> list[str]:
         """The names of the models the live state holds, in admission order."""
@@ -370,6 +366,10 @@ class AdmissionCore:
 
     def is_loaded(self) -> bool:
         return self.redis.hget(self.keys[0], "loaded") == b"1"
+
+    def consumer_records_trusted(self) -> bool:
+        """Whether a model with no live consumer record is consumed by nobody (:mod:`.liveness`)."""
+        return records_trusted_now(self.redis, self.namespace, None if self.clock is None else int(self.clock()))
 
     def raw_state(self) -> dict:
         """Everything in Redis for this namespace, decoded (the differential tests compare it)."""

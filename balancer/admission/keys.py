@@ -46,6 +46,7 @@ FAIR_SHARED = ":fairshare:shared"
 LAST_FAILURE_INFIX = ":failure:"
 SOURCE_READ_ERRORS = ":source_read_errors"
 CONSUMERS_INFIX = ":consumers:"
+CONSUMERS_HEARD = ":consumers"
 
 #: The dispatcher's queue: its ticks (dispatch, sweep, ingest) and every task not sent elsewhere.
 CONTROL_QUEUE = "control"
@@ -149,6 +150,13 @@ def consumers(namespace: str, name: str) -> str:
     return tag(namespace) + CONSUMERS_INFIX + name
 
 
+def consumers_heard(namespace: str) -> str:
+    """When Redis last heard any worker's beat, and when beats last resumed after a silence
+    (hash: heard, resumed; ms, Redis time): whether lapsed records can be believed
+    (:mod:`balancer.admission.liveness`)."""
+    return tag(namespace) + CONSUMERS_HEARD
+
+
 def source_read_errors(namespace: str) -> str:
     """Each source table's last failed read (hash): source name -> its error, removed when a read
     succeeds (see :mod:`balancer.sources.read_errors`)."""
@@ -239,6 +247,7 @@ LUA_PRELUDE = "\n".join(
         f"local WINDOW_INFIX = '{WINDOW_INFIX}'",
         f"local SYSTEM_STATS = '{SYSTEM_STATS}'",
         f"local CONSUMERS_INFIX = '{CONSUMERS_INFIX}'",
+        f"local CONSUMERS_HEARD = '{CONSUMERS_HEARD}'",
         "",
     ]
 )

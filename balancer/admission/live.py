@@ -14,6 +14,7 @@ import redis
 
 from balancer.admission import fields, keys
 from balancer.admission.learned import Learned, effective, reason, relaxed, slots_now
+from balancer.admission.liveness import records_trusted
 from balancer.admission.quota import Quota
 from balancer.admission.values import UNITS, outside_rate, refilled
 from balancer.estimates.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
@@ -113,6 +114,17 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
                                latency, ready, learned,
                                slots_now(quota, learned, now_ms), m["probing"] == 1, m["fails"], consumers)
     return view
+
+
+def records_trusted_now(client: redis.Redis, namespace: str, now_ms: int | None = None) -> bool:
+    """Whether lapsed consumer records can be believed now (Redis TIME by default):
+    :func:`balancer.admission.liveness.records_trusted` on ``keys.consumers_heard``."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.consumers_heard(namespace), "heard", "resumed")
+    pipe.time()
+    (heard, resumed), (seconds, micros) = pipe.execute()
+    now = seconds * 1000 + micros // 1000 if now_ms is None else now_ms
+    return records_trusted(now, None if heard is None else int(heard), None if resumed is None else int(resumed))
 
 
 def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:

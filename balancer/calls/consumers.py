@@ -1,9 +1,9 @@
 """Each worker process says which models' queues it consumes: a short-lived record per model
-in Redis (``keys.consumers``), renewed every :data:`BEAT_S` while the process consumes.
+in Redis (``keys.consumers``), renewed every second while the process consumes (the timings: :mod:`balancer.admission.liveness`).
 
 The dispatcher admits nothing to a model with no live record (admit.lua, with
 ``BALANCER_CONSUMERS_REQUIRED``), returns its ready list and its queued tasks to
-pending at once (:func:`balancer.dispatch.dispatcher.served_view`), and ``status``,
+pending at once (:mod:`balancer.dispatch.served`), and ``status``,
 ``top``, the metrics and the console name it (``no_consumer``,
 :mod:`balancer.health.reasons`). So a worker host that is cut off, or gone, stops
 getting work within :data:`TTL_MS` instead of the tasks cycling through its
@@ -27,14 +27,12 @@ import threading
 import redis
 from celery import bootsteps
 
+from balancer.admission.liveness import BEAT_MS, TTL_MS
 from balancer.calls.pool import model_queues
 
 log = logging.getLogger(__name__)
 
-#: How long a record lives without a renewal: a worker unheard of for this long consumes nothing.
-TTL_MS = 3_000
-#: How often a worker renews its records (a few renewals may fail before its models look unconsumed).
-BEAT_S = 1.0
+BEAT_S = BEAT_MS / 1000
 
 
 class ConsumerBeat(bootsteps.StartStopStep):

@@ -1,6 +1,7 @@
 """Dispatch: which pending tasks go to which model's queue, round after round.
 
 * ``dispatcher`` — one dispatch run: pending tasks → admission core → ``solve`` messages
+* ``served`` — the models a worker consumes, and the work of those nobody consumes given back
 * ``fairness`` — the dispatch window filled across sources by weight
 * ``shares`` — the fair share's round-robin state in Redis, shared by every dispatcher
 * ``budgets`` — the sources over their budget per day, whose tasks the dispatcher leaves pending

@@ -35,15 +35,10 @@ lists what free slots can take now and returns what expired or can no longer
 run to pending (:func:`take_from_ready`). How many tasks and for how long:
 :mod:`balancer.dispatch.ready`.
 
-Work goes only where someone consumes it: each worker process keeps a
-short-lived record per model it consumes (:mod:`balancer.calls.consumers`).
-With ``BALANCER_CONSUMERS_REQUIRED`` (the default) a model with no live
-record is admitted nothing (admit.lua), stocked nothing, its ready list goes
-back to pending at once (take_ready.lua), and so do its queued tasks, whose
-messages wait in a queue nobody reads, and its ready tasks a worker had taken
-(:func:`served_view`): other models, or hedges, take them. Its calls in flight
-are hedged in a run's first round, before new work. When a worker comes back,
-its model takes work at the next round.
+Work goes only where someone consumes it (:mod:`balancer.dispatch.served`): a
+model no worker consumes is admitted and stocked nothing, and a run's first round
+returns its queued and ready tasks to pending and hedges its calls in flight,
+before new work.
 
 A source whose budget per day is spent takes no new calls: the run reads
 which sources are over budget once (:class:`HeldSources`), and its claims, stock and
@@ -76,11 +71,11 @@ from balancer.backlog.claims import (
     models_with_pinned_backlog,
 )
 from balancer.backlog.hedges import hedge_spending, mark_hedged, stragglers
-from balancer.backlog.leases import return_unconsumed
 from balancer.backlog.ready import unstock
 from balancer.dispatch import endgame, fairness
 from balancer.dispatch.budgets import held_sources
 from balancer.dispatch.placement import finish_time_aware, outlooks, planned_latency_field
+from balancer.dispatch.served import consumed_only, orphaned, return_orphans, served_view, unserved
 from balancer.dispatch.stocking import stock_ready
 from balancer.services import Services
 
@@ -196,18 +191,21 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             # empty live view means it would never be reached).
             core.restore()
             view = core.live()
-        if round_no == 0 and any(m.ready for m in view.values()):
+        # (take_ready.lua drops the lists of unserved models: not while their records lapsed unheard)
+        if round_no == 0 and any(m.ready for m in view.values()) and orphaned(services, view) == unserved(services, view):
             if take_from_ready(services, publish, report):
                 view = core.live()
         every = view  # unserved models too: their running calls are the first to hedge
-        view = served_view(services, view, report, returning=round_no == 0)
-        if round_no == 0 and services.settings.hedging and any(every[name].in_flight for name in unserved(services, every)):
+        if round_no == 0:
+            report.unconsumed += return_orphans(services, every)
+        view = served_view(services, every)
+        if round_no == 0 and services.settings.hedging and any(every[name].in_flight for name in orphaned(services, every)):
             # A call on a model no worker consumes may never end: it is hedged before new work takes the
             # free slots, not once the backlog is out.
             if hedged := hedge_stragglers(services, publish, every, over_budget.read(), orphans_only=True):
                 report.hedges += hedged
                 every = core.live()
-                view = served_view(services, every, report, returning=False)
+                view = served_view(services, every)
         free = open_slots(view)
         if not free:
             break
@@ -259,7 +257,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         if round_no == 0 and stocking:
             # Refill the lists now, not only at the end: the next rounds publish
             # for a while, and every call that ends meanwhile takes its next from them.
-            report.stocked += stock_ready(services, served_view(services, core.live(), report, returning=False), held)
+            report.stocked += stock_ready(services, served_view(services, core.live()), held)
             view_predates_stock = True
         report.rounds += 1
         report.count_admitted(admitted)
@@ -284,35 +282,6 @@ def take_from_ready(services: Services, publish: Publisher, report: DispatchRepo
     publish(assignments)
     report.count_admitted(assignments)
     return len(assignments)
-
-
-def consumed_only(services: Services) -> bool:
-    """Whether admissions need a live consumer (``BALANCER_CONSUMERS_REQUIRED``)."""
-    return services.settings.consumers_required
-
-
-def served_view(services: Services, view: dict[str, ModelLive], report: DispatchReport, *,
-                returning: bool) -> dict[str, ModelLive]:
-    """The models a worker consumes now (all of them with ``BALANCER_CONSUMERS_REQUIRED`` off): the
-    only ones a round claims, places, stocks or hedges for. With ``returning`` (a run's first
-    round), the queued and ready tasks of the others go back to pending now and their leases are
-    withdrawn: their messages wait in queues nobody reads, and would hold them until their deadline."""
-    if not consumed_only(services):
-        return view
-    unconsumed = sorted(unserved(services, view))
-    if unconsumed and returning:
-        returned = return_unconsumed(services.engine, unconsumed)
-        if returned:
-            services.core.withdraw([admission_id for _, admission_id in returned])
-            report.unconsumed += len(returned)
-            log.warning("returned %d queued or ready task(s) to pending: no worker consumes %s", len(returned),
-                        ", ".join(f"model.{name}" for name in unconsumed))
-    return {name: m for name, m in view.items() if name not in unconsumed}
-
-
-def unserved(services: Services, view: dict[str, ModelLive]) -> set[str]:
-    """The models of ``view`` no worker consumes now (none with ``BALANCER_CONSUMERS_REQUIRED`` off)."""
-    return {name for name, m in view.items() if m.consumers == 0} if consumed_only(services) else set()
 
 
 def plan_batch(
@@ -367,19 +336,21 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     every model: a call on one no worker consumes is hedged first (on a served model).
     """
     core, settings = services.core, services.settings
-    models = outlooks(view, settings.expected_latency_s)
-    orphaned = unserved(services, view)
-    if not any(m.free_slots for m in models if m.name not in orphaned) or not any(m.in_flight for m in models):
+    orphans = orphaned(services, view)
+    # a model unserved but not orphaned (its record lapsed unheard) neither takes nor gives hedges
+    unconsumed = unserved(services, view) - orphans
+    models = outlooks({name: m for name, m in view.items() if name not in unconsumed}, settings.expected_latency_s)
+    if not any(m.free_slots for m in models if m.name not in orphans) or not any(m.in_flight for m in models):
         return 0
     sent: list[Assignment] = []
     with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-        on = orphaned if orphans_only else None
+        on = orphans if orphans_only else None
         calls = {c.id: c for c in stragglers(conn, settings.max_hedges, models=on) if c.source not in held}
         if not calls:
             return 0
         spent, run_tokens = hedge_spending(conn)
         running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
-        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent, orphaned)
+        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent, orphans)
         if not picks:
             return 0
         decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks],

@@ -96,6 +96,7 @@ def test_a_ready_list_of_a_model_no_worker_consumes_goes_back_at_once(svc: Servi
     model no worker consumes to pending at once (not when each expires)."""
     from balancer.backlog.ready import mark_ready
 
+    svc.core.note_consumers("w-a", ["a"], 60_000)  # a's worker beats; nobody consumes b
     ids = submit(svc, "b", 3)
     with svc.engine.begin() as conn:
         mark_ready(conn, [(task_id, "b", f"r{task_id}") for task_id in ids], 60)
@@ -113,6 +114,7 @@ def test_a_ready_task_a_worker_took_before_its_host_was_cut_goes_back_at_once(sv
     from balancer.backlog.ready import mark_ready
     from balancer.backlog.transitions import start_solve
 
+    svc.core.note_consumers("w-a", ["a"], 60_000)
     svc.core.note_consumers("w-b", ["b"], 60_000)
     (task_id,) = submit(svc, "b", 1)
     sent: list[Assignment] = []
@@ -126,6 +128,48 @@ def test_a_ready_task_a_worker_took_before_its_host_was_cut_goes_back_at_once(sv
     assert report.unconsumed == 1 and statuses(svc, [task_id]) == [("pending", None)]
     assert svc.core.live()["b"].in_flight == 0
     assert start_solve(svc.engine, task_id, sent[0].admission_id, 60) is None  # the cut worker's late start: no call
+
+
+def test_records_that_lapsed_while_redis_heard_no_worker_return_nothing(svc: Services) -> None:
+    """Issue 40's failover: Redis was away for longer than a record lives (3 s), so every record
+    had lapsed when it came back, and the dispatcher's first run returned the queued and ready
+    tasks of every model whose worker had not beaten again yet: their workers were there all
+    along. Now a record that lapsed while Redis heard no worker says nothing until every worker
+    has had a record's life to renew its own; then the work of a model still unconsumed goes back."""
+    from balancer.admission.keys import consumers_heard
+    from balancer.admission.liveness import TTL_MS
+    from balancer.backlog.ready import mark_ready
+
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    svc.core.note_consumers("w-b", ["b"], 60_000)
+    queued = submit(svc, "b", 2)
+    dispatch(svc, lambda assignments: None)
+    ready = submit(svc, "b", 1)
+    with svc.engine.begin() as conn:
+        mark_ready(conn, [(task_id, "b", f"r{task_id}") for task_id in ready], 60)
+    svc.core.stock([("b", task_id, 100, f"r{task_id}") for task_id in ready], 60_000)
+    assert statuses(svc, queued) == [("queued", "b")] * 2
+
+    # The failover, as the promoted replica holds it: b's record lapsed, no beat heard for 5 s;
+    # then a's worker beats first.
+    heard = consumers_heard(svc.settings.namespace)
+    now_ms = int(svc.redis.time()[0]) * 1000
+    svc.core.note_consumers("w-b", ["b"], 0)
+    svc.redis.hset(heard, "heard", now_ms - 5_000)
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    assert not svc.core.consumer_records_trusted()
+    report = dispatch(svc, lambda assignments: None)
+    assert report.unconsumed == 0 and report.unstocked == 0
+    assert statuses(svc, queued) == [("queued", "b")] * 2
+    assert svc.core.live()["b"].ready == 1 and svc.core.live()["b"].in_flight == 2
+
+    # A record's life after the beats resumed, b's worker has not come back: its work goes back.
+    svc.redis.hset(heard, "resumed", now_ms - TTL_MS)
+    svc.core.note_consumers("w-a", ["a"], 60_000)
+    assert svc.core.consumer_records_trusted()
+    report = dispatch(svc, lambda assignments: None)
+    assert report.unconsumed == 2 and report.unstocked == 1
+    assert statuses(svc, queued + ready) == [("pending", None)] * 3
 
 
 def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Services) -> None:
@@ -190,7 +234,7 @@ def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_p
     the tasks queued for it meanwhile go back to pending, nothing more is admitted to it, the
     overview (status, top, the console, metrics) says no worker consumes its queue, and work
     that may go elsewhere does. Thawed, its model resumes within seconds, each task called once."""
-    from balancer.calls.consumers import BEAT_S, TTL_MS
+    from balancer.admission.liveness import BEAT_MS, TTL_MS
     from balancer.views.overview import read_overview
     from tests.pipeline_harness import Pipeline
 
@@ -221,7 +265,7 @@ def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_p
         calls = [e for e in pipeline.sim_log() if e["model"] == "model-1"]
         assert len(calls) == 4, calls  # each pinned task called once: the stale messages made no call
         print(f"\nqueued tasks back {returned_after:.1f} s after the freeze; model-1 done {resumed_after:.1f} s "
-              f"after the thaw (beat {BEAT_S} s, record {TTL_MS / 1000:g} s)")
+              f"after the thaw (beat {BEAT_MS / 1000:g} s, record {TTL_MS / 1000:g} s)")
         assert resumed_after < 15
     finally:
         pipeline.stop()

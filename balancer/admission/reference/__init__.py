@@ -57,6 +57,7 @@ from collections.abc import Sequence
 
 from balancer.admission import window
 from balancer.admission.quota import Quota
+from balancer.admission.reference.consumers import ConsumerRecords
 from balancer.admission.reference.signals import Signals
 from balancer.admission.reference.state import Lease, ModelState, ReadyEntry
 from balancer.admission.values import (
@@ -87,7 +88,7 @@ class ReferenceCore(Signals):
         for name in names:
             self._refill(name, now)
             self._purge(name, now)
-        serves = {name for name in names if not consumed_only or self._consumed(name, now)}
+        serves = {name for name in names if not consumed_only or self.consumers.consumed(name, now)}
         held: set[str] = set()
         decisions: list[Decision] = []
         for cand in candidates:
@@ -297,7 +298,7 @@ class ReferenceCore(Signals):
                 continue
             self._refill(name, now)
             self._purge(name, now)
-            if consumed_only and not self._consumed(name, now):
+            if consumed_only and not self.consumers.consumed(name, now):
                 got, lost = [], self.ready.pop(name)  # type: list[ReadyEntry], list[ReadyEntry]
             else:
                 got, lost = self._take_ready(name, now, lease_ms, False, math.inf, True)
@@ -306,20 +307,8 @@ class ReferenceCore(Signals):
         return taken, dropped
 
     def note_consumers(self, consumer: str, models: Sequence[str], ttl_ms: int, now: int) -> int:
-        """``consumer`` (a worker process) consumes these models' queues until ``now + ttl_ms``
-        (0: no more): its beat renews the record (``consumers.lua``). Records past their time
-        are dropped as a model's are written. Needs no live state. Returns how many models."""
-        for name in models:
-            records = self.consumers.setdefault(name, {})
-            if ttl_ms > 0:
-                records[consumer] = now + ttl_ms
-            else:
-                records.pop(consumer, None)
-            for who in [w for w, until in records.items() if until <= now]:
-                del records[who]
-            if not records:
-                del self.consumers[name]
-        return len(models)
+        """A worker's beat (``consumers.lua``): :meth:`ConsumerRecords.note`. Needs no live state."""
+        return self.consumers.note(consumer, models, ttl_ms, now)
 
     def set_quota(self, quota: Quota, now: int) -> None:
         """Create or change a model. Applies to the very next admission."""
@@ -393,7 +382,7 @@ class ReferenceCore(Signals):
         self.leases.clear()
         self.latency.clear()
         self.ready.clear()
-        self.consumers.clear()
+        self.consumers = ConsumerRecords()
         self.loaded = False
         self.epoch = self.seq = 0
         self.rr = ""

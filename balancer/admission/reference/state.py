@@ -24,6 +24,7 @@ from balancer.admission.learned import (
     undone,
 )
 from balancer.admission.quota import Quota
+from balancer.admission.reference.consumers import ConsumerRecords
 from balancer.admission.values import (
     UNITS,
     NoState,
@@ -233,8 +234,8 @@ class ReferenceState:
     latency: dict[str, dict[str, int]] = field(default_factory=dict)
     #: Per model, its ready list, oldest first (see :meth:`stock`).
     ready: dict[str, list[ReadyEntry]] = field(default_factory=dict)
-    #: Per model, the worker processes consuming its queue: consumer id -> until when (ms).
-    consumers: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: The worker processes consuming each model's queue (consumers.lua).
+    consumers: ConsumerRecords = field(default_factory=ConsumerRecords)
     loaded: bool = False
     epoch: int = 0
     seq: int = 0
@@ -250,10 +251,6 @@ class ReferenceState:
             ((lease.deadline, lid) for lid, lease in self.leases.items() if lease.model == name),
             key=lambda pair: (pair[0], pair[1].encode()),
         )
-
-    def _consumed(self, name: str, now: int) -> bool:
-        """Whether a worker consumes the model's queue at ``now`` (state.lua, consumed)."""
-        return any(until > now for until in self.consumers.get(name, {}).values())
 
     def _live_count(self, name: str, now: int) -> int:
         """The model's leases live at ``now`` (limits.lua, ramp_quota: ZCOUNT over (now, +inf))."""
