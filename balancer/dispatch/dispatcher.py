@@ -350,7 +350,9 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
             return 0
         spent, run_tokens = hedge_spending(conn)
         running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
-        picks = endgame.pick_hedges(running, models, settings.hedge_budget * run_tokens - spent, orphans)
+        allowance = endgame.hedge_allowance(settings.hedge_budget * run_tokens - spent, sum(m.in_flight for m in models),
+                                            [c.estimated_tokens for c in running])
+        picks = endgame.pick_hedges(running, models, allowance, orphans)
         if not picks:
             return 0
         decisions = core.admit([Candidate(calls[key].estimated_tokens, (model,)) for key, model in picks],

@@ -286,6 +286,29 @@ def slot_wait_ms(model: ModelOutlook, free_slots: int, queued: int = 0) -> float
     return max(model.paused_ms, (queued + 1) * model.latency.p50_ms / max(1, model.in_flight))
 
 
+#: The run's last calls keep a share of the hedge budget: while more calls than this are in flight,
+#: hedges leave untouched what hedging this many calls would cost. The last calls set the run's end,
+#: and a budget spent on the many stragglers before them left them unhedged.
+LAST_CALLS = 4
+
+
+def hedge_allowance(budget_left: float, in_flight: int, call_tokens: Sequence[int]) -> float:
+    """What hedges may spend now, of the ``budget_left`` (tokens): all of it once at most
+    :data:`LAST_CALLS` calls are in flight, else what is left over a reserve for hedging the last
+    ones, :data:`LAST_CALLS` times the mean tokens of the calls that could be hedged (``call_tokens``).
+
+    >>> hedge_allowance(10_000, 20, [500, 1_500])   # 4 x 1,000 kept for the last calls
+    6000.0
+    >>> hedge_allowance(10_000, 4, [500, 1_500])    # the last calls: all of it
+    10000
+    >>> hedge_allowance(3_000, 20, [1_000])         # less than the reserve: nothing before the last calls
+    0.0
+    """
+    if in_flight <= LAST_CALLS or not call_tokens:
+        return budget_left
+    return max(0.0, budget_left - LAST_CALLS * sum(call_tokens) / len(call_tokens))
+
+
 def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float,
                 unserved: Collection[str] = ()) -> list[tuple[int, str]]:
     """(call key, model) for each hedge to send now, the calls expected to end last first.

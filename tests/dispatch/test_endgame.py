@@ -11,7 +11,18 @@ import pytest
 from balancer.admission.core import AdmissionCore
 from balancer.admission.quota import Quota
 from balancer.admission.values import Admitted, Candidate, Settlement
-from balancer.dispatch.endgame import CAUTIOUS, HEDGED, Job, ModelOutlook, Running, in_end_game, pick_hedges, plan
+from balancer.dispatch.endgame import (
+    CAUTIOUS,
+    HEDGED,
+    LAST_CALLS,
+    Job,
+    ModelOutlook,
+    Running,
+    hedge_allowance,
+    in_end_game,
+    pick_hedges,
+    plan,
+)
 from balancer.dispatch.ready import backlog_to_stock
 from balancer.estimates.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch, bucket_of, record
 
@@ -83,6 +94,21 @@ def test_a_hedge_waits_for_a_busy_fast_model_rather_than_take_a_free_slow_slot()
     fast_free = ModelOutlook("fast", cap=6, free_slots=1, in_flight=5, latency=fast.latency)
     assert pick_hedges(straggler, [slow, mid, fast_free], 10_000) == [(7, "fast")]
     assert pick_hedges(straggler, [slow, mid], 10_000) == [(7, "mid")]
+
+
+def test_the_last_calls_keep_a_share_of_the_hedge_budget() -> None:
+    """Issue 39's mix-2 runs at 0.62 and 0.397 of the bound: the many stragglers of the tail spent
+    the 5 % hedge budget, and the last calls, which set the run's end, ran 11 and 34 s unhedged.
+    Now hedges leave a reserve for the last LAST_CALLS calls while more are in flight."""
+    fast = outlook("fast", LatencyEstimate(1_000, 2_000, 4_000, 50), cap=40, free=40)
+    slow = outlook("slow", LatencyEstimate(10_000, 30_000, 90_000, 50), cap=20, free=0)
+    stragglers = [Running(i, "slow", 45_000, 1_000) for i in range(20)]
+    budget = (LAST_CALLS + 1) * 1_000
+    early = pick_hedges(stragglers, [slow, fast], hedge_allowance(budget, 20, [c.estimated_tokens for c in stragglers]))
+    assert len(early) == 1  # the whole budget would have bought five
+    last = stragglers[-LAST_CALLS:]
+    late = pick_hedges(last, [slow, fast], hedge_allowance(budget - 1_000, LAST_CALLS, [c.estimated_tokens for c in last]))
+    assert len(late) == LAST_CALLS
 
 
 def test_stragglers_queue_for_the_best_model_only_while_the_queue_is_short() -> None:
