@@ -90,14 +90,14 @@ def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int
                           statuses=("queued", "ready"))
 
 
-def queued_since(engine: Engine, seconds: float) -> list[tuple[str, str, float]]:
-    """(admission id, model, seconds queued) of the tasks ``queued`` for longer than ``seconds``:
-    their solve messages should long have been taken (see :mod:`balancer.dispatch.lost`)."""
+def queued_since(engine: Engine, seconds: float, status: str = "queued") -> list[tuple[str, str, float]]:
+    """(admission id, model, seconds queued) of the tasks ``queued`` (or ``ready``) for longer than
+    ``seconds``: their solve messages should long have been taken (see :mod:`balancer.dispatch.lost`)."""
     age = sa.extract("epoch", sa.func.now() - tasks.c.queued_at)
     with engine.connect() as conn:
         rows = conn.execute(
             sa.select(tasks.c.admission_id, tasks.c.model, age.label("age"))
-            .where(tasks.c.status == "queued", tasks.c.admission_id.is_not(None),
+            .where(tasks.c.status == status, tasks.c.admission_id.is_not(None),
                    tasks.c.queued_at < sa.func.now() - timedelta(seconds=seconds))
         ).all()
     return [(r.admission_id, r.model, float(r.age)) for r in rows]
@@ -113,12 +113,21 @@ def return_lost(engine: Engine, admission_ids: Collection[str]) -> list[tuple[in
                           "returned to pending: the broker lost its solve message to model.")
 
 
+def return_unlisted(engine: Engine, admission_ids: Collection[str]) -> list[tuple[int, str]]:
+    """Ready tasks whose ready-list entries Redis lost (a failover) back to pending now, not at
+    their deadline; (task id, admission id) of each."""
+    if not admission_ids:
+        return []
+    return _return_to_pending(engine, tasks.c.admission_id.in_(sorted(admission_ids)),
+                          "returned to pending: Redis lost its ready-list entry on model.", statuses=("ready",))
+
+
 def in_flight_leases(engine: Engine, lease_ms: int) -> list[LeaseSeed]:
     """Calls PostgreSQL believes are in flight, to re-seed a restored Redis.
 
     Not a ``ready`` task (a ready-list entry): no call runs under it and its list
-    is gone with the data, so it would only hold a slot; the sweep returns it
-    to pending at its deadline."""
+    is gone with the data, so it would only hold a slot; the dispatcher's look for lost
+    entries returns it to pending within seconds (:mod:`balancer.dispatch.lost`)."""
     with engine.connect() as conn:
         rows = conn.execute(
             sa.select(

@@ -27,6 +27,12 @@ wrong guess costs is one more dispatch of the task.
 
 Only a Redis broker can be read so; with another broker, lost messages wait for
 the sweep as before.
+
+A failover can lose a ready-list entry the same way (stocked, or taken by a
+finishing call whose reply never came): its task stays ``ready`` in PostgreSQL
+until its deadline, a ready list's life and a lease. A task ``ready`` for longer
+than :data:`GRACE_S` whose entry is on no list and whose call no worker keeps
+alive goes back to pending too (:func:`unlisted`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from collections.abc import Collection, Iterable
 import redis
 
 from balancer.admission import keys
-from balancer.backlog.leases import queued_since, return_lost
+from balancer.backlog.leases import queued_since, return_lost, return_unlisted
 from balancer.calls.heartbeat import live_calls
 from balancer.services import Services
 from balancer.snapshot import redis_client
@@ -92,6 +98,24 @@ def lost(candidates: Iterable[tuple[str, str, float]], waiting: Collection[str],
             if aid not in waiting and aid not in alive and (aid not in delivered or age > delivered_grace)]
 
 
+def unlisted(candidates: Iterable[tuple[str, str, float]], listed: Collection[str], alive: Collection[str]) -> list[str]:
+    """The admissions among ``candidates`` (admission id, model, seconds ready) whose ready-list
+    entries are lost: on no list (``listed``) and not kept alive by a worker (``alive``).
+
+    >>> unlisted([("a", "m", 5.0), ("b", "m", 5.0), ("c", "m", 5.0)], listed={"a"}, alive={"b"})
+    ['c']
+    """
+    return [aid for aid, _, _ in candidates if aid not in listed and aid not in alive]
+
+
+def ready_entries(client: redis.Redis, namespace: str, models: Collection[str]) -> set[str]:
+    """Admission ids on ``models``' ready lists (entries ``task:admission:tokens:expires``). One round trip."""
+    pipe = client.pipeline(transaction=False)
+    for model in sorted(models):
+        pipe.lrange(keys.ready(namespace, model), 0, -1)
+    return {entry.split(b":")[1].decode() for entries in pipe.execute() for entry in entries}
+
+
 def broker_messages(client: redis.Redis, namespace: str, models: Collection[str]) -> tuple[set[str], set[str]]:
     """(waiting, delivered): admission ids of the solve messages in ``models``' queues, and of
     those delivered to a worker and not yet acknowledged. One round trip."""
@@ -140,16 +164,23 @@ class LostMessages:
             return []
 
     def _check(self, services: Services) -> list[tuple[int, str]]:
-        candidates = queued_since(services.engine, GRACE_S)
-        if not candidates or (client := self.broker(services)) is None:
-            return []
         namespace = services.settings.namespace
-        waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in candidates})
-        alive = live_calls(services.redis, namespace)
-        gone = lost(candidates, waiting, delivered, alive, services.settings.heartbeat_seconds + GRACE_S)
-        returned = return_lost(services.engine, gone)
+        returned: list[tuple[int, str]] = []
+        candidates = queued_since(services.engine, GRACE_S)
+        if candidates and (client := self.broker(services)) is not None:
+            waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in candidates})
+            alive = live_calls(services.redis, namespace)
+            gone = lost(candidates, waiting, delivered, alive, services.settings.heartbeat_seconds + GRACE_S)
+            if lost_messages := return_lost(services.engine, gone):
+                log.warning("returned %d queued task(s) to pending: the broker lost their solve messages (in no "
+                            "queue, held by no live worker)", len(lost_messages))
+            returned += lost_messages
+        if ready := queued_since(services.engine, GRACE_S, status="ready"):
+            listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready})
+            if lost_entries := return_unlisted(services.engine, unlisted(ready, listed, live_calls(services.redis, namespace))):
+                log.warning("returned %d ready task(s) to pending: Redis lost their ready-list entries (on no list, "
+                            "no call kept alive)", len(lost_entries))
+            returned += lost_entries
         if returned:
             services.core.withdraw([admission_id for _, admission_id in returned])
-            log.warning("returned %d queued task(s) to pending: the broker lost their solve messages (in no queue, "
-                        "held by no live worker)", len(returned))
         return returned

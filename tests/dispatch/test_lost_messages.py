@@ -83,6 +83,35 @@ def test_only_a_message_in_no_queue_and_held_by_no_live_worker_is_returned(env: 
     assert svc.core.live()["m"].in_flight == 2
 
 
+def test_a_ready_task_whose_list_entry_redis_lost_is_returned(env: dict[str, str]) -> None:
+    """Issue 40's Redis master killed at the issue's size: six ready tasks of one model waited a
+    ready list's life and a lease (+27 s for a 1.6 s outage) for the sweep: their list entries
+    were gone after the failover (stocked, or taken by a call whose reply never came), and they
+    were ``ready`` in PostgreSQL. Now a task ready past the grace whose entry is on no list and
+    whose call no worker keeps alive goes back to pending; one on its list, or alive, stays."""
+    from balancer.backlog.ready import mark_ready
+
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("m", 10, 600_000, slow_start=False)])
+    rows, errors = parse_tasks("\n".join(json.dumps({"prompt": f"r{i}", "model": "m"}) for i in range(3)),
+                               models={"m": 600_000})
+    assert not errors
+    with svc.engine.begin() as conn:
+        listed, alive, gone = ids = insert_tasks(conn, rows)
+        mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
+    assert svc.core.stock([("m", task_id, 100, f"r{task_id}") for task_id in ids], 60_000) == [True] * 3
+    ready = keys.ready(svc.settings.namespace, "m")
+    for entry in svc.redis.lrange(ready, 0, -1):
+        if entry.split(b":")[0] != str(listed).encode():
+            svc.redis.lrem(ready, 1, entry)  # lost in the failover; one of them a worker's call keeps alive
+    mark_live(svc.redis, svc.settings.namespace, [f"r{alive}"], [], svc.settings.lease_seconds * 1000)
+    check = LostMessages()
+    assert check.check(svc, now=0.0) == []  # just stocked: within the grace
+    queued_ago(svc, ids, GRACE_S + 1)
+    assert check.check(svc, now=10.0) == [(gone, f"r{gone}")]
+    assert [status_of(svc, task_id) for task_id in ids] == ["ready", "ready", "pending"]
+
+
 @pytest.mark.e2e
 def test_a_message_deleted_from_its_queue_is_solved_within_seconds_not_a_lease(tmp_path: Path) -> None:
     """Real dispatcher, beat, workers and provider, a 60 s lease. Three tasks wait for a
