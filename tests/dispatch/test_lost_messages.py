@@ -41,18 +41,27 @@ def queued_ago(svc: Services, task_ids: list[int], seconds: float) -> None:
                      .values(queued_at=sa.func.now() - sa.func.make_interval(0, 0, 0, 0, 0, 0, seconds)))
 
 
+def services_with_model_m() -> Services:
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("m", 10, 600_000, slow_start=False)])
+    return svc
+
+
+def submit_to_m(svc: Services, n: int) -> list[int]:
+    rows, errors = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}", "model": "m"}) for i in range(n)),
+                               models={"m": 600_000})
+    assert not errors
+    with svc.engine.begin() as conn:
+        return insert_tasks(conn, rows)
+
+
 def test_only_a_message_in_no_queue_and_held_by_no_live_worker_is_returned(env: dict[str, str]) -> None:
     """Four queued tasks, their messages published by Celery to model.m: one still waits in the
     queue, one was delivered to a worker (unacknowledged), one's call a worker keeps alive, one's
     message is gone. Only the last goes back to pending (its lease withdrawn); the delivered one
     follows only once a heartbeat interval past the grace has passed with no worker keeping it."""
-    svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota("m", 10, 600_000, slow_start=False)])
-    rows, errors = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}", "model": "m"}) for i in range(4)),
-                               models={"m": 600_000})
-    assert not errors
-    with svc.engine.begin() as conn:
-        insert_tasks(conn, rows)
+    svc = services_with_model_m()
+    submit_to_m(svc, 4)
     sent: list[Assignment] = []
     dispatch(svc, sent.extend)
     assert len(sent) == 4
@@ -91,13 +100,9 @@ def test_a_ready_task_whose_list_entry_redis_lost_is_returned(env: dict[str, str
     whose call no worker keeps alive goes back to pending; one on its list, or alive, stays."""
     from balancer.backlog.ready import mark_ready
 
-    svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota("m", 10, 600_000, slow_start=False)])
-    rows, errors = parse_tasks("\n".join(json.dumps({"prompt": f"r{i}", "model": "m"}) for i in range(3)),
-                               models={"m": 600_000})
-    assert not errors
+    svc = services_with_model_m()
+    listed, alive, gone = ids = submit_to_m(svc, 3)
     with svc.engine.begin() as conn:
-        listed, alive, gone = ids = insert_tasks(conn, rows)
         mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
     assert svc.core.stock([("m", task_id, 100, f"r{task_id}") for task_id in ids], 60_000) == [True] * 3
     ready = keys.ready(svc.settings.namespace, "m")
