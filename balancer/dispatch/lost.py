@@ -31,8 +31,9 @@ the sweep as before.
 A failover can lose a ready-list entry the same way (stocked, or taken by a
 finishing call whose reply never came): its task stays ``ready`` in PostgreSQL
 until its deadline, a ready list's life and a lease. A task ``ready`` for longer
-than :data:`GRACE_S` whose entry is on no list and whose call no worker keeps
-alive goes back to pending too (:func:`unlisted`).
+than :data:`GRACE_S` whose entry is on no list, and whose message (a ready task
+the dispatcher took is published like any) is lost as above, goes back to
+pending too.
 """
 
 from __future__ import annotations
@@ -98,16 +99,6 @@ def lost(candidates: Iterable[tuple[str, str, float]], waiting: Collection[str],
             if aid not in waiting and aid not in alive and (aid not in delivered or age > delivered_grace)]
 
 
-def unlisted(candidates: Iterable[tuple[str, str, float]], listed: Collection[str], alive: Collection[str]) -> list[str]:
-    """The admissions among ``candidates`` (admission id, model, seconds ready) whose ready-list
-    entries are lost: on no list (``listed``) and not kept alive by a worker (``alive``).
-
-    >>> unlisted([("a", "m", 5.0), ("b", "m", 5.0), ("c", "m", 5.0)], listed={"a"}, alive={"b"})
-    ['c']
-    """
-    return [aid for aid, _, _ in candidates if aid not in listed and aid not in alive]
-
-
 def ready_entries(client: redis.Redis, namespace: str, models: Collection[str]) -> set[str]:
     """Admission ids on ``models``' ready lists (entries ``task:admission:tokens:expires``). One round trip."""
     pipe = client.pipeline(transaction=False)
@@ -164,23 +155,24 @@ class LostMessages:
             return []
 
     def _check(self, services: Services) -> list[tuple[int, str]]:
+        queued = queued_since(services.engine, GRACE_S)
+        ready = queued_since(services.engine, GRACE_S, status="ready")
+        if not (queued or ready) or (client := self.broker(services)) is None:
+            return []
         namespace = services.settings.namespace
-        returned: list[tuple[int, str]] = []
-        candidates = queued_since(services.engine, GRACE_S)
-        if candidates and (client := self.broker(services)) is not None:
-            waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in candidates})
-            alive = live_calls(services.redis, namespace)
-            gone = lost(candidates, waiting, delivered, alive, services.settings.heartbeat_seconds + GRACE_S)
-            if lost_messages := return_lost(services.engine, gone):
-                log.warning("returned %d queued task(s) to pending: the broker lost their solve messages (in no "
-                            "queue, held by no live worker)", len(lost_messages))
-            returned += lost_messages
-        if ready := queued_since(services.engine, GRACE_S, status="ready"):
-            listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready})
-            if lost_entries := return_unlisted(services.engine, unlisted(ready, listed, live_calls(services.redis, namespace))):
-                log.warning("returned %d ready task(s) to pending: Redis lost their ready-list entries (on no list, "
-                            "no call kept alive)", len(lost_entries))
-            returned += lost_entries
+        waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in queued + ready})
+        alive = live_calls(services.redis, namespace)
+        grace = services.settings.heartbeat_seconds + GRACE_S
+        # A ready task's entry waits on its model's ready list, or was taken and published as a message.
+        listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready}) if ready else set()
+        returned = return_lost(services.engine, lost(queued, waiting, delivered, alive, grace))
         if returned:
-            services.core.withdraw([admission_id for _, admission_id in returned])
-        return returned
+            log.warning("returned %d queued task(s) to pending: the broker lost their solve messages (in no queue, "
+                        "held by no live worker)", len(returned))
+        unlisted = return_unlisted(services.engine, lost(ready, waiting | listed, delivered, alive, grace))
+        if unlisted:
+            log.warning("returned %d ready task(s) to pending: Redis lost their ready-list entries (on no list, in "
+                        "no queue, held by no live worker)", len(unlisted))
+        if returned or unlisted:
+            services.core.withdraw([admission_id for _, admission_id in returned + unlisted])
+        return returned + unlisted

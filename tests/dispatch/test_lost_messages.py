@@ -96,25 +96,28 @@ def test_a_ready_task_whose_list_entry_redis_lost_is_returned(env: dict[str, str
     """Issue 40's Redis master killed at the issue's size: six ready tasks of one model waited a
     ready list's life and a lease (+27 s for a 1.6 s outage) for the sweep: their list entries
     were gone after the failover (stocked, or taken by a call whose reply never came), and they
-    were ``ready`` in PostgreSQL. Now a task ready past the grace whose entry is on no list and
-    whose call no worker keeps alive goes back to pending; one on its list, or alive, stays."""
+    were ``ready`` in PostgreSQL. Now a task ready past the grace whose entry is on no list, in no
+    queue and held by no live worker goes back to pending; one on its list, one whose call a worker
+    keeps alive and one the dispatcher took and published (its message waits in model.m) stay."""
     from balancer.backlog.ready import mark_ready
 
     svc = services_with_model_m()
-    listed, alive, gone = ids = submit_to_m(svc, 3)
+    listed, alive, published, gone = ids = submit_to_m(svc, 4)
     with svc.engine.begin() as conn:
         mark_ready(conn, [(task_id, "m", f"r{task_id}") for task_id in ids], 60)
-    assert svc.core.stock([("m", task_id, 100, f"r{task_id}") for task_id in ids], 60_000) == [True] * 3
+    assert svc.core.stock([("m", task_id, 100, f"r{task_id}") for task_id in ids], 60_000) == [True] * 4
     ready = keys.ready(svc.settings.namespace, "m")
     for entry in svc.redis.lrange(ready, 0, -1):
         if entry.split(b":")[0] != str(listed).encode():
-            svc.redis.lrem(ready, 1, entry)  # lost in the failover; one of them a worker's call keeps alive
+            svc.redis.lrem(ready, 1, entry)
     mark_live(svc.redis, svc.settings.namespace, [f"r{alive}"], [], svc.settings.lease_seconds * 1000)
+    control_app("balancer-test-lost").send_task(keys.SOLVE_TASK, args=[published, f"r{published}", "m", 100, False],
+                                                queue=keys.model_queue("m"))
     check = LostMessages()
     assert check.check(svc, now=0.0) == []  # just stocked: within the grace
     queued_ago(svc, ids, GRACE_S + 1)
     assert check.check(svc, now=10.0) == [(gone, f"r{gone}")]
-    assert [status_of(svc, task_id) for task_id in ids] == ["ready", "ready", "pending"]
+    assert [status_of(svc, task_id) for task_id in ids] == ["ready", "ready", "ready", "pending"]
 
 
 @pytest.mark.e2e
