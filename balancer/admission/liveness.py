@@ -6,7 +6,8 @@ A model with no live record is consumed by nobody, and the dispatcher gives its
 queued work to other models. That holds only while Redis hears the workers: when
 no worker at all was heard for :data:`SILENCE_MS`, Redis was away (a failover) or
 every worker was, and records that lapsed meanwhile say nothing about the
-workers. ``consumers.lua`` notes when beats resume after such a silence, and the
+workers. ``consumers.lua`` notes when beats resume after such a silence (or with
+no beat on record: Redis lost its data, or no worker beat for a minute), and the
 records are believed again once every live worker has had a record's life to
 renew its own (:func:`records_trusted`).
 

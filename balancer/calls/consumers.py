@@ -1,5 +1,6 @@
 """Each worker process says which models' queues it consumes: a short-lived record per model
-in Redis (``keys.consumers``), renewed every second while the process consumes (the timings: :mod:`balancer.admission.liveness`).
+in Redis (``keys.consumers``), renewed every ``BEAT_MS`` while the process consumes (the timings:
+:mod:`balancer.admission.liveness`).
 
 The dispatcher admits nothing to a model with no live record (admit.lua, with
 ``BALANCER_CONSUMERS_REQUIRED``), returns its ready list and its queued tasks to

@@ -191,15 +191,16 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             # empty live view means it would never be reached).
             core.restore()
             view = core.live()
-        # (take_ready.lua drops the lists of unserved models: not while their records lapsed unheard)
-        if round_no == 0 and any(m.ready for m in view.values()) and orphaned(services, view) == unserved(services, view):
-            if take_from_ready(services, publish, report):
-                view = core.live()
-        every = view  # unserved models too: their running calls are the first to hedge
         if round_no == 0:
-            report.unconsumed += return_orphans(services, every)
+            orphans = orphaned(services, view)
+            # take_ready.lua drops the lists of unserved models: not while their records lapsed unheard
+            if any(m.ready for m in view.values()) and not unserved(services, view) - orphans:
+                if take_from_ready(services, publish, report):
+                    view = core.live()
+            report.unconsumed += return_orphans(services, orphans)
+        every = view  # unserved models too: their running calls are the first to hedge
         view = served_view(services, every)
-        if round_no == 0 and services.settings.hedging and any(every[name].in_flight for name in orphaned(services, every)):
+        if round_no == 0 and services.settings.hedging and any(every[name].in_flight for name in orphans):
             # A call on a model no worker consumes may never end: it is hedged before new work takes the
             # free slots, not once the backlog is out.
             if hedged := hedge_stragglers(services, publish, every, over_budget.read(), orphans_only=True):
@@ -350,8 +351,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
             return 0
         spent, run_tokens = hedge_spending(conn)
         running = [endgame.Running(c.id, c.model, c.elapsed_ms, c.estimated_tokens, c.allowed_models) for c in calls.values()]
-        allowance = endgame.hedge_allowance(settings.hedge_budget * run_tokens - spent, sum(m.in_flight for m in models),
-                                            [c.estimated_tokens for c in running])
+        allowance = endgame.hedge_allowance(settings.hedge_budget * run_tokens - spent, [c.estimated_tokens for c in running])
         picks = endgame.pick_hedges(running, models, allowance, orphans)
         if not picks:
             return 0

@@ -286,31 +286,33 @@ def slot_wait_ms(model: ModelOutlook, free_slots: int, queued: int = 0) -> float
     return max(model.paused_ms, (queued + 1) * model.latency.p50_ms / max(1, model.in_flight))
 
 
-#: The run's last calls keep a share of the hedge budget: while more calls than this are in flight,
-#: hedges leave untouched what hedging this many calls would cost. The last calls set the run's end,
+#: The run's last calls keep a share of the hedge budget: while more running calls than this could be
+#: hedged, hedges leave untouched what hedging this many would cost. The last calls set the run's end,
 #: and a budget spent on the many stragglers before them left them unhedged.
 LAST_CALLS = 4
 
 
-def hedge_allowance(budget_left: float, in_flight: int, call_tokens: Sequence[int]) -> float:
-    """What hedges may spend now, of the ``budget_left`` (tokens): all of it once at most
-    :data:`LAST_CALLS` calls are in flight, else what is left over a reserve for hedging the last
-    ones, :data:`LAST_CALLS` times the mean tokens of the calls that could be hedged (``call_tokens``).
+def hedge_allowance(budget_left: float, call_tokens: Sequence[int]) -> float:
+    """What hedges may spend now, of the ``budget_left`` (tokens), given the estimated tokens of
+    the running calls that could be hedged (``call_tokens``): all of it once at most
+    :data:`LAST_CALLS` such calls are left, else what is left over a reserve for hedging the
+    last ones, :data:`LAST_CALLS` times their mean tokens. (Calls, not slots: a hedged pair's
+    loser may hold its slot for long after its task is answered.)
 
-    >>> hedge_allowance(10_000, 20, [500, 1_500])   # 4 x 1,000 kept for the last calls
+    >>> hedge_allowance(10_000, [500, 1_500] * 10)   # 4 x 1,000 kept for the last calls
     6000.0
-    >>> hedge_allowance(10_000, 4, [500, 1_500])    # the last calls: all of it
+    >>> hedge_allowance(10_000, [500, 1_500])        # the last calls: all of it
     10000
-    >>> hedge_allowance(3_000, 20, [1_000])         # less than the reserve: nothing before the last calls
+    >>> hedge_allowance(3_000, [1_000] * 20)         # less than the reserve: nothing before the last calls
     0.0
     """
-    if in_flight <= LAST_CALLS or not call_tokens:
+    if len(call_tokens) <= LAST_CALLS:
         return budget_left
     return max(0.0, budget_left - LAST_CALLS * sum(call_tokens) / len(call_tokens))
 
 
 def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget_tokens: float,
-                unserved: Collection[str] = ()) -> list[tuple[int, str]]:
+                orphans: Collection[str] = ()) -> list[tuple[int, str]]:
     """(call key, model) for each hedge to send now, the calls expected to end last first.
 
     A hedge goes to the allowed model (not the call's own) where a fresh call
@@ -323,11 +325,11 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     when a fast model would have a slot in a moment. The hedges' token
     estimates stay within ``budget_tokens``.
 
-    A call on an ``unserved`` model (no worker consumes its queue: its worker's
-    host is cut off, or gone) may never end, and without a hedge its task waits
-    a whole lease for the sweep: it is hedged first, whatever its latency says
-    and whatever the budget, on a model that is served. No hedge goes to an
-    unserved model.
+    A call on one of the ``orphans`` (no worker consumes its model's queue: its
+    worker's host is cut off, or gone; :mod:`balancer.dispatch.served`) may never
+    end, and without a hedge its task waits a whole lease for the sweep: it is
+    hedged first, whatever its latency says and whatever the budget, on another
+    model. No hedge goes to an orphan.
 
     >>> slow = ModelOutlook("slow", cap=2, free_slots=0, in_flight=2, latency=LatencyEstimate(10_000, 30_000, 90_000, 50))
     >>> fast = ModelOutlook("fast", cap=1, free_slots=1, in_flight=0, latency=LatencyEstimate(1_000, 2_000, 4_000, 50))
@@ -351,18 +353,18 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     out: list[tuple[int, str]] = []
     def expected_end(call: Running) -> float:
         running = by_name.get(call.model)
-        if call.model in unserved:
+        if call.model in orphans:
             return math.inf
         return -math.inf if running is None else remaining_ms(call.elapsed_ms, running.latency)
 
     for call in sorted(calls, key=lambda c: -expected_end(c)):
         running = by_name.get(call.model)
-        orphan = call.model in unserved
+        orphan = call.model in orphans
         if running is None or (call.estimated_tokens > budget_tokens and not orphan):
             continue
         targets = [
             by_name[n] for n in (call.allowed or by_name)
-            if n in by_name and n != call.model and n not in unserved
+            if n in by_name and n != call.model and n not in orphans
             and (orphan or worth_hedging(call.elapsed_ms, running.latency, by_name[n].latency))
         ]
         if not targets:

@@ -32,8 +32,8 @@ A failover can lose a ready-list entry the same way (stocked, or taken by a
 finishing call whose reply never came): its task stays ``ready`` in PostgreSQL
 until its deadline, a ready list's life and a lease. A task ``ready`` for longer
 than :data:`GRACE_S` whose entry is on no list, and whose message (a ready task
-the dispatcher took is published like any) is lost as above, goes back to
-pending too.
+the dispatcher took is published like any) is lost as above, in two looks in a
+row, goes back to pending too.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from balancer.snapshot import redis_client
 
 log = logging.getLogger(__name__)
 
-#: A task queued for longer than this has had time for its message to be taken (seconds).
+#: A task queued (or ready) for longer than this has had time for its message (or entry) to be taken (seconds).
 GRACE_S = 3.0
 #: Seconds between two looks at the broker, at most once per dispatch.
 CHECK_S = 2.0
@@ -127,6 +127,7 @@ class LostMessages:
         self._lock = threading.Lock()
         self._last = float("-inf")
         self._client: redis.Redis | None = None
+        self._unlisted: set[str] = set()  # ready tasks the last look found lost: returned if this one does too
 
     def broker(self, services: Services) -> redis.Redis | None:
         """A client of the broker's Redis (None: the broker is not Redis)."""
@@ -158,18 +159,23 @@ class LostMessages:
         queued = queued_since(services.engine, GRACE_S)
         ready = queued_since(services.engine, GRACE_S, status="ready")
         if not (queued or ready) or (client := self.broker(services)) is None:
+            self._unlisted = set()
             return []
         namespace = services.settings.namespace
+        # The lists before the queues: an entry taken meanwhile is published after it left its list.
+        listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready}) if ready else set()
         waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in queued + ready})
         alive = live_calls(services.redis, namespace)
         grace = services.settings.heartbeat_seconds + GRACE_S
-        # A ready task's entry waits on its model's ready list, or was taken and published as a message.
-        listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready}) if ready else set()
         returned = return_lost(services.engine, lost(queued, waiting, delivered, alive, grace))
         if returned:
             log.warning("returned %d queued task(s) to pending: the broker lost their solve messages (in no queue, "
                         "held by no live worker)", len(returned))
-        unlisted = return_unlisted(services.engine, lost(ready, waiting | listed, delivered, alive, grace))
+        # A worker that takes an entry starts its task at once, so a ready task found lost in two looks in a
+        # row is: one look could fall between a worker's take and its start.
+        suspects = set(lost(ready, waiting | listed, delivered, alive, grace))
+        unlisted = return_unlisted(services.engine, suspects & self._unlisted)
+        self._unlisted = suspects
         if unlisted:
             log.warning("returned %d ready task(s) to pending: Redis lost their ready-list entries (on no list, in "
                         "no queue, held by no live worker)", len(unlisted))

@@ -19,6 +19,7 @@ no new work meanwhile, and keeps what it holds.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 
 from balancer.admission.core import ModelLive
 from balancer.backlog.leases import return_unconsumed
@@ -50,11 +51,11 @@ def served_view(services: Services, view: dict[str, ModelLive]) -> dict[str, Mod
     return {name: m for name, m in view.items() if name not in unconsumed}
 
 
-def return_orphans(services: Services, view: dict[str, ModelLive]) -> int:
-    """The queued and ready tasks of the orphaned models back to pending now, their leases
-    withdrawn: their messages wait in queues nobody reads, and would hold them until their
+def return_orphans(services: Services, orphans: Collection[str]) -> int:
+    """The queued and ready tasks of the ``orphans`` (:func:`orphaned`) back to pending now, their
+    leases withdrawn: their messages wait in queues nobody reads, and would hold them until their
     deadline. Returns how many."""
-    models = sorted(orphaned(services, view))
+    models = sorted(orphans)
     returned = return_unconsumed(services.engine, models)
     if returned:
         services.core.withdraw([admission_id for _, admission_id in returned])

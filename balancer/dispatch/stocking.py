@@ -82,8 +82,8 @@ def stock_ready(services: Services, view: dict[str, ModelLive], held: Collection
         mark_ready(conn, [(task_id, model, lid) for model, task_id, _, lid in entries],
                     math.ceil(settings.ready_ttl) + settings.lease_seconds)
     # Committed: only now may a finishing call take them (it starts the task under
-    # that id). A dispatcher that dies here leaves them queued until their
-    # deadline, when the sweep returns them, as with a lost publish.
+    # that id). A dispatcher that dies here leaves them ``ready`` on no list: the
+    # next dispatcher's look for lost entries returns them (balancer.dispatch.lost).
     stocked = services.core.stock(entries, round(settings.ready_ttl * 1000))
     lost = [(task_id, lid) for (_, task_id, _, lid), done in zip(entries, stocked, strict=True) if not done]
     fairness.settle(services, fair, {task_id for (_, task_id, _, _), done in zip(entries, stocked, strict=True) if done})

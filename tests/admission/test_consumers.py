@@ -37,11 +37,22 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> ob
     return value
 
 
+def workers_beating_for_a_while(services: Services) -> None:
+    """Redis as it is once workers have beaten for longer than a record lives: their records
+    are believed (the first beat with none on record is a resumption, balancer.admission.liveness)."""
+    from balancer.admission.keys import consumers_heard
+    from balancer.admission.liveness import TTL_MS
+
+    now_ms = int(services.redis.time()[0]) * 1000
+    services.redis.hset(consumers_heard(services.settings.namespace), mapping={"heard": now_ms, "resumed": now_ms - TTL_MS})
+
+
 @pytest.fixture
 def svc(monkeypatch: pytest.MonkeyPatch) -> Services:
     monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
     services = Services.connect(Settings.from_env())
     services.quotas.replace_all([Quota("a", 4, 600_000, slow_start=False), Quota("b", 4, 600_000, slow_start=False)])
+    workers_beating_for_a_while(services)
     return services
 
 
@@ -140,7 +151,10 @@ def test_records_that_lapsed_while_redis_heard_no_worker_return_nothing(svc: Ser
     from balancer.admission.liveness import TTL_MS
     from balancer.backlog.ready import mark_ready
 
+    svc.redis.delete(consumers_heard(svc.settings.namespace))  # Redis lost it, or no worker beat for a minute
     svc.core.note_consumers("w-a", ["a"], 60_000)
+    assert not svc.core.consumer_records_trusted()  # a first beat with none on record: beats resumed
+    workers_beating_for_a_while(svc)
     svc.core.note_consumers("w-b", ["b"], 60_000)
     queued = submit(svc, "b", 2)
     dispatch(svc, lambda assignments: None)
@@ -207,6 +221,7 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_th
     monkeypatch.setenv("BALANCER_HEDGE_BUDGET", "1")
     svc = Services.connect(Settings.from_env())
     svc.quotas.replace_all([Quota(name, 4, 600_000, slow_start=False) for name in ("a", "b", "c")])
+    workers_beating_for_a_while(svc)
     for name in ("a", "b", "c"):
         svc.core.note_consumers(f"w-{name}", [name], 60_000)
     (orphan,) = submit(svc, "b", 1)

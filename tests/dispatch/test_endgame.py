@@ -99,15 +99,15 @@ def test_a_hedge_waits_for_a_busy_fast_model_rather_than_take_a_free_slow_slot()
 def test_the_last_calls_keep_a_share_of_the_hedge_budget() -> None:
     """Issue 39's mix-2 runs at 0.62 and 0.397 of the bound: the many stragglers of the tail spent
     the 5 % hedge budget, and the last calls, which set the run's end, ran 11 and 34 s unhedged.
-    Now hedges leave a reserve for the last LAST_CALLS calls while more are in flight."""
+    Now hedges leave a reserve for the last LAST_CALLS calls while more could be hedged."""
     fast = outlook("fast", LatencyEstimate(1_000, 2_000, 4_000, 50), cap=40, free=40)
     slow = outlook("slow", LatencyEstimate(10_000, 30_000, 90_000, 50), cap=20, free=0)
     stragglers = [Running(i, "slow", 45_000, 1_000) for i in range(20)]
     budget = (LAST_CALLS + 1) * 1_000
-    early = pick_hedges(stragglers, [slow, fast], hedge_allowance(budget, 20, [c.estimated_tokens for c in stragglers]))
+    early = pick_hedges(stragglers, [slow, fast], hedge_allowance(budget, [c.estimated_tokens for c in stragglers]))
     assert len(early) == 1  # the whole budget would have bought five
-    last = stragglers[-LAST_CALLS:]
-    late = pick_hedges(last, [slow, fast], hedge_allowance(budget - 1_000, LAST_CALLS, [c.estimated_tokens for c in last]))
+    last = stragglers[-LAST_CALLS:]  # however many slots the hedged pairs' losers still hold
+    late = pick_hedges(last, [slow, fast], hedge_allowance(budget - 1_000, [c.estimated_tokens for c in last]))
     assert len(late) == LAST_CALLS
 
 

@@ -4,9 +4,10 @@
 -- ARGV[1] now in ms, or '' for Redis TIME
 -- ARGV[2] how long the record lives, in ms (0: the worker stops: its records go)
 -- ARGV[3] the silence, in ms: a beat that comes longer than this after the last
---         one heard from any worker notes that beats resumed (Redis was away, or
---         every worker was), in <tag>:consumers (heard, resumed): the dispatcher
---         believes lapsed records again only a record's life later
+--         one heard from any worker, or with none on record (Redis lost its data,
+--         or no worker beat for a minute), notes that beats resumed (Redis was
+--         away, or every worker was), in <tag>:consumers (heard, resumed): the
+--         dispatcher believes lapsed records again only a record's life later
 --         (balancer/admission/liveness.py)
 -- ARGV[4] the consumer's id, ARGV[5..] the models' names
 -- Records past their time are dropped as the key is written; the keys
@@ -18,7 +19,7 @@ local now, ttl, silence, who = clock(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[
 if ttl > 0 then
   local heard_key = PREFIX .. CONSUMERS_HEARD
   local last = tonumber(redis.call('HGET', heard_key, 'heard') or '')
-  if last and now - last > silence then redis.call('HSET', heard_key, 'resumed', fmt(now)) end
+  if not last or now - last > silence then redis.call('HSET', heard_key, 'resumed', fmt(now)) end
   redis.call('HSET', heard_key, 'heard', fmt(now))
   redis.call('PEXPIRE', heard_key, ttl + 60000)
 end

@@ -37,6 +37,8 @@
 --                                 ready_taken (next calls a finishing call took from the ready list)
 --   <tag>:ready:<name>     list   the model's ready list: 'task:lid:est:expires_ms' (see take_ready below)
 --   <tag>:consumers:<name> zset   consumer id -> until (ms): the worker processes consuming its queue
+--   <tag>:consumers        hash   heard, resumed (ms): the last beat of any worker, and when beats
+--                                 resumed after a silence (consumers.lua; balancer/admission/liveness.py)
 --   <tag>:stats            hash   admitted, not_now, rejected (admission decisions), dispatch_rounds
 --                                 (admit calls)
 --

@@ -26,9 +26,9 @@ class ConsumerRecords:
         """``consumer`` (a worker process) consumes these models' queues until ``now + ttl_ms``
         (0: no more): its beat renews the record. Records past their time are dropped as a
         model's are written. A beat that comes more than ``SILENCE_MS`` after the last one heard
-        from any worker notes that beats resumed. Returns how many models."""
+        from any worker, or with none on record, notes that beats resumed. Returns how many models."""
         if ttl_ms > 0:
-            if self.heard is not None and now - self.heard > SILENCE_MS:
+            if self.heard is None or now - self.heard > SILENCE_MS:
                 self.resumed = now
             self.heard = now
         for name in models:
