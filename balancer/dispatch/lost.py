@@ -162,8 +162,14 @@ class LostMessages:
             self._unlisted = set()
             return []
         namespace = services.settings.namespace
-        # The lists before the queues: an entry taken meanwhile is published after it left its list.
-        listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready}) if ready else set()
+        # The lists before the queues: an entry taken meanwhile is published after it left its list. The
+        # queues (every message decoded) are read only for the tasks on no list, normally none or a few.
+        if ready:
+            listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready})
+            ready = [task for task in ready if task[0] not in listed]
+        if not (queued or ready):
+            self._unlisted = set()
+            return []
         waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in queued + ready})
         alive = live_calls(services.redis, namespace)
         grace = services.settings.heartbeat_seconds + GRACE_S
@@ -173,7 +179,7 @@ class LostMessages:
                         "held by no live worker)", len(returned))
         # A worker that takes an entry starts its task at once, so a ready task found lost in two looks in a
         # row is: one look could fall between a worker's take and its start.
-        suspects = set(lost(ready, waiting | listed, delivered, alive, grace))
+        suspects = set(lost(ready, waiting, delivered, alive, grace))
         unlisted = return_unlisted(services.engine, suspects & self._unlisted)
         self._unlisted = suspects
         if unlisted:
