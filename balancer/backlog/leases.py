@@ -90,17 +90,20 @@ def return_unconsumed(engine: Engine, models: Collection[str]) -> list[tuple[int
                           statuses=("queued", "ready"))
 
 
-def queued_since(engine: Engine, seconds: float, status: str = "queued") -> list[tuple[str, str, float]]:
-    """(admission id, model, seconds queued) of the tasks ``queued`` (or ``ready``) for longer than
-    ``seconds``: their solve messages should long have been taken (see :mod:`balancer.dispatch.lost`)."""
+def queued_since(engine: Engine, seconds: float) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+    """(admission id, model, seconds queued) of the tasks ``queued``, and of those ``ready``, for
+    longer than ``seconds``, in one query: their solve messages (or ready-list entries) should long
+    have been taken (see :mod:`balancer.dispatch.lost`)."""
     age = sa.extract("epoch", sa.func.now() - tasks.c.queued_at)
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.select(tasks.c.admission_id, tasks.c.model, age.label("age"))
-            .where(tasks.c.status == status, tasks.c.admission_id.is_not(None),
+            sa.select(tasks.c.admission_id, tasks.c.model, age.label("age"), tasks.c.status)
+            .where(tasks.c.status.in_(("queued", "ready")), tasks.c.admission_id.is_not(None),
                    tasks.c.queued_at < sa.func.now() - timedelta(seconds=seconds))
         ).all()
-    return [(r.admission_id, r.model, float(r.age)) for r in rows]
+    queued = [(r.admission_id, r.model, float(r.age)) for r in rows if r.status == "queued"]
+    ready = [(r.admission_id, r.model, float(r.age)) for r in rows if r.status == "ready"]
+    return queued, ready
 
 
 def return_lost(engine: Engine, admission_ids: Collection[str]) -> list[tuple[int, str]]:

@@ -156,20 +156,17 @@ class LostMessages:
             return []
 
     def _check(self, services: Services) -> list[tuple[int, str]]:
-        queued = queued_since(services.engine, GRACE_S)
-        ready = queued_since(services.engine, GRACE_S, status="ready")
-        if not (queued or ready) or (client := self.broker(services)) is None:
+        queued, ready = queued_since(services.engine, GRACE_S)
+        client = self.broker(services) if queued or ready else None
+        # The lists before the queues: an entry taken meanwhile is published after it left its list. The
+        # queues (every message decoded) are read only for the tasks on no list, normally none or a few.
+        if ready and client is not None:
+            listed = ready_entries(services.redis, services.settings.namespace, {model for _, model, _ in ready})
+            ready = [task for task in ready if task[0] not in listed]
+        if client is None or not (queued or ready):
             self._unlisted = set()
             return []
         namespace = services.settings.namespace
-        # The lists before the queues: an entry taken meanwhile is published after it left its list. The
-        # queues (every message decoded) are read only for the tasks on no list, normally none or a few.
-        if ready:
-            listed = ready_entries(services.redis, namespace, {model for _, model, _ in ready})
-            ready = [task for task in ready if task[0] not in listed]
-        if not (queued or ready):
-            self._unlisted = set()
-            return []
         waiting, delivered = broker_messages(client, namespace, {model for _, model, _ in queued + ready})
         alive = live_calls(services.redis, namespace)
         grace = services.settings.heartbeat_seconds + GRACE_S
