@@ -66,13 +66,24 @@ class RedisProcess:
     url: str
     pid: int
     directory: Path
+    #: The child process when this process started the server in the foreground: stop() reaps it.
+    #: A child that has exited is a zombie until reaped, and a zombie still answers kill(pid, 0).
+    child: subprocess.Popen[bytes] | None = None
 
     def stop(self) -> None:
+        """SIGTERM, then wait up to 5 s for the server to be gone (SIGKILL after that, if it is ours)."""
         try:
             os.kill(self.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
-        for _ in range(100):
+        if self.child is not None:
+            try:
+                self.child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+            return
+        for _ in range(100):  # a daemonized server is not our child: it is reaped by init
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:
@@ -99,12 +110,13 @@ def start_redis(directory: Path, *, daemonize: bool = False, port: int | None = 
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"redis://127.0.0.1:{port}/0"
     _wait_for_redis(url)
-    pid = proc.pid
     if daemonize:
         proc.wait(timeout=10)
-        pid = int(pidfile.read_text().strip())
+        server = RedisProcess(url, int(pidfile.read_text().strip()), directory)
+    else:
+        server = RedisProcess(url, proc.pid, directory, child=proc)
     (directory / "redis.port").write_text(str(port))
-    return RedisProcess(url, pid, directory)
+    return server
 
 
 def redis_for_bench(stack: contextlib.ExitStack, url: str | None) -> str:

@@ -21,3 +21,16 @@ def test_a_command_run_with_no_urls_starts_its_stack_in_the_sessions_home_not_th
     assert done.returncode in (0, 2), done.stderr[-2000:]  # 2: "database schema is at revision none"
     assert (balancer_home / "redis" / "redis.pid").exists(), done.stderr[-2000:]
     assert had_checkout_stack or not (ROOT / ".balancer").exists()
+
+
+def test_a_stopped_redis_server_is_gone_not_left_a_zombie(tmp_path: Path) -> None:
+    """stop() on a server this process started reaps it. It used to wait for ``kill(pid, 0)`` to fail,
+    which a zombie never makes fail: every stop then waited its full 5 s (at the end of every test
+    session, and once per Redis server a chaos run started) and left the zombie behind."""
+    from balancer.devtools.embedded import start_redis
+
+    server = start_redis(tmp_path / "redis")
+    server.stop()
+    status = Path(f"/proc/{server.pid}/status")
+    state = [line for line in status.read_text().splitlines() if line.startswith("State:")] if status.exists() else []
+    assert state == [], f"redis-server {server.pid} after stop(): {state}"
