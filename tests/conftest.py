@@ -17,7 +17,6 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -25,6 +24,7 @@ import sqlalchemy as sa
 
 from balancer.devtools.embedded import TemporaryStack, stop_stack
 from balancer.storage.db import dispose_engines
+from tests.schemas import MigratedSchemas, Statement, new_schema_name, with_schema
 from tests.twin import Twin, delete_keys
 
 
@@ -74,19 +74,32 @@ def redis_client(redis_url: str, namespace: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-def with_schema(url: str, schema: str) -> str:
-    parsed = sa.engine.make_url(url)
-    parsed = parsed.update_query_dict({"options": f"-csearch_path={schema}"})
-    return parsed.render_as_string(hide_password=False)
+@pytest.fixture(scope="session")
+def migrated_schemas(service_urls: tuple[str, str], migration_script: list[Statement]) -> Iterator[MigratedSchemas]:
+    """This test process's schemas migrated to head, reused from test to test when clean (tests/schemas.py)."""
+    from balancer.urls import normalize_database_url
+
+    schemas = MigratedSchemas(normalize_database_url(service_urls[1]), migration_script)
+    yield schemas
+    schemas.close()
 
 
 @pytest.fixture
-def database_url(service_urls: tuple[str, str]) -> Iterator[str]:
-    """A URL whose search_path is a fresh schema, dropped afterwards."""
+def database_url(service_urls: tuple[str, str], request: pytest.FixtureRequest) -> Iterator[str]:
+    """A URL whose search_path is a schema of this test's own, dropped afterwards: empty, or
+    migrated to head and empty when the test uses ``migrated`` (then reset and kept for another
+    test if the test left its structure as it found it)."""
     from balancer.urls import normalize_database_url
 
+    if "migrated" in request.fixturenames:
+        schemas: MigratedSchemas = request.getfixturevalue("migrated_schemas")
+        schema = schemas.take()
+        yield with_schema(schemas.base_url, schema)
+        dispose_engines()
+        schemas.give_back(schema)
+        return
     base = normalize_database_url(service_urls[1])
-    schema = "t_" + uuid.uuid4().hex[:12]
+    schema = new_schema_name()
     admin = sa.create_engine(base)
     with admin.begin() as conn:
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
@@ -113,18 +126,14 @@ def env(monkeypatch: pytest.MonkeyPatch, redis_url: str, database_url: str, name
     return values
 
 
-#: One recorded statement of the migration: (SQL, DBAPI parameters, executemany).
-Statement = tuple[str, Any, bool]
-
-
 @pytest.fixture(scope="session")
 def migration_script(service_urls: tuple[str, str]) -> list[Statement]:
     """Every statement but the reads that ``alembic upgrade head`` sends to an empty
     schema, in order.
 
     Recorded once per session (per xdist worker) from a real upgrade of a schema of
-    its own, so each test replays the same DDL instead of running the revisions
-    again. The schema is named only through the URL's search_path, never in the SQL
+    its own, so each new migrated schema replays the same DDL instead of running the
+    revisions again (tests/schemas.py). The schema is named only through the URL's search_path, never in the SQL
     (checked here), so the script is valid for any fresh schema."""
     from balancer.storage.migrate import upgrade
     from balancer.urls import normalize_database_url
@@ -154,18 +163,9 @@ def migration_script(service_urls: tuple[str, str]) -> list[Statement]:
 
 
 @pytest.fixture
-def migrated(env: dict[str, str], migration_script: list[Statement]) -> dict[str, str]:
-    """``env`` with the schema migrated to head (the recorded upgrade, replayed)."""
-    engine = sa.create_engine(env["BALANCER_DATABASE_URL"], poolclass=sa.pool.NullPool)
-    raw = engine.raw_connection()
-    try:
-        cursor = raw.cursor()
-        for statement, parameters, many in migration_script:
-            (cursor.executemany if many else cursor.execute)(statement, parameters)
-        raw.commit()
-    finally:
-        raw.close()
-        engine.dispose()
+def migrated(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with its schema migrated to head and empty (``database_url`` takes it from
+    ``migrated_schemas`` when a test uses this fixture)."""
     return env
 
 

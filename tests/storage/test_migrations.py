@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from balancer.cli import main
 from balancer.storage.db import dispose_engines
 from balancer.storage.migrate import head_revision
-from tests.conftest import with_schema
+from tests.schemas import with_schema
 
 
 @pytest.fixture
