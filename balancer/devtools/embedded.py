@@ -72,18 +72,19 @@ class RedisProcess:
 
     def stop(self) -> None:
         """SIGTERM, then wait up to 5 s for the server to be gone (SIGKILL after that, if it is ours)."""
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
         if self.child is not None:
+            self.child.terminate()  # nothing once reaped: a second stop() signals no other process
             try:
                 self.child.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self.child.kill()
                 self.child.wait()
             return
-        for _ in range(100):  # a daemonized server is not our child: it is reaped by init
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        for _ in range(100):  # a daemonized server is not our child: its parent (PID 1) reaps it
             try:
                 os.kill(self.pid, 0)
             except ProcessLookupError:

@@ -25,11 +25,13 @@ def schema_exists(schemas: MigratedSchemas, name: str) -> bool:
 def test_a_schema_comes_back_empty_with_its_ids_from_one_under_a_new_name(migrated_schemas: MigratedSchemas) -> None:
     first = migrated_schemas.take()
     run(migrated_schemas, first, "INSERT INTO tasks (prompt, max_tokens, estimated_tokens) VALUES ('a', 1, 1), ('b', 1, 1)")
-    migrated_schemas.give_back(first)
-    assert migrated_schemas.clean[-1] == first, "a clean schema was dropped, not kept"
-    second = migrated_schemas.take()  # the same schema, renamed
+    kept = len(migrated_schemas.clean)
+    assert migrated_schemas.give_back(first), "a clean schema was dropped, not kept"
+    assert len(migrated_schemas.clean) == kept + 1
+    assert not schema_exists(migrated_schemas, first), "not renamed as its test ended"
+    second = migrated_schemas.take()  # the same schema, under its new name
     try:
-        assert second != first and not schema_exists(migrated_schemas, first)
+        assert second != first
         assert run(migrated_schemas, second, "SELECT count(*) FROM tasks") == [(0,)]
         assert run(migrated_schemas, second, "INSERT INTO tasks (prompt, max_tokens, estimated_tokens) "
                                              "VALUES ('c', 1, 1) RETURNING id") == [(1,)]
@@ -46,6 +48,6 @@ def test_a_schema_whose_structure_a_test_changed_is_dropped_not_reused(migrated_
                    "UPDATE alembic_version SET version_num = '0001'"):
         name = migrated_schemas.take()
         run(migrated_schemas, name, change)
-        migrated_schemas.give_back(name)
-        assert not schema_exists(migrated_schemas, name), change
-        assert name not in migrated_schemas.clean, change
+        kept = set(migrated_schemas.clean)
+        assert not migrated_schemas.give_back(name), change
+        assert set(migrated_schemas.clean) == kept, change

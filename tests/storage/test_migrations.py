@@ -1,7 +1,8 @@
 """``balancer db upgrade`` builds the very schema the ``migrated`` fixture replays.
 
 The fixture records one real upgrade per test session and replays its statements
-into each test's schema; this test holds the two equal, catalog entry for entry.
+into each new migrated schema (tests/schemas.py); this test holds the two equal,
+catalog entry for entry.
 """
 
 from __future__ import annotations
