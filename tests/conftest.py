@@ -141,7 +141,7 @@ def migration_script(service_urls: tuple[str, str]) -> list[Statement]:
     from balancer.urls import normalize_database_url
 
     base = normalize_database_url(service_urls[1])
-    schema = "t_" + uuid.uuid4().hex[:12]
+    schema = new_schema_name()
     admin = sa.create_engine(base)
     with admin.begin() as conn:
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))

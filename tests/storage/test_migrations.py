@@ -7,7 +7,6 @@ catalog entry for entry.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +15,7 @@ import sqlalchemy as sa
 from balancer.cli import main
 from balancer.storage.db import dispose_engines
 from balancer.storage.migrate import head_revision
-from tests.schemas import with_schema
+from tests.schemas import new_schema_name, with_schema
 
 
 @pytest.fixture
@@ -26,7 +25,7 @@ def fresh_schema_engine(service_urls: tuple[str, str]) -> Iterator[sa.Engine]:
     from balancer.urls import normalize_database_url
 
     base = normalize_database_url(service_urls[1])
-    schema = "t_" + uuid.uuid4().hex[:12]
+    schema = new_schema_name()
     admin = sa.create_engine(base, poolclass=sa.pool.NullPool)
     with admin.begin() as conn:
         conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
