@@ -135,8 +135,9 @@ def migration_script(service_urls: tuple[str, str]) -> list[Statement]:
 
     Recorded once per session (per xdist worker) from a real upgrade of a schema of
     its own, so each new migrated schema replays the same DDL instead of running the
-    revisions again (tests/schemas.py). The schema is named only through the URL's search_path, never in the SQL
-    (checked here), so the script is valid for any fresh schema."""
+    revisions again (tests/schemas.py). The schema is named only through the URL's
+    search_path, never in the SQL (checked here), so the script is valid for any fresh
+    schema."""
     from balancer.storage.migrate import upgrade
     from balancer.urls import normalize_database_url
 
@@ -219,9 +220,9 @@ LONG_FIRST = ("test_hosts.py", "test_chaos.py", "test_faults.py", "test_sentinel
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` (the default set's addopts): one process more than this machine's cores. Many tests
-    wait on a lease, a socket or a subprocess; on 2 cores the default set took 158-173 s in 3
-    processes, 182 s in 2 and 163 s in 4 (``-n logical`` gets the same)."""
+    """``-n auto`` and ``-n logical`` (the default set's addopts): one process more than this machine's
+    cores, since many tests wait on a lease, a socket or a subprocess rather than use a core
+    (docs/getting-started.md gives the times)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores + 1
 
