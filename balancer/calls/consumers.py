@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from urllib.parse import urlsplit
 
 import redis
 from celery import bootsteps
@@ -46,11 +47,14 @@ class ConsumerBeat(bootsteps.StartStopStep):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._models: list[str] = []
+        self._warmed = False
         self.consumer_id = ""
 
     def start(self, consumer) -> None:  # noqa: ANN001
         if not model_queues(consumer) and not consumer.app.conf.get("balancer_all_models"):
             return  # the dispatcher: it consumes no model's queue
+        if not self._warmed:
+            self._warmed = self._warm()
         self.consumer_id = f"{consumer.hostname}:{os.getpid()}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(consumer, self._stop), name="consumer-beat",
@@ -59,6 +63,22 @@ class ConsumerBeat(bootsteps.StartStopStep):
 
     def stop(self, consumer) -> None:  # noqa: ANN001
         self._stop.set()
+
+    @staticmethod
+    def _warm() -> bool:
+        """Make the solve path's handles before the first record says this worker consumes:
+        otherwise its models' first calls wait for them (:func:`balancer.calls.runtime.warm`)."""
+        from balancer.calls.runtime import services, warm
+
+        try:
+            warm()
+        except Exception as exc:  # noqa: BLE001 - made again at the first solve, which reports what fails
+            log.warning("could not prepare the backend client before the first call (%s); it is made then", exc)
+            return False
+        settings = services().settings
+        url = urlsplit(settings.backend_url)
+        log.info("backend client ready: %s at %s://%s", settings.backend_kind, url.scheme, url.netloc.rpartition("@")[2])
+        return True
 
     def shutdown(self, consumer) -> None:  # noqa: ANN001
         """The worker stops: its records go now, so its models are known unconsumed at once."""

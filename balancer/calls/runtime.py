@@ -64,6 +64,17 @@ def answer_writer() -> AnswerWriter:
         return _writer
 
 
+def warm() -> None:
+    """Make the handles a solve needs before this process takes its first message: the
+    services, the backend client (importing its module and building its TLS context is
+    CPU work which, made lazily with every worker process starting at once, held each
+    model's first calls back), the answer writer and the cancel listener. Nothing here
+    calls the backend or needs PostgreSQL or Redis to answer."""
+    backend()
+    answer_writer()
+    cancel_listener()
+
+
 def reset() -> None:
     """Forget handles (after fork, or in tests that change the environment)."""
     global _services, _listener, _heartbeat, _writer
