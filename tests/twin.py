@@ -42,7 +42,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
         "seq": int(meta.get("seq", 0)),
         "rr": meta.get("rr", ""),
         "models": {name: {f: m[f] for f in (*MODEL_FIELDS, *OTHER_KEYS)} for name, m in raw["models"].items()},
-        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["g"]) for lid, v in raw["leases"].items()},
+        "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["g"], v.get("c")) for lid, v in raw["leases"].items()},
     }
 
 
@@ -56,7 +56,8 @@ def reference_fields(ref: ReferenceCore, name: str) -> dict:
     state = {
         "tokens": s.tokens, "requests": s.requests, "refilled_at": s.refilled_at, "deficit": s.deficit,
         "gen": s.generation, "paused": s.paused_until, "tat": s.tat, "ext": s.external, "synced_at": s.synced_at,
-        "sync_gap": s.sync_gap, "ptokens": s.started_tokens, "prefilled_at": s.started_refilled_at, "fails": s.failures,
+        "sync_gap": s.sync_gap, "started_sum": s.started_sum, "ptokens": s.started_tokens,
+        "prefilled_at": s.started_refilled_at, "fails": s.failures,
         "probing": int(s.probing), "backoff": s.backoff_ms, **s.learned.as_dict(),
         **dict(zip(("wtokens", "wcalls"), window_sums(s.window))),
     }
@@ -76,7 +77,8 @@ def canonical_ref(ref: ReferenceCore) -> dict:
         "seq": ref.seq,
         "rr": ref.rr,
         "models": {name: reference_fields(ref, name) for name in ref.models},
-        "leases": {lid: (l.model, l.estimated_tokens, l.started, l.generation) for lid, l in ref.leases.items()},
+        "leases": {lid: (l.model, l.estimated_tokens, l.started, l.generation, l.started_before)
+                   for lid, l in ref.leases.items()},
     }
 
 

@@ -85,6 +85,8 @@ STATE_FIELDS: dict[str, str] = {
     "synced_at": "ms of the last x-ratelimit-remaining-tokens sync (0: none since the quota or the token limit changed)",
     "sync_gap": "units the token bucket was below the count less our calls on their way after that sync (<= 0)",
     "ptokens": "the token gate's bucket (as call starts see it), units",
+    "started_sum": "estimated tokens of every call started under the model so far (a lease keeps the sum before "
+                   "its own: what started after it, for a count taken as the provider admitted it)",
     "prefilled_at": "ms the token gate's bucket was last refilled",
     "fails": "consecutive transient failures (the circuit breaker)",
     "probing": "1: the circuit is open, one call at a time",

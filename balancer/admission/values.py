@@ -209,6 +209,18 @@ def outside_rate(tpm: int, external: int) -> int:
     return max(0, min(external, outside_ceiling(tpm)))
 
 
+def known_rate(learn: bool, header_tpm: int) -> bool:
+    """Whether a model's token bucket refills at its provider's rate (signals.lua, known_rate): its
+    quota is taken as stated (``learn`` off), or the provider stated its token limit (``header_tpm``,
+    which the effective TPM never exceeds). Only then may a header sync credit the refill since an
+    old count was taken: with a quota ten times the provider's, that credit would be ten times too much.
+
+    >>> known_rate(True, 0), known_rate(True, 90_000), known_rate(False, 0)
+    (False, True, True)
+    """
+    return not learn or header_tpm > 0
+
+
 def gap_growth(gap: int, sync_gap: int) -> int:
     """How much a header sync's token gap (our level less what the count explains) grew since the
     last sync left ``sync_gap`` (<= 0): what moves the outside-use estimate (signals.lua, gap_growth).

@@ -90,7 +90,7 @@ if m and ARGV[11] ~= '' then
   local nxt = taken[1]
   if nxt then
     local delay = start_delay(m, nxt.e, true, now)
-    set_call_at(nxt.lid, now + delay)
+    set_call_at(m, nxt.lid, now + delay, true)
     measure_refill(m.name, now)
     count(m.name, 'ready_taken', 1)
     count_system('admitted', 1)  -- an admission too, outside admit.lua

@@ -59,8 +59,9 @@ if raw then
     return result
   end
   redis.call('ZADD', inflight_key(lease.m), fmt(now + lease_ms), lid)
-  local delay = start_delay(m, lease.e, lease.s == 0, now)
-  set_call_at(lid, now + delay, lease)
+  local first = lease.s == 0
+  local delay = start_delay(m, lease.e, first, now)
+  set_call_at(m, lid, now + delay, first, lease)
   save_model(m)
   return {'A', lease.m, lid, fmt(delay)}
 end
@@ -75,7 +76,7 @@ else
   charge(m, est, now)
   put_lease(lid, m, est, now + lease_ms, 1)
   local delay = start_delay(m, est, true, now)
-  set_call_at(lid, now + delay)
+  set_call_at(m, lid, now + delay, true)
   result = {'A', model, lid, fmt(delay)}
 end
 save_model(m)

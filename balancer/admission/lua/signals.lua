@@ -13,14 +13,19 @@
 -- not one of them. A provider may take its counts as it admits a call, and send
 -- them with its answer: then they are as old as that call (`own`), and miss
 -- every call started after it. So also: when the call `own` started (nil: no
--- such call, or a 429's counts, taken as it refused), and the tokens of the
--- calls not started or started after it (balancer.admission.reference.signals, _unarrived).
+-- such call, or a 429's counts, taken as it refused), the tokens of the live
+-- calls not started or started after it, and of every call started after it,
+-- ended or live (from started_sum; nil if `own` has no sum: a restored lease)
+-- (balancer.admission.reference.signals, _unarrived).
 local function unarrived(m, now, own)
-  local own_at = nil
+  local own_at, since_own = nil, nil
   local own_raw = own and redis.call('HGET', LEASES, own)
   if own_raw then
     local lease = cjson.decode(own_raw)
-    if lease.s == 1 and (lease.a or 0) > 0 and lease.a < now then own_at = lease.a end
+    if lease.s == 1 and (lease.a or 0) > 0 and lease.a < now then
+      own_at = lease.a
+      if lease.c then since_own = math.max(0, m.started_sum - lease.c - lease.e) end
+    end
   end
   local tokens, calls, started_tokens, started_calls, aged_tokens = 0, 0, 0, 0, 0
   for _, lid in ipairs(redis.call('ZRANGEBYSCORE', inflight_key(m.name), '(' .. fmt(now), '+inf')) do
@@ -33,7 +38,7 @@ local function unarrived(m, now, own)
       if own_at and (lease.s == 0 or (lease.a or 0) > own_at) then aged_tokens = aged_tokens + lease.e end
     end
   end
-  return tokens, calls, started_tokens, started_calls, own_at, aged_tokens
+  return tokens, calls, started_tokens, started_calls, own_at, aged_tokens, since_own
 end
 
 -- The outside-use estimate after a sync: moved by the gap's `growth` over
@@ -59,6 +64,11 @@ local function gap_growth(gap, sync_gap)
   return math.max(gap, 0) - math.max(sync_gap, 0)
 end
 
+-- Whether the token bucket refills at the provider's rate: the quota is taken as
+-- stated (learn off), or the provider stated its token limit (htpm), which the
+-- effective TPM never exceeds (balancer.admission.values.known_rate).
+local function known_rate(m) return m.learn ~= 1 or m.htpm > 0 end
+
 -- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
 -- the token buckets less what our calls it has not counted yet will take
 -- (unarrived); never raise them.
@@ -77,32 +87,42 @@ end
 -- A count an answer carries may be as old as its call (a provider that counts as
 -- it admits a call, a proxy's limiter): then what is left now is the count, plus
 -- the refill since the call started, less our calls started since (unarrived).
--- The buckets are lowered to the count read as current (the safe side), but the
--- gap that moves `ext` is taken against whichever reading leaves more, and so is
--- the gap a sync leaves: a count's age is not read as someone else's use (with
+-- The gap that moves `ext` is taken against whichever reading leaves more, and so
+-- is the gap a sync leaves: a count's age is not read as someone else's use (with
 -- counts taken at admission, one answer 2 s old read as others using all of a
 -- TPM-bound model's TPM, and its bucket refilled at a tenth of it for seconds,
--- nothing in flight).
+-- nothing in flight). The buckets are lowered to the count read as current, or,
+-- when the refill rate is the provider's (known_rate), to the count plus the refill
+-- since the call started less every call started since, ended ones too
+-- (started_sum): never more than the provider can have left, yet not the count's
+-- age taken off a bucket whose calls used less than the refill meanwhile.
 -- Returns the requests left for more calls (nil: not sent, or no RPM), how
 -- many of those on their way were not started, and when the call that carried
 -- the counts started (nil: a 429's, or none): learn_from_spent.
 -- m must be refilled to now first.
 local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own)
   if remaining_tokens == '' and remaining_requests == '' then return nil end
-  local tokens, calls, started_tokens, started_calls, own_at, aged_tokens = unarrived(m, now, own)
+  local tokens, calls, started_tokens, started_calls, own_at, aged_tokens, since_own = unarrived(m, now, own)
   if remaining_tokens ~= '' then
     local remaining = tonumber(remaining_tokens) * UNITS
     local ours_left = remaining - tokens * UNITS  -- the count less our calls on their way
+    local gate_left = remaining - started_tokens * UNITS  -- the count less our started calls on their way
     local explained = ours_left  -- or, for a count as old as the call that carried it, more
     if own_at then
-      explained = math.max(ours_left, math.min(token_cap(m), remaining + (now - own_at) * token_rate(m)) - aged_tokens * UNITS)
+      local refilled = math.min(token_cap(m), remaining + (now - own_at) * token_rate(m))
+      explained = math.max(ours_left, refilled - aged_tokens * UNITS)
+      if since_own and known_rate(m) then
+        local arrived = math.max(0, since_own - started_tokens)  -- started since, and counted by now
+        ours_left = math.max(ours_left, refilled - (arrived + tokens) * UNITS)
+        gate_left = math.max(gate_left, refilled - (arrived + started_tokens) * UNITS)
+      end
     end
     local gap = m.tokens - explained
     if m.synced_at > 0 then m.ext = outside_estimate(m, gap_growth(gap, m.sync_gap), now - m.synced_at, remaining >= token_cap(m)) end
     m.tokens = math.min(m.tokens, ours_left)
     m.synced_at, m.sync_gap = now, m.tokens - explained  -- (<= 0)
     refill_started(m, now)
-    m.ptokens = math.min(m.ptokens, remaining - started_tokens * UNITS)
+    m.ptokens = math.min(m.ptokens, gate_left)
   end
   if remaining_requests ~= '' and eff_rpm(m) > 0 then
     -- The request bucket and the start gate go to the count itself: a whole

@@ -20,7 +20,8 @@
 -- KEYS[2]  <tag>:models   zset   model names, all score 0 (lexicographic order)
 -- KEYS[3]  <tag>:leases   hash   admission id -> cjson {m=model, e=est, s=started,
 --                                 g=the model's quota generation at admission,
---                                 a=ms its call starts, once started: set_call_at}
+--                                 a=ms its call starts, once started, c=the model's started_sum
+--                                 before it: set_call_at}
 -- Derived inside the scripts, not passed in KEYS: admit.lua visits every model
 -- and finish learns the model from the lease, so the caller cannot
 -- name these keys in advance. They share the hash tag of KEYS[1], so every key
@@ -137,11 +138,18 @@ local function put_lease(lid, m, est, deadline, started)
   redis.call('HSET', LEASES, lid, cjson.encode({m = m.name, e = est, s = started, g = m.gen}))
 end
 
--- Lease `lid`'s call starts at `at` (ms, once through its start gates): marked
--- started, with that time (`a`: see unarrived in signals.lua). `lease`: the
--- lease as the caller decoded it, or nil to read it.
-local function set_call_at(lid, at, lease)
+-- Lease `lid`'s call on model m starts at `at` (ms, once through its start gates):
+-- marked started, with that time (`a`: see unarrived in signals.lua). At its
+-- `first` start it also keeps the model's started_sum before its own tokens (`c`),
+-- and adds them: the tokens of the calls started after it are then started_sum - c
+-- - e. A lease started before (renewed again, or restored) keeps what it has.
+-- `lease`: the lease as the caller decoded it, or nil to read it.
+local function set_call_at(m, lid, at, first, lease)
   lease = lease or cjson.decode(redis.call('HGET', LEASES, lid))
+  if first then
+    lease.c = m.started_sum
+    m.started_sum = m.started_sum + lease.e
+  end
   lease.s, lease.a = 1, at
   redis.call('HSET', LEASES, lid, cjson.encode(lease))
 end

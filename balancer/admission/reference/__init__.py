@@ -194,8 +194,9 @@ class ReferenceCore(Signals):
             return NotNow(now + self._wait(model, lease.estimated_tokens, now), now)
         if lease is not None:
             lease.deadline = now + lease_ms
-            delay = self._start_delay(model, lease.estimated_tokens, not lease.started, now)
-            lease.started, lease.call_at = True, now + delay
+            first = not lease.started
+            delay = self._start_delay(model, lease.estimated_tokens, first, now)
+            lease.start(state, now + delay, first)
             return Admitted(lease.model, admission_id, delay)
         if est > quota.burst:
             return Rejected(rejection_reason(est, quota.burst))
@@ -205,9 +206,8 @@ class ReferenceCore(Signals):
             return NotNow(now + self._wait(model, est, now), now)
         self._charge(model, est, now)
         delay = self._start_delay(model, est, True, now)
-        self.leases[admission_id] = Lease(
-            model, est, now + lease_ms, started=True, generation=self.models[model].generation, call_at=now + delay
-        )
+        self.leases[admission_id] = Lease(model, est, now + lease_ms, generation=self.models[model].generation)
+        self.leases[admission_id].start(self.models[model], now + delay, first=True)
         return Admitted(model, admission_id, delay)
 
     def stock(self, entries: Sequence[tuple[str, int, int, str]], ttl_ms: int, now: int) -> list[bool]:
@@ -278,7 +278,7 @@ class ReferenceCore(Signals):
             return None
         head = taken[0]
         delay = self._start_delay(name, head.estimated_tokens, True, now)
-        self.leases[head.admission_id].call_at = now + delay
+        self.leases[head.admission_id].start(self.models[name], now + delay, first=True)
         restock = len(self.ready.get(name, [])) < self.models[name].limits.max_concurrent_requests
         return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay, restock)
 

@@ -16,6 +16,7 @@ from balancer.admission.values import (
     Settlement,
     gap_growth,
     gate_shape,
+    known_rate,
     most_charged,
     outside_estimate,
     token_cap,
@@ -125,18 +126,23 @@ class Signals(ReferenceState):
             state.learn_from_spent(now, *spent)
         return settled
 
-    def _unarrived(self, model: str, now: int, own: str | None) -> tuple[int, int, int, int, int | None, int]:
+    def _unarrived(self, model: str, now: int, own: str | None
+                   ) -> tuple[int, int, int, int, int | None, int, int | None]:
         """The model's live calls the provider had not counted when it sent the
         headers being synced (signals.lua, unarrived): leases not started, and
         leases whose call starts after ``now - SYNC_LAG_MS`` (waiting at a start
         gate, or on their way). Their tokens and number, then those of the started
         ones; the call being finished (``own``) is not one of them. Then, for counts
         as old as the call ``own`` (taken as the provider admitted it): when it
-        started (None: no such call), and the tokens and number of the calls not
-        started or started after it."""
+        started (None: no such call), the tokens of the live calls not started or
+        started after it, and of every call started after it, ended ones too (None:
+        ``own`` has no started sum, a restored lease)."""
         own_lease = self.leases.get(own) if own else None
         own_at = own_lease.call_at if own_lease is not None and own_lease.started and 0 < own_lease.call_at < now \
             else None
+        since_own = None
+        if own_at is not None and own_lease is not None and own_lease.started_before is not None:
+            since_own = max(0, self.models[model].started_sum - own_lease.started_before - own_lease.estimated_tokens)
         tokens = calls = started_tokens = started_calls = aged_tokens = 0
         for deadline, lid in self._inflight(model):
             if lid == own or deadline <= now:
@@ -149,7 +155,7 @@ class Signals(ReferenceState):
                 started_tokens, started_calls = started_tokens + lease.estimated_tokens, started_calls + 1
             if own_at is not None and (not lease.started or lease.call_at > own_at):
                 aged_tokens += lease.estimated_tokens
-        return tokens, calls, started_tokens, started_calls, own_at, aged_tokens
+        return tokens, calls, started_tokens, started_calls, own_at, aged_tokens, since_own
 
     def _sync_to_headers(self, model: str, now: int, remaining_tokens: int | None, remaining_requests: int | None,
                          own: str | None = None) -> tuple[int, int, int | None] | None:
@@ -173,14 +179,19 @@ class Signals(ReferenceState):
         if remaining_tokens is None and remaining_requests is None:
             return None
         state = self.models[model]
-        tokens, calls, started_tokens, started_calls, own_at, aged_tokens = self._unarrived(model, now, own)
+        tokens, calls, started_tokens, started_calls, own_at, aged_tokens, since_own = self._unarrived(model, now, own)
         if remaining_tokens is not None:
             remaining = remaining_tokens * UNITS
             ours_left = remaining - tokens * UNITS  # the count less our calls on their way
+            gate_left = remaining - started_tokens * UNITS  # the count less our started calls on their way
             explained = ours_left  # or, for a count as old as the call that carried it, more (signals.lua)
             if own_at is not None:
-                explained = max(ours_left, min(token_cap(state.limits), remaining + (now - own_at) * state.refill_rate)
-                                - aged_tokens * UNITS)
+                refilled = min(token_cap(state.limits), remaining + (now - own_at) * state.refill_rate)
+                explained = max(ours_left, refilled - aged_tokens * UNITS)
+                if since_own is not None and known_rate(state.quota.learn, state.learned.htpm):
+                    arrived = max(0, since_own - started_tokens)  # started since, and counted by now
+                    ours_left = max(ours_left, refilled - (arrived + tokens) * UNITS)
+                    gate_left = max(gate_left, refilled - (arrived + started_tokens) * UNITS)
             gap = state.tokens - explained
             if state.synced_at > 0:
                 count_full = remaining >= token_cap(state.limits)
@@ -189,7 +200,7 @@ class Signals(ReferenceState):
             state.tokens = min(state.tokens, ours_left)
             state.synced_at, state.sync_gap = now, state.tokens - explained  # (<= 0)
             ReferenceState._refill_started(state, now)
-            state.started_tokens = min(state.started_tokens, remaining - started_tokens * UNITS)
+            state.started_tokens = min(state.started_tokens, gate_left)
         if remaining_requests is not None and state.limits.max_requests_per_minute:
             # The request bucket and the start gate go to the count itself (signals.lua says
             # why); calls admitted but not started wait at the gate: at most that many more starts now.

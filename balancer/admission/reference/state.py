@@ -56,6 +56,8 @@ class ModelState:
     learned: Learned = field(default_factory=Learned)  # limits that learn (balancer.admission.learned)
     #: With a window cap: (admitted ms, tokens) per admission of the last WINDOW_MS, oldest first (window.lua).
     window: list[tuple[int, int]] = field(default_factory=list)
+    #: Estimated tokens of every call started under the model so far (state.lua, set_call_at).
+    started_sum: int = 0
     #: The token gate's bucket (units), charged at call start as the provider charges on arrival, and its refill time.
     started_tokens: int = field(init=False)
     started_refilled_at: int = field(init=False)
@@ -212,6 +214,16 @@ class Lease:
     started: bool = False
     generation: int = 0  # the model's quota generation when it was charged
     call_at: int = 0  # ms: when its call starts, once through its start gates (set when it is started)
+    #: The model's started_sum before this call's first start (None: not started here, or restored).
+    started_before: int | None = None
+
+    def start(self, state: ModelState, at: int, first: bool) -> None:
+        """Its call starts at ``at`` (state.lua, set_call_at): at its ``first`` start the model's
+        started_sum is kept before its tokens are added."""
+        if first:
+            self.started_before = state.started_sum
+            state.started_sum += self.estimated_tokens
+        self.started, self.call_at = True, at
 
 
 @dataclass
