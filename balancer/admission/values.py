@@ -209,16 +209,18 @@ def outside_rate(tpm: int, external: int) -> int:
     return max(0, min(external, outside_ceiling(tpm)))
 
 
-def known_rate(learn: bool, header_tpm: int) -> bool:
-    """Whether a model's token bucket refills at its provider's rate (signals.lua, known_rate): its
-    quota is taken as stated (``learn`` off), or the provider stated its token limit (``header_tpm``,
-    which the effective TPM never exceeds). Only then may a header sync credit the refill since an
-    old count was taken: with a quota ten times the provider's, that credit would be ten times too much.
+def known_rate(learn: bool, header_tpm: int, external: int) -> bool:
+    """Whether a model's token bucket refills at its provider's rate, all of it ours (signals.lua,
+    known_rate): its quota is taken as stated (``learn`` off), or the provider stated its token
+    limit (``header_tpm``, which the effective TPM never exceeds); and no one else is seen using
+    the quota (``external`` <= 0). Only then may a header sync credit the refill since an old count
+    was taken: with a quota ten times the provider's, that credit would be ten times too much, and
+    another client's use since the count is in no sum of ours.
 
-    >>> known_rate(True, 0), known_rate(True, 90_000), known_rate(False, 0)
-    (False, True, True)
+    >>> known_rate(True, 0, 0), known_rate(True, 90_000, 0), known_rate(False, 0, 0), known_rate(False, 0, 6_000)
+    (False, True, True, False)
     """
-    return not learn or header_tpm > 0
+    return (not learn or header_tpm > 0) and external <= 0
 
 
 def gap_growth(gap: int, sync_gap: int) -> int:

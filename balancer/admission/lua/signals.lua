@@ -64,10 +64,11 @@ local function gap_growth(gap, sync_gap)
   return math.max(gap, 0) - math.max(sync_gap, 0)
 end
 
--- Whether the token bucket refills at the provider's rate: the quota is taken as
--- stated (learn off), or the provider stated its token limit (htpm), which the
--- effective TPM never exceeds (balancer.admission.values.known_rate).
-local function known_rate(m) return m.learn ~= 1 or m.htpm > 0 end
+-- Whether the token bucket refills at the provider's rate, all of it ours: the quota
+-- is taken as stated (learn off), or the provider stated its token limit (htpm),
+-- which the effective TPM never exceeds; and no one else is seen using the quota
+-- (ext <= 0) (balancer.admission.values.known_rate).
+local function known_rate(m) return (m.learn ~= 1 or m.htpm > 0) and m.ext <= 0 end
 
 -- Lower the buckets to the provider's x-ratelimit-remaining-* ('' = not sent),
 -- the token buckets less what our calls it has not counted yet will take

@@ -188,7 +188,7 @@ class Signals(ReferenceState):
             if own_at is not None:
                 refilled = min(token_cap(state.limits), remaining + (now - own_at) * state.refill_rate)
                 explained = max(ours_left, refilled - aged_tokens * UNITS)
-                if since_own is not None and known_rate(state.quota.learn, state.learned.htpm):
+                if since_own is not None and known_rate(state.quota.learn, state.learned.htpm, state.external):
                     arrived = max(0, since_own - started_tokens)  # started since, and counted by now
                     ours_left = max(ours_left, refilled - (arrived + tokens) * UNITS)
                     gate_left = max(gate_left, refilled - (arrived + started_tokens) * UNITS)
