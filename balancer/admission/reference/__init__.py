@@ -196,7 +196,7 @@ class ReferenceCore(Signals):
             lease.deadline = now + lease_ms
             first = not lease.started
             delay = self._start_delay(model, lease.estimated_tokens, first, now)
-            lease.start(state, now + delay, first)
+            self._start_call(model, lease, now + delay, first)
             return Admitted(lease.model, admission_id, delay)
         if est > quota.burst:
             return Rejected(rejection_reason(est, quota.burst))
@@ -207,8 +207,17 @@ class ReferenceCore(Signals):
         self._charge(model, est, now)
         delay = self._start_delay(model, est, True, now)
         self.leases[admission_id] = Lease(model, est, now + lease_ms, generation=self.models[model].generation)
-        self.leases[admission_id].start(self.models[model], now + delay, first=True)
+        self._start_call(model, self.leases[admission_id], now + delay, first=True)
         return Admitted(model, admission_id, delay)
+
+    def _start_call(self, name: str, lease: Lease, at: int, first: bool) -> None:
+        """The lease's call on ``name`` starts at ``at`` (state.lua, set_call_at): at its ``first``
+        start it keeps the model's started_sum before its own tokens, which are then added."""
+        if first:
+            state = self.models[name]
+            lease.started_before = state.started_sum
+            state.started_sum += lease.estimated_tokens
+        lease.started, lease.call_at = True, at
 
     def stock(self, entries: Sequence[tuple[str, int, int, str]], ttl_ms: int, now: int) -> list[bool]:
         """Put (model, task id, estimated tokens, admission id) entries on their
@@ -278,7 +287,7 @@ class ReferenceCore(Signals):
             return None
         head = taken[0]
         delay = self._start_delay(name, head.estimated_tokens, True, now)
-        self.leases[head.admission_id].start(self.models[name], now + delay, first=True)
+        self._start_call(name, self.leases[head.admission_id], now + delay, first=True)
         restock = len(self.ready.get(name, [])) < self.models[name].limits.max_concurrent_requests
         return ReadyTask(head.task_id, head.admission_id, name, head.estimated_tokens, delay, restock)
 

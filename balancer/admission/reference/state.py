@@ -217,14 +217,6 @@ class Lease:
     #: The model's started_sum before this call's first start (None: not started here, or restored).
     started_before: int | None = None
 
-    def start(self, state: ModelState, at: int, first: bool) -> None:
-        """Its call starts at ``at`` (state.lua, set_call_at): at its ``first`` start the model's
-        started_sum is kept before its tokens are added."""
-        if first:
-            self.started_before = state.started_sum
-            state.started_sum += self.estimated_tokens
-        self.started, self.call_at = True, at
-
 
 @dataclass
 class ReadyEntry:
@@ -232,8 +224,6 @@ class ReadyEntry:
     admission_id: str
     estimated_tokens: int
     expires_at: int  # ms: not taken by then, it is dropped and its task goes back to pending
-
-
 
 
 @dataclass
