@@ -22,9 +22,9 @@ def test_a_worker_has_its_backend_client_before_its_model_is_consumed(tmp_path: 
     p = Pipeline(tmp_path / "logs", model_count=1)
     try:
         p.start(workers=[["--model", p.models[0].name]], beat=False)
-        deadline = time.monotonic() + 60
-        while not p.services.core.live().get(p.models[0].name) or not p.services.core.live()[p.models[0].name].consumers:
-            assert time.monotonic() < deadline, f"no consumer record for {p.models[0].name}; logs in {p.log_dir}"
+        name, deadline = p.models[0].name, time.monotonic() + 60
+        while not getattr(p.services.core.live().get(name), "consumers", 0):
+            assert time.monotonic() < deadline, f"no consumer record for {name}; logs in {p.log_dir}"
             time.sleep(0.05)
         log = (p.log_dir / "worker-0.log").read_text()
         assert f"backend client ready: models-backend at {p.backend_url}" in log, log[-2000:]
