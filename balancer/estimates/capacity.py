@@ -100,25 +100,37 @@ class ModelCapacity:
                           self.tokens_per_task or tokens_per_task, self.rpm / 60 if self.rpm else math.inf)
 
 
-def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, float]) -> bool:
-    caps = [m.tasks_by(t, tokens_per_task) for m in models]
+def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, float],
+             lost_at: Mapping[int, float] | None = None) -> bool:
+    caps = [m.tasks_by(min(t, (lost_at or {}).get(i, t)), tokens_per_task) for i, m in enumerate(models)]
     if any(pinned.get(i, 0) > caps[i] + 1e-9 for i in range(len(models))):
         return False
     return sum(caps) + 1e-9 >= any_model + sum(pinned.values())
 
 
 def makespan_bound(
-    models: Sequence[ModelCapacity], *, tokens_per_task: float, any_model: int, pinned: Mapping[int, float]
+    models: Sequence[ModelCapacity], *, tokens_per_task: float, any_model: int, pinned: Mapping[int, float],
+    lost_at: Mapping[int, float] | None = None,
 ) -> float:
-    """Least T (seconds) at which all tasks could be done; see the module docstring."""
+    """Least T (seconds) at which all tasks could be done; see the module docstring.
+
+    ``lost_at``: models (by index) that take no work from that time on, a worker host cut off or a
+    provider down for the rest of the run; what they complete before it counts. A cut host's share
+    of the capacity sets how much longer than the same work without the cut any schedule takes:
+
+    >>> a, b = (ModelCapacity(concurrency=c, mean_latency=1.0, tpm=None, burst=0) for c in (10, 5))
+    >>> [round(makespan_bound([a, b], tokens_per_task=1, any_model=300, pinned={}, lost_at=lost), 1)
+    ...  for lost in (None, {0: 2.0}, {0: 0.0})]                  # 15 a second; 30 by 2 s, then 5; 5
+    [20.0, 56.0, 60.0]
+    """
     low, high = 0.0, 1.0
-    while not feasible(models, high, tokens_per_task, any_model, pinned):
+    while not feasible(models, high, tokens_per_task, any_model, pinned, lost_at):
         high *= 2
         if high > 1e12:
             raise ValueError("no finite makespan: some pinned tasks have no capacity")
     for _ in range(100):
         mid = (low + high) / 2
-        if feasible(models, mid, tokens_per_task, any_model, pinned):
+        if feasible(models, mid, tokens_per_task, any_model, pinned, lost_at):
             high = mid
         else:
             low = mid

@@ -64,6 +64,32 @@ def test_models_add_up_by_hand() -> None:
     assert bound([a, b], 150) == pytest.approx(10.0, rel=1e-6)
 
 
+def test_a_model_lost_part_way_counts_what_it_did_until_then_by_hand() -> None:
+    # 10 + 5 tasks/s: 300 tasks in 20 s. The first lost at 4 s has done 40 by then; the second's
+    # 5 a second do the rest: 40 + 5 T = 300 at T = 52 s.
+    a, b = ModelCapacity(10, 1.0, **UNLIMITED), ModelCapacity(5, 1.0, **UNLIMITED)
+    assert bound([a, b], 300) == pytest.approx(20.0, rel=1e-6)
+    lost = makespan_bound([a, b], tokens_per_task=100, any_model=300, pinned={}, lost_at={0: 4.0})
+    assert lost == pytest.approx(52.0, rel=1e-6)
+
+
+def test_lines_bound_on_simulated_models_by_hand() -> None:
+    """The bench's bound of task lines on simulated models, in real seconds: two models of fixed
+    latency (1 s of scenario time, 0.5 s real at time scale 0.5) and no token or request limit."""
+    from balancer.bench.compare.bounds import lines_bound
+    from balancer.devtools.sim.config import Latency
+
+    fixed = Latency(median=1.0, p99=1.0, low=1.0, high=1.0)
+    models = [SimModel("a", 10, 10**9, latency=fixed), SimModel("b", 5, 10**9, latency=fixed)]
+    lines = [{"prompt": "p" * 40, "max_tokens": 10}] * 300
+    assert lines_bound(models, lines, seed=0, time_scale=0.5) == pytest.approx(10.0, rel=1e-6)  # 20 s of scenario time
+    # "a" lost 2 real seconds (4 scenario seconds) in: 52 scenario seconds, as in the test above
+    assert lines_bound(models, lines, seed=0, time_scale=0.5, lost_at_s={"a": 2.0}) == pytest.approx(26.0, rel=1e-6)
+    # pinned lines stay on their model: 100 on "b" alone take 20 scenario seconds
+    pinned = [{"prompt": "p", "max_tokens": 1, "model": "b"}] * 100
+    assert lines_bound(models, pinned, seed=0, time_scale=1.0) == pytest.approx(20.0, rel=1e-6)
+
+
 def test_pinned_tasks_by_hand() -> None:
     # Together 10 tasks/s would do 100 tasks in 10 s, but 50 are pinned to a model doing 1/s: 50 s.
     slow = ModelCapacity(1, 1.0, **UNLIMITED)
