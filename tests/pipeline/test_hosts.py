@@ -19,6 +19,7 @@ No process is restarted. The figures are printed (``-s``) for docs/production.md
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import replace
@@ -85,6 +86,7 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
     from balancer.backlog.intake import parse_tasks
     from balancer.bench.chaos.run import WRITE_LOG_SQL
     from balancer.bench.chaos.witness import FaultWindow, TaskRow, WriteEvent, overlapping_calls, witness
+    from balancer.bench.compare.bounds import lines_bound
     from balancer.devtools.sim.audit import limits_for
     from balancer.devtools.sim.config import default_models
     from balancer.devtools.sim.server import prompt_key
@@ -130,21 +132,28 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
                          net.launch("dispatch"))
         served = {"worker-1": names[:5], "worker-2": names[5:]}
         for host, own in served.items():
-            supervisor.start(host, ["worker", *[arg for m in own for arg in ("--model", m)], "--loglevel", "INFO"],
-                             hosts_env, net.launch(host))
+            for model in own:  # a process per model: one per host would hold a host's share to one core
+                supervisor.start(f"{host}-{model}", ["worker", "--model", model, "--loglevel", "INFO"], hosts_env,
+                                 net.launch(host))
         pids = [c.process.pid for c in supervisor.children]
 
-        def submit(batch: int, count: int = TASKS) -> tuple[list[int], float]:
-            import json
-
+        def batch_lines(batch: int, count: int = TASKS) -> list[dict[str, Any]]:
             lines = prompt_lines(count, names, pinned_every=0, seed=batch)
             for line in lines:
                 line["prompt"] = f"batch-{batch} {line['prompt']}"
+            return lines
+
+        batch_times: dict[int, float] = {}
+
+        def submit(batch: int, count: int = TASKS) -> tuple[list[int], float]:
+            lines = batch_lines(batch, count)
             rows, errors = parse_tasks("\n".join(json.dumps(line) for line in lines),
                                        models={q.name: q.burst for q in services.quotas.all()})
             assert not errors
             with services.engine.begin() as conn:
-                return insert_tasks(conn, rows), time.time()
+                ids = insert_tasks(conn, rows)
+            batch_times[batch] = time.time()
+            return ids, batch_times[batch]
 
         def makespan(ids: list[int], submitted: float, timeout: float) -> float:
             def ended() -> float | None:
@@ -186,9 +195,17 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
         net.heal("worker-1")
         healed_at = time.time()
         figures["worker host cut"] = makespan(ids, at, BATCH_TIMEOUT_S)
+        # The capacity bound of each batch (balancer.estimates.capacity): the cut batch's counts the cut
+        # host's models only until the cut. Their ratio is what the cut alone costs at the same pace.
+        bounds = {"no fault": lines_bound(models, batch_lines(1), seed=0, time_scale=TIME_SCALE),
+                  "worker host cut": lines_bound(models, batch_lines(3), seed=0, time_scale=TIME_SCALE,
+                                                 lost_at_s=dict.fromkeys(served["worker-1"], cut_at - at))}
 
         assert [c.process.pid for c in supervisor.children] == pids  # none restarted, none exited
         entries = httpx.get(f"{sim_url}/log", timeout=30).json()["entries"]
+        # kept beside the processes' logs for a failure's trace: every call, and each batch's times
+        (tmp_path / "logs" / "calls.json").write_text(json.dumps({"calls": entries, "batches": batch_times,
+                                                                           "killed_at": killed_at, "cut_at": cut_at}))
         with services.engine.connect() as conn:
             rows = conn.execute(sa.text("SELECT id, prompt, status, error FROM tasks")).all()
             writes = conn.execute(sa.text("SELECT task_id, old_status, new_status, answer_written, extract(epoch FROM at) "
@@ -209,7 +226,9 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
               f"repeats {len(report.repeats)}, overlaps {len(report.overlaps)} (hedges {hedges}, on one model {same_model}), "
               f"429s {report.rate_limited}, "
               f"ended {report.ended}, bounds: cut {cut_bound(figures['no fault']):.1f}, "
-              f"kill {kill_bound(figures['no fault'], figures['outage']):.1f}")
+              f"kill {kill_bound(figures['no fault'], figures['outage']):.1f}; capacity bounds (s): "
+              f"{', '.join(f'{k} {v:.1f} (utilization {v / figures[k]:.2f})' for k, v in bounds.items())}, "
+              f"the cut's own cost {bounds['worker host cut'] / bounds['no fault']:.2f} times")
         assert report.lost == 0 and report.tasks == 3 * TASKS + WARM_UP, report.ended
         assert report.ended.get("solved") == 3 * TASKS + WARM_UP, report.ended
         assert report.double_written == 0 and not report.ended_twice
