@@ -333,7 +333,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     Which calls and where is :func:`balancer.dispatch.endgame.pick_hedges`; each
     hedge is admitted like any call (so it never breaks a quota), recorded on
     its task (at most ``max_hedges`` per task, within ``hedge_budget`` of the
-    run's tokens) and published as a ``solve`` message marked as a hedge. ``view`` holds
+    run's tokens, which a hedge of an orphan's call does not spend) and published as a ``solve`` message marked as a hedge. ``view`` holds
     every model: a call on one no worker consumes is hedged first (on a served model).
     """
     core, settings = services.core, services.settings
@@ -362,7 +362,10 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
             if not isinstance(decision, Admitted):
                 continue
             call = calls[key]
-            if mark_hedged(conn, key, call.admission_id, decision.admission_id, decision.model, call.estimated_tokens):
+            # A hedge of a call no worker serves stands in for a call that may never answer, whatever
+            # the budget: it spends none of it, or a cut host's calls would leave none for the stragglers.
+            spends = 0 if call.model in orphans else call.estimated_tokens
+            if mark_hedged(conn, key, call.admission_id, decision.admission_id, decision.model, spends):
                 sent.append(Assignment(key, decision.model, decision.admission_id, call.estimated_tokens, hedge=True))
             else:  # the first call ended meanwhile
                 core.release(decision.admission_id)

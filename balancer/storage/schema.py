@@ -79,7 +79,8 @@ tasks = Table(
     Column("hedge_admission_id", Text, nullable=True),  # the hedge in flight; cleared on return to pending
     Column("hedge_model", Text, nullable=True),
     Column("hedges", Integer, nullable=False, server_default="0"),
-    Column("hedge_tokens", Integer, nullable=False, server_default="0"),  # estimated tokens hedges were admitted with
+    # estimated tokens hedges were admitted with (the hedge budget's spend; a hedge of a call no worker serves: 0)
+    Column("hedge_tokens", Integer, nullable=False, server_default="0"),
     Column("not_before", DateTime(timezone=True), nullable=True),
     Column("deadline", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),

@@ -242,6 +242,42 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_th
     assert len(sent) == 7  # every free slot of a (three) and c (four): the hedge and six of the backlog
 
 
+def test_a_hedge_of_an_orphans_call_spends_none_of_the_budget_a_straggler_needs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40's cut at the issue's size: the cut host's calls were hedged whatever the budget, but
+    their hedges' tokens were counted against it, so the batch's slowest call on a served model
+    (12 s, against a median of 2 s) went unhedged and the batch waited for it. The budget here pays
+    for one hedge, of two equal tasks' tokens: the orphan's hedge and the straggler's are both sent."""
+    from balancer.backlog.hedges import hedge_spending
+    from balancer.backlog.transitions import start_solve
+
+    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
+    monkeypatch.setenv("BALANCER_HEDGE_BUDGET", "0.5")
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota(name, 4, 600_000, slow_start=False) for name in ("a", "b", "c")])
+    workers_beating_for_a_while(svc)
+    for name in ("a", "b", "c"):
+        svc.core.note_consumers(f"w-{name}", [name], 60_000)
+    (orphan,) = submit(svc, "b", 1)
+    (straggler,) = submit(svc, "a", 1)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    for assignment in sent:
+        assert start_solve(svc.engine, assignment.task_id, assignment.admission_id, 60) is not None
+    with svc.engine.begin() as conn:  # both run long, and either may go to any model
+        conn.execute(sa.update(tasks).where(tasks.c.id.in_([orphan, straggler]))
+                     .values(started_at=sa.func.now() - sa.text("interval '10 minutes'"), allowed_models=None))
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone
+    sent.clear()
+    for _ in range(3):
+        dispatch(svc, sent.extend)
+    assert sorted(a.task_id for a in sent if a.hedge) == sorted([orphan, straggler])
+    with svc.engine.connect() as conn:
+        spent, run_tokens = hedge_spending(conn)
+    (estimated,) = {a.estimated_tokens for a in sent}
+    assert spent == estimated and run_tokens == 2 * estimated  # the straggler's hedge alone
+
+
 @pytest.mark.e2e
 def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_path: Path) -> None:
     """Issue 40 finding 1, with real processes: two workers, one per model. One is frozen
