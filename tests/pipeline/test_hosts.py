@@ -3,7 +3,7 @@
 Hosts are Linux network namespaces on a bridge (tests/hosts.py), on addresses of
 the test's own: a Redis master (with a Sentinel), its replica (with a Sentinel), a
 dispatcher host (dispatcher, beat and the third Sentinel), two worker hosts each
-serving five of the simulator's ten models (``balancer worker --model ...``), and
+serving five of the simulator's ten models (a ``balancer worker --model M`` process per model), and
 the simulator on a host of its own. PostgreSQL is this machine's (or the embedded one), reached through a
 TCP proxy the test runs on its address on the bridge. Every balancer process reads
 Redis and the broker through Sentinel (``sentinel://…``).
