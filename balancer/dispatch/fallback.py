@@ -47,10 +47,11 @@ class FallbackTicks(bootsteps.StartStopStep):
         self._stop = threading.Event()
 
     def start(self, consumer) -> None:  # noqa: ANN001
+        """Runs when the consumer starts, and again each time it reconnects to the broker."""
         if keys.CONTROL_QUEUE not in {q.name for q in consumer.task_consumer.queues}:
             return  # a model worker: beat's ticks are the dispatcher's business
-        self._stop.clear()
-        threading.Thread(target=self._run, name="fallback-ticks", daemon=True).start()
+        self._stop = stop = threading.Event()  # a thread of its own per start: the last one's ends with its stop
+        threading.Thread(target=self._run, args=(stop,), name="fallback-ticks", daemon=True).start()
 
     def stop(self, consumer) -> None:  # noqa: ANN001
         self._stop.set()
@@ -59,15 +60,24 @@ class FallbackTicks(bootsteps.StartStopStep):
         """Beat's schedule: (interval, send) for the dispatch, sweep and ingest ticks."""
         raise NotImplementedError
 
-    def _run(self) -> None:
+    def connected(self) -> None:
+        """Once the consumer is (again) connected to the broker: the ticks and dispatch requests
+        sent while it was away may be lost with a failed-over broker, so ask for what they would
+        have asked for now. Nothing by default."""
+
+    def _run(self, stop: threading.Event) -> None:
         from balancer.calls.runtime import services
 
+        try:
+            self.connected()
+        except Exception:  # the loop below goes on: beat's ticks or its own ask again
+            log.exception("asking for a dispatch after the broker connection failed")
         settings = services().settings
         ticks = self.ticks(settings)
         last_sent = [0.0] * len(ticks)
         absent = False
         grace_until = time.monotonic() + settings.dispatch_tick * ABSENT_AFTER  # beat may be starting too
-        while not self._stop.wait(min(1.0, settings.dispatch_tick)):
+        while not stop.wait(min(1.0, settings.dispatch_tick)):
             try:
                 svc = services()
                 if time.monotonic() < grace_until or beat_last_seen_s(svc.redis, settings.namespace) is not None:

@@ -172,6 +172,14 @@ class DispatcherTicks(FallbackTicks):
         return [(settings.dispatch_tick, trigger_dispatch), (settings.sweep_tick, sweep_task.delay),
                 (settings.ingest_tick, ingest_task.delay)]
 
+    def connected(self) -> None:
+        """A dispatch now, past any request flag left from before the broker went: after a Redis
+        failover the dispatcher otherwise waited for beat's next tick to come through, or for its
+        own after ABSENT_AFTER ticks, while the slots that freed meanwhile stood idle."""
+        svc = runtime.services()
+        clear_requests(svc.redis, svc.settings.namespace)
+        trigger_dispatch()
+
 
 class SourceReads(SourceReadLoop):
     """Source tables, each read on a thread of its own: a locked or slow team table never holds

@@ -25,6 +25,7 @@ from balancer.dispatch.dispatcher import dispatch
 from balancer.services import Services
 from balancer.settings import Settings
 from tests.pipeline_harness import Pipeline, prompt_lines
+from tests.sentinels import wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.usefixtures("migrated")]
 
@@ -431,6 +432,35 @@ def drop_worker_redis_connections(p) -> tuple[int, list[int], float]:  # noqa: A
     for client_id in dropped:
         p.services.redis.execute_command("CLIENT", "KILL", "ID", client_id)
     return running, dropped, time.monotonic()
+
+
+@pytest.mark.faults
+def test_a_dispatcher_dispatches_as_soon_as_it_is_connected_to_its_broker_again(pipeline) -> None:
+    """Issue 40's kill of the Redis master: the dispatcher was back on its broker 2.3 s after the
+    kill, then dispatched nothing for up to 7 s, waiting for beat's next tick to come through (or
+    its own, five ticks later), while slots stood idle. Here beat is absent and the dispatcher's
+    own ticks are 30 s apart (they start 150 s after it): tasks stored with no dispatch asked for
+    are dispatched when its consumer starts, and again when it reconnects after its Redis
+    connections are dropped (``CLIENT KILL``)."""
+    from balancer.admission.keys import dispatch_flags
+
+    p = pipeline(extra_env={"BALANCER_DISPATCH_TICK": "30"})
+    p.start(beat=False)
+    first = p.submit(prompt_lines(10, [m.name for m in p.models]))
+    assert p.wait_done(len(first), timeout=30)["solved"] == len(first)  # at the consumer's start, or a trigger
+
+    flag = dispatch_flags(p.services.settings.namespace)[0]
+    wait_until(lambda: not p.services.redis.exists(flag), 10, "the last answer's dispatch run")
+    dispatcher = next(c for c in p.supervisor.children if c.name == "dispatcher")
+    second = p.submit(prompt_lines(10, [m.name for m in p.models], seed=9))
+    dropped = redis_connections_of(p.services.redis, dispatcher.process.pid)
+    assert dropped, "found none of the dispatcher's Redis connections"
+    for client_id in dropped:
+        p.services.redis.execute_command("CLIENT", "KILL", "ID", client_id)
+    counts = p.wait_done(len(first) + len(second), timeout=30)
+    assert counts["solved"] == len(first) + len(second)
+    log = (p.log_dir / "dispatcher.log").read_text(errors="replace")
+    assert "Connection to broker lost" in log and "beat has not ticked" not in log
 
 
 def test_dropping_a_workers_redis_connections_mid_call_makes_no_second_call(pipeline, reliability) -> None:
