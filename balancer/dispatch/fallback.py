@@ -10,6 +10,11 @@ itself, at beat's intervals, and logs once that beat is absent (``balancer
 status`` says so too). Two dispatchers doing this is harmless: dispatch
 requests coalesce (:mod:`balancer.dispatch.trigger`), the sweep is idempotent
 and ingestion claims each file once.
+
+Each time the dispatcher's consumer connects to the broker (at start, and after
+a lost connection, a Redis failover among them) it also asks for a dispatch at
+once (:meth:`FallbackTicks.connected`): the ticks and requests sent while it was
+away may have gone with the old master.
 """
 
 from __future__ import annotations
