@@ -206,6 +206,31 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Serv
     assert report.hedges == 1 and [(a.task_id, a.model, a.hedge) for a in sent] == [(task_id, "a", True)]
 
 
+def long_calls_on_b_and_a(monkeypatch: pytest.MonkeyPatch, hedge_budget: str) -> tuple[Services, int, int]:
+    """Three served models a, b and c (4 slots each, no slow start), and two tasks that have been
+    running 10 minutes, either of which may go to any model: one on b, one on a. Returns
+    (services, the task on b, the task on a)."""
+    from balancer.backlog.transitions import start_solve
+
+    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
+    monkeypatch.setenv("BALANCER_HEDGE_BUDGET", hedge_budget)
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota(name, 4, 600_000, slow_start=False) for name in ("a", "b", "c")])
+    workers_beating_for_a_while(svc)
+    for name in ("a", "b", "c"):
+        svc.core.note_consumers(f"w-{name}", [name], 60_000)
+    (on_b,) = submit(svc, "b", 1)
+    (on_a,) = submit(svc, "a", 1)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    for assignment in sent:
+        assert start_solve(svc.engine, assignment.task_id, assignment.admission_id, 60) is not None
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.id.in_([on_b, on_a]))
+                     .values(started_at=sa.func.now() - sa.text("interval '10 minutes'"), allowed_models=None))
+    return svc, on_b, on_a
+
+
 def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_the_free_slots(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 40's cut at the issue's size: the calls a cut host had in flight were hedged only when
@@ -213,29 +238,10 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_th
     its end (10 s of a 15 s batch) and then for their hedges. Now the first round of a run hedges
     them before it admits new work into those slots; a straggler on a served model is not hedged
     there, though a budget would pay for it and model c could take it."""
-    import sqlalchemy as sa
-
-    from balancer.backlog.transitions import start_solve
-
-    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
-    monkeypatch.setenv("BALANCER_HEDGE_BUDGET", "1")
-    svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota(name, 4, 600_000, slow_start=False) for name in ("a", "b", "c")])
-    workers_beating_for_a_while(svc)
-    for name in ("a", "b", "c"):
-        svc.core.note_consumers(f"w-{name}", [name], 60_000)
-    (orphan,) = submit(svc, "b", 1)
-    (served,) = submit(svc, "a", 1)  # a long call on a served model: a straggler, but not an orphan
-    sent: list[Assignment] = []
-    dispatch(svc, sent.extend)
-    for assignment in sent:
-        assert start_solve(svc.engine, assignment.task_id, assignment.admission_id, 60) is not None
-    with svc.engine.begin() as conn:
-        conn.execute(sa.update(tasks).where(tasks.c.id.in_([orphan, served]))
-                     .values(started_at=sa.func.now() - sa.text("interval '10 minutes'"), allowed_models=None))
+    svc, orphan, _ = long_calls_on_b_and_a(monkeypatch, "1")  # the call on a: a straggler, not an orphan
     svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's and c's are there, and a backlog waits
     backlog = submit(svc, None, 20)
-    sent.clear()
+    sent: list[Assignment] = []
     report = dispatch(svc, sent.extend)
     assert report.hedges == 1 and sent[0].task_id == orphan and sent[0].hedge and sent[0].model in ("a", "c")
     assert [a for a in sent[1:] if a.hedge] == [] and {a.task_id for a in sent[1:]} <= set(backlog)
@@ -249,26 +255,10 @@ def test_a_hedge_of_an_orphans_call_spends_none_of_the_budget_a_straggler_needs(
     (12 s, against a median of 2 s) went unhedged and the batch waited for it. The budget here pays
     for one hedge, of two equal tasks' tokens: the orphan's hedge and the straggler's are both sent."""
     from balancer.backlog.hedges import hedge_spending
-    from balancer.backlog.transitions import start_solve
 
-    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
-    monkeypatch.setenv("BALANCER_HEDGE_BUDGET", "0.5")
-    svc = Services.connect(Settings.from_env())
-    svc.quotas.replace_all([Quota(name, 4, 600_000, slow_start=False) for name in ("a", "b", "c")])
-    workers_beating_for_a_while(svc)
-    for name in ("a", "b", "c"):
-        svc.core.note_consumers(f"w-{name}", [name], 60_000)
-    (orphan,) = submit(svc, "b", 1)
-    (straggler,) = submit(svc, "a", 1)
-    sent: list[Assignment] = []
-    dispatch(svc, sent.extend)
-    for assignment in sent:
-        assert start_solve(svc.engine, assignment.task_id, assignment.admission_id, 60) is not None
-    with svc.engine.begin() as conn:  # both run long, and either may go to any model
-        conn.execute(sa.update(tasks).where(tasks.c.id.in_([orphan, straggler]))
-                     .values(started_at=sa.func.now() - sa.text("interval '10 minutes'"), allowed_models=None))
+    svc, orphan, straggler = long_calls_on_b_and_a(monkeypatch, "0.5")
     svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone
-    sent.clear()
+    sent: list[Assignment] = []
     for _ in range(3):
         dispatch(svc, sent.extend)
     assert sorted(a.task_id for a in sent if a.hedge) == sorted([orphan, straggler])
