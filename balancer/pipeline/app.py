@@ -7,6 +7,6 @@ from balancer.pipeline.reconnect import PromptAMQP
 
 kombu_redis.install()  # workers survive a Redis broker that dies (see the module)
 ticklog.install()  # the periodic ticks' log lines at DEBUG
-app = Celery("balancer", amqp=PromptAMQP)  # a lost broker is tried again within 2 s (see the module)
+app = Celery("balancer", amqp=PromptAMQP)  # a lost broker is tried again within a second (see the module)
 app.config_from_object("celeryconfig")
 app.autodiscover_tasks(["balancer.pipeline"], related_name="tasks", force=True)

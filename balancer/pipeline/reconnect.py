@@ -19,9 +19,9 @@ from typing import Any
 import kombu
 from celery.app.amqp import AMQP
 
-RETRY_START_S = 0.5
-RETRY_STEP_S = 0.5
-RETRY_MAX_S = 2.0
+RETRY_START_S = 0.25
+RETRY_STEP_S = 0.25
+RETRY_MAX_S = 1.0
 
 
 class PromptConnection(kombu.Connection):
