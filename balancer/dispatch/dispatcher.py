@@ -333,8 +333,9 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
     Which calls and where is :func:`balancer.dispatch.endgame.pick_hedges`; each
     hedge is admitted like any call (so it never breaks a quota), recorded on
     its task (at most ``max_hedges`` per task, within ``hedge_budget`` of the
-    run's tokens, which a hedge of an orphan's call does not spend) and published as a ``solve`` message marked as a hedge. ``view`` holds
-    every model: a call on one no worker consumes is hedged first (on a served model).
+    run's tokens, which a hedge of an orphan's call does not spend) and
+    published as a ``solve`` message marked as a hedge. ``view`` holds every
+    model: a call on one no worker consumes is hedged first (on a served model).
     """
     core, settings = services.core, services.settings
     orphans = orphaned(services, view)
