@@ -161,12 +161,14 @@ def beat(loglevel: str) -> None:
 @click.option("--seed", default=0, show_default=True)
 @click.option("--grace", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds of refill tolerated above the buckets (0: strict, as providers are).")
+@click.option("--untagged-draws", is_flag=True,
+              help="A prompt's leading '[tag] ' does not change its latency and length (the same batch under two tags).")
 @click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), help="Append every call to this JSONL file.")
 @click.option("--scenario", help="Take models and time scale from a scenario (bundled name or TOML file).")
 @click.option("--print-quotas", is_flag=True,
               help="Print the quota file of the models it serves (for `balancer quota import`), and exit.")
 def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, accounting: str, seed: int, grace: float,
-        log_path: Path | None, scenario: str | None, print_quotas: bool) -> None:
+        untagged_draws: bool, log_path: Path | None, scenario: str | None, print_quotas: bool) -> None:
     """Run the simulated Models Backend (its models: model-0, model-1, ...; --print-quotas shows their limits)."""
     import dataclasses
 
@@ -191,7 +193,8 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
                    "`balancer quota import FILE` (their names and limits)")
         click.echo(format_quota_file([m.quota(time_scale=time_scale) for m in models]), nl=False)
         return
-    simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path)
+    simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path,
+                          untagged_draws=untagged_draws)
     click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
     uvicorn.run(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
 

@@ -95,6 +95,17 @@ def test_a_task_costs_the_same_on_a_model_in_every_run() -> None:
     assert {k: v[1] for k, v in other_seed.items()} != {k: v[1] for k, v in first.items()}  # the seed matters
 
 
+def test_untagged_draws_give_a_tagged_batch_the_same_dice_and_only_when_asked() -> None:
+    models = default_models(3)
+    tagged, plain = Simulator(models, seed=7, untagged_draws=True), Simulator(models, seed=7)
+    for model in ("model-0", "model-2"):
+        for prompt in ("prompt 1", "prompt 2 [x] y"):
+            assert tagged.draw(model, f"[batch-2] {prompt}", 500) == tagged.draw(model, f"[batch-3] {prompt}", 500) \
+                == plain.draw(model, prompt, 500)
+            assert plain.draw(model, f"[batch-2] {prompt}", 500) != plain.draw(model, f"[batch-3] {prompt}", 500)
+    assert tagged.draw("model-1", "[not a tag", 500) == plain.draw("model-1", "[not a tag", 500)
+
+
 def test_latency_is_heavy_tailed_and_clipped() -> None:
     import random
 

@@ -10,8 +10,8 @@ As strict as the providers it stands in for, by default: tokens reserved
 paced over each model's window, 429 with ``Retry-After`` and ``retry-after-ms``,
 and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply, their
 remaining counts taken as the call was admitted (``headers_at``; or as it
-ends, ``"response"``). Models
-with a ``foreign_share`` lose that share of their quota to another client.
+ends, ``"response"``). Models with a ``foreign_share`` lose that share of their
+quota to another client.
 A call whose client disconnects runs to its end, holding its slot and charged
 in full (``on_disconnect = "continue"``, the default, as providers treat
 non-streamed requests; its log entry says ``client_gone``), or, for a model
@@ -77,10 +77,12 @@ class Simulator:
         seed: int = 0,
         grace: float = 0.0,
         log_path: Path | None = None,
+        untagged_draws: bool = False,
     ) -> None:
         self.models = {m.name: m for m in models}
         self.time_scale = time_scale
         self.seed = seed
+        self.untagged_draws = untagged_draws
         self.rng = random.Random(seed)  # error draws
         now = time.time()
         self.limiters = {m.name: m.limiter(time_scale=time_scale, grace=grace, now=now) for m in models}
@@ -133,8 +135,12 @@ class Simulator:
         Latency and answer length depend on the prompt and the model, not on the
         order calls arrive in. So a task costs the same on a given model in the
         pipeline run and in the baseline run, and in every run of a scenario,
-        and the difference between two runs is the scheduling, not the dice.
+        and the difference between two runs is the scheduling, not the dice. With
+        ``untagged_draws``, a leading tag (``"[batch-2] text"``) is not part of the
+        prompt's dice: one run can compare a batch with the same batch under a fault.
         """
+        if self.untagged_draws and prompt.startswith("["):
+            prompt = prompt.partition("] ")[2] or prompt
         key = hashlib.blake2b(f"{self.seed}\0{model}\0{prompt}".encode(), digest_size=8).digest()
         return random.Random(int.from_bytes(key, "big"))
 
@@ -250,14 +256,12 @@ def _json_bytes(body: Any) -> bytes:
 class SingleRoute:
     """``POST /single`` served straight on ASGI, everything else by the FastAPI app.
 
-    It is the route every benchmark call takes. Through FastAPI (routing, body
-    validation, request and response classes) the simulator spent about 2.8 ms
-    of CPU per call, more than the pipeline's whole worker (py-spy on
-    overhead.toml, docs/benchmark-history.md, "The hot path"); on a shared machine the referee's own
-    cost was charged to the system it referees. The semantics are the FastAPI
-    route's: 422 for a body that is not a JSON object, 400 without a model and
-    a prompt, the malformed-reply fault, and the client's disconnect watched
-    while the call runs (``on_disconnect``)."""
+    It is the route every benchmark call takes, and FastAPI's routing, validation and
+    request classes cost more CPU per call than the pipeline's whole worker: on a
+    shared machine the referee's own cost would be charged to the system it referees.
+    The semantics are the FastAPI route's: 422 for a body that is not a JSON object,
+    400 without a model and a prompt, the malformed-reply fault, and the client's
+    disconnect watched while the call runs (``on_disconnect``)."""
 
     def __init__(self, app: FastAPI, sim: Simulator) -> None:
         self.app, self.sim = app, sim
@@ -379,13 +383,8 @@ def create_app(sim: Simulator) -> SingleRoute:
         name = payload["model"]
         lim = sim.limiters[name]
         with sim._lock:
-            lim.update(
-                time.time(),
-                cap=int(payload.get("cap", lim.cap)),
-                tpm=float(payload.get("tpm", lim.tpm)),
-                rpm=payload.get("rpm", lim.rpm),
-                burst=float(payload.get("burst", lim.burst)),
-            )
+            lim.update(time.time(), cap=int(payload.get("cap", lim.cap)), tpm=float(payload.get("tpm", lim.tpm)),
+                       rpm=payload.get("rpm", lim.rpm), burst=float(payload.get("burst", lim.burst)))
         return {"ok": True}
 
     @app.post("/admin/faults")
