@@ -48,7 +48,9 @@ LEASE_S = int(os.environ.get("HOSTS_LEASE_S", "10"))
 CUT_S = float(os.environ.get("HOSTS_CUT_S", LEASE_S + 3))
 #: How long a batch may take once its fault has ended.
 BATCH_TIMEOUT_S = float(os.environ.get("HOSTS_BATCH_TIMEOUT_S", "120"))
-#: Seconds into a batch when its fault starts.
+#: Seconds into a batch when its fault starts: 2 s, as in issue 40's runs, or a quarter of the
+#: fault-free batch if that is sooner (at the default size a batch takes 2-4 s, and a fault after its
+#: end would test nothing).
 FAULT_AT_S = 2.0
 #: The stated bounds, which today's code meets on a loaded 2-core machine (docs/production.md has
 #: the runs). A cut: issue 40's 1.5 times the fault-free makespan, and a slack for the machine's
@@ -176,9 +178,10 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
         makespan(ids, at, 90)
         ids, at = submit(1)
         figures["no fault"] = makespan(ids, at, BATCH_TIMEOUT_S)
+        fault_at_s = min(FAULT_AT_S, figures["no fault"] / 4)
 
         ids, at = submit(2)
-        time.sleep(FAULT_AT_S)
+        time.sleep(max(0.0, at + fault_at_s - time.time()))
         killed_at = time.time()
         died = group.kill_master()
         group.wait_failover()
@@ -191,7 +194,7 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
         # timing out at the heal, which opens those models' circuits for a while; a batch after it
         # would be charged for that.
         ids, at = submit(3)
-        time.sleep(FAULT_AT_S)
+        time.sleep(max(0.0, at + fault_at_s - time.time()))
         cut_at = time.time()
         net.cut("worker-1")
         time.sleep(CUT_S)
