@@ -72,8 +72,10 @@ def protocol(read_timeout_s: float = READ_TIMEOUT_S) -> type[DeadlineProtocol]:
 
 def config(app: Any, host: str, port: int, *, read_timeout_s: float = READ_TIMEOUT_S, **options: Any) -> uvicorn.Config:
     """The uvicorn configuration the router is served with (``balancer router``, the benchmark, the tests)."""
+    # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from a loopback client as the
+    # caller's address, and the router keys an idempotency record by that address.
     return uvicorn.Config(app, host=host, port=port, http=protocol(read_timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
-                          backlog=4096, **options)
+                          backlog=4096, proxy_headers=False, **options)
 
 
 def serve(app: Any, host: str, port: int, **options: Any) -> None:
