@@ -16,8 +16,9 @@ with the admission it got; a retry with the same key and the same body gets
 that admission again (after what is left of its start-gate delay), and one
 that arrives while the first is still being answered is told to retry (409).
 A wait or a refusal deletes the marker, so the caller asks again with the same
-key. The record lives one lease: by then an admission no caller heard of has
-expired, so a retry never holds a second slot beside it.
+key. The record lives as long as its admission's lease (one lease, extended by
+each ``/heartbeat``): an admission no caller heard of has expired with it, so a
+retry never holds a second slot beside it.
 
 The record is its caller's and its admission's: it is kept under the caller's
 address as well as the key, so a caller elsewhere that sends the same key
@@ -176,10 +177,6 @@ class Admissions:
         lease, _, record_key = raw.decode().partition(" ")
         return lease, record_key
 
-    def _lease_of(self, admission_id: str) -> str | None:
-        issued = self._issued(admission_id)
-        return None if issued is None else issued[0]
-
     def complete(self, admission_id: str, used_tokens: int | None) -> bool | Kept | None:
         """Settle and free the slot: whether this call freed it (False: already
         completed), or None if the router has no such admission (never issued, or
@@ -213,10 +210,12 @@ class Admissions:
         self.redis.transaction(end, record_key)
 
     def heartbeat(self, admission_id: str) -> bool:
-        """Extend a live lease, and the router's record of it, by one lease; False if
-        there is none (never issued, expired or completed)."""
-        lease = self._lease_of(admission_id)
-        if lease is None or not self.core.heartbeat(lease, self.lease_ms):
+        """Extend a live lease, the router's record of it and the idempotency record that
+        hands it out, by one lease; False if there is none (never issued, expired or completed)."""
+        issued = self._issued(admission_id)
+        if issued is None or not self.core.heartbeat(issued[0], self.lease_ms):
             return False
         self.redis.pexpire(keys.router_admission(self.namespace, admission_id), self.lease_ms)
+        if issued[1]:  # a retry after the first lease is still handed this admission, not a second one
+            self.redis.pexpire(issued[1], self.lease_ms)
         return True

@@ -582,6 +582,40 @@ def test_callers_elsewhere_sharing_a_key_each_get_their_own_admission(steady_url
     assert in_flight(svc, "solo") == 1
 
 
+def test_an_idempotency_record_lives_as_long_as_its_heartbeated_admission(svc: Services) -> None:
+    """An admission kept alive by /heartbeat past its first lease is still what a retry of its
+    /schedule gets (before: the record ended after one lease, and the retry was told to wait
+    while the caller's own admission held the model's one slot)."""
+    lease_ms = 3_000
+    with contextlib.closing(serve_router(svc, lease_ms=lease_ms)) as urls:
+        url = next(urls)
+        key, body = {"Idempotency-Key": "h" * 24}, {"estimated_tokens": 100, "models": ["solo"]}
+        first = httpx.post(f"{url}/schedule", json=body, headers=key, timeout=30).json()
+        until = time.monotonic() + 1.5 * lease_ms / 1000
+        while time.monotonic() < until:
+            beat = httpx.post(f"{url}/heartbeat", json={"admission_id": first["admission_id"]}, timeout=30).json()
+            assert beat["ok"], beat
+            time.sleep(lease_ms / 6000)
+        retried = httpx.post(f"{url}/schedule", json=body, headers=key, timeout=30).json()
+        assert retried.get("admission_id") == first["admission_id"], retried
+        assert in_flight(svc, "solo") == 1
+
+
+def test_a_loopback_caller_cannot_claim_another_callers_key_with_x_forwarded_for(steady_url: str, svc: Services) -> None:
+    """A caller on 127.0.0.2 holds a key's admission; another on 127.0.0.1 sends that key with
+    ``X-Forwarded-For: 127.0.0.2`` and gets no "call now" of its own or of the first's (before:
+    uvicorn took the header as its address and handed it the first caller's admission)."""
+    key = {"Idempotency-Key": "f" * 24}
+    body = {"estimated_tokens": 100, "models": ["solo"]}
+    with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30) as first:
+        held = first.post(f"{steady_url}/schedule", json=body, headers=key).json()
+    assert "admission_id" in held
+    claimed = httpx.post(f"{steady_url}/schedule", json=body, headers={**key, "X-Forwarded-For": "127.0.0.2"},
+                         timeout=30).json()
+    assert "admission_id" not in claimed and "wait_for_ms" in claimed, claimed
+    assert in_flight(svc, "solo") == 1
+
+
 @pytest.mark.parametrize(("headers", "status"), [
     ({"Host": "rebind.attacker.example"}, 400),
     ({"Host": "rebind.attacker.example:8700"}, 400),
