@@ -1,6 +1,7 @@
 """The guards the router and the console share, as plain ASGI (no FastAPI, no Starlette):
 who may be served without a token (:func:`is_loopback`), how large a body may be
-(:class:`BodyLimit`), and which ``Host`` and ``Origin`` a request may name (:class:`HostGuard`).
+(:class:`BodyLimit`), and which ``Host`` and ``Origin`` a request may name (:class:`HostNames`,
+:class:`HostGuard`).
 
 **DNS rebinding.** A page on another site can make its own name resolve to
 127.0.0.1; the browser then sends that page's requests to a server on loopback,
@@ -72,7 +73,7 @@ def host_name(value: str) -> str:
 
 def allowed_names(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
     """The ``Host`` names a server bound to ``bound`` answers to (address literals are
-    checked apart, by :meth:`HostGuard.allows`).
+    checked apart, by :meth:`HostNames.allows`).
 
     >>> sorted(allowed_names("127.0.0.1", ["console.example"]))
     ['127.0.0.1', 'console.example', 'localhost']
@@ -85,21 +86,22 @@ def allowed_names(bound: str, extra: Iterable[str] = ()) -> frozenset[str]:
     return frozenset(names - {""})
 
 
-class HostGuard:
-    """Answer only requests whose ``Host`` (and, on a change, ``Origin``) names this server."""
+class HostNames:
+    """The names a server bound to ``bound`` answers to: the rule :class:`HostGuard` applies
+    (and the metrics exporter, a WSGI app)."""
 
-    def __init__(self, app: ASGIApp, bound: str, extra: Iterable[str] = ()) -> None:
-        self.app, self.bound = app, bound
+    def __init__(self, bound: str, extra: Iterable[str] = ()) -> None:
+        self.bound = bound
         self.names = allowed_names(bound, extra)
 
     def allows(self, name: str) -> bool:
         """``name`` is one of ours: a listed name, or an address literal that reaches this bind
         (a loopback bind: a loopback address; a wildcard bind: any address; else the bound one).
 
-        >>> guard = HostGuard(None, "127.0.0.1")  # type: ignore[arg-type]
-        >>> [guard.allows(n) for n in ("localhost", "127.0.0.1", "::1", "rebind.attacker.example", "10.0.0.5")]
+        >>> ours = HostNames("127.0.0.1")
+        >>> [ours.allows(n) for n in ("localhost", "127.0.0.1", "::1", "rebind.attacker.example", "10.0.0.5")]
         [True, True, True, False, False]
-        >>> HostGuard(None, "0.0.0.0").allows("192.168.1.9"), HostGuard(None, "10.0.0.5").allows("10.0.0.6")
+        >>> HostNames("0.0.0.0").allows("192.168.1.9"), HostNames("10.0.0.5").allows("10.0.0.6")
         (True, False)
         """
         if name in self.names:
@@ -111,11 +113,19 @@ class HostGuard:
             return True
         return address.is_loopback and is_loopback(self.bound)
 
+
+class HostGuard:
+    """Answer only requests whose ``Host`` (and, on a change, ``Origin``) names this server."""
+
+    def __init__(self, app: ASGIApp, bound: str, extra: Iterable[str] = ()) -> None:
+        self.app = app
+        self.hosts = HostNames(bound, extra)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = dict(scope["headers"])
             host = headers.get(b"host")
-            if host is not None and not self.allows(host_name(host.decode("latin-1"))):
+            if host is not None and not self.hosts.allows(host_name(host.decode("latin-1"))):
                 await problem(send, 400, "this server does not answer to that Host name (start it with --allow-host "
                                          "NAME to serve it under a name of its own)")
                 return
@@ -127,7 +137,7 @@ class HostGuard:
 
     def _our_origin(self, origin: bytes) -> bool:
         parts = urlsplit(origin.decode("latin-1"))
-        return parts.scheme in ("http", "https") and bool(parts.netloc) and self.allows(host_name(parts.netloc))
+        return parts.scheme in ("http", "https") and bool(parts.netloc) and self.hosts.allows(host_name(parts.netloc))
 
 
 async def problem(send: Send, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:

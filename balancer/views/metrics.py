@@ -294,21 +294,29 @@ METRICS_PATH = "/metrics"
 READ_TIMEOUT_S = 10.0
 
 
-def exposition_app(registry: Any, token: str | None = None) -> Any:
+def exposition_app(registry: Any, token: str | None = None, bound: str | None = None) -> Any:
     """The WSGI app of the exporter: :data:`METRICS_PATH` only (404 elsewhere), and with
-    ``token``, only for ``Authorization: Bearer <token>`` (compared in constant time; 401)."""
+    ``token``, only for ``Authorization: Bearer <token>`` (compared in constant time; 401).
+    With ``bound`` (the address served on), only for a ``Host`` that names it
+    (:class:`balancer.httpguard.HostNames`; 400): a page of another site rebound to
+    loopback does not read a token-less exporter."""
     import hmac
 
     from prometheus_client import make_wsgi_app
 
+    from balancer.httpguard import HostNames, host_name
+
     metrics = make_wsgi_app(registry)
     expected = f"Bearer {token}".encode() if token else None
+    hosts = HostNames(bound) if bound is not None else None
 
     def app(environ: dict[str, Any], start_response: Any) -> Any:
         def refuse(status: str, text: bytes, *headers: tuple[str, str]) -> list[bytes]:
             start_response(status, [("Content-Type", "text/plain; charset=utf-8"), *headers])
             return [text]
 
+        if hosts is not None and "HTTP_HOST" in environ and not hosts.allows(host_name(environ["HTTP_HOST"])):
+            return refuse("400 Bad Request", b"400: this exporter does not answer to that Host name\n")
         if environ.get("PATH_INFO") != METRICS_PATH:
             return refuse("404 Not Found", b"404: metrics are served on /metrics only\n")
         given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1")
@@ -344,6 +352,6 @@ def serve(services: Services, host: str, port: int, *, finished_every: float = F
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             return
 
-    server = make_server(host, port, exposition_app(registry, token), Server, handler_class=Quiet)
+    server = make_server(host, port, exposition_app(registry, token, bound=host), Server, handler_class=Quiet)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

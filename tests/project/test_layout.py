@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
               "health"},
     "dispatch": {"settings", "estimates", "costs", "admission", "storage", "quotas", "backlog", "snapshot",
                  "services", "sources", "calls"},
-    "views": {"estimates", "costs", "admission", "storage", "quotas", "backlog", "snapshot", "services", "sources",
+    "views": {"httpguard", "estimates", "costs", "admission", "storage", "quotas", "backlog", "snapshot", "services", "sources",
               "health", "dispatch"},
     "pipeline": {"settings", "admission", "quotas", "backlog", "sources", "calls", "dispatch"},
     "router": {"httpguard", "estimates", "admission"},

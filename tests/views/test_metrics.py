@@ -102,6 +102,10 @@ def test_metrics_are_served_on_one_path_and_with_a_token_only_to_its_bearer(toke
             assert httpx.get(url + path, headers=auth, timeout=10).status_code == 404, path
         answer = httpx.get(f"{url}/metrics", headers=auth, timeout=10)
         assert answer.status_code == 200 and "balancer_tasks" in answer.text
+        # a page of another site rebound to loopback names its own host: refused (before: served)
+        rebound = httpx.get(f"{url}/metrics", headers={**auth, "Host": f"rebind.attacker.example:{port}"}, timeout=10)
+        assert rebound.status_code == 400 and "balancer_" not in rebound.text
+        assert httpx.get(f"{url}/metrics", headers={**auth, "Host": f"localhost:{port}"}, timeout=10).status_code == 200
         if token:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
                 refused = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
