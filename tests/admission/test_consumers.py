@@ -310,3 +310,27 @@ def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_p
         assert resumed_after < 15
     finally:
         pipeline.stop()
+
+
+def test_a_worker_stopped_by_sigterm_removes_its_records_as_it_exits(tmp_path: Path) -> None:
+    """A worker that is shut down (SIGTERM, a deploy) says so: its consumer records are gone
+    when it has exited, not a record's life later, so its model gets no work meanwhile. Renewed
+    every second for three, a record left behind would still be there at the exit."""
+    from tests.pipeline_harness import Pipeline
+
+    pipeline = Pipeline(tmp_path / "logs", model_count=2, extra_env={"BALANCER_CONSUMERS_REQUIRED": "on"})
+    try:
+        pipeline.start(workers=[["--model", "model-0"], ["--model", "model-1"]])
+        svc = pipeline.services
+        wait_until(lambda: all(m.consumers == 1 for m in svc.core.live().values()), 60, "both workers' records")
+        leaving = next(c for c in pipeline.supervisor.children if c.name == "worker-1")
+        signalled = time.monotonic()
+        pipeline.supervisor.kill(leaving, signal.SIGTERM)
+        leaving.process.wait(timeout=60)
+        exited_after = time.monotonic() - signalled
+        live = svc.core.live()
+        assert live["model-1"].consumers == 0, f"a record outlived its worker (exit {exited_after:.1f} s after SIGTERM)"
+        assert live["model-0"].consumers == 1
+    finally:
+        pipeline.stop()
+
