@@ -7,12 +7,14 @@ Redis and PostgreSQL, and real worker processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -269,6 +271,22 @@ def test_a_hedge_of_an_orphans_call_spends_none_of_the_budget_a_straggler_needs(
 
 
 @pytest.mark.e2e
+@contextlib.contextmanager
+def a_worker_per_model(tmp_path: Path) -> Iterator[Any]:
+    """A pipeline of two models with a worker process each, consumer records required, once
+    both workers' records are written."""
+    from tests.pipeline_harness import Pipeline
+
+    pipeline = Pipeline(tmp_path / "logs", model_count=2, extra_env={"BALANCER_CONSUMERS_REQUIRED": "on"})
+    try:
+        pipeline.start(workers=[["--model", "model-0"], ["--model", "model-1"]])
+        svc = pipeline.services
+        wait_until(lambda: all(m.consumers == 1 for m in svc.core.live().values()), 60, "both workers' records")
+        yield pipeline
+    finally:
+        pipeline.stop()
+
+
 def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_path: Path) -> None:
     """Issue 40 finding 1, with real processes: two workers, one per model. One is frozen
     (SIGSTOP: its host cut off, as far as Redis can tell). Its record expires within seconds:
@@ -277,13 +295,9 @@ def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_p
     that may go elsewhere does. Thawed, its model resumes within seconds, each task called once."""
     from balancer.admission.liveness import BEAT_MS, TTL_MS
     from balancer.views.overview import read_overview
-    from tests.pipeline_harness import Pipeline
 
-    pipeline = Pipeline(tmp_path / "logs", model_count=2, extra_env={"BALANCER_CONSUMERS_REQUIRED": "on"})
-    try:
-        pipeline.start(workers=[["--model", "model-0"], ["--model", "model-1"]])
+    with a_worker_per_model(tmp_path) as pipeline:
         svc = pipeline.services
-        wait_until(lambda: all(m.consumers == 1 for m in svc.core.live().values()), 60, "both workers' records")
         frozen = next(c for c in pipeline.supervisor.children if c.name == "worker-1")
         os.killpg(frozen.process.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
@@ -308,29 +322,18 @@ def test_a_stopped_worker_s_model_gets_no_work_and_resumes_when_it_returns(tmp_p
         print(f"\nqueued tasks back {returned_after:.1f} s after the freeze; model-1 done {resumed_after:.1f} s "
               f"after the thaw (beat {BEAT_MS / 1000:g} s, record {TTL_MS / 1000:g} s)")
         assert resumed_after < 15
-    finally:
-        pipeline.stop()
 
 
 def test_a_worker_stopped_by_sigterm_removes_its_records_as_it_exits(tmp_path: Path) -> None:
     """A worker that is shut down (SIGTERM, a deploy) says so: its consumer records are gone
     when it has exited, not a record's life later, so its model gets no work meanwhile. Renewed
     every second for three, a record left behind would still be there at the exit."""
-    from tests.pipeline_harness import Pipeline
-
-    pipeline = Pipeline(tmp_path / "logs", model_count=2, extra_env={"BALANCER_CONSUMERS_REQUIRED": "on"})
-    try:
-        pipeline.start(workers=[["--model", "model-0"], ["--model", "model-1"]])
-        svc = pipeline.services
-        wait_until(lambda: all(m.consumers == 1 for m in svc.core.live().values()), 60, "both workers' records")
+    with a_worker_per_model(tmp_path) as pipeline:
         leaving = next(c for c in pipeline.supervisor.children if c.name == "worker-1")
         signalled = time.monotonic()
         pipeline.supervisor.kill(leaving, signal.SIGTERM)
         leaving.process.wait(timeout=60)
         exited_after = time.monotonic() - signalled
-        live = svc.core.live()
+        live = pipeline.services.core.live()
         assert live["model-1"].consumers == 0, f"a record outlived its worker (exit {exited_after:.1f} s after SIGTERM)"
         assert live["model-0"].consumers == 1
-    finally:
-        pipeline.stop()
-
