@@ -61,11 +61,16 @@ def warn_if_backend_refuses() -> None:
 
 def _worker_quotas(svc: Services, models: tuple[str, ...], all_models: bool) -> dict[str, Quota]:
     """The quotas a worker consumes for; :class:`QuotaRemoved` while every one
-    missing had one once (a worker restarted while its quota is re-created)."""
+    missing had one once (a worker restarted while its quota is re-created).
+
+    The removals are read before the quotas: a create writes its quota and its audit row
+    in one transaction, so a quota created between the two reads is found by the second.
+    In the other order it was read as missing, then as never removed: a name that never
+    had a quota, and the worker exited 2 just as its quota came back."""
+    removed = svc.quotas.removed(None if all_models else sorted(set(models)))
     known = {q.name: q for q in svc.quotas.all()}
     if all_models:
         if not known:
-            removed = svc.quotas.removed(None)
             if removed:
                 raise QuotaRemoved(f"no model has a quota: the last was removed at {_when(removed)}")
             raise QuotaError("no model has a quota: add one with `balancer quota set NAME --create ...`")
@@ -73,11 +78,11 @@ def _worker_quotas(svc: Services, models: tuple[str, ...], all_models: bool) -> 
     unknown = sorted(set(models) - set(known))
     if not unknown:
         return {m: known[m] for m in models}
-    removed = svc.quotas.removed(unknown)
     never = [m for m in unknown if m not in removed]
     if never:
         raise QuotaError(f"unknown model(s): {', '.join(printable(m) for m in never)}")
-    raise QuotaRemoved(f"no quota for {', '.join(printable(m) for m in unknown)}: removed at {_when(removed)}")
+    raise QuotaRemoved(f"no quota for {', '.join(printable(m) for m in unknown)}: "
+                       f"removed at {_when({m: removed[m] for m in unknown})}")
 
 
 def _when(removed: dict[str, dict[str, Any]]) -> str:

@@ -449,3 +449,37 @@ def test_displays_show_a_window_cap_as_such_and_the_burst_otherwise(capsys: pyte
     assert samples[("balancer_model_tokens_per_60s_allowed", "bursty")] == 60_000
     assert samples[("balancer_model_requests_per_60s_allowed", "capped")] == 60
     assert samples[("balancer_model_requests_per_60s_allowed", "bursty")] == 120
+
+
+@pytest.mark.parametrize("all_models", [False, True])
+def test_a_worker_waiting_for_a_removed_quota_is_not_told_it_never_had_one_when_it_comes_back(
+        monkeypatch: pytest.MonkeyPatch, all_models: bool) -> None:
+    """A worker's start check reads the quotas and the removals. A quota re-created between
+    the two reads must read as "removed, wait" or as back, never as a name that never had a
+    quota (before: "unknown model(s): m", exit 2, as `quota set m --create` ran; seen under
+    load in tests/cli/test_start_wait.py)."""
+    from balancer.cli.processes import _worker_quotas
+    from balancer.errors import QuotaRemoved
+
+    svc = services()
+    svc.quotas.replace_all([Quota("m", 2, 60_000)], by="test")
+    svc.quotas.remove("m", by="test")
+    store, reads = svc.quotas, []
+
+    def then_recreated(read):  # noqa: ANN001, ANN202 - the first read of the check, then `quota set m --create`
+        def reading(*args):  # noqa: ANN002, ANN202
+            result = read(*args)
+            reads.append(read.__name__)
+            if len(reads) == 1:
+                store.set("m", {"max_concurrent_requests": 2, "max_tokens_per_minute": 60_000}, create=True, by="test")
+            return result
+        return reading
+
+    monkeypatch.setattr(store, "all", then_recreated(store.all))
+    monkeypatch.setattr(store, "removed", then_recreated(store.removed))
+    try:
+        known = _worker_quotas(svc, () if all_models else ("m",), all_models)
+    except QuotaRemoved:
+        known = {}  # waits, and finds it at its next attempt
+    assert set(reads) == {"all", "removed"}
+    assert known in ({}, {"m": store.get("m")}) and store.get("m") is not None
