@@ -21,6 +21,7 @@ recount short).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -332,7 +333,7 @@ def serve(services: Services, host: str, port: int, *, finished_every: float = F
           token: str | None = None) -> Any:
     """Start the exporter's HTTP server in a thread (:func:`exposition_app`); returns the server
     (``shutdown()`` to stop). A connection that sends no whole request within
-    :data:`READ_TIMEOUT_S` is closed."""
+    :data:`READ_TIMEOUT_S` of opening is closed, however it trickles its bytes."""
     import socket
     from socketserver import ThreadingMixIn
     from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -347,7 +348,26 @@ def serve(services: Services, host: str, port: int, *, finished_every: float = F
         address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
 
     class Quiet(WSGIRequestHandler):
-        timeout = READ_TIMEOUT_S
+        timeout = READ_TIMEOUT_S  # each read; the timer below bounds the whole request
+
+        def setup(self) -> None:
+            super().setup()
+            self.deadline = threading.Timer(READ_TIMEOUT_S, self.too_slow)
+            self.deadline.daemon = True
+            self.deadline.start()
+
+        def too_slow(self) -> None:
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
+        def parse_request(self) -> bool:  # the request line and headers are in: a scrape has no body
+            whole = super().parse_request()
+            self.deadline.cancel()
+            return whole
+
+        def finish(self) -> None:
+            self.deadline.cancel()
+            super().finish()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             return

@@ -114,3 +114,39 @@ def test_metrics_are_served_on_one_path_and_with_a_token_only_to_its_bearer(toke
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_scrape_that_trickles_its_request_is_closed_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending a byte now and then never lets a per-read timeout fire: the exporter
+    closes the connection once the whole request has taken longer than READ_TIMEOUT_S (before:
+    still open while the bytes kept coming), and goes on serving scrapes."""
+    import socket
+
+    from balancer.devtools.embedded import free_port
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.views import metrics
+
+    monkeypatch.setattr(metrics, "READ_TIMEOUT_S", 1.0)
+    port = free_port()
+    server = metrics.serve(Services.connect(Settings.from_env()), "127.0.0.1", port, finished_every=0)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.settimeout(0.3)
+            opened, closed_after = time.monotonic(), None
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100:
+                try:
+                    slow.sendall(bytes([byte]))
+                    if slow.recv(1024) == b"":
+                        closed_after = time.monotonic() - opened
+                        break
+                except TimeoutError:
+                    continue  # still open: the next byte
+                except OSError:
+                    closed_after = time.monotonic() - opened
+                    break
+            assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).status_code == 200
+        assert closed_after is not None and closed_after < 4, closed_after
+    finally:
+        server.shutdown()
+        server.server_close()
