@@ -1,4 +1,4 @@
-"""The guards the router and the console share, as plain ASGI (no FastAPI, no Starlette):
+"""The guards the router, the console and the metrics exporter share, as plain ASGI (no FastAPI, no Starlette):
 who may be served without a token (:func:`is_loopback`), how large a body may be
 (:class:`BodyLimit`), and which ``Host`` and ``Origin`` a request may name (:class:`HostNames`,
 :class:`HostGuard`).
