@@ -31,6 +31,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: Larger request bodies get a 413 before they are parsed (the router's and the console's).
 MAX_BODY_BYTES = 16 * 1024
+#: Seconds a client has to send a whole request (head and body), from the connection's opening
+#: or the first byte of the request; then the connection is closed (the router, the console
+#: and the metrics exporter, each on its own server: balancer.router.server, balancer.views.metrics).
+READ_TIMEOUT_S = 10.0
 #: Methods that change something: their ``Origin``, when sent, must be one of ours.
 CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})  # noqa: S104 - names of the wildcard bind, compared, not bound

@@ -17,9 +17,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-#: Seconds a client has to send a whole request (head and body), from the
-#: connection's opening or the first byte of the request.
-READ_TIMEOUT_S = 10.0
+from balancer.httpguard import READ_TIMEOUT_S
+
 #: Seconds an idle keep-alive connection stays open after a response.
 KEEP_ALIVE_S = 5
 

@@ -41,6 +41,7 @@ from balancer.dispatch.budgets import read_standings
 from balancer.estimates import latency
 from balancer.health.facts import read_health
 from balancer.health.reasons import REASONS, kinds
+from balancer.httpguard import READ_TIMEOUT_S, HostNames, host_name
 from balancer.services import Services
 from balancer.sources.metrics import add_source_metrics, source_families
 from balancer.sources.reads import unwritable_by_source
@@ -291,8 +292,6 @@ class BalancerCollector(Collector):
 
 #: The one path metrics are served on; any other is a 404.
 METRICS_PATH = "/metrics"
-#: Seconds a scraper has to send its request before the connection is closed.
-READ_TIMEOUT_S = 10.0
 
 
 def exposition_app(registry: Any, token: str | None = None, bound: str | None = None) -> Any:
@@ -304,8 +303,6 @@ def exposition_app(registry: Any, token: str | None = None, bound: str | None = 
     import hmac
 
     from prometheus_client import make_wsgi_app
-
-    from balancer.httpguard import HostNames, host_name
 
     metrics = make_wsgi_app(registry)
     expected = f"Bearer {token}".encode() if token else None
