@@ -228,6 +228,32 @@ def test_the_injector_runs_an_operator_command_again_only_while_a_service_may_co
     assert len(unknown.actions) == 1 and "unknown model" in unknown.actions[0], unknown.actions
 
 
+def test_a_quota_removed_while_lowered_is_created_again_whichever_fault_ends_last(migrated: dict[str, str]) -> None:
+    """Chaos seed 438828233: model-0's quota was removed, then lowered (refused: unknown
+    model), and the lowering ended after the removal. Its end restored the quota with a plain
+    `quota set`, refused again, and 6 tasks only model-0 could take waited past the drain. The
+    last fault to end creates the quota again if any of them removed it."""
+    from balancer.admission.quota import Quota
+    from balancer.bench.chaos.faults import Injector
+    from balancer.bench.chaos.plan import Fault
+    from balancer.services import Services
+    from balancer.settings import Settings
+
+    services = Services.connect(Settings.from_env())
+    original = Quota("model-0", 8, 2_000_000, burst_tokens=10_000)
+    services.quotas.replace_all([original], by="test")
+    unused: Any = None  # the quota faults need none of the injector's other parts
+    injector = Injector(unused, [], 0, unused, unused, "", {"model-0": original}, unused,
+                        {**os.environ, **migrated}, unused)
+    removal, lowering = Fault(0, "quota_remove", 17, "model-0"), Fault(6, "quota_lower", 11, "model-0", share=0.27)
+    injector.begin(removal)  # one operator: its commands run one after the other, in this order
+    injector.begin(lowering)
+    injector.end(removal)  # the lowering still runs: nothing restored yet
+    injector.end(lowering)
+    injector.settle()
+    assert services.quotas.get("model-0") == original, injector.actions
+
+
 def test_a_bad_option_is_one_line_and_exit_2() -> None:
     import subprocess
     import sys

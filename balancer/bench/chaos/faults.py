@@ -81,6 +81,7 @@ class Injector:
     _stalls: int = 0
     _backend: list[Fault] = field(default_factory=list)
     _quota_faults: list[Fault] = field(default_factory=list)
+    _removed: set[str] = field(default_factory=set)  # models whose quota a fault removed, not yet created again
     _redis_down: int = 0
     _files: int = 0
     # one operator: commands run in the order issued (a re-creation never overtakes a removal still retried)
@@ -114,6 +115,7 @@ class Injector:
             self._quota_faults.append(fault)
             assert fault.model is not None
             if kind == "quota_remove":
+                self._removed.add(fault.model)
                 self._cli(["quota", "remove", fault.model, "--force", "--by", "chaos"])
             else:
                 q = self.quotas[fault.model]
@@ -146,7 +148,11 @@ class Injector:
             self._quota_faults.remove(fault)
             assert fault.model is not None
             if not any(f.model == fault.model for f in self._quota_faults):
-                self._restore_quota(fault.model, removed=kind == "quota_remove")
+                # whichever of overlapping faults on the model ends last restores it: created
+                # again if one of them removed it (seed 438828233: a lowering that outlasted a
+                # removal restored with a plain `quota set`, refused, and the model never came back)
+                self._restore_quota(fault.model, removed=fault.model in self._removed)
+                self._removed.discard(fault.model)
 
     # -- processes ---------------------------------------------------------------
     def _kill(self, name: str) -> None:
