@@ -203,7 +203,7 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's c
     _RELIABILITY_ROWS.extend(json.loads(getattr(node, "workeroutput", {}).get("reliability_rows", "[]")))
 
 
-# -- scheduling under pytest-xdist (.ci/run: -n 3) -------------------------------------
+# -- scheduling under pytest-xdist (.ci/run: -n 4) -------------------------------------
 #: Modules whose tests share something outside their own namespace and schema run
 #: one after another on one xdist worker: the demo tests check that no ``demo-*``
 #: key and no ``balancer_demo_*`` schema is left anywhere, so no other demo may run
