@@ -13,10 +13,11 @@ the free slot of a slower model stays idle.
 The switch between the two comes from the estimate itself. The fluid drain
 time is the backlog divided by the models' combined throughput (each model
 at min(cap / mean latency, token rate / mean task, request rate)). While it
-exceeds the slowest open model's planned latency (p90, or the mean when hedges
-overtake stragglers), a call started anywhere now ends before the backlog runs
-out, so every slot takes work. Below it, the plan decides. Everything here is
-pure: the dispatcher builds a :class:`ModelOutlook` per model from Redis.
+exceeds the slowest open model's p90, a call started anywhere now ends before
+the backlog runs out, so every slot takes work. Below it, the plan decides.
+
+Everything here is pure: the dispatcher builds a :class:`ModelOutlook` per
+model from Redis and asks :func:`plan` which tasks to bind now.
 
 >>> fast = ModelOutlook("fast", cap=2, free_slots=2, in_flight=0, latency=LatencyEstimate(1_000, 2_000, 3_000, 50))
 >>> slow = ModelOutlook("slow", cap=2, free_slots=2, in_flight=0, latency=LatencyEstimate(20_000, 60_000, 90_000, 50))
@@ -63,8 +64,6 @@ class ModelOutlook:
     paused_ms: float = 0.0
     #: Its latency comes from its own calls (or its quota), not the global prior ("not known yet").
     latency_known: bool = True
-    #: Tasks on its ready list: they take its next slots, tokens and requests before a hedge does.
-    ready: int = 0
 
     def throughput_per_ms(self, mean_tokens: float) -> float:
         """Tasks per ms at this model's binding limit (0 if it takes nothing):
@@ -142,7 +141,16 @@ class _Timeline:
 
     def start_at(self, est: int) -> float:
         m = self.outlook
-        return max(self.slots[0], m.paused_ms, refill_wait_ms(m, self.tokens_used + est, self.requests_used + 1))
+        start = max(self.slots[0], m.paused_ms)
+        if math.isfinite(m.tokens_per_ms):
+            short = self.tokens_used + est - m.tokens_available
+            if short > 0:
+                start = max(start, short / m.tokens_per_ms if m.tokens_per_ms > 0 else math.inf)
+        if math.isfinite(m.requests_per_ms):
+            short = self.requests_used + 1 - m.requests_available
+            if short > 0:
+                start = max(start, short / m.requests_per_ms if m.requests_per_ms > 0 else math.inf)
+        return start
 
     def take(self, start: float, est: int) -> None:
         heapq.heapreplace(self.slots, start + self.outlook.latency.mean_ms)
@@ -263,20 +271,6 @@ def worth_hedging(elapsed_ms: float, running: LatencyEstimate, fresh: LatencyEst
     return overrun or remaining_ms(elapsed_ms, running) > fresh.p90_ms
 
 
-def refill_wait_ms(model: ModelOutlook, tokens: float, requests: float) -> float:
-    """How long until ``model``'s buckets hold ``tokens`` and ``requests`` (0 if they do now).
-
-    >>> m = ModelOutlook("m", cap=4, free_slots=4, in_flight=0, latency=LatencyEstimate(1_000, 2_000, 4_000, 50),
-    ...                  tokens_available=300, tokens_per_ms=10, requests_available=2, requests_per_ms=0.001)
-    >>> refill_wait_ms(m, 1_000, 1), refill_wait_ms(m, 1_000, 3), refill_wait_ms(m, 200, 2)
-    (70.0, 1000.0, 0.0)
-    """
-    buckets = ((tokens, model.tokens_available, model.tokens_per_ms),
-               (requests, model.requests_available, model.requests_per_ms))
-    return max(((need - have) / per_ms if per_ms > 0 else math.inf
-                for need, have, per_ms in buckets if math.isfinite(per_ms) and need > have), default=0.0)
-
-
 def slot_wait_ms(model: ModelOutlook, free_slots: int, queued: int = 0) -> float:
     """Roughly how long until ``model`` can start one more call: now with a free
     slot; else its 429 pause, or the time until ``queued + 1`` of its calls in
@@ -323,9 +317,8 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
 
     A hedge goes to the allowed model (not the call's own) where a fresh call
     is :func:`worth_hedging` and would end soonest: the wait for a slot there
-    (:func:`slot_wait_ms`, counting the hedges already waiting for it) or for the
-    tokens and requests its ready list and the hedges before it take
-    (:func:`refill_wait_ms`), plus its p90. If that model cannot start it now,
+    (:func:`slot_wait_ms`, counting the hedges already waiting for it) plus
+    its p90. If that model has no free slot now,
     the call waits for it rather than take a slower model's free slot: a task
     gets one hedge, and one spent on a slow model in the middle of the run
     (whose free slots the end game leaves idle) is a second heavy-tailed draw
@@ -357,16 +350,7 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
     by_name = {m.name: m for m in models}
     free = {m.name: m.free_slots for m in models}
     queued = dict.fromkeys(by_name, 0)  # hedges waiting for a slot there, this round
-    # What its ready list and this round's hedges take of a model's buckets first (a ready task at the calls' mean size)
-    mean_tokens = sum(c.estimated_tokens for c in calls) / len(calls) if calls else 0.0
-    tokens_ahead = {m.name: m.ready * mean_tokens for m in models}
-    requests_ahead = {m.name: float(m.ready) for m in models}
     out: list[tuple[int, str]] = []
-
-    def start_wait_ms(m: ModelOutlook, est: int) -> float:
-        return max(slot_wait_ms(m, free[m.name], queued[m.name]),
-                   refill_wait_ms(m, tokens_ahead[m.name] + est, requests_ahead[m.name] + 1))
-
     def expected_end(call: Running) -> float:
         running = by_name.get(call.model)
         if call.model in orphans:
@@ -385,14 +369,9 @@ def pick_hedges(calls: Sequence[Running], models: Sequence[ModelOutlook], budget
         ]
         if not targets:
             continue
-        waits = {m.name: start_wait_ms(m, call.estimated_tokens) for m in targets}
-        target = min(targets, key=lambda m: (waits[m.name] + m.latency.p90_ms, m.name))
-        tokens_ahead[target.name] += call.estimated_tokens
-        requests_ahead[target.name] += 1
-        if free[target.name] <= 0 or waits[target.name] > 0:
-            # the best model for this hedge is busy, or short of tokens or requests: hedge there when it can
-            if free[target.name] <= 0:
-                queued[target.name] += 1
+        target = min(targets, key=lambda m: (slot_wait_ms(m, free[m.name], queued[m.name]) + m.latency.p90_ms, m.name))
+        if free[target.name] <= 0:
+            queued[target.name] += 1  # the best model for this hedge is busy: hedge there when a slot frees
             continue
         free[target.name] -= 1
         budget_tokens -= call.estimated_tokens

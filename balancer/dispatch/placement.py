@@ -44,7 +44,6 @@ def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOu
             requests_per_ms=rpm / 60_000 if rpm else math.inf,
             paused_ms=m.paused_ms,
             latency_known=m.latency_known,
-            ready=m.ready,
         ))
     return out
 

@@ -123,26 +123,6 @@ def test_stragglers_queue_for_the_best_model_only_while_the_queue_is_short() -> 
     assert [model for _, model in picks] == ["fast2"] * 7  # 13 wait for fast: 14 x 167 ms > 2.2 s
 
 
-def test_a_hedge_waits_for_the_tokens_of_a_model_short_of_them_and_the_rest_go_elsewhere() -> None:
-    """Issue 39's mix-2: its fastest model, gen-2, is TPM-bound, and at the end of the backlog its
-    bucket held 100-2,800 tokens while its ready list took each refill. Hedges were picked on its
-    free slots as if they could start now, and the admission refused 750-1,150 of them a run.
-    Now a hedge counts the tokens the ready list and the hedges before it take: two wait for
-    "starved" (a refill of 2 tokens/ms: 1.35 s, then 1.85 s), the next five go to "mid" now, and
-    with the bucket full every hedge goes to "starved" at once."""
-    slow = outlook("slow", LatencyEstimate(12_000, 40_000, 100_000, 50), cap=20, free=0)
-    mid = outlook("mid", LatencyEstimate(700, 3_800, 8_000, 50), cap=5)
-    stragglers = [Running(i, "slow", 60_000 + i, 1_000) for i in range(10)]
-
-    def starved(tokens: float) -> ModelOutlook:
-        return outlook("starved", LatencyEstimate(500, 1_600, 4_000, 50), cap=10,
-                       tokens_available=tokens, tokens_per_ms=2.0, ready=2)
-
-    picks = pick_hedges(stragglers, [slow, starved(300), mid], 100_000)
-    assert [model for _, model in picks] == ["mid"] * 5
-    assert [model for _, model in pick_hedges(stragglers, [slow, starved(1e6), mid], 100_000)] == ["starved"] * 10
-
-
 def test_a_model_still_on_the_prior_does_not_start_the_end_game() -> None:
     """Ten known fast models drain 400 tasks in about 7 s; an eleventh has answered too
     few calls to leave the global prior (30 s median, 57 s p90). Counted in the horizon,
