@@ -14,6 +14,7 @@ import sqlalchemy as sa
 
 from balancer.services import Services
 from balancer.sources.ingest import ingest_sources
+from balancer.sources.read_errors import read_errors
 from balancer.sources.schema import source_outbox, sources
 from balancer.sources.writeback import drain
 from balancer.storage.schema import tasks
@@ -297,7 +298,9 @@ def test_unwritable_write_backs_are_shown_per_source_with_their_error_and_writte
 
     legacy.add(1, 13)  # 'legacy prompt 13': refused by a new constraint, then dropped
     legacy.execute("ALTER TABLE prompts ADD CONSTRAINT no_13 CHECK (answer IS NULL OR right(answer, 2) <> '13')")
-    ingest_sources(svc)
+    # One read, one task; a read that failed says why (its error is kept for the displays).
+    made = [(r.source, r.created) for r in ingest_sources(svc)]
+    assert made == [("crm", 1)], (made, read_errors(svc.redis, svc.settings.namespace))
     assert solve_pending(svc) == 1
     drain_past_backoff(svc, svc.settings.writeback_attempts)
     code, out, _ = run(capsys, "source", "unwritable", "crm", "--drop", "--by", "ops")
