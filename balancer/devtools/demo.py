@@ -18,7 +18,7 @@ from balancer.devtools.scenario import Distribution, Scenario, Workload
 from balancer.devtools.sim.audit import Limits, audit, calls_from_log, limits_for, peaks
 from balancer.devtools.sim.config import SimModel, default_models
 
-#: The demo's backlog, generated like a benchmark scenario's (balancer/scenario.py).
+#: The demo's backlog, generated like a benchmark scenario's (balancer/devtools/scenario.py).
 DEMO_PROMPT_TOKENS = Distribution(median=400, p99=1500, min=40, max=2000)
 DEMO_OUTPUT_TOKENS = Distribution(median=200, p99=512, min=64, max=512)
 

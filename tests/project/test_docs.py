@@ -1,6 +1,7 @@
 """The documentation holds to the code: the README stays a front door whose commands exist, every relative
 link in README.md and docs/ reaches a file, docs/configuration.md is what balancer/settings.py generates,
-and docs/architecture.md names every package under balancer/ and no other (issue 42)."""
+docs/architecture.md names every package under balancer/ and no other, and every repository path and module a
+page names exists (issue 42)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,55 @@ def test_every_relative_link_points_to_a_file(page: Path) -> None:
     """Issue 42: a moved or renamed page, image or module breaks no link of README.md or docs/*.md."""
     missing = [t for t in relative_links(page) if not (page.parent / t.split("#")[0]).exists()]
     assert not missing, f"{page.relative_to(ROOT)} links to missing files: {missing}"
+
+
+#: A repository path or a dotted module of balancer's in an inline code span: `balancer/estimates/capacity.py`,
+#: `tests/pipeline_harness.Pipeline`, `balancer.views.eta.end_tail`.
+CODE_PATH = re.compile(r"`(?P<path>(?:balancer|tests|examples|docs|\.ci)/[\w./-]+)`")
+CODE_MODULE = re.compile(r"`(?P<module>balancer(?:\.\w+)+)`")
+
+
+def names_something(path: str) -> bool:
+    """A repository path exists as written, or as a module (``tests/pipeline_harness.Pipeline``: its .py)."""
+    return (ROOT / path).exists() or (ROOT / (path.rsplit(".", 1)[0] + ".py")).exists()
+
+
+def names_a_module(dotted: str) -> bool:
+    """``balancer.a.b.name`` reaches a module of balancer (what follows it, an attribute, is not looked up), or a
+    name its package's ``__init__.py`` holds."""
+    here = ROOT / "balancer"
+    for part in dotted.split(".")[1:]:
+        if (here / part).is_dir():
+            here = here / part
+        elif (here / f"{part}.py").exists():
+            return True
+        else:
+            return here.is_dir() and part in (here / "__init__.py").read_text()
+    return True
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_and_module_a_page_names_exists(page: Path) -> None:
+    """Issue 42: a module moved to its room leaves no stale path in the docs (docs/scenarios.md named
+    `balancer/capacity.py` and `balancer/sim/audit.py` after both had moved)."""
+    text = page.read_text()
+    stale = [m["path"] for m in CODE_PATH.finditer(text) if not names_something(m["path"])]
+    stale += [m["module"] for m in CODE_MODULE.finditer(text) if not names_a_module(m["module"])]
+    assert not stale, f"{page.relative_to(ROOT)} names what does not exist: {stale}"
+
+
+#: A repository file named in a comment or docstring of the code: ``balancer/devtools/scenario.py``.
+FILE_IN_CODE = re.compile(r"\b(?P<path>(?:balancer|tests|docs|examples)/[\w/-]+\.(?:py|md|toml|lua))\b")
+
+
+def test_every_file_the_code_names_exists() -> None:
+    """Issue 42: the code's comments name files where they are now (two docstrings named `balancer/capacity.py`
+    and `balancer/scenario.py`, both moved)."""
+    sources = [*(ROOT / "balancer").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), ROOT / "celeryconfig.py"]
+    sources.remove(Path(__file__).resolve())  # this module quotes the stale names it was written for
+    stale = sorted({f"{p.relative_to(ROOT)}: {m['path']}" for p in sources
+                    for m in FILE_IN_CODE.finditer(p.read_text()) if not (ROOT / m["path"]).exists()})
+    assert not stale, f"files named in the code that do not exist: {stale}"
 
 
 def anchors(page: Path) -> set[str]:

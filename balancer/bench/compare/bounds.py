@@ -56,7 +56,7 @@ def lines_bound(models: Sequence[SimModel], lines: Sequence[Mapping[str, Any]], 
 
 
 def pinned_floor(scenario: Scenario) -> float:
-    """The realized pinned-work floor (balancer/capacity.py) for this scenario's
+    """The realized pinned-work floor (balancer/estimates/capacity.py) for this scenario's
     workload, with the latencies the simulator will draw for it."""
     from balancer.devtools.sim.server import Simulator
 
