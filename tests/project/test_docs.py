@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from balancer.devtools import settings_doc
-from tests.project.test_layout import ALLOWED
+from tests.project.test_layout import ALLOWED, code_files
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -140,10 +140,9 @@ FILE_IN_CODE = re.compile(r"\b(?P<path>(?:balancer|tests|docs|examples)/[\w/-]+\
 
 
 def test_every_file_the_code_names_exists() -> None:
-    """Issue 42: the code's comments name files where they are now (two docstrings named `balancer/capacity.py`
+    """Issue 42: the code's comments (and scripts') name files where they are now (two docstrings named `balancer/capacity.py`
     and `balancer/scenario.py`, both moved)."""
-    sources = [*(ROOT / "balancer").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), ROOT / "celeryconfig.py"]
-    sources.remove(Path(__file__).resolve())  # this module quotes the stale names it was written for
+    sources = [p for p in code_files() if p != Path(__file__).resolve()]  # this module quotes the stale names
     stale = sorted({f"{p.relative_to(ROOT)}: {m['path']}" for p in sources
                     for m in FILE_IN_CODE.finditer(p.read_text()) if not (ROOT / m["path"]).exists()})
     assert not stale, f"files named in the code that do not exist: {stale}"

@@ -91,12 +91,17 @@ def test_each_package_imports_only_what_the_architecture_allows(path: Path) -> N
     assert not wrong, f"{path.relative_to(ROOT)} ({part}) imports {sorted(wrong)}"
 
 
+def code_files() -> list[Path]:
+    """Every file of code in the repository: balancer's modules and scripts, celeryconfig.py and the tests."""
+    return [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.lua"), ROOT / "celeryconfig.py", *ROOT.glob("tests/**/*.py")]
+
+
 KEY_SPELLINGS = re.compile(r"""["'](:meta|:models|:leases|:model:|:inflight:|:dispatch:)|"\{" \+ [\w.]*namespace""")
 
 
 def test_no_key_name_is_spelled_outside_the_keys_module() -> None:
     offenders = []
-    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.lua"), ROOT / "celeryconfig.py", *ROOT.glob("tests/**/*.py")]:
+    for path in code_files():
         if path.name == "keys.py" or path == Path(__file__):
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
