@@ -60,6 +60,7 @@ class Browser:
 
     def __init__(self, chromium: str, chromedriver: str, args: list[str], log: Path) -> None:
         port = free_port()
+        self.shots = log.parent / "shots"  # where tests/web/test_web.py's screenshots go (beside the log)
         self._log = log.open("wb")
         self.driver = subprocess.Popen([chromedriver, f"--port={port}"], stdout=self._log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)

@@ -2,8 +2,10 @@
 
 The console runs as ``balancer web`` in a child process on the test's own
 Redis namespace and PostgreSQL schema; the browser drives it as a person
-would. Each test that has a browser also writes a screenshot of its page into
-``docs/img/``. Without ``/usr/bin/chromium`` or ``/usr/bin/chromedriver`` the
+would. Each test that has a browser also takes a screenshot of its page, into its
+own temporary directory, or into ``docs/img/`` (the pictures docs/operating.md
+shows) with ``BALANCER_SCREENSHOTS=docs/img``: a test run leaves the checkout as
+it was. Without ``/usr/bin/chromium`` or ``/usr/bin/chromedriver`` the
 browser tests skip and say which is missing (CI installs them: ``.ci/run``).
 """
 
@@ -28,7 +30,8 @@ from balancer.supervisor import Supervisor
 from tests.solving import priced
 
 ROOT = Path(__file__).resolve().parents[2]
-SHOTS = ROOT / "docs" / "img"
+#: Where the screenshots go when they are asked for (a path relative to the checkout, or absolute).
+SHOTS = os.environ.get("BALANCER_SCREENSHOTS")
 CHROMIUM = os.environ.get("BALANCER_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("BALANCER_TEST_CHROMEDRIVER", "/usr/bin/chromedriver")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -54,19 +57,21 @@ def browser(tmp_path: Path) -> Iterator[Any]:
 
     driver = Browser(CHROMIUM, CHROMEDRIVER, [*FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}"],
                      tmp_path / "chromedriver.log")
+    if SHOTS:
+        driver.shots = ROOT / SHOTS
     yield driver
     driver.quit()
 
 
 def shoot(driver: Any, name: str) -> None:
-    """A screenshot of the whole page into docs/img/web-<name>.png; the page fits a 1440-px window
-    (no horizontal scroll bar: every column and every "change…" link is on screen)."""
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    """A screenshot of the whole page into web-<name>.png in the browser's ``shots`` directory; the
+    page fits a 1440-px window (no horizontal scroll bar: every column and every "change…" link is on screen)."""
+    driver.shots.mkdir(parents=True, exist_ok=True)
     height = driver.execute("return document.documentElement.scrollHeight")
     driver.set_window_size(1440, max(700, min(int(height) + 40, 2400)))
     wide, window = driver.execute("return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
     assert wide <= window, f"the {name} page is {wide} px wide in a {window}-px window"
-    driver.screenshot(SHOTS / f"web-{name}.png")
+    driver.screenshot(driver.shots / f"web-{name}.png")
 
 
 def eventually(check: Callable[[], Any], timeout: float = 30.0, every: float = 0.2) -> Any:
