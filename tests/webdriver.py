@@ -109,6 +109,16 @@ class Browser:
     def find(self, css: str) -> Element:
         return Element(self, self.call("POST", "/element", {"using": "css selector", "value": css})[ELEMENT])
 
+    def rows(self, css: str, *cells: str) -> list[list[str | None]]:
+        """For each element at ``css``, each of ``cells``: the text of the element a CSS selector
+        finds in it (``""``: its own text), or with ``@name`` its attribute. Read in one script: a
+        page whose live poll replaces its rows (balancer web's) cannot replace them between two
+        reads, as it could between finding a row and reading its text ("stale element reference")."""
+        script = ("const [css, cells] = arguments; return Array.from(document.querySelectorAll(css)).map(row =>"
+                  " cells.map(c => c.startsWith('@') ? row.getAttribute(c.slice(1))"
+                  " : (c === '' ? row : row.querySelector(c)).innerText.trim()))")
+        return self.execute(script, css, list(cells))
+
     def find_all(self, css: str) -> list[Element]:
         return [Element(self, e[ELEMENT]) for e in self.call("POST", "/elements", {"using": "css selector", "value": css})]
 

@@ -4,7 +4,7 @@ The console runs as ``balancer web`` in a child process on the test's own
 Redis namespace and PostgreSQL schema; the browser drives it as a person
 would. Each test that has a browser also takes a screenshot of its page, into its
 own temporary directory, or into ``docs/img/`` (the pictures docs/operating.md
-shows) with ``BALANCER_SCREENSHOTS=docs/img``: a test run leaves the checkout as
+shows) with ``BALANCER_TEST_SCREENSHOTS=docs/img``: a test run leaves the checkout as
 it was. Without ``/usr/bin/chromium`` or ``/usr/bin/chromedriver`` the
 browser tests skip and say which is missing (CI installs them: ``.ci/run``).
 """
@@ -31,7 +31,7 @@ from tests.solving import priced
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Where the screenshots go when they are asked for (a path relative to the checkout, or absolute).
-SHOTS = os.environ.get("BALANCER_SCREENSHOTS")
+SHOTS = os.environ.get("BALANCER_TEST_SCREENSHOTS")
 CHROMIUM = os.environ.get("BALANCER_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("BALANCER_TEST_CHROMEDRIVER", "/usr/bin/chromedriver")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -346,12 +346,28 @@ def test_spend_so_far_shows_per_model_and_per_source(browser: Any, services: Any
                 ("etl", "model-1", 9_000, 1_000, True)])])    # no price
     console = Console(supervisor)
     browser.get(f"{console.url}/models")
-    spent = {row.attribute("data-model"): row.find("td.spent").text for row in browser.find_all("table.models tbody tr")}
+    spent = dict(browser.rows("table.models tbody tr", "@data-model", "td.spent"))
     assert spent == {"model-0": "4.00 USD", "model-1": "no price", "model-2": "-"}
-    assert "spent so far: 4.00 USD" in browser.find("p.counts").text
+    assert "spent so far: 4.00 USD" in browser.text_of("p.counts")
     browser.get(f"{console.url}/sources")
-    by_source = {row.find("td.name").text: row.find("td.spent").text for row in browser.find_all("tbody tr")}
+    by_source = dict(browser.rows("tbody tr", "td.name", "td.spent"))
     assert by_source == {"crm": "3.00 USD", "etl": "1.00 USD"}
+
+
+def test_a_poll_between_finding_a_row_and_reading_it_stales_the_row_and_rows_reads_in_one_script(
+        browser: Any, services: Any, supervisor: Supervisor) -> None:
+    """The live pages replace their fragment every POLL_MS (app.js: ``el.innerHTML = html``). A row
+    found before a poll and read after it is a stale element: the spend test failed so once in CI,
+    on a loaded machine. ``Browser.rows`` reads every row in one script, which no poll can split."""
+    from tests.webdriver import WebDriverError
+
+    console = Console(supervisor)
+    browser.get(f"{console.url}/models")
+    found = browser.find_all("table.models tbody tr")
+    browser.execute("const live = document.getElementById('live'); live.innerHTML = live.innerHTML")  # as a poll does
+    with pytest.raises(WebDriverError, match="stale element reference"):
+        _ = found[0].text
+    assert [m for m, in browser.rows("table.models tbody tr", "@data-model")] == list(MODELS)
 
 
 # -- against a running pipeline ----------------------------------------------------------------
@@ -373,7 +389,7 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
                                           "currency": "USD"}, by="test")
         console = Console(p.supervisor)
         browser.get(f"{console.url}/models")
-        listed = [e.text for e in browser.find_all("table.models td.name")]
+        listed = [name for name, in browser.rows("table.models td.name", "")]
         assert sorted(listed) == sorted(models)
         lines = prompt_lines(800, models)
         ids = p.submit([{**line, "source": ("crm", "etl", "nightly")[i % 3]} for i, line in enumerate(lines)])
@@ -493,7 +509,8 @@ def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_dr
     assert browser.text_of('tr[data-model="model-1"] td.per60') == "60,000 (window cap)"
     assert browser.text_of('tr[data-model="model-0"] td.per60') == "120,000 (TPM + burst)"
     browser.get(f"{console.url}/drain")
-    blocked = browser.wait_find("b.blocked").text
+    browser.wait_find("b.blocked")
+    blocked = browser.text_of("b.blocked")  # read again if the page's poll replaced it meanwhile
     assert blocked.startswith("blocked: model-0: quota disabled; model-1: quota disabled"), blocked
     shoot(browser, "drain-blocked")
 
