@@ -134,12 +134,13 @@ class Browser:
             time.sleep(0.1)
 
     def text_of(self, css: str, timeout: float = 30.0) -> str:
-        """The text of the element at ``css``, read again when the page was replaced between
-        finding the element and reading it (a form's redirect landing mid-read)."""
+        """The text of the element at ``css`` once it is there (:meth:`wait_find`), read again when
+        the page was replaced between finding the element and reading it (a form's redirect landing
+        mid-read, a live page's poll)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.find(css).text
+                return self.wait_find(css, max(0.0, deadline - time.monotonic())).text
             except WebDriverError as exc:
                 if exc.error != "stale element reference" or time.monotonic() > deadline:
                     raise

@@ -509,8 +509,7 @@ def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_dr
     assert browser.text_of('tr[data-model="model-1"] td.per60') == "60,000 (window cap)"
     assert browser.text_of('tr[data-model="model-0"] td.per60') == "120,000 (TPM + burst)"
     browser.get(f"{console.url}/drain")
-    browser.wait_find("b.blocked")
-    blocked = browser.text_of("b.blocked")  # read again if the page's poll replaced it meanwhile
+    blocked = browser.text_of("b.blocked")
     assert blocked.startswith("blocked: model-0: quota disabled; model-1: quota disabled"), blocked
     shoot(browser, "drain-blocked")
 
