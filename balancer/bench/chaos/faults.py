@@ -89,6 +89,11 @@ class Injector:
     _pending: list[Future] = field(default_factory=list)
     t0: float = field(default_factory=time.time)  # the fault window's start: actions are noted from it
 
+    @property
+    def removing(self) -> frozenset[str]:
+        """Models a `quota remove` fault was issued for and that are not yet created again."""
+        return frozenset(self._removed)
+
     def note(self, text: str) -> None:
         self.actions.append(f"+{time.time() - self.t0:7.1f}s  {text}")
 

@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,20 @@ WRITE_LOG_SQL = [
 ]
 
 
-def pinnable(iso: IsolatedServices, names: list[str]) -> list[str]:
-    """The models a new task may be pinned to now: a `quota remove` fault may have
-    taken one away, and a line pinned to a missing model is refused at submit."""
-    present = {q.name for q in iso.services.quotas.all()}
-    return [name for name in names if name in present] or names
+def pinnable(present: Collection[str], names: list[str], removing: Collection[str]) -> list[str]:
+    """The models a new task may be pinned to now: a `quota remove` fault may have taken
+    one away (not ``present``), and a line pinned to a missing model is refused at submit.
+    A removal runs off the chaos loop's thread, so one issued (``removing``) may land
+    between reading the quotas and the submit: those are left out too.
+
+    >>> pinnable({"m0", "m1", "m2"}, ["m0", "m1", "m2"], {"m1"}), pinnable({"m0"}, ["m0", "m1"], ())
+    (['m0', 'm2'], ['m0'])
+    """
+    return [name for name in names if name in present and name not in removing] or names
+
+
+def quota_names(iso: IsolatedServices) -> set[str]:
+    return {q.name for q in iso.services.quotas.all()}
 
 
 def prompt_lines(prefix: str, count: int, models: list[str], rng: random.Random) -> list[str]:
@@ -163,7 +173,7 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
         callers = RouterCallers(f"http://127.0.0.1:{router_port}", backend_url, seed).start()
         injector = Injector(
             supervisor, servers, redis_port, redis_dir, proxy, backend_url, quotas, inbox, dict(supervisor.env),
-            lambda n, count: prompt_lines(f"chaos-{seed}-inbox{n}", count, pinnable(iso, names), rng))
+            lambda n, count: prompt_lines(f"chaos-{seed}-inbox{n}", count, pinnable(quota_names(iso), names, injector.removing), rng))
         batches = max(1, int(window * 0.7 / 2))
         per_batch = [tasks // batches + (1 if i < tasks % batches else 0) for i in range(batches)]
         submitted, deaths, beliefs, entries, cursor = 0, [], [], [], 0
@@ -180,7 +190,8 @@ def _run(minutes: float, tasks: int, seed: int, schedule: list[Fault], names: li
                 now = time.time() - t0
                 while per_batch and now >= 2.0 * (batches - len(per_batch)):
                     count = per_batch.pop(0)
-                    lines = prompt_lines(f"chaos-{seed}-b{batches - len(per_batch)}", count, pinnable(iso, names), rng)
+                    lines = prompt_lines(f"chaos-{seed}-b{batches - len(per_batch)}", count,
+                                         pinnable(quota_names(iso), names, injector.removing), rng)
                     iso.insert("\n".join(lines))
                     submitted += count
                 while starts and starts[0].at <= now:
