@@ -44,7 +44,7 @@ RestoreSource = Callable[[], tuple[Sequence[Quota], Sequence[LeaseSeed]]]
 
 #: The scripts' library in ``lua/``, put before every script in this order (Redis Lua has no
 #: ``require``): each file uses what the ones before it define (see the head of state.lua).
-LIBRARY = ("state", "window", "limits", "signals", "ready")
+LIBRARY = ("state", "window", "shown", "limits", "signals", "ready")
 
 
 def _load_scripts() -> dict[str, str]:

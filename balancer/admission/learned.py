@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 
 from balancer.admission.quota import Quota
+from balancer.admission.shown import FIRST_BUCKETS, RECENT_STEP_MS
 
 #: A clean window (no 429 lowered a limit) raises each learned limit that bound
 #: through it one step (:func:`relaxed`); a raise that draws a 429 within its
@@ -41,18 +42,12 @@ PEAK_WINDOWS = 4
 #: accepted, and the first 429 ends the ramp before the next slots open.
 RAMP_START, RAMP_MS = 2, 250
 
-#: A 429 shows the provider's rate from the first bucket (:func:`first_bucket_rate`) for this
-#: many bucket times after the first call: a token limit that sends no header may draw its
-#: first 429 before any call is answered, which reads as concurrency; past this time a limit
-#: read from 429s alone comes down 7/10 a 429 at a time, which costs many more 429s.
-FIRST_BUCKETS = 2
-
-#: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from this module.
+#: Lua lines the script loader puts before the scripts' library (core.LIBRARY): these constants, from here and shown.py.
 LUA_PRELUDE = "\n".join([
-    "-- generated from balancer/admission/learned.py",
+    "-- generated from balancer/admission/learned.py and shown.py",
     f"local CLEAN_MS, MAX_WINDOW_MS, PEAK_WINDOWS = {CLEAN_MS}, {MAX_WINDOW_MS}, {PEAK_WINDOWS}",
     f"local RAMP_START, RAMP_MS = {RAMP_START}, {RAMP_MS}",
-    f"local FIRST_BUCKETS = {FIRST_BUCKETS}",
+    f"local FIRST_BUCKETS, RECENT_STEP_MS = {FIRST_BUCKETS}, {RECENT_STEP_MS}",
     "",
 ])
 
@@ -75,6 +70,11 @@ class Learned:
     first_at: int = 0
     first_calls: int = 0
     first_tokens: int = 0
+    recent_at: int = 0
+    recent_calls: int = 0
+    recent_tokens: int = 0
+    before_calls: int = 0
+    before_tokens: int = 0
     ramp_from: int = 0
     ramp_at: int = 0
     served: int = 0
@@ -112,62 +112,6 @@ def believed(header: int, held: int, candidate: int, confirmed: bool) -> bool:
     (True, False)
     """
     return confirmed or header == candidate or (held > 0 and header * 2 >= held)
-
-
-def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
-    """The provider's rate a 429 early in the run shows; 0 past FIRST_BUCKETS bucket times (signals.lua, first_bucket_rate).
-
-    From a model's first call under its quota until FIRST_BUCKETS bucket times
-    (``size`` / ``rate`` each) have passed, a provider whose bucket has the
-    quota's shape, full at the first call and drained since (no refill wasted),
-    ran out once our calls had taken ``n`` (tokens or calls) in ``elapsed_ms``:
-    its rate is about ``rate * n / (size + rate * t)``.
-
-    >>> first_bucket_rate(600, 600, 63, 3_000)          # one-minute burst: 63 calls in 3 s -> 60 RPM
-    60
-    >>> first_bucket_rate(300_000, 30_000, 6_950, 7_900)  # past one 6-s bucket: ~30,000 TPM
-    30000
-    >>> first_bucket_rate(300_000, 30_000, 3_000, 0), first_bucket_rate(600, 600, 63, 120_000), first_bucket_rate(600, 600, 0, 0)
-    (30000, 0, 0)
-    """
-    if rate <= 0 or n <= 0 or elapsed_ms * rate >= FIRST_BUCKETS * size * 60_000:
-        return 0
-    return max(1, math.floor(float(rate) * n * 60_000 / (size * 60_000 + rate * elapsed_ms)))
-
-
-def lowered(level: int, shown: int) -> tuple[int, int] | None:
-    """What a 429 that starts a pause does to a rate at ``level`` (signals.lua, lowered):
-    (the level remembered for the raises' step, the level it is lowered to), or
-    None to leave it. 7/10 of ``level``; within FIRST_BUCKETS bucket times (``shown`` > 0,
-    the rate it shows: :func:`first_bucket_rate`), 7/10 of that, once: a 429 that
-    would not take it below ``level`` leaves it.
-
-    >>> lowered(600, 0), lowered(600, 60), lowered(42, 61), lowered(42, 50)
-    ((600, 420), (60, 42), None, (42, 35))
-    """
-    if shown <= 0:
-        return level, max(1, math.floor(level * 7 / 10))
-    to = max(1, math.floor(shown * 7 / 10))
-    return (min(shown, level), to) if to < level else None
-
-
-def spent_early(level: int, shown: int) -> int | None:
-    """What requests spent in the first bucket do to an RPM at ``level``, before any
-    429 (signals.lua, learn_from_spent): the RPM it is lowered to, which is also the
-    level its raises step from, or None to leave it. A provider that states no
-    request limit and has none left for our calls (those on their way included)
-    within FIRST_BUCKETS bucket times shows its rate (``shown``: :func:`first_bucket_rate`);
-    one below 9/10 of ``level`` becomes the RPM, so that 429 never comes. To the rate
-    shown, not 7/10 of it as after a 429: none came, and the remaining counts such a
-    provider sends keep the buckets from overdrawing it (on learn.toml, rpm-10-quiet
-    drew that 429 3 to 4 s into every run; lowered to 7/10 without it, it used 0.88 of
-    its provider's RPM, against 0.97 with the 429). A quota that is right spends its
-    burst at about its own rate: left as it is.
-
-    >>> spent_early(600, 56), spent_early(600, 580), spent_early(600, 0)
-    (56, None, None)
-    """
-    return shown if 0 < shown and shown * 10 < level * 9 else None
 
 
 def effective(quota: Quota, learned: Learned) -> Quota:

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from balancer.admission import keys
 from balancer.admission.fields import quota_fields
-from balancer.admission.learned import CLEAN_MS, FIRST_BUCKETS, PEAK_WINDOWS, RAMP_MS, RAMP_START
+from balancer.admission.learned import CLEAN_MS, PEAK_WINDOWS, RAMP_MS, RAMP_START
 from balancer.admission.quota import Quota
+from balancer.admission.shown import FIRST_BUCKETS
 from balancer.admission.values import Admitted, Candidate, NotNow, Settlement
 from tests.twin import LEASE_MS, Twin, delete_keys
 
@@ -656,6 +657,37 @@ def test_a_token_429_past_one_bucket_time_still_reads_the_rate_it_shows(twin: Tw
         start(twin, [call], est=500)
     assert twin.penalize("m-a", 2_000, remaining_tokens=100)            # 8 s in: 7,000 taken
     assert limits_of(twin).max_tokens_per_minute == 21_000               # 300,000 x 7,000 / 70,000 x 7/10 (not 210,000)
+
+
+def test_a_429_past_the_first_bucket_lowers_to_7_10_of_our_recent_rate(twin: Twin) -> None:
+    """A provider a tenth of the quota, met past the first bucket (calls held by concurrency
+    drew its first 429 late): our rate over the recent count's span is at least its rate,
+    so one 429 lowers to 7/10 of that, not to 7/10 of the quota's level (seven 429s from 10x).
+    The request bucket is 6 s (600 at 6,000 RPM): the first bucket ends at 12 s. The recent
+    count steps every second (RECENT_STEP_MS) from the first start; a 429 reads the last one
+    or two steps."""
+    twin.set_quota(Quota("m-a", 100, 6_000_000, max_requests_per_minute=6_000, burst_requests=600,
+                         slow_start=False))
+    start(twin, [d for d in twin.admit([Candidate(100)]) if isinstance(d, Admitted)])
+    twin.advance(12_000)                                                 # past the first bucket: the 5th step
+    for _ in range(6):                                                   # 14 calls a second, 840 a minute
+        start(twin, [d for d in twin.admit([Candidate(100)] * 14) if isinstance(d, Admitted)])
+        twin.advance(1_000)
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 588                # 14 calls in the last 1-s step: 840 x 7/10
+    assert twin.core.live(twin.now)["m-a"].learned.prpm == 840           # the raises step from our rate
+    # Tokens alike: 2 calls of 3,000 tokens a second on a 60,000-token bucket (6 s at 600,000 TPM).
+    twin.set_quota(Quota("m-b", 80, 600_000, burst_tokens=60_000, slow_start=False))
+    only_b = [Candidate(3_000, allowed=("m-b",))]
+    start(twin, [d for d in twin.admit(only_b) if isinstance(d, Admitted)], est=3_000, model="m-b")
+    twin.advance(12_000)
+    for _ in range(6):
+        calls = [d for d in twin.admit(only_b * 2) if isinstance(d, Admitted)]
+        assert len(calls) == 2
+        start(twin, calls, est=3_000, model="m-b")
+        twin.advance(1_000)
+    assert twin.penalize("m-b", 1_000, remaining_tokens=100)            # fewer left than a call: tokens
+    assert limits_of(twin, "m-b").max_tokens_per_minute == 252_000       # 6,000 in 1 s: 360,000 x 7/10
 
 
 def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:

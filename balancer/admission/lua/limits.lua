@@ -272,11 +272,13 @@ local function start_gate(m, now)
   return start - now
 end
 
--- The first bucket (see first_bucket_rate): the calls started under the quota, and their tokens.
+-- The first bucket and the recent count (shown.lua): the calls started under
+-- the quota, and their tokens.
 local function count_start(m, est, now)
   if m.first_at == 0 then m.first_at = now end
   if m.ramp_at == 0 then m.ramp_at = now end
   m.first_calls, m.first_tokens = m.first_calls + 1, m.first_tokens + est
+  count_recent(m, est, now)
 end
 
 -- Both gates for a call about to start: ms to wait before calling. A first start

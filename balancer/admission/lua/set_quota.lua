@@ -10,7 +10,7 @@
 -- credit the new bucket when they finish. A running 429 pause is kept, and so
 -- is the circuit breaker's state. What 429s taught (learned limits, their
 -- steps and window) is forgotten: the new quota starts clean, with a first
--- bucket of its own (first_at, first_calls, first_tokens) and, created or
+-- bucket and recent count of its own (first_*, recent_*, before_*) and, created or
 -- changed, a slow start from the calls in flight (ramp_quota in limits.lua). So are
 -- the provider's limit headers (htpm, hrpm, and any not yet believed): the
 -- operator's quota is what holds until the next replies state them again (one
@@ -44,6 +44,7 @@ else
   m.ltpm, m.lrpm, m.lcap, m.ptpm, m.prpm, m.pcap = 0, 0, 0, 0, 0, 0
   m.lowered_at, m.raised_at, m.window = 0, 0, 0
   m.first_at, m.first_calls, m.first_tokens = 0, 0, 0
+  m.recent_at, m.recent_calls, m.recent_tokens, m.before_calls, m.before_tokens = 0, 0, 0, 0, 0
   m.tokens, m.ptokens = math.min(m.tokens, token_cap(m)), math.min(m.ptokens, token_cap(m))
   if had_rpm then m.requests = math.min(m.requests, eff_rburst(m) * UNITS) else m.requests = eff_rburst(m) * UNITS end
   m.deficit = math.min(m.deficit, m.burst)

@@ -81,7 +81,7 @@ local function known_rate(m) return (m.learn ~= 1 or m.htpm > 0) and m.ext <= 0 
 -- (sync_gap: the bucket is never raised, so a gap below 0 stays) is not counted
 -- again at the next. The estimate may fall below 0, to a tenth of TPM: a count
 -- the provider sent late reads as a gap below 0, then as one above it at the
--- next sync, and clamped at 0 only the second half was kept (an outside user
+-- next sync, and clamped at 0 only the second step was kept (an outside user
 -- of 1 % of TPM on average, where there was none, on fast.toml). Only its part
 -- above 0 is others' use (outside_rate).
 -- `own`: the lease of the call whose answer carried them (finish.lua), or nil (a 429).
@@ -141,7 +141,7 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
 end
 
 -- Whether a limit header that differs from the one adopted is believed now
--- (balancer.admission.learned.believed): at least half the limit the model is
+-- (balancer.admission.learned.believed): at least step the limit the model is
 -- held to (`held`, 0: none), or confirmed: carried by a 429 (`confirmed`), or
 -- stated again by a second reply (`candidate`: the one a reply stated last).
 local function believed(h, held, candidate, confirmed)
@@ -274,36 +274,11 @@ local function limit_kind(m, now, remaining_tokens, remaining_requests, before)
   return kind, sent
 end
 
--- The first bucket. From the first call a model starts under its quota
--- (first_at; first_calls and first_tokens count the calls started since and
--- their estimated tokens) until FIRST_BUCKETS bucket times (size / rate each)
--- have passed, a 429 for tokens or requests shows the provider's rate: a
--- provider whose bucket has the quota's shape, full at the first call and
--- drained since, ran out once our calls had taken `n` (tokens or
--- calls) in `t` ms, so its rate is about rate * n / (size + rate * t); 0 once
--- FIRST_BUCKETS bucket times have passed, or before any call
--- (balancer.admission.learned.first_bucket_rate).
-local function first_bucket_rate(rate, size, n, t)
-  if rate <= 0 or n <= 0 or t * rate >= FIRST_BUCKETS * size * 60000 then return 0 end
-  return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
-end
-
--- What a 429 that starts a pause does to a rate at `level` (balancer.admission.learned.lowered):
--- lowers it to 7/10, remembering `level` (the raises' step); within the first
--- bucket (`shown` > 0: the rate it shows) to 7/10 of that, once: a 429 that
--- would not take it below `level` leaves it (nil).
-local function lowered(level, shown)
-  if shown <= 0 then return level, math.max(1, math.floor(level * 7 / 10)) end
-  local to = math.max(1, math.floor(shown * 7 / 10))
-  if to < level then return math.min(shown, level), to end
-  return nil
-end
-
 -- Requests spent in the first bucket, with `left` after our calls on their way
 -- (nil: not sent), `unstarted` of them admitted and not started: a provider that
 -- states no request limit (hrpm) shows its rate (first_bucket_rate, of the calls
 -- started and those), and an RPM above 10/9 of it is lowered to it before that
--- 429, once (balancer.admission.learned.spent_early). The count may be as old as
+-- 429, once (balancer.admission.shown.spent_early). The count may be as old as
 -- the call that carried it (`counted_at`: its start): its rate is read as of then,
 -- or a right quota's burst, spent at its own rate, reads as a lower one.
 local function learn_from_spent(m, now, left, unstarted, counted_at)
@@ -337,9 +312,10 @@ end
 
 -- A 429 that paused the model (once per window: `started`) lowers the
 -- effective limit of its kind to 7/10 of the level it was at (concurrency:
--- of the started calls in flight, if any and fewer), at least 1, and remembers that
--- level (the raises' step). Within FIRST_BUCKETS bucket times tokens or requests go to
--- 7/10 of the rate it shows (first_bucket_rate), once (see lowered). A 429
+-- of the started calls in flight, if any and fewer; tokens and requests: of our
+-- recent rate, if lower), at least 1, and remembers that level (the raises' step).
+-- Within FIRST_BUCKETS bucket times tokens or requests go to 7/10 of the rate it
+-- shows (first_bucket_rate), once (see lowered). A 429
 -- within a window of a raise says the raise went too far: a kind it raised
 -- goes back (undone: one step for concurrency, two for tokens or requests), not to 7/10, and
 -- the next raise waits twice as long (up to MAX_WINDOW_MS). Every other 429 for concurrency
@@ -367,13 +343,15 @@ local function learn_from_429(m, now, kind, sent, started)
   if kind == 'TOKENS' and probed and m.ltpm > 0 then
     m.ltpm = undone(m.ltpm, m.ptpm, kind)
   elseif kind == 'TOKENS' then
-    local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t))
+    local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t),
+      recent_rate(m.recent_tokens, m.before_tokens, m.recent_at, recent_step(m), now))
     if from then m.ptpm, m.ltpm = from, to end
   elseif kind == 'REQUESTS' and probed and m.lrpm > 0 then
     m.lrpm = undone(m.lrpm, m.prpm, kind)
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
-    local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t))
+    local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t),
+      recent_rate(m.recent_calls, m.before_calls, m.recent_at, recent_step(m), now))
     if from then m.prpm, m.lrpm = from, to end
   elseif probed and m.lcap > 0 then
     m.lcap = undone(m.lcap, m.pcap, kind)

@@ -2,10 +2,11 @@
 -- write it: the keys, the counters and the latency sketch (observation only),
 -- the clock, leases, and a model's hash (load, save, a new one).
 --
--- The script library is four files, in this order (LIBRARY in
--- balancer/admission/core.py): state.lua, limits.lua (what a model admits
--- under), signals.lua (what the provider's answers teach), ready.lua (ready
--- lists). Redis Lua has no `require`: the loader prepends the four to each
+-- The script library is six files, in this order (LIBRARY in
+-- balancer/admission/core.py): state.lua, window.lua (the window cap),
+-- shown.lua (the provider's rate our call starts show), limits.lua (what a
+-- model admits under), signals.lua (what the provider's answers teach),
+-- ready.lua (ready lists). Redis Lua has no `require`: the loader prepends the six to each
 -- script body as one chunk, so a local defined in one file is visible in
 -- the files after it, and KEYS below are the calling script's KEYS. Before
 -- them, the loader puts the key infixes (META_SUFFIX, MODEL_INFIX,

@@ -12,19 +12,17 @@ from balancer.admission.learned import (
     Learned,
     believed,
     effective,
-    first_bucket_rate,
     lower_of,
-    lowered,
     note_bound,
     ramp_start,
     ramp_wait_ms,
     relaxed,
     slots_now,
-    spent_early,
     undone,
 )
 from balancer.admission.quota import Quota
 from balancer.admission.reference.consumers import ConsumerRecords
+from balancer.admission.shown import counted, first_bucket_rate, lowered, recent_rate, recent_step_ms, spent_early
 from balancer.admission.values import (
     UNITS,
     NoState,
@@ -90,15 +88,12 @@ class ModelState:
     def learn_from_429(self, now: int, kind: str, sent: int, started: bool) -> None:
         """A 429 that paused the model (``started``) lowers its kind's effective
         limit to 7/10 of its level (concurrency: of the ``sent`` calls in flight
-        that started, if any and fewer), at least 1. Within FIRST_BUCKETS bucket times,
-        tokens or requests go to 7/10 of the rate it shows, once
-        (:func:`lowered`, :func:`first_bucket_rate`). A
-        429 within a window of a raise undoes that raise for a kind it raised
-        (:func:`undone`, not 7/10) and doubles the window. Any other 429 for
-        concurrency caps it at the started calls in flight less one, and its peak at
-        them. A kind
-        whose limit the provider states in its headers is not lowered (signals.lua,
-        learn_from_429)."""
+        that started, if any and fewer), at least 1; tokens and requests to 7/10 of
+        the rate the first bucket shows, or of our recent rate if lower than the level
+        (:func:`lowered`). A 429 within a window of a raise undoes that raise
+        (:func:`undone`) and doubles the window. Any other 429 for concurrency caps it at
+        the started calls in flight less one, and its peak at them. A kind whose limit
+        the provider states is not lowered (signals.lua, learn_from_429)."""
         if not self.quota.learn:
             return
         k, limits = self.learned, self.limits
@@ -117,7 +112,7 @@ class ModelState:
         probed = k.raised_at > k.lowered_at and now - k.raised_at < w  # the last raise drew it: undone
         if probed:
             k.window = min(w * 2, MAX_WINDOW_MS)
-        q, t = self.quota, now - k.first_at
+        q, t, step = self.quota, now - k.first_at, recent_step_ms(self.quota)
         if kind == "tokens" and probed and k.ltpm:
             k.ltpm = undone(k.ltpm, k.ptpm, kind)
         elif kind == "requests" and probed and k.lrpm:
@@ -126,14 +121,16 @@ class ModelState:
             k.lcap = undone(k.lcap, k.pcap, kind)
         elif kind == "tokens":
             change = lowered(limits.max_tokens_per_minute,
-                             first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t))
+                             first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t),
+                             recent_rate(k.recent_tokens, k.before_tokens, k.recent_at, step, now))
             if change:
                 k.ptpm, k.ltpm = change
         elif kind == "requests":
             if not limits.max_requests_per_minute:
                 return
             change = lowered(limits.max_requests_per_minute,
-                             first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t))
+                             first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t),
+                             recent_rate(k.recent_calls, k.before_calls, k.recent_at, step, now))
             if change:
                 k.prpm, k.lrpm = change
         else:
@@ -157,11 +154,14 @@ class ModelState:
             k.prpm, k.lrpm, k.lowered_at = rpm, rpm, now
 
     def count_start(self, est: int, now: int) -> None:
-        """A call starts under the quota: the first bucket counts it (limits.lua, count_start)."""
-        k = self.learned
+        """A call starts under the quota: the first bucket and the recent window count it, the
+        recent count a step at a time (limits.lua, count_start; balancer.admission.shown)."""
+        k, step = self.learned, recent_step_ms(self.quota)
         k.first_at = k.first_at or now
         k.ramp_at = k.ramp_at or now  # slow start's steps count from here
         k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
+        (k.recent_at, k.recent_calls, k.recent_tokens, k.before_calls, k.before_tokens) = counted(
+            (k.recent_at, k.recent_calls, k.recent_tokens, k.before_calls, k.before_tokens), step, now, est)
 
     def ramp_quota(self, in_flight: int, now: int) -> None:
         """A quota set or restored: slow start opens from the ``in_flight`` live calls, or what the
