@@ -81,7 +81,7 @@ local function known_rate(m) return (m.learn ~= 1 or m.htpm > 0) and m.ext <= 0 
 -- (sync_gap: the bucket is never raised, so a gap below 0 stays) is not counted
 -- again at the next. The estimate may fall below 0, to a tenth of TPM: a count
 -- the provider sent late reads as a gap below 0, then as one above it at the
--- next sync, and clamped at 0 only the second step was kept (an outside user
+-- next sync, and clamped at 0 only the second half was kept (an outside user
 -- of 1 % of TPM on average, where there was none, on fast.toml). Only its part
 -- above 0 is others' use (outside_rate).
 -- `own`: the lease of the call whose answer carried them (finish.lua), or nil (a 429).
@@ -141,7 +141,7 @@ local function sync_to_headers(m, now, remaining_tokens, remaining_requests, own
 end
 
 -- Whether a limit header that differs from the one adopted is believed now
--- (balancer.admission.learned.believed): at least step the limit the model is
+-- (balancer.admission.learned.believed): at least half the limit the model is
 -- held to (`held`, 0: none), or confirmed: carried by a 429 (`confirmed`), or
 -- stated again by a second reply (`candidate`: the one a reply stated last).
 local function believed(h, held, candidate, confirmed)
