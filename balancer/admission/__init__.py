@@ -11,6 +11,7 @@ importers name the module (importing the quota value loads no Redis client).
 * ``live`` — the live state each model holds in Redis, read without Lua
 * ``liveness`` — how long a worker's consumer record lives, and when lapsed records can be believed (pure)
 * ``learned`` — limits that learn: the effective limits, the decrease, the clean-window raise, slow start
+* ``shown`` — the provider's rate our own call starts show at a 429: the first bucket, the recent window (pure)
 * ``window`` — the window cap: at most a quota's TPM tokens admitted in any 60 s
 * ``finishes`` — finishes that could not reach Redis, kept in memory and applied once it answers
 * ``keys`` — every Redis key name and queue name
