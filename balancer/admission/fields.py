@@ -91,7 +91,7 @@ STATE_FIELDS: dict[str, str] = {
     "fails": "consecutive transient failures (the circuit breaker)",
     "probing": "1: the circuit is open, one call at a time",
     "backoff": "ms of the circuit's last pause",
-    # Limits that learn (limits.lua, signals.lua): 0 in any of these means nothing learned.
+    # Limits that learn (limits.lua, shown.lua, signals.lua): 0 in any of these means nothing learned.
     "ltpm": "learned TPM below the quota's, lowered by 429s (0: the quota's)",
     "lrpm": "learned RPM below the quota's or the discovered one (0: none learned)",
     "lcap": "learned concurrency cap below the quota's (0: the quota's)",
