@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 
 from balancer.admission.quota import Quota
-from balancer.admission.shown import FIRST_BUCKETS, RECENT_STEP_MS
+from balancer.admission.shown import FIRST_BUCKETS, RECENT_STEP_MS, RecentCount
 
 #: A clean window (no 429 lowered a limit) raises each learned limit that bound
 #: through it one step (:func:`relaxed`); a raise that draws a 429 within its
@@ -71,8 +71,10 @@ class Learned:
     first_calls: int = 0
     first_tokens: int = 0
     recent_at: int = 0
+    recent_first_at: int = 0
     recent_calls: int = 0
     recent_tokens: int = 0
+    before_first_at: int = 0
     before_calls: int = 0
     before_tokens: int = 0
     ramp_from: int = 0
@@ -91,6 +93,15 @@ class Learned:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def recent_count(self) -> RecentCount:
+        """The recent window's count (:data:`~balancer.admission.shown.RecentCount`)."""
+        return (self.recent_at, self.recent_first_at, self.recent_calls, self.recent_tokens,
+                self.before_first_at, self.before_calls, self.before_tokens)
+
+    def set_recent_count(self, count: RecentCount) -> None:
+        (self.recent_at, self.recent_first_at, self.recent_calls, self.recent_tokens,
+         self.before_first_at, self.before_calls, self.before_tokens) = count
 
 
 def lower_of(limit: int, other: int) -> int:

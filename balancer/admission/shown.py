@@ -10,13 +10,15 @@ provider's bucket was being emptied, and so bound its rate, in two ways:
 - **The recent window** (:func:`recent_rate`): later, its bucket may have refilled
   while we sent little, but whatever it held, our calls over the last bucket time or
   less (the refused one included) emptied it and its refill: our rate over the last
-  second or two is at least its rate. A 429 lowers to 7/10 of the lower of that rate
+  second or two, from the first of those calls, is at least its rate. A 429 lowers to 7/10 of the lower of that rate
   and the level (:func:`lowered`), so a provider ten times stricter than the quota,
   met past the first bucket, costs a 429 or two, not the seven that 7/10 of the
   level at a time takes from 10x to 1x.
 
 The counts are of calls started (renew: as they leave for the provider), and their
-estimated tokens, kept in the model's hash (``first_*``, ``recent_*``, ``before_*``).
+estimated tokens, kept in the model's hash (``first_*``, ``recent_*``, ``before_*``). The recent
+window's reading also sets the level a lowered limit's raises step from (its peak), so it errs
+high where it is unsure: over a short span, from the span's first call.
 """
 
 from __future__ import annotations
@@ -81,42 +83,53 @@ def steps_since(at: int, step: int, now: int) -> int:
     return 0 if at == 0 else max(0, now - at) // step
 
 
-#: The recent count as the model's hash keeps it: (recent_at, recent_calls, recent_tokens, before_calls, before_tokens).
-RecentCount = tuple[int, int, int, int, int]
+#: The recent count as the model's hash keeps it: (recent_at, recent_first_at, recent_calls, recent_tokens,
+#: before_first_at, before_calls, before_tokens): the current step's start, then for it and the step before
+#: it, the first call's start in it and the calls and tokens started in it.
+RecentCount = tuple[int, int, int, int, int, int, int]
 
 
 def counted(count: RecentCount, step: int, now: int, est: int) -> RecentCount:
     """``count`` with one more call of ``est`` tokens started at ``now`` (shown.lua, count_recent):
     one step on, the current step's count becomes the one before it; two, both start again.
 
-    >>> counted((0, 0, 0, 0, 0), 3_000, 5_000, 100)
-    (5000, 1, 100, 0, 0)
-    >>> counted((5_000, 4, 400, 9, 900), 3_000, 8_500, 100), counted((5_000, 4, 400, 9, 900), 3_000, 11_000, 100)
-    ((8000, 1, 100, 4, 400), (11000, 1, 100, 0, 0))
+    >>> counted((0, 0, 0, 0, 0, 0, 0), 1_000, 5_000, 100)
+    (5000, 5000, 1, 100, 0, 0, 0)
+    >>> counted((5_000, 5_200, 4, 400, 4_100, 9, 900), 1_000, 6_500, 100)
+    (6000, 6500, 1, 100, 5200, 4, 400)
+    >>> counted((5_000, 5_200, 4, 400, 4_100, 9, 900), 1_000, 7_000, 100)
+    (7000, 7000, 1, 100, 0, 0, 0)
     """
-    at, calls, tokens, before_calls, before_tokens = count
+    at, first, calls, tokens, before_first, before_calls, before_tokens = count
     steps = steps_since(at, step, now)
     if steps:
-        before_calls, before_tokens = (calls, tokens) if steps == 1 else (0, 0)
-        at, calls, tokens = at + steps * step, 0, 0
-    return at or now, calls + 1, tokens + est, before_calls, before_tokens
+        before_first, before_calls, before_tokens = (first, calls, tokens) if steps == 1 else (0, 0, 0)
+        at, first, calls, tokens = at + steps * step, 0, 0, 0
+    return at or now, first or now, calls + 1, tokens + est, before_first, before_calls, before_tokens
 
 
-def recent_rate(recent: int, before: int, at: int, step: int, now: int) -> int:
-    """Our rate per minute, of calls or tokens, over the count's span (signals.lua, recent_rate):
-    ``recent`` started in the step from ``at``, ``before`` in the step before it. One step
-    on, only ``recent`` is in span; two, nothing is (0: nothing to say).
+def recent_rate(count: RecentCount, step: int, now: int, tokens: bool) -> int:
+    """Our rate per minute, of calls (or ``tokens``), over the count's span (shown.lua, recent_rate):
+    the current step and the one before it, one step on only the current one, two steps on
+    nothing (0: nothing to say); from the span's first call's start, not its start: a burst
+    after a quiet spell reads as the rate it was sent at, not spread over the quiet part.
 
-    >>> recent_rate(30, 20, 10_000, 3_000, 11_000)    # 50 calls in 4 s
-    750
-    >>> recent_rate(30, 20, 10_000, 3_000, 14_000), recent_rate(30, 20, 10_000, 3_000, 16_000), recent_rate(0, 0, 0, 3_000, 5)
-    (450, 0, 0)
+    >>> c = (10_000, 10_400, 30, 3_000, 9_000, 20, 2_000)
+    >>> recent_rate(c, 1_000, 10_600, False), recent_rate(c, 1_000, 10_600, True)   # 50 calls from 9.0 to 10.6 s
+    (1875, 187500)
+    >>> recent_rate(c, 1_000, 11_400, False), recent_rate(c, 1_000, 12_000, False)  # 30 from 10.4 to 11.4 s; none
+    (1800, 0)
+    >>> recent_rate((10_000, 10_950, 11, 0, 0, 0, 0), 1_000, 10_950, False)          # a burst after a quiet second
+    660000
     """
+    at, first, calls, used, before_first, before_calls, before_used = count
     steps = steps_since(at, step, now)
-    n, span = (recent + before, step + max(0, now - at)) if steps == 0 else (recent, now - at)
-    if at == 0 or steps > 1 or n <= 0:
+    if at == 0 or steps > 1:
         return 0
-    return math.floor(float(n) * 60_000 / span)
+    n, since = (calls, used)[tokens], first
+    if steps == 0 and before_calls:
+        n, since = n + (before_calls, before_used)[tokens], before_first
+    return math.floor(float(n) * 60_000 / max(1, now - since)) if n > 0 else 0
 
 
 def lowered(level: int, shown: int, recent: int = 0) -> tuple[int, int] | None:

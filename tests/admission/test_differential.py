@@ -664,19 +664,20 @@ def test_a_429_past_the_first_bucket_lowers_to_7_10_of_our_recent_rate(twin: Twi
     drew its first 429 late): our rate over the recent count's span is at least its rate,
     so one 429 lowers to 7/10 of that, not to 7/10 of the quota's level (seven 429s from 10x).
     The request bucket is 6 s (600 at 6,000 RPM): the first bucket ends at 12 s. The recent
-    count steps every second (RECENT_STEP_MS) from the first start; a 429 reads the last one
-    or two steps."""
+    count steps every second (RECENT_STEP_MS) from the first start; a 429 reads the current
+    step and the one before it, from the first call's start in them."""
     twin.set_quota(Quota("m-a", 100, 6_000_000, max_requests_per_minute=6_000, burst_requests=600,
                          slow_start=False))
     start(twin, [d for d in twin.admit([Candidate(100)]) if isinstance(d, Admitted)])
-    twin.advance(12_000)                                                 # past the first bucket: the 5th step
-    for _ in range(6):                                                   # 14 calls a second, 840 a minute
+    twin.advance(12_000)                                                 # past the first bucket
+    for second in range(6):                                              # 14 calls a second
         start(twin, [d for d in twin.admit([Candidate(100)] * 14) if isinstance(d, Admitted)])
-        twin.advance(1_000)
+        twin.advance(1_000 if second < 5 else 500)
     assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
-    assert limits_of(twin).max_requests_per_minute == 588                # 14 calls in the last 1-s step: 840 x 7/10
-    assert twin.core.live(twin.now)["m-a"].learned.prpm == 840           # the raises step from our rate
-    # Tokens alike: 2 calls of 3,000 tokens a second on a 60,000-token bucket (6 s at 600,000 TPM).
+    assert limits_of(twin).max_requests_per_minute == 784                # 28 calls from 16 to 17.5 s: 1,120 x 7/10
+    assert twin.core.live(twin.now)["m-a"].learned.prpm == 1_120         # the raises step from our rate
+    # Tokens alike, the 429 a whole step after the last start: that step alone is read.
+    # 2 calls of 3,000 tokens a second on a 60,000-token bucket (6 s at 600,000 TPM).
     twin.set_quota(Quota("m-b", 80, 600_000, burst_tokens=60_000, slow_start=False))
     only_b = [Candidate(3_000, allowed=("m-b",))]
     start(twin, [d for d in twin.admit(only_b) if isinstance(d, Admitted)], est=3_000, model="m-b")
@@ -688,6 +689,17 @@ def test_a_429_past_the_first_bucket_lowers_to_7_10_of_our_recent_rate(twin: Twi
         twin.advance(1_000)
     assert twin.penalize("m-b", 1_000, remaining_tokens=100)            # fewer left than a call: tokens
     assert limits_of(twin, "m-b").max_tokens_per_minute == 252_000       # 6,000 in 1 s: 360,000 x 7/10
+    # A burst after a quiet spell reads at the rate it was sent (11 calls in 20 ms), not spread
+    # over the quiet second: above the level, so 7/10 of the level, as before.
+    twin.set_quota(Quota("m-c", 100, 6_000_000, max_requests_per_minute=6_000, burst_requests=600,
+                         slow_start=False))
+    only_c = [Candidate(100, allowed=("m-c",))]
+    start(twin, [d for d in twin.admit(only_c) if isinstance(d, Admitted)], model="m-c")
+    twin.advance(13_950)
+    start(twin, [d for d in twin.admit(only_c * 11) if isinstance(d, Admitted)], model="m-c")
+    twin.advance(20)
+    assert twin.penalize("m-c", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    assert limits_of(twin, "m-c").max_requests_per_minute == 4_200       # 6,000 x 7/10
 
 
 def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:

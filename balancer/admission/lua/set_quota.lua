@@ -44,7 +44,8 @@ else
   m.ltpm, m.lrpm, m.lcap, m.ptpm, m.prpm, m.pcap = 0, 0, 0, 0, 0, 0
   m.lowered_at, m.raised_at, m.window = 0, 0, 0
   m.first_at, m.first_calls, m.first_tokens = 0, 0, 0
-  m.recent_at, m.recent_calls, m.recent_tokens, m.before_calls, m.before_tokens = 0, 0, 0, 0, 0
+  m.recent_at, m.recent_first_at, m.recent_calls, m.recent_tokens = 0, 0, 0, 0
+  m.before_first_at, m.before_calls, m.before_tokens = 0, 0, 0
   m.tokens, m.ptokens = math.min(m.tokens, token_cap(m)), math.min(m.ptokens, token_cap(m))
   if had_rpm then m.requests = math.min(m.requests, eff_rburst(m) * UNITS) else m.requests = eff_rburst(m) * UNITS end
   m.deficit = math.min(m.deficit, m.burst)

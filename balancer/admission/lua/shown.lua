@@ -18,15 +18,20 @@ end
 
 -- One more call of `est` tokens started at `now` (shown.counted): one step on,
 -- the current step's count becomes the one before it; two, both start again.
+-- Each step keeps its first call's start (recent_first_at, before_first_at).
 local function count_recent(m, est, now)
   local step = recent_step(m)
   local steps = steps_since(m.recent_at, step, now)
   if steps > 0 then
-    if steps == 1 then m.before_calls, m.before_tokens = m.recent_calls, m.recent_tokens
-    else m.before_calls, m.before_tokens = 0, 0 end
-    m.recent_calls, m.recent_tokens, m.recent_at = 0, 0, m.recent_at + steps * step
+    if steps == 1 then
+      m.before_first_at, m.before_calls, m.before_tokens = m.recent_first_at, m.recent_calls, m.recent_tokens
+    else
+      m.before_first_at, m.before_calls, m.before_tokens = 0, 0, 0
+    end
+    m.recent_at, m.recent_first_at, m.recent_calls, m.recent_tokens = m.recent_at + steps * step, 0, 0, 0
   end
   if m.recent_at == 0 then m.recent_at = now end
+  if m.recent_first_at == 0 then m.recent_first_at = now end
   m.recent_calls, m.recent_tokens = m.recent_calls + 1, m.recent_tokens + est
 end
 
@@ -44,17 +49,23 @@ local function first_bucket_rate(rate, size, n, t)
   return math.max(1, math.floor(rate * n * 60000 / (size * 60000 + rate * t)))
 end
 
--- Our rate per minute, of calls or tokens, over the recent count's span: `recent`
--- started in the step from `at`, `before` in the one before it; one step on, only
--- `recent`; two, nothing (0) (balancer.admission.shown.recent_rate). Whatever the
--- provider's bucket held, our calls over a bucket time or less emptied it and its
--- refill when its 429 came: our rate is at least its rate.
-local function recent_rate(recent, before, at, step, now)
-  local steps = steps_since(at, step, now)
-  local n, span = recent + before, step + math.max(0, now - at)
-  if steps == 1 then n, span = recent, now - at end
-  if at == 0 or steps > 1 or n <= 0 then return 0 end
-  return math.floor(n * 60000 / span)
+-- Our rate per minute, of calls (or `tokens`), over the recent count's span: the
+-- current step and the one before it, one step on only the current one, two
+-- steps on nothing (0), from the span's first call's start
+-- (balancer.admission.shown.recent_rate). Whatever the provider's bucket held,
+-- our calls over a bucket time or less emptied it and its refill when its 429
+-- came: our rate is at least its rate.
+local function recent_rate(m, now, tokens)
+  local steps = steps_since(m.recent_at, recent_step(m), now)
+  if m.recent_at == 0 or steps > 1 then return 0 end
+  local n, since = m.recent_calls, m.recent_first_at
+  if tokens then n = m.recent_tokens end
+  if steps == 0 and m.before_calls > 0 then
+    since = m.before_first_at
+    if tokens then n = n + m.before_tokens else n = n + m.before_calls end
+  end
+  if n <= 0 then return 0 end
+  return math.floor(n * 60000 / math.max(1, now - since))
 end
 
 -- What a 429 that starts a pause does to a rate at `level` (balancer.admission.shown.lowered):

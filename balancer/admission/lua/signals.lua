@@ -344,14 +344,14 @@ local function learn_from_429(m, now, kind, sent, started)
     m.ltpm = undone(m.ltpm, m.ptpm, kind)
   elseif kind == 'TOKENS' then
     local from, to = lowered(eff_tpm(m), first_bucket_rate(m.tpm, m.burst, m.first_tokens, t),
-      recent_rate(m.recent_tokens, m.before_tokens, m.recent_at, recent_step(m), now))
+      recent_rate(m, now, true))
     if from then m.ptpm, m.ltpm = from, to end
   elseif kind == 'REQUESTS' and probed and m.lrpm > 0 then
     m.lrpm = undone(m.lrpm, m.prpm, kind)
   elseif kind == 'REQUESTS' then
     if eff_rpm(m) == 0 then return end
     local from, to = lowered(eff_rpm(m), first_bucket_rate(m.rpm, m.rburst, m.first_calls, t),
-      recent_rate(m.recent_calls, m.before_calls, m.recent_at, recent_step(m), now))
+      recent_rate(m, now, false))
     if from then m.prpm, m.lrpm = from, to end
   elseif probed and m.lcap > 0 then
     m.lcap = undone(m.lcap, m.pcap, kind)

@@ -340,7 +340,7 @@ class ReferenceCore(Signals):
         k = state.learned
         k.ltpm = k.lrpm = k.lcap = k.ptpm = k.prpm = k.pcap = k.lowered_at = k.raised_at = k.window = 0
         k.first_at = k.first_calls = k.first_tokens = 0  # the new quota's first bucket, and its recent count
-        k.recent_at = k.recent_calls = k.recent_tokens = k.before_calls = k.before_tokens = 0
+        k.set_recent_count((0, 0, 0, 0, 0, 0, 0))
         state.ramp_quota(self._live_count(quota.name, now), now)  # and a slow start from the calls in flight
         limits = state.limits
         state.tokens = min(state.tokens, token_cap(limits))

@@ -122,7 +122,7 @@ class ModelState:
         elif kind == "tokens":
             change = lowered(limits.max_tokens_per_minute,
                              first_bucket_rate(q.max_tokens_per_minute, q.burst, k.first_tokens, t),
-                             recent_rate(k.recent_tokens, k.before_tokens, k.recent_at, step, now))
+                             recent_rate(k.recent_count(), step, now, tokens=True))
             if change:
                 k.ptpm, k.ltpm = change
         elif kind == "requests":
@@ -130,7 +130,7 @@ class ModelState:
                 return
             change = lowered(limits.max_requests_per_minute,
                              first_bucket_rate(q.max_requests_per_minute or 0, q.request_burst, k.first_calls, t),
-                             recent_rate(k.recent_calls, k.before_calls, k.recent_at, step, now))
+                             recent_rate(k.recent_count(), step, now, tokens=False))
             if change:
                 k.prpm, k.lrpm = change
         else:
@@ -160,8 +160,7 @@ class ModelState:
         k.first_at = k.first_at or now
         k.ramp_at = k.ramp_at or now  # slow start's steps count from here
         k.first_calls, k.first_tokens = k.first_calls + 1, k.first_tokens + est
-        (k.recent_at, k.recent_calls, k.recent_tokens, k.before_calls, k.before_tokens) = counted(
-            (k.recent_at, k.recent_calls, k.recent_tokens, k.before_calls, k.before_tokens), step, now, est)
+        k.set_recent_count(counted(k.recent_count(), step, now, est))
 
     def ramp_quota(self, in_flight: int, now: int) -> None:
         """A quota set or restored: slow start opens from the ``in_flight`` live calls, or what the
