@@ -95,8 +95,9 @@ STATE_FIELDS: dict[str, str] = {
     "ltpm": "learned TPM below the quota's, lowered by 429s (0: the quota's)",
     "lrpm": "learned RPM below the quota's or the discovered one (0: none learned)",
     "lcap": "learned concurrency cap below the quota's (0: the quota's)",
-    "ptpm": "the effective TPM when a 429 last lowered it (its raises step by 1/20 of this)",
-    "prpm": "the effective RPM when a 429, or its first burst spent early, last lowered it",
+    "ptpm": "the level a 429 last lowered the TPM from: the effective TPM, or our recent rate if lower "
+            "(its peak: its raises step by 1/20 of this)",
+    "prpm": "the level a 429, or its first burst spent early, last lowered the RPM from (as ptpm)",
     "pcap": "the effective concurrency cap when a 429 last lowered it, or the calls a later 429 of its pause found "
             "(its peak; the quota's cap again after a changed limit header)",
     "htpm": "the provider's x-ratelimit-limit-tokens, per minute (0: never sent)",

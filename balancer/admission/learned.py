@@ -30,9 +30,10 @@ from balancer.admission.shown import FIRST_BUCKETS, RECENT_STEP_MS, RecentCount
 CLEAN_MS, MAX_WINDOW_MS = 10_000, 320_000
 
 #: A raise that takes a learned limit to the level its last 429 lowered it from
-#: (its peak), or past it, waits this many windows: back toward the level the
-#: provider refused at one step a window, at and past it slowly (TCP CUBIC's
-#: plateau), so a limit the provider enforces is probed rarely, not every window.
+#: (its peak: the limit then, or the rate our calls showed if lower), or past it,
+#: waits this many windows: back toward the level the provider refused at one step
+#: a window, at and past it slowly (TCP CUBIC's plateau), so a limit the provider
+#: enforces is probed rarely, not every window.
 PEAK_WINDOWS = 4
 
 #: Slow start (:func:`ramp_cap`): a new or changed quota's concurrency opens

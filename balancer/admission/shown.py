@@ -39,7 +39,7 @@ RECENT_STEP_MS = 1_000
 
 
 def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
-    """The provider's rate a 429 early in the run shows; 0 past FIRST_BUCKETS bucket times (signals.lua, first_bucket_rate).
+    """The provider's rate a 429 early in the run shows; 0 past FIRST_BUCKETS bucket times (shown.lua, first_bucket_rate).
 
     From a model's first call under its quota until FIRST_BUCKETS bucket times
     (``size`` / ``rate`` each) have passed, a provider whose bucket has the
@@ -133,7 +133,7 @@ def recent_rate(count: RecentCount, step: int, now: int, tokens: bool) -> int:
 
 
 def lowered(level: int, shown: int, recent: int = 0) -> tuple[int, int] | None:
-    """What a 429 that starts a pause does to a rate at ``level`` (signals.lua, lowered):
+    """What a 429 that starts a pause does to a rate at ``level`` (shown.lua, lowered):
     (the level remembered for the raises' step, the level it is lowered to), or None to
     leave it. Within FIRST_BUCKETS bucket times (``shown`` > 0: :func:`first_bucket_rate`),
     7/10 of the rate shown, once: a 429 that would not take it below ``level`` leaves it.
