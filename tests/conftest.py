@@ -220,11 +220,11 @@ LONG_FIRST = ("test_hosts.py", "test_chaos.py", "test_faults.py", "test_sentinel
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto`` and ``-n logical`` (the default set's addopts): one process more than this machine's
+    """``-n auto`` and ``-n logical`` (the default set's addopts): two processes more than this machine's
     cores, since many tests wait on a lease, a socket or a subprocess rather than use a core
     (docs/getting-started.md gives the times)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores + 1
+    return cores + 2
 
 
 @pytest.hookimpl(optionalhook=True)
