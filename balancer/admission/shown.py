@@ -45,7 +45,10 @@ def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
     (``size`` / ``rate`` each) have passed, a provider whose bucket has the
     quota's shape, full at the first call and drained since (no refill wasted),
     ran out once our calls had taken ``n`` (tokens or calls) in ``elapsed_ms``:
-    its rate is about ``rate * n / (size + rate * t)``.
+    its rate is about ``rate * n / (size + rate * t)``. A ``t`` below 0 (a clock
+    behind the first call's, as after a failover to a Redis whose clock is behind)
+    reads as 0: the bucket time our calls took is unknown, so they took it at once,
+    the highest rate they can show (the rate could drop to 1 otherwise).
 
     >>> first_bucket_rate(600, 600, 63, 3_000)          # one-minute burst: 63 calls in 3 s -> 60 RPM
     60
@@ -53,7 +56,10 @@ def first_bucket_rate(rate: int, size: int, n: int, elapsed_ms: int) -> int:
     30000
     >>> first_bucket_rate(300_000, 30_000, 3_000, 0), first_bucket_rate(600, 600, 63, 120_000), first_bucket_rate(600, 600, 0, 0)
     (30000, 0, 0)
+    >>> first_bucket_rate(600, 600, 60, -80_000), first_bucket_rate(600, 600, 60, -60_000)   # a clock behind: as at 0
+    (60, 60)
     """
+    elapsed_ms = max(0, elapsed_ms)
     if rate <= 0 or n <= 0 or elapsed_ms * rate >= FIRST_BUCKETS * size * 60_000:
         return 0
     return max(1, math.floor(float(rate) * n * 60_000 / (size * 60_000 + rate * elapsed_ms)))

@@ -702,6 +702,19 @@ def test_a_429_past_the_first_bucket_lowers_to_7_10_of_our_recent_rate(twin: Twi
     assert limits_of(twin, "m-c").max_requests_per_minute == 4_200       # 6,000 x 7/10
 
 
+def test_a_429_read_on_a_clock_behind_the_first_call_reads_the_first_bucket_as_at_once(twin: Twin) -> None:
+    """A failover to a Redis whose clock is 8 s behind (more than the 6-s request bucket):
+    the first bucket's elapsed time is below 0. It reads as 0 (60 calls at once emptied a
+    provider bucket of the quota's shape at a tenth of its size: 600 RPM, lowered to 420), not
+    as a negative rate that lowered the limit to 1."""
+    twin.set_quota(Quota("m-a", 100, 6_000_000, max_requests_per_minute=6_000, burst_requests=600,
+                         slow_start=False))
+    start(twin, [d for d in twin.admit([Candidate(100)] * 60) if isinstance(d, Admitted)])
+    twin.advance(-8_000)
+    assert twin.penalize("m-a", 1_000, remaining_tokens=5_000_000, remaining_requests=0)
+    assert limits_of(twin).max_requests_per_minute == 420
+
+
 def test_a_quota_change_starts_a_new_first_bucket(twin: Twin) -> None:
     twin.set_quota(Quota("m-a", 80, 300_000, burst_tokens=30_000, slow_start=False))
     start(twin, [d for d in twin.admit([Candidate(500)] * 6) if isinstance(d, Admitted)], est=500)
