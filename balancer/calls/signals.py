@@ -13,7 +13,7 @@ from balancer.admission.values import Settlement
 from balancer.backends import Completion, Permanent, RateLimited, Transient
 from balancer.backlog.statements import SolveContext
 from balancer.estimates.tokens import most_prompt_tokens
-from balancer.health.facts import note_failure
+from balancer.health.facts import answered_anywhere, note_failure
 from balancer.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,10 @@ def trip(core: AdmissionCore, model: str, error: str) -> bool:
 def note_failed(core: AdmissionCore, model: str, exc: Transient | Permanent) -> None:
     """Record the failed call for ``model``'s health (``status`` says "backend unreachable: ..."
     without the worker's log); a lost Redis here must not change the call's outcome."""
+    unsent = isinstance(exc, Transient) and exc.ended == "unsent"
     try:
-        note_failure(core.redis, core.namespace, model, str(exc),
-                     unsent=isinstance(exc, Transient) and exc.ended == "unsent")
+        note_failure(core.redis, core.namespace, model, str(exc), unsent=unsent,
+                     anywhere=answered_anywhere(core.counters()[0]) if unsent else None)
     except Exception:  # noqa: BLE001 - observation only
         log.warning("could not record %s's failed call for its health", model, exc_info=True)
 

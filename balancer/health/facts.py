@@ -3,7 +3,9 @@
 A worker records a model's failed call (:func:`note_failure`: its error, whether
 it was ever sent, and the model's answered count then), so that a look can say
 "backend unreachable: <the error>" without reading the worker's log. The record
-stands until a call of the model is answered (the count moved on) or it expires.
+stands until a call of the model is answered (the count moved on) or it expires; one
+that never reached the backend also ends once a call of any model is answered (the
+backend is one: it is reachable again).
 :func:`read_health` gathers one look's facts: the live view, that record, the
 budgets' standings; the reasons themselves are pure.
 """
@@ -31,12 +33,24 @@ class Failure:
     error: str
     unsent: bool  # the request never reached the backend (refused, not reached)
     answered: int  # the model's answered calls when it failed
+    answered_anywhere: int | None = None  # every model's (:func:`answered_anywhere`); None: not recorded
 
 
-def note_failure(client: redis.Redis, namespace: str, model: str, error: str, *, unsent: bool) -> None:
-    """Record ``model``'s latest failed call (a failure path only: never on an answered call)."""
+def answered_anywhere(counters: Mapping[str, Mapping[str, int]]) -> int:
+    """Every model's answered calls, from their counters (``solved``).
+
+    >>> answered_anywhere({"a": {"solved": 3}, "b": {"solved": 4, "failed": 1}, "c": {}})
+    7
+    """
+    return sum(c.get("solved", 0) for c in counters.values())
+
+
+def note_failure(client: redis.Redis, namespace: str, model: str, error: str, *, unsent: bool,
+                 anywhere: int | None = None) -> None:
+    """Record ``model``'s latest failed call (a failure path only: never on an answered call);
+    ``anywhere``: every model's answered calls then, for a call that never reached the backend."""
     answered = int(client.hget(keys.stats(namespace, model), "solved") or 0)
-    record = {"error": error[:300], "unsent": unsent, "answered": answered}
+    record = {"error": error[:300], "unsent": unsent, "answered": answered, "anywhere": anywhere}
     client.set(keys.last_failure(namespace, model), json.dumps(record), ex=FAILURE_TTL_S)
 
 
@@ -49,18 +63,32 @@ def read_failures(client: redis.Redis, namespace: str, names: list[str]) -> dict
     for name, value in zip(names, raw, strict=True):
         if value:
             record = json.loads(value)
-            out[name] = Failure(str(record["error"]), bool(record["unsent"]), int(record["answered"]))
+            anywhere = record.get("anywhere")  # (absent from a record an older worker wrote)
+            out[name] = Failure(str(record["error"]), bool(record["unsent"]), int(record["answered"]),
+                                None if anywhere is None else int(anywhere))
     return out
 
 
 def model_facts(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str, int]],
                 failures: Mapping[str, Failure], consumers: Mapping[str, int] | None = None) -> list[ModelFacts]:
-    """Each model's facts: its live state, and its last failure while no call was answered since.
-    ``consumers``: the workers consuming each model's queue, where a liveness record says so."""
+    """Each model's facts: its live state, and its last failure while no call was answered since
+    (of any model, for a call that never reached the backend). ``consumers``: the workers consuming
+    each model's queue, where a liveness record says so.
+
+    >>> from balancer.admission.quota import Quota
+    >>> view = {n: ModelLive(Quota(n, 1, 60_000), 0, 60_000.0, None, 0) for n in ("a", "b")}
+    >>> refused = {"a": Failure("ConnectError: refused", unsent=True, answered=0, answered_anywhere=5)}
+    >>> [f.unreachable for f in model_facts(view, {"a": {}, "b": {"solved": 5}}, refused)]
+    [True, False]
+    >>> [f.unreachable for f in model_facts(view, {"a": {}, "b": {"solved": 6}}, refused)]   # b answered since
+    [False, False]
+    """
+    everywhere = answered_anywhere(counters)
     facts = []
     for name, live in sorted(view.items()):
         failure = failures.get(name)
-        if failure is not None and counters.get(name, {}).get("solved", 0) != failure.answered:
+        if failure is not None and (counters.get(name, {}).get("solved", 0) != failure.answered
+                                    or failure.unsent and failure.answered_anywhere not in (None, everywhere)):
             failure = None  # a call was answered since: it is over
         facts.append(ModelFacts(
             name, enabled=live.quota.enabled, paused_s=live.paused_ms / 1000, circuit_open=live.circuit_open,

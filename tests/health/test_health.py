@@ -58,6 +58,27 @@ def test_an_old_failure_without_failures_now_is_not_unreachable() -> None:
     assert [r.kind for r in model_reasons(m)] == ["failing"] and blocked([m], pending=1) is None
 
 
+def test_a_refused_call_stops_saying_unreachable_once_any_model_is_answered(redis_client, namespace: str) -> None:  # noqa: ANN001
+    """The backend is one: after a refused call of model-1, a call of model-0 answered through
+    it says it is reachable, though model-1 got no call since (before, `status` said "backend
+    unreachable" for model-1 until its own next answer, or an hour)."""
+    from balancer.admission.live import ModelLive
+    from balancer.health.facts import model_facts, note_failure, read_failures
+
+    note_failure(redis_client, namespace, "model-1", "ConnectError: refused", unsent=True, anywhere=4)
+    failures = read_failures(redis_client, namespace, ["model-0", "model-1"])
+    assert failures["model-1"].answered_anywhere == 4
+    view = {n: ModelLive(Quota(n, 1, 60_000), 0, 60_000.0, None, 0) for n in ("model-0", "model-1")}
+    facts = {f.name: f for f in model_facts(view, {"model-0": {"solved": 4}}, failures)}
+    assert facts["model-1"].unreachable and facts["model-1"].last_error == "ConnectError: refused"
+    facts = {f.name: f for f in model_facts(view, {"model-0": {"solved": 5}}, failures)}
+    assert not facts["model-1"].unreachable and facts["model-1"].last_error is None
+    # A failure that reached the backend (a 404 for that model) is the model's own: it stays.
+    note_failure(redis_client, namespace, "model-1", "404 from /solve: unknown model", unsent=False)
+    failures = read_failures(redis_client, namespace, ["model-1"])
+    assert model_facts(view, {"model-0": {"solved": 9}}, failures)[1].last_error == "404 from /solve: unknown model"
+
+
 def test_blocked_only_while_every_model_is_blocked_and_work_waits() -> None:
     stuck, fine, failing = CASES["paused"], ModelFacts("ok"), CASES["failing"]
     assert blocked([stuck], 3) == "blocked: m: paused by a 429 for 2.5 s more"
