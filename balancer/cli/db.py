@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
+
 import click
 
-from balancer.cli import services, settings
+from balancer.cli import embedded_stack, services, settings
 
 
 @click.group()
@@ -41,3 +43,12 @@ def embedded_stop() -> None:
 
     stopped = stop_stack(settings().home)
     click.echo("stopped " + (", ".join(stopped) if stopped else "nothing (not running)"))
+
+
+@embedded.command("env")
+def embedded_env() -> None:
+    """Print the embedded servers' URLs as shell exports, starting them if they are not running:
+    `eval "$(balancer embedded env)"` points a PostgreSQL client, or a source's URL variable, at them."""
+    redis_url, database_url = embedded_stack(settings().home)
+    for name, url in (("BALANCER_REDIS_URL", redis_url), ("BALANCER_DATABASE_URL", database_url)):
+        click.echo(f"export {name}={shlex.quote(url)}")

@@ -95,7 +95,9 @@ def _when(removed: dict[str, dict[str, Any]]) -> str:
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
-    if bool(models) == all_models:
+    if not models and not all_models:
+        raise BalancerError("give the models to consume: --model NAME (repeatable), or --all-models")
+    if models and all_models:
         raise BalancerError("give --model NAME (repeatable) or --all-models, not both")
     warn_if_backend_refuses()
     svc = _migrated(wait=True)
@@ -181,6 +183,7 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 
     from balancer.devtools.sim.config import default_models
     from balancer.devtools.sim.server import Simulator, create_app
+    from balancer.router.server import listening_socket
 
     if scenario is not None:
         from balancer.bench.scenarios import locate
@@ -200,8 +203,10 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
         return
     simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path,
                           untagged_draws=untagged_draws)
+    sock = listening_socket(host, port)
     click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
-    uvicorn.run(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
+    config = uvicorn.Config(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 @click.command()
@@ -244,7 +249,7 @@ def router(host: str, port: int, allow_hosts: tuple[str, ...], access_log: bool)
     try:
         from balancer.httpguard import is_loopback
         from balancer.router.app import asgi, create_app
-        from balancer.router.server import serve
+        from balancer.router.server import listening_socket, serve
     except ImportError as exc:
         raise BalancerError(f"the router needs its extra: pip install 'balancer[router]' ({exc.name} is missing)") from None
     svc = _migrated()
@@ -253,6 +258,7 @@ def router(host: str, port: int, allow_hosts: tuple[str, ...], access_log: bool)
         raise ConfigError(f"BALANCER_ROUTER_TOKEN must be set to serve the router beyond loopback (--host {printable(host)})")
     core = svc.core.with_lease(round(svc.settings.router_lease_seconds * 1000))
     app = create_app(core, lease_ms=core.lease_ms, token=token, bound=host, allow_hosts=allow_hosts)
+    sock = listening_socket(host, port)
     click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
                f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
-    serve(asgi(app), host, port, log_level="info" if access_log else "warning", access_log=access_log)
+    serve(asgi(app), host, port, sock=sock, log_level="info" if access_log else "warning", access_log=access_log)

@@ -25,7 +25,7 @@ POSITIVE = click.IntRange(min=1)
 
 @click.group()
 def quota() -> None:
-    """Show and change per-model quotas."""
+    """List and change per-model quotas."""
 
 
 @quota.command("list")

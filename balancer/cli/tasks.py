@@ -21,10 +21,10 @@ def _when(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
-def filters(command: Any) -> Any:
-    """The filter options every ``tasks`` subcommand takes."""
+def filters(command: Any, statuses: str = "pending, ready, queued, running, solved, failed or cancelled") -> Any:
+    """The filter options every ``tasks`` subcommand takes (``statuses``: the ones ``--status`` may name)."""
     for option in reversed([
-        click.option("--status", help="pending, ready, queued, running, solved, failed or cancelled"),
+        click.option("--status", help=statuses),
         click.option("--model", help="tasks that ran on MODEL or may use it"),
         click.option("--source", help="the source recorded at submit or ingestion"),
         click.option("--created-after", type=click.DateTime(), help="UTC, e.g. 2026-11-21 or 2026-11-21T09:00:00"),
@@ -111,22 +111,25 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
         _ask_for_dispatch()
 
 
-def changing(command: Any) -> Any:
-    """The options of a command that changes tasks: the filters, --yes and --by."""
-    command = click.option("--by", help="Who acts (default: the OS user), for the audit.")(command)
-    command = click.option("--yes", is_flag=True, help="Apply (without it: a dry run that lists what would change).")(command)
-    return filters(command)
+def changing(status: str) -> Any:
+    """The options of a command that changes only tasks of one ``status``: the filters, --yes and --by."""
+    def options(command: Any) -> Any:
+        command = click.option("--by", help="Who acts (default: the OS user), for the audit.")(command)
+        command = click.option("--yes", is_flag=True,
+                               help="Apply (without it: a dry run that lists what would change).")(command)
+        return filters(command, f"{status} (the only status it changes)")
+    return options
 
 
 @tasks.command("retry")
-@changing
+@changing("failed")
 def tasks_retry(yes: bool, by: str | None, **given: Any) -> None:
     """Failed tasks back to pending, attempts reset."""
     _act("retry", "retried", yes, by, given)
 
 
 @tasks.command("cancel")
-@changing
+@changing("pending")
 def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
     """Pending tasks out of the backlog (status cancelled)."""
     _act("cancel", "cancelled", yes, by, given)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import redis
 
-from balancer.errors import ServiceUnavailable
+from balancer.errors import ConfigError, ServiceUnavailable, printable
 
 
 def redis_server_binary() -> str:
@@ -144,8 +144,18 @@ def start_postgres(directory: Path, *, persistent: bool) -> tuple[str, object]:
 
 
 def ensure_stack(home: str | Path) -> tuple[str, str]:
-    """The persistent embedded stack under ``home``: (redis_url, database_url)."""
+    """The persistent embedded stack under ``home``: (redis_url, database_url). A ``home`` that
+    cannot hold it (a file, or a directory that cannot be made or written) is a ConfigError."""
     home = Path(home).absolute()
+    try:
+        if home.exists() and not home.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        home.mkdir(parents=True, exist_ok=True)
+        if not os.access(home, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise ConfigError(f"BALANCER_HOME {printable(str(home))} cannot hold the embedded Redis and PostgreSQL: "
+                          f"{exc.strerror or exc}") from None
     redis_dir = home / "redis"
     port_file = redis_dir / "redis.port"
     redis_url = None

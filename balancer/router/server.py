@@ -7,16 +7,22 @@ the connection for ever. :class:`DeadlineProtocol` arms a timer when a
 connection opens and when each request begins, cancels it once the request's
 head and body are read, and closes the connection if it fires first. The time
 the app takes to answer is not counted.
+
+:func:`listening_socket` binds the port before a command says it serves, so a port
+in use is one line, not a success line followed by uvicorn's error (the simulator
+binds through it too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from balancer.errors import BalancerError, printable
 from balancer.httpguard import READ_TIMEOUT_S
 
 #: Seconds an idle keep-alive connection stays open after a response.
@@ -77,6 +83,32 @@ def config(app: Any, host: str, port: int, *, read_timeout_s: float = READ_TIMEO
                           backlog=4096, proxy_headers=False, **options)
 
 
-def serve(app: Any, host: str, port: int, **options: Any) -> None:
-    """Serve ``app`` until interrupted."""
-    uvicorn.Server(config(app, host, port, **options)).run()
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port``, for uvicorn to listen on: a port in use,
+    or an address this machine does not have, is a :class:`BalancerError` (one line).
+
+    >>> with listening_socket("127.0.0.1", 0) as taken:
+    ...     taken.listen()
+    ...     listening_socket("127.0.0.1", taken.getsockname()[1])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    balancer.errors.BalancerError: cannot listen on 127.0.0.1:...: Address already in use
+    """
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise BalancerError(f"cannot listen on {printable(host)}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise BalancerError(f"cannot listen on {printable(host)}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(app: Any, host: str, port: int, *, sock: socket.socket | None = None, **options: Any) -> None:
+    """Serve ``app`` until interrupted, on ``sock`` (:func:`listening_socket`) or a socket bound here."""
+    sock = sock if sock is not None else listening_socket(host, port)
+    uvicorn.Server(config(app, host, port, **options)).run(sockets=[sock])

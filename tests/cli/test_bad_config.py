@@ -46,7 +46,9 @@ def test_malformed_redis_url_and_unknown_backend_kind(env: dict[str, str]) -> No
 
 def test_a_worker_needs_either_its_models_or_all_of_them(env: dict[str, str]) -> None:
     """Neither is an error, and so is both (--all-models would silently drop the --model)."""
-    assert_one_line(balancer(env, "worker"), "--model NAME", "--all-models")
+    neither = balancer(env, "worker")
+    assert_one_line(neither, "--model NAME", "--all-models")
+    assert "not both" not in neither.stderr
     assert_one_line(balancer(env, "worker", "--all-models", "--model", "m"), "not both")
 
 
@@ -172,3 +174,25 @@ def test_the_urls_own_options_survive_the_engines_timeouts(database_url: str) ->
         engine.dispose()
     assert schema == sa.engine.make_url(database_url).query["options"].split("=", 1)[1]
     assert timeout == "1min"
+
+
+def test_a_port_in_use_is_one_line_before_any_line_that_says_it_serves(migrated: dict[str, str]) -> None:
+    """`sim`, `web` and `router` bind their port before they say they serve (before: the line
+    "... on http://127.0.0.1:PORT", then uvicorn's error, and exit 3)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for command in ("sim", "web", "router"):
+            assert_one_line(balancer(migrated, command, "--port", port), f"127.0.0.1:{port}", "in use")
+
+
+def test_a_balancer_home_that_cannot_hold_the_embedded_stack(tmp_path: Path) -> None:
+    """Before: a traceback (NotADirectoryError, exit 1) from the embedded Redis's start."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for home, why in ((afile, "not a directory"), (afile / "sub", "Not a directory")):
+        assert_one_line(balancer({"BALANCER_HOME": str(home), "BALANCER_REDIS_URL": "", "BALANCER_DATABASE_URL": ""},
+                                 "status"), "BALANCER_HOME", str(home), why)

@@ -72,6 +72,29 @@ def test_demo_on_embedded_services() -> None:
     assert pipeline_pids() <= before
 
 
+def test_embedded_env_prints_the_urls_of_the_running_stack(tmp_path: Path) -> None:
+    """`balancer embedded env` starts the embedded stack if it is not running and prints its URLs as
+    shell exports (a source's table on the embedded PostgreSQL needs its URL); `embedded stop` stops it."""
+    import shlex
+
+    env = demo_env(BALANCER_HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, "-m", "balancer", "embedded", "env"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    try:
+        assert proc.returncode == 0, proc.stderr
+        exports = dict(shlex.split(line)[1].split("=", 1) for line in proc.stdout.splitlines())
+        assert sorted(exports) == ["BALANCER_DATABASE_URL", "BALANCER_REDIS_URL"]
+        assert redis.Redis.from_url(exports["BALANCER_REDIS_URL"]).ping()
+        engine = sa.create_engine(normalize_database_url(exports["BALANCER_DATABASE_URL"]))
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT 1")).scalar() == 1
+        engine.dispose()
+    finally:
+        stopped = subprocess.run([sys.executable, "-m", "balancer", "embedded", "stop"], env=env,
+                                 capture_output=True, text=True, timeout=120)
+    assert stopped.stdout.strip() == "stopped redis, postgresql", stopped.stderr
+
+
 def demo_leftovers(redis_url: str, database_url: str) -> tuple[set[str], set[bytes]]:
     """The demo schemas and Redis keys on these services now (other runs' included)."""
     engine = sa.create_engine(normalize_database_url(database_url))

@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "views": {"httpguard", "estimates", "costs", "admission", "storage", "quotas", "backlog", "snapshot", "services", "sources",
               "health", "dispatch"},
     "pipeline": {"settings", "admission", "quotas", "backlog", "sources", "calls", "dispatch"},
-    "router": {"httpguard", "estimates", "admission"},
+    "router": {"errors", "httpguard", "estimates", "admission"},
     "web": {"errors", "urls", "httpguard", "costs", "admission", "storage", "quotas", "backlog", "services",
             "sources", "health", "views", "pipeline"},
     "devtools": {"errors", "urls", "settings", "supervisor", "estimates", "admission", "storage", "backlog",

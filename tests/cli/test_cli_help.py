@@ -1,0 +1,24 @@
+"""What the command says about itself: its version, and the choices a change command takes."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import pytest
+
+from balancer.cli import main
+
+
+def test_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"balancer {version('balancer')}"
+
+
+@pytest.mark.parametrize(("command", "status"), [("retry", "failed"), ("cancel", "pending")])
+def test_a_change_command_offers_only_the_status_it_changes(command: str, status: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`tasks retry` changes only failed tasks and `tasks cancel` only pending ones: their --status
+    help names that one (before: all seven, six of which are refused)."""
+    assert main(["tasks", command, "--help"]) == 0
+    status_help = next(line for line in capsys.readouterr().out.splitlines() if "--status" in line)
+    assert status_help.split("--status TEXT", 1)[1].strip() == f"{status} (the only status it changes)"
