@@ -47,7 +47,7 @@ def _list_declared_queues_too(names: list[str]) -> None:
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @click.option("--address", default="127.0.0.1", show_default=True, help="Address to bind (beyond loopback: set --basic-auth).")
-@click.option("--port", default=5555, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(1, 65535), help="Port Flower listens on.")
 @click.pass_context
 def flower(ctx: click.Context, address: str, port: int) -> None:
     """Flower on the pipeline's broker and app, every model's queue declared; other Flower options

@@ -271,11 +271,12 @@ def top(interval: float, count: int | None) -> None:
 
 
 @click.command()
-@click.option("--tasks", "count", default=500, show_default=True, type=click.IntRange(1, 1_000_000))
-@click.option("--models", default=10, show_default=True, type=click.IntRange(1, 100))
+@click.option("--tasks", "count", default=500, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="How many prompts to solve.")
+@click.option("--models", default=10, show_default=True, type=click.IntRange(1, 100), help="How many simulated models.")
 @click.option("--time-scale", default=0.1, show_default=True, type=click.FloatRange(min=0.001),
               help="Latencies and per-minute windows x this.")
-@click.option("--seed", default=1, show_default=True)
+@click.option("--seed", default=1, show_default=True, help="Seed of the prompts and the simulator's draws.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
 def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -> None:
     """Try it: solve a backlog through the simulator, live, within every quota, on embedded services."""

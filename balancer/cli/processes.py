@@ -14,6 +14,10 @@ from balancer.cli.startwait import migrated as _migrated
 from balancer.cli.startwait import start_when_ready
 from balancer.errors import BalancerError, ConfigError, QuotaError, QuotaRemoved, printable
 
+#: The log level option of every command that runs a process of the pipeline.
+loglevel_option = click.option("--loglevel", default="INFO", show_default=True,
+                               help="DEBUG, INFO, WARNING or ERROR (Celery's log levels).")
+
 if TYPE_CHECKING:
     from balancer.admission.quota import Quota
     from balancer.services import Services
@@ -92,7 +96,7 @@ def _when(removed: dict[str, dict[str, Any]]) -> str:
 @click.command()
 @click.option("--model", "models", multiple=True, help="Model whose queue model.<name> to consume (repeatable).")
 @click.option("--all-models", is_flag=True, help="Consume every configured model's queue in one process.")
-@click.option("--loglevel", default="INFO", show_default=True)
+@loglevel_option
 def worker(models: tuple[str, ...], all_models: bool, loglevel: str) -> None:
     """A worker pool for one or more models, sized to their max_concurrent_requests."""
     if not models and not all_models:
@@ -132,7 +136,7 @@ def worker_pool(known: dict[str, Quota], models: tuple[str, ...], all_models: bo
 
 
 @click.command()
-@click.option("--loglevel", default="INFO", show_default=True)
+@loglevel_option
 def dispatcher(loglevel: str) -> None:
     """The dispatcher: consumes the control queue (dispatch, ingest, sweep)."""
     from balancer.admission import keys
@@ -145,7 +149,7 @@ def dispatcher(loglevel: str) -> None:
 
 
 @click.command()
-@click.option("--loglevel", default="INFO", show_default=True)
+@loglevel_option
 def beat(loglevel: str) -> None:
     """Celery beat: periodic dispatch, sweep and ingest ticks."""
     home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
@@ -157,15 +161,16 @@ def beat(loglevel: str) -> None:
 
 
 @click.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8900, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 to expose it).")
+@click.option("--port", default=8900, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
 @click.option("--models", "count", default=10, show_default=True, type=click.IntRange(1, 100), help="How many default models.")
 @click.option("--time-scale", default=1.0, show_default=True, type=click.FloatRange(min=0.0001),
               help="Multiplies latencies and per-minute windows.")
-@click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--error-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Share of calls answered with a 500 (a flaky backend).")
 @click.option("--accounting", type=click.Choice(["reserve", "settle"]), default="reserve", show_default=True,
               help="How the default models count tokens: reserve (kept, strict) or settle (unused part refunded).")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the latencies and answer lengths it draws.")
 @click.option("--grace", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds of refill tolerated above the buckets (0: strict, as providers are).")
 @click.option("--untagged-draws", is_flag=True,
@@ -211,7 +216,7 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 to expose it).")
-@click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=9808, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
 @click.option("--finished-every", default=60.0, show_default=True, type=click.FloatRange(0, 86_400),
               help="Seconds between recounts of solved, failed and cancelled tasks (they read the whole history).")
 def metrics(host: str, port: int, finished_every: float) -> None:
@@ -238,7 +243,7 @@ def metrics(host: str, port: int, finished_every: float) -> None:
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; beyond loopback BALANCER_ROUTER_TOKEN is required.")
-@click.option("--port", default=8700, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=8700, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
               help="A name the router is reached by (a DNS name, a reverse proxy's), beside the bound address; "
                    "requests naming any other Host are refused (DNS rebinding). Repeatable.")

@@ -95,7 +95,8 @@ def _deferred_interrupts() -> Iterator[_Interrupts]:
 @results.command("export")
 @click.option("--source", help="Only this source's tasks.")
 @click.option("--since", "since", help="Resume after this cursor (printed by the previous export).")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "csv"]), default="jsonl", show_default=True,
+              help="One JSON object per line, or CSV with a header row.")
 @click.option("--follow", is_flag=True, help="Keep going: write tasks as they end, until Ctrl-C.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Append to FILE (default: stdout).")
 @click.option("--poll", default=1.0, show_default=True, type=click.FloatRange(0.05, 60), help="Seconds between polls with --follow.")

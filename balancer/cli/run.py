@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from balancer.cli import resolved_settings
-from balancer.cli.processes import warn_if_backend_refuses
+from balancer.cli.processes import loglevel_option, warn_if_backend_refuses
 from balancer.cli.startwait import migrated
 from balancer.errors import QuotaError
 
@@ -29,7 +29,7 @@ from balancer.errors import QuotaError
                    "Default: one worker process for every model, which also takes models created later.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where each process logs, one file each [default: BALANCER_HOME/logs].")
-@click.option("--loglevel", default="INFO", show_default=True)
+@loglevel_option
 def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
     """Run the dispatcher, the workers and beat here, restart any that exits, stop them together on Ctrl-C."""
     from balancer.supervisor import Supervisor, pipeline_plan

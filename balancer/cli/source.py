@@ -67,7 +67,7 @@ def source_export(file: Path | None) -> None:
 
 
 @source.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def source_list(as_json: bool) -> None:
     """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag;
     and every source with a budget per day, what it spent today and whether its tasks wait."""

@@ -83,7 +83,7 @@ def status_json(s: StatusReads) -> dict[str, Any]:
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(as_json: bool) -> None:
     """Task counts by status, and per model: calls in flight against the cap,
     buckets, 429s, latency, and the limit that holds it back now."""

@@ -48,8 +48,8 @@ def tasks() -> None:
 
 @tasks.command("list")
 @filters
-@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True, help="At most this many tasks.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
     """The matching tasks, newest first."""
     from balancer.backlog.operations import list_tasks
@@ -74,7 +74,7 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
 
 @tasks.command("show")
 @click.argument("task_id", type=int)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def tasks_show(task_id: int, as_json: bool) -> None:
     """One task: prompt preview, status, model, attempts, errors and timings."""
     from balancer.backlog.operations import get_task

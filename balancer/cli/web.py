@@ -11,7 +11,7 @@ from balancer.errors import BalancerError, ConfigError
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; beyond loopback BALANCER_WEB_TOKEN is required.")
-@click.option("--port", default=8800, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=8800, show_default=True, type=click.IntRange(1, 65535), help="Port to listen on.")
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
               help="A name the console is reached by (a DNS name, a reverse proxy's), beside the bound address; "
                    "requests naming any other Host are refused (DNS rebinding). Repeatable.")
