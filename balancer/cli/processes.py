@@ -188,7 +188,7 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
 
     from balancer.devtools.sim.config import default_models
     from balancer.devtools.sim.server import Simulator, create_app
-    from balancer.router.server import listening_socket
+    from balancer.router.server import BACKLOG, listening_sockets
 
     if scenario is not None:
         from balancer.bench.scenarios import locate
@@ -208,10 +208,10 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
         return
     simulator = Simulator(models, time_scale=time_scale, seed=seed, grace=grace, log_path=log_path,
                           untagged_draws=untagged_draws)
-    sock = listening_socket(host, port)
+    sockets = listening_sockets(host, port)
     click.echo(f"simulated Models Backend on http://{host}:{port} ({count} models, time scale {time_scale})", err=True)
-    config = uvicorn.Config(create_app(simulator), host=host, port=port, log_level="warning", backlog=4096)
-    uvicorn.Server(config).run(sockets=[sock])
+    config = uvicorn.Config(create_app(simulator), host=host, port=port, log_level="warning", backlog=BACKLOG)
+    uvicorn.Server(config).run(sockets=sockets)
 
 
 @click.command()
@@ -254,7 +254,7 @@ def router(host: str, port: int, allow_hosts: tuple[str, ...], access_log: bool)
     try:
         from balancer.httpguard import is_loopback
         from balancer.router.app import asgi, create_app
-        from balancer.router.server import listening_socket, serve
+        from balancer.router.server import listening_sockets, serve
     except ImportError as exc:
         raise BalancerError(f"the router needs its extra: pip install 'balancer[router]' ({exc.name} is missing)") from None
     svc = _migrated()
@@ -263,7 +263,7 @@ def router(host: str, port: int, allow_hosts: tuple[str, ...], access_log: bool)
         raise ConfigError(f"BALANCER_ROUTER_TOKEN must be set to serve the router beyond loopback (--host {printable(host)})")
     core = svc.core.with_lease(round(svc.settings.router_lease_seconds * 1000))
     app = create_app(core, lease_ms=core.lease_ms, token=token, bound=host, allow_hosts=allow_hosts)
-    sock = listening_socket(host, port)
+    sockets = listening_sockets(host, port)
     click.echo(f"router on http://{host}:{port} (token {'required' if token else 'not required'}; "
                f"lease {svc.settings.router_lease_seconds:g} s)", err=True)
-    serve(asgi(app), host, port, sock=sock, log_level="info" if access_log else "warning", access_log=access_log)
+    serve(asgi(app), host, port, sockets=sockets, log_level="info" if access_log else "warning", access_log=access_log)

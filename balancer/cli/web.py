@@ -21,7 +21,7 @@ def web(host: str, port: int, allow_hosts: tuple[str, ...], sample_interval: flo
     """Serve the web console: models, the drain, sources, tasks (retry, cancel)
     and quotas (change, audit), read from Redis and PostgreSQL as `status` does."""
     try:
-        from balancer.router.server import listening_socket, serve
+        from balancer.router.server import listening_sockets, serve
         from balancer.web.app import create_app
         from balancer.web.security import start_refusal
     except ImportError as exc:
@@ -32,9 +32,9 @@ def web(host: str, port: int, allow_hosts: tuple[str, ...], sample_interval: flo
         raise ConfigError(refusal)
     svc = _migrated()
     _, served = create_app(svc, token=token, sample_interval=sample_interval, bound=host, allow_hosts=allow_hosts)
-    sock = listening_socket(host, port)
+    sockets = listening_sockets(host, port)
     click.echo(f"web console on http://{host}:{port} (token {'required' if token else 'not required'})", err=True)
-    serve(served, host, port, sock=sock, log_level="warning", access_log=False)  # each request read within a deadline
+    serve(served, host, port, sockets=sockets, log_level="warning", access_log=False)  # each request read within a deadline
 
 
 def _token() -> str | None:

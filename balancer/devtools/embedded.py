@@ -18,6 +18,7 @@ Two lifetimes:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -145,11 +146,12 @@ def start_postgres(directory: Path, *, persistent: bool) -> tuple[str, object]:
 
 def ensure_stack(home: str | Path) -> tuple[str, str]:
     """The persistent embedded stack under ``home``: (redis_url, database_url). A ``home`` that
-    cannot hold it (a file, or a directory that cannot be made or written) is a ConfigError."""
+    cannot hold it (a file, a directory that cannot be made, or one this user may not write in)
+    is a ConfigError."""
     home = Path(home).absolute()
     try:
         if home.exists() and not home.is_dir():
-            raise NotADirectoryError(20, "not a directory")
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         home.mkdir(parents=True, exist_ok=True)
         if not os.access(home, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied")

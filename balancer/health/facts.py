@@ -4,8 +4,8 @@ A worker records a model's failed call (:func:`note_failure`: its error, whether
 it was ever sent, and the model's answered count then), so that a look can say
 "backend unreachable: <the error>" without reading the worker's log. The record
 stands until a call of the model is answered (the count moved on) or it expires; one
-that never reached the backend also ends once a call of any model is answered (the
-backend is one: it is reachable again).
+that never reached the backend also ends once a call of any model is answered (a
+deployment has one Models Backend, ``BALANCER_BACKEND_URL``: it is reachable again).
 :func:`read_health` gathers one look's facts: the live view, that record, the
 budgets' standings; the reasons themselves are pure.
 """
@@ -82,13 +82,16 @@ def model_facts(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[st
     [True, False]
     >>> [f.unreachable for f in model_facts(view, {"a": {}, "b": {"solved": 6}}, refused)]   # b answered since
     [False, False]
+    >>> [f.unreachable for f in model_facts(view, {"a": {}}, refused)]   # b's count left the sum: no answer since
+    [True, False]
     """
     everywhere = answered_anywhere(counters)
     facts = []
     for name, live in sorted(view.items()):
         failure = failures.get(name)
         if failure is not None and (counters.get(name, {}).get("solved", 0) != failure.answered
-                                    or failure.unsent and failure.answered_anywhere not in (None, everywhere)):
+                                    or failure.unsent and failure.answered_anywhere is not None
+                                    and everywhere > failure.answered_anywhere):
             failure = None  # a call was answered since: it is over
         facts.append(ModelFacts(
             name, enabled=live.quota.enabled, paused_s=live.paused_ms / 1000, circuit_open=live.circuit_open,

@@ -8,7 +8,7 @@ connection opens and when each request begins, cancels it once the request's
 head and body are read, and closes the connection if it fires first. The time
 the app takes to answer is not counted.
 
-:func:`listening_socket` binds the port before a command says it serves, so a port
+:func:`listening_sockets` binds the port before a command says it serves, so a port
 in use is one line, not a success line followed by uvicorn's error (the simulator
 binds through it too).
 """
@@ -27,6 +27,8 @@ from balancer.httpguard import READ_TIMEOUT_S
 
 #: Seconds an idle keep-alive connection stays open after a response.
 KEEP_ALIVE_S = 5
+#: Connections the servers' sockets queue before they are accepted.
+BACKLOG = 4096
 
 
 class DeadlineProtocol(HttpToolsProtocol):
@@ -80,35 +82,40 @@ def config(app: Any, host: str, port: int, *, read_timeout_s: float = READ_TIMEO
     # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from a loopback client as the
     # caller's address, and the router keys an idempotency record by that address.
     return uvicorn.Config(app, host=host, port=port, http=protocol(read_timeout_s), timeout_keep_alive=KEEP_ALIVE_S,
-                          backlog=4096, proxy_headers=False, **options)
+                          backlog=BACKLOG, proxy_headers=False, **options)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host``:``port``, for uvicorn to listen on: a port in use,
-    or an address this machine does not have, is a :class:`BalancerError` (one line).
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets listening on ``port`` at every address ``host`` resolves to ("": every
+    interface), as asyncio's ``create_server`` binds them (an IPv6 one for IPv6 only), for
+    uvicorn to serve on: a port in use, or an address this machine does not have, is a
+    :class:`BalancerError` (one line).
 
-    >>> with listening_socket("127.0.0.1", 0) as taken:
-    ...     taken.listen()
-    ...     listening_socket("127.0.0.1", taken.getsockname()[1])  # doctest: +ELLIPSIS
+    >>> [taken] = listening_sockets("127.0.0.1", 0)
+    >>> listening_sockets("127.0.0.1", taken.getsockname()[1])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     balancer.errors.BalancerError: cannot listen on 127.0.0.1:...: Address already in use
+    >>> taken.close()
     """
+    sockets: list[socket.socket] = []
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, True)
+            sock.bind(address)
+            sock.listen(BACKLOG)  # bound but not listening, a second server could still bind the port
     except OSError as exc:
+        for sock in sockets:
+            sock.close()
         raise BalancerError(f"cannot listen on {printable(host)}:{port}: {exc.strerror or exc}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise BalancerError(f"cannot listen on {printable(host)}:{port}: {exc.strerror or exc}") from None
-    return sock
+    return sockets
 
 
-def serve(app: Any, host: str, port: int, *, sock: socket.socket | None = None, **options: Any) -> None:
-    """Serve ``app`` until interrupted, on ``sock`` (:func:`listening_socket`) or a socket bound here."""
-    sock = sock if sock is not None else listening_socket(host, port)
-    uvicorn.Server(config(app, host, port, **options)).run(sockets=[sock])
+def serve(app: Any, host: str, port: int, *, sockets: list[socket.socket] | None = None, **options: Any) -> None:
+    """Serve ``app`` until interrupted, on ``sockets`` (:func:`listening_sockets`) or sockets bound here."""
+    sockets = sockets if sockets is not None else listening_sockets(host, port)
+    uvicorn.Server(config(app, host, port, **options)).run(sockets=sockets)

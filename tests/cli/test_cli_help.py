@@ -25,7 +25,7 @@ def test_a_change_command_offers_only_the_status_it_changes(command: str, status
 
 
 def test_every_option_of_every_command_says_what_it_does() -> None:
-    """`balancer CMD --help` explains each option (17 had no text, `--port` and `--loglevel` among them)."""
+    """`balancer CMD --help` explains each option (21 had no text, `--port`, `--loglevel` and `--json` among them)."""
     import click
 
     from balancer.cli import cli

@@ -79,6 +79,24 @@ def test_a_refused_call_stops_saying_unreachable_once_any_model_is_answered(redi
     assert model_facts(view, {"model-0": {"solved": 9}}, failures)[1].last_error == "404 from /solve: unknown model"
 
 
+def test_a_worker_notes_a_refused_call_with_every_models_answered_count(twin) -> None:  # noqa: ANN001
+    """What a worker records of a failed call (calls.signals.note_failed): for one never sent,
+    every model's answered count then; for one that reached the backend, not (it is the model's own)."""
+    from balancer.admission import keys
+    from balancer.backends import Transient
+    from balancer.calls.signals import note_failed
+    from balancer.health.facts import read_failures
+
+    for name in ("model-0", "model-1"):
+        twin.set_quota(Quota(name, 2, 60_000))
+    twin.client.hincrby(keys.stats(twin.namespace, "model-0"), "solved", 3)
+    note_failed(twin.core, "model-1", Transient("ConnectError: refused", ended="unsent"))
+    note_failed(twin.core, "model-0", Transient("ReadTimeout"))
+    failures = read_failures(twin.client, twin.namespace, ["model-0", "model-1"])
+    assert failures["model-1"].unsent and failures["model-1"].answered_anywhere == 3
+    assert not failures["model-0"].unsent and failures["model-0"].answered_anywhere is None
+
+
 def test_blocked_only_while_every_model_is_blocked_and_work_waits() -> None:
     stuck, fine, failing = CASES["paused"], ModelFacts("ok"), CASES["failing"]
     assert blocked([stuck], 3) == "blocked: m: paused by a 429 for 2.5 s more"

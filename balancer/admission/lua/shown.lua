@@ -43,7 +43,7 @@ end
 -- drained since, ran out once our calls had taken `n` (tokens or
 -- calls) in `t` ms, so its rate is about rate * n / (size + rate * t); 0 once
 -- FIRST_BUCKETS bucket times have passed, or before any call; a `t` below 0 (a
--- clock behind the first call's) as 0 (balancer.admission.shown.first_bucket_rate).
+-- clock behind the first call's) reads as 0 (balancer.admission.shown.first_bucket_rate).
 local function first_bucket_rate(rate, size, n, t)
   if t < 0 then t = 0 end
   if rate <= 0 or n <= 0 or t * rate >= FIRST_BUCKETS * size * 60000 then return 0 end
