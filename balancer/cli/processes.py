@@ -16,7 +16,8 @@ from balancer.errors import BalancerError, ConfigError, QuotaError, QuotaRemoved
 
 #: The log level option of every command that runs a process of the pipeline.
 loglevel_option = click.option("--loglevel", default="INFO", show_default=True,
-                               help="DEBUG, INFO, WARNING or ERROR (Celery's log levels).")
+                               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], case_sensitive=False),
+                               help="What the process logs, from the most (DEBUG) to the least (CRITICAL).")
 
 if TYPE_CHECKING:
     from balancer.admission.quota import Quota

@@ -40,3 +40,11 @@ def test_every_option_of_every_command_says_what_it_does() -> None:
                 if isinstance(p, click.Option) and p.name != "help" and not p.help]
 
     assert bare(cli, "") == []
+
+
+@pytest.mark.parametrize("command", ["dispatcher", "worker", "beat", "run"])
+def test_a_log_level_celery_does_not_know_is_refused_by_name(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: Celery refused it, naming its own '-l' option."""
+    assert main([command, "--loglevel", "bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: Invalid value for '--loglevel': 'bogus'") and "\n" not in err
