@@ -7,6 +7,7 @@ import shlex
 import click
 
 from balancer.cli import embedded_stack, services, settings
+from balancer.errors import BalancerError
 
 
 @click.group()
@@ -41,8 +42,11 @@ def embedded_stop() -> None:
     """Stop the embedded servers under BALANCER_HOME."""
     from balancer.devtools.embedded import stop_stack
 
-    stopped = stop_stack(settings().home)
+    stopped, holders = stop_stack(settings().home)
     click.echo("stopped " + (", ".join(stopped) if stopped else "nothing (not running)"))
+    if holders:
+        raise BalancerError(f"the embedded PostgreSQL keeps running: process(es) {', '.join(map(str, holders))} "
+                            "still use it; stop them, then run `balancer embedded stop` again")
 
 
 @embedded.command("env")

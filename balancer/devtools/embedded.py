@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import signal
@@ -182,10 +183,12 @@ def ensure_stack(home: str | Path) -> tuple[str, str]:
     return redis_url, database_url
 
 
-def stop_stack(home: str | Path) -> list[str]:
-    """Stop what :func:`ensure_stack` started under ``home``; returns what it stopped."""
+def stop_stack(home: str | Path) -> tuple[list[str], list[int]]:
+    """Stop what :func:`ensure_stack` started under ``home``: what it stopped, and the live
+    processes that keep the PostgreSQL running (pgserver stops it when the last process that
+    holds it lets go)."""
     home = Path(home).absolute()
-    stopped = []
+    stopped, holders = [], []
     pidfile = home / "redis" / "redis.pid"
     if pidfile.exists():
         RedisProcess("", int(pidfile.read_text().strip()), home / "redis").stop()
@@ -193,13 +196,42 @@ def stop_stack(home: str | Path) -> list[str]:
         stopped.append("redis")
     pgdata = home / "pg"
     if (pgdata / "postmaster.pid").exists():
+        live_handles(pgdata)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import pgserver
 
             pgserver.get_server(str(pgdata), cleanup_mode="stop").cleanup()
-        stopped.append("postgresql")
-    return stopped
+        if (pgdata / "postmaster.pid").exists():
+            holders = live_handles(pgdata)
+        else:
+            stopped.append("postgresql")
+    return stopped, holders
+
+
+def live_handles(pgdata: Path) -> list[int]:
+    """The processes holding pgserver's server in ``pgdata`` (its ``.handle_pids.json``), those
+    that died left out of the file: one killed before its exit handlers ran (SIGKILL, SIGTERM
+    with no handler) stayed listed, and the server it held was never stopped."""
+    handles = pgdata / ".handle_pids.json"
+    try:
+        pids = [int(pid) for pid in json.loads(handles.read_text())]
+    except (OSError, ValueError, TypeError):
+        return []
+    live = [pid for pid in pids if _alive(pid)]
+    if live != pids:
+        handles.write_text(json.dumps(live))
+    return live
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 class TemporaryStack:

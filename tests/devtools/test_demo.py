@@ -72,14 +72,27 @@ def test_demo_on_embedded_services() -> None:
     assert pipeline_pids() <= before
 
 
-def test_embedded_env_prints_the_urls_of_the_running_stack(tmp_path: Path) -> None:
+def test_embedded_env_prints_the_urls_and_stop_stops_what_only_the_dead_held(tmp_path: Path) -> None:
     """`balancer embedded env` starts the embedded stack if it is not running and prints its URLs as
-    shell exports (a source's table on the embedded PostgreSQL needs its URL); `embedded stop` stops it."""
+    shell exports (a source's table on the embedded PostgreSQL needs its URL). `embedded stop` stops
+    it though a process killed before its exit handlers ran is still listed as holding it (before:
+    "stopped redis, postgresql", and the PostgreSQL ran on); a live holder is named, not stopped under."""
+    import json
     import shlex
 
-    env = demo_env(BALANCER_HOME=str(tmp_path / "home"))
-    proc = subprocess.run([sys.executable, "-m", "balancer", "embedded", "env"], env=env, capture_output=True,
-                          text=True, timeout=120)
+    home = tmp_path / "home"
+    env = demo_env(BALANCER_HOME=str(home))
+
+    def balancer(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "balancer", *argv], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    def hold(pid: int) -> None:  # as pgserver lists a process that holds its server
+        handles = home / "pg" / ".handle_pids.json"
+        handles.write_text(json.dumps([*json.loads(handles.read_text()), pid]))
+
+    proc = balancer("embedded", "env")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert proc.returncode == 0, proc.stderr
         exports = dict(shlex.split(line)[1].split("=", 1) for line in proc.stdout.splitlines())
@@ -89,10 +102,16 @@ def test_embedded_env_prints_the_urls_of_the_running_stack(tmp_path: Path) -> No
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT 1")).scalar() == 1
         engine.dispose()
+        hold(holder.pid)
+        kept = balancer("embedded", "stop")
+        assert kept.returncode == 2 and f"process(es) {holder.pid} still use it" in kept.stderr, kept.stderr
+        assert (home / "pg" / "postmaster.pid").exists()
     finally:
-        stopped = subprocess.run([sys.executable, "-m", "balancer", "embedded", "stop"], env=env,
-                                 capture_output=True, text=True, timeout=120)
-    assert stopped.stdout.strip() == "stopped redis, postgresql", stopped.stderr
+        holder.kill()
+        holder.wait()
+    stopped = balancer("embedded", "stop")  # the holder is dead now, and still listed
+    assert stopped.returncode == 0 and stopped.stdout.strip() == "stopped postgresql", stopped.stderr
+    assert not (home / "pg" / "postmaster.pid").exists()
 
 
 def demo_leftovers(redis_url: str, database_url: str) -> tuple[set[str], set[bytes]]:
