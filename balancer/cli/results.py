@@ -36,10 +36,14 @@ def results() -> None:
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
-def _text(value: Any) -> Any:
-    if isinstance(value, dict | list):
-        return json.dumps(value, ensure_ascii=False)
+def _json(value: Any) -> Any:
+    """A JSONL field: times as ISO 8601, the rest (metadata, a JSON object, included) as it is."""
     return value.isoformat() if hasattr(value, "isoformat") else value
+
+
+def _text(value: Any) -> Any:
+    """A CSV cell's value: JSON (metadata) as its text."""
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict | list) else _json(value)
 
 
 def csv_cell(value: Any) -> Any:
@@ -143,7 +147,7 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
                         if writer is not None:
                             writer.writerow([csv_cell(row[c]) for c in written_columns])
                         else:
-                            sink.write(json.dumps({c: _text(row[c]) for c in written_columns}, ensure_ascii=False) + "\n")
+                            sink.write(json.dumps({c: _json(row[c]) for c in written_columns}, ensure_ascii=False) + "\n")
                     if rows:
                         sink.flush()
                     written += len(rows)

@@ -283,7 +283,10 @@ def test_export_resumes_from_its_cursor_with_no_gap_and_no_repeat_while_tasks_ar
         if len(out.read_text().splitlines()) >= 200 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    seen += [json.loads(line)["key"] for line in out.read_text().splitlines()]
+    exported = [json.loads(line) for line in out.read_text().splitlines()]
+    # metadata comes back as the JSON object it was submitted as (before: its text, a string to decode again)
+    assert all(r["metadata"] == {"i": int(r["key"][1:])} for r in exported)
+    seen += [r["key"] for r in exported]
     assert sorted(seen) == sorted(f"k{i}" for i in range(300)) and len(seen) == 300  # no gap, no repeat
     again = tmp_path / "again.jsonl"
     code, _, _ = run(capsys, "results", "export", "--since", since, "--out", str(again))
