@@ -215,9 +215,9 @@ def quota_set(
     click.echo(f"{model}: {change_text(old, new)}{cleared}")
 
 
-def _warn_stranded(svc: Services) -> None:
-    """Say so when removing models left pending tasks that no model may take:
-    they wait, untouched, until one of their models is added again."""
+def warn_stranded(svc: Services) -> None:
+    """Say so when pending tasks are left that no model may take (their models were removed,
+    or they were retried since): they wait, untouched, until one of their models is added again."""
     from balancer.backlog.reads import stranded_pending
 
     stranded = stranded_pending(svc.engine, [q.name for q in svc.quotas.all()])
@@ -257,7 +257,7 @@ def quota_remove(model: str, force: bool, by: str | None) -> None:
 
     svc.quotas.remove(model, by=by, check=check)
     click.echo(f"{model}: removed" + (f"; {failed} pending task(s) only it could take failed" if failed else ""))
-    _warn_stranded(svc)
+    warn_stranded(svc)
 
 
 @quota.command("import")
@@ -277,7 +277,7 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
     summary = svc.quotas.replace_all(quotas, by=by, allow_removal=replace, dry_run=dry_run)
     echo_changes(summary, f"{len(quotas)} model(s)", name, dry_run)
     if summary.removed and not dry_run:
-        _warn_stranded(svc)
+        warn_stranded(svc)
 
 
 @quota.command("export")

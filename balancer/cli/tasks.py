@@ -101,13 +101,17 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
 
     flt = _filter(**given)
     act = operations.retry_failed if verb == "retry" else operations.cancel_pending
-    ids = act(_migrated().engine, flt, by=by or default_actor(), apply=yes)
+    svc = _migrated()
+    ids = act(svc.engine, flt, by=by or default_actor(), apply=yes)
     preview = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
     if not yes:
         click.echo(f"would {verb} {len(ids)} task(s){': ' + preview if ids else ''} (dry run: pass --yes to apply)")
         return
     click.echo(f"{done} {len(ids)} task(s){': ' + preview if ids else ''}")
     if ids and verb == "retry":
+        from balancer.cli.quota import warn_stranded
+
+        warn_stranded(svc)
         _ask_for_dispatch()
 
 

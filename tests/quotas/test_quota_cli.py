@@ -136,6 +136,12 @@ def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixt
         rows = conn.execute(sa.select(tasks.c.prompt, tasks.c.status, tasks.c.error).order_by(tasks.c.id)).all()
     assert [(r.prompt, r.status) for r in rows] == [("x", "failed"), ("y", "failed"), ("z", "pending")]
     assert rows[0].error == "model b was removed (quota remove --force)"
+    # Retried, they are pending again for models that are gone: said, as a removal says it (before: nothing).
+    assert run(capsys, "quota", "set", "c", "--create", "--tpm", "60000", "--concurrency", "2")[0] == 0
+    code, out, err = run(capsys, "tasks", "retry", "--yes")
+    assert code == 0 and "retried 2 task(s)" in out
+    assert err.strip() == ("warning: 2 pending task(s) may only run on models that no longer exist; "
+                           "they wait until one of those models is added again")
 
 
 def test_remove_refuses_a_model_with_calls_in_flight(capsys: pytest.CaptureFixture[str]) -> None:
