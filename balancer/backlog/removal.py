@@ -24,8 +24,8 @@ def _other_models(conn: Connection, model: str) -> list[str]:
 
 
 def model_occupancy(conn: Connection, model: str) -> tuple[int, int]:
-    """(calls in flight on ``model``, pending tasks that only it may take): what
-    removing it would strand. Runs in the caller's transaction."""
+    """(tasks bound to ``model``: ready, queued or running on it, a hedge included; pending tasks
+    that only it may take): what removing it would strand. Runs in the caller's transaction."""
     others = _other_models(conn, model)
     in_flight = conn.execute(
         sa.select(sa.func.count()).where(

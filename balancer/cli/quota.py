@@ -250,7 +250,8 @@ def quota_remove(model: str, force: bool, by: str | None) -> None:
         live = svc.core.live().get(model)  # router calls are in Redis only
         in_flight = max(in_flight, live.in_flight if live else 0)
         if (in_flight or pinned) and not force:
-            raise QuotaError(f"{model} has {in_flight} call(s) in flight and {pinned} pending task(s) that only it may take; "
+            raise QuotaError(f"{model} has {in_flight} call(s) in flight or bound to it (ready, queued or running) "
+                             f"and {pinned} pending task(s) that only it may take; "
                              "remove it with --force to fail those tasks")
         if pinned:
             failed = fail_pinned(conn, model, f"model {model} was removed (quota remove --force)")

@@ -124,7 +124,8 @@ def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixt
         insert_tasks(conn, rows)
     code, out, err = run(capsys, "quota", "remove", "b")
     assert code == 2 and err.strip() == (
-        "error: b has 0 call(s) in flight and 1 pending task(s) that only it may take; "
+        "error: b has 0 call(s) in flight or bound to it (ready, queued or running) and 1 pending task(s) that "
+        "only it may take; "
         "remove it with --force to fail those tasks")
     assert "b" in services().core.live()  # refused before the commit: Redis untouched too
     code, out, err = run(capsys, "quota", "remove", "b", "--force")
@@ -149,7 +150,7 @@ def test_remove_refuses_a_model_with_calls_in_flight(capsys: pytest.CaptureFixtu
     call = services().core.admit([Candidate(10)])[0]
     assert isinstance(call, Admitted)  # a router call: in Redis only
     code, _, err = run(capsys, "quota", "remove", "a")
-    assert code == 2 and "a has 1 call(s) in flight" in err
+    assert code == 2 and "a has 1 call(s) in flight or bound to it" in err
     assert run(capsys, "quota", "remove", "a", "--force")[0] == 0
 
 
