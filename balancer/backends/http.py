@@ -14,6 +14,7 @@ import httpx
 
 from balancer.backends.base import Cancelled, Permanent, RateLimited, Remaining, Transient
 from balancer.backends.cancel import cut_at, make_cancellable
+from balancer.urls import mask_url
 
 
 def _number(value: str | None) -> float | None:
@@ -128,7 +129,8 @@ class HttpBackend:
                                     f"({type(exc).__name__})", ended=ended) from None
                 if handle.cancelled:
                     raise Cancelled(f"call to {path} cancelled: the task was answered by its other call") from None
-                raise Transient(f"cannot reach backend at {path}: {type(exc).__name__}: {exc}", ended=ended) from None
+                raise Transient(f"cannot reach backend at {mask_url(str(self._url(path)))}: {type(exc).__name__}: {exc}",
+                                ended=ended) from None
         if response.status_code == 429:
             retry_after = parse_retry_after(response.headers.get("Retry-After"), response.headers.get("retry-after-ms"))
             raise RateLimited(f"429 from {path}", retry_after, parse_remaining(response.headers))

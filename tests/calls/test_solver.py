@@ -195,7 +195,7 @@ def test_connection_refused_and_timeout_are_transient(
     b = dispatch_one(svc, {"prompt": "q", "model": "n"})
     refused = dataclasses.replace(Settings.from_env(), backend_url=f"http://127.0.0.1:{free_port()}")
     assert solve(svc, make_backend(refused), message(a)) == "retry"
-    assert "cannot reach backend" in task_row(svc, a.task_id).error
+    assert f"cannot reach backend at {refused.backend_url}/" in task_row(svc, a.task_id).error  # where it tried
     faults(url, hang={"n": 5.0})
     started = time.monotonic()
     assert solve(svc, make_backend(svc.settings), message(b)) == "retry"
