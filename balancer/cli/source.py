@@ -70,22 +70,27 @@ def source_export(file: Path | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def source_list(as_json: bool) -> None:
     """Every source: its table, its tasks by state, write-backs waiting and the cursor's lag;
-    and every source with a budget per day, what it spent today and whether its tasks wait."""
+    and every other source (JSONL, the inbox) with a weight or a budget per day set: the weight,
+    what it spent today and whether its tasks wait."""
     from balancer.dispatch.budgets import read_standings
     from balancer.sources.reads import source_status
     from balancer.sources.store import all_sources
+    from balancer.sources.weights import DEFAULT_WEIGHT, weights
 
     svc = migrated()
     with svc.engine.connect() as conn:
         definitions = {d.name: d for d in all_sources(conn)}
+        weighted = weights(conn)
     rows = source_status(svc.engine)
     budgets = read_standings(svc)
-    others = [b for name, b in budgets.items() if name not in definitions]  # JSONL and inbox sources with a budget
+    others = sorted((budgets.keys() | weighted.keys()) - definitions.keys())  # JSONL and inbox sources
     if as_json:
         listed = [{**definitions[r.name].as_dict(), **r.as_dict(),
                    "budget": budgets[r.name].as_dict() if r.name in budgets else None}
                   for r in rows if r.name in definitions]
-        click.echo(json.dumps(listed + [{"name": b.budget.source, "budget": b.as_dict()} for b in others]))
+        click.echo(json.dumps(listed + [{"name": name, "weight": weighted.get(name, DEFAULT_WEIGHT),
+                                         "budget": budgets[name].as_dict() if name in budgets else None}
+                                        for name in others]))
         return
     for r in rows:
         d = definitions.get(r.name)
@@ -94,8 +99,10 @@ def source_list(as_json: bool) -> None:
         where = d.database_url_env or "balancer's database"
         budget = f"; budget {budget_line(budgets[r.name])}" if r.name in budgets else ""
         click.echo(f"{r.name}: {d.table} ({where}) key {d.key}, weight {d.weight}; {source_line(r)}{budget}")
-    for b in others:
-        click.echo(printable(f"{b.budget.source}: budget {budget_line(b)}", limit=400))
+    for name in others:
+        said = ([f"weight {weighted[name]}"] if name in weighted else []) + \
+            ([f"budget {budget_line(budgets[name])}"] if name in budgets else [])
+        click.echo(printable(f"{name}: {'; '.join(said)}", limit=400))
 
 
 def source_line(r) -> str:  # noqa: ANN001 - a storage.source_reads.SourceStatus

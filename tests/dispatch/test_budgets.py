@@ -248,8 +248,14 @@ def test_status_and_source_list_show_the_budget_spent_today_and_the_wait(svc, ca
     out = capsys.readouterr().out
     assert "budget crm: 3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)" in out
     assert "budget web: 100 tokens per day; spent 0 of 100 tokens today" in out
+    assert main(["source", "set", "web", "--weight", "3"]) == 0
+    assert main(["source", "set", "api", "--weight", "2", "--new"]) == 0  # a weight and no budget: listed too (was not)
+    capsys.readouterr()
     assert main(["source", "list"]) == 0
-    assert "crm: budget 3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)" in capsys.readouterr().out
+    listed = capsys.readouterr().out.splitlines()
+    assert "crm: budget 3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)" in listed
+    assert "web: weight 3; budget 100 tokens per day; spent 0 of 100 tokens today" in listed
+    assert "api: weight 2" in listed
     from balancer.views.metrics import BalancerCollector
 
     scraped = {m.name: {s.labels.get("source"): s.value for s in m.samples} for m in BalancerCollector(svc).collect()}
