@@ -86,9 +86,9 @@ def tasks_show(task_id: int, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, default=str, indent=2))
         return
-    for key in ("id", "status", "source", "priority", "model", "allowed_models", "attempts", "rate_limited", "hedges",
-                "hedge_model", "estimated_tokens", "prompt_tokens", "completion_tokens", "error", "created_at",
-                "queued_at", "started_at", "solved_at", "updated_at"):
+    for key in ("id", "status", "source", "key", "metadata", "priority", "model", "allowed_models", "attempts",
+                "rate_limited", "hedges", "hedge_model", "max_tokens", "estimated_tokens", "prompt_tokens",
+                "completion_tokens", "error", "created_at", "queued_at", "started_at", "solved_at", "updated_at"):
         click.echo(f"{key:>18}: {printable(str(data[key]), 300)}")
     click.echo(f"{'prompt':>18}: {printable(data['prompt'], 200)}")
     if data["answer"] is not None:
