@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from balancer.devtools.embedded import pid_alive
+
 PREFIX = "b40"
 
 
@@ -42,25 +44,15 @@ def why_not() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> None:
     """Namespaces and interfaces of runs whose process is gone (a test killed before its clean-up)."""
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         found = re.match(rf"^{PREFIX}-(\d+)-\S+", line)
-        if found and not _alive(int(found.group(1))):
+        if found and not pid_alive(int(found.group(1))):
             _ip("netns", "del", line.split()[0], check=False)
     for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
         found = re.match(rf"^\d+: ({PREFIX}r(\d+))[@:]", line)
-        if found and not _alive(int(found.group(2))):
+        if found and not pid_alive(int(found.group(2))):
             _ip("link", "del", found.group(1), check=False)
 
 

@@ -218,13 +218,14 @@ def live_handles(pgdata: Path) -> list[int]:
         pids = [int(pid) for pid in json.loads(handles.read_text())]
     except (OSError, ValueError, TypeError):
         return []
-    live = [pid for pid in pids if _alive(pid)]
+    live = [pid for pid in pids if pid_alive(pid)]
     if live != pids:
         handles.write_text(json.dumps(live))
     return live
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's included; a zombie too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
