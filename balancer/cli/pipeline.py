@@ -113,7 +113,8 @@ def band_text(drain: Any) -> str:
 
 
 def drain_text(drain: Any, blocked: str | None = None) -> str:
-    """The ETA, its band, and the pending tasks it leaves out because their source's budget is spent;
+    """The ETA, its band, and the pending tasks it leaves out: their source's budget is spent, or no enabled
+    model may take them;
     ``blocked`` (why nothing can run: :func:`balancer.health.reasons.blocked`) instead of a number.
 
     >>> from balancer.views.eta import Forecast
@@ -123,15 +124,19 @@ def drain_text(drain: Any, blocked: str | None = None) -> str:
     '4 min 05 s (3 min 10 s to 4 min 40 s); 40 pending task(s) wait on a budget, not in the eta'
     >>> drain_text(Forecast(0.0, 0.0, 0.0, waiting=40))
     'nothing else to run; 40 pending task(s) wait on a budget, not in the eta'
+    >>> drain_text(Forecast(0.0, 0.0, 0.0, unplaced=6))
+    'nothing else to run; 6 pending task(s) may take no enabled model (removed or disabled), not in the eta'
     >>> drain_text(Forecast(1.0, 1.0, 1.0), "blocked: m: backend unreachable: refused")
     'blocked: m: backend unreachable: refused'
     """
     if blocked:
         return blocked
-    waiting = 0 if drain is None else drain.waiting
+    waiting, unplaced = (0, 0) if drain is None else (drain.waiting, drain.unplaced)
     eta = None if drain is None else drain.eta
-    text = "nothing else to run" if waiting and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
-    return text + (f"; {waiting} pending task(s) wait on a budget, not in the eta" if waiting else "")
+    aside = ([f"{waiting} pending task(s) wait on a budget"] if waiting else []) + \
+        ([f"{unplaced} pending task(s) may take no enabled model (removed or disabled)"] if unplaced else [])
+    text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
+    return text + "".join(f"; {said}, not in the eta" for said in aside)
 
 
 #: Below this many columns ``top`` leaves out the bucket levels and answered counts, so each row keeps to one line.

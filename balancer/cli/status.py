@@ -76,6 +76,7 @@ def status_json(s: StatusReads) -> dict[str, Any]:
             "eta_s": None if eta is None or blocked else round(eta, 1), "blocked": blocked,
             "health": s.health.as_dict(),
             **band_fields(s.drain), "waiting_on_budget": 0 if s.drain is None else s.drain.waiting,
+            "waiting_on_no_model": 0 if s.drain is None else s.drain.unplaced,
             "beat_last_tick_s": None if s.beat is None else round(s.beat, 1),
             "models": [r.as_dict() for r in s.rows], "spend": s.spent.as_dict(),
             "projected": projected, "sources": [r.as_dict() for r in s.sources],

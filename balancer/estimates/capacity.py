@@ -100,6 +100,17 @@ class ModelCapacity:
                           self.tokens_per_task or tokens_per_task, self.rpm / 60 if self.rpm else math.inf)
 
 
+def rate_bound(model: ModelCapacity, tokens_per_task: float) -> bool:
+    """True if the model's token or request rate, not its slots over its latency, sets its
+    throughput: its calls in flight then include calls waiting at the start gates, so Little's
+    law reads their wait as latency, and its latency does not set its rate anyway.
+
+    >>> rate_bound(ModelCapacity(40, 2.5, tpm=30_000, burst=0), 400), rate_bound(ModelCapacity(4, 2.5, None, 0), 400)
+    (True, False)
+    """
+    return model.rate(tokens_per_task) < model.concurrency / model.mean_latency
+
+
 def feasible(models: Sequence[ModelCapacity], t: float, tokens_per_task: float, any_model: int, pinned: Mapping[int, float],
              lost_at: Mapping[int, float] | None = None) -> bool:
     caps = [m.tasks_by(min(t, (lost_at or {}).get(i, t)), tokens_per_task) for i, m in enumerate(models)]

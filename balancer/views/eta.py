@@ -12,8 +12,9 @@ docs/benchmark-history.md ("The drain ETA"):
   run (a hedge's loser); calls in flight beyond the tasks running shrink in
   proportion (:func:`held_in_flight`);
 * the pending tasks of a source over its budget per day wait, claimed by no
-  dispatch until the budget is raised or the day turns: they are no work the
-  drain can do, so they are left out and counted apart (``Forecast.waiting``);
+  dispatch until the budget is raised or the day turns, and those no enabled model
+  may take wait for one: they are no work the drain can do, so they are left out
+  and counted apart (``Forecast.waiting``, ``Forecast.unplaced``);
 * calls in flight, and tasks on a measured model's ready list up to what it
   finishes within the list's TTL (the rest go back to pending: any model's,
   :func:`balancer.dispatch.ready.ready_on_model`), count as work still to do on
@@ -50,7 +51,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from balancer.dispatch.ready import ready_on_model
-from balancer.estimates.capacity import ModelCapacity, makespan_bound
+from balancer.estimates.capacity import ModelCapacity, makespan_bound, rate_bound
 from balancer.estimates.latency import early_mean_s
 
 #: Fewer tasks solved in the window than this: no efficiency correction (1.0). A window
@@ -101,8 +102,7 @@ def efficiency(
 def achieved_pace(bound_s: float, window_s: float) -> float:
     """The run's pace: ``bound_s``, the capacity bound of the work it did in ``window_s``,
     over ``window_s``, starting from PACE_PRIOR_S at the bound; within EFFICIENCY_RANGE.
-    A run at 0.85 of its bound reads so from its first seconds (it waited for 20 s
-    before, and a run of about 20 s was promised its bound, 20 to 45 % short, to the end).
+    A run at 0.85 of its bound reads so from its first seconds.
 
     >>> [round(achieved_pace(b, w), 3) for b, w in ((8.5, 10), (0, 0), (1.7, 2), (30, 20), (2, 60))]   # last: a stall
     [0.864, 1.0, 0.9, 1.0, 0.5]
@@ -248,18 +248,19 @@ class DrainState:
 @dataclass(frozen=True)
 class Forecast:
     """The drain ETA (s) and the band it is expected in: ``low`` <= ``eta`` <= ``high``; and the
-    pending tasks left out of it because their source's budget is spent (``waiting``)."""
+    pending tasks left out of it because their source's budget is spent (``waiting``), or because
+    no enabled model may take them (``unplaced``: their models were removed or disabled)."""
 
     eta: float | None
     low: float | None
     high: float | None
     waiting: int = 0
+    unplaced: int = 0
 
 
-#: The band around the ETA, as shares of it: below and above. The run's actual
-#: remaining time fell within these in the runs docs/benchmark-history.md reports ("The drain ETA")
-#: once the pace applies; before it does (a run's first 20 s, a pace window cut
-#: short by a learned change, or a model still on its prior), EARLY_WIDENING wider each side.
+#: The band around the ETA, as shares of it: below and above, once the pace applies; before
+#: it does (a run's first 20 s, a pace window cut short by a learned change, or a model still
+#: on its prior), EARLY_WIDENING wider each side.
 BAND = (0.15, 0.25)
 EARLY_WIDENING = 0.15
 
@@ -345,36 +346,31 @@ def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
     return out
 
 
-def rate_bound(model: ModelCapacity, tokens_per_task: float) -> bool:
-    """True if the model's token or request rate, not its slots over its latency, sets its
-    throughput: its calls in flight then include calls waiting at the start gates, so Little's
-    law reads their wait as latency (learn.toml's tpm-10: 35 calls held, most waiting, 15
-    answered in 23 s: 53 s a call for 2.5 s), and its latency does not set its rate anyway.
-
-    >>> rate_bound(ModelCapacity(40, 2.5, tpm=30_000, burst=0), 400), rate_bound(ModelCapacity(4, 2.5, None, 0), 400)
-    (True, False)
-    """
-    return model.rate(tokens_per_task) < model.concurrency / model.mean_latency
-
-
 def forecast(state: DrainState) -> Forecast:
     """The drain ETA of ``state`` with its band: exactly 0 when no task is left
     unfinished, whatever calls are still in flight. The tasks of sources over
-    their budget (``state.waiting``) are left out of it and counted in ``waiting``.
+    their budget (``state.waiting``) are left out of it and counted in ``waiting``;
+    those no enabled model may take, in ``unplaced``.
 
     >>> from balancer.estimates.capacity import ModelCapacity
     >>> fast = {"fast": ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)}
     >>> forecast(DrainState(fast, [], in_flight={"fast": 3}, tokens_per_task=500, unfinished=0))
-    Forecast(eta=0.0, low=0.0, high=0.0, waiting=0)
+    Forecast(eta=0.0, low=0.0, high=0.0, waiting=0, unplaced=0)
     >>> f = forecast(DrainState(fast, [(None, 100)], in_flight={}, tokens_per_task=500, unfinished=100))
     >>> round(f.eta, 1), round(f.low, 1), round(f.high, 1)   # no pace yet: the early band
     (21.0, 14.7, 29.4)
+    >>> f = forecast(DrainState(fast, [(None, 100), (["removed"], 6)], in_flight={}, tokens_per_task=500, unfinished=106))
+    >>> round(f.eta, 1), f.unplaced   # 6 pinned to a model that is gone: left out, not an unknown ETA
+    (21.0, 6)
     """
-    waiting = sum(n for _, n in state.waiting)
-    if waiting:  # work no dispatch claims until its budget allows: not in the ETA, counted apart
-        unfinished = None if state.unfinished is None else max(0, state.unfinished - waiting)
-        state = replace(state, groups=without_waiting(state.groups, state.waiting), waiting=(), unfinished=unfinished)
-        return replace(forecast(state), waiting=waiting)
+    # Work no dispatch claims (its budget spent, or no enabled model may take it): not in the ETA, counted apart.
+    claimable = without_waiting(state.groups, state.waiting)
+    placeable = [(allowed, n) for allowed, n in claimable if allowed is None or set(allowed) & state.models.keys()]
+    waiting, unplaced = sum(n for _, n in state.waiting), sum(n for _, n in claimable) - sum(n for _, n in placeable)
+    if waiting or unplaced:
+        unfinished = None if state.unfinished is None else max(0, state.unfinished - waiting - unplaced)
+        state = replace(state, groups=placeable, waiting=(), unfinished=unfinished)
+        return replace(forecast(state), waiting=waiting, unplaced=unplaced)
     if state.unfinished == 0:
         return Forecast(0.0, 0.0, 0.0)
     if state.ready_ttl_s is not None:  # what a ready list holds past its TTL goes back to pending
@@ -390,7 +386,7 @@ def forecast(state: DrainState) -> Forecast:
     pace = efficiency(models, state.solved, in_flight=in_flight, window_s=state.window_s,
                       tokens_per_task=state.tokens_per_task, start_buckets=state.start_buckets)
     # A model still on its prior keeps its own pinned finish at its early latency: a pace measured on
-    # the other models says nothing about it (on default.toml, dividing by it put the ETA 22 % short at 25 %).
+    # the other models says nothing about it.
     eta = drain_eta(models, state.groups, in_flight=held, tokens_per_task=state.tokens_per_task, pace=pace)
     if eta is None:
         return Forecast(None, None, None)

@@ -143,6 +143,12 @@ def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixt
     assert code == 0 and "retried 2 task(s)" in out
     assert err.strip() == ("warning: 2 pending task(s) may only run on models that no longer exist; "
                            "they wait until one of those models is added again")
+    # status counts them apart from the ETA, which is a number for the rest (it was unknown).
+    code, out, _ = run(capsys, "status", "--json")
+    reported = json.loads(out)
+    assert code == 0 and reported["waiting_on_no_model"] == 2 and reported["eta_s"] is not None
+    code, out, _ = run(capsys, "status")
+    assert "2 pending task(s) may take no enabled model (removed or disabled), not in the eta" in out
 
 
 def test_remove_refuses_a_model_with_calls_in_flight(capsys: pytest.CaptureFixture[str]) -> None:
