@@ -155,7 +155,7 @@ def ensure_stack(home: str | Path) -> tuple[str, str]:
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         home.mkdir(parents=True, exist_ok=True)
         if not os.access(home, os.W_OK | os.X_OK):
-            raise PermissionError(13, "Permission denied")
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as exc:
         raise ConfigError(f"BALANCER_HOME {printable(str(home))} cannot hold the embedded Redis and PostgreSQL: "
                           f"{exc.strerror or exc}") from None

@@ -177,14 +177,19 @@ def pinned_finish(model: ModelCapacity, calls: float, tokens_per_task: float) ->
     return max(bound, model.mean_latency) + spread * model.mean_latency
 
 
+def _usable(allowed: Sequence[str] | None, models: Collection[str]) -> list[str] | None:
+    """The ``models`` a group allowed on ``allowed`` may run on (None: any of them)."""
+    return None if allowed is None else [m for m in allowed if m in models]
+
+
 def _pinned_by_model(
     models: Mapping[str, ModelCapacity], groups: Sequence[tuple[Sequence[str] | None, int]],
 ) -> dict[str, int]:
     """Pending tasks that exactly one configured model may run, by that model."""
     pinned: dict[str, int] = {}
     for allowed, count in groups:
-        usable = [m for m in allowed or () if m in models]
-        if allowed is not None and len(usable) == 1 and count:
+        usable = _usable(allowed, models)
+        if usable is not None and len(usable) == 1 and count:
             pinned[usable[0]] = pinned.get(usable[0], 0) + count
     return pinned
 
@@ -200,7 +205,7 @@ def _bound(
     pinned = _pinned_by_model(models, groups)
     any_model = 0
     for allowed, count in groups:
-        usable = None if allowed is None else [m for m in allowed if m in models]
+        usable = _usable(allowed, models)
         if usable is not None and not usable:
             return None  # no configured model may run these tasks
         if usable is None or len(usable) > 1:
@@ -365,7 +370,7 @@ def forecast(state: DrainState) -> Forecast:
     """
     # Work no dispatch claims (its budget spent, or no enabled model may take it): not in the ETA, counted apart.
     claimable = without_waiting(state.groups, state.waiting)
-    placeable = [(allowed, n) for allowed, n in claimable if allowed is None or set(allowed) & state.models.keys()]
+    placeable = [(allowed, n) for allowed, n in claimable if _usable(allowed, state.models) != []]
     waiting, unplaced = sum(n for _, n in state.waiting), sum(n for _, n in claimable) - sum(n for _, n in placeable)
     if waiting or unplaced:
         unfinished = None if state.unfinished is None else max(0, state.unfinished - waiting - unplaced)
