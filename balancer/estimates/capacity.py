@@ -81,6 +81,7 @@ class ModelCapacity:
     rpm: float | None = None
     request_burst: float | None = None  # requests available at t = 0 (None: one minute of RPM)
     tokens_per_task: float | None = None  # what this provider counts per task (None: the workload's figure)
+    latency_dispersion: float = 1.0  # E[L²]/E[L]² of its latencies: 1 for a fixed latency
 
     def tasks_by(self, t: float, tokens_per_task: float) -> float:
         limits = [self.concurrency * t / self.mean_latency]

@@ -50,10 +50,12 @@ SAMPLE_WEIGHT = 1000
 DECAY = 64
 #: Below this many samples' worth of weight, the prior applies.
 MIN_SAMPLES = 5
-#: The prior's p90, p99 and mean relative to its median (a lognormal with sigma 0.5).
+#: The prior's p90, p99 and mean relative to its median (a lognormal with sigma 0.5),
+#: and its dispersion E[L²]/E[L]² (exp(sigma²)).
 PRIOR_P90 = 1.9
 PRIOR_P99 = 3.2
 PRIOR_MEAN = 1.133
+PRIOR_DISPERSION = 1.284
 
 
 def bucket_of(latency_ms: float) -> int:
@@ -71,7 +73,8 @@ def upper_ms(bucket: int) -> float:
 @dataclass(frozen=True)
 class LatencyEstimate:
     """What the dispatcher plans with: p50, p90, p99 and mean in ms, and how many calls
-    they come from (0: the prior). Without a mean, the prior's ratio to p50 applies.
+    they come from (0: the prior). Without a mean, the prior's ratio to p50 applies;
+    without a dispersion (E[L²]/E[L]²: 1 for a fixed latency), the prior's.
 
     >>> LatencyEstimate(1_000, 2_000, 3_000, 50).mean_ms
     1133.0
@@ -82,6 +85,7 @@ class LatencyEstimate:
     p99_ms: float
     samples: float
     mean_ms: float = 0.0
+    dispersion: float = PRIOR_DISPERSION
 
     def __post_init__(self) -> None:
         if not self.mean_ms:
@@ -135,6 +139,23 @@ class LatencySketch:
                 return upper_ms(i)
         return upper_ms(BUCKETS - 1)
 
+    def dispersion(self) -> float:
+        """E[L²]/E[L]² of the sketch's latencies (1 + the squared coefficient of
+        variation), each bucket read at its geometric middle; 1 when it is empty.
+
+        >>> LatencySketch.from_samples([1_000] * 10).dispersion()
+        1.0
+        >>> round(LatencySketch.from_samples([1_000] * 9 + [10_000]).dispersion(), 1)   # exactly 3.02
+        2.9
+        """
+        total = sum(self.counts)
+        if total == 0:
+            return 1.0
+        middles = [upper_ms(i) * 2 ** (-0.5 / PER_DOUBLING) for i in range(BUCKETS)]
+        first = sum(c * x for c, x in zip(self.counts, middles, strict=True))
+        second = sum(c * x * x for c, x in zip(self.counts, middles, strict=True))
+        return second * total / (first * first)
+
     def estimate(self, prior_s: float) -> LatencyEstimate:
         """p50/p90/p99 from the sketch, or the prior until ``MIN_SAMPLES``.
 
@@ -148,7 +169,7 @@ class LatencySketch:
             return LatencyEstimate.prior(prior_s)
         return LatencyEstimate(
             self.quantile_ms(0.5), self.quantile_ms(0.9), self.quantile_ms(0.99), samples,
-            self.latency_ms_sum / samples,
+            self.latency_ms_sum / samples, self.dispersion(),
         )
 
 

@@ -22,8 +22,7 @@ docs/benchmark-history.md ("The drain ETA"):
 * each model's latency is its learned mean raised to its Little's-law latency when that is
   longer (:func:`little_latency`: the sketch learns from the calls that ended, early in a
   heavy-tailed run the short ones), unless its token or request rate binds (:func:`rate_bound`);
-* the last calls still take their latency after the fluid bound says the work is "done":
-  half a call at the mean latency over every slot (:func:`end_tail`);
+* the last calls run on after the fluid bound says the work is "done" (:func:`end_tail`);
 * the run does not reach the bound: the :func:`efficiency` of the last minute (or less: since a
   learned limit changed, or the run started), the bound of the work solved in it over its time
   (full buckets counted while it starts with the run), never above 1, divides the bound of the
@@ -34,9 +33,8 @@ docs/benchmark-history.md ("The drain ETA"):
 * a model with too few calls measured for its sketch reads its prior shrunk toward the calls
   it answered and the time its running calls have run (:func:`balancer.estimates.latency.early_mean_s`).
 
-Tasks allowed on a subset of models count as "any model" (the bound's
-feasibility test knows only "any" and "exactly one"), so a backlog split
-across disjoint subsets reads optimistic.
+Tasks allowed on a subset of models count as "any model" (the bound's feasibility test knows
+only "any" and "exactly one"), so a backlog split across disjoint subsets reads optimistic.
 
 >>> from balancer.estimates.capacity import ModelCapacity
 >>> fast = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)
@@ -144,18 +142,20 @@ def drain_eta(
 
 
 def end_tail(models: Mapping[str, ModelCapacity]) -> float:
-    """How long the last calls run after the fluid bound says the work is done:
-    half a call at the mean latency over every slot. When the backlog runs out,
-    a call is running in every slot, slow models' too, and the last of them ends
-    about half a call later (the end game's hedges cut the slowest short).
+    """How long the last calls run after the fluid bound says the work is done: what the call
+    running in each slot when the backlog runs out has left, on average over the slots. A call
+    caught running is more often a long one (the inspection paradox): E[L²]/(2·E[L]) is left,
+    half a call for a fixed latency, more the more latencies spread (``latency_dispersion``).
 
     >>> fast = ModelCapacity(concurrency=10, mean_latency=2.0, tpm=None, burst=0)
     >>> slow = ModelCapacity(concurrency=2, mean_latency=20.0, tpm=None, burst=0)
     >>> end_tail({"fast": fast}), round(end_tail({"fast": fast, "slow": slow}), 3)   # (10 × 2 + 2 × 20) / 12 / 2
     (1.0, 2.5)
+    >>> end_tail({"fast": replace(fast, latency_dispersion=2.0)})   # exponential latencies: a whole mean call
+    2.0
     """
-    slots = sum(m.concurrency for m in models.values())
-    return sum(m.concurrency * m.mean_latency for m in models.values()) / max(1, slots) / 2
+    left = sum(m.concurrency * m.mean_latency * m.latency_dispersion for m in models.values())
+    return left / max(1, sum(m.concurrency for m in models.values())) / 2
 
 
 def pinned_finish(model: ModelCapacity, calls: float, tokens_per_task: float) -> float:

@@ -237,19 +237,20 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
             return own_tokens_per_task(tokens_per_task, answered.reported, answered.used_tokens)
         return own_tokens_per_task(tokens_per_task, answered.tasks, answered.estimated_tokens)
 
+    estimates = {name: live.latency_estimate(prior_s) for name, live in view.items() if live.quota.enabled}
     models = {
         name: ModelCapacity(
             concurrency=live.limits.max_concurrent_requests,
-            mean_latency=max(0.001, live.latency_estimate(prior_s).mean_ms / 1000),
+            mean_latency=max(0.001, estimates[name].mean_ms / 1000),
             tpm=live.limits.max_tokens_per_minute, burst=max(0.0, live.tokens_available),
             rpm=live.limits.max_requests_per_minute, request_burst=live.requests_available,
-            tokens_per_task=own_tokens(live),
+            tokens_per_task=own_tokens(live), latency_dispersion=estimates[name].dispersion,
         )
         for name, live in view.items() if live.quota.enabled
     }
     if not models:
         return None
-    on_prior = [name for name in models if not view[name].latency_estimate(prior_s).samples]
+    on_prior = [name for name in models if not estimates[name].samples]
     running = running_calls(db) if on_prior else {}
     # Tasks on a ready list are no longer pending, nor in flight yet: their model's work
     # still to do. On a model not measured yet they count as work for any model: its

@@ -267,3 +267,28 @@ def test_eta_replay_reproduces_the_recorded_eta_and_replays_the_early_latency(tm
     assert [r["eta_s"] for r in as_recorded] == pytest.approx([p["eta_s"] for p in polls])
     early = replay(tmp_path, VARIANTS["current"])
     assert all(e["eta_s"] < r["eta_s"] for e, r in zip(early[1:], as_recorded[1:], strict=True))
+
+
+def test_eta_replay_reads_the_recorded_latency_spread_or_replays_it_fixed(tmp_path) -> None:  # noqa: ANN001
+    """A run recorded with its model's latency spread (E[L²]/E[L]² = 3): replayed as recorded,
+    its end tail is 3 x 10 / 2 s; with ``spread`` off, half a call (5 s), 10 s shorter at every mark."""
+    from dataclasses import asdict
+
+    from balancer.bench.compare.eta_replay import VARIANTS, replay
+    from balancer.estimates.capacity import ModelCapacity
+    from balancer.views import eta
+
+    polls = []
+    for at, done in [(1.0, 1), (3.0, 3), (5.0, 5), (8.0, 8)]:
+        state = eta.DrainState({"m": ModelCapacity(1, 10.0, None, 1e9, latency_dispersion=3.0)}, [(None, 10 - done)],
+                               {"m": 0}, 100.0, unfinished=10 - done)
+        forecast = eta.forecast(state)
+        polls.append({"at_s": at, "done": done, "makespan_s": 120.0, "eta_s": forecast.eta, "low_s": forecast.low,
+                      "high_s": forecast.high, "state": {**asdict(state), "on_prior": [],
+                                                         "models": {"m": asdict(state.models["m"])}}})
+    (tmp_path / "pipeline-eta.jsonl").write_text("".join(json.dumps(p) + "\n" for p in polls))
+    (tmp_path / "pipeline-calls.jsonl").write_text(json.dumps({"model": "m", "status": 200, "start": 0.0, "end": 120.0}))
+    read = replay(tmp_path, VARIANTS["current"])
+    assert [r["eta_s"] for r in read] == pytest.approx([p["eta_s"] for p in polls])
+    fixed = replay(tmp_path, VARIANTS["current"], spread=False)
+    assert [r["eta_s"] - f["eta_s"] for r, f in zip(read, fixed, strict=True)] == pytest.approx([10.0] * len(read))

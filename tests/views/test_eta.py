@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from balancer.estimates.capacity import ModelCapacity
+from balancer.estimates.latency import PRIOR_DISPERSION, PRIOR_MEAN
 from balancer.views.eta import drain_eta
 
 if TYPE_CHECKING:
@@ -30,6 +32,29 @@ def test_free_work_spreads_over_every_model() -> None:
     # 5.1 tasks/s together, plus half a call at the mean latency over the 11 slots
     assert both == pytest.approx(102 / 5.1 + (10 * 2.0 + 1 * 10.0) / 11 / 2)
     assert both < alone
+
+
+def test_the_last_calls_take_what_a_running_call_has_left_which_grows_with_the_spread() -> None:
+    """When the backlog runs out, each slot holds a call caught running: a long one more
+    often than not. With latencies of mean 2 s spread as a lognormal of sigma 1 (E[L²]/E[L]²
+    = e), such a call has e × 2 / 2 = 2.7 s left on average, not half a call (1 s), and the
+    sketch of those latencies says so."""
+    import random
+
+    from balancer.estimates.latency import LatencySketch
+    from balancer.views.eta import end_tail
+
+    rng = random.Random(7)
+    latencies_ms = [2_000 * math.exp(rng.gauss(0, 1) - 0.5) for _ in range(5_000)]  # mean 2 s
+    spread = LatencySketch.from_samples(latencies_ms).dispersion()
+    assert spread == pytest.approx(math.e, rel=0.15)
+    fixed = end_tail({"fast": FAST})
+    assert fixed == pytest.approx(1.0)
+    assert end_tail({"fast": replace(FAST, latency_dispersion=spread)}) == pytest.approx(spread * fixed)
+    # the ETA carries it: the same work, a longer end
+    calm = eta({"fast": FAST}, [(None, 100)])
+    heavy = eta({"fast": replace(FAST, latency_dispersion=spread)}, [(None, 100)])
+    assert calm is not None and heavy is not None and heavy - calm == pytest.approx(spread - 1.0)
 
 
 def test_pinned_work_on_a_slow_model_sets_the_finish() -> None:
@@ -82,14 +107,15 @@ def live_backlog(slots: int) -> Services:
 @pytest.mark.usefixtures("migrated")
 def test_status_reports_the_eta_of_a_live_backlog(capsys: pytest.CaptureFixture[str]) -> None:
     """60 tasks on one model of 2 slots whose prior says 3 s a call: 90 s of work
-    plus half a call, which `status --json` and `status` report."""
+    plus what a running call has left at the prior's spread, which `status --json`
+    and `status` report."""
     from balancer.cli import main
 
     live_backlog(slots=2)
     assert main(["status", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    mean = PRIOR_S * 1.133  # the prior's mean (balancer.estimates.latency.PRIOR_MEAN)
-    assert report["eta_s"] == pytest.approx(60 / 2 * mean + mean / 2, abs=0.1)
+    mean = PRIOR_S * PRIOR_MEAN
+    assert report["eta_s"] == pytest.approx(60 / 2 * mean + mean * PRIOR_DISPERSION / 2, abs=0.1)
     assert report["eta_low_s"] < report["eta_s"] < report["eta_high_s"]  # its band
     assert main(["status"]) == 0
     out = capsys.readouterr().out
@@ -107,9 +133,10 @@ def test_a_model_that_learned_a_lower_limit_drains_at_that_limit() -> None:
     svc = live_backlog(slots=40)
     view = svc.core.live()
     learned = {"m": replace(view["m"], learned=Learned(lcap=4, pcap=6, lowered_at=int(time.time() * 1000)))}
-    mean = PRIOR_S * 1.133  # the prior's mean (balancer.estimates.latency.PRIOR_MEAN)
-    assert estimate_drain(svc, view) == pytest.approx(60 / 40 * mean + mean / 2, abs=0.1)
-    assert estimate_drain(svc, learned) == pytest.approx(60 / 4 * mean + mean / 2, abs=0.1)
+    mean = PRIOR_S * PRIOR_MEAN
+    last = mean * PRIOR_DISPERSION / 2  # what a running call has left (views.eta.end_tail)
+    assert estimate_drain(svc, view) == pytest.approx(60 / 40 * mean + last, abs=0.1)
+    assert estimate_drain(svc, learned) == pytest.approx(60 / 4 * mean + last, abs=0.1)
 
 
 def test_the_pace_of_the_last_minute_scales_the_bound() -> None:

@@ -40,11 +40,14 @@ VARIANTS: dict[str, EarlyMean] = {
 }
 
 
-def _state(recorded: dict[str, Any], own_tokens: bool, ready_ttl_s: float | None) -> eta.DrainState:
+def _state(recorded: dict[str, Any], own_tokens: bool, ready_ttl_s: float | None,
+           spread: bool = True) -> eta.DrainState:
     # Each model at its own tokens per task as recorded (summary.drain_inputs), or with
-    # ``own_tokens`` off at the backlog's mean, as the ETA read it before.
+    # ``own_tokens`` off at the backlog's mean, as the ETA read it before; with ``spread``
+    # off, or recorded before it was read, at a fixed latency's dispersion (1.0).
     models = {name: ModelCapacity(m["concurrency"], m["mean_latency"], m["tpm"], m["burst"], m["rpm"],
-                                  m["request_burst"], m.get("tokens_per_task") if own_tokens else None)
+                                  m["request_burst"], m.get("tokens_per_task") if own_tokens else None,
+                                  m.get("latency_dispersion", 1.0) if spread else 1.0)
               for name, m in recorded["models"].items()}
     buckets = recorded.get("start_buckets")
 
@@ -59,12 +62,13 @@ def _state(recorded: dict[str, Any], own_tokens: bool, ready_ttl_s: float | None
 
 
 def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: float | None = READY_TTL_S,
-           full_pace: bool = False) -> list[dict[str, Any]]:
+           full_pace: bool = False, spread: bool = True) -> list[dict[str, Any]]:
     """Each mark's judged poll (as the report judges it) with the ETA replayed under ``early``,
     with each model's own tokens per task or (``own_tokens`` off) the backlog's mean, each
     ready list counted as its model's work up to what it finishes in ``ready_ttl_s`` (None: all),
-    and with ``full_pace`` the pace over the whole last minute, as before the pace's window
-    stopped at a learned limit's change (``state_full_pace``, recorded when they differ)."""
+    with ``full_pace`` the pace over the whole last minute, as before the pace's window
+    stopped at a learned limit's change (``state_full_pace``, recorded when they differ), and
+    with ``spread`` off every latency as if fixed (the end tail half a mean call, as before)."""
     polls = [json.loads(line) for line in (run / "pipeline-eta.jsonl").read_text().splitlines()]
     calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
     makespan = polls[0]["makespan_s"]
@@ -76,7 +80,7 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: fl
             replayed.append(poll)
             continue
         recorded = poll.get("state_full_pace") if full_pace and poll.get("state_full_pace") else poll["state"]
-        state, now = _state(recorded, own_tokens, ready_ttl_s), started + poll["at_s"]
+        state, now = _state(recorded, own_tokens, ready_ttl_s, spread), started + poll["at_s"]
         models = dict(state.models)
         for name in state.on_prior:
             answered = [c["end"] - c["start"] for c in calls
@@ -99,15 +103,17 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: fl
               help="Seconds a ready task waits for its model (BALANCER_READY_TTL); 0: every ready task is its model's.")
 @click.option("--pace", type=click.Choice(["still", "full"]), default="still", show_default=True,
               help="The pace's window: since the last learned change, or the whole last minute (as before).")
-def main(runs: tuple[Path, ...], variant: str, tokens: str, ready_ttl: float, pace: str) -> None:
+@click.option("--spread", type=click.Choice(["read", "fixed"]), default="read", show_default=True,
+              help="Each model's latency spread for the last calls: as its sketch read it, or fixed (as before).")
+def main(runs: tuple[Path, ...], variant: str, tokens: str, ready_ttl: float, pace: str, spread: str) -> None:
     """Finish errors at 10/25/50/75 % done of each recorded RUN directory, replayed."""
     for run in runs:
         missing = [name for name in ("pipeline-eta.jsonl", "pipeline-calls.jsonl") if not (run / name).is_file()]
         if missing:
             raise click.UsageError(f"{run} is not a finished bench run: no {', '.join(missing)}")
         rows = replay(run, VARIANTS[variant], own_tokens=tokens == "own", ready_ttl_s=ready_ttl or None,
-                      full_pace=pace == "full")
-        click.echo(f"{run} ({variant}, {tokens} tokens, ready TTL {ready_ttl:g} s, {pace} pace): "
+                      full_pace=pace == "full", spread=spread == "read")
+        click.echo(f"{run} ({variant}, {tokens} tokens, ready TTL {ready_ttl:g} s, {pace} pace, {spread} spread): "
                    + "  ".join(f"{r['done']:.0%} {r['finish_error']:+.1%}" for r in rows))
 
 
