@@ -127,6 +127,11 @@ def records_trusted_now(client: redis.Redis, namespace: str, now_ms: int | None 
     return records_trusted(now, None if heard is None else int(heard), None if resumed is None else int(resumed))
 
 
+def slots_of(view: dict[str, ModelLive]) -> dict[str, int]:
+    """Each model's concurrency cap: its effective limit, slow start aside."""
+    return {name: m.limits.max_concurrent_requests for name, m in view.items()}
+
+
 def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
     """Free slots of the models that could admit *something* right now:
     enabled, not paused by a 429, a free slot, tokens above zero and (with

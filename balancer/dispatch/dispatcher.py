@@ -6,17 +6,18 @@ free capacity. A quota change, a slow model or a disabled model cannot strand
 work in a queue.
 
 Each round locks two sets of pending tasks, skipping rows another dispatcher
-holds: the *pinned lane* (for each model with free slots, up to that many tasks
-pinned to it alone) and a window of the rest: priority first, and within a
-priority, turns across sources by weight (:mod:`balancer.dispatch.fairness`),
-so a backfill from one source does not stand ahead of a live one. While
-several sources share the window, that holds for pinned tasks too: they take
-their source's turn in the window, and no pinned lane is claimed. Otherwise pinned
-tasks have nowhere else to go, so they get first claim on their model: they
-go first in the batch, and while a model still has pinned tasks pending
-(counting those another dispatcher holds) it takes no flexible work. So a slow
-model's own tasks never queue behind flexible work it took on, which is what
-set the tail of ``bench/scenarios/default.toml`` (docs/benchmark-history.md). It
+holds: a window (priority first, and within a priority, turns across sources by
+weight, :mod:`balancer.dispatch.fairness`, so a backfill from one source does
+not stand ahead of a live one; while several sources share it, their pinned
+tasks take their turns in it too) and the *pinned lane* (for each model with
+free slots, up to that many tasks pinned to it alone). Pinned tasks have nowhere
+else to go, so they get first claim on their model: they go first in the batch,
+and while a model still has pinned tasks pending (counting those another
+dispatcher holds) it takes no flexible work. So a slow model's own tasks never
+queue behind flexible work it took on, which is what sets the end of
+``bench/scenarios/default.toml``. While sources share, a model that a task of
+the window may run nowhere else but on such models gives way to the round robin
+(:func:`balancer.dispatch.fairness.pinned_lane`). It
 admits the batch in one atomic call, marks the admitted
 ones ``queued`` and commits, and only then publishes their messages. If the
 transaction fails, the commit included, the round's admissions are withdrawn
@@ -61,15 +62,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
 
-from balancer.admission.core import AdmissionCore, ModelLive, open_slots
+from balancer.admission.core import AdmissionCore, ModelLive, open_slots, slots_of
 from balancer.admission.values import Admitted, Candidate, NotNow, Rejected
-from balancer.backlog.claims import (
-    PendingTask,
-    claim_pinned,
-    fail_pending,
-    mark_queued,
-    models_with_pinned_backlog,
-)
+from balancer.backlog.claims import PendingTask, fail_pending, mark_queued
 from balancer.backlog.hedges import hedge_spending, mark_hedged, stragglers
 from balancer.backlog.ready import unstock
 from balancer.dispatch import endgame, fairness
@@ -213,18 +208,15 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
             held = over_budget.read(conn)
             who = fairness.pending(services, conn, held)
-            pinned: list[PendingTask] = []
-            reserved: set[str] = set()
-            if not who.shared:  # while sources share, pinned tasks take their source's turn in the window
-                pinned = claim_pinned(conn, {m: min(n, window) for m, n in free.items()}, held)
-                # Every model, not only the open ones: a full model's slot can free
-                # between the live read and the admit call.
-                reserved = models_with_pinned_backlog(conn, view, exclude=[t.id for t in pinned], held=held)
-            # A model with ready tasks takes those first (take_from_ready), not new flexible work.
-            reserved |= {name for name, m in view.items() if m.ready}
             limit = claim_limit(free, window)
             fair = fairness.claim_flexible(services, conn, limit, free, held, who)
             claimed = fair.tasks
+            # Reserved among every model, not only the open ones: a full model's slot can free
+            # between the live read and the admit call.
+            pinned, reserved = fairness.pinned_lane(conn, {m: min(n, window) for m, n in free.items()},
+                                                    slots_of(view), claimed, held, who)
+            # A model with ready tasks takes those first (take_from_ready), not new flexible work.
+            reserved |= {name for name, m in view.items() if m.ready}
             batch = plan_batch(pinned, claimed, list(view), reserved)
             if services.settings.end_game and batch:
                 kept = finish_time_aware(

@@ -6,9 +6,12 @@ and orders the window by weighted deficit round robin
 set`` and the round robin's state from Redis (:mod:`balancer.dispatch.shares`).
 :func:`settle` then gives back what the admission did not take and stores the
 state. While several sources share, the pinned tasks an open model may take
-are in their sources' queues like any other (the dispatcher then claims no
-pinned lane ahead of them; issue 38 finding 12), and each source's head is
+are in their sources' queues like any other, and each source's head is
 claimed by its share of the window (:func:`balancer.sources.fairshare.claim_sizes`).
+Pinned tasks still have first claim on their model (:func:`pinned_lane`), but a
+flexible task of the window that every model it may run on would keep out does not
+wait: one of those models gives way to the round robin (:func:`given_way`; issue 38
+finding 12).
 A source with a weight set (a source table, or ``balancer source set NAME
 --weight``) has a share of its own; the names no one set a weight for share one
 share between them, taking turns by name, so a backfill spread over thousands
@@ -24,12 +27,19 @@ has pending work, the others' heads are claimed by source, fairness on or off.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Connection
 
-from balancer.backlog.claims import PendingTask, claim_by_source, claim_window, pending_sources
+from balancer.backlog.claims import (
+    PendingTask,
+    claim_by_source,
+    claim_pinned,
+    claim_window,
+    models_with_pinned_backlog,
+    pending_sources,
+)
 from balancer.dispatch import shares as shared_state
 from balancer.services import Services
 from balancer.sources import fairshare
@@ -90,6 +100,56 @@ def claim_flexible(services: Services, conn: Connection, limit: int, open_models
     order, after = fairshare.fill(queues, limit, declared, state, default_weight=DEFAULT_WEIGHT,
                                   declared=declared.keys())
     return Window(order, after, frozenset(declared))
+
+
+def pinned_lane(conn: Connection, room: Mapping[str, int], slots: Mapping[str, int], window: Sequence[PendingTask],
+                held: Collection[str], who: Pending) -> tuple[list[PendingTask], set[str]]:
+    """The pinned lane: for each model with ``room``, up to that many pending tasks pinned to
+    it alone (priority, then age), none of a ``held`` source; and the models (those of
+    ``slots``) that still have pinned tasks pending after it (tasks another dispatcher holds
+    count), which take no flexible work. Pinned tasks have nowhere else to go, so they have
+    first claim on their model: a slow model's own tasks never queue behind flexible work it
+    took on, which sets a run's end (``bench/scenarios/default.toml``: its 3-slot model's
+    pinned work is the floor).
+
+    While sources share the ``window``, a flexible task of it that every model it may run on
+    would keep out does not wait for their pinned backlogs: one of them gives way (its lane
+    dropped, not reserved; :func:`given_way`), and the round robin decides who runs there
+    (issue 38 finding 12: a backfill pinned to the only model took every slot from a live source).
+    """
+    pinned = claim_pinned(conn, room, held)
+    reserved = models_with_pinned_backlog(conn, slots, exclude=[t.id for t in pinned], held=held)
+    if who.shared:
+        yielding = given_way(reserved, window, slots)
+        pinned = [t for t in pinned if not set(t.allowed_models or ()) & yielding]
+        reserved -= yielding
+    return pinned, reserved
+
+
+def given_way(reserved: Collection[str], window: Sequence[PendingTask], slots: Mapping[str, int]) -> set[str]:
+    """The ``reserved`` models that give way to the ``window``'s flexible tasks: for each task
+    every model it may run on (any of ``slots``' when it names none) is reserved for, the one
+    of them with the most slots, where its own pinned work waits least behind a flexible call.
+
+    >>> window = [PendingTask(1, 10, None), PendingTask(2, 10, ("x",)), PendingTask(3, 10, ("x", "y"))]
+    >>> slots = {"x": 3, "y": 24}
+    >>> sorted(given_way({"x"}, window, slots)), sorted(given_way({"x", "y"}, window, slots))   # y has 24 slots
+    ([], ['y'])
+    >>> sorted(given_way({"x"}, [PendingTask(4, 10, None)], {"x": 3}))   # the only model
+    ['x']
+    """
+    kept = set(reserved)
+    out: set[str] = set()
+    for task in window:
+        allowed = task.allowed_models
+        if allowed is not None and len(allowed) == 1:
+            continue  # a pinned task: its own turn in the window
+        options = [m for m in (allowed or slots) if m in slots]
+        if options and all(m in kept for m in options):
+            widest = max(options, key=lambda m: (slots[m], m))
+            kept.discard(widest)
+            out.add(widest)
+    return out
 
 
 def settle(services: Services, window: Window, served: Collection[int]) -> None:

@@ -7,12 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 
-from balancer.admission.core import ModelLive
-from balancer.backlog.claims import (
-    PendingTask,
-    claim_pinned,
-    pending_at_least,
-)
+from balancer.admission.core import ModelLive, slots_of
+from balancer.backlog.claims import PendingTask, pending_at_least
 from balancer.backlog.ready import mark_ready, ready_admission_id, unstock
 from balancer.dispatch import fairness
 from balancer.dispatch import ready as ready_lists
@@ -63,9 +59,8 @@ def stock_ready(services: Services, view: dict[str, ModelLive], held: Collection
     wanted = sum(targets.values())
     with services.engine.begin() as conn:
         who = fairness.pending(services, conn, held)
-        # While sources share, pinned tasks come in their source's turn with the window's.
-        pinned = [] if who.shared else claim_pinned(conn, targets, held)
         fair = fairness.claim_flexible(services, conn, wanted, targets, held, who)
+        pinned, _ = fairness.pinned_lane(conn, targets, slots_of(view), fair.tasks, held, who)
         if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
             targets = stock_targets(view, settings, shallow)  # sources met in this very claim
         placed = place_ready(pinned, fair.tasks, targets)

@@ -147,6 +147,32 @@ def test_a_declared_live_source_gets_its_share_beside_2000_pinned_backfill_names
     assert sum(task in live for task in order) >= 16, order
 
 
+def test_while_sources_share_a_slow_model_takes_its_pinned_tasks_before_any_flexible_one(svc) -> None:  # noqa: ANN001
+    """While sources shared the window, the pinned lane and its reservation were off: the slow
+    model took flexible tasks any model could run, and its own pinned ones queued behind them
+    (``bench default``, three sources: its 3-slot model ran 5-7 flexible calls, the run's end
+    moved from the pinned floor, 225 s, to 296-300 s). Now it takes its pinned tasks first, and
+    the flexible ones go to the fast model, each source still taking its turns there."""
+    from balancer.admission.quota import Quota
+    from balancer.dispatch.dispatcher import Assignment, dispatch
+
+    svc.quotas.replace_all([Quota("slow", 1, 10**9, slow_start=False), Quota("fast", 8, 10**9, slow_start=False)])
+    flexible = {"crm": set(add(svc, "crm", 40)), "web": set(add(svc, "web", 40))}  # older: first in each turn
+    pinned = {*add(svc, "crm", 3, ["slow"]), *add(svc, "web", 3, ["slow"])}
+    on_slow: list[int] = []
+    on_fast: list[int] = []
+    for _ in range(6):
+        sent: list[Assignment] = []
+        dispatch(svc, sent.extend, max_rounds=1)
+        for a in sent:
+            svc.core.release(a.admission_id)
+            (on_slow if a.model == "slow" else on_fast).append(a.task_id)
+    assert on_slow and set(on_slow) <= pinned, on_slow
+    assert len(on_slow) == 6  # one slot, a call each round, each a pinned task
+    assert not set(on_fast) & pinned
+    assert min(len(set(on_fast) & flexible["crm"]), len(set(on_fast) & flexible["web"])) >= len(on_fast) / 2 - 8
+
+
 @pytest.mark.e2e
 @pytest.mark.usefixtures("migrated")
 def test_a_live_source_is_answered_beside_a_pinned_backfill_end_to_end(pipeline, tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.admission.quota import Quota
-from balancer.dispatch import dispatcher, fairness
+from balancer.dispatch import fairness
 from balancer.services import Services
 from balancer.settings import Settings
 
@@ -42,9 +42,9 @@ def test_tasks_pinned_to_a_disabled_model_are_not_read(migrated, parked: int) ->
         conn.execute(sa.text("ANALYZE tasks"))  # the statistics that see one model holding nearly every pinned task
         conn.commit()
     with svc.engine.begin() as conn:  # one round's reads, as the dispatcher makes them
-        pinned = dispatcher.claim_pinned(conn, {"on": 4})
-        reserved = dispatcher.models_with_pinned_backlog(conn, ["on", "off"], exclude=[t.id for t in pinned])
-        window = fairness.claim_flexible(svc, conn, 16, {"on": 4}).tasks
+        who = fairness.pending(svc, conn)
+        window = fairness.claim_flexible(svc, conn, 16, {"on": 4}, who=who).tasks
+        pinned, reserved = fairness.pinned_lane(conn, {"on": 4}, {"on": 4, "off": 4}, window, (), who)
         read = rows_read(conn)
     assert [t.allowed_models for t in pinned] == [("on",)] * 4
     assert reserved == {"on", "off"}
