@@ -67,7 +67,7 @@ class Pending:
     @property
     def shared(self) -> bool:
         """Whether several sources share the window: then every task, pinned to one model or
-        not, takes its source's turn (no pinned lane ahead of the round robin)."""
+        not, takes its source's turn, and the pinned lane gives way to it (:func:`pinned_lane`)."""
         return self.fair and len(self.kept) > 1
 
 
@@ -112,31 +112,42 @@ def pinned_lane(conn: Connection, room: Mapping[str, int], slots: Mapping[str, i
     took on, which sets a run's end (``bench/scenarios/default.toml``: its 3-slot model's
     pinned work is the floor).
 
-    While sources share the ``window``, a flexible task of it that every model it may run on
-    would keep out does not wait for their pinned backlogs: one of them gives way (its lane
-    dropped, not reserved; :func:`given_way`), and the round robin decides who runs there
-    (issue 38 finding 12: a backfill pinned to the only model took every slot from a live source).
+    While sources share the ``window`` (issue 38 finding 12: a backfill pinned to the only
+    model took every slot from a live source), the round robin keeps the last word:
+
+    * a model the window holds pinned tasks for gets no lane: they come in their sources'
+      turns, so two sources pinned to one model take turns on it;
+    * a flexible task of the window that every model it may run on would keep out does not
+      wait for their pinned backlogs: one of them with room gives way (:func:`given_way`).
     """
-    pinned = claim_pinned(conn, room, held)
+    lane = dict(room)
+    if who.shared:
+        served_in_turn = {t.allowed_models[0] for t in window if t.allowed_models and len(t.allowed_models) == 1}
+        lane = {m: n for m, n in room.items() if m not in served_in_turn}
+    pinned = claim_pinned(conn, lane, held)
     reserved = models_with_pinned_backlog(conn, slots, exclude=[t.id for t in pinned], held=held)
     if who.shared:
-        yielding = given_way(reserved, window, slots)
+        yielding = given_way(reserved, window, slots, [m for m, n in room.items() if n > 0])
         pinned = [t for t in pinned if not set(t.allowed_models or ()) & yielding]
         reserved -= yielding
     return pinned, reserved
 
 
-def given_way(reserved: Collection[str], window: Sequence[PendingTask], slots: Mapping[str, int]) -> set[str]:
+def given_way(reserved: Collection[str], window: Sequence[PendingTask], slots: Mapping[str, int],
+              room: Collection[str]) -> set[str]:
     """The ``reserved`` models that give way to the ``window``'s flexible tasks: for each task
     every model it may run on (any of ``slots``' when it names none) is reserved for, the one
-    of them with the most slots, where its own pinned work waits least behind a flexible call.
+    of them with ``room`` now that has the most slots, where its own pinned work waits least
+    behind a flexible call (none, when none of them has room: giving way would run nothing).
 
     >>> window = [PendingTask(1, 10, None), PendingTask(2, 10, ("x",)), PendingTask(3, 10, ("x", "y"))]
     >>> slots = {"x": 3, "y": 24}
-    >>> sorted(given_way({"x"}, window, slots)), sorted(given_way({"x", "y"}, window, slots))   # y has 24 slots
+    >>> sorted(given_way({"x"}, window, slots, slots)), sorted(given_way({"x", "y"}, window, slots, slots))
     ([], ['y'])
-    >>> sorted(given_way({"x"}, [PendingTask(4, 10, None)], {"x": 3}))   # the only model
+    >>> sorted(given_way({"x", "y"}, window, slots, ["x"]))   # y is full, or disabled
     ['x']
+    >>> sorted(given_way({"x"}, [PendingTask(4, 10, None)], {"x": 3}, []))   # the only model, full
+    []
     """
     kept = set(reserved)
     out: set[str] = set()
@@ -145,8 +156,9 @@ def given_way(reserved: Collection[str], window: Sequence[PendingTask], slots: M
         if allowed is not None and len(allowed) == 1:
             continue  # a pinned task: its own turn in the window
         options = [m for m in (allowed or slots) if m in slots]
-        if options and all(m in kept for m in options):
-            widest = max(options, key=lambda m: (slots[m], m))
+        open_now = [m for m in options if m in room]
+        if options and open_now and all(m in kept for m in options):
+            widest = max(open_now, key=lambda m: (slots[m], m))
             kept.discard(widest)
             out.add(widest)
     return out

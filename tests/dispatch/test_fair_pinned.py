@@ -114,7 +114,8 @@ def run_rounds(svc, rounds: int) -> list[int]:  # noqa: ANN001
 def test_a_live_source_gets_its_share_beside_a_pinned_backfill(svc) -> None:  # noqa: ANN001
     """Issue 38 finding 12: a backfill pinned to the only model (``models = ["x"]``) took every
     slot through the pinned lane, and its pinned backlog kept the model from flexible work: the
-    live source got 0 calls. Now the pinned tasks take their source's turn in the window."""
+    live source got 0 calls. Now the pinned tasks take their source's turn in the window, and
+    the model, reserved by their backlog, gives way to the live source's flexible tasks."""
     from balancer.admission.quota import Quota
     svc.quotas.replace_all([Quota("x", 4, 10**9, slow_start=False)])
     add(svc, "backfill", 400, ["x"])
@@ -122,6 +123,41 @@ def test_a_live_source_gets_its_share_beside_a_pinned_backfill(svc) -> None:  # 
     order = run_rounds(svc, 10)
     assert len(order) == 40
     assert sum(task in live for task in order) >= 16, order  # half of 40 calls, less a round's slack
+
+
+def test_two_sources_pinned_to_one_model_take_turns_on_it(svc) -> None:  # noqa: ANN001
+    """A live source pinned to the same model as a backfill (a client that names its model):
+    the pinned lane, claimed by age, would give every slot to the older backfill. While the
+    window holds that model's pinned tasks, they come in their sources' turns instead, with a
+    second model and a third source's flexible work beside them too."""
+    from balancer.admission.quota import Quota
+    svc.quotas.replace_all([Quota("x", 4, 10**9, slow_start=False)])
+    add(svc, "backfill", 400, ["x"])
+    live = set(add(svc, "live", 20, ["x"]))
+    order = run_rounds(svc, 10)
+    assert len(order) == 40 and sum(task in live for task in order) >= 16, order
+
+    svc.quotas.replace_all([Quota("x", 4, 10**9, slow_start=False), Quota("y", 4, 10**9, slow_start=False)])
+    add(svc, "other", 100)
+    live = set(add(svc, "live", 20, ["x"]))
+    order = run_rounds(svc, 10)
+    assert sum(task in live for task in order) >= 10, order  # a third of x's 40 calls, less a round's slack
+
+
+def test_a_model_that_cannot_run_anything_does_not_give_way_for_one_that_can(svc) -> None:  # noqa: ANN001
+    """A disabled model with more slots and parked pinned tasks was the one chosen to give way
+    to the live source's flexible tasks; the model they could run on stayed reserved for its
+    pinned backfill, and the live source got 0 of 40 calls. The model that gives way has room."""
+    import dataclasses
+
+    from balancer.admission.quota import Quota
+    svc.quotas.replace_all([Quota("on", 4, 10**9, slow_start=False),
+                            dataclasses.replace(Quota("off", 8, 10**9, slow_start=False), enabled=False)])
+    add(svc, "parked", 30, ["off"])
+    add(svc, "backfill", 400, ["on"])
+    live = set(add(svc, "live", 20))
+    order = run_rounds(svc, 10)
+    assert len(order) == 40 and sum(task in live for task in order) >= 13, order  # a third, less a round's slack
 
 
 def test_a_declared_live_source_gets_its_share_beside_2000_pinned_backfill_names(svc) -> None:  # noqa: ANN001
