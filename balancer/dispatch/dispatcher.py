@@ -15,9 +15,8 @@ else to go, so they get first claim on their model: they go first in the batch,
 and while a model still has pinned tasks pending (counting those another
 dispatcher holds) it takes no flexible work. So a slow model's own tasks never
 queue behind flexible work it took on, which is what sets the end of
-``bench/scenarios/default.toml``. While sources share, a model that a task of
-the window may run nowhere else but on such models gives way to the round robin
-(:func:`balancer.dispatch.fairness.pinned_lane`). It
+``bench/scenarios/default.toml``. While sources share, the round robin keeps the
+last word over the lane and the reservation (:func:`balancer.dispatch.fairness.pinned_lane`). It
 admits the batch in one atomic call, marks the admitted
 ones ``queued`` and commits, and only then publishes their messages. If the
 transaction fails, the commit included, the round's admissions are withdrawn

@@ -103,7 +103,7 @@ def claim_flexible(services: Services, conn: Connection, limit: int, open_models
 
 
 def pinned_lane(conn: Connection, room: Mapping[str, int], slots: Mapping[str, int], window: Sequence[PendingTask],
-                held: Collection[str], who: Pending) -> tuple[list[PendingTask], set[str]]:
+                held: Collection[str], who: Pending, *, reserving: bool = True) -> tuple[list[PendingTask], set[str]]:
     """The pinned lane: for each model with ``room``, up to that many pending tasks pinned to
     it alone (priority, then age), none of a ``held`` source; and the models (those of
     ``slots``) that still have pinned tasks pending after it (tasks another dispatcher holds
@@ -119,12 +119,17 @@ def pinned_lane(conn: Connection, room: Mapping[str, int], slots: Mapping[str, i
       turns, so two sources pinned to one model take turns on it;
     * a flexible task of the window that every model it may run on would keep out does not
       wait for their pinned backlogs: one of them with room gives way (:func:`given_way`).
+
+    With ``reserving`` off (the ready lists, placed by room) the reserved models are read only
+    while sources share, to give way by them, and an empty set is returned otherwise.
     """
     lane = dict(room)
     if who.shared:
         served_in_turn = {t.allowed_models[0] for t in window if t.allowed_models and len(t.allowed_models) == 1}
         lane = {m: n for m, n in room.items() if m not in served_in_turn}
     pinned = claim_pinned(conn, lane, held)
+    if not reserving and not who.shared:
+        return pinned, set()
     reserved = models_with_pinned_backlog(conn, slots, exclude=[t.id for t in pinned], held=held)
     if who.shared:
         yielding = given_way(reserved, window, slots, [m for m, n in room.items() if n > 0])

@@ -62,7 +62,7 @@ def stock_ready(services: Services, view: dict[str, ModelLive], held: Collection
         fair = fairness.claim_flexible(services, conn, wanted, targets, held, who)
         if fair.shares is not None and (shallow := fairness.ready_per_slot(services, shared_now=True)) < per_slot:
             targets = stock_targets(view, settings, shallow)  # sources met in this very claim
-        pinned, _ = fairness.pinned_lane(conn, targets, slots_of(view), fair.tasks, held, who)
+        pinned, _ = fairness.pinned_lane(conn, targets, slots_of(view), fair.tasks, held, who, reserving=False)
         placed = place_ready(pinned, fair.tasks, targets)
         if not placed:
             return 0

@@ -70,6 +70,10 @@ def upper_ms(bucket: int) -> float:
     return FIRST_MS * 2 ** (bucket / PER_DOUBLING)
 
 
+#: Each bucket's geometric middle in ms (what :meth:`LatencySketch.dispersion` reads it as).
+_MIDDLES_MS = tuple(upper_ms(i) * 2 ** (-0.5 / PER_DOUBLING) for i in range(BUCKETS))
+
+
 @dataclass(frozen=True)
 class LatencyEstimate:
     """What the dispatcher plans with: p50, p90, p99 and mean in ms, and how many calls
@@ -151,9 +155,8 @@ class LatencySketch:
         total = sum(self.counts)
         if total == 0:
             return 1.0
-        middles = [upper_ms(i) * 2 ** (-0.5 / PER_DOUBLING) for i in range(BUCKETS)]
-        first = sum(c * x for c, x in zip(self.counts, middles, strict=True))
-        second = sum(c * x * x for c, x in zip(self.counts, middles, strict=True))
+        first = sum(c * x for c, x in zip(self.counts, _MIDDLES_MS, strict=True))
+        second = sum(c * x * x for c, x in zip(self.counts, _MIDDLES_MS, strict=True))
         return second * total / (first * first)
 
     def estimate(self, prior_s: float) -> LatencyEstimate:
