@@ -27,8 +27,16 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
     ``alive``: a worker still keeps that call alive in Redis, though it could
     not renew the deadline in PostgreSQL (see :mod:`balancer.calls.heartbeat`);
     their deadline moves one lease on. One transaction, so both statements
-    judge "past" by the same ``now()``. Returns (returned, kept)."""
-    expired = sa.and_(tasks.c.status.in_(("ready", "queued", "running")), tasks.c.deadline < sa.func.now())
+    judge "past" by the same ``now()``. A row another transaction holds locked is skipped
+    until a later sweep: a worker whose host was cut off in the middle of a write holds its
+    rows until the cut heals, and the sweep (and the dispatcher's ticks after it) would wait
+    that long. Returns (returned, kept)."""
+    def past_deadline(table: sa.FromClause) -> sa.ColumnElement[bool]:
+        return sa.and_(table.c.status.in_(("ready", "queued", "running")), table.c.deadline < sa.func.now())
+
+    free = tasks.alias("free")
+    unlocked = sa.select(free.c.id).where(past_deadline(free)).with_for_update(skip_locked=True)
+    expired = sa.and_(past_deadline(tasks), tasks.c.id.in_(unlocked.scalar_subquery()))
     ids = list(alive)
     with engine.begin() as conn:
         kept = 0

@@ -108,11 +108,16 @@ def is_running_elsewhere(engine: Engine, task_id: int, admission_id: str) -> boo
 def extend_deadlines(engine: Engine, admission_ids: Sequence[str], lease_seconds: int) -> int:
     """Push the deadline of the queued or running tasks whose call or hedge is one of
     ``admission_ids`` one lease from now (a worker's heartbeat: whichever call of a
-    hedged task is still live keeps it); returns how many were extended."""
+    hedged task is still live keeps it); returns how many were extended.
+
+    One statement in autocommit (:func:`one_statement`): PostgreSQL commits it as it runs, so a
+    worker whose host is cut off after sending it holds no row. As a transaction of its own, a
+    cut before its COMMIT left every running row of that worker locked until the cut healed, and
+    the dispatcher's hedges of those very calls waited on them."""
     if not admission_ids:
         return 0
     ids = list(admission_ids)
-    with engine.begin() as conn:
+    with one_statement(engine) as conn:
         result = conn.execute(
             sa.update(tasks)
             .where(sa.or_(tasks.c.admission_id.in_(ids), tasks.c.hedge_admission_id.in_(ids)),

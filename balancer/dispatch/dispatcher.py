@@ -359,7 +359,7 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
             spends = 0 if call.model in orphans else call.estimated_tokens
             if mark_hedged(conn, key, call.admission_id, decision.admission_id, decision.model, spends):
                 sent.append(Assignment(key, decision.model, decision.admission_id, call.estimated_tokens, hedge=True))
-            else:  # the first call ended meanwhile
+            else:  # the first call ended meanwhile, or a worker holds its row
                 core.release(decision.admission_id)
     publish(sent)
     return len(sent)

@@ -250,6 +250,25 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_th
     assert len(sent) == 7  # every free slot of a (three) and c (four): the hedge and six of the backlog
 
 
+def test_a_call_whose_row_a_cut_worker_holds_locked_stalls_no_dispatch_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real-hosts test: a worker host cut mid-write (its heartbeat's COMMIT never sent) held
+    its running rows locked, and the dispatcher's hedge of the orphan's call waited on its row
+    until the cut healed, 13 s with free slots and a backlog. Now the round skips that row and
+    the backlog goes out; the call is hedged in a round after the lock is gone."""
+    from tests.backlog.test_locked_rows import WAIT_S, locked_by_a_cut_worker, within
+
+    svc, orphan, _ = long_calls_on_b_and_a(monkeypatch, "1")
+    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone, mid-write
+    backlog = submit(svc, None, 5)  # a and c have seven free slots: two are left for hedges
+    sent: list[Assignment] = []
+    with locked_by_a_cut_worker(svc.engine, orphan):
+        within(WAIT_S, lambda: dispatch(svc, sent.extend))
+    assert orphan not in {a.task_id for a in sent} and {a.task_id for a in sent if not a.hedge} == set(backlog)
+    sent.clear()
+    dispatch(svc, sent.extend)
+    assert [a.task_id for a in sent if a.hedge] == [orphan]
+
+
 def test_a_hedge_of_an_orphans_call_spends_none_of_the_budget_a_straggler_needs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 40's cut at the issue's size: the cut host's calls were hedged whatever the budget, but
