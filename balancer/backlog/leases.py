@@ -26,41 +26,39 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
     lost message, a dead worker), except those whose call or hedge is in
     ``alive``: a worker still keeps that call alive in Redis, though it could
     not renew the deadline in PostgreSQL (see :mod:`balancer.calls.heartbeat`);
-    their deadline moves one lease on. One transaction, so both statements
-    judge "past" by the same ``now()``. A row another transaction holds locked is skipped
-    until a later sweep: a worker whose host was cut off in the middle of a write holds its
-    rows until the cut heals, and the sweep (and the dispatcher's ticks after it) would wait
-    that long. Returns (returned, kept)."""
-    def past_deadline(table: sa.FromClause) -> sa.ColumnElement[bool]:
-        return sa.and_(table.c.status.in_(("ready", "queued", "running")), table.c.deadline < sa.func.now())
-
-    free = tasks.alias("free")
-    unlocked = sa.select(free.c.id).where(past_deadline(free)).with_for_update(skip_locked=True)
-    expired = sa.and_(past_deadline(tasks), tasks.c.id.in_(unlocked.scalar_subquery()))
-    ids = list(alive)
+    their deadline moves one lease on. One transaction: the rows past their deadline
+    are locked first, and both changes apply to exactly those. A row another transaction
+    holds locked is skipped until a later sweep: a worker whose host was cut off in the
+    middle of a write holds its rows until the cut heals, and the sweep (and the
+    dispatcher's ticks after it) would wait that long. Returns (returned, kept)."""
     with engine.begin() as conn:
-        kept = 0
-        if ids:
-            kept = conn.execute(
+        rows = conn.execute(
+            sa.select(tasks.c.id, tasks.c.admission_id, tasks.c.hedge_admission_id)
+            .where(tasks.c.status.in_(("ready", "queued", "running")), tasks.c.deadline < sa.func.now())
+            .with_for_update(skip_locked=True)
+        ).all()
+        live = set(alive)
+        keep = [r.id for r in rows if r.admission_id in live or r.hedge_admission_id in live]
+        back = [r.id for r in rows if not (r.admission_id in live or r.hedge_admission_id in live)]
+        if keep:
+            conn.execute(sa.update(tasks).where(tasks.c.id.in_(keep))
+                         .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds)))
+        if back:
+            conn.execute(
                 sa.update(tasks)
-                .where(expired, sa.or_(tasks.c.admission_id.in_(ids), tasks.c.hedge_admission_id.in_(ids)))
-                .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds))
-            ).rowcount
-        result = conn.execute(
-            sa.update(tasks)
-            .where(expired)
-            .values(
-                status="pending",
-                model=None,
-                admission_id=None,
-                hedge_admission_id=None,
-                hedge_model=None,
-                deadline=None,
-                updated_at=sa.func.now(),
-                error="returned to pending: deadline passed while " + tasks.c.status,
+                .where(tasks.c.id.in_(back))
+                .values(
+                    status="pending",
+                    model=None,
+                    admission_id=None,
+                    hedge_admission_id=None,
+                    hedge_model=None,
+                    deadline=None,
+                    updated_at=sa.func.now(),
+                    error="returned to pending: deadline passed while " + tasks.c.status,
+                )
             )
-        )
-    return result.rowcount, kept
+    return len(back), len(keep)
 
 
 def _return_to_pending(engine: Engine, which: sa.ColumnElement[bool], reason: str,

@@ -121,3 +121,34 @@ def test_a_heartbeat_holds_no_lock_once_its_statement_is_sent(engine: Engine) ->
         go_on.set()
         renewal.join(WAIT_S)
         sa.event.remove(engine, "after_cursor_execute", held_after_the_statement)
+
+
+def test_a_live_call_s_task_locked_while_the_sweep_looks_is_kept_when_the_lock_goes(engine: Engine) -> None:
+    """A review's case: the sweep's two changes (keep a live call's task, return the rest) once read
+    "past its deadline and not locked" each for itself. A live call's row locked during the first
+    was not kept; unlocked by the second, it was returned to pending with its call alive. The rows
+    are now locked once, before both."""
+    (task,) = running(engine, 1, expired=True)
+    first_done, go_on = threading.Event(), threading.Event()
+
+    def after_the_first_statement(*_: object) -> None:
+        if threading.current_thread() is sweeper and not first_done.is_set():
+            first_done.set()
+            go_on.wait(WAIT_S)
+
+    out: list[tuple[int, int]] = []
+    sweeper = threading.Thread(target=lambda: out.append(sweep_expired(engine, {"a0"}, 60)), daemon=True)
+    sa.event.listen(engine, "after_cursor_execute", after_the_first_statement)
+    try:
+        with locked_by_a_cut_worker(engine, task):
+            sweeper.start()
+            assert first_done.wait(WAIT_S)
+        go_on.set()  # the lock is gone before the sweep's next statement
+        sweeper.join(WAIT_S)
+    finally:
+        go_on.set()
+        sweeper.join(WAIT_S)
+        sa.event.remove(engine, "after_cursor_execute", after_the_first_statement)
+    with engine.connect() as conn:
+        status = conn.execute(sa.select(tasks.c.status).where(tasks.c.id == task)).scalar_one()
+    assert (out, status) == ([(0, 0)], "running")
