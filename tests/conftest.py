@@ -209,7 +209,8 @@ def pytest_testnodedown(node, error) -> None:  # noqa: ANN001 - pytest-xdist's c
 #: key and no ``balancer_demo_*`` schema is left anywhere, so no other demo may run
 #: beside them (and test_wheel's module fixture builds its wheel once). The two chaos runs
 #: take one worker, one after the other: side by side they loaded the machine enough to
-#: slow the other tests' short leases.
+#: slow the other tests' short leases (.ci/run runs them apart, in the background, and
+#: leaves them out of its `pytest -m long`).
 SERIAL_GROUPS = {"test_demo.py": "demo", "test_wheel.py": "demo", "test_chaos.py": "chaos"}
 #: Modules that run real processes for seconds per test; handed out first, so the
 #: short tests fill the gaps at the end instead of one long test running alone.

@@ -99,9 +99,9 @@ def hedge_spending(conn: Connection) -> tuple[int, int]:
 
 def mark_hedged(conn: Connection, task_id: int, admission_id: str, hedge_admission_id: str, model: str, tokens: int) -> bool:
     """Record a hedge, if the task still runs under ``admission_id`` with none in flight, and no
-    other transaction holds its row: a worker writing it now is ending the call (no hedge is
-    needed), and one whose host was cut off mid-write holds it until the cut heals, which the
-    dispatcher would wait for. A later round hedges it once the row is free."""
+    other transaction holds its row (a worker writing its answer or renewing its deadline; one
+    whose host was cut off mid-write holds it until the cut heals, which the dispatcher would
+    wait for). A later round hedges it once the row is free."""
     free = tasks.alias("free")
     unlocked = sa.select(free.c.id).where(free.c.id == task_id).with_for_update(skip_locked=True)
     result = conn.execute(

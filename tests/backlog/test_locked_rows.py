@@ -1,10 +1,10 @@
 """A worker cut off in the middle of a write (its host's cable pulled) holds nothing that stalls the
 others: real PostgreSQL, a second connection standing in for the worker whose write never ended.
 
-In the real-hosts test a worker host was cut 0.7 s into a batch, and no task was dispatched
-anywhere for the 13 s until it healed: a heartbeat's ``UPDATE`` had reached PostgreSQL and its
-``COMMIT`` had not, so the cut host's running rows stayed locked, and the dispatcher's hedge of
-those very calls waited on them."""
+In a run of the real-hosts test a worker host was cut 0.7 s into a batch for 13 s, and no task
+was dispatched anywhere from 2.8 s after the cut until 1 s after the heal: a heartbeat's ``UPDATE``
+had reached PostgreSQL and its ``COMMIT`` had not, so the cut host's running rows stayed locked,
+and the dispatcher's hedge of those very calls waited on them."""
 
 from __future__ import annotations
 
@@ -68,13 +68,23 @@ def locked_by_a_cut_worker(engine: Engine, task_id: int) -> Iterator[None]:
 
 
 def within(seconds: float, work: Callable[[], Any]) -> Any:
-    """``work``'s result, failing if it has not returned within ``seconds`` (then it is left to end
-    by itself once the lock goes)."""
+    """``work``'s result (or its exception, raised here), failing if it has not returned within
+    ``seconds`` (then it is left to end by itself once the lock goes)."""
     out: list[Any] = []
-    thread = threading.Thread(target=lambda: out.append(work()), daemon=True)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(seconds)
     assert not thread.is_alive(), f"still waiting after {seconds} s: on the locked row"
+    if errors:
+        raise errors[0]
     return out[0]
 
 
@@ -100,7 +110,10 @@ def test_a_heartbeat_holds_no_lock_once_its_statement_is_sent(engine: Engine) ->
     left no row locked. As a transaction of its own, its COMMIT was one round trip more, and
     a cut before it left every running row of that worker locked until the cut healed."""
     ids = running(engine, 2)
+    with engine.connect() as conn:
+        before = dict(conn.execute(sa.select(tasks.c.id, tasks.c.deadline).where(tasks.c.id.in_(ids))).all())
     sent, go_on = threading.Event(), threading.Event()
+    renewed: list[int] = []
 
     def held_after_the_statement(*_: object) -> None:
         if threading.current_thread() is renewal:
@@ -109,7 +122,8 @@ def test_a_heartbeat_holds_no_lock_once_its_statement_is_sent(engine: Engine) ->
 
     sa.event.listen(engine, "after_cursor_execute", held_after_the_statement)
     try:
-        renewal = threading.Thread(target=extend_deadlines, args=(engine, ["a0", "a1"], 60), daemon=True)
+        renewal = threading.Thread(target=lambda: renewed.append(extend_deadlines(engine, ["a0", "a1"], 120)),
+                                   daemon=True)
         renewal.start()
         assert sent.wait(WAIT_S)
         with engine.connect() as other:
@@ -121,6 +135,9 @@ def test_a_heartbeat_holds_no_lock_once_its_statement_is_sent(engine: Engine) ->
         go_on.set()
         renewal.join(WAIT_S)
         sa.event.remove(engine, "after_cursor_execute", held_after_the_statement)
+    with engine.connect() as conn:  # and the renewal was made: both deadlines a lease of 120 s on
+        after = dict(conn.execute(sa.select(tasks.c.id, tasks.c.deadline).where(tasks.c.id.in_(ids))).all())
+    assert renewed == [2] and all(after[i] > before[i] for i in ids)
 
 
 def test_a_live_call_s_task_locked_while_the_sweep_looks_is_kept_when_the_lock_goes(engine: Engine) -> None:
