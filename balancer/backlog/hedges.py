@@ -57,26 +57,36 @@ class Straggler:
     allowed_models: tuple[str, ...] | None
     elapsed_ms: float
     source: str = "submit"
+    hedge_admission_id: str | None = None  # a hedge in flight on one of the orphans, which a new hedge replaces
 
 
 def stragglers(conn: Connection, max_hedges: int, limit: int = 50,
-               models: Collection[str] | None = None) -> list[Straggler]:
+               orphans: Collection[str] | None = None) -> list[Straggler]:
     """Running tasks with no hedge in flight and fewer than ``max_hedges`` so far, longest-running
-    first; with ``models``, only those whose call runs on one of them."""
-    on_models = tasks.c.model.in_(sorted(models)) if models is not None else sa.true()
+    first. With ``orphans`` (models no worker consumes), only the tasks whose call runs on one of
+    them, whatever their hedges so far, and those whose hedge in flight runs on one of them too:
+    a hedge sent to a model of the host that was then cut off stands in for nothing, and the task
+    waited a whole lease for the sweep."""
+    if orphans is None:
+        which = sa.and_(tasks.c.hedge_admission_id.is_(None), tasks.c.hedges < max_hedges)
+    else:
+        names = sorted(orphans)
+        which = sa.and_(tasks.c.model.in_(names),
+                        sa.or_(tasks.c.hedge_admission_id.is_(None), tasks.c.hedge_model.in_(names)))
     rows = conn.execute(
         sa.select(
             tasks.c.id, tasks.c.model, tasks.c.admission_id, tasks.c.estimated_tokens, tasks.c.allowed_models,
             (sa.extract("epoch", sa.func.now() - tasks.c.started_at) * 1000).label("elapsed_ms"), tasks.c.source,
+            tasks.c.hedge_admission_id,
         )
-        .where(tasks.c.status == "running", tasks.c.hedge_admission_id.is_(None), tasks.c.hedges < max_hedges,
-               tasks.c.started_at.is_not(None), on_models)
+        .where(tasks.c.status == "running", tasks.c.started_at.is_not(None), which)
         .order_by(tasks.c.started_at)
         .limit(limit)
     ).all()
     return [
         Straggler(r.id, r.model, r.admission_id, r.estimated_tokens,
-                  tuple(r.allowed_models) if r.allowed_models else None, float(r.elapsed_ms), r.source)
+                  tuple(r.allowed_models) if r.allowed_models else None, float(r.elapsed_ms), r.source,
+                  r.hedge_admission_id)
         for r in rows
     ]
 
@@ -97,17 +107,20 @@ def hedge_spending(conn: Connection) -> tuple[int, int]:
     return int(row[0]), int(row[1])
 
 
-def mark_hedged(conn: Connection, task_id: int, admission_id: str, hedge_admission_id: str, model: str, tokens: int) -> bool:
-    """Record a hedge, if the task still runs under ``admission_id`` with none in flight, and no
-    other transaction holds its row (a worker writing its answer or renewing its deadline; one
-    whose host was cut off mid-write holds it until the cut heals, which the dispatcher would
-    wait for). A later round hedges it once the row is free."""
+def mark_hedged(conn: Connection, task_id: int, admission_id: str, hedge_admission_id: str, model: str, tokens: int,
+                replacing: str | None = None) -> bool:
+    """Record a hedge, if the task still runs under ``admission_id`` with no hedge in flight (or, with
+    ``replacing``, with that one: a hedge on a model no worker consumes any more), and no other
+    transaction holds its row (a worker writing its answer or renewing its deadline; one whose host
+    was cut off mid-write holds it until the cut heals, which the dispatcher would wait for). A later
+    round hedges it once the row is free."""
     free = tasks.alias("free")
     unlocked = sa.select(free.c.id).where(free.c.id == task_id).with_for_update(skip_locked=True)
     result = conn.execute(
         sa.update(tasks)
         .where(tasks.c.id == task_id, tasks.c.id.in_(unlocked.scalar_subquery()), tasks.c.status == "running",
-               tasks.c.admission_id == admission_id, tasks.c.hedge_admission_id.is_(None))
+               tasks.c.admission_id == admission_id,
+               tasks.c.hedge_admission_id.is_(None) if replacing is None else tasks.c.hedge_admission_id == replacing)
         .values(hedge_admission_id=hedge_admission_id, hedge_model=model, hedges=tasks.c.hedges + 1,
                 hedge_tokens=tasks.c.hedge_tokens + tokens, updated_at=sa.func.now())
     )

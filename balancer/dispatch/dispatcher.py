@@ -337,8 +337,8 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
         return 0
     sent: list[Assignment] = []
     with withdrawn_unless_committed(core) as admitted_ids, services.engine.begin() as conn:
-        on = orphans if orphans_only else None
-        calls = {c.id: c for c in stragglers(conn, settings.max_hedges, models=on) if c.source not in held}
+        calls = {c.id: c for c in stragglers(conn, settings.max_hedges, orphans=orphans if orphans_only else None)
+                 if c.source not in held}
         if not calls:
             return 0
         spent, run_tokens = hedge_spending(conn)
@@ -357,7 +357,8 @@ def hedge_stragglers(services: Services, publish: Publisher, view: dict[str, Mod
             # A hedge of a call no worker serves stands in for a call that may never answer, whatever
             # the budget: it spends none of it, or a cut host's calls would leave none for the stragglers.
             spends = 0 if call.model in orphans else call.estimated_tokens
-            if mark_hedged(conn, key, call.admission_id, decision.admission_id, decision.model, spends):
+            if mark_hedged(conn, key, call.admission_id, decision.admission_id, decision.model, spends,
+                           replacing=call.hedge_admission_id):
                 sent.append(Assignment(key, decision.model, decision.admission_id, call.estimated_tokens, hedge=True))
             else:  # the first call ended meanwhile, or a worker holds its row
                 core.release(decision.admission_id)

@@ -250,6 +250,30 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_th
     assert len(sent) == 7  # every free slot of a (three) and c (four): the hedge and six of the backlog
 
 
+def test_a_call_whose_hedge_went_to_the_same_cut_host_is_hedged_again_on_one_that_is_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real-hosts test, 2 runs in 7: a straggler on b was hedged on c a moment before b's and c's
+    host was cut off; the task had its one hedge, and both its calls were on the cut host, so it
+    waited its whole lease for the sweep (a batch of 4 s took 11-12 s). A hedge on a model no
+    worker consumes stands in for nothing: the call is hedged again on a served model, which
+    replaces it."""
+    from balancer.backlog.hedges import mark_hedged
+
+    svc, on_b, on_a = long_calls_on_b_and_a(monkeypatch, "1")
+    with svc.engine.begin() as conn:
+        (admission,) = conn.execute(sa.select(tasks.c.admission_id).where(tasks.c.id == on_b)).scalars().all()
+        assert mark_hedged(conn, on_b, admission, "hedge-on-c", "c", 10)
+    svc.core.note_consumers("w-b", ["b"], 0)  # the host of b's and c's workers is cut off
+    svc.core.note_consumers("w-c", ["c"], 0)
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    assert [(a.task_id, a.model) for a in sent if a.hedge and a.task_id == on_b] == [(on_b, "a")]
+    with svc.engine.connect() as conn:
+        row = conn.execute(sa.select(tasks.c.hedge_model, tasks.c.hedge_admission_id, tasks.c.hedges)
+                           .where(tasks.c.id == on_b)).one()
+    assert row.hedge_model == "a" and row.hedge_admission_id != "hedge-on-c" and row.hedges == 2
+
+
 def test_a_call_whose_row_a_cut_worker_holds_locked_stalls_no_dispatch_round(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real-hosts test: a worker host cut mid-write (its heartbeat's COMMIT never sent) held
     its running rows locked, and the dispatcher's hedge of the orphan's call waited on its row
