@@ -224,7 +224,8 @@ def top(interval: float, count: int | None) -> None:
     """A live view: per model, calls in flight against the cap, tokens and
     requests per minute against TPM and RPM (over the last minute this view
     has seen), 429s, latency and the binding limit; per source table (and source with a budget per
-    day): its tasks by state, weight and budget; the backlog below."""
+    day): its tasks by state, weight and budget; the backlog below. Piped or redirected, each
+    refresh is printed after the last."""
     import time
     from collections import deque
 
@@ -267,6 +268,14 @@ def top(interval: float, count: int | None) -> None:
         return Group(model_table(rows, rates, console.width), *health, *by_source, counted, *money)
 
     console = Console()  # the terminal's width: a wider one than the terminal makes rows wrap and frames pile up
+    if not console.is_terminal:  # piped or redirected: each refresh printed after the last, as `top -b` does
+        shown = 0
+        while count is None or shown < count:
+            if shown:
+                time.sleep(interval)
+            console.print(frame())
+            shown += 1
+        return
     with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:
         shown = 1
         while count is None or shown < count:

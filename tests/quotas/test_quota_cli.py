@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -381,6 +382,31 @@ def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixt
     assert done.returncode == 0, done.stderr
     assert "2/2" in done.stdout and "0/5" in done.stdout and "600,000" in done.stdout
     assert "pending: 0" in done.stdout
+
+
+def test_top_piped_prints_each_refresh_as_it_comes(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user's probe: `balancer top` with its output piped printed nothing until it was stopped
+    (the live view draws only on a terminal). Piped, each refresh is printed after the last, whole
+    lines, as `top -b` does."""
+    import queue
+    import threading
+    import time
+
+    assert run(capsys, "quota", "set", "a", "--create", "--tpm", "600000", "--concurrency", "2")[0] == 0
+    top = subprocess.Popen([sys.executable, "-m", "balancer", "top", "--interval", "0.1"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    assert top.stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in top.stdout], daemon=True).start()  # type: ignore[union-attr]
+    frames, deadline = 0, time.monotonic() + 60
+    try:
+        while frames < 3 and time.monotonic() < deadline:  # no --count: it runs until stopped, printing as it goes
+            with contextlib.suppress(queue.Empty):
+                frames += "eta:" in lines.get(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        top.terminate()
+        top.wait(timeout=30)
+    assert frames == 3
 
 
 def test_top_fits_100_columns_with_one_line_per_model_and_names_the_burst(capsys: pytest.CaptureFixture[str]) -> None:
