@@ -38,8 +38,10 @@ def sweep_expired(engine: Engine, alive: Collection[str], lease_seconds: int) ->
             .with_for_update(skip_locked=True)
         ).all()
         live = set(alive)
-        keep = [r.id for r in rows if r.admission_id in live or r.hedge_admission_id in live]
-        back = [r.id for r in rows if not (r.admission_id in live or r.hedge_admission_id in live)]
+        keep: list[int] = []
+        back: list[int] = []
+        for r in rows:
+            (keep if r.admission_id in live or r.hedge_admission_id in live else back).append(r.id)
         if keep:
             conn.execute(sa.update(tasks).where(tasks.c.id.in_(keep))
                          .values(deadline=sa.func.now() + timedelta(seconds=lease_seconds)))

@@ -226,6 +226,7 @@ def top(interval: float, count: int | None) -> None:
     has seen), 429s, latency and the binding limit; per source table (and source with a budget per
     day): its tasks by state, weight and budget; the backlog below. Piped or redirected, each
     refresh is printed after the last."""
+    import contextlib
     import time
     from collections import deque
 
@@ -268,19 +269,17 @@ def top(interval: float, count: int | None) -> None:
         return Group(model_table(rows, rates, console.width), *health, *by_source, counted, *money)
 
     console = Console()  # the terminal's width: a wider one than the terminal makes rows wrap and frames pile up
-    if not console.is_terminal:  # piped or redirected: each refresh printed after the last, as `top -b` does
+    # Piped or redirected, there is no live view: each refresh is printed after the last, as `top -b` does.
+    live = Live(console=console, auto_refresh=False) if console.is_terminal else contextlib.nullcontext()
+    with live:
         shown = 0
         while count is None or shown < count:
             if shown:
                 time.sleep(interval)
-            console.print(frame())
-            shown += 1
-        return
-    with Live(frame(), console=console, refresh_per_second=4, auto_refresh=False) as live:
-        shown = 1
-        while count is None or shown < count:
-            time.sleep(interval)
-            live.update(frame(), refresh=True)
+            if isinstance(live, Live):
+                live.update(frame(), refresh=True)
+            else:
+                console.print(frame())
             shown += 1
 
 
