@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from balancer.admission import fields, keys
-from balancer.admission.learned import Learned, effective, reason, relaxed, slots_now
+from balancer.admission.learned import Learned, effective, ramp_wait_ms, reason, relaxed, slots_now
 from balancer.admission.liveness import records_trusted
 from balancer.admission.quota import Quota
 from balancer.admission.values import UNITS, outside_rate, refilled
@@ -40,11 +40,19 @@ class ModelLive:
     circuit_open: bool = False  # repeated transient failures opened its circuit: probed one call at a time
     failures: int = 0  # consecutive transient failures toward opening it (0 once a call is answered)
     consumers: int = 0  # worker processes consuming its queue now (a live record each: keys.consumers)
+    #: Ms until slow start opens its next slot, while it holds the cap below the effective one (None: it does not)
+    ramp_wait_ms: int | None = None
 
     @property
     def cap_now(self) -> int:
         """How many calls it may have in flight now (slow start included)."""
         return self.limits.max_concurrent_requests if self.slots is None else self.slots
+
+    @property
+    def slot_opens_ms(self) -> int | None:
+        """Ms until a model that slow start holds full has a free slot again
+        without any call ending (None: it is not full, or not ramping)."""
+        return self.ramp_wait_ms if self.in_flight >= self.cap_now else None
 
     @property
     def limits(self) -> Quota:
@@ -108,11 +116,13 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         learned = relaxed(quota, learned, now_ms)  # as the next script will see it (refill, then relax)
         paused_ms = max(0, m["paused"] - now_ms)
         latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
+        slots = slots_now(quota, learned, now_ms)
+        ramping = slots < limits.max_concurrent_requests and m["probing"] != 1  # (probing: one call at a time)
         view[name] = ModelLive(quota, in_flight, tokens / UNITS,
                                requests / UNITS if limits.max_requests_per_minute else None,
                                m["deficit"], paused_ms, outside_rate(limits.max_tokens_per_minute, m["ext"]),
-                               latency, ready, learned,
-                               slots_now(quota, learned, now_ms), m["probing"] == 1, m["fails"], consumers)
+                               latency, ready, learned, slots, m["probing"] == 1, m["fails"], consumers,
+                               ramp_wait_ms(learned, now_ms) if ramping else None)
     return view
 
 
@@ -125,6 +135,13 @@ def records_trusted_now(client: redis.Redis, namespace: str, now_ms: int | None 
     (heard, resumed), (seconds, micros) = pipe.execute()
     now = seconds * 1000 + micros // 1000 if now_ms is None else now_ms
     return records_trusted(now, None if heard is None else int(heard), None if resumed is None else int(resumed))
+
+
+def next_slot_ms(view: dict[str, ModelLive]) -> int | None:
+    """Ms until slow start opens a slot on one of the models it holds full (None: it holds none).
+    No call ends to ask for a dispatch then, so the dispatcher asks for one itself."""
+    waits = [m.slot_opens_ms for m in view.values() if m.slot_opens_ms is not None and m.quota.enabled]
+    return min(waits, default=None)
 
 
 def slots_of(view: dict[str, ModelLive]) -> dict[str, int]:

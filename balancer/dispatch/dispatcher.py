@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
 
-from balancer.admission.core import AdmissionCore, ModelLive, open_slots, slots_of
+from balancer.admission.core import AdmissionCore, ModelLive, next_slot_ms, open_slots, slots_of
 from balancer.admission.values import Admitted, Candidate, NotNow, Rejected
 from balancer.backlog.claims import PendingTask, fail_pending, mark_queued
 from balancer.backlog.hedges import hedge_spending, mark_hedged, stragglers
@@ -101,7 +101,8 @@ class DispatchReport:
     unconsumed: int = 0
     #: sources over their budget: none of their tasks was claimed (balancer.dispatch.budgets)
     held: frozenset[str] = frozenset()
-    #: ms until the earliest refused task could be admitted (None: unknown or nothing waits)
+    #: ms until the earliest refused task could be admitted, or slow start opens a slot on a model
+    #: it holds full (None: unknown or nothing waits)
     retry_in_ms: int | None = None
     by_model: dict[str, int] = field(default_factory=dict)
 
@@ -260,6 +261,11 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         report.hedges += hedge_stragglers(services, publish, every, over_budget.read())
     if stocking and not view_predates_stock:  # (a view read before this run's stock would stock twice)
         report.stocked += stock_ready(services, view, over_budget.read())
+    # A slot that slow start opens frees without a call ending, so nothing else would ask for
+    # the round that fills it: the next tick would, with every slot opened meanwhile at once.
+    opens = next_slot_ms(view)
+    if opens is not None and (report.retry_in_ms is None or opens < report.retry_in_ms):
+        report.retry_in_ms = opens
     return report
 
 

@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.admission.quota import Quota
+from balancer.admission.values import Admitted
 from balancer.backlog.insert import insert_tasks
 from balancer.backlog.intake import parse_tasks
 from balancer.dispatch.dispatcher import Assignment, dispatch
@@ -226,3 +227,23 @@ def test_a_failed_commit_withdraws_what_the_round_admitted(svc: Services) -> Non
     report = dispatch(svc, sent.extend)
     # The three slots, and the tokens for three tasks: none was kept by the failed round.
     assert report.admitted == 3 and [a.task_id for a in sent] == ids[:3]
+
+
+def test_a_run_that_slow_start_holds_full_asks_for_a_round_when_its_next_slot_opens(svc: Services) -> None:
+    """A slot that slow start opens frees without a call ending, so no finish asks for the round
+    that fills it: the run asks for it itself (``retry_in_ms``). Without that the slots opened
+    until the next tick went out together, and a provider that takes fewer refused them all at
+    once (learn.toml's conc-10: four 429s in 30 ms, its fifth to eighth calls)."""
+    from balancer.admission.learned import RAMP_MS, RAMP_START
+
+    svc.quotas.replace_all([Quota("a", 40, 10**6)])  # learn and slow start: the defaults
+    add(svc, [{"prompt": f"t{i}", "model": "a"} for i in range(20)])
+    sent: list[Assignment] = []
+    first = dispatch(svc, sent.extend)
+    assert len(sent) == RAMP_START
+    assert first.retry_in_ms == RAMP_MS  # the ramp's clock starts with the first call's start
+    for a in sent:
+        assert isinstance(svc.core.renew(a.admission_id, a.model, a.estimated_tokens), Admitted)
+    second = dispatch(svc, sent.extend)
+    assert len(sent) == RAMP_START and second.retry_in_ms is not None
+    assert 0 < second.retry_in_ms <= RAMP_MS // RAMP_START  # the third slot opens a step's half in
