@@ -22,7 +22,6 @@ import redis
 
 from balancer.admission import fields, keys, learned, liveness, values, window
 from balancer.admission.live import ModelLive as ModelLive
-from balancer.admission.live import next_slot_ms as next_slot_ms
 from balancer.admission.live import open_slots as open_slots
 from balancer.admission.live import read_live, records_trusted_now
 from balancer.admission.live import slots_of as slots_of

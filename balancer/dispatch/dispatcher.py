@@ -61,7 +61,8 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
 
-from balancer.admission.core import AdmissionCore, ModelLive, next_slot_ms, open_slots, slots_of
+from balancer.admission.core import AdmissionCore, ModelLive, open_slots, slots_of
+from balancer.admission.live import next_slot_ms
 from balancer.admission.values import Admitted, Candidate, NotNow, Rejected
 from balancer.backlog.claims import PendingTask, fail_pending, mark_queued
 from balancer.backlog.hedges import hedge_spending, mark_hedged, stragglers
@@ -137,6 +138,9 @@ Publisher = Callable[[Sequence[Assignment]], None]
 #: claiming 200 tasks for them and refusing nearly all, round after round, made
 #: a dispatch run take 0.2 to 0.8 s on fast.toml (docs/benchmark-history.md, the hot path).
 CLAIMS_PER_OPEN_SLOT = 4
+
+#: The soonest a dispatch run asks for the next round when slow start is what holds a model full.
+RAMP_ROUND_MS = 50
 
 
 def claim_limit(free: dict[str, int], window: int) -> int:
@@ -263,9 +267,13 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
         report.stocked += stock_ready(services, view, over_budget.read())
     # A slot that slow start opens frees without a call ending, so nothing else would ask for
     # the round that fills it: the next tick would, with every slot opened meanwhile at once.
+    # No sooner than RAMP_ROUND_MS: late in a ramp a slot opens every few ms. Only while a model
+    # is full: the round that finds its new slot and nothing pending for it asks for no other.
     opens = next_slot_ms(view)
-    if opens is not None and (report.retry_in_ms is None or opens < report.retry_in_ms):
-        report.retry_in_ms = opens
+    if opens is not None:
+        opens = max(opens, RAMP_ROUND_MS)
+        if report.retry_in_ms is None or opens < report.retry_in_ms:
+            report.retry_in_ms = opens
     return report
 
 

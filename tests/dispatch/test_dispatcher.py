@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import sqlalchemy as sa
 
+from balancer.admission.learned import RAMP_MS, RAMP_START
 from balancer.admission.quota import Quota
 from balancer.admission.values import Admitted
 from balancer.backlog.insert import insert_tasks
 from balancer.backlog.intake import parse_tasks
-from balancer.dispatch.dispatcher import Assignment, dispatch
+from balancer.dispatch.dispatcher import RAMP_ROUND_MS, Assignment, dispatch
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.storage.schema import tasks
@@ -229,21 +231,39 @@ def test_a_failed_commit_withdraws_what_the_round_admitted(svc: Services) -> Non
     assert report.admitted == 3 and [a.task_id for a in sent] == ids[:3]
 
 
+def start_calls(svc: Services, sent: list[Assignment]) -> None:
+    """What a worker does before it calls the backend: the first start begins slow start's clock."""
+    for a in sent:
+        assert isinstance(svc.core.renew(a.admission_id, a.model, a.estimated_tokens), Admitted)
+
+
 def test_a_run_that_slow_start_holds_full_asks_for_a_round_when_its_next_slot_opens(svc: Services) -> None:
     """A slot that slow start opens frees without a call ending, so no finish asks for the round
     that fills it: the run asks for it itself (``retry_in_ms``). Without that the slots opened
     until the next tick went out together, and a provider that takes fewer refused them all at
     once (learn.toml's conc-10: four 429s in 30 ms, its fifth to eighth calls)."""
-    from balancer.admission.learned import RAMP_MS, RAMP_START
-
     svc.quotas.replace_all([Quota("a", 40, 10**6)])  # learn and slow start: the defaults
     add(svc, [{"prompt": f"t{i}", "model": "a"} for i in range(20)])
     sent: list[Assignment] = []
     first = dispatch(svc, sent.extend)
     assert len(sent) == RAMP_START
     assert first.retry_in_ms == RAMP_MS  # the ramp's clock starts with the first call's start
-    for a in sent:
-        assert isinstance(svc.core.renew(a.admission_id, a.model, a.estimated_tokens), Admitted)
+    start_calls(svc, sent)
     second = dispatch(svc, sent.extend)
     assert len(sent) == RAMP_START and second.retry_in_ms is not None
-    assert 0 < second.retry_in_ms <= RAMP_MS // RAMP_START  # the third slot opens a step's half in
+    assert RAMP_ROUND_MS <= second.retry_in_ms <= RAMP_MS // RAMP_START  # the third slot opens a step's half in
+
+
+def test_a_run_that_finds_nothing_pending_asks_for_no_round_for_slow_start(svc: Services) -> None:
+    """The rounds asked for stop once a model is no longer full: a slow start with nothing to send
+    is not a round every RAMP_ROUND_MS until it ends."""
+    svc.quotas.replace_all([Quota("a", 40, 10**6)])
+    add(svc, [{"prompt": f"t{i}", "model": "a"} for i in range(RAMP_START)])
+    sent: list[Assignment] = []
+    dispatch(svc, sent.extend)
+    start_calls(svc, sent)
+    deadline = time.monotonic() + 5
+    while svc.core.live()["a"].cap_now <= RAMP_START:  # the third slot opens
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert dispatch(svc, sent.extend).retry_in_ms is None
