@@ -222,6 +222,28 @@ def ramp_wait_ms(learned: Learned, now: int) -> int:
     return min(RAMP_MS, -(-(opened + 1) * RAMP_MS // base)) - into
 
 
+def ramp_opens_ms(quota: Quota, learned: Learned, now: int) -> int | None:
+    """Ms until slow start opens a slot it holds closed now, with no call ending (None: it
+    holds none, or none opens before a call starts or ends).
+
+    Before its clock starts (``ramp_at`` 0), a new quota's first slot opens that long after
+    its first call starts, and the calls a dispatch admitted start within ms of it: the wait
+    as if one started now. A quota set while calls ran (``ramp_from``) opens nothing until
+    one of them ends, and that end asks for a round itself.
+
+    >>> q = Quota("m", 40, 60_000)
+    >>> ramp_opens_ms(q, Learned(), 5_000), ramp_opens_ms(q, Learned(ramp_from=5), 5_000), ramp_opens_ms(q, Learned(ramp_at=1_000), 1_100)
+    (125, None, 25)
+    >>> ramp_opens_ms(q, Learned(ramp_at=1_000), 9_000), ramp_opens_ms(q.replace(slow_start=False), Learned(), 0)
+    (None, None)
+    """
+    if slots_now(quota, learned, now) >= effective(quota, learned).max_concurrent_requests:
+        return None
+    if learned.ramp_at == 0:
+        return None if learned.ramp_from else ramp_wait_ms(replace(learned, ramp_at=now), now)
+    return ramp_wait_ms(learned, now)
+
+
 def note_served(learned: Learned, now: int, sent: int) -> None:
     """An answered call of a learning model ends with ``sent`` calls started and live in
     flight (itself included): the provider served that many at once, at most (a call it

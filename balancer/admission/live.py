@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from balancer.admission import fields, keys
-from balancer.admission.learned import Learned, effective, ramp_wait_ms, reason, relaxed, slots_now
+from balancer.admission.learned import Learned, effective, ramp_opens_ms, reason, relaxed, slots_now
 from balancer.admission.liveness import records_trusted
 from balancer.admission.quota import Quota
 from balancer.admission.values import UNITS, outside_rate, refilled
@@ -40,8 +40,9 @@ class ModelLive:
     circuit_open: bool = False  # repeated transient failures opened its circuit: probed one call at a time
     failures: int = 0  # consecutive transient failures toward opening it (0 once a call is answered)
     consumers: int = 0  # worker processes consuming its queue now (a live record each: keys.consumers)
-    #: Ms until slow start opens its next slot, while it holds the cap below the effective one (None: it does not)
-    ramp_wait_ms: int | None = None
+    #: Ms until slow start opens a slot it holds closed, with no call ending, and no pause holds the
+    #: model (None: none opens so: balancer.admission.learned.ramp_opens_ms)
+    ramp_opens_ms: int | None = None
 
     @property
     def cap_now(self) -> int:
@@ -50,9 +51,9 @@ class ModelLive:
 
     @property
     def slot_opens_ms(self) -> int | None:
-        """Ms until a model that slow start holds full has a free slot again
-        without any call ending (None: it is not full, or not ramping)."""
-        return self.ramp_wait_ms if self.in_flight >= self.cap_now else None
+        """Ms until a model that slow start holds full can take a call again with
+        no call ending (None: it is not full, or no slot opens so)."""
+        return self.ramp_opens_ms if self.in_flight >= self.cap_now else None
 
     @property
     def limits(self) -> Quota:
@@ -116,13 +117,12 @@ def read_live(client: redis.Redis, namespace: str, now_ms: int | None = None) ->
         learned = relaxed(quota, learned, now_ms)  # as the next script will see it (refill, then relax)
         paused_ms = max(0, m["paused"] - now_ms)
         latency = LatencySketch.from_fields({k.decode(): int(v) for k, v in sketch.items()})
-        slots = slots_now(quota, learned, now_ms)
-        ramping = slots < limits.max_concurrent_requests and m["probing"] != 1  # (probing: one call at a time)
+        opens = None if m["probing"] == 1 else ramp_opens_ms(quota, learned, now_ms)  # (probing: one call at a time)
         view[name] = ModelLive(quota, in_flight, tokens / UNITS,
                                requests / UNITS if limits.max_requests_per_minute else None,
                                m["deficit"], paused_ms, outside_rate(limits.max_tokens_per_minute, m["ext"]),
-                               latency, ready, learned, slots, m["probing"] == 1, m["fails"], consumers,
-                               ramp_wait_ms(learned, now_ms) if ramping else None)
+                               latency, ready, learned, slots_now(quota, learned, now_ms), m["probing"] == 1,
+                               m["fails"], consumers, None if opens is None else max(opens, paused_ms))
     return view
 
 

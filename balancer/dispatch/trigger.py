@@ -11,7 +11,9 @@ for long.
 
 Delayed requests ("a model's tokens refill in 300 ms") use a second flag and
 a countdown that is never longer than one dispatch tick, far below the broker
-visibility timeout.
+visibility timeout. A request due sooner than the one on its way is sent too,
+and its flag takes the sooner expiry: a round slow start asks for in 60 ms is
+not held back by a token wait's 900 ms.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ from balancer.admission import keys
 
 FLAG_TTL_MS = 2_000
 
+#: A delayed request is sent unless one on its way is due no more than this much later.
+SOONER_MS = 20
+
+# SET the timer flag for ARGV[1] ms unless it exists with at most ARGV[1] + ARGV[2] ms left; 1 if set.
+_SOONER = """
+local left = redis.call('PTTL', KEYS[1])
+if left >= 0 and left <= tonumber(ARGV[1]) + tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+return 1
+"""
+
 
 def request_dispatch(
     client: redis.Redis, namespace: str, send: Callable[[float], None], *, delay_ms: int = 0, max_delay_ms: int = 1_000
@@ -35,8 +48,8 @@ def request_dispatch(
             send(0.0)
             return True
         return False
-    delay_ms = min(delay_ms, max_delay_ms)
-    if client.set(timer_key, "1", nx=True, px=max(delay_ms, 1)):
+    delay_ms = max(min(delay_ms, max_delay_ms), 1)
+    if client.register_script(_SOONER)(keys=[timer_key], args=[delay_ms, SOONER_MS]):
         send(delay_ms / 1000.0)
         return True
     return False

@@ -16,3 +16,14 @@ def test_one_request_per_burst_until_a_run_clears_the_flag(redis_client: redis.R
     assert request_dispatch(redis_client, namespace, sent.append)
     assert sent == [0.0, 0.0]
     assert redis_client.pttl(keys.dispatch_flags(namespace)[0]) > 0  # it expires by itself if the message is lost
+
+
+def test_a_delayed_request_due_sooner_than_the_one_on_its_way_is_sent(redis_client: redis.Redis, namespace: str) -> None:
+    """A round slow start asks for in 60 ms is not held back by a token wait's 900 ms on its way."""
+    sent: list[float] = []
+    assert request_dispatch(redis_client, namespace, sent.append, delay_ms=900)
+    assert not request_dispatch(redis_client, namespace, sent.append, delay_ms=900)  # the same: coalesced
+    assert request_dispatch(redis_client, namespace, sent.append, delay_ms=60)
+    assert not request_dispatch(redis_client, namespace, sent.append, delay_ms=60)  # no sooner: coalesced
+    assert sent == [0.9, 0.06]
+    assert 0 < redis_client.pttl(keys.dispatch_flags(namespace)[1]) <= 60  # the flag now expires with the sooner one
