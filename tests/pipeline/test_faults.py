@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -90,6 +91,15 @@ def died(p: Pipeline) -> str:
     return ", ".join(p.supervisor.restarts) or "none"
 
 
+def logged_ready_at(log: Path) -> float:
+    """When a Celery worker said it was ready, from its log (``[2026-11-30 07:51:15,812: INFO/...]
+    name@host ready.``, local time), as ``time.time()`` counts: it consumes nothing before."""
+    for line in log.read_text(errors="replace").splitlines():
+        if line.rstrip().endswith(" ready.") and line.startswith("["):
+            return datetime.strptime(line[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    raise AssertionError(f"{log.name} has no 'ready.' line")
+
+
 def start_hanging_calls(p: Pipeline, count: int = 40, hang_s: float = 2.0) -> list[int]:
     """Submit ``count`` tasks whose calls all hang ``hang_s``, and return once 10 are
     on the wire, so a fault injected next lands mid-call."""
@@ -132,17 +142,17 @@ def test_worker_killed_mid_call_is_redelivered_and_solved_once(pipeline, reliabi
     worker.process.wait(timeout=10)
     p.supervisor.children.remove(worker)
     set_faults(p)  # calls are quick again
-    replaced_wall = time.time()
-    p.supervisor.start("worker-1", ["worker", "--all-models", "--loglevel", "INFO"])
+    replacement = p.supervisor.start("worker-1", ["worker", "--all-models", "--loglevel", "INFO"])
     result = finish_and_check(p, len(ids))
     recovery = time.monotonic() - killed_at
     assert result["counts"]["solved"] == len(ids) and result["counts"]["failed"] == 0
     assert double_writes(p.services.engine) == 0
     repeated = result["ok_calls"] - len(ids)
     # Calls in flight at the kill, from the backend's own log: ended after it, and started
-    # before the replacement worker was, so by the dead one (a request already in the socket
-    # when it died is stamped when the backend reads it: 0.2 s later and more under load).
-    in_flight_at_kill = sum(1 for e in p.sim_log() if e["start"] <= replaced_wall and e["end"] > killed_wall)
+    # before the replacement worker was ready, so by the dead one (a request already in the
+    # socket when it died is stamped when the backend reads it: 0.2 s later and more under load).
+    ready_wall = logged_ready_at(replacement.log)
+    in_flight_at_kill = sum(1 for e in p.sim_log() if e["start"] < ready_wall and e["end"] > killed_wall)
     assert 0 <= repeated <= in_flight_at_kill  # only calls cut off by the kill were made again
     assert p.violations() == []  # concurrency never above any cap, even across the redelivery
     assert all(n == 0 for n in result["in_flight"].values())  # every slot freed (lease expiry + release)
