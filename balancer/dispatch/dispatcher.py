@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection
 
-from balancer.admission.core import AdmissionCore, ModelLive, open_slots, slots_of
-from balancer.admission.live import next_slot_ms
+from balancer.admission.core import AdmissionCore
+from balancer.admission.live import ModelLive, next_slot_ms, open_slots, slots_of
 from balancer.admission.values import Admitted, Candidate, NotNow, Rejected
 from balancer.backlog.claims import PendingTask, fail_pending, mark_queued
 from balancer.backlog.hedges import hedge_spending, mark_hedged, stragglers
