@@ -50,12 +50,6 @@ class ModelLive:
         return self.limits.max_concurrent_requests if self.slots is None else self.slots
 
     @property
-    def slot_opens_ms(self) -> int | None:
-        """Ms until a model that slow start holds full can take a call again with
-        no call ending (None: it is not full, or no slot opens so)."""
-        return self.ramp_opens_ms if self.in_flight >= self.cap_now else None
-
-    @property
     def limits(self) -> Quota:
         """The effective limits the scripts hold it to now: the quota's, or lower where it learned so."""
         return effective(self.quota, self.learned)
@@ -140,8 +134,8 @@ def records_trusted_now(client: redis.Redis, namespace: str, now_ms: int | None 
 def next_slot_ms(view: dict[str, ModelLive]) -> int | None:
     """Ms until slow start opens a slot on one of the models it holds full (None: it holds none).
     No call ends to ask for a dispatch then, so the dispatcher asks for one itself."""
-    waits = [m.slot_opens_ms for m in view.values() if m.slot_opens_ms is not None and m.quota.enabled]
-    return min(waits, default=None)
+    return min((m.ramp_opens_ms for m in view.values()
+                if m.ramp_opens_ms is not None and m.in_flight >= m.cap_now and m.quota.enabled), default=None)
 
 
 def slots_of(view: dict[str, ModelLive]) -> dict[str, int]:

@@ -107,6 +107,11 @@ class DispatchReport:
     retry_in_ms: int | None = None
     by_model: dict[str, int] = field(default_factory=dict)
 
+    def retry_within(self, ms: int | None) -> None:
+        """Ask for the next round no later than ``ms`` from now (None: no new reason to)."""
+        if ms is not None and (self.retry_in_ms is None or ms < self.retry_in_ms):
+            self.retry_in_ms = ms
+
     def count_admitted(self, assignments: Sequence[Assignment]) -> None:
         self.admitted += len(assignments)
         for a in assignments:
@@ -244,9 +249,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
                     failed.append((task.id, decision.reason))
                 elif isinstance(decision, NotNow):
                     report.waiting += 1
-                    wait = decision.wait_ms
-                    if wait is not None and (report.retry_in_ms is None or wait < report.retry_in_ms):
-                        report.retry_in_ms = wait
+                    report.retry_within(decision.wait_ms)
             mark_queued(conn, [(a.task_id, a.model, a.admission_id) for a in admitted], services.settings.lease_seconds)
             fail_pending(conn, failed)
         fairness.settle(services, fair, {a.task_id for a in admitted} | {task_id for task_id, _ in failed})
@@ -270,10 +273,7 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
     # No sooner than RAMP_ROUND_MS: late in a ramp a slot opens every few ms. Only while a model
     # is full: the round that finds its new slot and nothing pending for it asks for no other.
     opens = next_slot_ms(view)
-    if opens is not None:
-        opens = max(opens, RAMP_ROUND_MS)
-        if report.retry_in_ms is None or opens < report.retry_in_ms:
-            report.retry_in_ms = opens
+    report.retry_within(None if opens is None else max(opens, RAMP_ROUND_MS))
     return report
 
 
