@@ -7,7 +7,7 @@ task rows, so it is tested without servers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from balancer.devtools.sim.audit import Limits
@@ -255,28 +255,41 @@ def last_task_start(rows: Iterable[Any]) -> float | None:
     return max(starts) if starts else None
 
 
-def last_solved(rows: Iterable[Any], started: float, count: int = 5) -> list[dict[str, Any]]:
+def last_solved(rows: Iterable[Any], started: float, count: int = 5,
+                calls_of: Callable[[Any], Iterable[Mapping[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """The ``count`` tasks solved last, last first: what a run's tail was made of.
 
     Per task: the model that answered, whether and where it was hedged, and
     when (seconds since ``started``) its first call started and its answer
-    was written.
+    was written. With ``calls_of`` (a row: the backend's log entries of its
+    task's calls), also each call in the order they started, as ``[model,
+    start s, length s]``: which call set the end, and when its hedge went out.
+    The backend logs a call when it ends, so one still running when the run
+    ended (a hedged pair's loser) is not there.
 
     >>> from datetime import datetime, timezone
     >>> from types import SimpleNamespace as Row
     >>> at = lambda s: datetime.fromtimestamp(s, timezone.utc)
-    >>> rows = [Row(id=1, status="solved", model="slow", hedges=1, hedge_model="mid", started_at=at(10), solved_at=at(90)),
+    >>> rows = [Row(id=1, status="solved", model="mid", hedges=1, hedge_model="mid", started_at=at(10), solved_at=at(90)),
     ...         Row(id=2, status="solved", model="fast", hedges=0, hedge_model=None, started_at=at(5), solved_at=at(6))]
     >>> last_solved(rows, started=0.0, count=1)
-    [{'task': 1, 'model': 'slow', 'hedges': 1, 'hedged_to': 'mid', 'started_s': 10.0, 'solved_s': 90.0}]
+    [{'task': 1, 'model': 'mid', 'hedges': 1, 'hedged_to': 'mid', 'started_s': 10.0, 'solved_s': 90.0}]
+    >>> log = {1: [dict(model="mid", start=80.0, end=90.0, status=200), dict(model="slow", start=10.0, end=95.5, status=200)]}
+    >>> last_solved(rows, started=0.0, count=1, calls_of=lambda r: log[r.id])[0]["calls"]
+    [['slow', 10.0, 85.5], ['mid', 80.0, 10.0]]
     """
     solved = [r for r in rows if r.status == "solved" and r.solved_at is not None and r.started_at is not None]
     solved.sort(key=lambda r: r.solved_at, reverse=True)
-    return [
-        {"task": r.id, "model": r.model, "hedges": r.hedges, "hedged_to": r.hedge_model,
-         "started_s": round(r.started_at.timestamp() - started, 2), "solved_s": round(r.solved_at.timestamp() - started, 2)}
-        for r in solved[:count]
-    ]
+    out: list[dict[str, Any]] = []
+    for r in solved[:count]:
+        task: dict[str, Any] = {
+            "task": r.id, "model": r.model, "hedges": r.hedges, "hedged_to": r.hedge_model,
+            "started_s": round(r.started_at.timestamp() - started, 2), "solved_s": round(r.solved_at.timestamp() - started, 2)}
+        if calls_of is not None:
+            calls = sorted((e for e in calls_of(r) if e["status"] != 429), key=lambda e: e["start"])
+            task["calls"] = [[e["model"], round(e["start"] - started, 2), round(e["end"] - e["start"], 2)] for e in calls]
+        out.append(task)
+    return out
 
 
 def backlog_out(entries: Iterable[dict[str, Any]]) -> float | None:

@@ -87,9 +87,10 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
             "",
             "The tasks solved last (what the tail was made of; times in s since submit):",
             "",
-            "| task | answered by | hedges | hedged to | first call started | solved |",
-            "|---:|---|---:|---|---:|---:|",
-            *[f"| {t['task']} | {t['model']} | {t['hedges']} | {t['hedged_to'] or '-'} | {t['started_s']} | {t['solved_s']} |"
+            "| task | answered by | hedges | hedged to | first call started | solved | its calls: model, start + length |",
+            "|---:|---|---:|---|---:|---:|---|",
+            *[f"| {t['task']} | {t['model']} | {t['hedges']} | {t['hedged_to'] or '-'} | {t['started_s']} | {t['solved_s']} | "
+              + ", ".join(f"{m} {start} + {length}" for m, start, length in t.get("calls", [])) + " |"
               for t in p.get("last_solved", [])],
             "",
             "| model | tasks | tokens estimated | tokens used | used / estimated |",

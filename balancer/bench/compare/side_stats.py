@@ -4,6 +4,7 @@ queueing delay, refill gaps, limit utilization, latency, hedges, ETA and cost pr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from balancer.bench.compare.bounds import limits
@@ -27,6 +28,7 @@ from balancer.bench.compare.report import (
 from balancer.devtools.runner import RunResult
 from balancer.devtools.scenario import Scenario
 from balancer.devtools.sim.audit import audit, calls_from_log
+from balancer.devtools.sim.server import prompt_key
 
 
 def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
@@ -63,8 +65,17 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "eta_after_end_s": result.eta_samples[-1]["eta_s"] if result.eta_samples else None,
         "cost_projection": projection_error(result.eta_samples, scenario.workload.tasks,
                                             result.eta_samples[-1]["spent"] if result.eta_samples else 0.0),
-        "last_solved": last_solved(result.rows, result.started),
+        "last_solved": last_solved(result.rows, result.started, calls_of=calls_by_prompt(result.entries)),
     }
+
+
+def calls_by_prompt(entries: Iterable[dict[str, Any]]) -> Callable[[Any], list[dict[str, Any]]]:
+    """A task row: the backend's log entries of its calls, found by its prompt's key."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for e in entries:
+        if "prompt_key" in e:
+            by_key.setdefault(e["prompt_key"], []).append(e)
+    return lambda row: by_key.get(prompt_key(row.prompt), [])
 
 
 def latency_table(result: RunResult) -> dict[str, Any]:
