@@ -207,14 +207,14 @@ def test_the_tasks_solved_last_list_their_calls_from_the_backends_log() -> None:
     """Issue 39's tail was read from each run's call log by hand, session after session: which
     call set the end, and when its hedge went out. The report now lists them per task, matched
     by the prompt's key; a 429 is not a call that ran."""
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     from balancer.bench.compare.report import last_solved
     from balancer.bench.compare.side_stats import calls_by_prompt
     from balancer.devtools.sim.server import prompt_key
 
     def at(s: float) -> datetime:
-        return datetime.fromtimestamp(100 + s, timezone.utc)
+        return datetime.fromtimestamp(100 + s, UTC)
 
     Row = namedtuple("Row", "id status model hedges hedge_model started_at solved_at prompt")
     rows = [Row(7, "solved", "fast", 1, "fast", at(10), at(24.5), "the straggler"),
