@@ -15,6 +15,7 @@ import balancer.estimates.capacity
 from balancer.bench.compare.report import (
     backlog_out,
     estimate_accuracy,
+    last_solved,
     limit_utilization,
     percentile,
     refill_gaps,
@@ -206,11 +207,11 @@ def test_report_helpers() -> None:
 def test_the_tasks_solved_last_list_their_calls_from_the_backends_log() -> None:
     """Issue 39's tail was read from each run's call log by hand, session after session: which
     call set the end, and when its hedge went out. The report now lists them per task, matched
-    by the prompt's key; a 429 is not a call that ran."""
+    by the prompt's key, in the order they started (the log is in the order they ended); a 429 is
+    not a call that ran."""
     from datetime import UTC, datetime
 
-    from balancer.bench.compare.report import last_solved
-    from balancer.bench.compare.side_stats import calls_by_prompt
+    from balancer.bench.compare.side_stats import calls_of_task
     from balancer.devtools.sim.server import prompt_key
 
     def at(s: float) -> datetime:
@@ -219,11 +220,12 @@ def test_the_tasks_solved_last_list_their_calls_from_the_backends_log() -> None:
     Row = namedtuple("Row", "id status model hedges hedge_model started_at solved_at prompt")
     rows = [Row(7, "solved", "fast", 1, "fast", at(10), at(24.5), "the straggler"),
             Row(8, "solved", "fast", 0, None, at(20), at(21), "a quick one")]
-    log = [dict(prompt_key=prompt_key("the straggler"), model="slow", start=110.0, end=131.0, status=200),
-           dict(prompt_key=prompt_key("the straggler"), model="fast", start=122.0, end=124.5, status=200),
+    log = [dict(prompt_key=prompt_key("a quick one"), model="fast", start=120.0, end=121.0, status=200),
            dict(prompt_key=prompt_key("the straggler"), model="fast", start=121.0, end=121.0, status=429),
-           dict(prompt_key=prompt_key("a quick one"), model="fast", start=120.0, end=121.0, status=200)]
-    tail = last_solved(rows, started=100.0, calls_of=calls_by_prompt(log))
+           dict(prompt_key=prompt_key("the straggler"), model="fast", start=122.0, end=124.5, status=200),
+           dict(model="fast", start=123.0, end=124.0, status=200),  # a log entry with no prompt key: no task's
+           dict(prompt_key=prompt_key("the straggler"), model="slow", start=110.0, end=131.0, status=200)]
+    tail = last_solved(rows, started=100.0, calls_of=calls_of_task(log))
     assert [t["task"] for t in tail] == [7, 8]
     assert tail[0]["calls"] == [["slow", 10.0, 21.0], ["fast", 22.0, 2.5]]
     assert tail[1]["calls"] == [["fast", 20.0, 1.0]]

@@ -15,6 +15,7 @@ from balancer.estimates.stats import percentile as percentile  # the bench repor
 
 
 def accepted(entries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls that ran: a 429 did not."""
     return [e for e in entries if e["status"] != 429]
 
 
@@ -256,16 +257,15 @@ def last_task_start(rows: Iterable[Any]) -> float | None:
 
 
 def last_solved(rows: Iterable[Any], started: float, count: int = 5,
-                calls_of: Callable[[Any], Iterable[Mapping[str, Any]]] | None = None) -> list[dict[str, Any]]:
+                calls_of: Callable[[Any], Iterable[dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """The ``count`` tasks solved last, last first: what a run's tail was made of.
 
     Per task: the model that answered, whether and where it was hedged, and
     when (seconds since ``started``) its first call started and its answer
     was written. With ``calls_of`` (a row: the backend's log entries of its
-    task's calls), also each call in the order they started, as ``[model,
-    start s, length s]``: which call set the end, and when its hedge went out.
-    The backend logs a call when it ends, so one still running when the run
-    ended (a hedged pair's loser) is not there.
+    task's calls), also each call that ran (:func:`accepted`) in the order they
+    started, as ``[model, start s, length s]``: which call set the end, and when
+    its hedge went out (what the log misses: docs/scenarios.md, The report).
 
     >>> from datetime import datetime, timezone
     >>> from types import SimpleNamespace as Row
@@ -286,7 +286,7 @@ def last_solved(rows: Iterable[Any], started: float, count: int = 5,
             "task": r.id, "model": r.model, "hedges": r.hedges, "hedged_to": r.hedge_model,
             "started_s": round(r.started_at.timestamp() - started, 2), "solved_s": round(r.solved_at.timestamp() - started, 2)}
         if calls_of is not None:
-            calls = sorted((e for e in calls_of(r) if e["status"] != 429), key=lambda e: e["start"])
+            calls = sorted(accepted(calls_of(r)), key=lambda e: e["start"])
             task["calls"] = [[e["model"], round(e["start"] - started, 2), round(e["end"] - e["start"], 2)] for e in calls]
         out.append(task)
     return out

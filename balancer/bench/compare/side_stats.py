@@ -65,12 +65,13 @@ def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:
         "eta_after_end_s": result.eta_samples[-1]["eta_s"] if result.eta_samples else None,
         "cost_projection": projection_error(result.eta_samples, scenario.workload.tasks,
                                             result.eta_samples[-1]["spent"] if result.eta_samples else 0.0),
-        "last_solved": last_solved(result.rows, result.started, calls_of=calls_by_prompt(result.entries)),
+        "last_solved": last_solved(result.rows, result.started, calls_of=calls_of_task(result.entries)),
     }
 
 
-def calls_by_prompt(entries: Iterable[dict[str, Any]]) -> Callable[[Any], list[dict[str, Any]]]:
-    """A task row: the backend's log entries of its calls, found by its prompt's key."""
+def calls_of_task(entries: Iterable[dict[str, Any]]) -> Callable[[Any], list[dict[str, Any]]]:
+    """A task row: the backend's log entries of its calls, found by its prompt's key (the bench's
+    prompts are distinct; tasks that shared a prompt would share its calls)."""
     by_key: dict[str, list[dict[str, Any]]] = {}
     for e in entries:
         if "prompt_key" in e:
