@@ -150,9 +150,14 @@ def source_reasons(s: SourceFacts) -> list[Reason]:
 def blocked(models: Sequence[ModelFacts], pending: int) -> str | None:
     """Why nothing can run while ``pending`` tasks wait: every model has a reason that
     blocks it (the ETA says this instead of a number); None when something can run.
+    Models stopped by the same reason are named together: a backend that is down for
+    all of them is said once.
 
     >>> blocked([ModelFacts("a", enabled=False), ModelFacts("b", paused_s=30)], pending=5)
     'blocked: a: quota disabled; b: paused by a 429 for 30 s more'
+    >>> down = [ModelFacts(n, unreachable=True, failures=1, last_error="refused") for n in "abcde"]
+    >>> blocked(down, pending=5)
+    'blocked: a, b, c and 2 more: backend unreachable: refused'
     >>> blocked([ModelFacts("a", paused_s=30)], pending=0) is None   # nothing waits
     True
     >>> blocked([], pending=5)
@@ -162,14 +167,20 @@ def blocked(models: Sequence[ModelFacts], pending: int) -> str | None:
         return None
     if not models:
         return "blocked: no model has a quota"
-    why = []
+    stopped_by: dict[str, list[str]] = {}
     for m in models:
         stops = [r for r in model_reasons(m) if r.blocks]
         if not stops:
             return None
-        why.append(f"{m.name}: {stops[0].text}")
-    shown = why[:3] + ([f"{len(why) - 3} more"] if len(why) > 3 else [])
-    return "blocked: " + "; ".join(shown)
+        stopped_by.setdefault(stops[0].text, []).append(m.name)
+    why = [f"{_some(names, ', ', ' and ')}: {text}" for text, names in stopped_by.items()]
+    return "blocked: " + _some(why, "; ", "; ")
+
+
+def _some(items: list[str], sep: str, before_more: str, shown: int = 3) -> str:
+    """The first ``shown`` of ``items`` joined by ``sep``, then how many more."""
+    more = f"{before_more}{len(items) - shown} more" if len(items) > shown else ""
+    return sep.join(items[:shown]) + more
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,10 @@ def test_blocked_only_while_every_model_is_blocked_and_work_waits() -> None:
     assert blocked([failing], 3) is None  # its tasks still end (failed): the drain moves
     assert blocked([stuck], 0) is None
     many = [ModelFacts(f"m{i}", enabled=False) for i in range(5)]
-    assert blocked(many, 1) == "blocked: m0: quota disabled; m1: quota disabled; m2: quota disabled; 2 more"
+    assert blocked(many, 1) == "blocked: m0, m1, m2 and 2 more: quota disabled"  # one reason, said once
+    mixed = [*many[:2], ModelFacts("p0", paused_s=3), ModelFacts("p1", paused_s=40), stuck]
+    assert blocked(mixed, 1) == ("blocked: m0, m1: quota disabled; p0: paused by a 429 for 3.0 s more; "
+                                 "p1: paused by a 429 for 40 s more; 1 more")
 
 
 def test_assess_keeps_only_the_sources_with_a_reason() -> None:
