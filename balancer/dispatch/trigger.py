@@ -18,9 +18,11 @@ not held back by a token wait's 900 ms.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import redis
+from redis.commands.core import Script
 
 from balancer.admission import keys
 
@@ -49,10 +51,16 @@ def request_dispatch(
             return True
         return False
     delay_ms = max(min(delay_ms, max_delay_ms), 1)
-    if client.register_script(_SOONER)(keys=[timer_key], args=[delay_ms, SOONER_MS]):
+    if _sooner(client)(keys=[timer_key], args=[delay_ms, SOONER_MS]):
         send(delay_ms / 1000.0)
         return True
     return False
+
+
+@functools.lru_cache(maxsize=8)
+def _sooner(client: redis.Redis) -> Script:
+    """The flag script, registered once per client (each call ends with a request)."""
+    return client.register_script(_SOONER)
 
 
 def clear_requests(client: redis.Redis, namespace: str) -> None:
