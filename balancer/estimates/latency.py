@@ -10,7 +10,10 @@ every 44 calls, so it follows a model that slows down within a few dozen calls.
 
 This module holds the pure half: which bucket a latency falls in (the caller
 computes it, so the Lua does integer arithmetic only and the reference model
-agrees with it to the unit), and the quantiles read back from the counts.
+agrees with it to the unit), the quantiles read back from the counts, and the
+corrections the drain ETA reads beside them (the sketch learns only from calls
+that ended): a prior shrunk toward the first calls (:func:`early_mean_s`), and
+Little's law over the calls in flight (:func:`observed_latency`).
 Until a model has ``MIN_SAMPLES`` calls' worth of weight, its prior applies:
 the quota's ``expected_latency_s``, else the global default
 (``BALANCER_EXPECTED_LATENCY_S``), read as the median of a lognormal whose
@@ -191,6 +194,45 @@ def early_mean_s(prior_mean_s: float, answered: float, answered_s: float, runnin
     27.46
     """
     return (MIN_SAMPLES * prior_mean_s + answered_s + running_s) / (MIN_SAMPLES + answered + running)
+
+
+#: Fewer calls answered by a model in the window than this: its latency is not checked by Little's law;
+#: beside Little's law, the sketch weighs as this many answers (:func:`observed_latency`).
+MIN_MODEL_SOLVED = 10
+
+
+def little_latency(in_flight: float, solved: int, window_s: float) -> float | None:
+    """A model's mean latency by Little's law: it holds ``in_flight`` calls and
+    answered ``solved`` in the last ``window_s`` s, so a call takes about
+    in_flight × window_s / solved. None with too few answers.
+
+    Unlike the latency sketch, which learns only from calls that ended (early
+    on, the short ones: the long calls of a heavy tail are still running), this
+    counts the calls still running too.
+
+    >>> little_latency(16, 40, 60.0), little_latency(16, 5, 60.0), little_latency(16, 10, 4.0)   # 24 s a call
+    (24.0, None, 6.4)
+    """
+    if solved < MIN_MODEL_SOLVED or in_flight <= 0 or window_s <= 0:
+        return None
+    return in_flight * window_s / solved
+
+
+def observed_latency(sketch_s: float, little_s: float | None, solved: int) -> float:
+    """A model's mean latency from its sketch's ``sketch_s`` and the :func:`little_latency`
+    ``little_s`` of ``solved`` answers: raised toward Little's law when that is longer (the
+    sketch's bias runs one way: short calls end first), by solved / (solved + MIN_MODEL_SOLVED).
+    The few answers of a run's first seconds are a small sample of a heavy tail (a model's first
+    9 answers read 7.2 s a call against its 5.1 s mean); a minute's answers say it all.
+
+    >>> observed_latency(10.0, 24.0, 40), observed_latency(10.0, 24.0, 10), observed_latency(10.0, 6.0, 40)
+    (21.2, 17.0, 10.0)
+    >>> observed_latency(10.0, None, 0)
+    10.0
+    """
+    if little_s is None or little_s <= sketch_s:
+        return sketch_s
+    return sketch_s + (little_s - sketch_s) * solved / (solved + MIN_MODEL_SOLVED)
 
 
 def record(fields: dict[str, int], bucket: int, latency_ms: int, prompt_tokens: int, completion_tokens: int) -> None:

@@ -19,9 +19,10 @@ docs/benchmark-history.md ("The drain ETA"):
   finishes within the list's TTL (the rest go back to pending: any model's,
   :func:`balancer.dispatch.ready.ready_on_model`), count as work still to do on
   their model (a whole call each: about half a call too many, the safe side);
-* each model's latency is its learned mean raised to its Little's-law latency when that is
-  longer (:func:`little_latency`: the sketch learns from the calls that ended, early in a
-  heavy-tailed run the short ones), unless its token or request rate binds (:func:`rate_bound`);
+* each model's latency is its learned mean raised toward its Little's-law latency when that is
+  longer, as far as its answers in the window allow (:func:`observed_latency`: the sketch learns
+  from the calls that ended, early in a heavy-tailed run the short ones), from the run's first
+  answers, unless its token or request rate binds (:func:`rate_bound`);
 * the last calls run on after the fluid bound says the work is "done" (:func:`end_tail`);
 * the run does not reach the bound: the :func:`efficiency` of the last minute (or less: since a
   learned limit changed, or the run started), the bound of the work solved in it over its time
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field, replace
 
 from balancer.dispatch.ready import ready_on_model
 from balancer.estimates.capacity import ModelCapacity, makespan_bound, rate_bound
-from balancer.estimates.latency import early_mean_s
+from balancer.estimates.latency import early_mean_s, little_latency, observed_latency
 
 #: Fewer tasks solved in the window than this: no efficiency correction (1.0). A window
 #: shorter than MIN_WINDOW_S (a run's first seconds) keeps the early band (:func:`forecast`).
@@ -308,46 +309,25 @@ def held_in_flight(in_flight: Mapping[str, int], running: int) -> dict[str, floa
     return {name: n * share for name, n in in_flight.items()}
 
 
-#: Fewer calls answered by a model in the window than this: its latency is not checked by Little's law.
-MIN_MODEL_SOLVED = 10
-
-
-def little_latency(in_flight: float, solved: int, window_s: float) -> float | None:
-    """A model's mean latency by Little's law: it holds ``in_flight`` calls and
-    answered ``solved`` in the last ``window_s`` s, so a call takes about
-    in_flight × window_s / solved. None with too few answers or too short a window.
-
-    Unlike the latency sketch, which learns only from calls that ended (early
-    on, the short ones: the long calls of a heavy tail are still running), this
-    counts the calls still running too.
-
-    >>> little_latency(16, 40, 60.0), little_latency(16, 5, 60.0), little_latency(16, 40, 10.0)   # 24 s a call
-    (24.0, None, None)
-    """
-    if solved < MIN_MODEL_SOLVED or in_flight <= 0 or window_s < MIN_WINDOW_S:
-        return None
-    return in_flight * window_s / solved
-
-
 def with_observed_latency(state: DrainState) -> dict[str, ModelCapacity]:
     """The models with a model on its prior at :func:`~balancer.estimates.latency.early_mean_s`
-    of its ``early_calls``, and each one's mean latency raised to its :func:`little_latency`
-    when that is longer: the sketch's bias runs one way (short calls end first).
+    of its ``early_calls``, and each one's mean latency raised toward its :func:`little_latency`
+    (:func:`observed_latency`).
 
     >>> m = {"slow": ModelCapacity(concurrency=16, mean_latency=10.0, tpm=None, burst=0)}
     >>> s = DrainState(m, [(None, 100)], in_flight={"slow": 16}, tokens_per_task=500, window_s=60.0,
     ...                solved_by_model={"slow": 40})
-    >>> with_observed_latency(s)["slow"].mean_latency
-    24.0
+    >>> with_observed_latency(s)["slow"].mean_latency   # Little's law reads 24 s, from 40 answers
+    21.2
     """
     out = {name: replace(model, mean_latency=early_mean_s(model.mean_latency, *state.early_calls[name]))
            if name in state.on_prior and name in state.early_calls else model for name, model in state.models.items()}
     for name, model in out.items():
         if rate_bound(model, state.tokens_per_task):
             continue
-        little = little_latency(state.in_flight.get(name, 0), state.solved_by_model.get(name, 0), state.window_s)
-        if little is not None and little > model.mean_latency:
-            out[name] = replace(model, mean_latency=little)
+        solved = state.solved_by_model.get(name, 0)
+        little = little_latency(state.in_flight.get(name, 0), solved, state.window_s)
+        out[name] = replace(model, mean_latency=observed_latency(model.mean_latency, little, solved))
     return out
 
 

@@ -254,16 +254,18 @@ def test_tasks_waiting_on_a_budget_are_left_out_of_the_eta_and_counted_apart() -
 def test_little_s_law_lengthens_a_latency_learned_from_the_short_calls_only() -> None:
     """Early in a heavy-tailed run the sketch has seen the calls that ended: the
     short ones. A model that keeps 16 calls in flight and answered 32 in the
-    last minute takes 30 s a call, not the 10 s its sketch says."""
+    last minute takes 30 s a call by Little's law, not the 10 s its sketch says;
+    its 32 answers weigh against 10 for the sketch: 10 + 20 x 32 / 42 s."""
     from balancer.views.eta import DrainState, forecast
 
     learned = {"m": ModelCapacity(concurrency=16, mean_latency=10.0, tpm=None, burst=0)}
     state = DrainState(learned, [(None, 160)], in_flight={"m": 16}, tokens_per_task=500, window_s=60.0,
                        solved=[(None, 32)], solved_by_model={"m": 32}, unfinished=176)
     value = forecast(state).eta
-    # 176 calls of 30 s on 16 slots: 330 s, plus half a call (the pace, 32 solved + 8 half-done in flight
-    # on a 30 s bound over 60 s, is 1.25: above the bound, so 1).
-    assert value == pytest.approx(330 + 15.0, rel=1e-3)
+    # 176 calls of that on 16 slots, plus half a call (the pace, 32 solved + 8 half-done in flight
+    # on that bound over 60 s, is above the bound, so 1).
+    call_s = 10 + 20 * 32 / 42
+    assert value == pytest.approx(176 * call_s / 16 + call_s / 2, rel=1e-3)
     # The sketch alone would have said a third of that.
     alone = forecast(DrainState(learned, [(None, 160)], in_flight={"m": 16}, tokens_per_task=500, unfinished=176))
     assert alone.eta is not None and alone.eta < value / 2
@@ -387,7 +389,21 @@ def test_little_s_law_leaves_a_model_whose_token_rate_binds_at_its_learned_laten
                        tokens_per_task=400, window_s=23.0, solved_by_model={"gated": 15, "slots": 15})
     observed = with_observed_latency(state)
     assert observed["gated"].mean_latency == 2.5
-    assert observed["slots"].mean_latency == pytest.approx(35 * 23 / 15)
+    assert observed["slots"].mean_latency == pytest.approx(2.5 + (35 * 23 / 15 - 2.5) * 15 / (15 + 10))
+
+
+def test_little_s_law_corrects_a_heavy_tail_from_a_run_s_first_seconds() -> None:
+    """mix-2's gen-1 at 6.3 s into a run: its sketch read 2.7 s a call (the calls that had ended,
+    the short ones), Little's law 4.8 s (10 slots held, 13 answered), its true mean 5.6 s. The
+    ETA read the sketch alone for a run's first 20 s, and was short at 25 % done in every mix-2
+    run (-4.7 to -14.7 % over 8); it now moves toward Little's law by 13 / (13 + 10)."""
+    from balancer.views.eta import DrainState, with_observed_latency
+
+    slots = ModelCapacity(concurrency=10, mean_latency=2.7, tpm=None, burst=0)
+    state = DrainState({"gen-1": slots}, [(None, 500)], in_flight={"gen-1": 10}, tokens_per_task=900,
+                       window_s=6.3, solved_by_model={"gen-1": 13})
+    little = 10 * 6.3 / 13
+    assert with_observed_latency(state)["gen-1"].mean_latency == pytest.approx(2.7 + (little - 2.7) * 13 / 23)
 
 
 @pytest.mark.usefixtures("migrated")
