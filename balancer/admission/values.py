@@ -273,10 +273,12 @@ def outside_estimate(external: int, tpm: int, growth: int, dt: int, count_full: 
     return max(-math.floor(tpm / 10), min(outside_ceiling(tpm), external + moved))
 
 
-def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, external: int, now: int) -> tuple[int, int]:
+def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, external: int, now: int,
+             tat: int = 0) -> tuple[int, int]:
     """The buckets (units) refilled from ``refilled_at`` to ``now``: tokens at TPM
     less what others use (``external``, at most 9/10 of TPM), up to :func:`token_cap`; requests at
-    RPM, up to the request burst (untouched without an RPM limit).
+    RPM, up to the request burst and to what the start gate (``tat``) starts within an interval
+    (:func:`gate_room`); untouched without an RPM limit.
 
     The rule ``refill`` in limits.lua applies; the reference model and the live
     view (:meth:`balancer.admission.core.AdmissionCore.live`) both use this function.
@@ -289,8 +291,25 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
     tpm = quota.max_tokens_per_minute
     tokens = min(token_cap(quota), tokens + dt * (tpm - outside_rate(tpm, external)))
     if quota.max_requests_per_minute:
-        requests = min(quota.request_burst * UNITS, requests + dt * quota.max_requests_per_minute)
+        requests = min(quota.request_burst * UNITS, requests + dt * quota.max_requests_per_minute,
+                       gate_room(quota, tat, now))
     return tokens, requests
+
+
+def gate_room(limits: Quota, tat: int, now: int) -> int:
+    """Units of requests the start gate (its theoretical arrival time ``tat``) starts within one
+    interval of ``now``: the most the request bucket holds (limits.lua, gate_room). Calls the gate
+    has booked (started, or waiting there to start) are calls the bucket cannot admit again: a
+    provider's remaining count of 0 books the gate up to a minute ahead for the calls admitted
+    before it, and on learn.toml 36 calls then waited at rpm-10's gate, one start a second, to the
+    run's end while four models stood idle. Held so, the tasks stay pending for any model.
+
+    >>> rpm60 = Quota("m", 40, 60_000, max_requests_per_minute=60)   # a start a second, 58.95 s of tolerance
+    >>> [gate_room(rpm60, tat, 0) / UNITS for tat in (58_950, 59_950, 63_950)]   # free now; in 1 s; 3 s beyond
+    [2.0, 1.0, -3.0]
+    """
+    interval, tolerance = gate_shape(limits)
+    return (now + tolerance - tat) * (limits.max_requests_per_minute or 0) + 2 * UNITS
 
 
 def tokens_needed(quota: Quota, est: int, external: int) -> int:

@@ -164,6 +164,30 @@ def test_the_remaining_requests_header_holds_back_calls_admitted_but_not_started
     assert delays == [0, 1_000, 2_000]   # one left at the provider: the others wait for its refill
 
 
+def test_no_call_is_admitted_to_wait_at_a_start_gate_booked_ahead(twin: Twin) -> None:
+    """learn.toml's rpm-10 (60 RPM real, 40 slots): its provider's remaining count of 0-1 booked the
+    start gate ahead, and admission, reading only the request bucket, kept 36 calls waiting there,
+    one start a second, bound to it: the run's last 40 s were rpm-10's alone while four models
+    stood idle. The request bucket now holds no more than the gate starts within one interval:
+    a task only rpm-10 may run waits pending; one another model may run goes there. (Checked at
+    admission alone, the end game still planned the last tasks on rpm-10, its live view showing
+    requests, and held them pending while the others stood idle: 127-139 s of one run.)"""
+    twin.set_quota(Quota("rpm", 40, 10_000_000, max_requests_per_minute=60, slow_start=False, learn=False))
+    twin.set_quota(Quota("idle", 4, 10_000_000, slow_start=False))
+    first, *waiting = twin.admit([Candidate(1, ("rpm",)) for _ in range(5)])
+    assert twin.renew(first.admission_id, "rpm", 1).start_delay_ms == 0
+    twin.finish(first.admission_id, Settlement(used_tokens=1, reserved_tokens=1, remaining_requests=1))
+    assert [twin.renew(d.admission_id, "rpm", 1).start_delay_ms for d in waiting] == [0, 1_000, 2_000, 3_000]
+    held = twin.admit([Candidate(1, ("rpm",))])[0]   # the provider left a request; the gate has 3 s booked beyond
+    assert isinstance(held, NotNow) and held.wait_ms == 3_000
+    # What plans with the live view (the end game, the free slots) reads the same wait: 3 requests short.
+    assert twin.core.live(twin.now)["rpm"].requests_available == 1 - 3
+    moved = twin.admit([Candidate(1, ("rpm", "idle"))])[0]
+    assert isinstance(moved, Admitted) and moved.model == "idle"
+    twin.advance(3_000)
+    assert isinstance(twin.admit([Candidate(1, ("rpm",))])[0], Admitted)
+
+
 def test_the_start_gate_is_open_without_an_rpm_limit(twin: Twin) -> None:
     twin.set_quota(Quota("a", 10, 10_000_000, slow_start=False))
     admitted = twin.admit([Candidate(1) for _ in range(5)])

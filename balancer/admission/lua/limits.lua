@@ -98,14 +98,30 @@ local function tokens_needed(m, est)
   return math.min(est * UNITS + outside_rate(m) * OUTSIDE_MARGIN_MS, token_cap(m))
 end
 
--- Refill the buckets at the effective rates up to now, then raise learned limits (relax);
+-- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
+-- The last hop (renew to the provider) jitters too: keep up to GATE_HOP_MS of it in hand.
+local function gate_shape(m)
+  local interval = math.ceil(60000 / eff_rpm(m))
+  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), GATE_HOP_MS))
+end
+
+-- Units of requests the start gate starts within one interval of now: the most the request
+-- bucket holds (balancer.admission.values.gate_room). Calls the gate has booked are calls
+-- the bucket cannot admit again; held so, the tasks stay pending for any model.
+local function gate_room(m, now)
+  local interval, tolerance = gate_shape(m)
+  return (now + tolerance - m.tat) * eff_rpm(m) + 2 * UNITS
+end
+
+-- Refill the buckets at the effective rates up to now (requests up to the start gate's room),
+-- then raise learned limits (relax);
 -- admissions WINDOW_MS old leave the window (window.lua).
 local function refill(m, now)
   local dt = now - m.refilled_at
   if dt < 0 then dt = 0 end
   m.tokens = math.min(token_cap(m), m.tokens + dt * token_rate(m))
   local rpm = eff_rpm(m)
-  if rpm > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + dt * rpm) end
+  if rpm > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + dt * rpm, gate_room(m, now)) end
   if now > m.refilled_at then m.refilled_at = now end
   relax(m, now)
   window_expire(m, now)
@@ -249,13 +265,6 @@ local function token_gate(m, est, now)
   if m.ptokens < need then wait = math.ceil((need - m.ptokens) / token_rate(m)) end
   m.ptokens = m.ptokens - est * UNITS
   return wait
-end
-
--- The gate's interval and burst tolerance, ms (balancer.admission.values.gate_shape).
--- The last hop (renew to the provider) jitters too: keep up to GATE_HOP_MS of it in hand.
-local function gate_shape(m)
-  local interval = math.ceil(60000 / eff_rpm(m))
-  return interval, math.max(0, (eff_rburst(m) - 1) * interval - math.min(math.ceil(interval / 2), GATE_HOP_MS))
 end
 
 -- The start gate (GCRA): calls *start* at most RPM per minute with at most

@@ -260,7 +260,7 @@ class ReferenceState:
     def _refill(self, name: str, now: int) -> None:
         state = self.models[name]
         state.tokens, state.requests = refilled(state.limits, state.tokens, state.requests, state.refilled_at,
-                                                state.external, now)
+                                                state.external, now, state.tat)
         state.refilled_at = max(state.refilled_at, now)
         state.relax(now)
         if state.quota.window_cap:  # admissions WINDOW_MS old leave the window
