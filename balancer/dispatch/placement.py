@@ -24,22 +24,24 @@ MAX_UNCLAIMED_PLANNED = 5_000
 
 
 def outlooks(view: dict[str, ModelLive], prior_s: float) -> list[endgame.ModelOutlook]:
-    """Each enabled model's outlook for the end-game plan, from the live view."""
+    """Each enabled model's outlook for the end-game plan, from the live view: at its effective
+    limits (a model that learned 60 RPM of a quota's 600 refills its bucket at 60, so a bucket
+    short by 36 requests waits 36 s, not 3.6 s) and its cap now (slow start's while it ramps)."""
     free = open_slots(view)
     out = []
     for name, m in view.items():
-        q = m.quota
-        if not q.enabled:
+        if not m.quota.enabled:
             continue
-        rpm = q.max_requests_per_minute
+        limits = m.limits  # the effective ones, learned or not: the buckets' own rates and units
+        rpm = limits.max_requests_per_minute
         out.append(endgame.ModelOutlook(
             name,
-            cap=q.max_concurrent_requests,
+            cap=m.cap_now,
             free_slots=free.get(name, 0),
             in_flight=m.in_flight,
             latency=m.latency_estimate(prior_s),
             tokens_available=m.tokens_available,
-            tokens_per_ms=(q.max_tokens_per_minute - m.external_tpm) / 60_000,
+            tokens_per_ms=(limits.max_tokens_per_minute - m.external_tpm) / 60_000,
             requests_available=math.inf if m.requests_available is None else m.requests_available,
             requests_per_ms=rpm / 60_000 if rpm else math.inf,
             paused_ms=m.paused_ms,

@@ -4,6 +4,7 @@ real pipeline with one very slow model."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,23 @@ def test_a_hedge_waits_for_a_busy_fast_model_rather_than_take_a_free_slow_slot()
     fast_free = ModelOutlook("fast", cap=6, free_slots=1, in_flight=5, latency=fast.latency)
     assert pick_hedges(straggler, [slow, mid, fast_free], 10_000) == [(7, "fast")]
     assert pick_hedges(straggler, [slow, mid], 10_000) == [(7, "mid")]
+
+
+def test_the_end_game_reads_a_learned_model_at_its_learned_rates() -> None:
+    """learn.toml's rpm-10: a quota of 600 RPM and 40 slots, 60 RPM learned. Its request bucket
+    refills at 60 a minute, so one 3 requests short (its start gate booked ahead) waits 3 s; read
+    at the quota's 600 it looked free in 0.3 s, and the plan held the last tasks for it."""
+    from balancer.admission.learned import Learned
+    from balancer.admission.live import ModelLive
+    from balancer.dispatch.placement import outlooks
+
+    quota = Quota("rpm-10", 40, 2_000_000, max_requests_per_minute=600)
+    live = ModelLive(quota, in_flight=2, tokens_available=1e6, requests_available=-2.0, deficit=0,
+                     learned=Learned(lrpm=60, lcap=4))
+    [rpm10] = outlooks({"rpm-10": live}, 30.0)
+    assert rpm10.requests_per_ms == 60 / 60_000 and rpm10.cap == 4
+    idle = outlook("idle", LatencyEstimate(2_000, 3_000, 4_000, 100), cap=4)
+    assert plan([Job(1, 100)], [replace(rpm10, latency=FAST), idle]) == ["idle"]  # rpm-10 ends at 3 + 2 s (p90), idle at 3 s
 
 
 def test_the_last_calls_keep_a_share_of_the_hedge_budget() -> None:
