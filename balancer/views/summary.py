@@ -243,7 +243,9 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
             concurrency=live.limits.max_concurrent_requests,
             mean_latency=max(0.001, estimates[name].mean_ms / 1000),
             tpm=live.limits.max_tokens_per_minute, burst=max(0.0, live.tokens_available),
-            rpm=live.limits.max_requests_per_minute, request_burst=live.requests_available,
+            rpm=live.limits.max_requests_per_minute,
+            # (below 0 while the start gate is booked ahead: those calls are in flight already, counted there)
+            request_burst=None if live.requests_available is None else max(0.0, live.requests_available),
             tokens_per_task=own_tokens(live), latency_dispersion=estimates[name].dispersion,
         )
         for name, live in view.items() if live.quota.enabled

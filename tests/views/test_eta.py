@@ -447,6 +447,28 @@ def test_each_model_drains_at_the_tokens_of_the_tasks_it_answered() -> None:
     assert state.models["idle"].tokens_per_task == pytest.approx(mean)                              # nothing answered
 
 
+@pytest.mark.usefixtures("migrated")
+def test_a_start_gate_booked_ahead_is_no_negative_burst_in_the_eta() -> None:
+    """A model whose start gate is booked ahead reads a request bucket below 0 (the calls waiting
+    there: balancer.admission.values.gate_room). Those calls are in flight, counted there; as a
+    burst of -36 requests they were counted a second time, and took capacity from the others."""
+    from balancer.admission.learned import Learned
+    from balancer.admission.live import ModelLive
+    from balancer.admission.quota import Quota
+    from balancer.services import Services
+    from balancer.settings import Settings
+    from balancer.views.summary import drain_inputs
+
+    svc = Services.connect(Settings.from_env())
+    booked = ModelLive(Quota("rpm", 40, 2_000_000, max_requests_per_minute=600), in_flight=38,
+                       tokens_available=1e6, requests_available=-36.0, deficit=0, learned=Learned(lrpm=60))
+    free = ModelLive(Quota("free", 4, 2_000_000), in_flight=0, tokens_available=1e6, requests_available=None, deficit=0)
+    state = drain_inputs(svc, view={"rpm": booked, "free": free})
+    assert state is not None
+    assert state.models["rpm"].request_burst == 0.0 and state.models["rpm"].rpm == 60
+    assert state.models["free"].request_burst is None
+
+
 def test_a_ready_list_past_what_its_model_finishes_in_its_ttl_is_any_model_s_work() -> None:
     """providers-foreign: an RPM-bound model held 130 ready tasks, 32 s of its 4 a second.
     Its list's TTL is 5 s: it takes 20 of them, the rest go back to pending for any model.
