@@ -299,14 +299,16 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
 def gate_room(limits: Quota, tat: int, now: int) -> int:
     """Units of requests the start gate (its theoretical arrival time ``tat``) starts within one
     interval of ``now``: the most the request bucket holds (limits.lua, gate_room). Calls the gate
-    has booked (started, or waiting there to start) are calls the bucket cannot admit again: a
-    provider's remaining count of 0 books the gate up to a minute ahead for the calls admitted
-    before it, and on learn.toml 36 calls then waited at rpm-10's gate, one start a second, to the
-    run's end while four models stood idle. Held so, the tasks stay pending for any model.
+    has booked (started, or waiting there to start) are calls the bucket cannot admit again: after
+    a provider's remaining count of 0, the calls admitted before it book the gate one interval
+    each, and on learn.toml 36 of them waited at rpm-10's gate, one start a second, to the run's
+    end while four models stood idle. Held so, the tasks stay pending for any model.
 
     >>> rpm60 = Quota("m", 40, 60_000, max_requests_per_minute=60)   # a start a second, 58.95 s of tolerance
-    >>> [gate_room(rpm60, tat, 0) / UNITS for tat in (58_950, 59_950, 63_950)]   # free now; in 1 s; 3 s beyond
+    >>> [gate_room(rpm60, tat, 0) / UNITS for tat in (58_950, 59_950, 63_950)]   # next start now; in 1 s; in 5 s
     [2.0, 1.0, -3.0]
+
+    Only for a model with an RPM limit (:func:`refilled` calls it so): the gate has no interval without one.
     """
     interval, tolerance = gate_shape(limits)
     return (now + tolerance - tat) * (limits.max_requests_per_minute or 0) + 2 * UNITS

@@ -178,7 +178,7 @@ def test_no_call_is_admitted_to_wait_at_a_start_gate_booked_ahead(twin: Twin) ->
     assert twin.renew(first.admission_id, "rpm", 1).start_delay_ms == 0
     twin.finish(first.admission_id, Settlement(used_tokens=1, reserved_tokens=1, remaining_requests=1))
     assert [twin.renew(d.admission_id, "rpm", 1).start_delay_ms for d in waiting] == [0, 1_000, 2_000, 3_000]
-    held = twin.admit([Candidate(1, ("rpm",))])[0]   # the provider left a request; the gate has 3 s booked beyond
+    held = twin.admit([Candidate(1, ("rpm",))])[0]   # the provider left a request; the gate starts the next in 4 s
     assert isinstance(held, NotNow) and held.wait_ms == 3_000
     # What plans with the live view (the end game, the free slots) reads the same wait: 3 requests short.
     assert twin.core.live(twin.now)["rpm"].requests_available == 1 - 3
