@@ -274,7 +274,7 @@ def outside_estimate(external: int, tpm: int, growth: int, dt: int, count_full: 
 
 
 def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, external: int, now: int,
-             tat: int = 0) -> tuple[int, int]:
+             tat: int) -> tuple[int, int]:
     """The buckets (units) refilled from ``refilled_at`` to ``now``: tokens at TPM
     less what others use (``external``, at most 9/10 of TPM), up to :func:`token_cap`; requests at
     RPM, up to the request burst and to what the start gate (``tat``) starts within an interval
@@ -284,7 +284,7 @@ def refilled(quota: Quota, tokens: int, requests: int, refilled_at: int, externa
     view (:meth:`balancer.admission.core.AdmissionCore.live`) both use this function.
 
     >>> q = Quota("m", 1, 600, max_requests_per_minute=60)   # 10 tokens/s, 1 request/s
-    >>> [units / UNITS for units in refilled(q, 0, 0, refilled_at=0, external=0, now=2_000)]
+    >>> [units / UNITS for units in refilled(q, 0, 0, refilled_at=0, external=0, now=2_000, tat=0)]
     [20.0, 2.0]
     """
     dt = max(0, now - refilled_at)
@@ -310,7 +310,7 @@ def gate_room(limits: Quota, tat: int, now: int) -> int:
 
     Only for a model with an RPM limit (:func:`refilled` calls it so): the gate has no interval without one.
     """
-    interval, tolerance = gate_shape(limits)
+    _, tolerance = gate_shape(limits)
     return (now + tolerance - tat) * (limits.max_requests_per_minute or 0) + 2 * UNITS
 
 

@@ -109,7 +109,7 @@ end
 -- bucket holds (balancer.admission.values.gate_room). Calls the gate has booked are calls
 -- the bucket cannot admit again; held so, the tasks stay pending for any model.
 local function gate_room(m, now)
-  local interval, tolerance = gate_shape(m)
+  local _, tolerance = gate_shape(m)
   return (now + tolerance - m.tat) * eff_rpm(m) + 2 * UNITS
 end
 
