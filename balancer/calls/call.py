@@ -281,16 +281,22 @@ class Call:
             self.heartbeat.mark_live_now(self.admission_id)
         return ctx
 
-    def hedge_after_gate(self, delay_ms: int) -> bool:
-        """Wait out a hedge's start gate, then whether its task still runs unanswered with it;
-        if not, the slot is freed and the hedge must not call (issue 40 finding 5)."""
+    def after_gate(self, delay_ms: int) -> bool:
+        """Wait out the call's start gate, then whether its task still wants the call: a hedge's
+        task still running unanswered with it (issue 40 finding 5), a first call's still queued
+        or running under it (its hedge may have answered, or the task been removed, meanwhile).
+        If not, the slot is freed and the call must not start: the provider would charge it."""
         time.sleep(delay_ms / 1000)
         engine, msg = self.services.engine, self.msg
-        if with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id)) is not None:
+        if msg.hedge:
+            wanted = with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id)) is not None
+        else:
+            wanted = with_db_retry(lambda: hedge_in_flight(engine, msg.task_id, msg.admission_id)) is not None
+        if wanted:
             return True
         self.free()
-        log.info("task %d: answered while its hedge on %s waited at the start gate; the hedge does not call",
-                 msg.task_id, msg.model)
+        log.info("task %d: answered or taken away while its %s on %s waited at the start gate; it does not call",
+                 msg.task_id, "hedge" if msg.hedge else "call", msg.model)
         return False
 
     def clear_hedge(self) -> None:

@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -314,8 +313,9 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
             call.free()
             return call.change("no_room", CHANGES["no_room"](Failure(msg.model, "no slot to start the call", ctx.attempts)))
         start_delay_ms = renewed.start_delay_ms
-    if start_delay_ms > 0:  # the start gates: the provider paces call starts and charges tokens on arrival
-        time.sleep(start_delay_ms / 1000)
+    # The start gates: the provider paces call starts and charges tokens on arrival.
+    if start_delay_ms > 0 and not call.after_gate(start_delay_ms):
+        return "stale"  # answered by its hedge, or removed, while the call waited
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
     except Cancelled as exc:
@@ -366,7 +366,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
         call.free()
         call.clear_hedge()
         return "no_room"
-    if renewed.start_delay_ms > 0 and not call.hedge_after_gate(renewed.start_delay_ms):
+    if renewed.start_delay_ms > 0 and not call.after_gate(renewed.start_delay_ms):
         return "stale"  # the first call answered while the hedge waited at its model's start gate
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
