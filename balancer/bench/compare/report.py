@@ -95,11 +95,11 @@ def calls_by_model(entries: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, 
     return dict(sorted(out.items()))
 
 
-def observed_latency(entries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+def logged_latency_percentiles(entries: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per model, p50/p90/p99 of answered calls' latency (s) as the backend logged them:
     what the learned sketch is checked against.
 
-    >>> observed_latency([dict(model="m", status=200, start=0.0, end=float(i)) for i in range(1, 101)])["m"]["p90"]
+    >>> logged_latency_percentiles([dict(model="m", status=200, start=0.0, end=float(i)) for i in range(1, 101)])["m"]["p90"]
     90.0
     """
     by_model: dict[str, list[float]] = {}

@@ -18,7 +18,7 @@ from balancer.bench.compare.report import (
     last_solved,
     last_task_start,
     limit_utilization,
-    observed_latency,
+    logged_latency_percentiles,
     percentile,
     polled_eta_errors,
     projection_error,
@@ -82,7 +82,7 @@ def calls_of_task(entries: Iterable[dict[str, Any]]) -> Callable[[Any], list[dic
 def latency_table(result: RunResult) -> dict[str, Any]:
     """Per model: the p50/p90/p99 the pipeline learned (its Redis sketch, read at
     the end) beside those the backend logged."""
-    observed = observed_latency(result.entries)
+    observed = logged_latency_percentiles(result.entries)
     by_size = size_dependence(result.entries)
     out: dict[str, Any] = {}
     for name in sorted(set(observed) | set(result.learned_latency)):
