@@ -207,6 +207,15 @@ def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
     return reply["entries"], reply["next"]
 
 
+def fetch_unfinished(backend_url: str) -> list[dict[str, Any]]:
+    """The calls the backend is still running (a hedge's loser can outlast the run), as log
+    entries that end now: status 0 and ``unfinished``. Without them the run's calls in flight,
+    and what the provider counted, would miss them."""
+    reply = httpx.get(f"{backend_url}/running", timeout=30).json()
+    return [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "client_gone": False, "unfinished": True}
+            for call in reply["calls"]]
+
+
 #: Shares of the backlog done at which the bench records the drain ETA.
 ETA_MARKS = (0.10, 0.25, 0.50, 0.75)
 #: Seconds between the ETA polls the bench records (the marks are polled as well).
@@ -362,6 +371,7 @@ def run_pipeline(
         if settled or time.monotonic() >= settle_until:
             break
         time.sleep(0.5)
+    entries.extend(fetch_unfinished(backend_url))
     rows = iso.task_rows()
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))

@@ -277,6 +277,9 @@ def last_solved(rows: Iterable[Any], started: float, count: int = 5,
     >>> log = {1: [dict(model="mid", start=80.0, end=90.0, status=200), dict(model="slow", start=10.0, end=95.5, status=200)]}
     >>> last_solved(rows, started=0.0, count=1, calls_of=lambda r: log[r.id])[0]["calls"]
     [['slow', 10.0, 85.5], ['mid', 80.0, 10.0]]
+    >>> log[1][1].update(status=0, unfinished=True)   # still running when the run was read
+    >>> last_solved(rows, started=0.0, count=1, calls_of=lambda r: log[r.id])[0]["calls"][0]
+    ['slow', 10.0, '85.50+']
     """
     solved = [r for r in rows if r.status == "solved" and r.solved_at is not None and r.started_at is not None]
     solved.sort(key=lambda r: r.solved_at, reverse=True)
@@ -287,7 +290,10 @@ def last_solved(rows: Iterable[Any], started: float, count: int = 5,
             "started_s": round(r.started_at.timestamp() - started, 2), "solved_s": round(r.solved_at.timestamp() - started, 2)}
         if calls_of is not None:
             calls = sorted(accepted(calls_of(r)), key=lambda e: e["start"])
-            task["calls"] = [[e["model"], round(e["start"] - started, 2), round(e["end"] - e["start"], 2)] for e in calls]
+            # A call still running when the run was read (a hedge's loser): its length so far, and "+".
+            task["calls"] = [[e["model"], round(e["start"] - started, 2),
+                              f"{e['end'] - e['start']:.2f}+" if e.get("unfinished") else round(e["end"] - e["start"], 2)]
+                             for e in calls]
         out.append(task)
     return out
 

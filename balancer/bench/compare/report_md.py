@@ -87,7 +87,8 @@ def write_markdown(report: dict[str, Any], out: Path) -> None:
             "",
             "The tasks solved last (what the tail was made of; times in s since submit):",
             "",
-            "| task | answered by | hedges | hedged to | first call started | solved | its calls: model, start + length |",
+            "| task | answered by | hedges | hedged to | first call started | solved "
+            "| its calls: model, start + length (+: still running at the end) |",
             "|---:|---|---:|---|---:|---:|---|",
             *[f"| {t['task']} | {t['model']} | {t['hedges']} | {t['hedged_to'] or '-'} | {t['started_s']} | {t['solved_s']} | "
               + ", ".join(f"{m} {start} + {length}" for m, start, length in t.get("calls", [])) + " |"

@@ -88,6 +88,10 @@ class Simulator:
         self.limiters = {m.name: m.limiter(time_scale=time_scale, grace=grace, now=now) for m in models}
         self.grace = grace
         self.log: list[dict[str, Any]] = []
+        #: Calls admitted and not yet ended (the log has a call only once it ends), by a key of
+        #: their own: a hedge's loser can run past a run's end, and a reader of the log alone
+        #: would see its slot, and its charge, free.
+        self.running: dict[int, dict[str, Any]] = {}
         self.log_path = log_path
         self._lock = threading.Lock()
         self._round_robin = itertools.cycle(sorted(self.models))
@@ -184,6 +188,12 @@ class Simulator:
             return 429, {"error": "rate limited"}, {**headers, **self.rate_limit_headers(model, start)}
         drawn_latency, completion_tokens = self.draw(model, prompt, max_tokens)
         status, body = 200, dict[str, Any]()
+        # What it counts so far: its reservation, or (if it settles) at least its prompt.
+        running = {"start": start, "model": model, "endpoint": endpoint, "prompt_tokens": prompt_tokens,
+                   "charge": charge, "counted": prompt_tokens if spec.accounting == "settle" else charge,
+                   "prompt_key": key}
+        with self._lock:
+            self.running[id(running)] = running
         watcher = asyncio.ensure_future(gone()) if gone is not None else None
         latency, cut = drawn_latency, False
         try:
@@ -213,6 +223,7 @@ class Simulator:
             used = prompt_tokens + (completion_tokens if status in (200, 499) else 0)
             with self._lock:
                 limiter.finish(end, charge - used)
+                del self.running[id(running)]
             # What the provider counted against TPM: the reservation, or the usage if it settles.
             counted = used if spec.accounting == "settle" else charge
             self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,
@@ -377,6 +388,12 @@ def create_app(sim: Simulator) -> SingleRoute:
     async def log(since: int = 0) -> dict[str, Any]:
         with sim._lock:
             return {"entries": sim.log[since:], "next": len(sim.log)}
+
+    @app.get("/running")
+    async def running() -> dict[str, Any]:
+        """The calls admitted and not yet ended, as the log will have them, their ``end`` still to come."""
+        with sim._lock:
+            return {"calls": list(sim.running.values()), "at": time.time()}
 
     @app.post("/admin/limits")
     async def set_limits(payload: dict[str, Any]) -> dict[str, Any]:
