@@ -188,7 +188,8 @@ def sim(host: str, port: int, count: int, time_scale: float, error_rate: float, 
     import uvicorn
 
     from balancer.devtools.sim.config import default_models
-    from balancer.devtools.sim.server import Simulator, create_app
+    from balancer.devtools.sim.provider import Simulator
+    from balancer.devtools.sim.server import create_app
     from balancer.router.server import BACKLOG, listening_sockets
 
     if scenario is not None:

@@ -212,7 +212,7 @@ def test_the_tasks_solved_last_list_their_calls_from_the_backends_log() -> None:
     from datetime import UTC, datetime
 
     from balancer.bench.compare.side_stats import calls_of_task
-    from balancer.devtools.sim.server import prompt_key
+    from balancer.devtools.sim.provider import prompt_key
 
     def at(s: float) -> datetime:
         return datetime.fromtimestamp(100 + s, UTC)

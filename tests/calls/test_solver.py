@@ -21,7 +21,8 @@ from balancer.calls.answers import AnswerWriter
 from balancer.calls.solver import MAX_RATE_LIMITED, SolveMessage
 from balancer.devtools.embedded import free_port
 from balancer.devtools.sim.config import Latency, SimModel
-from balancer.devtools.sim.server import Simulator, create_app
+from balancer.devtools.sim.provider import Simulator
+from balancer.devtools.sim.server import create_app
 from balancer.dispatch.dispatcher import Assignment, dispatch
 from balancer.services import Services
 from balancer.settings import Settings

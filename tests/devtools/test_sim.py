@@ -10,7 +10,8 @@ import pytest
 from balancer.devtools.sim.audit import Call, Limits, audit, peaks
 from balancer.devtools.sim.config import Latency, SimModel, default_models
 from balancer.devtools.sim.limiter import ModelLimiter
-from balancer.devtools.sim.server import Simulator, create_app
+from balancer.devtools.sim.provider import Simulator
+from balancer.devtools.sim.server import create_app
 
 FAST = Latency(0.05, 0.05, 0.05, 0.05)
 

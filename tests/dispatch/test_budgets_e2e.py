@@ -13,7 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from balancer.backlog.spend import usage_by_task
-from balancer.devtools.sim.server import prompt_key
+from balancer.devtools.sim.provider import prompt_key
 from tests.dispatch.test_fair_e2e import MODELS
 from tests.pipeline_harness import prompt_lines, scenario_file
 

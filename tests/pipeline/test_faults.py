@@ -510,7 +510,7 @@ def test_dropping_a_workers_redis_connections_with_calls_longer_than_a_lease_cal
     Here the calls hang three leases (a 4 s lease): each task is called once, and no two calls
     of one task overlap."""
     from balancer.bench.chaos.witness import overlapping_calls
-    from balancer.devtools.sim.server import prompt_key
+    from balancer.devtools.sim.provider import prompt_key
 
     lease = 4
     p = pipeline(time_scale=0.02, extra_env={"BALANCER_LEASE_SECONDS": str(lease), "BALANCER_SWEEP_TICK": "0.5",

@@ -91,7 +91,7 @@ def test_the_pipeline_across_hosts_survives_a_cut_worker_host_and_a_killed_redis
     from balancer.bench.compare.bounds import lines_bound
     from balancer.devtools.sim.audit import limits_for
     from balancer.devtools.sim.config import default_models
-    from balancer.devtools.sim.server import prompt_key
+    from balancer.devtools.sim.provider import prompt_key
     from balancer.devtools.tcpproxy import StallProxy
     from balancer.services import Services
     from balancer.settings import Settings

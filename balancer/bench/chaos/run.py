@@ -40,7 +40,7 @@ from balancer.devtools.embedded import RedisProcess, free_port, start_redis
 from balancer.devtools.runner import IsolatedServices, fetch_log, wait_until_consuming
 from balancer.devtools.sim.audit import limits_for
 from balancer.devtools.sim.config import SimModel, default_models
-from balancer.devtools.sim.server import prompt_key
+from balancer.devtools.sim.provider import prompt_key
 from balancer.devtools.tcpproxy import StallProxy
 from balancer.supervisor import wait_for_http
 

@@ -58,7 +58,7 @@ def lines_bound(models: Sequence[SimModel], lines: Sequence[Mapping[str, Any]], 
 def pinned_floor(scenario: Scenario) -> float:
     """The realized pinned-work floor (balancer/estimates/capacity.py) for this scenario's
     workload, with the latencies the simulator will draw for it."""
-    from balancer.devtools.sim.server import Simulator
+    from balancer.devtools.sim.provider import Simulator
 
     sim = Simulator(list(scenario.models), time_scale=scenario.time_scale, seed=scenario.seed)
     latencies: dict[str, list[float]] = {}

@@ -28,7 +28,7 @@ from balancer.bench.compare.report import (
 from balancer.devtools.runner import RunResult
 from balancer.devtools.scenario import Scenario
 from balancer.devtools.sim.audit import audit, calls_from_log
-from balancer.devtools.sim.server import prompt_key
+from balancer.devtools.sim.provider import prompt_key
 
 
 def side_stats(result: RunResult, scenario: Scenario) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from rich.table import Table
 from balancer.devtools.embedded import free_port
 from balancer.devtools.runner import IsolatedServices, environment
 from balancer.devtools.sim.config import Latency, SimModel
-from balancer.devtools.sim.server import Simulator, create_app
+from balancer.devtools.sim.provider import Simulator
+from balancer.devtools.sim.server import create_app
 from balancer.supervisor import Supervisor
 
 LATENCY = Latency(median=0.3, p99=0.3, low=0.3, high=0.3)

@@ -28,7 +28,8 @@ from rich.table import Table
 from balancer.devtools.embedded import free_port
 from balancer.devtools.runner import IsolatedServices, environment
 from balancer.devtools.sim.config import Latency, SimModel
-from balancer.devtools.sim.server import Simulator, create_app
+from balancer.devtools.sim.provider import Simulator
+from balancer.devtools.sim.server import create_app
 
 LATENCY = Latency(median=40.0, p99=40.0, low=40.0, high=40.0)
 
