@@ -207,13 +207,14 @@ def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
     return reply["entries"], reply["next"]
 
 
-def fetch_unfinished(backend_url: str) -> list[dict[str, Any]]:
-    """The calls the backend is still running (a hedge's loser can outlast the run), as log
-    entries that end now: status 0 and ``unfinished``. Without them the run's calls in flight,
-    and what the provider counted, would miss them."""
-    reply = httpx.get(f"{backend_url}/running", timeout=30).json()
-    return [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "client_gone": False, "unfinished": True}
-            for call in reply["calls"]]
+def fetch_last_log(backend_url: str, since: int) -> list[dict[str, Any]]:
+    """The log's entries from ``since`` and, read with them (no call ends between the two), the
+    calls the backend is still running (a hedge's loser can outlast the run) as entries that end
+    now: status 0 and ``unfinished``. Without them the run's calls in flight, and what the
+    provider counted, would miss them. Whether their client went is not known yet."""
+    reply = httpx.get(f"{backend_url}/log", params={"since": since, "running": "true"}, timeout=30).json()
+    return reply["entries"] + [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "client_gone": False,
+                                "unfinished": True} for call in reply["running"]]
 
 
 #: Shares of the backlog done at which the bench records the drain ETA.
@@ -371,7 +372,7 @@ def run_pipeline(
         if settled or time.monotonic() >= settle_until:
             break
         time.sleep(0.5)
-    entries.extend(fetch_unfinished(backend_url))
+    entries.extend(fetch_last_log(backend_url, cursor))
     rows = iso.task_rows()
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))

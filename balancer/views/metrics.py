@@ -232,7 +232,7 @@ class BalancerCollector(Collector):
             "balancer_model_window_cap": "1: the quota's window cap is on (no 60 s window above its TPM/RPM, no burst on top)",
             "balancer_model_tokens_per_minute_limit": "TPM quota",
             "balancer_model_requests_available": "Requests in the bucket now (models with an RPM quota); below 0 while "
-                                                  "the start gate is booked ahead: that many calls wait for their start",
+                                                  "the start gate is booked ahead: about that many calls wait for their start",
             "balancer_model_requests_per_minute_limit": "RPM quota (models that have one)",
             "balancer_model_paused_seconds": "How much longer a 429 holds the model",
             "balancer_model_effective_max_concurrent_requests": "Concurrency cap in force (learned, or slow start's; <= the quota's)",

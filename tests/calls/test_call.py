@@ -502,6 +502,32 @@ def test_a_first_call_answered_by_its_hedge_during_its_start_gate_does_not_call(
     assert (row.status, row.answer) == ("solved", "the hedge's")
 
 
+@pytest.mark.parametrize("hedged", [False, True], ids=["no-hedge", "hedge-running"])
+def test_a_first_call_whose_task_is_still_its_own_calls_after_its_start_gate(svc: Services, sim,  # noqa: F811
+                                                                             monkeypatch: pytest.MonkeyPatch,
+                                                                             hedged: bool) -> None:
+    """The other side of the check above: with no hedge, or a hedge in flight that has not
+    answered, the task is still the first call's; after its gate it goes to the provider."""
+    url, simulator = sim
+    a = dispatch_one(svc, {"prompt": "gated, still its own", "model": "m", "max_tokens": 20})
+    renew = svc.core.renew
+
+    def gated(admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None):  # noqa: ANN202
+        decision = renew(admission_id, model, estimated_tokens, lease_ms)
+        assert isinstance(decision, Admitted)
+        if hedged:
+            hedge = svc.core.admit([Candidate(a.estimated_tokens, allowed=("n",))])[0]
+            assert isinstance(hedge, Admitted)
+            with svc.engine.begin() as conn:
+                assert mark_hedged(conn, a.task_id, a.admission_id, hedge.admission_id, "n", a.estimated_tokens)
+        return dataclasses.replace(decision, start_delay_ms=300)
+
+    monkeypatch.setattr(svc.core, "renew", gated)
+    assert chain(svc, make_backend(svc.settings), message(a)) == ["solved"]
+    assert [e["model"] for e in simulator.log] == ["m"]
+    assert task_row(svc, a.task_id).status == "solved"
+
+
 def test_a_copy_of_a_running_call_taken_by_the_same_worker_keeps_the_call_alive(svc: Services, sim) -> None:  # noqa: F811
     """Issue 40's overlapping calls after every Redis client connection is dropped. kombu puts a
     worker's unacknowledged messages back in their queue the moment its broker connection drops,

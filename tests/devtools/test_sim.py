@@ -37,26 +37,30 @@ def test_concurrency_and_tpm_are_enforced_with_retry_after() -> None:
 
 
 def test_a_call_still_running_is_listed_until_it_ends_then_logged() -> None:
-    """The log has a call only once it ends; a hedge's loser can outlast a run, so ``/running``
-    lists the calls admitted and not yet ended, with what the provider counted for them."""
+    """The log has a call only once it ends; a hedge's loser can outlast a run, so ``/log`` with
+    ``running`` also lists, in the same read, the calls admitted and not yet ended, with what the
+    provider counted for them."""
     sim = Simulator([SimModel("m", 2, 60_000, latency=Latency(0.3, 0.3, 0.3, 0.3))], grace=0.0)
 
     async def go() -> tuple[dict, dict, httpx.Response]:
         async with client_for(sim) as client:
             call = asyncio.ensure_future(client.post("/single", json={"model": "m", "prompt": "x" * 40, "max_tokens": 100}))
-            while not sim.running:
+            for _ in range(500):  # at most 5 s
+                if sim.running or call.done():
+                    break
                 await asyncio.sleep(0.01)
-            during = (await client.get("/running")).json()
+            during = (await client.get("/log", params={"running": "true"})).json()
             reply = await call
-            return during, (await client.get("/running")).json(), reply
+            return during, (await client.get("/log", params={"running": "true"})).json(), reply
 
     during, after, reply = asyncio.run(go())
     assert reply.status_code == 200
-    [call] = during["calls"]
+    assert during["entries"] == []
+    [call] = during["running"]
     assert (call["model"], call["charge"], call["counted"]) == ("m", 110, 110)  # reserve: counted on arrival
     assert call["start"] <= during["at"]
-    assert after["calls"] == []
-    assert [(e["status"], e["prompt_key"]) for e in sim.log] == [(200, call["prompt_key"])]
+    assert after["running"] == []
+    assert [(e["status"], e["prompt_key"]) for e in after["entries"]] == [(200, call["prompt_key"])]
 
 
 def test_token_bucket_429_says_when() -> None:

@@ -73,7 +73,9 @@ def replay(run: Path, early: EarlyMean, own_tokens: bool = True, ready_ttl_s: fl
     calls = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines()]
     makespan = polls[0]["makespan_s"]
     total = polls[0]["done"] + polls[0]["state"]["unfinished"]
-    started = max(c["end"] for c in calls) - makespan  # the call log's clock at the run's start
+    # The call log's clock at the run's start; a call still running at the end ("unfinished") ends
+    # when the bench read it, after the last answer.
+    started = max(c["end"] for c in calls if not c.get("unfinished")) - makespan
     replayed = []
     for poll in polls:
         if poll["state"] is None:

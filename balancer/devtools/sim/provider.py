@@ -3,8 +3,8 @@
 As strict as the providers it stands in for, by default: tokens reserved
 (prompt + max_tokens) on arrival and kept, no grace above the buckets, RPM
 paced over each model's window, 429 with ``Retry-After`` and ``retry-after-ms``,
-and ``x-ratelimit-*`` headers on every reply, their remaining counts taken as
-the call was admitted (``headers_at``; or as it ends, ``"response"``). Models
+and ``x-ratelimit-*`` headers on every ``/single`` and OpenAI reply, their remaining
+counts taken as the call was admitted (``headers_at``; or as it ends, ``"response"``). Models
 with a ``foreign_share`` lose that share of their quota to another client.
 A call whose client disconnects runs to its end, holding its slot and charged
 in full (``on_disconnect = "continue"``, the default, as providers treat
@@ -211,8 +211,8 @@ class Simulator:
                 completion_tokens = int(completion_tokens * min(1.0, (end - start) / latency)) if latency > 0 else 0
             used = prompt_tokens + (completion_tokens if status in (200, 499) else 0)
             with self._lock:
+                self.running.pop(id(running), None)
                 limiter.finish(end, charge - used)
-                del self.running[id(running)]
             # What the provider counted against TPM: the reservation, or the usage if it settles.
             counted = used if spec.accounting == "settle" else charge
             self.record({"start": start, "end": end, "model": model, "status": status, "endpoint": endpoint,

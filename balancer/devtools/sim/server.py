@@ -3,8 +3,8 @@ for a :class:`~balancer.devtools.sim.provider.Simulator`.
 
 * ``POST /single``, ``POST /batch`` (the Models Backend API)
 * ``POST /v1/chat/completions`` (OpenAI-compatible)
-* ``GET /models``; ``GET /log`` (every accepted and rejected call, once it ended);
-  ``GET /running`` (the calls admitted and not yet ended)
+* ``GET /models``; ``GET /log`` (every accepted and rejected call, once it ended; with
+  ``running=true`` also the calls admitted and not yet ended)
 * ``POST /admin/limits`` (change a model's provider limits), ``POST /admin/faults``
 
 ``/batch`` without a model spreads prompts round-robin over all models,
@@ -165,15 +165,14 @@ def create_app(sim: Simulator) -> SingleRoute:
                     "foreign_tokens": dict(sim.foreign_taken)}
 
     @app.get("/log")
-    async def log(since: int = 0) -> dict[str, Any]:
+    async def log(since: int = 0, running: bool = False) -> dict[str, Any]:
+        """The log's entries from ``since``; with ``running``, in the same read, the calls admitted
+        and not yet ended (their start, model, prompt and charge; no status or end yet), and when."""
         with sim._lock:
-            return {"entries": sim.log[since:], "next": len(sim.log)}
-
-    @app.get("/running")
-    async def running() -> dict[str, Any]:
-        """The calls admitted and not yet ended, as the log will have them, their ``end`` still to come."""
-        with sim._lock:
-            return {"calls": list(sim.running.values()), "at": time.time()}
+            out: dict[str, Any] = {"entries": sim.log[since:], "next": len(sim.log)}
+            if running:
+                out.update(running=list(sim.running.values()), at=time.time())
+            return out
 
     @app.post("/admin/limits")
     async def set_limits(payload: dict[str, Any]) -> dict[str, Any]:
