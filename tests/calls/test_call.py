@@ -472,60 +472,39 @@ def test_a_hedge_answered_during_its_start_gate_does_not_call(svc: Services, sim
     assert (row.status, row.answer) == ("solved", "first")
 
 
-def test_a_first_call_answered_by_its_hedge_during_its_start_gate_does_not_call(svc: Services, sim,  # noqa: F811
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("hedge", [None, "running", "answered"])
+def test_a_first_call_checks_its_task_after_its_start_gate(svc: Services, sim,  # noqa: F811
+                                                          monkeypatch: pytest.MonkeyPatch, hedge: str | None) -> None:
     """A first call waits at its model's start gate (the provider paces starts); meanwhile its
-    task's hedge on another model answers. The call used to start anyway, charged by the
-    provider for an answer nobody reads; now it checks its task after the gate, frees its slot
-    and does not call, as a hedge does."""
+    task's hedge on another model may answer. The call used to start anyway, charged by the
+    provider for an answer nobody reads; now it checks its task after the gate and, answered,
+    frees its slot and does not call, as a hedge does. With no hedge, or a hedge in flight
+    that has not answered, the task is still the call's: it calls, and its answer is written."""
     from balancer.backlog.transitions import Answer, mark_solved
 
     url, simulator = sim
-    a = dispatch_one(svc, {"prompt": "gated first call", "model": "m", "max_tokens": 20})
+    a = dispatch_one(svc, {"prompt": f"gated first call, hedge {hedge}", "model": "m", "max_tokens": 20})
     renew = svc.core.renew
 
     def gated(admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None):  # noqa: ANN202
         decision = renew(admission_id, model, estimated_tokens, lease_ms)
         assert isinstance(decision, Admitted)
-        hedge = svc.core.admit([Candidate(a.estimated_tokens, allowed=("n",))])[0]
-        assert isinstance(hedge, Admitted)
-        with svc.engine.begin() as conn:  # the task is running (its start is written before the renewal)
-            assert mark_hedged(conn, a.task_id, a.admission_id, hedge.admission_id, "n", a.estimated_tokens)
-        assert mark_solved(svc.engine, Answer(a.task_id, hedge.admission_id, "the hedge's", 5, 5, "n")) is not None
+        if hedge is not None:
+            other = svc.core.admit([Candidate(a.estimated_tokens, allowed=("n",))])[0]
+            assert isinstance(other, Admitted)
+            with svc.engine.begin() as conn:  # the task is running (its start is written before the renewal)
+                assert mark_hedged(conn, a.task_id, a.admission_id, other.admission_id, "n", a.estimated_tokens)
+            if hedge == "answered":
+                assert mark_solved(svc.engine, Answer(a.task_id, other.admission_id, "the hedge's", 5, 5, "n")) is not None
         return dataclasses.replace(decision, start_delay_ms=300)
 
     monkeypatch.setattr(svc.core, "renew", gated)
-    assert chain(svc, make_backend(svc.settings), message(a)) == ["stale"]
-    assert simulator.log == []  # the provider saw no call
+    answered = hedge == "answered"
+    assert chain(svc, make_backend(svc.settings), message(a)) == ["stale" if answered else "solved"]
+    assert [e["model"] for e in simulator.log] == ([] if answered else ["m"])  # the provider saw the call, or none
     assert svc.core.live()["m"].in_flight == 0
     row = task_row(svc, a.task_id)
-    assert (row.status, row.answer) == ("solved", "the hedge's")
-
-
-@pytest.mark.parametrize("hedged", [False, True], ids=["no-hedge", "hedge-running"])
-def test_a_first_call_whose_task_is_still_its_own_calls_after_its_start_gate(svc: Services, sim,  # noqa: F811
-                                                                             monkeypatch: pytest.MonkeyPatch,
-                                                                             hedged: bool) -> None:
-    """The other side of the check above: with no hedge, or a hedge in flight that has not
-    answered, the task is still the first call's; after its gate it goes to the provider."""
-    url, simulator = sim
-    a = dispatch_one(svc, {"prompt": "gated, still its own", "model": "m", "max_tokens": 20})
-    renew = svc.core.renew
-
-    def gated(admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None):  # noqa: ANN202
-        decision = renew(admission_id, model, estimated_tokens, lease_ms)
-        assert isinstance(decision, Admitted)
-        if hedged:
-            hedge = svc.core.admit([Candidate(a.estimated_tokens, allowed=("n",))])[0]
-            assert isinstance(hedge, Admitted)
-            with svc.engine.begin() as conn:
-                assert mark_hedged(conn, a.task_id, a.admission_id, hedge.admission_id, "n", a.estimated_tokens)
-        return dataclasses.replace(decision, start_delay_ms=300)
-
-    monkeypatch.setattr(svc.core, "renew", gated)
-    assert chain(svc, make_backend(svc.settings), message(a)) == ["solved"]
-    assert [e["model"] for e in simulator.log] == ["m"]
-    assert task_row(svc, a.task_id).status == "solved"
+    assert row.status == "solved" and (row.answer == "the hedge's") == answered
 
 
 def test_a_copy_of_a_running_call_taken_by_the_same_worker_keeps_the_call_alive(svc: Services, sim) -> None:  # noqa: F811
