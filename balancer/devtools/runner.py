@@ -211,10 +211,10 @@ def fetch_last_log(backend_url: str, since: int) -> list[dict[str, Any]]:
     """The log's entries from ``since`` and, read with them (no call ends between the two), the
     calls the backend is still running (a hedge's loser can outlast the run) as entries that end
     now: status 0 and ``unfinished``. Without them the run's calls in flight, and what the
-    provider counted, would miss them. Whether their client went is not known yet."""
+    provider counted, would miss them."""
     reply = httpx.get(f"{backend_url}/log", params={"since": since, "running": "true"}, timeout=30).json()
-    return reply["entries"] + [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "client_gone": False,
-                                "unfinished": True} for call in reply["running"]]
+    return reply["entries"] + [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "unfinished": True}
+                               for call in reply["running"]]
 
 
 #: Shares of the backlog done at which the bench records the drain ETA.

@@ -57,10 +57,31 @@ def test_a_call_still_running_is_listed_until_it_ends_then_logged() -> None:
     assert reply.status_code == 200
     assert during["entries"] == []
     [call] = during["running"]
-    assert (call["model"], call["charge"], call["counted"]) == ("m", 110, 110)  # reserve: counted on arrival
-    assert call["start"] <= during["at"]
+    assert (call["model"], call["charge"], call["counted"], call["client_gone"]) == ("m", 110, 110, False)
+    assert call["start"] <= during["at"]  # (reserve: counted on arrival)
     assert after["running"] == []
     assert [(e["status"], e["prompt_key"]) for e in after["entries"]] == [(200, call["prompt_key"])]
+
+
+def test_a_call_still_running_says_whether_its_client_has_gone() -> None:
+    """A call whose client went runs on (``on_disconnect = "continue"``): listed as running,
+    its client gone, as the log will say once it ends."""
+    sim = Simulator([SimModel("m", 2, 60_000, latency=Latency(0.3, 0.3, 0.3, 0.3))], grace=0.0)
+
+    async def go() -> tuple[list[dict], list[dict]]:
+        call = asyncio.ensure_future(sim.call("m", "x" * 40, 100, "single", gone=lambda: asyncio.sleep(0)))
+        for _ in range(500):  # at most 5 s
+            if sim.running and all(w is not None and w.done() for _, w in sim.running.values()):
+                break
+            await asyncio.sleep(0.01)
+        with sim._lock:
+            during = sim.still_running()
+        await call
+        return during, sim.log
+
+    during, log = asyncio.run(go())
+    assert [c["client_gone"] for c in during] == [True]
+    assert [(e["status"], e["client_gone"]) for e in log] == [(200, True)]
 
 
 def test_token_bucket_429_says_when() -> None:

@@ -234,8 +234,8 @@ def hedge_figures(rows: Iterable[Any]) -> dict[str, Any]:
 def calls_cut_off(entries: Iterable[Mapping[str, Any]]) -> int:
     """Calls whose client went before the answer (cancelled losers, or calls
     abandoned at the backend timeout), as far as the backend has logged them:
-    one that runs on after the disconnect is logged only when it ends (one still
-    running when the run ends is ``unfinished``, its client's going not known).
+    one that runs on after the disconnect is logged only when it ends (or, still
+    running when the run ends, as ``unfinished``).
 
     >>> calls_cut_off([{"client_gone": True}, {"client_gone": False}, {}])
     1

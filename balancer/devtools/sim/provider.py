@@ -80,7 +80,7 @@ class Simulator:
         #: Calls admitted and not yet ended (the log has a call only once it ends), by a key of
         #: their own: a hedge's loser can run past a run's end, and a reader of the log alone
         #: would see its slot, and its charge, free.
-        self.running: dict[int, dict[str, Any]] = {}
+        self.running: dict[int, tuple[dict[str, Any], asyncio.Future | None]] = {}
         self.log_path = log_path
         self._lock = threading.Lock()
         self._round_robin = itertools.cycle(sorted(self.models))
@@ -181,9 +181,9 @@ class Simulator:
         running = {"start": start, "model": model, "endpoint": endpoint, "prompt_tokens": prompt_tokens,
                    "charge": charge, "counted": prompt_tokens if spec.accounting == "settle" else charge,
                    "prompt_key": key}
-        with self._lock:
-            self.running[id(running)] = running
         watcher = asyncio.ensure_future(gone()) if gone is not None else None
+        with self._lock:
+            self.running[id(running)] = (running, watcher)
         latency, cut = drawn_latency, False
         try:
             hang = self.faults.get(self.faults.hang, model)
@@ -219,6 +219,12 @@ class Simulator:
                          "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens if status in (200, 499) else 0,
                          "charge": charge, "counted": counted, "client_gone": client_gone, "prompt_key": key})
         return status, body, admitted if spec.headers_at == "admission" else self.rate_limit_headers(model, end)
+
+    def still_running(self) -> list[dict[str, Any]]:
+        """The calls admitted and not yet ended, each with whether its client has gone so far (the
+        caller holds the lock)."""
+        return [{**entry, "client_gone": watcher is not None and watcher.done() and not watcher.cancelled()}
+                for entry, watcher in self.running.values()]
 
     def next_model(self) -> str:
         with self._lock:

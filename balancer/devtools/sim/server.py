@@ -171,7 +171,7 @@ def create_app(sim: Simulator) -> SingleRoute:
         with sim._lock:
             out: dict[str, Any] = {"entries": sim.log[since:], "next": len(sim.log)}
             if running:
-                out.update(running=list(sim.running.values()), at=time.time())
+                out.update(running=sim.still_running(), at=time.time())
             return out
 
     @app.post("/admin/limits")
