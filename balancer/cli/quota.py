@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from balancer.admission.quota import MAX_CONCURRENCY
 from balancer.cli.import_export import echo_changes, read_declared, write_text
 from balancer.cli.startwait import migrated
 from balancer.errors import QuotaError
@@ -134,7 +135,7 @@ def latency_cell(latency: dict | None) -> str:
 @click.argument("model")
 @click.option("--tpm", type=POSITIVE, help="max_tokens_per_minute")
 @click.option("--rpm", type=POSITIVE, help="max_requests_per_minute")
-@click.option("--concurrency", type=POSITIVE, help="max_concurrent_requests")
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), help="max_concurrent_requests")
 @click.option("--weight", type=POSITIVE, help="WDRR weight (share when models compete)")
 @click.option("--burst", type=POSITIVE, help="burst_tokens (token bucket capacity)")
 @click.option("--burst-requests", type=POSITIVE, help="burst_requests (request bucket capacity; RPM x window / 60 for 1 s or 10 s windows)")

@@ -155,14 +155,12 @@ class QuotaStore:
         with self._writing(reset) as (conn, pushed):
             old = self._locked(conn, name)
             if old is None:
-                if not create:
-                    raise QuotaError(f"unknown model {name!r}: add it with --create")
-                missing = [f for f in ("max_concurrent_requests", "max_tokens_per_minute") if changes.get(f) is None]
-                if missing:
-                    flags = {"max_concurrent_requests": "--concurrency", "max_tokens_per_minute": "--tpm"}
-                    raise QuotaError(
-                        f"creating {name!r} needs {' and '.join(flags[m] for m in missing)}"
-                    )
+                flags = {"max_concurrent_requests": "--concurrency", "max_tokens_per_minute": "--tpm"}
+                needs = " and ".join(flag for field, flag in flags.items() if changes.get(field) is None)
+                if not create:  # what adding it takes, all in one line
+                    raise QuotaError(f"unknown model {name!r}: add it with --create" + (f" and {needs}" if needs else ""))
+                if needs:
+                    raise QuotaError(f"creating {name!r} needs {needs}")
                 new = Quota(name=name, **changes)
             else:
                 new = old.replace(**changes)

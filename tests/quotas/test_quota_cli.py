@@ -185,7 +185,7 @@ def test_live_change_applies_to_the_very_next_admission(capsys: pytest.CaptureFi
         (["quota", "set", "m", "--tpm", "0"], "--tpm"),
         (["quota", "set", "m", "--tpm", "-3"], "--tpm"),
         (["quota", "set", "m", "--concurrency", "2.5"], "--concurrency"),
-        (["quota", "set", "m", "--concurrency", "1000000000"], "max_concurrent_requests must be <= 100000"),
+        (["quota", "set", "m", "--concurrency", "1000000000"], "--concurrency': 1000000000 is not in the range 1<=x<=100000"),
         (["quota", "set", "gpt\x1b[31m", "--tpm", "5"], "invalid model name"),
         (["quota", "set", "m", "--burst", "0"], "--burst"),
         (["quota", "set", "m", "--weight", "x"], "--weight"),
@@ -358,7 +358,8 @@ def test_console_script_runs(migrated: dict[str, str]) -> None:
         [sys.executable, "-m", "balancer", "quota", "set", "m", "--tpm", "1"],
         env=env, capture_output=True, text=True, timeout=60,
     )
-    assert proc.returncode == 2 and proc.stderr.strip() == "error: unknown model 'm': add it with --create"
+    # What adding it takes, in one line: not one missing flag per try.
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: unknown model 'm': add it with --create and --concurrency"
 
 
 def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixture[str]) -> None:
