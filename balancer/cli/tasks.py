@@ -89,10 +89,23 @@ def tasks_show(task_id: int, as_json: bool) -> None:
     for key in ("id", "status", "source", "key", "metadata", "priority", "model", "allowed_models", "attempts",
                 "rate_limited", "hedges", "hedge_model", "max_tokens", "estimated_tokens", "prompt_tokens",
                 "completion_tokens", "error", "created_at", "queued_at", "started_at", "solved_at", "updated_at"):
-        click.echo(f"{key:>18}: {printable(str(data[key]), 300)}")
+        click.echo(f"{key:>18}: {printable(_shown(data[key]), 300)}")
     click.echo(f"{'prompt':>18}: {printable(data['prompt'], 200)}")
     if data["answer"] is not None:
         click.echo(f"{'answer':>18}: {printable(data['answer'], 200)}")
+
+
+def _shown(value: Any) -> str:
+    """A field as ``tasks show`` prints it: JSON for metadata and lists, ``-`` for none.
+
+    >>> _shown({"t": 1}), _shown(["a", "b"]), _shown(None), _shown(3)
+    ('{"t": 1}', '["a", "b"]', '-', '3')
+    """
+    if value is None:
+        return "-"
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=str, ensure_ascii=False)
+    return str(value)
 
 
 def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any]) -> None:

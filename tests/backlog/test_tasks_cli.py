@@ -62,6 +62,8 @@ def test_list_and_show_filter_by_status_model_and_source(backlog, capsys: pytest
     assert code == 0 and "after 5 attempts: 500" in out and "p0" in out and "attempts: 5" in out
     shown = {line.split(":", 1)[0].strip() for line in out.splitlines()}
     assert {"key", "metadata", "max_tokens"} <= shown  # as --json has them (they were left out)
+    fields = {k.strip(): v for k, v in (line.split(": ", 1) for line in out.splitlines() if ": " in line)}
+    assert (fields["hedge_model"], fields["allowed_models"][:2]) == ("-", '["')  # "-" and JSON, not Python's repr
     code, out, _ = run(capsys, "tasks", "list")
     assert code == 0 and "failed" in out and "running" in out
 
