@@ -109,7 +109,10 @@ def status(as_json: bool) -> None:
     for b in s.budgets.values():
         click.echo(printable(f"budget {b.budget.source}: {budget_line(b)}", limit=400))
     if s.beat is None:
-        click.echo("beat: not seen lately; the dispatcher runs the periodic ticks itself (start `balancer beat`)")
+        # Said of any dispatcher: status cannot tell whether one runs (a new user read "the dispatcher
+        # runs the ticks itself" with none started).
+        click.echo("beat: not seen lately; a running dispatcher runs the periodic ticks itself "
+                   "(start `balancer beat`, or `balancer run` for the dispatcher, workers and beat)")
     if s.overdue:
         click.echo(f"overdue: {s.overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
                    "the sweep tick returns them to pending")

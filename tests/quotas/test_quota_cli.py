@@ -377,6 +377,7 @@ def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixt
     assert (models["b"]["in_flight"], models["b"]["cap"], models["b"]["binding"]) == (0, 5, "none")
     code, out, _ = run(capsys, "status")
     assert code == 0 and "2/2" in out and "0/5" in out and "concurrency" in out
+    assert "beat: not seen lately; a running dispatcher" in out and "`balancer run`" in out  # none runs here
     done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "2", "--interval", "0.1"],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
                           env={**os.environ, "COLUMNS": "160"})  # a wide terminal: every column, numbers in full
