@@ -16,7 +16,7 @@ from balancer.admission import fields, keys
 from balancer.admission.learned import Learned, effective, ramp_opens_ms, reason, relaxed, slots_now
 from balancer.admission.liveness import records_trusted
 from balancer.admission.quota import Quota
-from balancer.admission.values import UNITS, outside_rate, refilled
+from balancer.admission.values import UNITS, outside_rate, refilled, token_cap
 from balancer.estimates.latency import MIN_SAMPLES, LatencyEstimate, LatencySketch
 
 
@@ -48,6 +48,16 @@ class ModelLive:
     def cap_now(self) -> int:
         """How many calls it may have in flight now (slow start included)."""
         return self.limits.max_concurrent_requests if self.slots is None else self.slots
+
+    @property
+    def token_capacity(self) -> float:
+        """The most tokens its bucket holds now (an idle model's bucket fills to this): the burst
+        less the tokens a call in transit may still take (:func:`~balancer.admission.values.token_cap`).
+
+        >>> ModelLive(Quota("m", 1, 60_000, burst_tokens=10_000), 0, 9_750.0, None, 0).token_capacity
+        9750.0
+        """
+        return token_cap(self.limits) / UNITS
 
     @property
     def limits(self) -> Quota:

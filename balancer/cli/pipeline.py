@@ -157,19 +157,19 @@ def model_table(rows: list, rates: dict[str, tuple[float, float]] | None = None,
     table = Table(title="models", box=box.MINIMAL_HEAVY_HEAD if narrow else box.HEAVY_HEAD, pad_edge=not narrow,
                   show_edge=not narrow, padding=(0, 0 if narrow else 1))
     learned = any(r.learned for r in rows) and not narrow  # limits in force below the quota, when a model has them
-    columns = ["model", "in flight", "tokens now / burst", "requests now", "429s", "answered", "p50 / p99 s", "binds"]
+    columns = ["model", "in flight", "tokens now / bucket", "requests now", "429s", "answered", "p50 / p99 s", "binds"]
     columns += ["learned limits (in force / quota)"] if learned else []
     if rates is not None:
         columns[3:3] = ["tokens/min / TPM + burst", "requests/min / RPM + burst"]
     if narrow:  # each row on one line: fewer columns, no cell wrapped, the prior's latency marked ~
         columns = [c if c != "p50 / p99 s" else "p50/p99 s (~prior)" for c in columns
-                   if c not in ("tokens now / burst", "requests now", "answered")]
+                   if c not in ("tokens now / bucket", "requests now", "answered")]
     for i, col in enumerate(columns):
         header = NARROW_HEADERS.get(col, col) if narrow else col
         table.add_column(header, justify="left" if i == 0 else "right", no_wrap=i == 0 or narrow)
     for r in rows:
         cells = {
-            "model": r.name, "in flight": f"{r.in_flight}/{r.cap}", "tokens now / burst": f"{r.tokens_available:,.0f} / {r.burst:,}",
+            "model": r.name, "in flight": f"{r.in_flight}/{r.cap}", "tokens now / bucket": f"{r.tokens_available:,.0f} / {r.bucket:,.0f}",
             "requests now": "-" if r.requests_available is None else f"{r.requests_available:,.1f}",
             "429s": str(r.rate_limited), "answered": str(r.solved),
             "p50 / p99 s": f"{r.p50_s:g} / {r.p99_s:g}" + ("" if r.latency_measured else " (prior)"),

@@ -49,6 +49,7 @@ def quota_list(as_json: bool) -> None:
                 else {
                     "in_flight": state.in_flight,
                     "tokens_available": round(state.tokens_available, 1),
+                    "token_capacity": round(state.token_capacity, 1),  # full: the burst less the tokens in transit
                     "requests_available": None
                     if state.requests_available is None
                     else round(state.requests_available, 2),
@@ -95,7 +96,7 @@ def quota_list(as_json: bool) -> None:
             row["token_accounting"],
             f"{lv.get('in_flight', '-')}/{row['max_concurrent_requests']}",
             f"{row['max_tokens_per_minute']:,}" + (" window cap" if row["window_cap"] else ""),
-            f"{lv['tokens_available']:,.0f}/{row['burst_tokens']:,}" if lv else f"-/{row['burst_tokens']:,}",
+            f"{lv['tokens_available']:,.0f}/{lv['token_capacity']:,.0f}" if lv else f"-/{row['burst_tokens']:,}",
             f"{row['max_requests_per_minute']:,}" if row["max_requests_per_minute"] else "-",
             "-" if lv.get("requests_available") is None else f"{lv['requests_available']:,.1f}",
             str(lv.get("deficit", "-")),

@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy.engine import Engine
 
 from balancer.admission.quota import Quota
+from balancer.admission.values import TRANSIT_MS
 from balancer.backlog.reads import Backlog, backlog
 from balancer.backlog.retention import FINISHED_RECOUNT_S, finished_counts, live_status_counts
 from balancer.backlog.spend import charges, observed_usage
@@ -147,7 +148,7 @@ class BalancerCollector(Collector):
                 "balancer_model_in_flight": live.in_flight,
                 "balancer_model_max_concurrent_requests": q.max_concurrent_requests,
                 "balancer_model_tokens_available": live.tokens_available,
-                "balancer_model_token_bucket_capacity": q.burst,
+                "balancer_model_token_bucket_capacity": live.token_capacity,
                 "balancer_model_tokens_per_60s_allowed": q.allowed_per_minute[0],
                 "balancer_model_requests_per_60s_allowed": q.allowed_per_minute[1],
                 "balancer_model_window_cap": int(q.window_cap),
@@ -223,7 +224,8 @@ class BalancerCollector(Collector):
             "balancer_model_in_flight": "Calls in flight (live leases)",
             "balancer_model_max_concurrent_requests": "Concurrency cap",
             "balancer_model_tokens_available": "Tokens in the bucket now",
-            "balancer_model_token_bucket_capacity": "Token bucket capacity (burst_tokens)",
+            "balancer_model_token_bucket_capacity": "Token bucket capacity: burst_tokens less the tokens a call in "
+                                                    f"transit may still take ({TRANSIT_MS} ms of TPM, at most half the burst)",
             "balancer_model_tokens_per_60s_allowed": "The most tokens any 60 s window may carry: the TPM plus the "
                                                      "burst on top of it (the bucket full at the window's start), "
                                                      "or the TPM alone under a window cap",

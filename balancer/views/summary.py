@@ -84,6 +84,8 @@ class ModelSummary:
     learned: str = ""
     request_burst: int = 0  # the request bucket's size (0 without an RPM)
     window_cap: bool = False  # no 60 s window above the TPM (RPM): no burst on top (balancer.admission.window)
+    #: What its token bucket holds when full: the burst less the tokens in transit (ModelLive.token_capacity).
+    bucket: float = 0.0
 
     @property
     def tokens_allowed_per_60s(self) -> int:
@@ -195,7 +197,7 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
             latency_measured=latency.samples > 0, binding=binding_limit(live, tokens_per_call),
             limit_cap=live.cap_now, limit_tpm=live.limits.max_tokens_per_minute,
             limit_rpm=live.limits.max_requests_per_minute, learned=live.limits_reason, request_burst=q.request_burst,
-            window_cap=q.window_cap,
+            window_cap=q.window_cap, bucket=round(live.token_capacity, 1),
         ))
     return rows
 

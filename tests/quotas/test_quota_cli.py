@@ -375,8 +375,16 @@ def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixt
     models = {m["name"]: m for m in json.loads(out)["models"]}
     assert (models["a"]["in_flight"], models["a"]["cap"], models["a"]["binding"]) == (2, 2, "concurrency")
     assert (models["b"]["in_flight"], models["b"]["cap"], models["b"]["binding"]) == (0, 5, "none")
+    # An idle bucket is full at its capacity, the burst less the tokens in transit: shown against
+    # that, not against the burst it never reaches (a new user read 9,833/10,000 as "never refills").
+    code, out, _ = run(capsys, "quota", "list", "--json")
+    b = next(r for r in json.loads(out) if r["name"] == "b")
+    assert b["live"]["tokens_available"] == b["live"]["token_capacity"] < b["burst_tokens"]
+    full = f"{b['live']['token_capacity']:,.0f}"
+    assert models["b"]["bucket"] == b["live"]["token_capacity"]
     code, out, _ = run(capsys, "status")
     assert code == 0 and "2/2" in out and "0/5" in out and "concurrency" in out
+    assert f"{full} / {full}" in out
     assert "beat: not seen lately; a running dispatcher" in out and "`balancer run`" in out  # none runs here
     done = subprocess.run([sys.executable, "-m", "balancer", "top", "--count", "2", "--interval", "0.1"],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
