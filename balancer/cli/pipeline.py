@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +113,9 @@ def band_text(drain: Any) -> str:
     return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
 
 
-def drain_text(drain: Any, blocked: str | None = None) -> str:
-    """The ETA, its band, and the pending tasks it leaves out: their source's budget is spent, or no enabled
-    model may take them;
+def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = ()) -> str:
+    """The ETA, its band, and what it leaves out: pending tasks whose source's budget is spent, or that no
+    enabled model may take, and the rows of the ``unread`` sources (their table could not be read);
     ``blocked`` (why nothing can run: :func:`balancer.health.reasons.blocked`) instead of a number.
 
     >>> from balancer.views.eta import Forecast
@@ -128,13 +129,16 @@ def drain_text(drain: Any, blocked: str | None = None) -> str:
     'nothing else to run; 6 pending task(s) may take no enabled model (removed or disabled), not in the eta'
     >>> drain_text(Forecast(1.0, 1.0, 1.0), "blocked: m: backend unreachable: refused")
     'blocked: m: backend unreachable: refused'
+    >>> drain_text(Forecast(0.0, 0.0, 0.0), unread=["questions"])   # not "done": its rows were not read
+    'nothing else to run; the rows of source questions (its table could not be read), not in the eta'
     """
     if blocked:
         return blocked
     waiting, unplaced = (0, 0) if drain is None else (drain.waiting, drain.unplaced)
     eta = None if drain is None else drain.eta
     aside = ([f"{waiting} pending task(s) wait on a budget"] if waiting else []) + \
-        ([f"{unplaced} pending task(s) may take no enabled model (removed or disabled)"] if unplaced else [])
+        ([f"{unplaced} pending task(s) may take no enabled model (removed or disabled)"] if unplaced else []) + \
+        [f"the rows of source {name} (its table could not be read)" for name in unread]
     text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
     return text + "".join(f"; {said}, not in the eta" for said in aside)
 
@@ -259,7 +263,8 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {drain_text(drain, o.health.blocked)}")
+        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items())
+                       + f"  eta: {drain_text(drain, o.health.blocked, o.health.unread_sources)}")
         money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         sources = source_status(svc.engine)
         with svc.engine.connect() as conn:

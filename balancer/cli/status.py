@@ -97,7 +97,7 @@ def status(as_json: bool) -> None:
     from balancer.costs.cost import projection_text, spend_text
 
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
-               + f"  eta: {drain_text(s.drain, s.health.blocked)}")
+               + f"  eta: {drain_text(s.drain, s.health.blocked, s.health.unread_sources)}")
     for line in health_lines(s.health):
         click.echo(line)
     if s.spent.by_model or s.spent.unpriced_tokens:

@@ -191,6 +191,11 @@ class Health:
     sources: dict[str, list[Reason]]
     blocked: str | None  # why nothing can run (the ETA shows it instead of a number); None: something can
 
+    @property
+    def unread_sources(self) -> list[str]:
+        """The sources whose table could not be read: their rows are in no count and no ETA."""
+        return sorted(name for name, rs in self.sources.items() if any(r.kind == "unreadable" for r in rs))
+
     def model_text(self, name: str) -> str:
         """A model's reasons in one cell ('' when it has none)."""
         return "; ".join(r.text for r in self.models.get(name, []))

@@ -156,7 +156,10 @@ def test_a_source_table_that_cannot_be_read_says_why_in_status(team_url: str, tm
     reasons = json.loads(capsys.readouterr().out)["health"]["sources"]["legacy"]
     assert [r["kind"] for r in reasons] == ["unreadable"] and "LEGACY_DATABASE_URL" in reasons[0]["text"], reasons
     assert main(["status"]) == 0
-    assert "table unreadable" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "table unreadable" in out
+    # Its rows were never read: the ETA is not "done" (a new user read "eta: done" beside it).
+    assert "eta: nothing else to run; the rows of source legacy (its table could not be read), not in the eta" in out
 
     monkeypatch.setenv("LEGACY_DATABASE_URL", team_url)
     with svc.engine.connect() as conn:
