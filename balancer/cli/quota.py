@@ -78,6 +78,10 @@ def quota_list(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
+    if not rows:
+        click.echo("no models yet: add one with `balancer quota set NAME --create --concurrency N --tpm N`, "
+                   "or a file of them with `balancer quota import FILE` (examples/quotas.toml)")
+        return
     from rich.console import Console
     from rich.table import Table
 

@@ -35,6 +35,8 @@ def services() -> Services:
 
 @pytest.mark.smoke
 def test_set_list_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "quota", "list")  # none yet: how to add one, not an empty table
+    assert code == 0 and out.startswith("no models yet: add one with `balancer quota set NAME --create")
     code, out, err = run(capsys, "quota", "set", "gpt-a", "--create", "--tpm", "6000", "--concurrency", "2", "--by", "alice")
     assert code == 0, err
     code, out, err = run(capsys, "quota", "set", "gpt-a", "--weight", "3", "--rpm", "60")
