@@ -343,24 +343,31 @@ def test_a_solved_call_settles_as_its_model_counts(svc: Services, sim) -> None:
 
 
 class RoundTrips:
-    """Counts every round trip this process makes to Redis and PostgreSQL.
+    """Counts every round trip the calling thread makes to Redis, and this engine to PostgreSQL.
 
     Redis: each packed write on a connection is one request/reply exchange (a
     pipeline is one; redis-py's SCRIPT EXISTS before a pipeline of scripts is
-    another). PostgreSQL: each statement, psycopg2's BEGIN before the first one
+    another), from the thread that made the counter: the dispatch and the solve under
+    test run there, and a thread another test left running (it shares the process
+    under pytest-xdist) once added its own command to a round (4 == 3).
+    PostgreSQL: each statement, psycopg2's BEGIN before the first one
     of a transaction, each COMMIT or ROLLBACK that has a transaction to end, and
     each pre-ping.
     """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, engine) -> None:  # noqa: ANN001
+        import threading
+
         import redis.connection
         import sqlalchemy as sa
 
         self.redis = self.sql = 0
         send = redis.connection.AbstractConnection.send_packed_command
+        mine = threading.get_ident()
 
         def counted_send(conn, command, check_health=True):  # noqa: ANN001, ANN202
-            self.redis += 1
+            if threading.get_ident() == mine:
+                self.redis += 1
             return send(conn, command, check_health)
 
         monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted_send)
