@@ -202,19 +202,17 @@ def ask_for_dispatch(services: Services) -> None:
         app.close()
 
 
-def fetch_log(backend_url: str, since: int) -> tuple[list[dict[str, Any]], int]:
-    reply = httpx.get(f"{backend_url}/log", params={"since": since}, timeout=30).json()
-    return reply["entries"], reply["next"]
-
-
-def fetch_last_log(backend_url: str, since: int) -> list[dict[str, Any]]:
-    """The log's entries from ``since`` and, read with them (no call ends between the two), the
-    calls the backend is still running (a hedge's loser can outlast the run) as entries that end
-    now: status 0 and ``unfinished``. Without them the run's calls in flight, and what the
-    provider counted, would miss them."""
-    reply = httpx.get(f"{backend_url}/log", params={"since": since, "running": "true"}, timeout=30).json()
-    return reply["entries"] + [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "unfinished": True}
-                               for call in reply["running"]]
+def fetch_log(backend_url: str, since: int, *, running: bool = False) -> tuple[list[dict[str, Any]], int]:
+    """The simulator's log entries from ``since``, and the cursor for the next read. With ``running``
+    (the run's last read), also, read with them (no call ends between the two), the calls it is
+    still running (a hedge's loser can outlast the run) as entries that end now: status 0 and
+    ``unfinished``. Without them the run's calls in flight, and what the provider counted, would
+    miss them."""
+    params: dict[str, Any] = {"since": since, **({"running": "true"} if running else {})}
+    reply = httpx.get(f"{backend_url}/log", params=params, timeout=30).json()
+    unfinished = [{**call, "end": reply["at"], "status": 0, "completion_tokens": 0, "unfinished": True}
+                  for call in reply.get("running", [])]
+    return reply["entries"] + unfinished, reply["next"]
 
 
 #: Shares of the backlog done at which the bench records the drain ETA.
@@ -372,7 +370,7 @@ def run_pipeline(
         if settled or time.monotonic() >= settle_until:
             break
         time.sleep(0.5)
-    entries.extend(fetch_last_log(backend_url, cursor))
+    entries.extend(fetch_log(backend_url, cursor, running=True)[0])
     rows = iso.task_rows()
     # The last write, not when this loop noticed it (it polls every 0.5 s).
     finished = min(finished, max((r.updated_at.timestamp() for r in rows), default=finished))

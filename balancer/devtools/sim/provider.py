@@ -204,7 +204,7 @@ class Simulator:
                     del body["usage"]
         finally:
             end = time.time()
-            client_gone = watcher is not None and watcher.done() and not watcher.cancelled()
+            client_gone = gone_so_far(watcher)
             if watcher is not None:
                 watcher.cancel()
             if cut:  # what was generated before the client went
@@ -223,12 +223,16 @@ class Simulator:
     def still_running(self) -> list[dict[str, Any]]:
         """The calls admitted and not yet ended, each with whether its client has gone so far (the
         caller holds the lock)."""
-        return [{**entry, "client_gone": watcher is not None and watcher.done() and not watcher.cancelled()}
-                for entry, watcher in self.running.values()]
+        return [{**entry, "client_gone": gone_so_far(watcher)} for entry, watcher in self.running.values()]
 
     def next_model(self) -> str:
         with self._lock:
             return next(self._round_robin)
+
+
+def gone_so_far(watcher: asyncio.Future | None) -> bool:
+    """Whether a call's client has disconnected so far (its ``gone`` watcher ended; None: not watched)."""
+    return watcher is not None and watcher.done() and not watcher.cancelled()
 
 
 async def run_for(seconds: float, gone: asyncio.Future | None) -> bool:
