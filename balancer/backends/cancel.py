@@ -45,6 +45,7 @@ class CallHandle:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._cut = threading.Event()
         self.cancelled = False
         self.reason = ""  # "cancelled" (the task's other call answered) or "deadline" (out of time)
 
@@ -53,6 +54,11 @@ class CallHandle:
             if not self.cancelled:
                 self.cancelled, self.reason = True, reason
             self._shut(self._sock)
+        self._cut.set()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait up to ``seconds``, ending early if the call is cancelled; whether it was."""
+        return self._cut.wait(seconds)
 
     def attach(self, sock: socket.socket | None) -> None:
         """The call's bytes now go through ``sock`` (cut it at once if already cancelled)."""

@@ -281,17 +281,24 @@ class Call:
             self.heartbeat.mark_live_now(self.admission_id)
         return ctx
 
-    def after_gate(self, delay_ms: int) -> bool:
-        """Wait out the call's start gate, then whether its task still wants the call: a hedge's
-        task still running unanswered with it (issue 40 finding 5), a first call's still queued
-        or running under it (its hedge may have answered, or the task been removed, meanwhile).
-        If not, the slot is freed and the call must not start: the provider would charge it."""
-        time.sleep(delay_ms / 1000)
+    def after_gate(self, delay_ms: int, listener: CancelListener | None) -> bool:
+        """Wait out the call's start gate, then whether its task still wants the call. A hedge
+        reads its task: still running unanswered with it (issue 40 finding 5). A first call waits
+        on the cancel channel under its admission id: if the task's hedge answers meanwhile, its
+        write cancels the call, and the wait ends there (no PostgreSQL read per gated call; a
+        cancel lost with the listener's connection, or a task removed meanwhile, leaves a call
+        whose answer is not written, as any call of a task no longer its own). Unwanted, the
+        slot is freed and the call must not start: the provider would charge it."""
         engine, msg = self.services.engine, self.msg
         if msg.hedge:
+            time.sleep(delay_ms / 1000)
             wanted = with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id)) is not None
+        elif listener is None:  # no cancel channel, no hedges
+            time.sleep(delay_ms / 1000)
+            wanted = True
         else:
-            wanted = with_db_retry(lambda: hedge_in_flight(engine, msg.task_id, msg.admission_id)) is not None
+            with listener.watch(msg.admission_id) as handle:
+                wanted = not handle.wait(delay_ms / 1000)
         if wanted:
             return True
         self.free()

@@ -314,7 +314,7 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
             return call.change("no_room", CHANGES["no_room"](Failure(msg.model, "no slot to start the call", ctx.attempts)))
         start_delay_ms = renewed.start_delay_ms
     # The start gates: the provider paces call starts and charges tokens on arrival.
-    if start_delay_ms > 0 and not call.after_gate(start_delay_ms):
+    if start_delay_ms > 0 and not call.after_gate(start_delay_ms, listener):
         return "stale"  # answered by its hedge, or removed, while the call waited
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
@@ -366,7 +366,7 @@ def _solve_hedge(services: Services, backend: Backend, call: Call, listener: Can
         call.free()
         call.clear_hedge()
         return "no_room"
-    if renewed.start_delay_ms > 0 and not call.after_gate(renewed.start_delay_ms):
+    if renewed.start_delay_ms > 0 and not call.after_gate(renewed.start_delay_ms, listener):
         return "stale"  # the first call answered while the hedge waited at its model's start gate
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)

@@ -477,14 +477,18 @@ def test_a_first_call_checks_its_task_after_its_start_gate(svc: Services, sim,  
                                                           monkeypatch: pytest.MonkeyPatch, hedge: str | None) -> None:
     """A first call waits at its model's start gate (the provider paces starts); meanwhile its
     task's hedge on another model may answer. The call used to start anyway, charged by the
-    provider for an answer nobody reads; now it checks its task after the gate and, answered,
-    frees its slot and does not call, as a hedge does. With no hedge, or a hedge in flight
-    that has not answered, the task is still the call's: it calls, and its answer is written."""
+    provider for an answer nobody reads. Now it waits on the cancel channel, which the hedge's
+    written answer publishes to: cancelled, its wait ends there, its slot is freed and it does not
+    call, as a hedge does. With no hedge, or a hedge in flight that has not answered, the task is
+    still the call's: it calls after the whole gate, and its answer is written."""
     from balancer.backlog.transitions import Answer, mark_solved
+    from balancer.calls.cancellation import CancelListener, cancel_call
 
     url, simulator = sim
     a = dispatch_one(svc, {"prompt": f"gated first call, hedge {hedge}", "model": "m", "max_tokens": 20})
     renew = svc.core.renew
+    answered = hedge == "answered"
+    gate_ms = 30_000 if answered else 300  # the cancel must end the wait, not the gate
 
     def gated(admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None):  # noqa: ANN202
         decision = renew(admission_id, model, estimated_tokens, lease_ms)
@@ -494,14 +498,26 @@ def test_a_first_call_checks_its_task_after_its_start_gate(svc: Services, sim,  
             assert isinstance(other, Admitted)
             with svc.engine.begin() as conn:  # the task is running (its start is written before the renewal)
                 assert mark_hedged(conn, a.task_id, a.admission_id, other.admission_id, "n", a.estimated_tokens)
-            if hedge == "answered":
+            if answered:
                 assert mark_solved(svc.engine, Answer(a.task_id, other.admission_id, "the hedge's", 5, 5, "n")) is not None
-        return dataclasses.replace(decision, start_delay_ms=300)
+        return dataclasses.replace(decision, start_delay_ms=gate_ms)
 
     monkeypatch.setattr(svc.core, "renew", gated)
-    answered = hedge == "answered"
-    assert chain(svc, make_backend(svc.settings), message(a)) == ["stale" if answered else "solved"]
+    listener = CancelListener(svc.redis, svc.settings.namespace)
+    try:
+        began = time.monotonic()
+        thread, out = in_thread(lambda: chain(svc, make_backend(svc.settings), message(a), listener))
+        if answered:  # the hedge's writer publishes the first call's id, as Call._won does; repeated
+            # until the call ends, since one published before the call waits on the channel is lost
+            wait_for(lambda: cancel_call(svc.redis, svc.settings.namespace, a.admission_id) >= 0 and bool(out),
+                     what="the cancelled call's end")
+        thread.join(gate_ms / 1000 + 10)
+        waited = time.monotonic() - began
+    finally:
+        listener.close()
+    assert out == [["stale" if answered else "solved"]]
     assert [e["model"] for e in simulator.log] == ([] if answered else ["m"])  # the provider saw the call, or none
+    assert (waited < gate_ms / 1000) if answered else (waited >= gate_ms / 1000)
     assert svc.core.live()["m"].in_flight == 0
     row = task_row(svc, a.task_id)
     assert row.status == "solved" and (row.answer == "the hedge's") == answered
