@@ -8,11 +8,15 @@ bugs. Subcommands live one group per module.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from balancer.errors import BalancerError, ConfigError, printable
 from balancer.settings import Settings
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 #: Every subcommand and where it is defined. A command's module is imported only when that command
 #: runs (or ``--help`` lists it), so ``balancer status`` does not pay for the other commands' imports.
@@ -50,6 +54,18 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="balancer", prog_name="balancer", message="%(prog)s %(version)s")
 def cli() -> None:
     """Quota-aware dispatch of an LLM prompt backlog through the Models Backend."""
+
+
+def print_table(table: Table, least: int) -> None:
+    """Print a Rich table at the terminal's width, or ``least`` columns if that is wider. Piped or
+    redirected (no terminal to fit), as wide as its cells need, so no value is cut off."""
+    from rich.console import Console
+
+    console = Console(width=max(Console().width, least))
+    if not console.is_terminal:
+        unbounded = console.options.update_width(10_000)  # measured as wide as the cells ask
+        console = Console(width=max(console.width, console.measure(table, options=unbounded).maximum))
+    console.print(table)
 
 
 def settings() -> Settings:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import click
 
 from balancer.admission.quota import MAX_CONCURRENCY
+from balancer.cli import print_table
 from balancer.cli.import_export import echo_changes, read_declared, write_text
 from balancer.cli.startwait import migrated
 from balancer.errors import QuotaError
@@ -82,7 +83,6 @@ def quota_list(as_json: bool) -> None:
         click.echo("no models yet: add one with `balancer quota set NAME --create --concurrency N --tpm N`, "
                    "or a file of them with `balancer quota import FILE` (examples/quotas.toml)")
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
@@ -107,7 +107,7 @@ def quota_list(as_json: bool) -> None:
             latency_cell(row["latency_s"]),
             *([learned_text(lv)] if learned else []),
         )
-    Console(width=max(Console().width, 120)).print(table)
+    print_table(table, 120)
 
 
 def learned_text(live: dict) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from balancer.cli import print_table
 from balancer.cli.pipeline import drain_text, health_lines, model_table
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
@@ -117,6 +118,4 @@ def status(as_json: bool) -> None:
         click.echo(f"overdue: {s.overdue} call(s) whose lease ran out with no heartbeat (a worker is gone); "
                    "the sweep tick returns them to pending")
     if s.rows:
-        from rich.console import Console
-
-        Console(width=max(Console().width, 120)).print(model_table(s.rows))
+        print_table(model_table(s.rows), 120)

@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from balancer.cli import print_table
 from balancer.cli.pipeline import _ask_for_dispatch, _migrated
 from balancer.errors import BalancerError, printable
 
@@ -59,7 +60,6 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
     if as_json:
         click.echo(json.dumps([dict(r._mapping) for r in rows], default=str, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"tasks ({len(rows)} shown, newest first)")
@@ -69,7 +69,7 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
         table.add_row(str(r.id), r.status, r.model or ",".join(r.allowed_models or []) or "any", printable(r.source, 30),
                       str(r.attempts), f"{r.created_at:%Y-%m-%d %H:%M:%S}", printable(r.prompt_preview, 40),
                       printable(r.error or "", 60))
-    Console(width=max(Console().width, 140)).print(table)
+    print_table(table, 140)
 
 
 @tasks.command("show")

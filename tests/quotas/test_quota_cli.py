@@ -55,6 +55,20 @@ def test_set_list_and_audit(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpt-a" in out and "0/2" in out
 
 
+def test_quota_list_piped_cuts_no_value(capsys: pytest.CaptureFixture[str]) -> None:
+    """Piped (no terminal to fit), the table is as wide as its cells: a new user's `quota list`
+    showed values cut to "…" at 120 columns with a long model name and large limits."""
+    name = "a-model-name-as-long-as-a-model-name-may-be-which-is-64-chars-xx"
+    assert len(name) == 64
+    code, _, err = run(capsys, "quota", "set", name, "--create", "--tpm", "1000000000", "--concurrency", "5000",
+                       "--rpm", "1000000000")
+    assert code == 0, err
+    out = run(capsys, "quota", "list")[1]
+    row = next(line for line in out.splitlines() if name in line)  # the name unbroken, on one line
+    assert row.count("1,000,000,000") >= 2 and "0/5000" in row
+    assert "…" not in out
+
+
 def test_set_prints_what_changed_from_and_to_not_the_whole_quota(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "quota", "set", "gpt-b", "--create", "--tpm", "6000", "--concurrency", "2")
     assert code == 0 and out == "gpt-b: created: max_concurrent_requests 2, max_tokens_per_minute 6,000\n"
