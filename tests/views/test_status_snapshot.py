@@ -122,7 +122,7 @@ def test_status_with_a_database_it_cannot_reach_is_one_line(migrated, monkeypatc
     monkeypatch.setenv("BALANCER_DATABASE_URL", "postgresql://bob:hunter2@127.0.0.1:1/x")
     assert main(["status", "--json"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: cannot reach PostgreSQL at postgresql+psycopg2://***@127.0.0.1:1/x")
+    assert err.count("\n") == 1 and err.startswith("error: cannot reach PostgreSQL at postgresql://***@127.0.0.1:1/x")
     assert "hunter2" not in err
 
 
