@@ -10,7 +10,9 @@ on models whose provider stops a call when its client goes
 (``Quota.on_disconnect == "stop"``; on the others a cut-off call would still
 hold its provider slot, so it runs to its end). When it hears an id it holds,
 it cancels that call (:mod:`balancer.backends.cancel` closes its HTTP
-request) and the solver frees its slot.
+request) and the solver frees its slot. A first call waiting at its model's
+start gate is held too, on any model: cancelled there, it is never sent
+(:meth:`balancer.calls.call.Call.after_gate`).
 
 A cancel is a courtesy, not a guarantee: one that arrives before its call
 started, or while the listener is reconnecting, is lost, and the call simply
