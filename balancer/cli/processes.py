@@ -54,12 +54,17 @@ def celery_command(app: Any, argv: list[str]) -> None:
         raise SystemExit(code)
 
 
+#: Seconds a starting process gives a backend port that refuses connections before it warns:
+#: `balancer sim &` then `balancer run` raced the simulator's bind (a new user's warning).
+BACKEND_START_GRACE = 3.0
+
+
 def warn_if_backend_refuses() -> None:
     """The first line a process prints when the Models Backend's address refuses connections
     (it starts all the same: the backend may come up later)."""
     from balancer.backends.probe import refusal
 
-    problem = refusal(settings().backend_url)
+    problem = refusal(settings().backend_url, grace=BACKEND_START_GRACE)
     if problem:
         click.echo(f"warning: {problem}: its calls will fail until it answers (BALANCER_BACKEND_URL)", err=True)
 

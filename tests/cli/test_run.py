@@ -92,6 +92,40 @@ def test_a_worker_says_on_its_first_line_that_the_backend_refuses_connections(mi
     assert done.returncode == 2 and "no model has a quota" in done.stderr  # and then its own error, one line
 
 
+def test_a_backend_that_starts_listening_within_the_grace_is_not_warned_of(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`balancer sim &` then `balancer run`: the run probed the port before the simulator bound it,
+    and warned of a backend that answered every call. A port that refuses is tried again for
+    the grace: one that starts listening meanwhile is no warning; one that never does still is."""
+    from balancer.backends import probe
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    tries: list[float] = []
+    connect = socket.create_connection
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        tries.append(time.monotonic())
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(probe.socket, "create_connection", counted)
+    try:
+        assert "refuses connections" in (probe.refusal(url) or "")  # no grace: one try, refused
+        assert len(tries) == 1
+
+        def listen_after_a_refusal() -> None:
+            while len(tries) < 2:  # the probe under test has been refused once
+                time.sleep(0.01)
+            sock.listen()
+
+        opener = threading.Thread(target=listen_after_a_refusal, daemon=True)
+        opener.start()
+        assert probe.refusal(url, grace=10.0) is None
+        assert len(tries) >= 3  # refused, then tried again until it opened
+    finally:
+        sock.close()
+
+
 def test_run_without_quotas_is_one_line_after_the_refusal(migrated: dict[str, str]) -> None:
     done = subprocess.run([sys.executable, "-m", "balancer", "run"], capture_output=True, text=True,
                           env={**os.environ, "BALANCER_BACKEND_URL": refused_url()}, timeout=60)
