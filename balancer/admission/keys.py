@@ -37,6 +37,7 @@ SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
 CANCEL_CHANNEL = ":cancel"
+CANCELLED_INFIX = ":cancelled:"
 BEAT_SEEN = ":beat:seen"
 ROUTER_ADMISSION_INFIX = ":router:admission:"
 ROUTER_IDEMPOTENCY_INFIX = ":router:idempotency:"
@@ -172,6 +173,12 @@ def live_calls(namespace: str) -> str:
 def cancel_channel(namespace: str) -> str:
     """Pub/sub channel of calls to cut off: admission ids (see :mod:`balancer.calls.cancellation`)."""
     return tag(namespace) + CANCEL_CHANNEL
+
+
+def cancelled_call(namespace: str, admission_id: str) -> str:
+    """A call cancelled on the channel, kept a while (string, expiring): a call that was not yet
+    listening when the cancel went out finds it here (see :mod:`balancer.calls.cancellation`)."""
+    return tag(namespace) + CANCELLED_INFIX + admission_id
 
 
 def router_admission(namespace: str, admission_id: str) -> str:

@@ -134,10 +134,9 @@ def clear_hedge(engine: Engine, task_id: int, hedge_admission_id: str) -> bool:
 
 
 def hedge_in_flight(engine: Engine, task_id: int, admission_id: str) -> bool | None:
-    """For a task's first call whose status change was refused, or that waited at its start
-    gate: whether a hedge is in flight (True: the hedge's answer decides), or not (False: the
-    change may apply); None if the task is no longer queued or running under ``admission_id``
-    (answered, removed, or dispatched again)."""
+    """For a task's first call whose status change was refused: whether a hedge is in flight
+    (True: the hedge's answer decides), or not (False: the change may apply); None if the task
+    is no longer queued or running under ``admission_id`` (answered, removed, or dispatched again)."""
     with engine.connect() as conn:
         row = conn.execute(
             sa.select(tasks.c.hedge_admission_id).where(admission_guard(task_id, admission_id))

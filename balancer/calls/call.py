@@ -38,7 +38,7 @@ from balancer.backlog.retry import with_db_retry
 from balancer.backlog.statements import SolveContext
 from balancer.backlog.transitions import Answer, Written, back_to_pending, mark_failed
 from balancer.calls.answers import AnswerWriter
-from balancer.calls.cancellation import CancelListener, cancel_call
+from balancer.calls.cancellation import CancelListener, cancel_call, was_cancelled
 from balancer.calls.heartbeat import Heartbeat
 from balancer.calls.signals import believable
 from balancer.costs.cost import CallEnd, billed_tokens, price_of
@@ -285,26 +285,37 @@ class Call:
         """Wait out the call's start gate, then whether its task still wants the call. A hedge
         reads its task: still running unanswered with it (issue 40 finding 5). A first call waits
         on the cancel channel under its admission id: if the task's hedge answers meanwhile, its
-        write cancels the call, and the wait ends there (no PostgreSQL read per gated call; a
-        cancel lost with the listener's connection, or a task removed meanwhile, leaves a call
-        whose answer is not written, as any call of a task no longer its own). Unwanted, the
-        slot is freed and the call must not start: the provider would charge it."""
+        write cancels the call and the wait ends there; a cancel sent before the call listened,
+        or lost with the listener's connection, is found in its key (:func:`was_cancelled`, read
+        before and after the wait). No PostgreSQL read per gated call. Left to the write's guard
+        (the call runs, its answer is not written): a task removed meanwhile, a cancel whose
+        publish failed, and a worker with hedging off (no listener). Unwanted, the slot is freed
+        and the call must not start: the provider would charge it."""
         engine, msg = self.services.engine, self.msg
+        until = time.monotonic() + delay_ms / 1000  # the listener's first subscription is inside the gate's wait
         if msg.hedge:
             time.sleep(delay_ms / 1000)
             wanted = with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id)) is not None
-        elif listener is None:  # no cancel channel, no hedges
+        elif listener is None:  # hedging off in this worker: nothing cancels its calls
             time.sleep(delay_ms / 1000)
             wanted = True
         else:
-            with listener.watch(msg.admission_id) as handle:
-                wanted = not handle.wait(delay_ms / 1000)
+            with listener.watch(msg.admission_id) as handle:  # cancelled before it listened, while, or lost
+                cancelled = self._cancelled() or handle.wait(max(0.0, until - time.monotonic())) or self._cancelled()
+            wanted = not cancelled
         if wanted:
             return True
         self.free()
         log.info("task %d: answered or taken away while its %s on %s waited at the start gate; it does not call",
                  msg.task_id, "hedge" if msg.hedge else "call", msg.model)
         return False
+
+    def _cancelled(self) -> bool:
+        """Whether the task's other call answered and cancelled this one (Redis out: not known, so not)."""
+        try:
+            return was_cancelled(self.services.redis, self.services.settings.namespace, self.msg.admission_id)
+        except (redis.RedisError, OSError):
+            return False
 
     def clear_hedge(self) -> None:
         """A hedge that got no answer: the task is again its first call's alone."""

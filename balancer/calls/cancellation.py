@@ -16,7 +16,9 @@ start gate is held too, on any model: cancelled there, it is never sent
 
 A cancel is a courtesy, not a guarantee: one that arrives before its call
 started, or while the listener is reconnecting, is lost, and the call simply
-runs to its end; its answer is then a duplicate and never written.
+runs to its end; its answer is then a duplicate and never written. A call not
+yet sent can ask :func:`was_cancelled`: the publish leaves a key behind
+(:func:`balancer.admission.keys.cancelled_call`) for :data:`CANCELLED_KEPT_MS`.
 """
 
 from __future__ import annotations
@@ -35,14 +37,25 @@ log = logging.getLogger(__name__)
 
 #: How long a listener waits for one message before checking it should still run (seconds).
 POLL_SECONDS = 1.0
+#: How long a cancel's key is kept: longer than any start gate's wait (one interval of a request limit).
+CANCELLED_KEPT_MS = 10 * 60_000
 
 
 def cancel_call(client: redis.Redis, namespace: str, admission_id: str) -> int:
-    """Ask every worker process to cut off the call under ``admission_id``.
+    """Ask every worker process to cut off the call under ``admission_id``, and leave the
+    request behind for a call not yet listening (:func:`was_cancelled`).
 
     Returns how many processes listen (the process making the call is one of
     them while it runs)."""
-    return int(client.publish(keys.cancel_channel(namespace), admission_id))
+    pipe = client.pipeline(transaction=False)
+    pipe.set(keys.cancelled_call(namespace, admission_id), 1, px=CANCELLED_KEPT_MS)
+    pipe.publish(keys.cancel_channel(namespace), admission_id)
+    return int(pipe.execute()[1])
+
+
+def was_cancelled(client: redis.Redis, namespace: str, admission_id: str) -> bool:
+    """Whether the call under ``admission_id`` was cancelled in the last :data:`CANCELLED_KEPT_MS`."""
+    return bool(client.exists(keys.cancelled_call(namespace, admission_id)))
 
 
 class CancelListener:

@@ -315,7 +315,7 @@ def _solve(services: Services, backend: Backend, call: Call, started: NextCall |
         start_delay_ms = renewed.start_delay_ms
     # The start gates: the provider paces call starts and charges tokens on arrival.
     if start_delay_ms > 0 and not call.after_gate(start_delay_ms, listener):
-        return "stale"  # answered by its hedge, or removed, while the call waited
+        return "stale"  # answered by its hedge while the call waited (cancelled)
     try:
         completion, latency_ms = call.call_backend(backend, ctx, listener)
     except Cancelled as exc:

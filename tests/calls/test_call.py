@@ -472,23 +472,25 @@ def test_a_hedge_answered_during_its_start_gate_does_not_call(svc: Services, sim
     assert (row.status, row.answer) == ("solved", "first")
 
 
-@pytest.mark.parametrize("hedge", [None, "running", "answered"])
-def test_a_first_call_checks_its_task_after_its_start_gate(svc: Services, sim,  # noqa: F811
-                                                          monkeypatch: pytest.MonkeyPatch, hedge: str | None) -> None:
+@pytest.mark.parametrize("hedge", [None, "running", "answered", "answered before the call listened"])
+def test_a_first_call_is_cancelled_at_its_start_gate(svc: Services, sim,  # noqa: F811
+                                                     monkeypatch: pytest.MonkeyPatch, hedge: str | None) -> None:
     """A first call waits at its model's start gate (the provider paces starts); meanwhile its
     task's hedge on another model may answer. The call used to start anyway, charged by the
     provider for an answer nobody reads. Now it waits on the cancel channel, which the hedge's
     written answer publishes to: cancelled, its wait ends there, its slot is freed and it does not
-    call, as a hedge does. With no hedge, or a hedge in flight that has not answered, the task is
-    still the call's: it calls after the whole gate, and its answer is written."""
+    call, as a hedge does. A cancel sent before the call listened (one publish, heard by nobody)
+    is found in the key it leaves. With no hedge, or a hedge in flight that has not answered,
+    the task is still the call's: it calls after the whole gate, and its answer is written."""
+    from balancer.admission.keys import cancel_channel
     from balancer.backlog.transitions import Answer, mark_solved
     from balancer.calls.cancellation import CancelListener, cancel_call
 
     url, simulator = sim
     a = dispatch_one(svc, {"prompt": f"gated first call, hedge {hedge}", "model": "m", "max_tokens": 20})
     renew = svc.core.renew
-    answered = hedge == "answered"
-    gate_ms = 30_000 if answered else 300  # the cancel must end the wait, not the gate
+    answered = hedge is not None and hedge.startswith("answered")
+    gate_ms = 12_000 if answered else 300  # the cancel must end the wait, not the gate
 
     def gated(admission_id: str, model: str, estimated_tokens: int, lease_ms: int | None = None):  # noqa: ANN202
         decision = renew(admission_id, model, estimated_tokens, lease_ms)
@@ -500,17 +502,18 @@ def test_a_first_call_checks_its_task_after_its_start_gate(svc: Services, sim,  
                 assert mark_hedged(conn, a.task_id, a.admission_id, other.admission_id, "n", a.estimated_tokens)
             if answered:
                 assert mark_solved(svc.engine, Answer(a.task_id, other.admission_id, "the hedge's", 5, 5, "n")) is not None
+            if hedge == "answered before the call listened":  # as Call._won does, once
+                cancel_call(svc.redis, svc.settings.namespace, a.admission_id)
         return dataclasses.replace(decision, start_delay_ms=gate_ms)
 
     monkeypatch.setattr(svc.core, "renew", gated)
     listener = CancelListener(svc.redis, svc.settings.namespace)
+    began = time.monotonic()
+    thread, out = in_thread(lambda: chain(svc, make_backend(svc.settings), message(a), listener))
     try:
-        began = time.monotonic()
-        thread, out = in_thread(lambda: chain(svc, make_backend(svc.settings), message(a), listener))
-        if answered:  # the hedge's writer publishes the first call's id, as Call._won does; repeated
-            # until the call ends, since one published before the call waits on the channel is lost
-            wait_for(lambda: cancel_call(svc.redis, svc.settings.namespace, a.admission_id) >= 0 and bool(out),
-                     what="the cancelled call's end")
+        if hedge == "answered":  # on the channel alone (no key left behind), until the waiting call hears it
+            wait_for(lambda: svc.redis.publish(cancel_channel(svc.settings.namespace), a.admission_id) >= 0
+                     and bool(out), what="the cancelled call's end")
         thread.join(gate_ms / 1000 + 10)
         waited = time.monotonic() - began
     finally:
