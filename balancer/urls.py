@@ -35,8 +35,8 @@ def normalize_database_url(url: str) -> str:
 
 def mask_url(url: str) -> str:
     """A URL reduced to what an error may show: scheme, host, port and database.
-    The scheme without the driver SQLAlchemy is told to use (a user wrote
-    ``postgresql://``; ``+psycopg2`` is this project's business).
+    The scheme without the driver this project adds (:func:`normalize_database_url`:
+    a user wrote ``postgresql://``); any other driver is shown, as it was written.
 
     Never the user name or password, however they are written: the
     credentials end at the *last* ``@`` (a host has none), so a password with
@@ -47,8 +47,8 @@ def mask_url(url: str) -> str:
     'redis://***@localhost:6379/0'
     >>> mask_url("postgresql://bob:p#w?/@x@db:5432/prod?password=pw")
     'postgresql://***@db:5432/prod'
-    >>> mask_url("postgresql+psycopg2://bob:pw@db/prod")
-    'postgresql://***@db/prod'
+    >>> mask_url("postgresql+psycopg2://bob:pw@db/prod"), mask_url("postgresql+asyncpg://db/prod")
+    ('postgresql://***@db/prod', 'postgresql+asyncpg://db/prod')
     >>> mask_url("no-scheme-at-all")
     '<not a URL>'
     """
@@ -59,7 +59,7 @@ def mask_url(url: str) -> str:
     cut = min([i for i in (hostpart.find(c) for c in "/?#") if i >= 0], default=len(hostpart))
     host, path = hostpart[:cut], hostpart[cut:]
     database = re.split(r"[/?#]", path[1:])[0] if path.startswith("/") else ""
-    return printable(f"{scheme.partition('+')[0]}://{'***@' if at else ''}{host}{'/' + database if database else ''}")
+    return printable(f"{scheme.removesuffix('+psycopg2')}://{'***@' if at else ''}{host}{'/' + database if database else ''}")
 
 
 def scrub(message: str, url: str) -> str:
