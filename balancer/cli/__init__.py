@@ -62,7 +62,7 @@ def print_table(table: Table, least: int) -> None:
     from rich.console import Console
 
     console = Console(width=max(Console().width, least))
-    if not console.is_terminal:
+    if not sys.stdout.isatty():  # not console.is_terminal: FORCE_COLOR makes that true on a pipe
         unbounded = console.options.update_width(10_000)  # measured as wide as the cells ask
         console = Console(width=max(console.width, console.measure(table, options=unbounded).maximum))
     console.print(table)
