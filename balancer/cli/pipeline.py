@@ -113,9 +113,10 @@ def band_text(drain: Any) -> str:
     return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
 
 
-def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = ()) -> str:
+def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (), not_yet_read: Sequence[str] = ()) -> str:
     """The ETA, its band, and what it leaves out: pending tasks whose source's budget is spent, or that no
-    enabled model may take, and the rows of the ``unread`` sources (their table could not be read);
+    enabled model may take, the rows of the ``unread`` sources (their table could not be read) and of the
+    ``not_yet_read`` ones (never read to the end of their table: some of its rows are not tasks yet);
     ``blocked`` (why nothing can run: :func:`balancer.health.reasons.blocked`) instead of a number.
 
     >>> from balancer.views.eta import Forecast
@@ -131,6 +132,8 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     'blocked: m: backend unreachable: refused'
     >>> drain_text(Forecast(0.0, 0.0, 0.0), unread=["questions"])   # not "done": its rows were not read
     'nothing else to run; the rows of source questions (its table could not be read), not in the eta'
+    >>> drain_text(Forecast(0.0, 0.0, 0.0), not_yet_read=["questions"])   # a source imported, not read yet
+    'nothing else to run; the rows of source questions (not read to its end yet), not in the eta'
     """
     if blocked:
         return blocked
@@ -138,9 +141,15 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     eta = None if drain is None else drain.eta
     aside = ([f"{waiting} pending task(s) wait on a budget"] if waiting else []) + \
         ([f"{unplaced} pending task(s) may take no enabled model (removed or disabled)"] if unplaced else []) + \
-        [f"the rows of source {name} (its table could not be read)" for name in unread]
+        [f"the rows of source {name} (its table could not be read)" for name in unread] + \
+        [f"the rows of source {name} (not read to its end yet)" for name in not_yet_read if name not in unread]
     text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
     return text + "".join(f"; {said}, not in the eta" for said in aside)
+
+
+def not_read_yet(sources: Sequence[Any]) -> list[str]:
+    """The sources never read to the end of their table (``SourceStatus.lag_s`` None)."""
+    return [s.name for s in sources if s.lag_s is None]
 
 
 #: Below this many columns ``top`` leaves out the bucket levels and answered counts, so each row keeps to one line.
@@ -263,10 +272,10 @@ def top(interval: float, count: int | None) -> None:
 
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
-        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items())
-                       + f"  eta: {drain_text(drain, o.health.blocked, o.health.unread_sources)}")
-        money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         sources = source_status(svc.engine)
+        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items())
+                       + f"  eta: {drain_text(drain, o.health.blocked, o.health.unread_sources, not_read_yet(sources))}")
+        money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         with svc.engine.connect() as conn:
             shares = weights(conn)
         by_source = [_source_table(sources, shares, budgets, DEFAULT_WEIGHT)] if sources or budgets else []

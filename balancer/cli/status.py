@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from balancer.cli import print_table
-from balancer.cli.pipeline import drain_text, health_lines, model_table
+from balancer.cli.pipeline import drain_text, health_lines, model_table, not_read_yet
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
@@ -98,7 +98,7 @@ def status(as_json: bool) -> None:
     from balancer.costs.cost import projection_text, spend_text
 
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
-               + f"  eta: {drain_text(s.drain, s.health.blocked, s.health.unread_sources)}")
+               + f"  eta: {drain_text(s.drain, s.health.blocked, s.health.unread_sources, not_read_yet(s.sources))}")
     for line in health_lines(s.health):
         click.echo(line)
     if s.spent.by_model or s.spent.unpriced_tokens:

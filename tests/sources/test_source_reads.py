@@ -147,6 +147,10 @@ def test_a_source_table_that_cannot_be_read_says_why_in_status(team_url: str, tm
     schema = legacy_schema(team)
     add_rows(team, 3, table=f"{schema}.prompts")
     assert main(["source", "import", str(source_file(tmp_path, {"legacy": f"{schema}.prompts"}))]) == 0
+    capsys.readouterr()
+    assert main(["status"]) == 0  # imported, never read: its rows are not tasks yet, so not "eta: done"
+    assert "eta: nothing else to run; the rows of source legacy (not read to its end yet), not in the eta" in \
+        capsys.readouterr().out
     monkeypatch.delenv("LEGACY_DATABASE_URL")
     poller = SourcePoller(svc)
     assert poller.poll() == ["legacy"]
@@ -170,4 +174,6 @@ def test_a_source_table_that_cannot_be_read_says_why_in_status(team_url: str, tm
     capsys.readouterr()
     assert main(["status", "--json"]) == 0
     assert "legacy" not in json.loads(capsys.readouterr().out)["health"]["sources"]
+    assert main(["status"]) == 0  # read to its end: its rows are tasks, in the eta
+    assert "not in the eta" not in capsys.readouterr().out
     team.dispose()
