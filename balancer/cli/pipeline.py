@@ -285,7 +285,7 @@ def top(interval: float, count: int | None) -> None:
     console = Console()  # the terminal's width: a wider one than the terminal makes rows wrap and frames pile up
     # Piped or redirected, there is no live view: each refresh is printed after the last, as `top -b` does.
     live = Live(console=console, auto_refresh=False) if console.is_terminal else contextlib.nullcontext()
-    with live:
+    with live, contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how top ends: exit 0, not "aborted"
         shown = 0
         while count is None or shown < count:
             if shown:

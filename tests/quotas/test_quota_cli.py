@@ -413,14 +413,15 @@ def test_status_and_top_show_every_model_with_its_cap(capsys: pytest.CaptureFixt
 def test_top_piped_prints_each_refresh_as_it_comes(capsys: pytest.CaptureFixture[str]) -> None:
     """A new user's probe: `balancer top` with its output piped printed nothing until it was stopped
     (the live view draws only on a terminal). Piped, each refresh is printed after the last, whole
-    lines, as `top -b` does."""
+    lines, as `top -b` does. Ctrl-C, the way it ends, exits 0 without a word (it said "aborted")."""
     import queue
+    import signal
     import threading
     import time
 
     assert run(capsys, "quota", "set", "a", "--create", "--tpm", "600000", "--concurrency", "2")[0] == 0
     top = subprocess.Popen([sys.executable, "-m", "balancer", "top", "--interval", "0.1"], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+                           stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     assert top.stdout is not None
     threading.Thread(target=lambda: [lines.put(line) for line in top.stdout], daemon=True).start()  # type: ignore[union-attr]
@@ -430,9 +431,10 @@ def test_top_piped_prints_each_refresh_as_it_comes(capsys: pytest.CaptureFixture
             with contextlib.suppress(queue.Empty):
                 frames += "eta:" in lines.get(timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        top.terminate()
+        top.send_signal(signal.SIGINT)
         top.wait(timeout=30)
     assert frames == 3
+    assert top.returncode == 0 and top.stderr is not None and top.stderr.read() == ""
 
 
 def test_top_fits_100_columns_with_one_line_per_model_and_names_the_burst(capsys: pytest.CaptureFixture[str]) -> None:
