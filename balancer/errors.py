@@ -4,6 +4,10 @@ The CLI prints these as one line and exits 2; anything else is a bug and
 keeps its traceback.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class BalancerError(Exception):
     """A user-facing error: the message is the whole story."""
@@ -52,3 +56,15 @@ def printable(text: str, limit: int = 200) -> str:
         else:
             out.append(char)
     return "".join(out) + ("…" if len(text) > limit else "")
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """A hint naming the choice ``word`` most likely misspells, for an error's end; "" if none is close.
+
+    >>> did_you_mean("promt", ["prompt", "answer", "key"]), did_you_mean("zzz", ["prompt"])
+    (" (did you mean 'prompt'?)", '')
+    """
+    import difflib
+
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {printable(close[0], 64)!r}?)" if close else ""

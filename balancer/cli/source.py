@@ -32,7 +32,7 @@ source.add_command(unwritable_command)
 def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
     from balancer.sources.catalog import check_source, poll_note, team_connection
-    from balancer.sources.definition import parse_source_file
+    from balancer.sources.definition import SourceFileError, parse_source_file
     from balancer.sources.store import import_sources
     from balancer.storage.audit import default_actor
 
@@ -44,7 +44,10 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
     notes = []
     for definition in definitions:
         with team_connection(definition, svc.engine) as conn:
-            relations[definition.name] = check_source(conn, definition)
+            try:
+                relations[definition.name] = check_source(conn, definition)
+            except SourceFileError as exc:  # FILE's mistake: named as read_declared names its own
+                raise SourceFileError(f"{name}: {exc}") from None
             notes.append(poll_note(conn, definition))  # a poll that cannot use an index (issue 38 finding 11)
     summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run,
                              relations=relations)

@@ -26,7 +26,7 @@ from psycopg2 import sql
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from balancer.errors import printable
+from balancer.errors import did_you_mean, printable
 from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.sources.tables import base_tables, check_view_key, identities, key_is_unique
 
@@ -263,7 +263,8 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
         columns = {r.attname: r.attnum for r in conn.exec_driver_sql(_COLUMNS, (relation.oid,))}
         for role, column in definition.columns.items():
             if column not in columns:
-                raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}")
+                raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}"
+                                      + did_you_mean(column, columns))
         if definition.cursor and relation.relkind != "v" and not conn.exec_driver_sql(
                 _KEY_TYPE, (relation.oid, definition.cursor)).one()[1]:
             raise SourceFileError(f"sources.{name}: cursor column {definition.cursor!r} of {definition.table} may be "

@@ -40,7 +40,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from balancer.errors import BalancerError, printable
+from balancer.errors import BalancerError, did_you_mean, printable
 from balancer.toml_text import load_toml
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
@@ -229,7 +229,9 @@ def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
         raise SourceFileError(f"source name {printable(name, 80)!r} must be 1 to 64 letters, digits, '_', '.' or '-'")
     unknown = set(fields) - _KNOWN
     if unknown:
-        raise SourceFileError(f"sources.{name}: unknown field(s): {', '.join(printable(k, 40) for k in sorted(unknown))}")
+        hint = did_you_mean(min(unknown), _KNOWN) if len(unknown) == 1 else ""
+        raise SourceFileError(f"sources.{name}: unknown field(s): {', '.join(printable(k, 40) for k in sorted(unknown))}"
+                              + hint)
     missing = [k for k in _REQUIRED if k not in fields]
     if missing:
         raise SourceFileError(f"sources.{name}: missing {', '.join(missing)}")

@@ -55,6 +55,8 @@ HOSTILE = {
     "where a subquery writing": ('where = "(WITH d AS (DELETE FROM prompts RETURNING 1) SELECT true)"',
                                 "where is not a condition"),
     "missing column": ('prompt = "nope"', "no column 'nope'"),
+    "misspelled column": ('prompt = "bodyy"', "no column 'bodyy' (prompt) in "),  # and the hint, below
+    "misspelled field": ('prompt = "body"\npromt = "body"', "unknown field(s): promt (did you mean 'prompt'?)"),
     "missing table": ('table = "public.nope"', "no table public.nope"),
     "key not unique": ('key = "priority"', "is not unique"),
     "status value not storable": ('status = "priority"', "write-back of a solved task would fail"),
@@ -73,7 +75,8 @@ def test_a_hostile_source_definition_is_one_line_exit_2_and_stores_nothing(
     path.write_text(text)
     code, out, err = run(capsys, "source", "import", str(path))
     assert code == 2 and message in err, err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert len(err.strip().splitlines()) == 1 and err.startswith(f"error: {path}: ")  # the file named, every time
+    assert case != "misspelled column" or err.rstrip().endswith("(did you mean 'body'?)")
     with svc.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(sources)).scalar_one() == 0
         assert conn.execute(sa.select(sa.func.count()).select_from(source_changes)).scalar_one() == 0
