@@ -147,11 +147,6 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     return text + "".join(f"; {said}, not in the eta" for said in aside)
 
 
-def not_read_yet(sources: Sequence[Any]) -> list[str]:
-    """The sources never read to the end of their table (``SourceStatus.lag_s`` None)."""
-    return [s.name for s in sources if s.lag_s is None]
-
-
 #: Below this many columns ``top`` leaves out the bucket levels and answered counts, so each row keeps to one line.
 WIDE = 140
 #: The column titles on two lines, below WIDE.
@@ -274,7 +269,7 @@ def top(interval: float, count: int | None) -> None:
                  for r in rows}
         sources = source_status(svc.engine)
         counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items())
-                       + f"  eta: {drain_text(drain, o.health.blocked, o.health.unread_sources, not_read_yet(sources))}")
+                       + f"  eta: {drain_text(drain, o.health.blocked, o.health.unread_sources, o.not_read)}")
         money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         with svc.engine.connect() as conn:
             shares = weights(conn)

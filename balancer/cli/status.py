@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from balancer.cli import print_table
-from balancer.cli.pipeline import drain_text, health_lines, model_table, not_read_yet
+from balancer.cli.pipeline import drain_text, health_lines, model_table
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
@@ -44,6 +44,7 @@ class StatusReads:
     sources: list[SourceStatus]
     budgets: dict[str, Standing]
     health: Health
+    not_read: list[str]  # sources not read to their table's end (views.overview.Overview.not_read)
 
 
 def read_status(services: ReadServices) -> StatusReads:
@@ -57,7 +58,7 @@ def read_status(services: ReadServices) -> StatusReads:
     db, o = services.db, read_overview(services)
     return StatusReads(o.counts, o.rows, o.drain, reused_count(db), overdue_count(db),
                        beat_last_seen_s(services.redis, services.settings.namespace),
-                       o.spent, o.projected, source_status(db), o.budgets, o.health)
+                       o.spent, o.projected, source_status(db), o.budgets, o.health, o.not_read)
 
 
 def band_fields(drain: Any) -> dict[str, float | None]:
@@ -98,7 +99,7 @@ def status(as_json: bool) -> None:
     from balancer.costs.cost import projection_text, spend_text
 
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
-               + f"  eta: {drain_text(s.drain, s.health.blocked, s.health.unread_sources, not_read_yet(s.sources))}")
+               + f"  eta: {drain_text(s.drain, s.health.blocked, s.health.unread_sources, s.not_read)}")
     for line in health_lines(s.health):
         click.echo(line)
     if s.spent.by_model or s.spent.unpriced_tokens:

@@ -100,6 +100,12 @@ def unwritable_by_source(db: RowSource) -> dict[str, tuple[int, str | None]]:
     return {source: (int(n), error) for source, n, error in fetch(db, _UNWRITABLE)}
 
 
+def not_read_to_end(db: RowSource) -> list[str]:
+    """The declared sources never read to the end of their table (``SourceStatus.lag_s`` None):
+    some of their rows may not be tasks yet, so no ETA counts them."""
+    return [name for (name,) in fetch(db, "SELECT name FROM sources WHERE caught_up_at IS NULL ORDER BY name")]
+
+
 _BUDGETS = """
 SELECT source, money_per_day, tokens_per_day FROM source_budgets
 WHERE money_per_day IS NOT NULL OR tokens_per_day IS NOT NULL ORDER BY source

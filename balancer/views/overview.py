@@ -9,7 +9,7 @@ sources' weights; the console: the failed tasks by error)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from balancer.backlog.reads import backlog
 from balancer.backlog.spend import projected_cost, spend_so_far
@@ -20,7 +20,7 @@ from balancer.health.facts import read_health
 from balancer.health.reasons import Health
 from balancer.quotas.rows import all_quotas
 from balancer.snapshot import ReadServices
-from balancer.sources.reads import unwritable_by_source
+from balancer.sources.reads import not_read_to_end, unwritable_by_source
 from balancer.views.eta import Forecast
 from balancer.views.summary import ModelSummary, read
 
@@ -35,6 +35,7 @@ class Overview:
     spent: Spend
     projected: Spend  # the backlog left's projected cost
     health: Health
+    not_read: list[str] = field(default_factory=list)  # sources not read to their table's end: not in the ETA
 
 
 def read_overview(services: ReadServices) -> Overview:
@@ -48,4 +49,4 @@ def read_overview(services: ReadServices) -> Overview:
     health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished,
                          consumers=services.settings.consumers_required, unwritable=unwritable_by_source(db))
     return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),
-                    health)
+                    health, not_read_to_end(db))

@@ -63,6 +63,7 @@ class Sample:
     sources_other: SourceCounts | None = None  # every source past the busiest, added up (None: none)
     #: per source table with rows of work that are not tasks: how many, by reason (balancer.sources.reads)
     not_tasks: dict[str, dict[str, int]] = field(default_factory=dict)
+    not_read: list[str] = field(default_factory=list)  # sources not read to their table's end: not in the ETA
 
     @property
     def left(self) -> int:
@@ -192,4 +193,5 @@ def take_sample(services: Services) -> Sample:
                   None if drain is None else drain.low, None if drain is None else drain.high,
                   sources, kept_spend(o.spent, sources), o.projected,
                   error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), o.budgets,
-                  0 if drain is None else drain.waiting, o.health, other, not_tasks_by_source(services.engine))
+                  0 if drain is None else drain.waiting, o.health, other, not_tasks_by_source(services.engine),
+                  o.not_read)

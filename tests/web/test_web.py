@@ -466,6 +466,25 @@ def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any,
     assert "2,000,000 tokens per day: 750,000 of 2,000,000 tokens today" in page and page.count("waiting: budget") == 1
 
 
+def test_the_drain_page_leaves_out_a_source_not_read_yet_and_says_so(browser: Any, services: Any,
+                                                                    supervisor: Supervisor) -> None:
+    """A source table just declared, not read yet (no dispatcher runs here): its rows are not tasks,
+    so an ETA of 0 is not "done"; the drain page names the source, as `status` and `top` do."""
+    from balancer.sources.definition import parse_source_file
+    from balancer.sources.store import import_sources
+
+    import_sources(services.engine, parse_source_file('[sources.crm]\ntable = "t"\nkey = "id"\nprompt = "p"\n'
+                                                      'answer = "a"\nwhere = "a IS NULL"\n'),
+                   by="test", replace=False, dry_run=False)
+    console = Console(supervisor)
+    browser.get(f"{console.url}/drain")
+    eventually(lambda: browser.get(f"{console.url}/drain") or "not read to its end yet" in browser.text_of("p.eta"))
+    eta = " ".join(browser.text_of("p.eta").split())
+    assert "ETA: nothing else to run" in eta, eta
+    assert browser.text_of("span.unread") == "(and the rows of source crm: not read to its end yet, not in the ETA)"
+    shoot(browser, "drain-not-read")
+
+
 def test_a_failed_task_says_why_a_lost_address_has_the_navigation_and_a_stuck_drain_says_blocked(
         browser: Any, services: Any, supervisor: Supervisor) -> None:
     """The task page of a failed task says it failed and why (not "none yet"); an unknown address is
