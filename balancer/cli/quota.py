@@ -33,7 +33,17 @@ def quota() -> None:
 @quota.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def quota_list(as_json: bool) -> None:
-    """Limits from PostgreSQL with the live state from Redis."""
+    """Limits from PostgreSQL with the live state from Redis, a row per model.
+
+    \b
+    in flight    calls holding a slot / max_concurrent_requests
+    tokens now   tokens in the bucket / its capacity: burst_tokens less 250 ms
+                 of refill kept for calls in transit (docs/admission.md)
+    reqs now     requests in the request bucket (RPM models)
+    deficit      the model's weighted round-robin credit, in tokens: among the
+                 models that could take a task, one whose credit covers the
+                 task's estimate takes it (docs/admission.md, WDRR)
+    p50/p90/p99  latency from finished calls, or the prior, marked (prior)"""
     svc = migrated()
     stored = svc.quotas.all()
     live = svc.core.live() if svc.core.is_loaded() else {}

@@ -24,6 +24,16 @@ def test_a_change_command_offers_only_the_status_it_changes(command: str, status
     assert status_help.split("--status TEXT", 1)[1].strip() == f"{status} (the only status it changes)"
 
 
+def test_quota_list_help_says_what_each_column_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """A new user could not tell why a full bucket read 9,833 for a burst of 10,000, nor what `deficit` was:
+    the help names every column that is not a limit, one per line (click's \\b keeps the lines)."""
+    assert main(["quota", "list", "--help"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    for column in ("in flight", "tokens now", "reqs now", "deficit", "p50/p90/p99"):
+        assert any(line.startswith(column + " ") for line in lines), column
+    assert any("less 250 ms" in line for line in lines)
+
+
 def test_every_option_of_every_command_says_what_it_does() -> None:
     """`balancer CMD --help` explains each option (21 had no text, `--port`, `--loglevel` and `--json` among them)."""
     import click
