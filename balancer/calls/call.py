@@ -292,7 +292,6 @@ class Call:
         publish failed, and a worker with hedging off (no listener). Unwanted, the slot is freed
         and the call must not start: the provider would charge it."""
         engine, msg = self.services.engine, self.msg
-        until = time.monotonic() + delay_ms / 1000  # the listener's first subscription is inside the gate's wait
         if msg.hedge:
             time.sleep(delay_ms / 1000)
             wanted = with_db_retry(lambda: start_hedge(engine, msg.task_id, msg.admission_id)) is not None
@@ -300,6 +299,7 @@ class Call:
             time.sleep(delay_ms / 1000)
             wanted = True
         else:
+            until = time.monotonic() + delay_ms / 1000  # the listener's first subscription is inside the gate's wait
             with listener.watch(msg.admission_id) as handle:  # cancelled before it listened, while, or lost
                 cancelled = self._cancelled() or handle.wait(max(0.0, until - time.monotonic())) or self._cancelled()
             wanted = not cancelled

@@ -116,7 +116,7 @@ def band_text(drain: Any) -> str:
 def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (), not_yet_read: Sequence[str] = ()) -> str:
     """The ETA, its band, and what it leaves out: pending tasks whose source's budget is spent, or that no
     enabled model may take, the rows of the ``unread`` sources (their table could not be read) and of the
-    ``not_yet_read`` ones (never read to the end of their table: some of its rows are not tasks yet);
+    ``not_yet_read`` ones (readable, never read to the end of their table: some rows are not tasks yet);
     ``blocked`` (why nothing can run: :func:`balancer.health.reasons.blocked`) instead of a number.
 
     >>> from balancer.views.eta import Forecast
@@ -142,7 +142,7 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     aside = ([f"{waiting} pending task(s) wait on a budget"] if waiting else []) + \
         ([f"{unplaced} pending task(s) may take no enabled model (removed or disabled)"] if unplaced else []) + \
         [f"the rows of source {name} (its table could not be read)" for name in unread] + \
-        [f"the rows of source {name} (not read to its end yet)" for name in not_yet_read if name not in unread]
+        [f"the rows of source {name} (not read to its end yet)" for name in not_yet_read]
     text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
     return text + "".join(f"; {said}, not in the eta" for said in aside)
 

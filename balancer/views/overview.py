@@ -35,7 +35,8 @@ class Overview:
     spent: Spend
     projected: Spend  # the backlog left's projected cost
     health: Health
-    not_read: list[str] = field(default_factory=list)  # sources not read to their table's end: not in the ETA
+    #: sources not read to their table's end, not in the ETA (an unreadable one is health's, said once there)
+    not_read: list[str] = field(default_factory=list)
 
 
 def read_overview(services: ReadServices) -> Overview:
@@ -49,4 +50,4 @@ def read_overview(services: ReadServices) -> Overview:
     health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished,
                          consumers=services.settings.consumers_required, unwritable=unwritable_by_source(db))
     return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),
-                    health, not_read_to_end(db))
+                    health, [name for name in not_read_to_end(db) if name not in health.unread_sources])
