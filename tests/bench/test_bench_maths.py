@@ -320,3 +320,55 @@ def test_eta_replay_reads_the_recorded_latency_spread_or_replays_it_fixed(tmp_pa
     assert [r["eta_s"] for r in read] == pytest.approx([p["eta_s"] for p in polls])
     fixed = replay(tmp_path, VARIANTS["current"], spread=False)
     assert [r["eta_s"] - f["eta_s"] for r, f in zip(read, fixed, strict=True)] == pytest.approx([10.0] * len(read))
+
+
+def test_tail_ceiling_hedges_what_was_unanswered_at_the_backlogs_end_on_the_simulators_own_draws(tmp_path) -> None:  # noqa: ANN001
+    """A run of three tasks on "slow": two answered by 4 s, the third at 30 s. Hedged at the
+    backlog's end (5 s, +0.05) on "fast", the third ends at 5.05 + what the simulator draws for
+    it there; the two answered before are left as they were; a run with nothing unanswered
+    then keeps its utilization."""
+    from click.testing import CliRunner
+
+    from balancer.bench.compare.tail_ceiling import ceilings, main
+    from balancer.devtools.sim.provider import Simulator, prompt_key
+
+    text = """name = "tiny"
+seed = 3
+time_scale = 1.0
+[workload]
+tasks = 3
+prompt_tokens = { median = 300, p99 = 1500, min = 20, max = 3000 }
+output_tokens = { median = 150, p99 = 500, min = 16, max = 512 }
+pinned_fraction = 0.0
+priorities = [0]
+sources = ["s"]
+[[models]]
+name = "slow"
+max_concurrent_requests = 4
+max_tokens_per_minute = 1000000
+latency = { median = 8.0, p99 = 60.0, min = 1.0, max = 120.0 }
+[[models]]
+name = "fast"
+max_concurrent_requests = 4
+max_tokens_per_minute = 1000000
+latency = { median = 0.5, p99 = 2.0, min = 0.1, max = 120.0 }
+"""
+    scenario = parse_scenario(text, "tiny")
+    keys = [prompt_key(line["prompt"]) for line in scenario.task_lines()]
+    ends = [3.0, 4.0, 30.0]
+    calls = [dict(model="slow", status=200, start=100.0 + i, end=100.0 + end, prompt_key=key, client_gone=False)
+             for i, (key, end) in enumerate(zip(keys, ends, strict=True))]
+    (tmp_path / "tiny.toml").write_text(text)
+    (tmp_path / "pipeline-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    (tmp_path / "report.json").write_text(json.dumps({"utilization": 0.4, "makespan_s": {"bound": 12.0},
+                                                      "pipeline": {"backlog_out_s": 5.0}}))
+    last = scenario.task_lines()[2]
+    draw = Simulator(list(scenario.models), time_scale=1.0, seed=3).draw("fast", last["prompt"], last["max_tokens"])[0]
+    out = ceilings(tmp_path, ["fast"], 0.05)
+    assert out["open_at_out"] == 1
+    assert out["one"] == out["all_on"] == round(12.0 / (5.05 + draw), 3) > 0.4
+    cli = CliRunner().invoke(main, [str(tmp_path), "--on", "fast", "--on", "slow"])
+    assert cli.exit_code == 0 and f"| {tmp_path.name} | 0.4 | 5.0 | 1 | {out['one']} |" in cli.output, cli.output
+    calls[2]["end"] = 104.5  # answered before the backlog's end: nothing to hedge
+    (tmp_path / "pipeline-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+    assert ceilings(tmp_path, ["fast"], 0.05)["one"] == round(12.0 / 4.5, 3)
