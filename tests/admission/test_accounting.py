@@ -188,6 +188,25 @@ def test_no_call_is_admitted_to_wait_at_a_start_gate_booked_ahead(twin: Twin) ->
     assert isinstance(twin.admit([Candidate(1, ("rpm",))])[0], Admitted)
 
 
+def test_a_refund_gives_back_no_request_past_the_start_gates_room(twin: Twin) -> None:
+    """The request bucket holds no more than the start gate starts within one interval, and a
+    refill keeps it so; a refund did not. A lease admitted and never started (its worker gone)
+    expires while the gate is booked 500 ms ahead: its request came back on top of the gate's
+    room, and the admission in the same script bound a task to wait at the gate. Now the refund
+    stops at the room, as a refill does, and the task stays pending until the gate frees."""
+    twin.set_quota(Quota("rpm", 40, 10_000_000, max_requests_per_minute=60, slow_start=False, learn=False))
+    first, *waiting, never_started = twin.admit([Candidate(1, ("rpm",)) for _ in range(9)])
+    assert twin.renew(first.admission_id, "rpm", 1).start_delay_ms == 0
+    twin.finish(first.admission_id, Settlement(used_tokens=1, reserved_tokens=1, remaining_requests=1))
+    assert [twin.renew(d.admission_id, "rpm", 1).start_delay_ms for d in waiting] == list(range(0, 7_000, 1_000))
+    twin.advance(5_500)  # never_started's lease (5 s) has expired; the gate's next start is in 500 ms
+    assert twin.core.live(twin.now)["rpm"].requests_available == 0.5
+    held = twin.admit([Candidate(1, ("rpm",))])[0]
+    assert isinstance(held, NotNow) and held.wait_ms == 500
+    twin.advance(500)
+    assert isinstance(twin.admit([Candidate(1, ("rpm",))])[0], Admitted)
+
+
 def test_the_start_gate_is_open_without_an_rpm_limit(twin: Twin) -> None:
     twin.set_quota(Quota("a", 10, 10_000_000, slow_start=False))
     admitted = twin.admit([Candidate(1) for _ in range(5)])

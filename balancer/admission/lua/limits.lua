@@ -132,12 +132,14 @@ end
 -- old quota must not inflate the new, possibly much smaller, bucket.
 local function same_generation(m, lease) return lease.g == m.gen end
 
--- Give back what an admission charged, for a call that never happened.
-local function refund(m, lease)
+-- Give back what an admission charged, for a call that never happened (its request up to the
+-- start gate's room, as refill: the admission that follows in the same script must not find
+-- one request more than the gate starts within an interval).
+local function refund(m, lease, now)
   if not same_generation(m, lease) then return end
   local est = lease.e
   m.tokens = math.min(token_cap(m), m.tokens + est * UNITS)
-  if eff_rpm(m) > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + UNITS) end
+  if eff_rpm(m) > 0 then m.requests = math.min(eff_rburst(m) * UNITS, m.requests + UNITS, gate_room(m, now)) end
 end
 
 -- Drop expired leases. One never started (no worker renewed it) made no call,
@@ -149,7 +151,7 @@ local function purge(m, now)
     local raw = redis.call('HGET', LEASES, lid)
     if raw then
       local lease = cjson.decode(raw)
-      if lease.s == 0 then refund(m, lease) end
+      if lease.s == 0 then refund(m, lease, now) end
       redis.call('HDEL', LEASES, lid)
     end
   end

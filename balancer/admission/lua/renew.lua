@@ -34,7 +34,7 @@ if raw and m.enabled ~= 1 then
   local lease = cjson.decode(raw)
   redis.call('ZREM', inflight_key(lease.m), lid)
   redis.call('HDEL', LEASES, lid)
-  if lease.s == 0 then refund(m, lease) end
+  if lease.s == 0 then refund(m, lease, now) end
   save_model(m)
   return {'W', '', fmt(now)}
 end
@@ -44,7 +44,7 @@ if raw and m.learn == 1 and m.paused > now and m.probing ~= 1 and cjson.decode(r
   local lease = cjson.decode(raw)
   redis.call('ZREM', inflight_key(lease.m), lid)
   redis.call('HDEL', LEASES, lid)
-  refund(m, lease)
+  refund(m, lease, now)
   save_model(m)
   return {'W', fmt(m.paused), fmt(now)}
 end
@@ -53,7 +53,7 @@ if raw then
   if redis.call('ZCARD', inflight_key(lease.m)) > eff_cap(m) then
     redis.call('ZREM', inflight_key(lease.m), lid)
     redis.call('HDEL', LEASES, lid)
-    if lease.s == 0 then refund(m, lease) end
+    if lease.s == 0 then refund(m, lease, now) end
     local result = {'W', fmt(now + wait_ms(m, lease.e, now)), fmt(now)}
     save_model(m)
     return result

@@ -178,19 +178,19 @@ class ReferenceCore(Signals):
             # back, and the tokens too if no call was ever made under it.
             del self.leases[admission_id]
             if not lease.started:
-                self._refund(model, lease)
+                self._refund(model, lease, now)
             return NotNow(None, now)
         state = self.models[model]
         if lease is not None and quota.learn and state.paused_until > now and not state.probing and not lease.started:
             # Admitted before a 429's pause and not started: the provider refuses
             # it now, and the limits it was admitted under were too high. Given back.
             del self.leases[admission_id]
-            self._refund(model, lease)
+            self._refund(model, lease, now)
             return NotNow(state.paused_until, now)
         if lease is not None and len(self._inflight(lease.model)) > self.models[model].limits.max_concurrent_requests:
             del self.leases[admission_id]
             if not lease.started:
-                self._refund(model, lease)
+                self._refund(model, lease, now)
             return NotNow(now + self._wait(model, lease.estimated_tokens, now), now)
         if lease is not None:
             lease.deadline = now + lease_ms

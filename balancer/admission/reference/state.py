@@ -27,6 +27,7 @@ from balancer.admission.values import (
     UNITS,
     NoState,
     ceil_div,
+    gate_room,
     gate_shape,
     outside_rate,
     refilled,
@@ -272,7 +273,7 @@ class ReferenceState:
                 break
             lease = self.leases.pop(lid)
             if not lease.started:
-                self._refund(name, lease)
+                self._refund(name, lease, now)
 
     def _same_generation(self, lease: Lease) -> bool:
         """Whether ``lease`` was charged under the model's current quota.
@@ -283,15 +284,16 @@ class ReferenceState:
         """
         return lease.generation == self.models[lease.model].generation
 
-    def _refund(self, name: str, lease: Lease) -> None:
-        """Give back what an admission charged, for a call that never happened."""
+    def _refund(self, name: str, lease: Lease, now: int) -> None:
+        """Give back what an admission charged, for a call that never happened: its request no
+        further than the start gate's room (:func:`gate_room`), as a refill."""
         if not self._same_generation(lease):
             return
         state = self.models[name]
         quota = state.limits
         state.tokens = min(token_cap(quota), state.tokens + lease.estimated_tokens * UNITS)
         if quota.max_requests_per_minute:
-            state.requests = min(quota.request_burst * UNITS, state.requests + UNITS)
+            state.requests = min(quota.request_burst * UNITS, state.requests + UNITS, gate_room(quota, state.tat, now))
 
     def _slot_cap(self, name: str, now: int) -> int:
         """The concurrency cap (slow start's while it ramps: :func:`ramp_cap`), or 1 while the circuit is open."""
