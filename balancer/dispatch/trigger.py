@@ -18,11 +18,10 @@ not held back by a token wait's 900 ms.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 from collections.abc import Callable
 
 import redis
-from redis.commands.core import Script
 
 from balancer.admission import keys
 
@@ -38,6 +37,7 @@ if left >= 0 and left <= tonumber(ARGV[1]) + tonumber(ARGV[2]) then return 0 end
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
 return 1
 """
+_SOONER_SHA = hashlib.sha1(_SOONER.encode(), usedforsecurity=False).hexdigest()
 
 
 def request_dispatch(
@@ -51,16 +51,20 @@ def request_dispatch(
             return True
         return False
     delay_ms = max(min(delay_ms, max_delay_ms), 1)
-    if _sooner(client)(keys=[timer_key], args=[delay_ms, SOONER_MS]):
+    if _sooner(client, timer_key, delay_ms):
         send(delay_ms / 1000.0)
         return True
     return False
 
 
-@functools.lru_cache(maxsize=8)
-def _sooner(client: redis.Redis) -> Script:
-    """The flag script, registered once per client (each call ends with a request)."""
-    return client.register_script(_SOONER)
+def _sooner(client: redis.Redis, timer_key: str, delay_ms: int) -> bool:
+    """Run the flag script by its digest (loaded on first use: a script cached per client kept
+    up to eight clients, and their connection pools, alive)."""
+    args = (1, timer_key, delay_ms, SOONER_MS)
+    try:
+        return bool(client.evalsha(_SOONER_SHA, *args))
+    except redis.exceptions.NoScriptError:
+        return bool(client.eval(_SOONER, *args))
 
 
 def clear_requests(client: redis.Redis, namespace: str) -> None:

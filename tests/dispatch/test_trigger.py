@@ -27,3 +27,19 @@ def test_a_delayed_request_due_sooner_than_the_one_on_its_way_is_sent(redis_clie
     assert not request_dispatch(redis_client, namespace, sent.append, delay_ms=60)  # no sooner: coalesced
     assert sent == [0.9, 0.06]
     assert 0 < redis_client.pttl(keys.dispatch_flags(namespace)[1]) <= 60  # the flag now expires with the sooner one
+
+
+def test_the_flag_script_does_not_keep_a_client_alive(redis_client: redis.Redis, namespace: str) -> None:
+    """The script is registered once per client, and forgotten with it: a cache that held up to
+    eight clients kept a closed client's connection pool alive."""
+    import gc
+    import weakref
+
+    client = redis.Redis(connection_pool=redis.ConnectionPool(**redis_client.connection_pool.connection_kwargs))
+    sent: list[float] = []
+    assert request_dispatch(client, namespace, sent.append, delay_ms=900) and sent == [0.9]
+    gone = weakref.ref(client)
+    client.close()
+    del client
+    gc.collect()
+    assert gone() is None
