@@ -50,8 +50,8 @@ def unwritable_command(name: str, retry: bool, drop: bool, as_json: bool, by: st
     if as_json:
         click.echo(json.dumps(rows))
         return
-    for r in rows:
-        click.echo(printable(f"task {r['task_id']} key {r['key']} ({r['outcome']}), refused {r['refusals']} time(s): "
-                             f"{r['last_error']}", limit=500))
+    for r in rows:  # the row by its key in the team's table, then balancer's own task id (its logs name it)
+        click.echo(printable(f"key {r['key']} ({r['outcome']}; balancer task {r['task_id']}), refused {r['refusals']} "
+                             f"time(s): {r['last_error']}", limit=500))
     hint = "; --retry writes them again once the cause is fixed, --drop gives them up" if rows else ""
     click.echo(printable(f"{name}: {len(rows)} unwritable write-back(s){hint}"))

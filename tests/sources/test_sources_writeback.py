@@ -272,6 +272,9 @@ def test_unwritable_write_backs_are_shown_per_source_with_their_error_and_writte
     code, out, _ = run(capsys, "source", "unwritable", "crm")
     lines = out.strip().splitlines()
     assert code == 0 and len(lines) == 3 and all("no_three_nor_seven" in line for line in lines[:2])
+    refused = {legacy.count(f"SELECT id FROM prompts WHERE body = 'legacy prompt {n}'") for n in (3, 7)}
+    keys = {int(line.removeprefix("key ").split()[0]) for line in lines[:2] if line.startswith("key ")}
+    assert keys == refused, lines  # each row first by the team's table's key (balancer's task ids have gaps)
     assert lines[-1].startswith("crm: 2 unwritable write-back(s)")
     code, out, _ = run(capsys, "status", "--json")
     [crm] = json.loads(out)["sources"]
