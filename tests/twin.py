@@ -136,6 +136,8 @@ class Twin:
         assert self.lua_consumers(set(self.ref.consumers.records) | set(self.ref.models)) == self.ref.consumers.records
         heard = self.client.hmget(keys.consumers_heard(self.namespace), "heard", "resumed")
         assert [None if v is None else int(v) for v in heard] == [self.ref.consumers.heard, self.ref.consumers.resumed]
+        if self.ref.loaded:  # what the dispatcher and the views read, computed on each side
+            assert live_lua(self.core, self.now) == live_ref(self.ref, self.now)
 
     def lua_consumers(self, names: set[str]) -> dict[str, dict[str, int]]:
         """Each model's consumer records in Redis (models with none left out), as the reference keeps them."""
@@ -145,8 +147,6 @@ class Twin:
             if raw:
                 out[name] = {member.decode(): int(score) for member, score in raw}
         return out
-        if self.ref.loaded:
-            assert live_lua(self.core, self.now) == live_ref(self.ref, self.now)
 
     # -- operations, each applied to both sides ---------------------------------
     def admit(self, candidates: list[Candidate], consumed_only: bool = False) -> list[Decision]:
