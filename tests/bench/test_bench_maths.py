@@ -323,10 +323,10 @@ def test_eta_replay_reads_the_recorded_latency_spread_or_replays_it_fixed(tmp_pa
 
 
 def test_tail_ceiling_hedges_what_was_unanswered_at_the_backlogs_end_on_the_simulators_own_draws(tmp_path) -> None:  # noqa: ANN001
-    """A run of three tasks on "slow": two answered by 4 s, the third at 30 s. Hedged at the
-    backlog's end (5 s, +0.05) on "fast", the third ends at 5.05 + what the simulator draws for
-    it there; the two answered before are left as they were; a run with nothing unanswered
-    then keeps its utilization."""
+    """A run of three tasks on "slow", submitted at 100.0 s, its first call at 100.3 s: two answered
+    by 4.3 s, the third at 30.3 s (its makespan). Hedged at the backlog's end (5 s, +0.05) on
+    "fast", the third ends at 5.05 + what the simulator draws for it there; a run with nothing
+    unanswered then keeps its own utilization (the log read on the report's clock)."""
     from click.testing import CliRunner
 
     from balancer.bench.compare.tail_ceiling import ceilings, main
@@ -355,20 +355,25 @@ latency = { median = 0.5, p99 = 2.0, min = 0.1, max = 120.0 }
 """
     scenario = parse_scenario(text, "tiny")
     keys = [prompt_key(line["prompt"]) for line in scenario.task_lines()]
-    ends = [3.0, 4.0, 30.0]
-    calls = [dict(model="slow", status=200, start=100.0 + i, end=100.0 + end, prompt_key=key, client_gone=False)
-             for i, (key, end) in enumerate(zip(keys, ends, strict=True))]
+
+    def record(ends: list[float]) -> float:
+        calls = [dict(model="slow", status=200, start=100.3 + i, end=100.0 + end, prompt_key=key, client_gone=False)
+                 for i, (key, end) in enumerate(zip(keys, ends, strict=True))]
+        (tmp_path / "pipeline-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
+        utilization = round(12.0 / max(ends), 3)
+        (tmp_path / "report.json").write_text(json.dumps({
+            "utilization": utilization, "makespan_s": {"bound": 12.0, "pipeline": max(ends)},
+            "pipeline": {"backlog_out_s": 5.0}}))
+        return utilization
+
     (tmp_path / "tiny.toml").write_text(text)
-    (tmp_path / "pipeline-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
-    (tmp_path / "report.json").write_text(json.dumps({"utilization": 0.4, "makespan_s": {"bound": 12.0},
-                                                      "pipeline": {"backlog_out_s": 5.0}}))
+    utilization = record([3.3, 4.3, 30.3])
     last = scenario.task_lines()[2]
     draw = Simulator(list(scenario.models), time_scale=1.0, seed=3).draw("fast", last["prompt"], last["max_tokens"])[0]
     out = ceilings(tmp_path, ["fast"], 0.05)
     assert out["open_at_out"] == 1
-    assert out["one"] == out["all_on"] == round(12.0 / (5.05 + draw), 3) > 0.4
+    assert out["one"] == out["all_on"] == round(12.0 / (5.05 + draw), 3) > utilization
     cli = CliRunner().invoke(main, [str(tmp_path), "--on", "fast", "--on", "slow"])
-    assert cli.exit_code == 0 and f"| {tmp_path.name} | 0.4 | 5.0 | 1 | {out['one']} |" in cli.output, cli.output
-    calls[2]["end"] = 104.5  # answered before the backlog's end: nothing to hedge
-    (tmp_path / "pipeline-calls.jsonl").write_text("".join(json.dumps(c) + "\n" for c in calls))
-    assert ceilings(tmp_path, ["fast"], 0.05)["one"] == round(12.0 / 4.5, 3)
+    assert cli.exit_code == 0 and f"| {tmp_path.name} | {utilization} | 5.0 | 1 | {out['one']} |" in cli.output, cli.output
+    utilization = record([3.3, 4.3, 4.8])  # all answered before the backlog's end: nothing to hedge
+    assert ceilings(tmp_path, ["fast"], 0.05)["every_model"] == utilization

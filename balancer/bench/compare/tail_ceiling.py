@@ -1,14 +1,14 @@
-"""How far any tail policy could take a bench run: its tasks still unanswered when the backlog
-ran out, hedged at that moment, on the draws the simulator would really have made.
+"""How far a rule acting on a bench run's tail could take it: its tasks still unanswered when the
+backlog ran out, hedged at that moment, on the draws the simulator would really have made.
 
 The simulator draws a call's latency from its model and prompt alone (common random numbers,
 :meth:`balancer.devtools.sim.provider.Simulator.call_rng`), so what a hedge on another model
 would have taken is known after the run. For each run directory this prints its utilization,
 when its backlog ran out, and the utilization it would have reached had every task still
 unanswered then been hedged at once (plus ``--delay``) on each of the ``--on`` models, each a
-fresh draw, ignoring those models' slots, tokens and the hedge budget: a ceiling for a policy
-that keeps the run's bulk and changes only its tail. ``--on`` defaults to the scenario's model
-with the shortest median latency, then to it and the next one::
+fresh draw, ignoring those models' slots, tokens and the hedge budget: a ceiling for a rule
+that acts only once the backlog has run out (one on every model is the best such a rule could
+do knowing each draw). ``--on`` defaults to the scenario's two models of shortest median latency::
 
     python -m balancer.bench.compare.tail_ceiling bench-out/1-A bench-out/2-B
 """
@@ -73,8 +73,12 @@ def ceilings(run: Path, on: Sequence[str], delay: float) -> dict[str, Any]:
     toml = next(run.glob("*.toml"))
     scenario = parse_scenario(toml.read_text(), toml.stem)
     entries = [json.loads(line) for line in (run / "pipeline-calls.jsonl").read_text().splitlines() if line]
-    started = min(e["start"] for e in entries)
-    answered = {key: end - started for key, end in answered_at(entries).items()}
+    # The report's times count from the submit, before the first call reached the backend: read
+    # the call log on that clock, its last answer at the run's makespan (a run with nothing to
+    # hedge keeps its own utilization; the write after that answer shifts the rest by its ms).
+    answers = answered_at(entries)
+    started = max(answers.values()) - report["makespan_s"]["pipeline"]
+    answered = {key: end - started for key, end in answers.items()}
     out_at = report["pipeline"]["backlog_out_s"]
     sim = Simulator(list(scenario.models), time_scale=scenario.time_scale, seed=scenario.seed)
     lines = {prompt_key(line["prompt"]): line for line in scenario.task_lines()}
