@@ -30,8 +30,8 @@ def test_a_delayed_request_due_sooner_than_the_one_on_its_way_is_sent(redis_clie
 
 
 def test_the_flag_script_does_not_keep_a_client_alive(redis_client: redis.Redis, namespace: str) -> None:
-    """The script is registered once per client, and forgotten with it: a cache that held up to
-    eight clients kept a closed client's connection pool alive."""
+    """The script runs by its digest, with no client kept: a cache of a script per client held up
+    to eight clients, and their connection pools, alive."""
     import gc
     import weakref
 
@@ -43,3 +43,19 @@ def test_the_flag_script_does_not_keep_a_client_alive(redis_client: redis.Redis,
     del client
     gc.collect()
     assert gone() is None
+
+
+def test_the_flag_script_is_sent_whole_to_a_redis_that_has_not_cached_it(redis_client: redis.Redis,
+                                                                           namespace: str) -> None:
+    """A Redis that has not seen the script (restarted, or failed over to a replica) answers its
+    digest with NOSCRIPT: the script is sent whole, and the request goes out."""
+
+    class Forgetful(redis.Redis):
+        def evalsha(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise redis.exceptions.NoScriptError("NOSCRIPT No matching script")
+
+    client = Forgetful(connection_pool=redis_client.connection_pool)
+    sent: list[float] = []
+    assert request_dispatch(client, namespace, sent.append, delay_ms=300) and sent == [0.3]
+    assert not request_dispatch(client, namespace, sent.append, delay_ms=300)  # the flag it set holds the next
+    assert 0 < redis_client.pttl(keys.dispatch_flags(namespace)[1]) <= 300

@@ -129,7 +129,7 @@ def test_new_rows_of_a_uuid_key_are_found_at_the_next_poll_with_a_cursor_column(
         svc: Services, team: sa.Engine, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 11: new rows with uuid keys waited 73-143 s for the rescan. A source
     declaring ``cursor`` (a NOT NULL column that grows with each new row) finds them at the next
-    poll; without one, the import says so and when: within rows / batch polls of the rescan."""
+    poll; without one, the import says so and when: within about rows / batch polls of the rescan."""
     rows, batch = 20_000, 1_000
     for table in ("keyed", "plain"):
         execute(team, f"CREATE TABLE {table} (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), "
@@ -153,8 +153,9 @@ def test_new_rows_of_a_uuid_key_are_found_at_the_next_poll_with_a_cursor_column(
     for table in ("keyed", "plain"):
         execute(team, f"INSERT INTO {table} (body) SELECT 'new ' || g FROM generate_series(1, 30) g")
     assert ingest_source(svc, keyed, models).created == 30  # the next poll
-    # A new row just behind the rescan waits one round: the windows left of this pass and those of
-    # the next up to the row, ceil(a / batch) + ceil(b / batch) <= ceil((a + b) / batch) + 1 polls.
+    # A new row just behind the rescan waits one round: the windows left of this pass (floor(a /
+    # batch) + 1, its last one short or empty) and those of the next up to the row (ceil(b / batch)),
+    # at most ceil((a + b) / batch) + 1 polls, a + b the table's rows.
     bound = -(-(rows + 30) // batch) + 1
     polls = 0
     while source_tasks(svc, "plain") < 30:

@@ -143,7 +143,7 @@ local function refund(m, lease, now)
 end
 
 -- Drop expired leases. One never started (no worker renewed it) made no call,
--- so its tokens and request go back to the buckets.
+-- so its tokens and request go back to the buckets (refund).
 local function purge(m, now)
   local key = inflight_key(m.name)
   local expired = redis.call('ZRANGEBYSCORE', key, '-inf', fmt(now))
