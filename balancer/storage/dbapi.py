@@ -9,6 +9,7 @@ one snapshot, so the counts, the spend and the ETA's inputs agree with each othe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,12 +40,29 @@ MAY_COME_BACK = ("connection refused", "timeout expired", "timed out", "the data
                  "network is unreachable", "connection reset")
 
 
+#: What to do about a server that answered but refused us, by the words of its refusal (the
+#: role's name is masked with the rest of the URL's user part, so the hint says which it is).
+REFUSAL_HINTS = (
+    (re.compile(r"FATAL:\s+role .* does not exist"),
+     "the URL's user is no role on that server: create it (createuser NAME) or name another"),
+    (re.compile(r"FATAL:\s+database .* does not exist"), "create it (createdb -O USER NAME), or name another in the URL"),
+    (re.compile(r"password authentication failed"), "check the URL's user and password"),
+)
+
+
 def describe_connect_error(url: str, exc: Exception) -> ServiceUnavailable:
-    """Turn a driver error into one line that names the masked URL, never the password."""
+    """Turn a driver error into one line that names the masked URL, never the password, and
+    what to do when the server refused us (:data:`REFUSAL_HINTS`).
+
+    >>> refused = Exception('connection to server at "db" failed: FATAL:  role "bob" does not exist')
+    >>> print(str(describe_connect_error("postgresql://bob@db/app", refused)).split(": ", 2)[2])
+    FATAL:  role "***" does not exist: the URL's user is no role on that server: create it (createuser NAME) or name another
+    """
     detail = str(getattr(exc, "orig", exc)).strip().splitlines()
     first = scrub(detail[0] if detail else type(exc).__name__, url)
     kind = Unreachable if any(sign in first.lower() for sign in MAY_COME_BACK) else ServiceUnavailable
-    return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}")
+    hint = next((f": {hint}" for words, hint in REFUSAL_HINTS if words.search(first)), "")
+    return kind(f"cannot reach PostgreSQL at {mask_url(url)} (BALANCER_DATABASE_URL): {first}{hint}")
 
 
 class ReadOnlyConnection:

@@ -136,3 +136,20 @@ def test_a_read_past_the_statement_timeout_says_so_in_one_line(svc) -> None:  # 
         with pytest.raises(ServiceUnavailable, match="did not answer a read in time") as caught:
             snap.db.exec_driver_sql("SELECT pg_sleep(1)", {})
     assert "\n" not in str(caught.value) and "cannot reach" not in str(caught.value)
+
+
+def test_a_role_or_database_the_server_lacks_is_one_line_that_says_what_to_create(
+        migrated, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """A new user's first `db upgrade` against a server without the URL's role read
+    'FATAL: role "***" does not exist' (the role masked with the user part) and nothing else."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(migrated["BALANCER_DATABASE_URL"])
+    monkeypatch.setenv("BALANCER_DATABASE_URL", url.set(username="no_such_role_here").render_as_string(False))
+    assert main(["status", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist: the URL's user is no role on that server: create it" in err, err
+    monkeypatch.setenv("BALANCER_DATABASE_URL", url.set(database="no_such_database_here").render_as_string(False))
+    assert main(["status", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and '"no_such_database_here" does not exist: create it (createdb' in err, err
