@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -180,6 +181,22 @@ class Supervisor:
         self.waiting.clear()
         for child in reversed(list(self.children)):
             self.stop(child)
+
+    def stop_gracefully(self, grace: float, cut: threading.Event) -> list[str]:
+        """SIGTERM every child at once (a worker then starts no new call and finishes those in
+        flight), wait until all have exited, ``grace`` seconds have passed or ``cut`` is set, then
+        SIGKILL the rest. Returns the names of those killed."""
+        self.waiting.clear()
+        for child in self.children:
+            self.kill(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(c.process.poll() is None for c in self.children) and not cut.is_set():
+            if cut.wait(min(0.2, max(0.0, deadline - time.monotonic()))) or time.monotonic() >= deadline:
+                break
+        killed = [c.name for c in self.children if c.process.poll() is None]
+        for child in list(self.children):
+            self.stop(child, timeout=0)
+        return killed
 
     def start_plan(self, plan: list[Planned], extra_env: Mapping[str, str] | None = None) -> list[Child]:
         """Start each planned process (:func:`pipeline_plan`), in order."""

@@ -5,7 +5,7 @@ and beat, each a ``balancer`` process of its own (the commands a multi-host
 deployment runs one by one), against the services the ``BALANCER_*_URL``
 variables name. Each logs to a file of its own under ``--log-dir``; one that
 exits is started again (:mod:`balancer.supervisor`); Ctrl-C or SIGTERM stops
-them all together.
+them all together, the workers once their calls in flight have ended (a second Ctrl-C: at once).
 """
 
 from __future__ import annotations
@@ -52,5 +52,13 @@ def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
         while not stop.wait(0.5):
             for event in supervisor.check_alive():
                 click.echo(event, err=True)
-        click.echo("stopping ...", err=True)
+        grace = settings.hard_time_limit  # the longest a call in flight may still take
+        click.echo(f"stopping: the workers finish their calls in flight first (up to {grace:g} s); "
+                   "Ctrl-C again stops them now", err=True)
+        cut = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: cut.set())
+        if cut_short := [name for name in supervisor.stop_gracefully(grace, cut) if name.startswith("worker")]:
+            click.echo(f"stopped before their calls in flight ended: {', '.join(cut_short)} (those calls' tasks "
+                       "run again once their leases lapse, BALANCER_LEASE_SECONDS)", err=True)
     click.echo("stopped", err=True)

@@ -183,6 +183,69 @@ def test_run_starts_restarts_and_stops_the_pipeline(migrated: dict[str, str], tm
                 run.wait()
 
 
+#: One model whose every call takes exactly 10 s: longer than the 5 s `run` gave its children.
+SLOW_MODEL = """name = "slow"
+seed = 1
+time_scale = 1.0
+[workload]
+tasks = 1
+prompt_tokens = { median = 20, p99 = 40, min = 10, max = 100 }
+output_tokens = { median = 16, p99 = 32, min = 16, max = 64 }
+pinned_fraction = 0.0
+priorities = [0]
+sources = ["s"]
+[[models]]
+name = "slow-0"
+max_concurrent_requests = 4
+max_tokens_per_minute = 1000000
+latency = { median = 10.0, p99 = 10.01, min = 10.0, max = 10.0 }
+"""
+
+
+def test_ctrl_c_lets_the_calls_in_flight_end_and_a_second_ctrl_c_stops_them_now(
+        migrated: dict[str, str], tmp_path: Path) -> None:
+    """A new user stopped `balancer run` with Ctrl-C and `status` showed a task running for good:
+    its worker was killed 5 s after the SIGTERM, in the middle of its call. Now the workers
+    finish their calls in flight (their answers written) before `run` exits; a second Ctrl-C
+    stops them at once, and says which were cut short."""
+    from balancer.devtools.scenario import parse_scenario
+
+    (tmp_path / "slow.toml").write_text(SLOW_MODEL)
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([m.quota(time_scale=1.0) for m in parse_scenario(SLOW_MODEL, "slow").models], by="test")
+    port = free_port()
+    env = {**os.environ, "BALANCER_BACKEND_URL": f"http://127.0.0.1:{port}", "BALANCER_DISPATCH_TICK": "0.5",
+           "BALANCER_HOME": str(tmp_path), "BALANCER_HEDGE_BUDGET": "0"}
+    with Supervisor(tmp_path / "sim", env=env) as sims:
+        sim = sims.start("sim", ["sim", "--port", str(port), "--scenario", str(tmp_path / "slow.toml")])
+        wait_for_http(f"http://127.0.0.1:{port}/models", child=sim)
+        for presses in (1, 2):
+            run = subprocess.Popen([sys.executable, "-m", "balancer", "run", "--log-dir", str(tmp_path / "logs")],
+                                   env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+            try:
+                lines, seen = lines_of(run.stderr), []
+                wait_for_line(lines, r"^running 3 processes for 1 model", seen)
+                submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input="".join(
+                    f'{{"prompt": "press {presses}, question {i}", "model": "slow-0"}}\n' for i in range(2)),
+                    capture_output=True, text=True, env=env, timeout=60)
+                assert submit.returncode == 0, submit.stderr
+                poll(lambda: status_counts(svc.engine)["running"] == 2, 60, "two calls in flight")
+                run.send_signal(signal.SIGINT)
+                wait_for_line(lines, r"^stopping: the workers finish their calls in flight first", seen)
+                if presses == 2:
+                    run.send_signal(signal.SIGINT)
+                    assert wait_for_line(lines, r"^stopped before their calls in flight ended: (\S+) ", seen)[1] == "workers"
+                assert run.wait(timeout=60) == 0
+                wait_for_line(lines, r"^stopped$", seen)
+                counts = status_counts(svc.engine)
+                # Once: both answered before `run` returned. Twice: cut short, their tasks still running.
+                assert (counts["solved"], counts["running"]) == ((2, 0) if presses == 1 else (2, 2)), counts
+            finally:
+                if run.poll() is None:
+                    run.kill()
+                    run.wait()
+
+
 def test_the_ticks_are_logged_at_debug_not_info(migrated: dict[str, str], tmp_path: Path, redis_client) -> None:  # noqa: ANN001
     """A dispatcher at INFO logs no tick it receives or ends; beat at DEBUG still logs each tick it sends."""
     from balancer.admission import keys
