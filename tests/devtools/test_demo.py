@@ -95,6 +95,9 @@ def test_embedded_env_prints_the_urls_and_stop_stops_what_only_the_dead_held(tmp
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert proc.returncode == 0, proc.stderr
+        # Said once, when they start (a new user's `db upgrade` left them running unannounced), on stderr
+        started = f"started an embedded Redis and PostgreSQL in {home}: they stay up"
+        assert started in proc.stderr and started not in balancer("embedded", "env").stderr, proc.stderr
         exports = dict(shlex.split(line)[1].split("=", 1) for line in proc.stdout.splitlines())
         assert sorted(exports) == ["BALANCER_DATABASE_URL", "BALANCER_REDIS_URL"]
         assert redis.Redis.from_url(exports["BALANCER_REDIS_URL"]).ping()
