@@ -271,8 +271,7 @@ class AdmissionCore:
     def withdraw(self, admission_ids: Sequence[str]) -> int:
         """Hand back admissions whose calls will never start (their dispatch did not commit), in one
         round trip: each lease ends now (hold.lua with 0 ms), and the next admission on its model
-        purges it, its tokens back in full and its request up to the start gate's room (``purge`` in limits.lua).
-        Returns how many were live."""
+        purges it, its tokens back and its request up to the gate's room (limits.lua, purge). Returns how many were live."""
         if not admission_ids:
             return 0
         with self.redis.pipeline(transaction=False) as pipe:
