@@ -331,18 +331,9 @@ def test_tail_ceiling_hedges_what_was_unanswered_at_the_backlogs_end_on_the_simu
 
     from balancer.bench.compare.tail_ceiling import ceilings, main
     from balancer.devtools.sim.provider import Simulator, prompt_key
+    from tests.scenario_text import scenario_text
 
-    text = """name = "tiny"
-seed = 3
-time_scale = 1.0
-[workload]
-tasks = 3
-prompt_tokens = { median = 300, p99 = 1500, min = 20, max = 3000 }
-output_tokens = { median = 150, p99 = 500, min = 16, max = 512 }
-pinned_fraction = 0.0
-priorities = [0]
-sources = ["s"]
-[[models]]
+    text = scenario_text("tiny", """[[models]]
 name = "slow"
 max_concurrent_requests = 4
 max_tokens_per_minute = 1000000
@@ -352,7 +343,7 @@ name = "fast"
 max_concurrent_requests = 4
 max_tokens_per_minute = 1000000
 latency = { median = 0.5, p99 = 2.0, min = 0.1, max = 120.0 }
-"""
+""", seed=3, tasks=3)
     scenario = parse_scenario(text, "tiny")
     keys = [prompt_key(line["prompt"]) for line in scenario.task_lines()]
 

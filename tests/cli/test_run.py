@@ -4,6 +4,7 @@ process prints when the backend's address refuses connections."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -23,6 +24,7 @@ from balancer.devtools.sim.config import default_models
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.supervisor import Supervisor, wait_for_http
+from tests.scenario_text import scenario_text
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -81,6 +83,13 @@ def poll(check, timeout: float, what: str):  # noqa: ANN001, ANN201
             return value
         time.sleep(0.2)
     raise AssertionError(f"not within {timeout:.0f}s: {what}")
+
+
+def submit(env: dict[str, str], tasks: list[tuple[str, str]]) -> None:
+    """``balancer submit`` these (prompt, model) pairs, as a user would."""
+    done = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], capture_output=True, text=True, env=env,
+                          timeout=60, input="".join(json.dumps({"prompt": p, "model": m}) + "\n" for p, m in tasks))
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_worker_says_on_its_first_line_that_the_backend_refuses_connections(migrated: dict[str, str]) -> None:
@@ -155,10 +164,7 @@ def test_run_starts_restarts_and_stops_the_pipeline(migrated: dict[str, str], tm
                 assert Path(found[2]) == tmp_path / "logs" / f"{name}.log"
             wait_for_line(lines, r"^running 4 processes for 2 model\(s\)", seen)
 
-            submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input="".join(
-                f'{{"prompt": "question {i}", "model": "model-{i % 2}"}}\n' for i in range(20)),
-                capture_output=True, text=True, env=env, timeout=60)
-            assert submit.returncode == 0, submit.stderr
+            submit(env, [(f"question {i}", f"model-{i % 2}") for i in range(20)])
             poll(lambda: status_counts(svc.engine)["solved"] == 20, 120, "20 tasks solved")
 
             os.kill(pids["worker-model-1"], signal.SIGKILL)  # a worker dies: it is started again, and works
@@ -166,10 +172,7 @@ def test_run_starts_restarts_and_stops_the_pipeline(migrated: dict[str, str], tm
             again = int(wait_for_line(lines, r"^worker-model-1 started again \(pid (\d+)\)", seen)[1])
             assert again != pids["worker-model-1"]
             pids["worker-model-1 again"] = again
-            submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input="".join(
-                f'{{"prompt": "more {i}", "model": "model-1"}}\n' for i in range(5)),
-                capture_output=True, text=True, env=env, timeout=60)
-            assert submit.returncode == 0, submit.stderr
+            submit(env, [(f"more {i}", "model-1") for i in range(5)])
             poll(lambda: status_counts(svc.engine)["solved"] == 25, 120, "the restarted worker's 5 tasks solved")
 
             run.send_signal(signal.SIGTERM)  # stops them all together
@@ -184,22 +187,12 @@ def test_run_starts_restarts_and_stops_the_pipeline(migrated: dict[str, str], tm
 
 
 #: One model whose every call takes exactly 10 s: longer than the 5 s `run` gave its children.
-SLOW_MODEL = """name = "slow"
-seed = 1
-time_scale = 1.0
-[workload]
-tasks = 1
-prompt_tokens = { median = 20, p99 = 40, min = 10, max = 100 }
-output_tokens = { median = 16, p99 = 32, min = 16, max = 64 }
-pinned_fraction = 0.0
-priorities = [0]
-sources = ["s"]
-[[models]]
+SLOW_MODEL = scenario_text("slow", """[[models]]
 name = "slow-0"
 max_concurrent_requests = 4
 max_tokens_per_minute = 1000000
 latency = { median = 10.0, p99 = 10.01, min = 10.0, max = 10.0 }
-"""
+""")
 
 
 def test_ctrl_c_lets_the_calls_in_flight_end_and_a_second_ctrl_c_stops_them_now(
@@ -225,10 +218,7 @@ def test_ctrl_c_lets_the_calls_in_flight_end_and_a_second_ctrl_c_stops_them_now(
             try:
                 lines, seen = lines_of(run.stderr), []
                 wait_for_line(lines, r"^running 3 processes for 1 model", seen)
-                submit = subprocess.run([sys.executable, "-m", "balancer", "submit", "-"], input="".join(
-                    f'{{"prompt": "press {presses}, question {i}", "model": "slow-0"}}\n' for i in range(2)),
-                    capture_output=True, text=True, env=env, timeout=60)
-                assert submit.returncode == 0, submit.stderr
+                submit(env, [(f"press {presses}, question {i}", "slow-0") for i in range(2)])
                 poll(lambda: status_counts(svc.engine)["running"] == 2, 60, "two calls in flight")
                 run.send_signal(signal.SIGINT)
                 wait_for_line(lines, r"^stopping: the workers finish their calls in flight first", seen)
