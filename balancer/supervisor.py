@@ -182,18 +182,18 @@ class Supervisor:
         for child in reversed(list(self.children)):
             self.stop(child)
 
-    def stop_gracefully(self, grace: float, cut: threading.Event) -> list[str]:
+    def stop_gracefully(self, grace: float, cut: threading.Event) -> list[Child]:
         """SIGTERM every child at once (a worker then starts no new call and finishes those in
         flight), wait until all have exited, ``grace`` seconds have passed or ``cut`` is set, then
-        SIGKILL the rest. Returns the names of those killed."""
+        SIGKILL the rest. Returns those killed."""
         self.waiting.clear()
         for child in self.children:
             self.kill(child, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while any(c.process.poll() is None for c in self.children) and not cut.is_set():
-            if cut.wait(min(0.2, max(0.0, deadline - time.monotonic()))) or time.monotonic() >= deadline:
-                break
-        killed = [c.name for c in self.children if c.process.poll() is None]
+        while any(c.process.poll() is None for c in self.children) and time.monotonic() < deadline \
+                and not cut.wait(0.2):
+            pass
+        killed = [c for c in self.children if c.process.poll() is None]
         for child in list(self.children):
             self.stop(child, timeout=0)
         return killed

@@ -58,7 +58,7 @@ def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
         cut = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: cut.set())
-        if cut_short := [name for name in supervisor.stop_gracefully(grace, cut) if name.startswith("worker")]:
+        if cut_short := [c.name for c in supervisor.stop_gracefully(grace, cut) if c.argv[0] == "worker"]:
             click.echo(f"stopped before their calls in flight ended: {', '.join(cut_short)} (those calls' tasks "
                        "run again once their leases lapse, BALANCER_LEASE_SECONDS)", err=True)
     click.echo("stopped", err=True)
