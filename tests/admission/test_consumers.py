@@ -49,6 +49,15 @@ def workers_beating_for_a_while(services: Services) -> None:
     services.redis.hset(consumers_heard(services.settings.namespace), mapping={"heard": now_ms, "resumed": now_ms - TTL_MS})
 
 
+def worker_gone(services: Services, consumer: str, model: str) -> None:
+    """``consumer``'s worker stops, or its host is cut off: its record of ``model`` ends now, while
+    the other workers beat on. (A live worker beats every second; a loaded machine can take longer
+    than SILENCE_MS between a test's beats, which reads as Redis hearing no worker, and then no
+    record is believed: a fresh-clone CI run failed so.)"""
+    services.core.note_consumers(consumer, [model], 0)
+    workers_beating_for_a_while(services)
+
+
 @pytest.fixture
 def svc(monkeypatch: pytest.MonkeyPatch) -> Services:
     monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
@@ -95,10 +104,7 @@ def test_the_dispatcher_admits_nothing_to_a_model_no_worker_consumes(svc: Servic
     assert sorted(a.task_id for a in sent) == only_b and {a.model for a in sent} == {"b"}
     assert svc.core.live()["b"].in_flight >= 2
 
-    svc.core.note_consumers("w-b", ["b"], 0)  # its worker stops: b's queued tasks go back now, leases freed
-    # w-a beat all along (a live worker beats every second): on a loaded machine the steps above
-    # took over SILENCE_MS, which reads as Redis hearing no worker, and then no record is believed.
-    workers_beating_for_a_while(svc)
+    worker_gone(svc, "w-b", "b")  # its worker stops: b's queued tasks go back now, leases freed
     sent.clear()
     report = dispatch(svc, sent.extend)
     assert report.unconsumed == 2 and sent == []
@@ -139,7 +145,7 @@ def test_a_ready_task_a_worker_took_before_its_host_was_cut_goes_back_at_once(sv
         conn.execute(sa.update(tasks).where(tasks.c.id == task_id).values(status="pending", model=None, admission_id=None))
         mark_ready(conn, [(task_id, "b", sent[0].admission_id)], 60)
     assert svc.core.live()["b"].ready == 0
-    svc.core.note_consumers("w-b", ["b"], 0)  # b's host is cut off
+    worker_gone(svc, "w-b", "b")  # b's host is cut off
     report = dispatch(svc, lambda assignments: None)
     assert report.unconsumed == 1 and statuses(svc, [task_id]) == [("pending", None)]
     assert svc.core.live()["b"].in_flight == 0
@@ -153,7 +159,6 @@ def test_records_that_lapsed_while_redis_heard_no_worker_return_nothing(svc: Ser
     along. Now a record that lapsed while Redis heard no worker says nothing until every worker
     has had a record's life to renew its own; then the work of a model still unconsumed goes back."""
     from balancer.admission.keys import consumers_heard
-    from balancer.admission.liveness import TTL_MS
     from balancer.backlog.ready import mark_ready
 
     svc.redis.delete(consumers_heard(svc.settings.namespace))  # Redis lost it, or no worker beat for a minute
@@ -183,8 +188,7 @@ def test_records_that_lapsed_while_redis_heard_no_worker_return_nothing(svc: Ser
     assert svc.core.live()["b"].ready == 1 and svc.core.live()["b"].in_flight == 2
 
     # A record's life after the beats resumed, b's worker has not come back: its work goes back.
-    svc.redis.hset(heard, "resumed", now_ms - TTL_MS)
-    svc.core.note_consumers("w-a", ["a"], 60_000)
+    workers_beating_for_a_while(svc)  # resumed a record's life ago, a's worker heard just now
     assert svc.core.consumer_records_trusted()
     report = dispatch(svc, lambda assignments: None)
     assert report.unconsumed == 2 and report.unstocked == 1
@@ -204,7 +208,7 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_on_one_that_is(svc: Serv
     dispatch(svc, sent.extend)
     assert [(a.task_id, a.model) for a in sent] == [(task_id, "b")]
     assert start_solve(svc.engine, task_id, sent[0].admission_id, 60) is not None
-    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's is there
+    worker_gone(svc, "w-b", "b")  # b's worker is gone; a's is there
     svc.core.note_consumers("w-a", ["a"], 60_000)
     sent.clear()
     report = dispatch(svc, sent.extend)
@@ -244,7 +248,7 @@ def test_a_call_on_a_model_no_worker_consumes_is_hedged_before_new_work_takes_th
     them before it admits new work into those slots; a straggler on a served model is not hedged
     there, though a budget would pay for it and model c could take it."""
     svc, orphan, _ = long_calls_on_b_and_a(monkeypatch, "1")  # the call on a: a straggler, not an orphan
-    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone; a's and c's are there, and a backlog waits
+    worker_gone(svc, "w-b", "b")  # b's worker is gone; a's and c's are there, and a backlog waits
     backlog = submit(svc, None, 20)
     sent: list[Assignment] = []
     report = dispatch(svc, sent.extend)
@@ -266,8 +270,8 @@ def test_a_call_whose_hedge_went_to_the_same_cut_host_is_hedged_again_on_one_tha
     with svc.engine.begin() as conn:
         (admission,) = conn.execute(sa.select(tasks.c.admission_id).where(tasks.c.id == on_b)).scalars().all()
         assert mark_hedged(conn, on_b, admission, "hedge-on-c", "c", 10)
-    svc.core.note_consumers("w-b", ["b"], 0)  # the host of b's and c's workers is cut off
-    svc.core.note_consumers("w-c", ["c"], 0)
+    worker_gone(svc, "w-b", "b")  # the host of b's and c's workers is cut off
+    worker_gone(svc, "w-c", "c")
     sent: list[Assignment] = []
     dispatch(svc, sent.extend)
     assert [(a.task_id, a.model) for a in sent if a.hedge and a.task_id == on_b] == [(on_b, "a")]
@@ -285,7 +289,7 @@ def test_a_call_whose_row_a_cut_worker_holds_locked_stalls_no_dispatch_round(mon
     from tests.backlog.test_locked_rows import WAIT_S, locked_by_a_cut_worker, within
 
     svc, orphan, _ = long_calls_on_b_and_a(monkeypatch, "1")
-    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone, mid-write
+    worker_gone(svc, "w-b", "b")  # b's worker is gone, mid-write
     backlog = submit(svc, None, 5)  # a and c have seven free slots: two are left for hedges
     sent: list[Assignment] = []
     with locked_by_a_cut_worker(svc.engine, orphan):
@@ -306,7 +310,7 @@ def test_a_hedge_of_an_orphans_call_spends_none_of_the_budget_a_straggler_needs(
     from balancer.backlog.hedges import hedge_spending
 
     svc, orphan, straggler = long_calls_on_b_and_a(monkeypatch, "0.5")
-    svc.core.note_consumers("w-b", ["b"], 0)  # b's worker is gone
+    worker_gone(svc, "w-b", "b")  # b's worker is gone
     sent: list[Assignment] = []
     for _ in range(3):
         dispatch(svc, sent.extend)
