@@ -41,9 +41,9 @@ def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
     if not names:
         raise QuotaError("no model has a quota: import them first with `balancer quota import FILE`")
     logs = (log_dir or Path(settings.home) / "logs").resolve()
-    stop = threading.Event()
+    stop, cut = threading.Event(), threading.Event()  # the first Ctrl-C (or SIGTERM) stops; a second cuts short
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: (cut if stop.is_set() else stop).set())
     plan = pipeline_plan(names if per_model else None, loglevel)
     with Supervisor(logs, env=dict(os.environ), restart_dead=True) as supervisor:
         for child in supervisor.start_plan(plan):
@@ -55,9 +55,6 @@ def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
         grace = settings.hard_time_limit  # the longest a call in flight may still take
         click.echo(f"stopping: the workers finish their calls in flight first (up to {grace:g} s); "
                    "Ctrl-C again stops them now", err=True)
-        cut = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: cut.set())
         if cut_short := [c.name for c in supervisor.stop_gracefully(grace, cut) if c.argv[0] == "worker"]:
             click.echo(f"stopped before their calls in flight ended: {', '.join(cut_short)} (those calls' tasks "
                        "run again once their leases lapse, BALANCER_LEASE_SECONDS)", err=True)
