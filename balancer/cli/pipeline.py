@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
+from balancer.backlog.statuses import UNFINISHED
 from balancer.cli.startwait import migrated as _migrated
 from balancer.errors import BalancerError, QuotaError, printable
 
@@ -113,7 +114,24 @@ def band_text(drain: Any) -> str:
     return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
 
 
-def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (), not_yet_read: Sequence[str] = ()) -> str:
+def calls_after_the_end(counts: Mapping[str, int], rows: Sequence[Any]) -> int:
+    """Calls still in flight when no task is left unfinished: each belongs to a finished task.
+    A hedge's loser on a model whose provider finishes a request after its client goes
+    (``on_disconnect = "finish"``, the default) runs to its end, and holds its slot until then.
+
+    >>> from types import SimpleNamespace as Row
+    >>> calls_after_the_end({"pending": 0, "running": 0, "solved": 9}, [Row(in_flight=2), Row(in_flight=1)])
+    3
+    >>> calls_after_the_end({"pending": 0, "running": 1, "solved": 8}, [Row(in_flight=2)])   # one still running
+    0
+    """
+    if any(counts.get(status, 0) for status in UNFINISHED):
+        return 0
+    return sum(r.in_flight for r in rows)
+
+
+def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (), not_yet_read: Sequence[str] = (),
+               after_the_end: int = 0) -> str:
     """The ETA, its band, and what it leaves out: pending tasks whose source's budget is spent, or that no
     enabled model may take, the rows of the ``unread`` sources (their table could not be read) and of the
     ``not_yet_read`` ones (readable, never read to the end of their table: some rows are not tasks yet);
@@ -134,6 +152,8 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     'nothing else to run; the rows of source questions (its table could not be read), not in the eta'
     >>> drain_text(Forecast(0.0, 0.0, 0.0), not_yet_read=["questions"])   # a source imported, not read yet
     'nothing else to run; the rows of source questions (not read to its end yet), not in the eta'
+    >>> drain_text(Forecast(0.0, 0.0, 0.0), after_the_end=2)   # calls_after_the_end: why a model still shows calls
+    "done; 2 call(s) of finished tasks still run at the backend (a hedge's loser runs to its end; its slot frees then)"
     """
     if blocked:
         return blocked
@@ -144,7 +164,11 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
         [f"the rows of source {name} (its table could not be read)" for name in unread] + \
         [f"the rows of source {name} (not read to its end yet)" for name in not_yet_read]
     text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
-    return text + "".join(f"; {said}, not in the eta" for said in aside)
+    text += "".join(f"; {said}, not in the eta" for said in aside)
+    if after_the_end:
+        text += (f"; {after_the_end} call(s) of finished tasks still run at the backend"
+                 " (a hedge's loser runs to its end; its slot frees then)")
+    return text
 
 
 #: Below this many columns ``top`` leaves out the bucket levels and answered counts, so each row keeps to one line.
@@ -268,8 +292,8 @@ def top(interval: float, count: int | None) -> None:
         rates = {r.name: (per_minute(r.name, "tokens_estimated"), per_minute(r.name, "solved", "transient", "failed"))
                  for r in rows}
         sources = source_status(svc.engine)
-        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items())
-                       + f"  eta: {drain_text(drain, o.health.blocked, o.health.unread_sources, o.not_read)}")
+        eta = drain_text(drain, o.health.blocked, o.health.unread_sources, o.not_read, calls_after_the_end(counts, rows))
+        counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta}")
         money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         with svc.engine.connect() as conn:
             shares = weights(conn)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from balancer.cli import print_table
-from balancer.cli.pipeline import drain_text, health_lines, model_table
+from balancer.cli.pipeline import calls_after_the_end, drain_text, health_lines, model_table
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
@@ -75,6 +75,7 @@ def status_json(s: StatusReads) -> dict[str, Any]:
     projected.pop("by_source", None)  # the backlog left's projected cost: as ``spend``, without ``by_source``
     blocked = s.health.blocked
     return {**s.counts, "reused": s.reused, "overdue": s.overdue,
+            "calls_after_the_end": calls_after_the_end(s.counts, s.rows),
             "eta_s": None if eta is None or blocked else round(eta, 1), "blocked": blocked,
             "health": s.health.as_dict(),
             **band_fields(s.drain), "waiting_on_budget": 0 if s.drain is None else s.drain.waiting,
@@ -98,8 +99,9 @@ def status(as_json: bool) -> None:
     from balancer.cli.source import budget_line, source_line
     from balancer.costs.cost import projection_text, spend_text
 
+    eta = drain_text(s.drain, s.health.blocked, s.health.unread_sources, s.not_read, calls_after_the_end(s.counts, s.rows))
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
-               + f"  eta: {drain_text(s.drain, s.health.blocked, s.health.unread_sources, s.not_read)}")
+               + f"  eta: {eta}")
     for line in health_lines(s.health):
         click.echo(line)
     if s.spent.by_model or s.spent.unpriced_tokens:

@@ -153,3 +153,36 @@ def test_a_role_or_database_the_server_lacks_is_one_line_that_says_what_to_creat
     assert main(["status", "--json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and '"no_such_database_here" does not exist: create it (createdb' in err, err
+
+
+def test_calls_in_flight_after_every_task_finished_are_named_as_such(svc, capsys) -> None:  # noqa: ANN001
+    """A hedge's loser runs to its end after its task is answered: with no task left unfinished,
+    ``status`` says the calls a model still shows belong to finished tasks, and stops saying so
+    once they end."""
+    from balancer.admission.core import Admitted, Candidate
+    from balancer.admission.quota import Quota
+
+    svc.quotas.replace_all([Quota("m", 4, 10**9)])
+    with svc.engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO tasks (prompt, max_tokens, estimated_tokens, status, model) "
+                             "VALUES ('a', 1, 2, 'solved', 'm'), ('b', 1, 2, 'solved', 'm')"))
+    (loser,) = svc.core.admit([Candidate(2, ("m",))])
+    assert isinstance(loser, Admitted)
+
+    assert main(["status"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("eta: done; 1 call(s) of finished tasks still run at the backend "
+                          "(a hedge's loser runs to its end; its slot frees then)"), first
+    assert main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calls_after_the_end"] == 1
+
+    with svc.engine.begin() as conn:  # a task unfinished: a call in flight may be its own
+        conn.execute(sa.text("INSERT INTO tasks (prompt, max_tokens, estimated_tokens) VALUES ('c', 1, 2)"))
+    assert main(["status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calls_after_the_end"] == 0
+    with svc.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM tasks WHERE prompt = 'c'"))
+
+    svc.core.finish(loser.admission_id)
+    assert main(["status"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("eta: done")
