@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from balancer.backlog.statuses import UNFINISHED
 from balancer.cli.startwait import migrated as _migrated
 from balancer.errors import BalancerError, QuotaError, printable
 
@@ -114,22 +113,6 @@ def band_text(drain: Any) -> str:
     return f" ({eta_text(max(drain.low, 0.5))} to {eta_text(drain.high)})"
 
 
-def calls_after_the_end(counts: Mapping[str, int], rows: Sequence[Any]) -> int:
-    """Calls still in flight when no task is left unfinished: each belongs to a finished task.
-    A hedge's loser on a model whose provider finishes a request after its client goes
-    (``on_disconnect = "finish"``, the default) runs to its end, and holds its slot until then.
-
-    >>> from types import SimpleNamespace as Row
-    >>> calls_after_the_end({"pending": 0, "running": 0, "solved": 9}, [Row(in_flight=2), Row(in_flight=1)])
-    3
-    >>> calls_after_the_end({"pending": 0, "running": 1, "solved": 8}, [Row(in_flight=2)])   # one still running
-    0
-    """
-    if any(counts.get(status, 0) for status in UNFINISHED):
-        return 0
-    return sum(r.in_flight for r in rows)
-
-
 def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (), not_yet_read: Sequence[str] = (),
                after_the_end: int = 0) -> str:
     """The ETA, its band, and what it leaves out: pending tasks whose source's budget is spent, or that no
@@ -166,8 +149,9 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
     text += "".join(f"; {said}, not in the eta" for said in aside)
     if after_the_end:
-        text += (f"; {after_the_end} call(s) of finished tasks still run at the backend"
-                 " (a hedge's loser runs to its end; its slot frees then)")
+        from balancer.views.summary import after_the_end_text
+
+        text += f"; {after_the_end_text(after_the_end)}"
     return text
 
 
@@ -270,6 +254,7 @@ def top(interval: float, count: int | None) -> None:
     from balancer.sources.reads import source_status
     from balancer.sources.weights import DEFAULT_WEIGHT, weights
     from balancer.views.overview import read_overview
+    from balancer.views.summary import calls_after_the_end
 
     svc = _migrated()
     seen: deque[tuple[float, dict[str, dict[str, int]]]] = deque()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from balancer.cli import print_table
-from balancer.cli.pipeline import calls_after_the_end, drain_text, health_lines, model_table
+from balancer.cli.pipeline import drain_text, health_lines, model_table
 from balancer.cli.startwait import snapshot
 from balancer.errors import printable
 
@@ -70,6 +70,8 @@ def band_fields(drain: Any) -> dict[str, float | None]:
 
 def status_json(s: StatusReads) -> dict[str, Any]:
     """``status --json``'s object."""
+    from balancer.views.summary import calls_after_the_end
+
     eta = None if s.drain is None else s.drain.eta
     projected = s.projected.as_dict()
     projected.pop("by_source", None)  # the backlog left's projected cost: as ``spend``, without ``by_source``
@@ -98,6 +100,7 @@ def status(as_json: bool) -> None:
         return
     from balancer.cli.source import budget_line, source_line
     from balancer.costs.cost import projection_text, spend_text
+    from balancer.views.summary import calls_after_the_end
 
     eta = drain_text(s.drain, s.health.blocked, s.health.unread_sources, s.not_read, calls_after_the_end(s.counts, s.rows))
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")

@@ -29,6 +29,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from balancer.admission import keys
 from balancer.admission.quota import Quota
@@ -39,6 +40,7 @@ from balancer.settings import Settings
 from balancer.storage.schema import tasks as tasks_table
 from balancer.supervisor import Supervisor, pipeline_plan, wait_for_http
 from balancer.urls import normalize_database_url
+from balancer.views.summary import after_the_end_text, calls_after_the_end
 
 
 @contextmanager
@@ -351,7 +353,10 @@ def run_pipeline(
             progress.update(bar, completed=done, info=f"failed {counts['failed']}  429s {rejected}")
             parts: list[Any] = [progress]
             if table is not None:
-                parts.append(table(svc.core.live(), recent_tokens(entries, time.time())))
+                view = svc.core.live()
+                parts.append(table(view, recent_tokens(entries, time.time())))
+                if after := calls_after_the_end(counts, view.values()):  # the last frame: a hedge's loser still runs
+                    parts.append(Text(after_the_end_text(after)))
             live.update(Group(*parts))
             if done >= total:
                 finished = time.time()

@@ -29,6 +29,7 @@ from balancer.backlog.reads import (
     running_calls,
     status_counts,
 )
+from balancer.backlog.statuses import UNFINISHED
 from balancer.dispatch.budgets import held_sources
 from balancer.estimates.capacity import ModelCapacity, own_tokens_per_task
 from balancer.snapshot import ReadServices
@@ -308,3 +309,28 @@ def read(services: ReadServices, held: Collection[str] | None = None, left: Back
     rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
     return status_counts(services.db), rows, counters, estimate_band(services, view, left, held)
+
+
+def calls_after_the_end(counts: Mapping[str, int], rows: Collection[Any]) -> int:
+    """Calls still in flight when no task is left unfinished: each belongs to a finished task.
+    A hedge's loser on a model whose provider finishes a request after its client goes
+    (``on_disconnect = "finish"``, the default) runs to its end, and holds its slot until then.
+
+    >>> from types import SimpleNamespace as Row
+    >>> calls_after_the_end({"pending": 0, "running": 0, "solved": 9}, [Row(in_flight=2), Row(in_flight=1)])
+    3
+    >>> calls_after_the_end({"pending": 0, "running": 1, "solved": 8}, [Row(in_flight=2)])   # one still running
+    0
+    """
+    if any(counts.get(status, 0) for status in UNFINISHED):
+        return 0
+    return sum(r.in_flight for r in rows)
+
+
+def after_the_end_text(calls: int) -> str:
+    """What ``status``, ``top`` and the demo say of :func:`calls_after_the_end`.
+
+    >>> after_the_end_text(2)
+    "2 call(s) of finished tasks still run at the backend (a hedge's loser runs to its end; its slot frees then)"
+    """
+    return f"{calls} call(s) of finished tasks still run at the backend (a hedge's loser runs to its end; its slot frees then)"
