@@ -155,14 +155,16 @@ def slots_of(view: dict[str, ModelLive]) -> dict[str, int]:
 
 def open_slots(view: dict[str, ModelLive]) -> dict[str, int]:
     """Free slots of the models that could admit *something* right now:
-    enabled, not paused by a 429, a free slot, tokens above zero and (with
-    RPM) a request. The dispatcher reads only tasks that one of these could take."""
+    enabled, not paused by a 429, a free slot, a token (or a full bucket, for a burst
+    whose transit allowance leaves less: burst_tokens = 1 is full at 0.5) and (with
+    RPM) a request. The dispatcher reads only tasks that one of these could take,
+    so a task no bucket of its models can hold is read, and failed with the reason."""
     return {
         name: m.cap_now - m.in_flight
         for name, m in view.items()
         if m.quota.enabled
         and m.paused_ms == 0
         and m.in_flight < m.cap_now
-        and m.tokens_available >= 1
+        and m.tokens_available >= min(1.0, m.token_capacity)
         and (m.requests_available is None or m.requests_available >= 1)
     }

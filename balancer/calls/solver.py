@@ -70,12 +70,12 @@ Whether the loser is cut off follows its model's ``on_disconnect``:
   closed, its worker thread and slot are free at once (outcome
   ``cancelled``), and its reservation (prompt + max_tokens) stays charged,
   since nothing tells what the provider counted.
-- ``finish`` (the default): a provider that got a non-streamed request keeps
+- ``continue`` (the default; ``finish`` is its old name): a provider that got a non-streamed request keeps
   working on it, and charging it, after the client goes. Closing the request
   would free nothing the provider counts, and would lose the moment the call
   really ends. So the loser runs to its end; its slot is freed, and its
   tokens settled, by its own answer, which is then a duplicate and never
-  written. (A model switched to ``finish`` while one of its calls is being
+  written. (A model switched to ``continue`` while one of its calls is being
   cut off holds that slot, charged, until the call would have hit the backend
   timeout: :meth:`AdmissionCore.hold`.)
 

@@ -314,7 +314,7 @@ def read(services: ReadServices, held: Collection[str] | None = None, left: Back
 def calls_after_the_end(counts: Mapping[str, int], rows: Collection[Any]) -> int:
     """Calls still in flight when no task is left unfinished: each belongs to a finished task.
     A hedge's loser on a model whose provider finishes a request after its client goes
-    (``on_disconnect = "finish"``, the default) runs to its end, and holds its slot until then.
+    (``on_disconnect = "continue"``, the default) runs to its end, and holds its slot until then.
 
     >>> from types import SimpleNamespace as Row
     >>> calls_after_the_end({"pending": 0, "running": 0, "solved": 9}, [Row(in_flight=2), Row(in_flight=1)])

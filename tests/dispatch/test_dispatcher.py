@@ -171,6 +171,21 @@ def test_impossible_task_is_failed_with_the_reason(svc: Services) -> None:
     assert status == "failed" and "burst_tokens (1000)" in error
 
 
+def test_a_task_pinned_to_a_model_whose_full_bucket_holds_less_than_a_token_is_failed_with_the_reason(
+        svc: Services) -> None:
+    """A burst of 1 token keeps a transit allowance of half of it: the bucket is full at 0.5 and
+    never reads 1 token. The dispatcher read tasks only for models with a token, so the task pinned
+    there stayed pending for ever, with no reason anywhere (a new user's probe)."""
+    svc.quotas.replace_all([Quota("a", 2, 10**6), Quota("tiny", 2, 10**6)])
+    (task_id,) = add(svc, [{"prompt": "big", "max_tokens": 300, "model": "tiny"}])
+    svc.quotas.set("tiny", {"burst_tokens": 1})  # quotas shrank after submit
+    assert 0 < svc.core.live()["tiny"].token_capacity < 1
+    report = dispatch(svc, lambda _: None)
+    assert report.failed == 1
+    status, _, error = statuses(svc)[task_id]
+    assert status == "failed" and "burst_tokens (1)" in error
+
+
 def test_redis_loss_is_restored_on_the_next_dispatch(svc: Services, redis_client, namespace: str) -> None:
     from tests.twin import delete_keys
 
