@@ -20,7 +20,7 @@ import click
 from balancer.cli import resolved_settings
 from balancer.cli.processes import loglevel_option, warn_if_backend_refuses
 from balancer.cli.startwait import migrated
-from balancer.errors import QuotaError
+from balancer.errors import ConfigError, QuotaError
 
 
 @click.command()
@@ -34,13 +34,17 @@ def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
     """Run the dispatcher, the workers and beat here, restart any that exits, stop them together on Ctrl-C."""
     from balancer.supervisor import Supervisor, pipeline_plan
 
-    warn_if_backend_refuses()
     settings = resolved_settings()  # exports the embedded stack's URLs (when none is set) to the children
+    logs = (log_dir or Path(settings.home) / "logs").resolve()
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission: one line, before any process starts
+        raise ConfigError(f"cannot create the log directory {logs}: {exc.strerror or exc}") from None
+    warn_if_backend_refuses()
     svc = migrated()
     names = sorted(q.name for q in svc.quotas.all())
     if not names:
         raise QuotaError("no model has a quota: import them first with `balancer quota import FILE`")
-    logs = (log_dir or Path(settings.home) / "logs").resolve()
     stop, cut = threading.Event(), threading.Event()  # the first Ctrl-C (or SIGTERM) stops; a second cuts short
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: (cut if stop.is_set() else stop).set())

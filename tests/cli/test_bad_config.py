@@ -196,3 +196,14 @@ def test_a_balancer_home_that_cannot_hold_the_embedded_stack(tmp_path: Path) -> 
     for home in (afile, afile / "sub"):
         assert_one_line(balancer({"BALANCER_HOME": str(home), "BALANCER_REDIS_URL": "", "BALANCER_DATABASE_URL": ""},
                                  "status"), "BALANCER_HOME", str(home), "Not a directory")
+
+
+def test_run_with_a_log_directory_it_cannot_create_is_one_line(migrated: dict[str, str], tmp_path: Path) -> None:
+    """A file where the logs would go, or a path nobody may create: one line and exit 2, before any
+    process starts (the supervisor's mkdir raised a traceback)."""
+    assert balancer({}, "quota", "set", "m", "--create", "--tpm", "10", "--concurrency", "1").returncode == 0
+    a_file = tmp_path / "tasks.jsonl"
+    a_file.write_text("")
+    assert_one_line(balancer({"BALANCER_HOME": str(a_file)}, "run"), "cannot create the log directory",
+                    str(a_file / "logs"))
+    assert_one_line(balancer({}, "run", "--log-dir", "/proc/balancer-nope"), "cannot create the log directory")
