@@ -165,6 +165,8 @@ def latency_cell(latency: dict | None) -> str:
               help="price_per_million_input: what a million prompt tokens cost, in the quota file's currency")
 @click.option("--price-output", type=float, metavar="PRICE",
               help="price_per_million_output: what a million completion tokens cost")
+@click.option("--currency", metavar="CODE",
+              help="currency: the prices' currency, three capital letters (one for every model, as in a quota file)")
 @click.option("--enable/--disable", "enabled", default=None, help="Take new work or not.")
 @click.option("--learn/--no-learn", "learn", default=None,
               help="learn: lower the effective limits on 429s and adopt x-ratelimit-limit-* headers (or not)")
@@ -187,6 +189,7 @@ def quota_set(
     on_disconnect: str | None,
     price_input: float | None,
     price_output: float | None,
+    currency: str | None,
     enabled: bool | None,
     learn: bool | None,
     slow_start: bool | None,
@@ -207,6 +210,7 @@ def quota_set(
         "on_disconnect": on_disconnect,
         "price_per_million_input": price_input,
         "price_per_million_output": price_output,
+        "currency": currency,
         "enabled": enabled,
         "learn": learn,
         "slow_start": slow_start,
@@ -216,7 +220,8 @@ def quota_set(
     if not changes and not create:
         raise QuotaError(
             "nothing to change: give at least one of --tpm --rpm --concurrency --weight --burst --burst-requests "
-            "--accounting --expected-latency --on-disconnect --price-input --price-output --enable/--disable --learn/--no-learn "
+            "--accounting --expected-latency --on-disconnect --price-input --price-output --currency --enable/--disable "
+            "--learn/--no-learn "
             "--slow-start/--no-slow-start --window-cap/--no-window-cap"
         )
     from balancer.admission.quota import change_text, check_model_name
@@ -225,7 +230,7 @@ def quota_set(
     svc = migrated()
     # A limit given, even unchanged, resets what the live model learned and owes (a price alone does not:
     # it is for spend, not admission).
-    reset = bool(changes.keys() - {"price_per_million_input", "price_per_million_output"})
+    reset = bool(changes.keys() - {"price_per_million_input", "price_per_million_output", "currency"})
     old, new = svc.quotas.set(model, changes, create=create, by=by, reset=reset)
     cleared = "; what it learned (limits, limit headers) and any token debt cleared" if reset and old else ""
     click.echo(f"{model}: {change_text(old, new)}{cleared}")

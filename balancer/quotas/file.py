@@ -26,6 +26,7 @@ the file without guessing.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import tomli_w
@@ -101,6 +102,29 @@ def parse_quota_file(text: str) -> list[Quota]:
             prefix = f"line {at}: " if at else ""
             raise QuotaError(f"{prefix}models.{name}: {exc}") from None
     return sorted(quotas, key=lambda q: q.name)
+
+
+def check_prices_name_one_currency(quota: Quota, others: Iterable[Quota]) -> None:
+    """What ``quota set`` keeps so that ``quota export`` reads back: a model with a price names its
+    currency, and the one every other priced model names (a quota file names one, at its top).
+
+    >>> usd = Quota("a", 1, 10, price_per_million_input=2.0, currency="USD")
+    >>> check_prices_name_one_currency(Quota("b", 1, 10, price_per_million_input=1.0), [usd])
+    Traceback (most recent call last):
+    balancer.errors.QuotaError: b has a price and no currency: give --currency USD (the other models' prices are in USD)
+    >>> check_prices_name_one_currency(Quota("b", 1, 10, price_per_million_output=1.0, currency="EUR"), [usd])
+    Traceback (most recent call last):
+    balancer.errors.QuotaError: b's prices are in EUR and the other models' in USD: a quota file names one currency
+    >>> check_prices_name_one_currency(Quota("b", 1, 10, price_per_million_input=1.0, currency="USD"), [usd])
+    """
+    named = sorted({q.currency for q in others if q.currency and q.name != quota.name})
+    if quota.currency is None and any(getattr(quota, k) is not None for k in PRICES):
+        hint = f"--currency {named[0]} (the other models' prices are in {named[0]})" if len(named) == 1 \
+            else "--currency, three capital letters such as USD"
+        raise QuotaError(f"{quota.name} has a price and no currency: give {hint}")
+    if quota.currency is not None and named and named != [quota.currency]:
+        raise QuotaError(f"{quota.name}'s prices are in {quota.currency} and the other models' in {', '.join(named)}: "
+                         "a quota file names one currency")
 
 
 def format_quota_file(quotas: list[Quota]) -> str:

@@ -24,6 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.admission.fields import quota_fields
 from balancer.admission.quota import Quota
 from balancer.errors import QuotaError
+from balancer.quotas.file import PRICES, check_prices_name_one_currency
 from balancer.quotas.rows import QUOTA_COLUMNS, all_quotas, quota_from_row
 from balancer.storage import audit
 from balancer.storage.audit import default_actor
@@ -164,6 +165,8 @@ class QuotaStore:
                 new = Quota(name=name, **changes)
             else:
                 new = old.replace(**changes)
+            if changes.keys() & {*PRICES, "currency"}:
+                check_prices_name_one_currency(new, all_quotas(conn))
             if new != old:
                 change(conn, _QuotaSet(pushed), old, new, by=by)
             elif reset:

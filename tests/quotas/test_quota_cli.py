@@ -89,10 +89,34 @@ def test_a_price_change_keeps_what_the_model_learned(capsys: pytest.CaptureFixtu
     assert all(isinstance(svc.core.renew(a.admission_id, "m", 10), Admitted) for a in admitted)  # the ramp's clock starts
     began = svc.core.live()["m"].learned.ramp_at
     assert began
-    assert run(capsys, "quota", "set", "m", "--price-input", "2.5", "--price-output", "10")[0] == 0
+    assert run(capsys, "quota", "set", "m", "--price-input", "2.5", "--price-output", "10", "--currency", "USD")[0] == 0
     assert svc.core.live()["m"].learned.ramp_at == began
     assert run(capsys, "quota", "set", "m", "--weight", "2")[0] == 0          # a change Redis holds: a new slow start
     assert svc.core.live()["m"].learned.ramp_at == 0
+
+
+def test_a_price_set_names_the_one_currency_so_export_reads_back(capsys: pytest.CaptureFixture[str],
+                                                                  tmp_path: Path) -> None:
+    """A quota file names one currency, at its top, for every price: ``quota set`` keeps to it, so
+    ``quota export`` always reads back (a price set with no currency exported a file that import
+    refused, and spend showed amounts with no currency)."""
+    assert run(capsys, "quota", "set", "a", "--create", "--tpm", "600", "--concurrency", "1")[0] == 0
+    code, _, err = run(capsys, "quota", "set", "a", "--price-input", "2")
+    assert code == 2 and err == "error: a has a price and no currency: give --currency, three capital letters such as USD\n"
+    assert run(capsys, "quota", "set", "a", "--price-input", "2", "--currency", "USD")[0] == 0
+    assert run(capsys, "quota", "set", "b", "--create", "--tpm", "600", "--concurrency", "1")[0] == 0
+    code, _, err = run(capsys, "quota", "set", "b", "--price-output", "1")
+    assert code == 2 and "give --currency USD (the other models' prices are in USD)" in err
+    code, _, err = run(capsys, "quota", "set", "b", "--price-output", "1", "--currency", "EUR")
+    assert code == 2 and "a quota file names one currency" in err
+    code, _, err = run(capsys, "quota", "set", "b", "--currency", "euro")
+    assert code == 2 and "three capital letters" in err
+    assert [(q.price_per_million_output, q.currency) for q in services().quotas.all()] == [(None, "USD"), (None, None)]
+    assert run(capsys, "quota", "set", "b", "--price-output", "1", "--currency", "USD")[0] == 0
+    exported = tmp_path / "q.toml"
+    assert run(capsys, "quota", "export", str(exported))[0] == 0
+    code, out, err = run(capsys, "quota", "import", str(exported), "--dry-run")
+    assert code == 0 and "nothing changed" in out, err
 
 
 def test_latency_prior_then_learned_latency_in_quota_list(capsys: pytest.CaptureFixture[str]) -> None:
