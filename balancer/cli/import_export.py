@@ -56,8 +56,9 @@ def write_text(file: Path | None, text: str, error: type[BalancerError] = Balanc
     click.echo(f"wrote {printable(str(file))}")
 
 
-def echo_changes(changes: ImportSummary, listed: str, name: str, dry_run: bool) -> None:
-    """What an import of ``listed`` (e.g. "3 model(s)") from the file ``name`` changed, or would change."""
+def echo_changes(changes: ImportSummary, listed: str, name: str, dry_run: bool, replace: bool = True) -> None:
+    """What an import of ``listed`` (e.g. "3 model(s)") from the file ``name`` changed, or would change;
+    a dry run that removes says when the import itself, without ``replace``, would be refused."""
     counts = (f"{len(changes.created)} created, {len(changes.updated)} updated, "
               f"{len(changes.removed)} removed, {len(changes.unchanged)} unchanged")
     if dry_run:
@@ -65,5 +66,7 @@ def echo_changes(changes: ImportSummary, listed: str, name: str, dry_run: bool) 
             for each in names:
                 click.echo(f"would {verb} {each}")
         click.echo(f"dry run, nothing changed: {listed} in {name}: {counts}")
+        if changes.removed and not replace:
+            click.echo(f"without --replace this import is refused: it would remove {len(changes.removed)}")
         return
     click.echo(f"imported {listed}: {counts}")

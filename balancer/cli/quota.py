@@ -297,7 +297,7 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
         raise QuotaError(f"{name} lists no models: refusing to remove every model (use `quota remove MODEL`)")
     svc = migrated()
     summary = svc.quotas.replace_all(quotas, by=by, allow_removal=replace, dry_run=dry_run)
-    echo_changes(summary, f"{len(quotas)} model(s)", name, dry_run)
+    echo_changes(summary, f"{len(quotas)} model(s)", name, dry_run, replace)
     if summary.removed and not dry_run:
         warn_stranded(svc)
 

@@ -51,7 +51,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
             notes.append(poll_note(conn, definition))  # a poll that cannot use an index (issue 38 finding 11)
     summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run,
                              relations=relations)
-    echo_changes(summary, f"{len(definitions)} source(s)", name, dry_run)
+    echo_changes(summary, f"{len(definitions)} source(s)", name, dry_run, replace)
     for note in notes:
         if note:
             click.echo(note)

@@ -263,7 +263,10 @@ def test_export_import_round_trip(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert [q.name for q in services().quotas.all()] == ["stale"]  # refused: nothing changed
     code, out, _ = run(capsys, "quota", "import", str(source), "--dry-run")
     assert code == 0 and "would remove stale" in out and "would create small" in out and "nothing changed" in out
+    assert out.endswith("without --replace this import is refused: it would remove 1\n")  # as the import above was
     assert [q.name for q in services().quotas.all()] == ["stale"]
+    code, out, _ = run(capsys, "quota", "import", str(source), "--dry-run", "--replace")
+    assert code == 0 and "would remove stale" in out and "refused" not in out
     code, out, err = run(capsys, "quota", "import", str(source), "--replace")
     assert code == 0, err
     assert "2 created" in out and "1 removed" in out
