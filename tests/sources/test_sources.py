@@ -83,6 +83,23 @@ def test_a_hostile_source_definition_is_one_line_exit_2_and_stores_nothing(
     assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'unsolved'") == 0  # untouched, still there
 
 
+def test_a_source_naming_a_model_with_no_quota_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                          capsys) -> None:  # noqa: ANN001
+    """As ``submit`` refuses a task for an unknown model: the source's rows would never be tasks
+    (they showed only later, in status, as rows not tasks)."""
+    path = tmp_path / "s.toml"
+    path.write_text(SOURCE_FILE.format(name="crm", env='database_url_env = "LEGACY_DATABASE_URL"\n', table=legacy.table,
+                                       batch=10) + 'models = ["a", "nope"]\n')
+    for dry_run in ((), ("--dry-run",)):
+        code, _, err = run(capsys, "source", "import", str(path), *dry_run)
+        assert code == 2 and err == (f"error: {path}: sources.crm.models: no model has the name nope (add its quota "
+                                     "first: `balancer quota set NAME --create` or `balancer quota import FILE`)\n")
+    with svc.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(sources)).scalar_one() == 0
+    path.write_text(path.read_text().replace('"a", "nope"', '"a"'))
+    assert run(capsys, "source", "import", str(path))[0] == 0
+
+
 def test_a_table_without_a_unique_key_is_refused(svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     legacy.execute("CREATE TABLE loose (id bigint, body text, status text, answer text, solved_by text, error text, "
                    "priority int)")
