@@ -32,7 +32,7 @@ from balancer.sources.tables import own_relations
 from balancer.sources.weights import set_weight
 from balancer.storage import audit
 from balancer.storage.declared import ImportSummary, import_set
-from balancer.storage.schema import metadata, source_changes, tasks
+from balancer.storage.schema import metadata, source_budgets, source_changes, source_weights, tasks
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,11 @@ class _SourceSet:
 
 
 def _drop(conn: Connection, name: str) -> None:
+    """The source's definition, its write-backs, and the weight its import set (a budget per day
+    is the source name's own setting, set apart, and stays for its JSONL tasks)."""
     conn.execute(sa.delete(sources).where(sources.c.name == name))
     conn.execute(sa.delete(source_outbox).where(source_outbox.c.source == name))
+    conn.execute(sa.delete(source_weights).where(source_weights.c.source == name))
 
 
 def remove_source(engine: Engine, name: str, *, by: str, cancel: bool = False) -> dict[str, Any]:
@@ -172,7 +175,10 @@ def remove_source(engine: Engine, name: str, *, by: str, cancel: bool = False) -
         row = conn.execute(sa.select(sources.c.name, sources.c.definition)
                            .where(sources.c.name == name).with_for_update()).first()
         if row is None:
-            raise SourceFileError(f"no source {name!r}")
+            budgeted = conn.execute(sa.select(source_budgets.c.source).where(source_budgets.c.source == name)).first()
+            raise SourceFileError(f"no source table {name!r}: it has a budget per day, which stays for its JSONL tasks "
+                                  f"(`balancer source set {name} --no-budget` clears it)" if budgeted
+                                  else f"no source {name!r}")
         going = left(conn, name)
         if going.anything and not cancel:
             raise SourceFileError(refusal(name, going))

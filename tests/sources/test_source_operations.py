@@ -100,6 +100,29 @@ def test_a_source_whose_table_is_gone_can_be_removed(svc: Services, legacy: Lega
     assert waiting(svc) == 0
 
 
+def test_a_removed_source_leaves_no_weight_behind_and_its_budget_says_what_it_is(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The import set the source's weight; removing it left the weight's row, so `source list`
+    still showed the source (as a JSONL source with a weight) that `source remove` then said did
+    not exist (a new user's probe). A budget per day is a source name's own setting, set apart:
+    it stays, and a second remove says so."""
+    import json
+
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    assert run(capsys, "source", "set", "crm", "--weight", "3")[0] == 0
+    assert run(capsys, "source", "remove", "crm")[0] == 0
+    code, out, _ = run(capsys, "source", "list", "--json")
+    assert code == 0 and json.loads(out) == []
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    assert run(capsys, "source", "set", "crm", "--budget-tokens-per-day", "1000")[0] == 0
+    assert run(capsys, "source", "remove", "crm")[0] == 0
+    code, out, _ = run(capsys, "source", "list", "--json")
+    assert [(s["name"], s["weight"]) for s in json.loads(out)] == [("crm", 1)]
+    code, _, err = run(capsys, "source", "remove", "crm")
+    assert code == 2 and err == ("error: no source table 'crm': it has a budget per day, which stays for its JSONL "
+                                 "tasks (`balancer source set crm --no-budget` clears it)\n")
+
+
 def test_importing_a_removed_source_again_resumes_its_keys(svc: Services, legacy: Legacy, tmp_path: Path,
                                                          capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 7: re-importing a removed source did not bring back the rows its removal
