@@ -39,7 +39,7 @@ REASONS: dict[str, tuple[str, bool, str]] = {
     "no_consumer": ("no worker consumes its queue", True, "model"),
     "failing": ("its last calls failed and none was answered since", False, "model"),
     "unreadable": ("the source's table could not be read", True, "source"),
-    "over_budget": ("the source's budget per day is spent: its pending tasks wait", True, "source"),
+    "over_budget": ("the source's budget per day is spent: none of its tasks is called until the next UTC day", True, "source"),
     "unwritable": ("the source's table refused write-backs until they were left unwritable", False, "source"),
 }
 
@@ -132,14 +132,17 @@ def source_reasons(s: SourceFacts) -> list[Reason]:
 
     >>> [r.text for r in source_reasons(SourceFacts("legacy", read_error="LEGACY_URL is not set"))]
     ['table unreadable: LEGACY_URL is not set']
-    >>> [r.text for r in source_reasons(SourceFacts("team", over_budget="money", unwritable=3))]
-    ['over its money budget per day: its pending tasks wait', '3 write-back(s) refused by its table: balancer source unwritable team']
+    >>> for r in source_reasons(SourceFacts("team", over_budget="money", unwritable=3)):
+    ...     print(r.text)
+    over its money budget per day: none of its tasks is called until the next UTC day
+    3 write-back(s) refused by its table: balancer source unwritable team
     """
     reasons = []
     if s.read_error:
         reasons.append(Reason("unreadable", f"table unreadable: {s.read_error}"))
     if s.over_budget:
-        reasons.append(Reason("over_budget", f"over its {s.over_budget} budget per day: its pending tasks wait"))
+        reasons.append(Reason("over_budget", f"over its {s.over_budget} budget per day: "
+                                             "none of its tasks is called until the next UTC day"))
     if s.unwritable:
         error = f" (last: {s.unwritable_error})" if s.unwritable_error else ""
         reasons.append(Reason("unwritable", f"{s.unwritable} write-back(s) refused by its table{error}: "
