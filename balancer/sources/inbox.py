@@ -96,9 +96,9 @@ def free_name(folder: Path, name: str, digest: str | None) -> Path:
     return candidate
 
 
-def _move(path: Path, digest: str | None, folder: Path, report: str | Path = "") -> None:
+def _move(path: Path, digest: str | None, folder: Path, report: str | Path = "") -> Path:
     """Move ``path`` into ``folder`` under a free name, its error report (text,
-    or a file to move) beside it. A link is moved as a link, never followed."""
+    or a file to move) beside it; the name it took. A link is moved as a link, never followed."""
     folder.mkdir(exist_ok=True)
     target = free_name(folder, path.name, digest)
     try:
@@ -111,6 +111,7 @@ def _move(path: Path, digest: str | None, folder: Path, report: str | Path = "")
             report.replace(errors)
     elif report:
         errors.write_text(report, encoding="utf-8", errors="backslashreplace")
+    return target
 
 
 class NotAFile(Exception):
@@ -209,8 +210,11 @@ def _ingest_claimed(services: Services, inbox: Path, path: Path, fh: BinaryIO, m
         report.unlink(missing_ok=True)
         _move(path, digest, inbox / "rejected", f"not ingested: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}\n")
         return IngestedFile(path.name, 0, 1, duplicate=False, rejected=True)
-    _move(path, digest, inbox / "done", report if not result.duplicate else "")
+    moved = _move(path, digest, inbox / "done", report if not result.duplicate else "")
     report.unlink(missing_ok=True)
+    if result.errors:  # the lines refused are in the report; the log says there is one
+        log.warning("inbox file %s: %d task(s) created, %d line(s) refused, listed in %s", path.name, result.tasks,
+                    result.errors, moved.relative_to(inbox).as_posix() + ".errors")
     return result
 
 

@@ -54,6 +54,24 @@ def test_a_link_in_the_inbox_is_refused_unread(svc: Services, tmp_path: Path) ->
     assert target.exists()  # the file it pointed at is untouched
 
 
+def test_a_file_with_refused_lines_says_so_in_the_log(svc: Services, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Its bad lines are listed in done/<file>.errors; the dispatcher's log says so, per file (it said
+    nothing, and a file of bad lines alone was only a report in done/: a new user's probe)."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    path = write_old(inbox / "mixed.jsonl", 2)
+    with path.open("a") as fh:
+        fh.write("garbage only\n")
+    os.utime(path, (time.time() - 10,) * 2)
+    with caplog.at_level("WARNING", logger="balancer.sources.inbox"):
+        (result,) = ingest_inbox(svc, inbox)
+    assert (result.tasks, result.errors) == (2, 1)
+    assert caplog.messages == ["inbox file mixed.jsonl: 2 task(s) created, 1 line(s) refused, listed in "
+                               "done/mixed.jsonl.errors"]
+    assert "line 3" in (inbox / "done" / "mixed.jsonl.errors").read_text()
+
+
 def test_a_processing_link_is_not_followed(svc: Services, tmp_path: Path) -> None:
     inbox, outside = tmp_path / "inbox", tmp_path / "elsewhere"
     inbox.mkdir()
