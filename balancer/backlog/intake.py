@@ -87,9 +87,15 @@ class LineError:
 
 
 def _int_field(data: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    """``data[key]`` (``default`` if absent), an integer in [low, high]; what was wrong, as the JSON said it.
+
+    >>> _int_field({"priority": True}, "priority", 0, -10, 10)
+    Traceback (most recent call last):
+    ValueError: priority must be an integer, got true
+    """
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
+        raise ValueError(f"{key} must be an integer, got {printable(json.dumps(value), limit=80)}")
     if not low <= value <= high:
         raise ValueError(f"{key} must be between {low} and {high}, got {value}")
     return value

@@ -204,8 +204,9 @@ def ingest_logged(services: Services, definition: SourceDef, models: dict[str, i
         clear_read_error(services.redis, namespace, definition.name)
     except redis.RedisError:
         pass
-    if report.created or report.skipped:
-        log.info("source %s: %d task(s) created, %d row(s) not tasks", definition.name, report.created, report.skipped)
+    if report.created or report.skipped:  # rows that stay not tasks are read again each poll: said once a poll at debug
+        log.log(logging.INFO if report.created else logging.DEBUG, "source %s: %d task(s) created, %d row(s) not tasks",
+                definition.name, report.created, report.skipped)
     return report
 
 
