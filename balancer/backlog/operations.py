@@ -65,6 +65,20 @@ class TaskFilter:
         return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in vars(self).items() if v is not None}
 
 
+def names_no_task_has(engine: Engine, flt: TaskFilter) -> list[str]:
+    """For a filter that matched nothing: its model and source that no task names at all, each as a
+    note (a typo matches nothing, which reads as "nothing to do"). Read only when nothing matched."""
+    named = []
+    with engine.connect() as conn:
+        if flt.model is not None and conn.execute(sa.select(tasks.c.id).where(
+                TaskFilter(model=flt.model).clauses()[0]).limit(1)).first() is None:
+            named.append(f"no task has run on, or may use, a model named {printable(flt.model, 80)!r}")
+        if flt.source is not None and conn.execute(sa.select(tasks.c.id).where(
+                tasks.c.source == flt.source).limit(1)).first() is None:
+            named.append(f"no task has the source {printable(flt.source, 80)!r}")
+    return named
+
+
 def list_tasks(engine: Engine, flt: TaskFilter, *, limit: int = 50, timeout_ms: int | None = None) -> list[Any]:
     """The matching tasks, newest first, at most ``limit``. With ``timeout_ms``, a search
     that takes longer is cancelled (PostgreSQL's statement_timeout; SQLAlchemy raises

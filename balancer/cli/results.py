@@ -165,6 +165,11 @@ def results_export(source: str | None, since: str | None, fmt: str, follow: bool
         if out:
             sink.close()
     click.echo(f"exported {written} task(s)", err=True)
+    if not written and source is not None and not since:
+        from balancer.backlog.operations import TaskFilter, names_no_task_has
+
+        for note in names_no_task_has(engine, TaskFilter(source=source)):
+            click.echo(f"note: {note}", err=True)
     if charged:
         spent = spend([Charged(src, model, int(p), int(c), cost if priced else None, paid_in)
                        for (src, model, paid_in, priced), (p, c, cost) in sorted(charged.items(), key=str)], currency)

@@ -56,7 +56,10 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
     from balancer.backlog.operations import list_tasks
 
     flt = _filter(**given)
-    rows = list_tasks(_migrated().engine, flt, limit=limit)
+    engine = _migrated().engine
+    rows = list_tasks(engine, flt, limit=limit)
+    if not rows:
+        _say_what_matched_nothing(engine, flt)
     if as_json:
         click.echo(json.dumps([dict(r._mapping) for r in rows], default=str, indent=2))
         return
@@ -108,6 +111,14 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
+def _say_what_matched_nothing(engine: Any, flt: Any) -> None:
+    """On stderr, each name of ``flt`` that no task has (a typo reads as "nothing to do")."""
+    from balancer.backlog.operations import names_no_task_has
+
+    for note in names_no_task_has(engine, flt):
+        click.echo(f"note: {note}", err=True)
+
+
 def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any]) -> None:
     from balancer.backlog import operations
     from balancer.storage.audit import default_actor
@@ -116,6 +127,8 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
     act = operations.retry_failed if verb == "retry" else operations.cancel_pending
     svc = _migrated()
     ids = act(svc.engine, flt, by=by or default_actor(), apply=yes)
+    if not ids:
+        _say_what_matched_nothing(svc.engine, flt)
     preview = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
     if not yes:
         click.echo(f"would {verb} {len(ids)} task(s){': ' + preview if ids else ''} (dry run: pass --yes to apply)")

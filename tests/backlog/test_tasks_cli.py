@@ -85,6 +85,20 @@ def test_a_bad_filter_is_one_line_and_changes_nothing(backlog, capsys: pytest.Ca
     assert statuses(svc) == before and operations(svc.engine) == []
 
 
+def test_a_filter_naming_what_no_task_has_says_so_on_stderr(backlog, capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo in --model or --source matched nothing, which read as "nothing to do" (a new user's
+    probe): the command still succeeds, and a note names what no task has."""
+    code, out, err = run(capsys, "tasks", "list", "--model", "nope", "--json")
+    assert code == 0 and json.loads(out) == []
+    assert err == "note: no task has run on, or may use, a model named 'nope'\n"
+    code, out, err = run(capsys, "tasks", "cancel", "--source", "nosuch", "--yes")
+    assert code == 0 and out.startswith("cancelled 0 task(s)") and err == "note: no task has the source 'nosuch'\n"
+    code, out, err = run(capsys, "tasks", "list", "--source", "crm", "--status", "cancelled")
+    assert code == 0 and err == ""  # crm has tasks, none cancelled: nothing to note
+    code, _, err = run(capsys, "results", "export", "--source", "nosuch")
+    assert code == 0 and "note: no task has the source 'nosuch'" in err
+
+
 def test_retry_is_a_dry_run_until_yes_then_resets_failed_tasks_only(backlog, capsys: pytest.CaptureFixture[str]) -> None:
     svc, groups = backlog
     before = statuses(svc)
