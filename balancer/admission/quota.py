@@ -236,6 +236,8 @@ def change_text(old: Quota | None, new: Quota) -> str:
     'created: max_concurrent_requests 4, max_tokens_per_minute 30,000, enabled false'
     >>> change_text(q, q)
     'unchanged'
+    >>> change_text(q, q.replace(burst_tokens=50_000))   # unset, a bucket is one minute of its rate
+    'updated: burst_tokens 30,000 (the default) → 50,000'
     """
     if old is None:
         base = Quota(new.name, new.max_concurrent_requests, new.max_tokens_per_minute)
@@ -243,6 +245,21 @@ def change_text(old: Quota | None, new: Quota) -> str:
         shown = [f"{f.name} {_shown(getattr(new, f.name))}" for f in dataclasses.fields(new)
                  if f.name != "name" and (f.name in required or getattr(new, f.name) != getattr(base, f.name))]
         return "created: " + ", ".join(shown)
-    moved = [f"{f.name} {_shown(getattr(old, f.name))} → {_shown(getattr(new, f.name))}"
+    moved = [f"{f.name} {_field_shown(old, f.name)} → {_field_shown(new, f.name)}"
              for f in dataclasses.fields(new) if getattr(old, f.name) != getattr(new, f.name)]
     return "updated: " + ", ".join(moved) if moved else "unchanged"
+
+
+#: Fields that, unset, take a value the quota derives (its property): shown as that value.
+_DERIVED = {"burst_tokens": "burst", "burst_requests": "request_burst"}
+
+
+def _field_shown(quota: Quota, name: str) -> str:
+    """A field as ``change_text`` shows it: an unset bucket size as the size it takes, as ``quota list`` shows it.
+
+    >>> _field_shown(Quota("m", 4, 30_000), "burst_tokens"), _field_shown(Quota("m", 4, 30_000), "burst_requests")
+    ('30,000 (the default)', 'none')
+    """
+    value = getattr(quota, name)
+    derived = getattr(quota, _DERIVED[name]) if value is None and name in _DERIVED else None
+    return f"{_shown(derived)} (the default)" if derived else _shown(value)
