@@ -95,7 +95,11 @@ def quota_list(as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"))
+    from balancer.admission.values import TRANSIT_MS
+
+    table = Table(title="quotas" + ("" if live else " (live state restored on next admission)"),
+                  caption="tokens now: in the bucket / when full, the burst less the tokens in transit "
+                          f"({TRANSIT_MS} ms of TPM, at most half the burst)")
     table.add_column("model", no_wrap=True)
     learned = any(learned_text(row["live"] or {}) for row in rows)  # the column only when a model learned
     for col in ("on", "weight", "accounting", "in flight", "TPM", "tokens now", "RPM", "reqs now", "deficit",
