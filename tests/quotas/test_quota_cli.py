@@ -67,6 +67,7 @@ def test_quota_list_piped_cuts_no_value(capsys: pytest.CaptureFixture[str]) -> N
     row = next(line for line in out.splitlines() if name in line)  # the name unbroken, on one line
     assert row.count("1,000,000,000") >= 2 and "0/5000" in row
     assert "…" not in out
+    assert "when full, the burst less the tokens in transit (250 ms of TPM" in " ".join(out.split())  # the caption
 
 
 def test_set_prints_what_changed_from_and_to_not_the_whole_quota(capsys: pytest.CaptureFixture[str]) -> None:
