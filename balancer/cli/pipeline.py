@@ -310,7 +310,8 @@ def top(interval: float, count: int | None) -> None:
 @click.option("--seed", default=1, show_default=True, help="Seed of the prompts and the simulator's draws.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary as the last line.")
 def demo(count: int, models: int, time_scale: float, seed: int, as_json: bool) -> None:
-    """Try it: solve a backlog through the simulator, live, within every quota, on embedded services."""
+    """Try it: solve a backlog through the simulator, live, within every quota, on embedded services (or on
+    the ones BALANCER_REDIS_URL and BALANCER_DATABASE_URL name, in a namespace and schema of its own)."""
     from balancer.devtools.demo import run_demo
 
     summary = run_demo(tasks=count, model_count=models, time_scale=time_scale, seed=seed, quiet=as_json)
