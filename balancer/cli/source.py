@@ -82,6 +82,7 @@ def source_list(as_json: bool) -> None:
     and every other source (JSONL, the inbox) with a weight or a budget per day set: the weight,
     what it spent today and whether its tasks wait."""
     from balancer.dispatch.budgets import read_standings
+    from balancer.sources.read_errors import read_errors
     from balancer.sources.reads import source_status
     from balancer.sources.store import all_sources
     from balancer.sources.weights import DEFAULT_WEIGHT, weights
@@ -92,10 +93,12 @@ def source_list(as_json: bool) -> None:
         weighted = weights(conn)
     rows = source_status(svc.engine)
     budgets = read_standings(svc)
+    unreadable = read_errors(svc.redis, svc.settings.namespace)  # its last read's error, as status shows it
     others = sorted((budgets.keys() | weighted.keys()) - definitions.keys())  # JSONL and inbox sources
     if as_json:
         listed = [{**definitions[r.name].as_dict(), **r.as_dict(),
-                   "budget": budgets[r.name].as_dict() if r.name in budgets else None}
+                   "budget": budgets[r.name].as_dict() if r.name in budgets else None,
+                   "read_error": unreadable.get(r.name)}
                   for r in rows if r.name in definitions]
         click.echo(json.dumps(listed + [{"name": name, "weight": weighted.get(name, DEFAULT_WEIGHT),
                                          "budget": budgets[name].as_dict() if name in budgets else None}
@@ -107,7 +110,9 @@ def source_list(as_json: bool) -> None:
             continue
         where = d.database_url_env or "balancer's database"
         budget = f"; budget {budget_line(budgets[r.name])}" if r.name in budgets else ""
-        click.echo(f"{r.name}: {d.table} ({where}) key {d.key}, weight {d.weight}; {source_line(r)}{budget}")
+        error = f"; table unreadable: {unreadable[r.name]}" if r.name in unreadable else ""
+        click.echo(printable(f"{r.name}: {d.table} ({where}) key {d.key}, weight {d.weight}; {source_line(r)}{budget}"
+                             f"{error}", limit=600))
     for name in others:
         said = ([f"weight {weighted[name]}"] if name in weighted else []) + \
             ([f"budget {budget_line(budgets[name])}"] if name in budgets else [])

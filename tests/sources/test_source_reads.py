@@ -164,6 +164,10 @@ def test_a_source_table_that_cannot_be_read_says_why_in_status(team_url: str, tm
     assert "table unreadable" in out
     # Its rows were never read: the ETA is not "done" (a new user read "eta: done" beside it).
     assert "eta: nothing else to run; the rows of source legacy (its table could not be read), not in the eta" in out
+    assert main(["source", "list"]) == 0  # source list says it too (a new user's probe found it silent)
+    assert "; table unreadable: " in capsys.readouterr().out
+    assert main(["source", "list", "--json"]) == 0
+    assert "LEGACY_DATABASE_URL" in json.loads(capsys.readouterr().out)[0]["read_error"]
 
     monkeypatch.setenv("LEGACY_DATABASE_URL", team_url)
     with svc.engine.connect() as conn:
@@ -176,4 +180,6 @@ def test_a_source_table_that_cannot_be_read_says_why_in_status(team_url: str, tm
     assert "legacy" not in json.loads(capsys.readouterr().out)["health"]["sources"]
     assert main(["status"]) == 0  # read to its end: its rows are tasks, in the eta
     assert "not in the eta" not in capsys.readouterr().out
+    assert main(["source", "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["read_error"] is None
     team.dispose()
