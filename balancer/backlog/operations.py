@@ -68,15 +68,13 @@ class TaskFilter:
 def names_no_task_has(engine: Engine, flt: TaskFilter) -> list[str]:
     """For a filter that matched nothing: its model and source that no task names at all, each as a
     note (a typo matches nothing, which reads as "nothing to do"). Read only when nothing matched."""
-    named = []
+    asked = ([(TaskFilter(model=flt.model), f"no task has run on, or may use, a model named {printable(flt.model, 80)!r}")]
+             if flt.model is not None else []) + \
+        ([(TaskFilter(source=flt.source), f"no task has the source {printable(flt.source, 80)!r}")]
+         if flt.source is not None else [])
     with engine.connect() as conn:
-        if flt.model is not None and conn.execute(sa.select(tasks.c.id).where(
-                TaskFilter(model=flt.model).clauses()[0]).limit(1)).first() is None:
-            named.append(f"no task has run on, or may use, a model named {printable(flt.model, 80)!r}")
-        if flt.source is not None and conn.execute(sa.select(tasks.c.id).where(
-                tasks.c.source == flt.source).limit(1)).first() is None:
-            named.append(f"no task has the source {printable(flt.source, 80)!r}")
-    return named
+        return [note for one, note in asked
+                if conn.execute(sa.select(tasks.c.id).where(*one.clauses()).limit(1)).first() is None]
 
 
 def list_tasks(engine: Engine, flt: TaskFilter, *, limit: int = 50, timeout_ms: int | None = None) -> list[Any]:

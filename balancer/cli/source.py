@@ -44,7 +44,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
     for definition in definitions:  # as submit refuses a task for a model with no quota: its rows would never run
         if unknown := [m for m in definition.models or () if m not in known]:
             raise SourceFileError(f"{name}: sources.{definition.name}.models: no model has the name "
-                                  f"{', '.join(unknown)} (add its quota first: `balancer quota set NAME --create` "
+                                  f"{printable(', '.join(unknown), 200)} (add its quota first: `balancer quota set NAME --create` "
                                   "or `balancer quota import FILE`)")
     relations = {}  # the tables each reads, whatever its spelling: one table is one source
     notes = []
