@@ -104,27 +104,30 @@ def parse_quota_file(text: str) -> list[Quota]:
     return sorted(quotas, key=lambda q: q.name)
 
 
-def check_prices_name_one_currency(quota: Quota, others: Iterable[Quota]) -> None:
-    """What ``quota set`` keeps so that ``quota export`` reads back: a model with a price names its
-    currency, and the one every other priced model names (a quota file names one, at its top).
+def in_the_files_currency(quota: Quota, others: Iterable[Quota]) -> Quota:
+    """``quota`` as ``quota set`` and the console store it, so that ``quota export`` reads back: a
+    quota file names one currency, at its top, for every price. A price with no currency takes the
+    one the other models name; with none named anywhere it is refused, and so is another currency.
 
     >>> usd = Quota("a", 1, 10, price_per_million_input=2.0, currency="USD")
-    >>> check_prices_name_one_currency(Quota("b", 1, 10, price_per_million_input=1.0), [usd])
+    >>> in_the_files_currency(Quota("b", 1, 10, price_per_million_input=1.0), [usd]).currency
+    'USD'
+    >>> in_the_files_currency(Quota("b", 1, 10, price_per_million_input=1.0), [])
     Traceback (most recent call last):
-    balancer.errors.QuotaError: b has a price and no currency: give --currency USD (the other models' prices are in USD)
-    >>> check_prices_name_one_currency(Quota("b", 1, 10, price_per_million_output=1.0, currency="EUR"), [usd])
+    balancer.errors.QuotaError: b has a price and no currency: name it once (three capital letters such as USD)
+    >>> in_the_files_currency(Quota("b", 1, 10, price_per_million_output=1.0, currency="EUR"), [usd])
     Traceback (most recent call last):
     balancer.errors.QuotaError: b's prices are in EUR and the other models' in USD: a quota file names one currency
-    >>> check_prices_name_one_currency(Quota("b", 1, 10, price_per_million_input=1.0, currency="USD"), [usd])
     """
     named = sorted({q.currency for q in others if q.currency and q.name != quota.name})
     if quota.currency is None and any(getattr(quota, k) is not None for k in PRICES):
-        hint = f"--currency {named[0]} (the other models' prices are in {named[0]})" if len(named) == 1 \
-            else "--currency, three capital letters such as USD"
-        raise QuotaError(f"{quota.name} has a price and no currency: give {hint}")
+        if len(named) != 1:
+            raise QuotaError(f"{quota.name} has a price and no currency: name it once (three capital letters such as USD)")
+        return quota.replace(currency=named[0])
     if quota.currency is not None and named and named != [quota.currency]:
         raise QuotaError(f"{quota.name}'s prices are in {quota.currency} and the other models' in {', '.join(named)}: "
                          "a quota file names one currency")
+    return quota
 
 
 def format_quota_file(quotas: list[Quota]) -> str:

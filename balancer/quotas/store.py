@@ -24,7 +24,7 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.admission.fields import quota_fields
 from balancer.admission.quota import Quota
 from balancer.errors import QuotaError
-from balancer.quotas.file import PRICES, check_prices_name_one_currency
+from balancer.quotas.file import PRICES, in_the_files_currency
 from balancer.quotas.rows import QUOTA_COLUMNS, all_quotas, quota_from_row
 from balancer.storage import audit
 from balancer.storage.audit import default_actor
@@ -166,7 +166,7 @@ class QuotaStore:
             else:
                 new = old.replace(**changes)
             if changes.keys() & {*PRICES, "currency"}:
-                check_prices_name_one_currency(new, all_quotas(conn))
+                new = in_the_files_currency(new, all_quotas(conn))
             if new != old:
                 change(conn, _QuotaSet(pushed), old, new, by=by)
             elif reset:

@@ -19,7 +19,7 @@ from balancer.errors import BalancerError, QuotaError, printable
 #: The filter fields a task search takes, as query or form parameters.
 FILTER_FIELDS = ("status", "model", "source", "created_after", "created_before", "task_id")
 #: Quota form field -> (Quota field, kind). Kinds: "count" (whole number >= 1), "seconds" and "price"
-#: (numbers; Quota checks their range), or a tuple of choices.
+#: (numbers; Quota checks their range), "currency" (text; Quota checks it), or a tuple of choices.
 QUOTA_FIELDS: dict[str, tuple[str, Any]] = {
     "tpm": ("max_tokens_per_minute", "count"),
     "rpm": ("max_requests_per_minute", "count"),
@@ -34,6 +34,7 @@ QUOTA_FIELDS: dict[str, tuple[str, Any]] = {
     "window_cap": ("window_cap", ("yes", "no")),
     "price_input": ("price_per_million_input", "price"),
     "price_output": ("price_per_million_output", "price"),
+    "currency": ("currency", "currency"),
 }
 
 
@@ -106,6 +107,8 @@ def quota_changes(form: Mapping[str, str]) -> dict[str, Any]:
             except ValueError:
                 unit = "seconds" if kind == "seconds" else "money per million tokens"
                 raise QuotaError(f"{name} must be a number ({unit}), got {printable(text, 40)!r}") from None
+        elif kind == "currency":
+            changes[field] = text  # Quota checks it: three capital letters
         elif text not in kind:
             raise QuotaError(f"{name} must be one of {', '.join(kind)}, got {printable(text, 40)!r}")
         elif field in ("enabled", "window_cap"):  # the yes/no fields

@@ -100,20 +100,20 @@ def test_a_price_set_names_the_one_currency_so_export_reads_back(capsys: pytest.
                                                                   tmp_path: Path) -> None:
     """A quota file names one currency, at its top, for every price: ``quota set`` keeps to it, so
     ``quota export`` always reads back (a price set with no currency exported a file that import
-    refused, and spend showed amounts with no currency)."""
+    refused, and spend showed amounts with no currency). A price takes the currency the other
+    models name; the first one names it."""
     assert run(capsys, "quota", "set", "a", "--create", "--tpm", "600", "--concurrency", "1")[0] == 0
     code, _, err = run(capsys, "quota", "set", "a", "--price-input", "2")
-    assert code == 2 and err == "error: a has a price and no currency: give --currency, three capital letters such as USD\n"
+    assert code == 2 and err == "error: a has a price and no currency: name it once (three capital letters such as USD)\n"
     assert run(capsys, "quota", "set", "a", "--price-input", "2", "--currency", "USD")[0] == 0
     assert run(capsys, "quota", "set", "b", "--create", "--tpm", "600", "--concurrency", "1")[0] == 0
-    code, _, err = run(capsys, "quota", "set", "b", "--price-output", "1")
-    assert code == 2 and "give --currency USD (the other models' prices are in USD)" in err
     code, _, err = run(capsys, "quota", "set", "b", "--price-output", "1", "--currency", "EUR")
     assert code == 2 and "a quota file names one currency" in err
     code, _, err = run(capsys, "quota", "set", "b", "--currency", "euro")
     assert code == 2 and "three capital letters" in err
     assert [(q.price_per_million_output, q.currency) for q in services().quotas.all()] == [(None, "USD"), (None, None)]
-    assert run(capsys, "quota", "set", "b", "--price-output", "1", "--currency", "USD")[0] == 0
+    code, out, _ = run(capsys, "quota", "set", "b", "--price-output", "1")  # the other model's currency
+    assert code == 0 and "currency none → USD" in out
     exported = tmp_path / "q.toml"
     assert run(capsys, "quota", "export", str(exported))[0] == 0
     code, out, err = run(capsys, "quota", "import", str(exported), "--dry-run")

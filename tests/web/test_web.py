@@ -181,6 +181,24 @@ def test_a_change_without_its_csrf_token_is_refused(services: Any, supervisor: S
     assert not [h for h in services.quotas.history("model-0") if h["changed_by"].startswith("web:")]
 
 
+def test_the_page_prices_a_model_in_the_currency_it_names_once(services: Any, supervisor: Supervisor) -> None:
+    """The quota form has a currency field: the first price names it; the next model's price takes
+    it from the others (a price alone was refused for want of a flag the page did not have)."""
+    import re
+
+    console = Console(supervisor)
+    with httpx.Client(base_url=console.url, timeout=5) as client:
+        page = client.get("/quotas")
+        (csrf,) = set(re.findall(r'name="csrf" value="([0-9a-f]+)"', page.text))
+        refused = client.post("/quotas/model-0", data={"csrf": csrf, "price_input": "2.5"})
+        assert refused.status_code == 400 and "has a price and no currency: name it once" in refused.text
+        priced = client.post("/quotas/model-0", data={"csrf": csrf, "price_input": "2.5", "currency": "EUR"})
+        assert priced.status_code == 303
+        assert client.post("/quotas/model-1", data={"csrf": csrf, "price_output": "4"}).status_code == 303
+    assert [(q.name, q.currency) for q in services.quotas.all()][:2] == [("model-0", "EUR"), ("model-1", "EUR")]
+    assert services.quotas.get("model-1").price_per_million_output == 4.0
+
+
 def test_a_page_of_another_site_rebound_to_loopback_reads_and_changes_nothing(services: Any,
                                                                              supervisor: Supervisor) -> None:
     """DNS rebinding: requests naming another site as Host get a 400 and no data; a change
