@@ -128,7 +128,7 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     >>> drain_text(Forecast(0.0, 0.0, 0.0, waiting=40))
     'nothing else to run; 40 pending task(s) wait on a budget, not in the eta'
     >>> drain_text(Forecast(0.0, 0.0, 0.0, unplaced=6))
-    'nothing else to run; 6 pending task(s) may take no enabled model (removed or disabled), not in the eta'
+    'nothing else to run; 6 pending task(s) may take only models removed, disabled or stopped (health), not in the eta'
     >>> drain_text(Forecast(1.0, 1.0, 1.0), "blocked: m: backend unreachable: refused")
     'blocked: m: backend unreachable: refused'
     >>> drain_text(Forecast(0.0, 0.0, 0.0), unread=["questions"])   # not "done": its rows were not read
@@ -143,7 +143,7 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     waiting, unplaced = (0, 0) if drain is None else (drain.waiting, drain.unplaced)
     eta = None if drain is None else drain.eta
     aside = ([f"{waiting} pending task(s) wait on a budget"] if waiting else []) + \
-        ([f"{unplaced} pending task(s) may take no enabled model (removed or disabled)"] if unplaced else []) + \
+        ([f"{unplaced} pending task(s) may take only models removed, disabled or stopped (health)"] if unplaced else []) + \
         [f"the rows of source {name} (its table could not be read)" for name in unread] + \
         [f"the rows of source {name} (not read to its end yet)" for name in not_yet_read]
     text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)

@@ -44,6 +44,12 @@ REASONS: dict[str, tuple[str, bool, str]] = {
 }
 
 
+#: The reasons that stop a model until something changes (an operator, a worker, the backend),
+#: unlike a 429's pause, whose end is known: the drain ETA leaves such a model out, and the tasks
+#: only it may take are counted apart (:class:`balancer.views.eta.Forecast`'s ``unplaced``).
+STOPPING = frozenset({"disabled", "no_consumer", "unreachable", "circuit_open"})
+
+
 def kinds(scope: str) -> tuple[str, ...]:
     """The reasons a ``model`` or a ``source`` may have.
 
@@ -193,6 +199,15 @@ class Health:
     models: dict[str, list[Reason]]
     sources: dict[str, list[Reason]]
     blocked: str | None  # why nothing can run (the ETA shows it instead of a number); None: something can
+
+    @property
+    def stopped_models(self) -> frozenset[str]:
+        """The models a :data:`STOPPING` reason holds: no work of theirs moves until it changes.
+
+        >>> assess([ModelFacts("a", consumers=0), ModelFacts("b", paused_s=3), ModelFacts("c")], [], 5).stopped_models
+        frozenset({'a'})
+        """
+        return frozenset(name for name, rs in self.models.items() if any(r.kind in STOPPING for r in rs))
 
     @property
     def unread_sources(self) -> list[str]:

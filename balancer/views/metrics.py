@@ -185,9 +185,9 @@ class BalancerCollector(Collector):
         families["balancer_dispatch_rounds"].add_metric([], system.get("dispatch_rounds", 0))
         quotas = svc.quotas.all()  # once: the budgets' prices and the spend's
         standings = read_standings(svc, quotas=quotas)  # once: the ETA's held sources and the per-source budgets
-        drain = estimate_band(svc, view, left, held(standings))
         health = read_health(svc.redis, svc.settings.namespace, view, per_model, standings, left.unfinished,
                              consumers=svc.settings.consumers_required, unwritable=unwritable_by_source(svc.engine))
+        drain = estimate_band(svc, view, left, held(standings), health.stopped_models)  # as status reads it
         for name in view:
             present = {r.kind for r in health.models.get(name, [])}
             for kind in kinds("model"):
@@ -196,6 +196,8 @@ class BalancerCollector(Collector):
             for kind in kinds("source"):
                 families["balancer_source_health"].add_metric([name, kind], int(kind in {r.kind for r in reasons}))
         families["balancer_drain_blocked"].add_metric([], int(health.blocked is not None))
+        for reason, n in (("budget", 0 if drain is None else drain.waiting), ("no_model", 0 if drain is None else drain.unplaced)):
+            families["balancer_drain_left_out_tasks"].add_metric([reason], n)
         if drain is not None and drain.eta is not None and health.blocked is None:  # blocked: no number
             families["balancer_drain_eta_seconds"].add_metric([], drain.eta)
             families["balancer_drain_eta_low_seconds"].add_metric([], drain.low or 0.0)
@@ -281,6 +283,10 @@ class BalancerCollector(Collector):
             + "; ".join(f"{k}: {REASONS[k][0]}" for k in kinds("source")), labels=["source", "reason"])
         families["balancer_drain_blocked"] = GaugeMetricFamily(
             "balancer_drain_blocked", "1 while tasks wait and no model can run any (the ETA is then not exported)")
+        families["balancer_drain_left_out_tasks"] = GaugeMetricFamily(
+            "balancer_drain_left_out_tasks", "Pending tasks the drain ETA leaves out, by why: budget (their source's "
+            "budget per day is spent), no_model (only models removed, disabled or stopped may take them)",
+            labels=["reason"])
         for side in ("low", "high"):
             families[f"balancer_drain_eta_{side}_seconds"] = GaugeMetricFamily(
                 f"balancer_drain_eta_{side}_seconds", f"The {side} end of the drain ETA's band (balancer.views.eta)")

@@ -46,8 +46,10 @@ def read_overview(services: ReadServices) -> Overview:
     quotas = all_quotas(db)
     budgets, left = read_standings(services, quotas=quotas), backlog(db)
     view = services.core.live()
-    counts, rows, counters, drain = read(services, held(budgets), left, view)
+    counters, _ = services.core.counters()
     health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished,
                          consumers=services.settings.consumers_required, unwritable=unwritable_by_source(db))
+    # A model stopped until something changes (no worker, backend down) is no capacity: the ETA leaves it out.
+    counts, rows, counters, drain = read(services, held(budgets), left, view, counters, health.stopped_models)
     return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),
                     health, [name for name in not_read_to_end(db) if name not in health.unread_sources])

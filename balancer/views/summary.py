@@ -205,14 +205,17 @@ def summarize(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[str,
 
 def drain_inputs(
     services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
-    held: Collection[str] | None = None, pace_s: float | None = None,
+    held: Collection[str] | None = None, pace_s: float | None = None, stopped: Collection[str] = (),
 ) -> DrainState | None:
     """What the drain ETA is computed from, read now: the live effective limits, buckets and
     learned latencies, the backlog (``left``: the pending tasks' composition, the tasks not
     finished), the solves of the pace's window (``pace_s``, or :func:`pace_window_s`), and the
     pending tasks of the sources over their budget (``held``: read now as the dispatcher reads
-    it, when not given). None when no model is enabled. PostgreSQL's reads share one connection."""
+    it, when not given). The models of the ETA are the enabled ones but the ``stopped`` ones
+    (:attr:`balancer.health.reasons.Health.stopped_models`); None when there is none.
+    PostgreSQL's reads share one connection."""
     view = services.core.live() if view is None else view
+    view = {name: live for name, live in view.items() if live.quota.enabled and name not in stopped}
     pace_s = pace_window_s(view, time.time() * 1000) if pace_s is None else pace_s
     with reading(services.db) as db:
         return _drain_inputs(services, db, view, backlog(db) if left is None else left, held, pace_s)
@@ -291,24 +294,26 @@ def estimate_drain(
 
 def estimate_band(
     services: ReadServices, view: Mapping[str, ModelLive] | None = None, left: Backlog | None = None,
-    held: Collection[str] | None = None,
+    held: Collection[str] | None = None, stopped: Collection[str] = (),
 ) -> Forecast | None:
-    """The drain ETA with its band (low, high) now; None when no model is enabled."""
-    state = drain_inputs(services, view, left, held)
+    """The drain ETA with its band (low, high) now, on the models not ``stopped``; None when no model
+    is enabled and running."""
+    state = drain_inputs(services, view, left, held, stopped=stopped)
     return None if state is None else forecast(state)
 
 
 def read(services: ReadServices, held: Collection[str] | None = None, left: Backlog | None = None,
-         view: Mapping[str, ModelLive] | None = None,
+         view: Mapping[str, ModelLive] | None = None, counters: dict[str, dict[str, int]] | None = None,
+         stopped: Collection[str] = (),
          ) -> tuple[dict[str, int], list[ModelSummary], dict[str, dict[str, int]], Forecast | None]:
     """(task counts by status, the per-model rows, the raw per-model counters, the drain ETA and its band) now;
-    ``held``, ``left`` and ``view``: the sources over their budget, the backlog and the live view, when the
-    caller has read them (:func:`drain_inputs`)."""
-    counters, _ = services.core.counters()
+    ``held``, ``left``, ``view`` and ``counters``: the sources over their budget, the backlog, the live view and
+    the counters, when the caller has read them; ``stopped``: the models the ETA leaves out (:func:`drain_inputs`)."""
+    counters = services.core.counters()[0] if counters is None else counters
     view = services.core.live() if view is None else view
     rows = summarize(view, counters, prior_s=services.settings.expected_latency_s,
                      default_tokens=services.settings.expected_output_tokens)
-    return status_counts(services.db), rows, counters, estimate_band(services, view, left, held)
+    return status_counts(services.db), rows, counters, estimate_band(services, view, left, held, stopped)
 
 
 def calls_after_the_end(counts: Mapping[str, int], rows: Collection[Any]) -> int:

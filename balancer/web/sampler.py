@@ -64,6 +64,7 @@ class Sample:
     #: per source table with rows of work that are not tasks: how many, by reason (balancer.sources.reads)
     not_tasks: dict[str, dict[str, int]] = field(default_factory=dict)
     not_read: list[str] = field(default_factory=list)  # sources not read to their table's end: not in the ETA
+    unplaced: int = 0  # pending tasks only removed, disabled or stopped models may take (Forecast.unplaced): not in the ETA
 
     @property
     def left(self) -> int:
@@ -194,4 +195,4 @@ def take_sample(services: Services) -> Sample:
                   sources, kept_spend(o.spent, sources), o.projected,
                   error_groups(services.engine, timeout_ms=GROUPING_TIMEOUT_MS), o.budgets,
                   0 if drain is None else drain.waiting, o.health, other, not_tasks_by_source(services.engine),
-                  o.not_read)
+                  o.not_read, 0 if drain is None else drain.unplaced)

@@ -156,3 +156,43 @@ def test_a_backend_that_refuses_is_said_by_status_metrics_and_the_eta(migrated: 
         assert health[("m1", "unreachable")] == 1 and health[("m1", "paused")] == 0
         assert families["balancer_drain_blocked"].samples[0].value == 1
         assert not families["balancer_drain_eta_seconds"].samples
+
+
+def test_a_model_no_worker_consumes_is_no_capacity_and_its_own_tasks_are_said_apart(
+        migrated: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An operator stopped the one worker of model b, to which 3 tasks are pinned: the ETA counted
+    down beside "no worker consumes model.b", and metrics said nothing waits (an operator's probe).
+    Now b is no capacity, its own tasks are left out of the ETA and said apart, as for a disabled
+    model; the flexible work keeps its ETA on a."""
+    import json as json_module
+
+    from balancer.admission.quota import Quota
+    from balancer.backlog.insert import insert_tasks
+    from balancer.backlog.intake import parse_tasks
+    from balancer.cli import main
+    from balancer.views.metrics import BalancerCollector
+
+    monkeypatch.setenv("BALANCER_CONSUMERS_REQUIRED", "on")
+    svc = Services.connect(Settings.from_env())
+    svc.quotas.replace_all([Quota("a", 4, 600_000), Quota("b", 4, 600_000)], by="test")
+    lines = [{"prompt": f"any {i}"} for i in range(5)] + [{"prompt": f"b {i}", "model": "b"} for i in range(3)]
+    rows, errors = parse_tasks("\n".join(json_module.dumps(x) for x in lines), models={"a": 600_000, "b": 600_000})
+    assert not errors
+    with svc.engine.begin() as conn:
+        insert_tasks(conn, rows)
+    svc.core.note_consumers("worker-a", ["a"], 60_000)  # a's worker beats; none consumes b
+
+    assert main(["status", "--json"]) == 0
+    status = json_module.loads(capsys.readouterr().out)
+    assert [r["kind"] for r in status["health"]["models"]["b"]] == ["no_consumer"] and status["blocked"] is None
+    assert status["waiting_on_no_model"] == 3 and status["eta_s"] and status["eta_s"] > 0
+    assert main(["status"]) == 0
+    assert "3 pending task(s) may take only models removed, disabled or stopped (health), not in the eta" in \
+        capsys.readouterr().out
+    families = {f.name: f for f in BalancerCollector(svc).collect()}
+    left_out = {s.labels["reason"]: s.value for s in families["balancer_drain_left_out_tasks"].samples}
+    assert left_out == {"budget": 0, "no_model": 3}
+
+    svc.core.note_consumers("worker-b", ["b"], 60_000)  # b's worker is back: its tasks are in the ETA again
+    assert main(["status", "--json"]) == 0
+    assert json_module.loads(capsys.readouterr().out)["waiting_on_no_model"] == 0

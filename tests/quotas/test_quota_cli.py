@@ -190,7 +190,7 @@ def test_removing_a_model_warns_of_tasks_pinned_to_it(capsys: pytest.CaptureFixt
     reported = json.loads(out)
     assert code == 0 and reported["waiting_on_no_model"] == 2 and reported["eta_s"] is not None
     code, out, _ = run(capsys, "status")
-    assert "2 pending task(s) may take no enabled model (removed or disabled), not in the eta" in out
+    assert "2 pending task(s) may take only models removed, disabled or stopped (health), not in the eta" in out
 
 
 def test_remove_refuses_a_model_with_calls_in_flight(capsys: pytest.CaptureFixture[str]) -> None:

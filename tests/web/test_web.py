@@ -453,6 +453,24 @@ def test_the_drain_page_shows_the_eta_band_and_the_projected_cost(services: Any,
     assert "likely between" in page
 
 
+def test_the_drain_page_says_the_tasks_only_a_disabled_model_may_take(services: Any, supervisor: Supervisor) -> None:
+    """Tasks pinned to a disabled model are no work the ETA can see: the page said "ETA: done"
+    beside them with no note, where `status` said them apart (an operator's probe)."""
+    from balancer.backlog.insert import insert_tasks
+    from balancer.backlog.intake import parse_tasks
+
+    rows, errors = parse_tasks("\n".join(json.dumps({"prompt": f"p{i}", "model": "model-0"}) for i in range(4)),
+                               models={q.name: q.burst for q in services.quotas.all()})
+    assert not errors
+    with services.engine.begin() as conn:
+        insert_tasks(conn, rows)
+    services.quotas.set("model-0", {"enabled": False}, by="test")
+    console = Console(supervisor)
+    page = eventually(lambda: (lambda t: t if "unplaced" in t else None)(httpx.get(f"{console.url}/drain", timeout=5).text))
+    assert "<b>4</b> pending task(s) only models removed, disabled or stopped may take" in page
+    assert "<b>nothing else to run</b>" in page and "ETA: <b>done</b>" not in page
+
+
 def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any, supervisor: Supervisor) -> None:
     """A source over its budget per day: the Sources page shows the budget, what was
     spent today, and why its tasks wait; a source under budget shows no wait."""
