@@ -196,6 +196,17 @@ def test_the_configuration_reference_is_generated_from_the_settings() -> None:
         "docs/configuration.md is stale: run `python -m balancer.devtools.settings_doc > docs/configuration.md`")
 
 
+def test_the_metrics_reference_is_generated_from_the_collector() -> None:
+    """docs/metrics.md cannot drift from what a scrape serves (an operator's probe found
+    balancer_source_changed in no doc, and 20 other families named nowhere but the code)."""
+    from balancer.devtools import metrics_doc
+
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    assert page == metrics_doc.render(), (
+        "docs/metrics.md is stale: run `python -m balancer.devtools.metrics_doc > docs/metrics.md`")
+    assert "balancer_source_changed" in page and "balancer_drain_left_out_tasks" in page
+
+
 def test_the_configuration_reference_names_every_setting() -> None:
     from balancer.settings import ENVIRONMENT
 
