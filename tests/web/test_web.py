@@ -471,6 +471,25 @@ def test_the_drain_page_says_the_tasks_only_a_disabled_model_may_take(services: 
     assert "<b>nothing else to run</b>" in page and "ETA: <b>done</b>" not in page
 
 
+def test_the_models_page_shows_the_limits_in_force_where_a_model_learned_them(services: Any,
+                                                                             supervisor: Supervisor) -> None:
+    """A 429 lowered model-1's concurrency: `status` said so with the limits in force, while the page
+    showed the quota's cap and "binding: concurrency" with nothing to explain it (an operator's probe)."""
+    from balancer.admission.values import Admitted, Candidate
+
+    calls = [d for d in services.core.admit([Candidate(10, ("model-1",))] * 3) if isinstance(d, Admitted)]
+    for call in calls:
+        assert isinstance(services.core.renew(call.admission_id, "model-1", 10), Admitted)
+    assert services.core.penalize("model-1", 1_000, remaining_tokens=50_000)  # 3 calls started: a cap of 2
+    learned = services.core.live()["model-1"].limits.max_concurrent_requests
+    assert learned < 4
+    console = Console(supervisor)
+    page = eventually(lambda: (lambda t: t if "learned-limits" in t else None)(
+        httpx.get(f"{console.url}/models", timeout=5).text))
+    assert f"limits in force / quota: cap {learned}/4, TPM 60,000/60,000" in page
+    assert "concurrency lowered by 429s" in page
+
+
 def test_the_sources_page_shows_a_budget_spent_today_and_the_wait(services: Any, supervisor: Supervisor) -> None:
     """A source over its budget per day: the Sources page shows the budget, what was
     spent today, and why its tasks wait; a source under budget shows no wait."""
