@@ -69,6 +69,18 @@ def warn_if_backend_refuses() -> None:
         click.echo(f"warning: {problem}: its calls will fail until it answers (BALANCER_BACKEND_URL)", err=True)
 
 
+def warn_if_a_beat_ticks(svc: Services) -> None:
+    """The line a command that starts a beat prints when a beat's dispatch tick ran lately: a deployment
+    runs exactly one beat, and a second doubles every tick (production.md). It starts all the same (a beat
+    restarted at once reads its own last tick)."""
+    from balancer.dispatch.beat_seen import beat_last_seen_s
+
+    seen = beat_last_seen_s(svc.redis, svc.settings.namespace)
+    if seen is not None:
+        click.echo(f"warning: a beat's dispatch tick ran {seen:.1f} s ago: if another beat runs, stop one "
+                   "(run exactly one beat: a second doubles every tick)", err=True)
+
+
 def _worker_quotas(svc: Services, models: tuple[str, ...], all_models: bool) -> dict[str, Quota]:
     """The quotas a worker consumes for; :class:`QuotaRemoved` while every one
     missing had one once (a worker restarted while its quota is re-created).
@@ -160,6 +172,7 @@ def beat(loglevel: str) -> None:
     """Celery beat: periodic dispatch, sweep and ingest ticks."""
     home = Path(resolved_settings().home)  # exports the URLs before the app reads celeryconfig
     start_when_ready(services, resolved_settings().start_wait)  # its ticks need both: wait, not crash-loop
+    warn_if_a_beat_ticks(services())
     from balancer.pipeline.app import app
 
     home.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from balancer.cli import resolved_settings
-from balancer.cli.processes import loglevel_option, warn_if_backend_refuses
+from balancer.cli.processes import loglevel_option, warn_if_a_beat_ticks, warn_if_backend_refuses
 from balancer.cli.startwait import migrated
 from balancer.errors import ConfigError, QuotaError
 
@@ -42,6 +42,7 @@ def run(per_model: bool, log_dir: Path | None, loglevel: str) -> None:
         raise ConfigError(f"cannot create the log directory {logs}: {exc.strerror or exc}") from None
     warn_if_backend_refuses()
     svc = migrated()
+    warn_if_a_beat_ticks(svc)  # run starts a beat of its own
     names = sorted(q.name for q in svc.quotas.all())
     if not names:
         raise QuotaError("no model has a quota: import them first with `balancer quota import FILE`")
