@@ -11,6 +11,7 @@ are in ``quota_changes``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -117,6 +118,17 @@ def retry_failed(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> li
     """Failed tasks matching ``flt`` back to pending with their attempts reset (if ``apply``).
     Returns the ids (that were, or would be, retried)."""
     return _act(engine, "retry", "failed", flt, _RETRY, by=by, apply=apply)
+
+
+def still_too_large(engine: Engine, ids: Sequence[int], bursts: Mapping[str, int]) -> int:
+    """How many of the tasks ``ids`` need more tokens than the largest ``bursts`` (each model's
+    burst_tokens) of the models they may use: retried, they fail again at once, for that reason."""
+    if not ids or not bursts:
+        return 0
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(tasks.c.estimated_tokens, tasks.c.allowed_models).where(tasks.c.id.in_(ids))).all()
+    return sum(1 for r in rows
+               if r.estimated_tokens > max((bursts.get(m, 0) for m in (r.allowed_models or bursts)), default=0))
 
 
 def cancel_pending(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> list[int]:

@@ -99,6 +99,21 @@ def test_a_filter_naming_what_no_task_has_says_so_on_stderr(backlog, capsys: pyt
     assert code == 0 and "note: no task has the source 'nosuch'" in err
 
 
+def test_retrying_tasks_larger_than_every_burst_says_they_fail_again(backlog, capsys: pytest.CaptureFixture[str]) -> None:
+    """Failed for needing more tokens than any burst, retried as they were, they fail again within
+    seconds, and the retry said nothing of it (an operator's probe)."""
+    svc, groups = backlog
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.id == groups["failed"][0]).values(estimated_tokens=70_000))
+    code, out, err = run(capsys, "tasks", "retry")  # the dry run says it too
+    assert code == 0 and out.startswith("would retry 3 task(s)")
+    assert err == ("note: 1 of them need more tokens than any of their models' burst_tokens: they fail again at once "
+                   "(raise a model's --burst first)\n")
+    svc.quotas.set("b", {"burst_tokens": 80_000}, by="test")
+    code, _, err = run(capsys, "tasks", "retry", "--yes")
+    assert code == 0 and err == ""
+
+
 def test_retry_is_a_dry_run_until_yes_then_resets_failed_tasks_only(backlog, capsys: pytest.CaptureFixture[str]) -> None:
     svc, groups = backlog
     before = statuses(svc)
