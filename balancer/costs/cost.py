@@ -267,10 +267,10 @@ def spend_text(s: Spend) -> str:
 
     >>> spend_text(Spend("USD", 3.5, {"a": 3.0, "b": 0.5}, {"crm": 3.5}, {"c": 1200}))
     'spent: 3.50 USD (a 3.00 USD, b 0.50 USD); unpriced: c 1,200 tokens'
-    >>> spend_text(Spend(None, 0.0, {}, {}, {"c": 1200}))   # no model priced: no 0.00 that reads as money
-    'spent: no prices set; unpriced: c 1,200 tokens'
+    >>> spend_text(Spend(None, 0.0, {}, {}, {"c": 1200}))   # none priced: no 0.00 that reads as money
+    'spent: nothing on a priced model; unpriced: c 1,200 tokens'
     """
-    text = f"spent: {money(s.total, s.currency) if s.by_model or s.other_currencies else 'no prices set'}"
+    text = f"spent: {money(s.total, s.currency) if s.by_model or s.other_currencies else 'nothing on a priced model'}"
     if s.by_model:
         text += " (" + ", ".join(f"{m} {money(v, s.currency)}" for m, v in sorted(s.by_model.items())) + ")"
     if s.unpriced_tokens:
@@ -359,9 +359,9 @@ def projection_text(p: Spend) -> str:
     >>> projection_text(Spend("USD", 12.0, {"a": 12.0}, {}, {"c": 5_000}))
     'backlog left, projected: 12.00 USD; unpriced: c 5,000 tokens'
     >>> projection_text(Spend(None, 0.0, {}, {}, {"c": 5_000}))
-    'backlog left, projected: no prices set; unpriced: c 5,000 tokens'
+    'backlog left, projected: nothing on a priced model; unpriced: c 5,000 tokens'
     """
-    text = f"backlog left, projected: {money(p.total, p.currency) if p.by_model else 'no prices set'}"
+    text = f"backlog left, projected: {money(p.total, p.currency) if p.by_model else 'nothing on a priced model'}"
     if p.unpriced_tokens:
         text += "; unpriced: " + ", ".join(f"{m} {n:,} tokens" for m, n in sorted(p.unpriced_tokens.items()))
     return text
