@@ -98,6 +98,7 @@ class QuotaWatcher(bootsteps.StartStopStep):
                     consumer.pool.shrink(-diff)
                 if diff:
                     consumer._update_prefetch_count(diff)
-                    log.info("pool for %s resized to %d", ",".join(models), consumer.pool.num_processes)
+                    log.info("pool for %s resized to %d", ",".join(m for m in models if m in live),  # not a removed one
+                             consumer.pool.num_processes)
             except Exception:  # keep watching through a Redis blip
                 log.exception("quota watcher failed; retrying")
