@@ -82,10 +82,19 @@ def tasks_show(task_id: int, as_json: bool) -> None:
     """One task: prompt preview, status, model, attempts, errors and timings."""
     from balancer.backlog.operations import get_task
 
-    row = get_task(_migrated().engine, task_id)
+    svc = _migrated()
+    row = get_task(svc.engine, task_id)
     if row is None:
         raise BalancerError(f"no task {task_id}")
     data = dict(row._mapping)
+    if data["status"] == "pending":  # what it waits on, as status sees its models now
+        from balancer.costs.budget import held
+        from balancer.views.overview import read_overview
+        from balancer.views.summary import waits_on
+
+        o = read_overview(svc)
+        data["waits_on"] = waits_on(data["allowed_models"], data["source"], o.rows,
+                                    {name: o.health.model_text(name) for name in o.health.models}, held(o.budgets))
     if as_json:
         click.echo(json.dumps(data, default=str, indent=2))
         return
@@ -93,6 +102,8 @@ def tasks_show(task_id: int, as_json: bool) -> None:
                 "rate_limited", "hedges", "hedge_model", "max_tokens", "estimated_tokens", "prompt_tokens",
                 "completion_tokens", "error", "created_at", "queued_at", "started_at", "solved_at", "updated_at"):
         click.echo(f"{key:>18}: {printable(_shown(data[key]), 300)}")
+    for line in data.get("waits_on", []):
+        click.echo(f"{'waits on':>18}: {printable(line, 300)}")
     click.echo(f"{'prompt':>18}: {printable(data['prompt'], 200)}")
     if data["answer"] is not None:
         click.echo(f"{'answer':>18}: {printable(data['answer'], 200)}")

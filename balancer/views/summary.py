@@ -339,3 +339,26 @@ def after_the_end_text(calls: int) -> str:
     "2 call(s) of finished tasks still run at the backend (a hedge's loser runs to its end; its slot frees then)"
     """
     return f"{calls} call(s) of finished tasks still run at the backend (a hedge's loser runs to its end; its slot frees then)"
+
+
+def waits_on(allowed: Collection[str] | None, source: str, rows: Collection[ModelSummary],
+             reasons: Mapping[str, str], held: Collection[str]) -> list[str]:
+    """Why a pending task waits, one line per thing it waits on: its source's budget per day (``held``:
+    the sources over it), then each model it may take (``allowed``; None: any), with its calls in flight
+    against its cap, the limit that holds it back now and its health (``reasons``: by model).
+
+    >>> from types import SimpleNamespace as Row
+    >>> rows = [Row(name="a", in_flight=4, cap=4, binding="concurrency"), Row(name="b", in_flight=0, cap=2, binding="none")]
+    >>> waits_on(("b", "gone"), "crm", rows, {"b": "no worker consumes model.b"}, {"crm"})
+    ["its source crm's budget per day is spent", 'b: 0/2 in flight, binds now: none; no worker consumes model.b', 'gone: no quota']
+    """
+    by_name = {r.name: r for r in rows}
+    lines = [f"its source {source}'s budget per day is spent"] if source in held else []
+    for name in sorted(by_name) if allowed is None else allowed:
+        r = by_name.get(name)
+        if r is None:
+            lines.append(f"{name}: no quota")
+            continue
+        why = f"; {reasons[name]}" if reasons.get(name) else ""
+        lines.append(f"{name}: {r.in_flight}/{r.cap} in flight, binds now: {r.binding}{why}")
+    return lines

@@ -99,6 +99,26 @@ def test_a_filter_naming_what_no_task_has_says_so_on_stderr(backlog, capsys: pyt
     assert code == 0 and "note: no task has the source 'nosuch'" in err
 
 
+def test_show_says_what_a_pending_task_waits_on(backlog, capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing said why a given task waits (an operator's probe): `tasks show` of a pending task
+    names each model it may take, its calls in flight against its cap and the limit that binds it
+    now, and its source's budget when spent."""
+    from balancer.costs.budget import Budget
+    from balancer.sources.budgets import set_budget
+
+    svc, groups = backlog
+    pending = groups["pending"][0]  # of crm, on a or b
+    code, out, _ = run(capsys, "tasks", "show", str(pending))
+    waits = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("waits on:")]
+    assert code == 0 and waits == ["a: 0/2 in flight, binds now: none", "b: 0/2 in flight, binds now: none"]
+    with svc.engine.begin() as conn:
+        set_budget(conn, Budget("crm", None, 0), by="test")  # spent however the day turns
+    code, out, _ = run(capsys, "tasks", "show", str(pending), "--json")
+    assert json.loads(out)["waits_on"][0] == "its source crm's budget per day is spent"
+    code, out, _ = run(capsys, "tasks", "show", str(groups["solved"][0]), "--json")
+    assert "waits_on" not in json.loads(out)  # only a pending task waits
+
+
 def test_retrying_tasks_larger_than_every_burst_says_they_fail_again(backlog, capsys: pytest.CaptureFixture[str]) -> None:
     """Failed for needing more tokens than any burst, retried as they were, they fail again within
     seconds, and the retry said nothing of it (an operator's probe)."""
