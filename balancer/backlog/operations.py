@@ -127,8 +127,9 @@ def still_too_large(engine: Engine, ids: Sequence[int], bursts: Mapping[str, int
         return 0
     with engine.connect() as conn:
         rows = conn.execute(sa.select(tasks.c.estimated_tokens, tasks.c.allowed_models).where(tasks.c.id.in_(ids))).all()
-    return sum(1 for r in rows
-               if r.estimated_tokens > max((bursts.get(m, 0) for m in (r.allowed_models or bursts)), default=0))
+    # Only models that have a quota: a task whose models were all removed waits for one (warn_stranded says so).
+    largest = [max((bursts[m] for m in (r.allowed_models or bursts) if m in bursts), default=None) for r in rows]
+    return sum(1 for r, most in zip(rows, largest, strict=True) if most is not None and r.estimated_tokens > most)
 
 
 def cancel_pending(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> list[int]:
