@@ -79,6 +79,13 @@ def finish_and_check(p: Pipeline, total: int, *, timeout: float = 120.0) -> dict
     return {"counts": counts, "ok_calls": ok_calls, "in_flight": in_flight}
 
 
+def failed_errors(p: Pipeline) -> list[tuple[int, int, str]]:
+    """The failed tasks as (id, attempts, error): what an assertion on the counts shows when it fails."""
+    with p.services.engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(sa.text(
+            "SELECT id, attempts, error FROM tasks WHERE status = 'failed' ORDER BY id LIMIT 10"))]
+
+
 def rate_limited(p: Pipeline) -> int:
     """429s in the simulator's log."""
     return sum(1 for e in p.sim_log() if e["status"] == 429)
@@ -569,7 +576,7 @@ def test_a_backend_outage_mid_run_pauses_and_fails_no_task(pipeline, reliability
     set_faults(p)
     up_at = time.monotonic()
     result = finish_and_check(p, len(ids), timeout=180)
-    assert result["counts"]["failed"] == 0 and result["counts"]["solved"] == len(ids)
+    assert result["counts"]["failed"] == 0 and result["counts"]["solved"] == len(ids), failed_errors(p)
     assert double_writes(p.services.engine) == 0
     assert p.violations() == []
     log = p.sim_log()
