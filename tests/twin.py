@@ -41,6 +41,7 @@ def canonical_lua(core: AdmissionCore) -> dict:
         "epoch": int(meta.get("epoch", 0)),
         "seq": int(meta.get("seq", 0)),
         "rr": meta.get("rr", ""),
+        "bfails": int(meta.get("bfails", 0)),
         "models": {name: {f: m[f] for f in (*MODEL_FIELDS, *OTHER_KEYS)} for name, m in raw["models"].items()},
         "leases": {lid: (v["m"], v["e"], v["s"] == 1, v["g"], v.get("c")) for lid, v in raw["leases"].items()},
     }
@@ -76,6 +77,7 @@ def canonical_ref(ref: ReferenceCore) -> dict:
         "epoch": ref.epoch,
         "seq": ref.seq,
         "rr": ref.rr,
+        "bfails": ref.backend_failures,
         "models": {name: reference_fields(ref, name) for name in ref.models},
         "leases": {lid: (l.model, l.estimated_tokens, l.started, l.generation, l.started_before)
                    for lid, l in ref.leases.items()},

@@ -67,6 +67,24 @@ def test_a_task_that_fails_where_others_succeed_keeps_counting(twin: Twin) -> No
         assert twin.trip("a") == (True, False)
 
 
+def test_failures_in_a_row_on_every_model_stop_counting_before_each_circuit_opens(twin: Twin) -> None:
+    """A backend outage fails every model's calls: each model's own first failures used an attempt
+    before its circuit opened, and a loaded run's flexible task met them on five models and failed
+    (tests/pipeline/test_faults.py). From the third failure in a row anywhere, none counts; an
+    answer on any model makes a failure a task's again."""
+    for name in "abc":
+        twin.set_quota(Quota(name, 4, 600_000, slow_start=False))
+    assert twin.trip("a") == (True, False)
+    assert twin.trip("b") == (True, False)
+    assert twin.trip("c") == (False, False)  # c's first failure, but the third in a row on the backend
+    assert twin.trip("a") == (False, False)  # a's circuit is still closed (2 of 3): not the task's either
+    assert twin.trip("a") == (False, True)   # a's third opens its circuit, as before
+    good = admitted(twin, 1)[0]
+    twin.finish(good.admission_id, ANSWERED)  # the backend answers
+    assert twin.trip("c") == (True, False)
+    twin.check_same_state()
+
+
 def test_a_removed_model_keeps_its_calls_in_flight_when_created_again(twin: Twin) -> None:
     """Re-creating a model must not forget the calls still running at the provider."""
     twin.set_quota(Quota("a", 3, 600_000))

@@ -65,6 +65,7 @@ if m then
   learn_from_spent(m, now, left, unstarted, counted_at)
   if ARGV[7] ~= '' then
     m.fails, m.probing, m.backoff = 0, 0, 0
+    redis.call('HSET', META, 'bfails', 0)  -- the backend answers: a failure is a task's again (trip.lua)
     note_served(m, now)  -- (its own lease still counted)
   end
   full = redis.call('ZSCORE', inflight_key(lease.m), lid) and redis.call('ZCARD', inflight_key(lease.m)) >= eff_cap(m)

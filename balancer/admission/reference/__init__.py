@@ -394,5 +394,5 @@ class ReferenceCore(Signals):
         self.ready.clear()
         self.consumers = ConsumerRecords()
         self.loaded = False
-        self.epoch = self.seq = 0
+        self.epoch = self.seq = self.backend_failures = 0
         self.rr = ""

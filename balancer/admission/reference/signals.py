@@ -39,6 +39,7 @@ class Signals(ReferenceState):
         if lease is not None and lease.model in self.models and settlement.latency_ms is not None:
             state = self.models[lease.model]
             state.failures, state.probing, state.backoff_ms = 0, False, 0  # an answer closes the circuit
+            self.backend_failures = 0  # and the backend answers: a failure is a task's again (trip)
             if state.quota.learn:
                 note_served(state.learned, now, sum(1 for deadline, lid in self._inflight(lease.model)
                                                     if deadline > now and self.leases[lid].started))
@@ -317,12 +318,15 @@ class Signals(ReferenceState):
         outage pauses the model instead of burning every task's attempts: only
         failures while the circuit is closed, and that do not open it, are
         *counted* against the task. Failures during a running pause (calls in
-        flight when it opened) do not lengthen it.
+        flight when it opened) do not lengthen it. Nor is one counted from the
+        ``CIRCUIT_FAILURES``-th failure in a row on every model with no answer
+        anywhere between (``backend_failures``): the backend as a whole is down.
         """
         state = self.models.get(model)
         if state is None:
             return True, False
         self._refill(model, now)
+        self.backend_failures += 1
         if state.probing:
             if state.paused_until > now:
                 return False, False
@@ -331,7 +335,7 @@ class Signals(ReferenceState):
             return False, True
         state.failures += 1
         if state.failures < CIRCUIT_FAILURES:
-            return True, False
+            return self.backend_failures < CIRCUIT_FAILURES, False
         state.failures, state.probing, state.backoff_ms = 0, True, CIRCUIT_BASE_MS
         state.paused_until = max(state.paused_until, now + CIRCUIT_BASE_MS)
         return False, True

@@ -23,17 +23,7 @@ from balancer.admission.learned import (
 from balancer.admission.quota import Quota
 from balancer.admission.reference.consumers import ConsumerRecords
 from balancer.admission.shown import counted, first_bucket_rate, lowered, recent_rate, recent_step_ms, spent_early
-from balancer.admission.values import (
-    UNITS,
-    NoState,
-    ceil_div,
-    gate_room,
-    gate_shape,
-    outside_rate,
-    refilled,
-    token_cap,
-    tokens_needed,
-)
+from balancer.admission.values import UNITS, NoState, ceil_div, gate_room, gate_shape, outside_rate, refilled, token_cap, tokens_needed
 
 
 @dataclass
@@ -242,6 +232,7 @@ class ReferenceState:
     epoch: int = 0
     seq: int = 0
     rr: str = ""
+    backend_failures: int = 0  # transient failures in a row on every model, no answer between (trip.lua's bfails)
 
     # -- helpers ---------------------------------------------------------------
     def _names(self) -> list[str]:
