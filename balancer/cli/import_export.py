@@ -5,7 +5,7 @@ import changed (or, with ``--dry-run``, would change) told; each failure as one 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -56,15 +56,18 @@ def write_text(file: Path | None, text: str, error: type[BalancerError] = Balanc
     click.echo(f"wrote {printable(str(file))}")
 
 
-def echo_changes(changes: ImportSummary, listed: str, name: str, dry_run: bool, replace: bool = True) -> None:
+def echo_changes(changes: ImportSummary, listed: str, name: str, dry_run: bool, replace: bool = True,
+                 updates: Mapping[str, str] | None = None) -> None:
     """What an import of ``listed`` (e.g. "3 model(s)") from the file ``name`` changed, or would change;
-    a dry run that removes says when the import itself, without ``replace``, would be refused."""
+    a dry run names what each update changes (``updates``, by name, when the caller knows) and says when
+    the import itself, without ``replace``, would be refused."""
     counts = (f"{len(changes.created)} created, {len(changes.updated)} updated, "
               f"{len(changes.removed)} removed, {len(changes.unchanged)} unchanged")
     if dry_run:
         for verb, names in (("create", changes.created), ("update", changes.updated), ("remove", changes.removed)):
             for each in names:
-                click.echo(f"would {verb} {each}")
+                detail = (updates or {}).get(each) if verb == "update" else None
+                click.echo(f"would {verb} {each}" + (f": {detail}" if detail else ""))
         click.echo(f"dry run, nothing changed: {listed} in {name}: {counts}")
         if changes.removed and not replace:
             click.echo(f"without --replace this import is refused: it would remove {len(changes.removed)}")

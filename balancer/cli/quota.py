@@ -299,9 +299,13 @@ def quota_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> No
     name, quotas = read_declared(file, parse_quota_file, QuotaError)
     if not quotas:
         raise QuotaError(f"{name} lists no models: refusing to remove every model (use `quota remove MODEL`)")
+    from balancer.admission.quota import change_text
+
     svc = migrated()
+    before = {q.name: q for q in svc.quotas.all()}
     summary = svc.quotas.replace_all(quotas, by=by, allow_removal=replace, dry_run=dry_run)
-    echo_changes(summary, f"{len(quotas)} model(s)", name, dry_run, replace)
+    updates = {q.name: change_text(before[q.name], q).removeprefix("updated: ") for q in quotas if q.name in before}
+    echo_changes(summary, f"{len(quotas)} model(s)", name, dry_run, replace, updates)
     if summary.removed and not dry_run:
         warn_stranded(svc)
 

@@ -273,6 +273,10 @@ def test_export_import_round_trip(capsys: pytest.CaptureFixture[str], tmp_path: 
     assert "2 created" in out and "1 removed" in out
     exported = tmp_path / "out.toml"
     assert run(capsys, "quota", "export", str(exported))[0] == 0
+    changed = tmp_path / "changed.toml"  # a dry run names what an update changes (it named the model only)
+    changed.write_text(exported.read_text().replace("max_tokens_per_minute = 120000", "max_tokens_per_minute = 90000"))
+    code, out, _ = run(capsys, "quota", "import", str(changed), "--dry-run")
+    assert code == 0 and "would update gpt.4o-mini: max_tokens_per_minute 120,000 → 90,000\n" in out, out
     assert run(capsys, "quota", "import", str(exported))[0] == 0
     code, again, _ = run(capsys, "quota", "export")
     assert again == exported.read_text()
