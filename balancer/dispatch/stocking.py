@@ -21,16 +21,14 @@ def stock_targets(view: dict[str, ModelLive], settings: Settings, per_slot: floa
     """For each model whose slots bind it, how many tasks its ready list lacks
     (at ``per_slot`` entries per slot, default ``settings.ready_per_slot``).
 
-    Only models that concurrency binds: enabled, not paused, every slot taken, a
-    token bucket at least half full and requests in hand. A model that tokens or
-    requests bind runs its bucket low, or keeps a slot free; a freed slot there
-    waits for tokens, not for a dispatch round, and a list would only bind its
-    tasks early. (A bucket of 400 tokens is half full at 200, less than one task
-    of 276: its list filled and expired every ready TTL, and the ETA swung with it.)"""
+    Only models that concurrency binds: enabled, not paused, a token bucket at
+    least half full and requests in hand. A model that tokens or requests
+    bind runs its bucket low; a freed slot there waits for tokens, not for a
+    dispatch round, and a list would only bind its tasks early."""
     targets = {}
     for name, m in view.items():
         q = m.quota
-        if not q.enabled or m.paused_ms > 0 or m.in_flight < m.cap_now:
+        if not q.enabled or m.paused_ms > 0:
             continue
         if m.tokens_available < q.burst / 2 or (m.requests_available is not None and m.requests_available < 1):
             continue

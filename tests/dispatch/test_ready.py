@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 import pytest
 import sqlalchemy as sa
@@ -89,29 +88,6 @@ def test_lists_for_concurrency_bound_models_only_and_none_when_turned_off(svc: S
     off = dataclasses.replace(svc, settings=dataclasses.replace(svc.settings, ready_per_slot=0.0))
     add_tasks(svc, 8)
     assert dispatch(off, [].extend).stocked == 0 and svc.core.live()["m"].ready == 0
-
-
-def test_a_model_with_a_free_slot_and_tokens_short_of_a_task_gets_no_list(svc: Services) -> None:
-    """An operator's probe: TPM 1,500, a burst of 400 and tasks of 276 tokens; the bucket, half full
-    at 200, took a list while a slot was free, and it expired every ready TTL. Here a burst of 1,000
-    refills at 200 tokens a second, and tasks of about 700: the bucket passes half full a second
-    before it holds a task."""
-    token_bound = Quota("t", 4, 12_000, burst_tokens=1_000, expected_latency_s=0.05, slow_start=False)
-    svc.quotas.replace_all([token_bound])
-    rows, errors = parse_tasks("".join(json.dumps({"prompt": "p", "model": "t", "max_tokens": 690}) + "\n"
-                                       for _ in range(12)), models={"t": 1_000})
-    assert not errors
-    with svc.engine.begin() as conn:
-        insert_tasks(conn, rows)
-    assert dispatch(svc, [].extend).admitted == 1  # one task's worth in the bucket
-    deadline = time.monotonic() + 10
-    while (tokens := svc.core.live()["t"].tokens_available) < 500:  # half full, short of a task
-        assert time.monotonic() < deadline, tokens
-        time.sleep(0.02)
-    report = dispatch(svc, [].extend)
-    live = svc.core.live()["t"]
-    assert live.tokens_available < 700 and live.in_flight < live.cap_now, live  # still short, a slot free
-    assert report.stocked == 0 and live.ready == 0
 
 
 def test_a_disabled_models_ready_tasks_go_back_to_pending(svc: Services) -> None:
