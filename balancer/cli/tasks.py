@@ -140,8 +140,8 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
     ids = act(svc.engine, flt, by=by or default_actor(), apply=yes)
     if not ids:
         _say_what_matched_nothing(svc.engine, flt)
-    bursts = {q.name: q.burst for q in svc.quotas.all()}
-    if verb == "retry" and (too_large := operations.still_too_large(svc.engine, ids, bursts)):
+    if verb == "retry" and (too_large := operations.still_too_large(svc.engine, ids,
+                                                                    {q.name: q.burst for q in svc.quotas.all()})):
         click.echo(f"note: {too_large} of them need more tokens than any of their models' burst_tokens: they fail "
                    "again at once (raise a model's --burst first)", err=True)
     preview = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")

@@ -243,7 +243,7 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
             return own_tokens_per_task(tokens_per_task, answered.reported, answered.used_tokens)
         return own_tokens_per_task(tokens_per_task, answered.tasks, answered.estimated_tokens)
 
-    estimates = {name: live.latency_estimate(prior_s) for name, live in view.items() if live.quota.enabled}
+    estimates = {name: live.latency_estimate(prior_s) for name, live in view.items()}  # enabled only: drain_inputs
     models = {
         name: ModelCapacity(
             concurrency=live.limits.max_concurrent_requests,
@@ -254,7 +254,7 @@ def _drain_inputs(services: ReadServices, db: Reads, view: Mapping[str, ModelLiv
             request_burst=None if live.requests_available is None else max(0.0, live.requests_available),
             tokens_per_task=own_tokens(live), latency_dispersion=estimates[name].dispersion,
         )
-        for name, live in view.items() if live.quota.enabled
+        for name, live in view.items()
     }
     if not models:
         return None
