@@ -44,6 +44,9 @@ from balancer.errors import BalancerError, did_you_mean, printable
 from balancer.toml_text import load_toml
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]{0,62}$")
+#: Every role a column plays, in the order checks name them; those whose columns a write-back sets.
+ROLES = ("key", "prompt", "answer", "status", "error", "model", "priority", "cursor")
+WRITTEN_ROLES = ("answer", "model", "error", "status")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _SOURCE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 MAX_WHERE_CHARS = 4000
@@ -90,8 +93,7 @@ class SourceDef:
     @property
     def columns(self) -> dict[str, str]:
         """Each role (key, prompt, answer, ...) and the column that plays it."""
-        roles = ("key", "prompt", "answer", "status", "error", "model", "priority", "cursor")
-        return {role: getattr(self, role) for role in roles if getattr(self, role) is not None}
+        return {role: getattr(self, role) for role in ROLES if getattr(self, role) is not None}
 
     def same_table(self, other: SourceDef) -> bool:
         return (self.database_url_env, self.table) == (other.database_url_env, other.table)
@@ -116,7 +118,6 @@ _STRING_FIELDS = ("table", "key", "prompt", "answer", "where", "database_url_env
                   "error", "model", "priority", "cursor")
 _KNOWN = {*_STRING_FIELDS, "weight", "poll_seconds", "batch", "max_tokens", "models", "dedup"}
 _REQUIRED = ("table", "key", "prompt", "answer", "where")
-_IDENTIFIER_FIELDS = ("key", "prompt", "answer", "status", "error", "model", "priority", "cursor")
 
 
 def check_identifier(what: str, value: str) -> str:
@@ -223,6 +224,24 @@ def _int(name: str, fields: dict[str, Any], key: str, default: int | None, low: 
     return value
 
 
+def _check_roles(name: str, fields: dict[str, Any]) -> None:
+    """A column a write-back sets is no other role's: writing the answer into the prompt or the
+    key column would overwrite the team's own data, and one column set twice cannot be written.
+
+    >>> _check_roles("s", {"key": "id", "prompt": "body", "answer": "out", "status": "state"})
+    >>> _check_roles("s", {"key": "id", "prompt": "body", "answer": "body"})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    balancer.sources.definition.SourceFileError: sources.s: answer and prompt name one column, 'body': ...
+    """
+    written = [(role, fields[role]) for role in WRITTEN_ROLES if fields.get(role) is not None]
+    others = [(role, fields[role]) for role in ROLES if fields.get(role) is not None]
+    for role, column in written:
+        for other, same in others:
+            if other != role and same == column:
+                raise SourceFileError(f"sources.{name}: {role} and {other} name one column, {printable(column, 80)!r}: "
+                                      "a column balancer writes back may be no other role's")
+
+
 def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
     """One ``[sources.NAME]`` table to a :class:`SourceDef`, checked (without the database)."""
     if not _SOURCE_NAME.match(name):
@@ -245,12 +264,13 @@ def source_from_dict(name: str, fields: dict[str, Any]) -> SourceDef:
     try:
         for part in parts:
             check_identifier("table", part)
-        for key in _IDENTIFIER_FIELDS:
+        for key in ROLES:
             if key in fields:
                 check_identifier(f"sources.{name}.{key}", fields[key])
         check_where(fields["where"])
     except SourceFileError as exc:
         raise SourceFileError(f"sources.{name}: {exc}") from None
+    _check_roles(name, fields)
     env = fields.get("database_url_env")
     if env is not None and not _ENV_NAME.match(env):
         raise SourceFileError(f"sources.{name}.database_url_env must name an environment variable")

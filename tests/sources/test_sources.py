@@ -59,7 +59,11 @@ HOSTILE = {
     "misspelled field": ('prompt = "body"\npromt = "body"', "unknown field(s): promt (did you mean 'prompt'?)"),
     "missing table": ('table = "public.nope"', "no table public.nope"),
     "key not unique": ('key = "priority"', "is not unique"),
-    "status value not storable": ('status = "priority"', "write-back of a solved task would fail"),
+    "status value not storable": ('status = "priority"\npriority = "id"', "write-back of a solved task would fail"),
+    # A probe: an answer written into the team's prompt, its key, or a column another role sets.
+    "answer into the prompt": ('answer = "body"', "answer and prompt name one column, 'body'"),
+    "answer into the key": ('answer = "id"', "answer and key name one column, 'id'"),
+    "model into the status": ('model = "status"', "model and status name one column, 'status'"),
 }
 
 
@@ -67,10 +71,11 @@ HOSTILE = {
 def test_a_hostile_source_definition_is_one_line_exit_2_and_stores_nothing(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys, case: str) -> None:  # noqa: ANN001
     change, message = HOSTILE[case]
-    field = change.split(" = ")[0]
+    field, *others = [line.split(" = ")[0] for line in change.splitlines()]  # the change's lines replace theirs
     text = SOURCE_FILE.format(name="crm", env='database_url_env = "LEGACY_DATABASE_URL"\n', table=legacy.table,
                               batch=10)
-    text = "\n".join(change if line.startswith(f"{field} = ") else line for line in text.splitlines())
+    text = "\n".join(change if line.startswith(f"{field} = ") else line for line in text.splitlines()
+                     if not any(line.startswith(f"{other} = ") for other in others))
     path = tmp_path / "s.toml"
     path.write_text(text)
     code, out, err = run(capsys, "source", "import", str(path))
