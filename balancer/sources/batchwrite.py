@@ -1,6 +1,7 @@
 """A batch of write-backs in one statement on the team's table.
 
-The same guarded, fenced UPDATE as :func:`balancer.sources.catalog.write_back`,
+The same guarded, fenced UPDATE as :func:`balancer.sources.catalog.write_back`
+(its condition: :func:`balancer.sources.catalog.guard`),
 for many rows at once: their values arrive as arrays (``unnest``), each cast
 to its column's type as the catalog names it (without a length: a value too
 long for a ``varchar(n)`` is refused by the column, never cut), and the
@@ -20,7 +21,7 @@ from typing import Any
 from psycopg2 import sql
 from sqlalchemy.engine import Connection
 
-from balancer.sources.catalog import _fingerprint, _render, _replaces, _sets, _table, _where
+from balancer.sources.catalog import _render, _replaces, _sets, _table, _where, guard
 from balancer.sources.definition import SourceDef
 
 #: Each column's type by its catalog name, without its length or precision (``pg_catalog.varchar``,
@@ -57,11 +58,10 @@ def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> s
     return sql.SQL(
         "UPDATE {table} SET {sets} FROM unnest({arrays}) AS balancer_v({values}, balancer_key, balancer_fp, balancer_i, "
         "balancer_r, balancer_re) WHERE {table}.{key} = CAST(balancer_v.balancer_key AS {key_type}) "
-        "AND ({cond} OR {replaces}) AND {fingerprint} = balancer_v.balancer_fp "
-        "RETURNING balancer_v.balancer_i, coalesce({cond}, false)").format(
+        "AND {guard} RETURNING balancer_v.balancer_i, coalesce({cond}, false)").format(
         table=table, sets=assignments, arrays=arrays, values=sql.SQL(", ").join(values), key=key,
-        key_type=sql.SQL(types[definition.key]), cond=_where(definition), replaces=replaces,
-        fingerprint=_fingerprint(definition))
+        key_type=sql.SQL(types[definition.key]), cond=_where(definition),
+        guard=guard(definition, sql.SQL("balancer_v.balancer_fp"), replaces))
 
 
 def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: list[dict[str, Any]],

@@ -10,10 +10,14 @@ text and compared as the key column's own type, so an integer, text or uuid
 key works alike. ``where`` is the team's own condition, placed in
 parentheses; the read runs in a ``READ ONLY`` transaction.
 
-The fence: a task carries the md5 of the prompt it was read with; its
-write-back changes the row only while the row still matches ``where`` *and*
-its prompt still hashes to that (computed on both sides over the prompt's text
-as UTF-8, so the table's encoding does not matter).
+The fence: a task carries the md5 of the prompt it was read with (computed on
+both sides over the prompt's text as UTF-8, so the table's encoding does not
+matter) and the md5 of the columns a write-back sets as they were then (the
+answer, model, error and status columns, read as one row value); its write-back
+changes the row only while the row still matches ``where``, its prompt still
+hashes to the one and those columns to the other: an answer the team typed into
+the row while its call ran is never overwritten. A task read before the second
+part existed carries the first alone, and is fenced by it alone.
 """
 
 from __future__ import annotations
@@ -32,20 +36,32 @@ from balancer.sources.tables import base_tables, check_view_key, identities, key
 
 # The team's database, imported from here by the rest of the room.
 from balancer.sources.teamdb import TimeLimits, describe, team_connection, team_engine, team_url  # noqa: F401
-from balancer.sources.window import _render, _table, _where, read_query
+from balancer.sources.window import _render, _table, _where, held, read_query
 
 
-def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimits | None = None) -> str | None:
-    """The prompt of the row ``key`` if it matches ``where`` now (None: it does not, or is
-    gone), in its own READ ONLY transaction within ``limits``."""
-    query = sql.SQL("SELECT CAST({prompt} AS text) FROM {table} WHERE {key} = %s AND {cond}").format(
-        prompt=sql.Identifier(definition.prompt), table=_table(definition), key=sql.Identifier(definition.key),
-        cond=_where(definition))
+@dataclass(frozen=True)
+class RowRead:
+    """A row of work as read: its prompt, and the md5 of the columns a write-back sets (:func:`held`)."""
+
+    prompt: str
+    held: str
+
+    @property
+    def fence(self) -> str:
+        return fence(self.prompt, self.held)
+
+
+def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimits | None = None) -> RowRead | None:
+    """The row ``key`` if it matches ``where`` now (None: it does not, or is gone), in its own
+    READ ONLY transaction within ``limits``."""
+    query = sql.SQL("SELECT CAST({prompt} AS text), {held} FROM {table} WHERE {key} = %s AND {cond}").format(
+        prompt=sql.Identifier(definition.prompt), held=held(definition), table=_table(definition),
+        key=sql.Identifier(definition.key), cond=_where(definition))
     with conn.begin():
         conn.exec_driver_sql("SET TRANSACTION READ ONLY")
         (limits or TimeLimits()).apply(conn, local=True)
         row = conn.exec_driver_sql(_render(conn, query), (key,)).first()
-    return None if row is None else row[0]
+    return None if row is None else RowRead(row[0], row[1])
 
 
 def _sets(definition: SourceDef, outcome: str) -> list[tuple[str, str]]:
@@ -70,19 +86,54 @@ def fingerprint(prompt: str) -> str:
     return hashlib.md5(prompt.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
+#: Between a fence's two parts: the prompt's fingerprint, then what the written columns held.
+FENCE_SEPARATOR = ":"
+
+
+def fence(prompt: str, held_md5: str) -> str:
+    """A task's fence: its prompt's fingerprint and what the columns a write-back sets held when read.
+
+    >>> fence("hi", "0123")
+    '49f68a5c8493ec2c0bf489821c21fc3b:0123'
+    """
+    return f"{fingerprint(prompt)}{FENCE_SEPARATOR}{held_md5}"
+
+
+def prompt_part(task_fence: str) -> str:
+    """The prompt's fingerprint in a fence (a fence from before the second part is that alone).
+
+    >>> prompt_part("49f6:0123"), prompt_part("49f6")
+    ('49f6', '49f6')
+    """
+    return task_fence.split(FENCE_SEPARATOR, 1)[0]
+
+
+def guard(definition: SourceDef, task_fence: sql.Composable, replaces: sql.Composable) -> sql.Composable:
+    """A write-back's condition beside its key: the row matches ``where`` and its written columns
+    hold what they held when read (unless the fence has no second part), or it holds exactly the
+    failure a retried task may replace (``replaces``); and in either case its prompt is the one read."""
+    part = sql.SQL("split_part({}, {}, {})")
+    separator = sql.Literal(FENCE_SEPARATOR)
+    return sql.SQL("(({cond} AND (strpos({fp}, {sep}) = 0 OR {held} = {second})) OR {replaces}) "
+                   "AND {prompt} = {first}").format(
+        cond=_where(definition), fp=task_fence, sep=separator, held=held(definition),
+        second=part.format(task_fence, separator, sql.Literal(2)), replaces=replaces,
+        prompt=_fingerprint(definition), first=part.format(task_fence, separator, sql.Literal(1)))
+
+
 def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | None:
     """The guarded UPDATE of one row: it changes the row only while the row still
-    matches ``where`` and its prompt is still the one read (the fence: someone else's
-    change is never overwritten). It returns whether the row, written, still matches
-    ``where``. None: nothing to write."""
+    matches ``where`` and its prompt and written columns are still the ones read (the
+    fence, :func:`guard`: someone else's change is never overwritten). It returns whether
+    the row, written, still matches ``where``. None: nothing to write."""
     sets = _sets(definition, outcome)
     if not sets:
         return None
     assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(col)) for _, col in sets)
-    return sql.SQL("UPDATE {table} SET {sets} WHERE {key} = %s AND ({cond} OR {replaces}) AND {fingerprint} = %s "
-                   "RETURNING coalesce({cond}, false)").format(
+    return sql.SQL("UPDATE {table} SET {sets} FROM (SELECT CAST(%s AS text) AS balancer_fp) AS balancer_f "
+                   "WHERE {key} = %s AND {guard} RETURNING coalesce({cond}, false)").format(
         table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition),
-        replaces=_replaces(definition), fingerprint=_fingerprint(definition))
+        guard=guard(definition, sql.SQL("balancer_f.balancer_fp"), _replaces(definition)))
 
 
 _PARAMETER = sql.SQL("%s")
@@ -104,15 +155,15 @@ def _replaces(definition: SourceDef, flag: sql.Composable = _PARAMETER,
 
 
 def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
-    """The values :func:`writeback_query` binds, in its order: the columns set, the key, the
-    failure a retried task may replace (``task["replaces"]``), the fingerprint."""
+    """The values :func:`writeback_query` binds, in its order: the columns set, the fence
+    (``task["fingerprint"]``), the key, the failure a retried task may replace (``task["replaces"]``)."""
     value = {"answer": task.get("answer"), "model": task.get("model"), "error": task.get("error"),
              "status": definition.solved if outcome == "solved" else definition.failed}
     replaces = task.get("replaces")
     failure = {"status": definition.failed, "error": replaces.get("error") if replaces else None}
     failed = [failure[role] for role, _ in _sets(definition, "failed")]
-    return ([value[role] for role, _ in _sets(definition, outcome)] + [task["key"]]
-            + ([replaces is not None, *failed] if failed else []) + [task.get("fingerprint")])
+    return ([value[role] for role, _ in _sets(definition, outcome)] + [task.get("fingerprint"), task["key"]]
+            + ([replaces is not None, *failed] if failed else []))
 
 
 #: What :func:`write_back` did: ``written``; ``written_matching`` (written, and the row still
@@ -144,21 +195,23 @@ class RowNow:
     matches: bool  # it matches ``where``
     prompt: str | None  # its prompt column's text
     holds: bool  # it holds exactly what the write-back writes (written before a crash)
+    held: str  # the md5 of the columns a write-back sets (:func:`held`), as they are now
 
 
 def inspect(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any]) -> RowNow | None:
     """The row of ``task`` now (None: gone), to tell why its guarded write-back matched nothing."""
     sets = _sets(definition, outcome)
     columns = sql.SQL("").join(sql.SQL(", CAST({} AS text)").format(sql.Identifier(c)) for _, c in sets)
-    query = sql.SQL("SELECT coalesce({cond}, false), CAST({prompt} AS text){cols} FROM {table} WHERE {key} = %s").format(
-        cond=_where(definition), prompt=sql.Identifier(definition.prompt), cols=columns, table=_table(definition),
-        key=sql.Identifier(definition.key))
+    query = sql.SQL("SELECT coalesce({cond}, false), {held}, CAST({prompt} AS text){cols} FROM {table} "
+                    "WHERE {key} = %s").format(
+        cond=_where(definition), held=held(definition), prompt=sql.Identifier(definition.prompt), cols=columns,
+        table=_table(definition), key=sql.Identifier(definition.key))
     row = conn.exec_driver_sql(_render(conn, query), (task["key"],)).first()
     if row is None:
         return None
     wanted = writeback_values(definition, outcome, task)[:len(sets)]
-    held = [None if v is None else str(v) for v in row[2:]] == [None if v is None else str(v) for v in wanted]
-    return RowNow(bool(row[0]), row[1], held)
+    holds = [None if v is None else str(v) for v in row[3:]] == [None if v is None else str(v) for v in wanted]
+    return RowNow(bool(row[0]), row[2], holds, row[1])
 
 
 #: SQLSTATE classes of an error one row's write causes (its value refused: a data exception,

@@ -72,7 +72,7 @@ def _insert(services: Services, definition: SourceDef, read: Read, start: Cursor
         if read_cursor(conn, definition.name) != start:
             return False  # another ingester moved the cursor first; its batch held these rows
         inserted = insert_source_tasks(conn, definition.name, max_tokens, definition.models, tasks,
-                                       dedup=definition.dedup or services.settings.dedup)
+                                       held=read.window.held, dedup=definition.dedup or services.settings.dedup)
         # Recorded before the cursor moves past them, in its transaction (issue 38 finding 7).
         for key, reason in record_rejects(conn, definition.name, refused, [t.key for t in tasks if t.key]):
             log.warning("source %s: row %.80r is not a task: %s", definition.name, key, reason)

@@ -1,7 +1,7 @@
 """A team's row asked again: its prompt changed since it was read, or it was re-opened.
 
 A task of a source table is asked again (back to ``pending``, with the row's
-prompt as it is now and that prompt's fingerprint) when:
+prompt as it is now and its fence, :mod:`balancer.sources.catalog`) when:
 
 - its write-back found the row changed (its prompt no longer the one read) and
   still matching ``where`` (:func:`ask_again`, from the write-back, in the
@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection
 
 from balancer.backlog.operations import _RETRY as RETRY_VALUES  # what an operator's retry resets, declared once
 from balancer.services import Services
-from balancer.sources.catalog import TimeLimits, fingerprint, read_one
+from balancer.sources.catalog import RowRead, TimeLimits, read_one
 from balancer.sources.definition import SourceDef
 from balancer.sources.outbox import KEEPS_TASK
 from balancer.sources.rows import TooLong, row_to_task
@@ -46,12 +46,14 @@ def _kept() -> Any:
     return sa.exists().where(source_outbox.c.task_id == tasks.c.id, source_outbox.c.state.in_(KEEPS_TASK))
 
 
-def ask_again(conn: Connection, definition: SourceDef, task: Mapping[str, Any], prompt: str,
+def ask_again(conn: Connection, definition: SourceDef, task: Mapping[str, Any], row_now: RowRead,
               models: Mapping[str, int], max_prompt_bytes: int, *, checked: bool = False) -> str | None:
     """In the caller's transaction: the ended ``task`` (its ``task_id``, ``key``, ``priority``,
-    ``max_tokens``) back to pending with ``prompt``. None: asked again; else why not (the
+    ``max_tokens``) back to pending with its row's prompt now, fenced by the row as read
+    (``row_now``). None: asked again; else why not (the
     prompt is no task: empty, a NUL, over ``max_prompt_bytes``, no model; or the task moved
     meanwhile). ``checked``: only while no outbox row keeps it."""
+    prompt = row_now.prompt
     size = len(prompt.encode("utf-8"))
     row = row_to_task(definition.name, task["key"], TooLong(size, max_prompt_bytes) if size > max_prompt_bytes else prompt,
                       task["priority"], models=models, allowed=definition.models, max_tokens=task["max_tokens"])
@@ -59,7 +61,7 @@ def ask_again(conn: Connection, definition: SourceDef, task: Mapping[str, Any], 
         return row
     guard = [tasks.c.id == task["task_id"], tasks.c.status.in_(_ENDED)] + ([~_kept()] if checked else [])
     moved = conn.execute(sa.update(tasks).where(*guard).values(
-        **RETRY_VALUES, prompt=prompt, source_fingerprint=fingerprint(prompt), estimated_tokens=row.estimated_tokens,
+        **RETRY_VALUES, prompt=prompt, source_fingerprint=row_now.fence, estimated_tokens=row.estimated_tokens,
         prompt_tokens=None, completion_tokens=None, updated_at=sa.func.now())).rowcount
     if not moved:
         return "it is no longer ended"
@@ -84,11 +86,11 @@ def ask_reopened(services: Services, definition: SourceDef, team: Connection, ke
     limits = TimeLimits.of(services.settings)
     asked = 0
     for task in ended:
-        prompt = read_one(team, definition, task["key"], limits)  # after its write-back was seen done: not a stale read
-        if prompt is None:
+        row_now = read_one(team, definition, task["key"], limits)  # after its write-back was seen done: not a stale read
+        if row_now is None:
             continue
         with services.engine.begin() as conn:
-            why = ask_again(conn, definition, dict(task), prompt, models, services.settings.max_prompt_bytes,
+            why = ask_again(conn, definition, dict(task), row_now, models, services.settings.max_prompt_bytes,
                             checked=True)
         if why is None:
             asked += 1

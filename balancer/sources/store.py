@@ -25,6 +25,7 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.backlog.insert import share_answers
 from balancer.backlog.intake import IntakeRules, TaskRow
 from balancer.settings import Settings
+from balancer.sources.catalog import FENCE_SEPARATOR
 from balancer.sources.definition import SourceDef, SourceFileError, source_from_dict
 from balancer.sources.removal import cancel_for_removal, left, refusal, resume
 from balancer.sources.schema import source_outbox, sources
@@ -207,23 +208,24 @@ _INSERT_BATCH = sa.text("""
 WITH inserted AS (
     INSERT INTO tasks (source, key, prompt, priority, max_tokens, estimated_tokens, allowed_models, source_fingerprint,
                        from_table)
-    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed, md5(convert_to(r.prompt, 'UTF8')),
-           true
-    FROM unnest(:keys, :prompts, :priorities, :estimated) AS r(key, prompt, priority, estimated)
+    SELECT :source, r.key, r.prompt, r.priority, :max_tokens, r.estimated, :allowed,
+           md5(convert_to(r.prompt, 'UTF8')) || coalesce(:separator || r.held, ''), true
+    FROM unnest(:keys, :prompts, :priorities, :estimated, :held) AS r(key, prompt, priority, estimated, held)
     ON CONFLICT (source, key) WHERE key IS NOT NULL DO NOTHING
     RETURNING id
 )
 SELECT coalesce(array_agg(id), '{}') FROM inserted
 """).bindparams(sa.bindparam("keys", type_=ARRAY(sa.Text)), sa.bindparam("prompts", type_=ARRAY(sa.Text)),
                 sa.bindparam("priorities", type_=ARRAY(sa.Integer)), sa.bindparam("estimated", type_=ARRAY(sa.Integer)),
-                sa.bindparam("allowed", type_=ARRAY(sa.Text)))
+                sa.bindparam("allowed", type_=ARRAY(sa.Text)), sa.bindparam("held", type_=ARRAY(sa.Text)))
 
 
 def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed: tuple[str, ...] | None,
-                        rows: list[TaskRow], *, dedup: bool = False) -> int:
+                        rows: list[TaskRow], *, held: Mapping[str, str] | None = None, dedup: bool = False) -> int:
     """Insert one batch of a source's tasks (all with its ``max_tokens`` and allowed
-    models, each with its prompt's fingerprint: :func:`balancer.sources.catalog.fingerprint`),
-    skipping keys already present; returns how many were inserted. With
+    models, each with its fence: :func:`balancer.sources.catalog.fence`, of its prompt and of
+    what its row's written columns held when read, ``held`` by key), skipping keys already
+    present; returns how many were inserted. With
     ``dedup``, they may take identical tasks' answers (:func:`balancer.backlog.insert.share_answers`)."""
     if not rows:
         return 0
@@ -231,6 +233,7 @@ def insert_source_tasks(conn: Connection, source: str, max_tokens: int, allowed:
         "source": source, "max_tokens": max_tokens, "allowed": list(allowed) if allowed else None,
         "keys": [r.key for r in rows], "prompts": [r.prompt for r in rows],
         "priorities": [r.priority for r in rows], "estimated": [r.estimated_tokens for r in rows],
+        "held": [(held or {}).get(r.key or "") for r in rows], "separator": FENCE_SEPARATOR,
     }).scalar_one())
     if dedup:
         share_answers(conn, ids)

@@ -17,7 +17,7 @@ their columns' own types.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg2 import sql
@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from balancer.settings import Settings
-from balancer.sources.definition import SourceDef
+from balancer.sources.definition import WRITTEN_ROLES, SourceDef
 from balancer.sources.rows import TooLong, decode_prompt, position_text, position_values
 from balancer.sources.teamdb import TimeLimits
 
@@ -45,6 +45,14 @@ def _table(definition: SourceDef) -> sql.Composable:
 def _where(definition: SourceDef) -> sql.Composable:
     # Bound parameters go with this text, so a '%' of the team's condition is doubled to stay a '%'.
     return sql.SQL("({})").format(sql.SQL(definition.where.replace("%", "%%")))
+
+
+def held(definition: SourceDef) -> sql.Composable:
+    """The md5 of the columns a write-back sets, as the row holds them now: one row value of
+    their text, so a NULL and an empty string differ."""
+    columns = [definition.columns[role] for role in WRITTEN_ROLES if role in definition.columns]
+    return sql.SQL("md5(CAST(ROW({}) AS text))").format(
+        sql.SQL(", ").join(sql.SQL("CAST({} AS text)").format(sql.Identifier(c)) for c in columns))
 
 
 def _bounds(definition: SourceDef, *, after: bool, upto: bool) -> list[sql.Composable]:
@@ -69,7 +77,7 @@ def _order_by(definition: SourceDef, prefix: sql.Composable, descending: bool = 
 def read_query(definition: SourceDef, *, after: bool, upto: bool, as_bytes: bool = False) -> sql.Composable:
     """Rows of work past a position (and up to one): key as text, prompt (NULL when longer than
     the bytes bound first; its bytes as stored if ``as_bytes``), the prompt's length in bytes,
-    priority; in the source's order. The team's database measures the prompt, so a longer one
+    priority, what the written columns hold (:func:`held`); in the source's order. The team's database measures the prompt, so a longer one
     never crosses the wire. A row whose key is NULL is never read (:func:`count_null_keys`)."""
     prompt = sql.Identifier(definition.prompt)
     conditions = [_where(definition), *_bounds(definition, after=after, upto=upto)]
@@ -77,11 +85,12 @@ def read_query(definition: SourceDef, *, after: bool, upto: bool, as_bytes: bool
     size = sql.SQL("octet_length(CAST({} AS text))").format(prompt)
     return sql.SQL("SELECT CAST({key} AS text) AS balancer_key, "
                    "CASE WHEN {size} <= %s THEN {text} END AS balancer_prompt, "
-                   "{size} AS balancer_prompt_bytes, {priority} AS balancer_priority "
+                   "{size} AS balancer_prompt_bytes, {priority} AS balancer_priority, {held} AS balancer_held "
                    "FROM {table} WHERE {cond} ORDER BY {order} LIMIT %s").format(
         key=sql.Identifier(definition.key),
         text=sql.SQL("CAST(CAST({} AS text) AS bytea)" if as_bytes else "CAST({} AS text)").format(prompt),
-        size=size, priority=priority, table=_table(definition), cond=sql.SQL(" AND ").join(conditions),
+        size=size, priority=priority, held=held(definition), table=_table(definition),
+        cond=sql.SQL(" AND ").join(conditions),
         order=_order_by(definition, _table(definition)))
 
 
@@ -104,11 +113,13 @@ def window_query(definition: SourceDef, *, after: bool, upto: bool) -> sql.Compo
 @dataclass(frozen=True)
 class Window:
     """A read's window: its rows of work (key, prompt, priority), how many rows it examined,
-    and the last of them (a position: :func:`balancer.sources.rows.position_text`), None if none."""
+    the last of them (a position: :func:`balancer.sources.rows.position_text`), None if none,
+    and what each row of work's written columns held, by key (:func:`held`)."""
 
     rows: list[tuple]
     examined: int
     last: str | None
+    held: dict[str, str] = field(default_factory=dict)
 
 
 _NOT_TEXT = ("22021", "22P05")  # SQLSTATEs of bytes that are not text in an encoding
@@ -133,8 +144,8 @@ def read_window(conn: Connection, definition: SourceDef, after: str | None, upto
         examined, last, rows = _read(conn, definition, after, upto, span, bounds, limits, max_prompt_bytes,
                                      as_bytes=True)
     return Window([(key, TooLong(size, max_prompt_bytes) if prompt is None and size is not None
-                    and size > max_prompt_bytes else prompt, priority) for key, prompt, size, priority in rows],
-                  examined, last)
+                    and size > max_prompt_bytes else prompt, priority) for key, prompt, size, priority, _ in rows],
+                  examined, last, {key: written for key, *_, written in rows})
 
 
 def _read(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, span: int, bounds: list[Any],

@@ -4,10 +4,11 @@ The ``tasks_finished`` trigger (migration 0013; 0021 redefines it) puts a row in
 in the very transaction that ends the task, so no end is missed and none is
 queued twice. :func:`drain` takes waiting outbox rows (``FOR UPDATE SKIP
 LOCKED``: two drainers never take the same row) and writes each to the team's
-row with a guarded, fenced UPDATE (``... AND (where) AND md5(prompt) = <read>``,
-:mod:`balancer.sources.catalog`): a row someone else changed meanwhile is never
-overwritten. Its outbox row becomes a ``conflict`` (the row no longer matches
-``where``), or ``changed`` (its prompt changed and it still matches: its task is
+row with a guarded, fenced UPDATE (``... AND (where) AND md5(prompt) = <read>
+AND md5(written columns) = <read>``, :mod:`balancer.sources.catalog`): a row
+someone else changed meanwhile is never overwritten. Its outbox row becomes a
+``conflict`` (the row no longer matches ``where``, or someone wrote into its
+answer, model, error or status column), or ``changed`` (its prompt changed and it still matches: its task is
 asked again with the new prompt, :mod:`balancer.sources.reask`); both are
 counted in ``balancer status``.
 
@@ -58,10 +59,12 @@ from balancer.sources.catalog import (
     NOTHING,
     WRITTEN,
     WRITTEN_MATCHING,
+    RowRead,
     TimeLimits,
     describe,
     fingerprint,
     inspect,
+    prompt_part,
     refused_by_row,
     team_connection,
 )
@@ -76,6 +79,8 @@ log = logging.getLogger(__name__)
 _WRITE_ERRORS = (DBAPIError, UnicodeError)
 #: What one row's write-back came to, beside :mod:`balancer.sources.catalog`'s written ones.
 CONFLICT, CHANGED, REFUSED = "conflict", "changed", "refused"
+#: One row's write-back: what it came to, and the table's error (refused) or the row now (changed).
+Result = tuple[str, str | RowRead | None]
 
 
 @dataclass
@@ -92,19 +97,20 @@ class Drained:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def _why_missed(conn: Connection, definition: SourceDef, row: dict[str, Any]) -> tuple[str, str | None]:
-    """A row whose guarded write matched nothing: written before a crash, changed (its prompt
-    now), or a conflict."""
+def _why_missed(conn: Connection, definition: SourceDef, row: dict[str, Any]) -> Result:
+    """A row whose guarded write matched nothing: written before a crash, changed (the row now),
+    or a conflict (it no longer matches ``where``, or its written columns changed: someone else's)."""
     now = inspect(conn, definition, row["outcome"], row)
     if now is not None and now.holds:
         return WRITTEN, None  # written before a crash, its outbox row not yet removed
-    if now is not None and now.matches and now.prompt is not None and fingerprint(now.prompt) != row["fingerprint"]:
-        return CHANGED, now.prompt
+    if (now is not None and now.matches and now.prompt is not None
+            and fingerprint(now.prompt) != prompt_part(row["fingerprint"])):
+        return CHANGED, RowRead(now.prompt, now.held)
     return CONFLICT, None
 
 
 def _write_group(conn: Connection, definition: SourceDef, outcome: str, rows: list[dict], types: dict[str, str],
-                 rendered: dict[str, str | None], results: dict[int, tuple[str, str | None]]) -> None:
+                 rendered: dict[str, str | None], results: dict[int, Result]) -> None:
     """``rows`` (all ending as ``outcome``) in one statement, in a savepoint; a value the table
     refuses: each half again, down to the row refused alone with its error."""
     try:
@@ -141,9 +147,9 @@ def _transaction(services: Services, definition: SourceDef, own: Connection) -> 
 
 
 def _write_batch(services: Services, definition: SourceDef, conn: Connection,
-                 claimed: list[dict]) -> dict[int, tuple[str, str | None]]:
+                 claimed: list[dict]) -> dict[int, Result]:
     """Write ``claimed`` back in one transaction: one statement per outcome, a refused row alone."""
-    results: dict[int, tuple[str, str | None]] = {}
+    results: dict[int, Result] = {}
     with _transaction(services, definition, conn) as team:
         types = column_types(team, definition)
         rendered: dict[str, str | None] = {}
@@ -155,7 +161,7 @@ def _write_batch(services: Services, definition: SourceDef, conn: Connection,
 
 
 def _settle(services: Services, definition: SourceDef, conn: Connection, claimed: list[dict],
-            results: dict[int, tuple[str, str | None]]) -> Drained:
+            results: dict[int, Result]) -> Drained:
     """The claimed rows' outbox states after their write-backs (in the claim's transaction)."""
     report = Drained()
     by_state: dict[str, list[int]] = {}
@@ -164,9 +170,9 @@ def _settle(services: Services, definition: SourceDef, conn: Connection, claimed
     for row in claimed:
         result, detail = results[row["id"]]
         if result == REFUSED:
-            refused[row["id"]] = detail or "refused"
+            refused[row["id"]] = detail if isinstance(detail, str) else "refused"
             continue
-        if result == CHANGED and detail is not None:
+        if result == CHANGED and isinstance(detail, RowRead):
             models = models if models is not None else {q.name: q.burst for q in services.quotas.all()}
             why = ask_again(conn, definition, row, detail, models, services.settings.max_prompt_bytes)
             if why is not None:

@@ -215,6 +215,30 @@ def test_a_prompt_the_team_edits_after_it_was_read_gets_its_new_answer_never_the
     assert prune(svc.engine, datetime.now(UTC) + timedelta(hours=1), by="test", apply=True) == 30
 
 
+def test_an_answer_the_team_writes_into_a_row_while_its_call_runs_is_never_overwritten(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: with ``where = "status = 'unsolved'"``, a person typed an answer (or a model's name,
+    or an error) into a row whose call was running, leaving its status; the fence read only
+    ``where`` and the prompt, and balancer's answer replaced theirs. Now the columns a write-back
+    sets are part of the fence: those rows are not overwritten (counted so), the others are
+    written, and a retried task still replaces its own written failure."""
+    legacy.add(6)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    legacy.execute("UPDATE prompts SET answer = 'a person''s answer' WHERE id = 1")
+    legacy.execute("UPDATE prompts SET solved_by = 'a person' WHERE id = 2")
+    legacy.execute("UPDATE prompts SET error = '' WHERE id = 3")  # an empty string is not the NULL read
+    assert solve_pending(svc) == 6
+    drained = drain(svc)
+    assert (drained.written, drained.conflicts, drained.changed) == (3, 3, 0)
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id = 1 AND answer = 'a person''s answer' "
+                        "AND status = 'unsolved'") == 1
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id IN (2, 3) AND answer IS NULL") == 2
+    assert legacy.count("SELECT count(*) FROM prompts WHERE id > 3 AND status = 'solved'") == 3
+    code, out, _ = run(capsys, "status", "--json")
+    assert json.loads(out)["sources"][0]["conflicts"] == 3
+
+
 def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 3 (and 7): a row re-opened by the team (set back to match ``where``)

@@ -227,7 +227,7 @@ def test_a_source_on_balancer_s_own_tables_is_refused(svc: Services, tmp_path: P
     (47 tasks became 94 in 21 s). Balancer's own tables and views are refused at import."""
     for table, where in (("tasks", "status = 'pending'"), ("balancer_results", "status = 'failed'")):
         path = tmp_path / "own.toml"
-        path.write_text(f'[sources.loop]\ntable = "{table}"\nkey = "id"\nprompt = "answer"\nanswer = "answer"\n'
+        path.write_text(f'[sources.loop]\ntable = "{table}"\nkey = "id"\nprompt = "error"\nanswer = "answer"\n'
                         f'where = "{where}"\n')
         code, _, err = run(capsys, "source", "import", str(path))
         assert code == 2 and "is balancer's own table tasks" in err, (table, err)
