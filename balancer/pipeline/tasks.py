@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,11 +19,12 @@ from balancer.calls.consumers import ConsumerBeat
 from balancer.calls.heartbeat import live_calls
 from balancer.calls.pool import QuotaWatcher
 from balancer.calls.solver import SolveMessage, solve_chain
-from balancer.dispatch.dispatcher import Assignment, dispatch
+from balancer.dispatch.dispatcher import Assignment, DispatchReport, dispatch
 from balancer.dispatch.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.dispatch.lost import LostMessages
 from balancer.dispatch.trigger import clear_requests, request_dispatch
 from balancer.pipeline.app import app
+from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources.polling import SourceReadLoop
 from balancer.sources.writeback import WritebackLoop
@@ -75,11 +77,35 @@ def trigger_dispatch(delay_ms: int = 0) -> bool:
     )
 
 
+#: One dispatch run at a time in this process, and none asked for lost. The dispatcher runs two
+#: control tasks at once (``-c 2``, threads): a run asked for by a slot freed during another run
+#: started beside it, found the pending rows that run held (``SKIP LOCKED``) and ended with nothing,
+#: while the other, planning on a view read before the slot freed, left them pending; both had
+#: cleared the request flag, so the task waited for the next tick with the slot idle. Now a run
+#: asked for while one runs is left to that one, which runs again once it ends.
+_one_run = threading.Lock()
+_asked = threading.Event()
+
+
 @app.task(name=keys.DISPATCH_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
         mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
+    admitted = failed = 0
+    _asked.set()
+    # Checked after each release: an ask that came while the lock was held is run by its holder.
+    while _asked.is_set() and _one_run.acquire(blocking=False):
+        try:
+            _asked.clear()
+            report = _dispatch_once(svc)
+            admitted, failed = admitted + report.admitted, failed + report.failed
+        finally:
+            _one_run.release()
+    return {"admitted": admitted, "failed": failed}
+
+
+def _dispatch_once(svc: Services) -> DispatchReport:
     clear_requests(svc.redis, svc.settings.namespace)
     lost_messages.check(svc)  # before the round, which dispatches the tasks it returns
     report = dispatch(svc, publish)
@@ -88,7 +114,7 @@ def dispatch_task(from_beat: bool = False) -> dict:
     if report.admitted or report.failed:
         log.info("dispatched %d, failed %d, by model %s%s", report.admitted, report.failed, report.by_model,
                  f"; over budget, waiting: {', '.join(sorted(report.held))}" if report.held else "")
-    return {"admitted": report.admitted, "failed": report.failed}
+    return report
 
 
 def shutting_down() -> bool:

@@ -297,3 +297,56 @@ def test_a_run_that_finds_nothing_pending_asks_for_no_round_for_slow_start(svc: 
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert dispatch(svc, sent.extend).retry_in_ms is None
+
+
+def test_a_dispatch_asked_for_during_another_run_is_not_lost_to_the_rows_that_run_holds(
+        svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatcher runs two control tasks at once (``-c 2``, threads). A run (A) holds the pending
+    rows it claimed, planned on a live view in which "x" was full; meanwhile x's call ends, its worker
+    asks for a dispatch, and that run (B), on the other thread, finds x free but the rows locked
+    (``SKIP LOCKED``) and ends with nothing. A then admits nothing on its old view. Each run clears the
+    request flag as it starts, so nothing asked for another: the task waited for the next tick
+    (30 s in the reconnection test, whose beat is absent) while x stood idle. Now B leaves its run
+    to A, which runs again once it ends."""
+    from balancer.admission.values import Candidate
+    from balancer.dispatch import fairness
+    from balancer.pipeline import tasks as pipeline_tasks
+
+    svc.quotas.replace_all([Quota("x", 1, 10**6, slow_start=False),
+                            Quota("y", 1, 60, burst_tokens=300, slow_start=False)])  # y: a free slot, few tokens
+    (drain,) = svc.core.admit([Candidate(250, ("y",))])
+    assert isinstance(drain, Admitted)
+    svc.core.release(drain.admission_id)  # y's bucket is short of the next task for minutes
+    (call,) = svc.core.admit([Candidate(10, ("x",))])  # x's one slot: a call in flight
+    assert isinstance(call, Admitted)
+    (task_id,) = add(svc, [{"prompt": "t", "max_tokens": 250, "models": ["x", "y"]}])
+
+    sent: list[Assignment] = []
+    monkeypatch.setattr(pipeline_tasks.runtime, "services", lambda: svc)
+    monkeypatch.setattr(pipeline_tasks, "publish", sent.extend)
+    asked: list[int] = []
+    monkeypatch.setattr(pipeline_tasks, "trigger_dispatch", lambda delay_ms=0: asked.append(delay_ms))
+    claimed, go_on = threading.Event(), threading.Event()
+    original = fairness.claim_flexible
+
+    def claim_then_hold(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - A stops with the rows locked
+        window = original(*args, **kwargs)
+        if threading.current_thread().name == "run-a" and not claimed.is_set():
+            claimed.set()
+            go_on.wait(10)
+        return window
+
+    monkeypatch.setattr(fairness, "claim_flexible", claim_then_hold)
+    run_a = threading.Thread(target=pipeline_tasks.dispatch_task.run, name="run-a")
+    run_a.start()
+    try:
+        assert claimed.wait(10)
+        svc.core.release(call.admission_id)  # x's call ends: its worker asks for a dispatch, run B
+        run_b = threading.Thread(target=pipeline_tasks.dispatch_task.run, name="run-b")
+        run_b.start()
+        run_b.join(10)
+        assert not run_b.is_alive()  # B leaves its run to A, holding no thread of the pool meanwhile
+    finally:
+        go_on.set()
+        run_a.join(10)
+    assert [a.task_id for a in sent] == [task_id] and sent[0].model == "x", (statuses(svc), asked)
