@@ -23,6 +23,7 @@ part existed carries the first alone, and is fenced by it alone.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.sources.tables import base_tables, check_view_key, identities, key_is_unique
 
 # The team's database, imported from here by the rest of the room.
-from balancer.sources.teamdb import TimeLimits, describe, team_connection, team_engine, team_url  # noqa: F401
+from balancer.sources.teamdb import TimeLimits, describe, read_only, team_connection, team_engine, team_url  # noqa: F401
 from balancer.sources.window import _render, _table, _where, held, read_query
 
 
@@ -57,9 +58,7 @@ def read_one(conn: Connection, definition: SourceDef, key: str, limits: TimeLimi
     query = sql.SQL("SELECT CAST({prompt} AS text), {held} FROM {table} WHERE {key} = %s AND {cond}").format(
         prompt=sql.Identifier(definition.prompt), held=held(definition), table=_table(definition),
         key=sql.Identifier(definition.key), cond=_where(definition))
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-        (limits or TimeLimits()).apply(conn, local=True)
+    with read_only(conn, limits or TimeLimits()):
         row = conn.exec_driver_sql(_render(conn, query), (key,)).first()
     return None if row is None else RowRead(row[0], row[1])
 
@@ -246,11 +245,20 @@ _BOOLEAN = 16
 CONDITION_TIMEOUT_S = 5
 
 
+#: A function called in a plan's text (EXPLAIN VERBOSE deparses each call as ``name(`` or ``"name"(``).
+_CALLED = re.compile(r'"((?:[^"]|"")+)"\s*\(|([A-Za-z_][A-Za-z0-9_$]*)\s*\(')
+#: Of those names, the ones a volatile function has (``set_config``, ``random``, a function declared without STABLE).
+_VOLATILE = "SELECT DISTINCT proname FROM pg_proc WHERE proname = ANY(%s) AND provolatile = 'v' ORDER BY 1"
+
+
 def _check_condition(conn: Connection, definition: SourceDef) -> None:
     """In the caller's READ ONLY transaction: ``where`` alone in a select list is one
     column of type boolean (one expression, not two, not a row), and evaluates on a
     row of the table, read only, within :data:`CONDITION_TIMEOUT_S` (a function that
-    writes, or a sleep, is refused here rather than run by every write-back)."""
+    writes, or a sleep, is refused here rather than run by every write-back), and calls
+    no volatile function, by the names in its plan: a ``where`` runs in the write-back's
+    transaction, which on balancer's own database goes on with balancer's statements, so
+    ``set_config('search_path', ..., false)`` there would send those to the team's tables."""
     query = sql.SQL("SELECT {cond} AS balancer_condition FROM {table} LIMIT %s").format(
         cond=_where(definition), table=_table(definition))
     try:
@@ -264,6 +272,13 @@ def _check_condition(conn: Connection, definition: SourceDef) -> None:
                               f"{definition.table}: {describe(definition, exc)}") from None
     if types != [_BOOLEAN]:
         raise SourceFileError(f"sources.{definition.name}: where is not one boolean condition")
+    plan = "\n".join(line for (line,) in conn.exec_driver_sql("EXPLAIN (VERBOSE, COSTS OFF) " + _render(conn, query), (1,)))
+    called = sorted({quoted.replace('""', '"') if quoted else bare for quoted, bare in _CALLED.findall(plan)})
+    volatile = [name for (name,) in conn.exec_driver_sql(_VOLATILE, (called,))]
+    if volatile:
+        raise SourceFileError(f"sources.{definition.name}: where calls {', '.join(printable(v, 63) for v in volatile)}, "
+                              "a volatile function: a condition may call only stable and immutable ones (a volatile "
+                              "one, such as set_config, could change the session balancer's own queries run in)")
 
 
 #: A table with fewer rows than this gets no note: the rescan goes round it in a few polls.
@@ -283,8 +298,7 @@ def poll_note(conn: Connection, definition: SourceDef) -> str | None:
     if definition.cursor is not None:
         return None
     schema, table = definition.schema_and_table
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+    with read_only(conn):  # the session's own time limits
         relation = conn.exec_driver_sql(_RELATION, {"schema": schema, "table": table}).first()
         if relation is None:
             return None
@@ -308,8 +322,7 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
     Returns the tables it reads, as :func:`balancer.sources.tables.identities` writes them."""
     name = definition.name
     schema, table = definition.schema_and_table
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+    with read_only(conn):  # the session's own time limits
         relation = conn.exec_driver_sql(_RELATION, {"schema": schema, "table": table}).first()
         if relation is None or relation.relkind not in ("r", "p", "v", "m", "f"):
             raise SourceFileError(f"sources.{name}: no table {printable(definition.table, 130)} in its database")

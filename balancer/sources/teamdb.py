@@ -83,3 +83,18 @@ def team_connection(definition: SourceDef, own: Engine, limits: TimeLimits | Non
         raise ServiceUnavailable(f"source {definition.name}: cannot reach {where}: {describe(definition, exc)}") from None
     with conn:
         yield conn
+
+
+@contextmanager
+def read_only(conn: Connection, limits: TimeLimits | None = None, *, snapshot: bool = False) -> Iterator[Connection]:
+    """A ``READ ONLY`` transaction on ``conn`` within ``limits`` (None: the session's own)
+    (``snapshot``: one snapshot for all its statements, ``REPEATABLE READ``), rolled back at
+    its end, so that a setting a ``where`` changed for the session (``set_config(..., false)``)
+    goes with it."""
+    with conn.begin() as transaction:
+        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY" if snapshot
+                             else "SET TRANSACTION READ ONLY")
+        if limits is not None:
+            limits.apply(conn, local=True)
+        yield conn
+        transaction.rollback()

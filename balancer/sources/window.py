@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from balancer.settings import Settings
 from balancer.sources.definition import WRITTEN_ROLES, SourceDef
 from balancer.sources.rows import TooLong, decode_prompt, position_text, position_values
-from balancer.sources.teamdb import TimeLimits
+from balancer.sources.teamdb import TimeLimits, read_only
 
 #: ``BALANCER_MAX_PROMPT_BYTES``'s default, for a read not given the deployment's setting.
 DEFAULT_MAX_PROMPT_BYTES: int = Settings.max_prompt_bytes
@@ -151,9 +151,7 @@ def read_window(conn: Connection, definition: SourceDef, after: str | None, upto
 def _read(conn: Connection, definition: SourceDef, after: str | None, upto: str | None, span: int, bounds: list[Any],
           limits: TimeLimits | None, max_prompt_bytes: int, *, as_bytes: bool) -> tuple[int, str | None, list[tuple]]:
     has_after, has_upto = after is not None, upto is not None
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-        (limits or TimeLimits()).apply(conn, local=True)
+    with read_only(conn, limits or TimeLimits(), snapshot=True):
         found = conn.exec_driver_sql(_render(conn, window_query(definition, after=has_after, upto=has_upto)),
                                      (*bounds, span)).first()
         if found is None:
@@ -174,7 +172,5 @@ def count_null_keys(conn: Connection, definition: SourceDef, limits: TimeLimits 
     back to), so they are counted instead (``sources.null_keys``), in a READ ONLY transaction."""
     query = sql.SQL("SELECT count(*) FROM {table} WHERE {cond} AND {key} IS NULL").format(
         table=_table(definition), cond=_where(definition), key=sql.Identifier(definition.key))
-    with conn.begin():
-        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
-        (limits or TimeLimits()).apply(conn, local=True)
+    with read_only(conn, limits or TimeLimits()):
         return int(conn.exec_driver_sql(_render(conn, query)).scalar_one())

@@ -54,6 +54,9 @@ ESCAPING = "status = 'unsolved') OR (status = 'unsolved'"
     (ESCAPING, "closes a parenthesis it did not open"),
     ("status = E'x\\\\') OR (status = ''", "closes a parenthesis it did not open"),
     ("nextval('{schema}.prompts_id_seq') > 0", "where cannot be evaluated, read only"),
+    # A probe: on balancer's own database this sent balancer's next statements to the team's schema.
+    ("status = 'unsolved' AND set_config('search_path', 'x', false) IS NOT NULL", "where calls set_config, a volatile"),
+    ('"random"() < 2', "where calls random, a volatile"),
 ])
 def test_a_where_that_leaves_its_parentheses_or_is_not_one_side_effect_free_condition_is_refused_at_import(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys, where: str, message: str) -> None:  # noqa: ANN001
@@ -68,6 +71,31 @@ def test_a_where_that_leaves_its_parentheses_or_is_not_one_side_effect_free_cond
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     with svc.engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(sources)).scalar_one() == 0
+
+
+def test_a_read_leaves_no_session_setting_its_where_changed_on_the_connection(legacy: Legacy) -> None:
+    """Behind the import's refusal of a volatile ``where`` (above): a read's READ ONLY transaction
+    is rolled back, so a ``set_config(..., false)`` a stored ``where`` ran goes with it; before, it
+    stayed on the pooled connection balancer's own statements used next."""
+    from balancer.sources.catalog import read_one
+    from balancer.sources.definition import SourceDef
+    from balancer.sources.window import count_null_keys, read_window
+
+    legacy.add(2)
+    hijack = "set_config('application_name', 'hijacked', false) IS NOT NULL"
+    definition = SourceDef(name="crm", table=legacy.table, key="id", prompt="body", answer="answer", where=hijack)
+    with legacy.engine.connect() as conn:
+        def application_name() -> str:
+            with conn.begin():
+                return str(conn.exec_driver_sql("SHOW application_name").scalar_one())
+
+        before = application_name()
+        assert len(read_window(conn, definition, None, None, 10).rows) == 2
+        assert application_name() == before != "hijacked"
+        found = read_one(conn, definition, "1")
+        assert found is not None and found.prompt == "legacy prompt 0"
+        assert count_null_keys(conn, definition) == 0
+        assert application_name() == before
 
 
 def test_a_stored_where_that_leaves_its_parentheses_writes_into_no_other_row(
