@@ -64,6 +64,22 @@ def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> s
         guard=guard(definition, sql.SQL("balancer_v.balancer_fp"), replaces))
 
 
+def held_elsewhere(conn: Connection, definition: SourceDef, keys: list[str], types: dict[str, str]) -> set[str]:
+    """Lock the rows of ``keys`` for the caller's transaction, those no other transaction holds
+    (``SKIP LOCKED``), and return the keys of the rows another one holds: their write-backs wait
+    for a later pass, and the rest of the batch is written without waiting on them (a row the
+    team held ``FOR UPDATE`` for minutes kept every row of its batch unwritten)."""
+    table, key = _table(definition), sql.Identifier(definition.key)
+    wanted = sql.SQL("{} IN (SELECT CAST(k AS {}) FROM unnest(CAST(%s AS text[])) AS k)").format(
+        sql.SQL("balancer_t.{}").format(key), sql.SQL(types[definition.key]))
+    query = sql.SQL("WITH balancer_mine AS (SELECT balancer_t.{key} AS k FROM {table} AS balancer_t WHERE {wanted} "
+                    "FOR UPDATE OF balancer_t SKIP LOCKED) "
+                    "SELECT CAST(balancer_t.{key} AS text) FROM {table} AS balancer_t WHERE {wanted} "
+                    "AND balancer_t.{key} NOT IN (SELECT k FROM balancer_mine)").format(
+        key=key, table=table, wanted=wanted)
+    return {found for (found,) in conn.exec_driver_sql(_render(conn, query), (keys, keys))}
+
+
 def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: list[dict[str, Any]],
                types: dict[str, str], rendered: dict[str, str | None]) -> dict[int, bool] | None:
     """Write ``tasks`` (all ending as ``outcome``) in one statement in the caller's transaction:

@@ -18,8 +18,11 @@ value (a CHECK, a value too long for its column, a character its encoding
 lacks), the statement is halved, each half in a savepoint, down to the row
 refused, which fails alone with its error while the others are written. A refused row is
 tried again after a back-off, and after ``BALANCER_WRITEBACK_ATTEMPTS``
-refusals it is left ``unwritable`` (:mod:`balancer.sources.outbox`). A
-transient failure (the database away, a lock or statement timeout:
+refusals it is left ``unwritable`` (:mod:`balancer.sources.outbox`). A row
+another transaction holds locked (the team's ``SELECT ... FOR UPDATE``, an
+``UPDATE`` not yet committed) is skipped (``SKIP LOCKED``) and tried again
+after the back-off, the rest of its batch written meanwhile. A transient
+failure (the database away, a table lock, a lock or statement timeout:
 ``BALANCER_SOURCE_LOCK_TIMEOUT``, ``BALANCER_SOURCE_STATEMENT_TIMEOUT``; privileges)
 fails the batch, which is tried again after the back-off without limit; a
 source's failure never stops the sources after it.
@@ -54,7 +57,7 @@ from balancer.admission import keys
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources import outbox
-from balancer.sources.batchwrite import column_types, write_many
+from balancer.sources.batchwrite import column_types, held_elsewhere, write_many
 from balancer.sources.catalog import (
     NOTHING,
     WRITTEN,
@@ -77,8 +80,11 @@ log = logging.getLogger(__name__)
 #: What a write-back may raise: the database's error, or the driver's for a value the
 #: connection's encoding cannot hold (:func:`balancer.sources.catalog.refused_by_row` tells them apart).
 _WRITE_ERRORS = (DBAPIError, UnicodeError)
-#: What one row's write-back came to, beside :mod:`balancer.sources.catalog`'s written ones.
-CONFLICT, CHANGED, REFUSED = "conflict", "changed", "refused"
+#: What one row's write-back came to, beside :mod:`balancer.sources.catalog`'s written ones
+#: (``locked``: another transaction holds its row; tried again later).
+CONFLICT, CHANGED, REFUSED, LOCKED = "conflict", "changed", "refused", "locked"
+#: The error a write-back waiting on a row another transaction holds shows.
+ROW_LOCKED = "its row is locked by another transaction (FOR UPDATE, or an UPDATE not yet committed)"
 #: One row's write-back: what it came to, and the table's error (refused) or the row now (changed).
 Result = tuple[str, str | RowRead | None]
 
@@ -152,9 +158,11 @@ def _write_batch(services: Services, definition: SourceDef, conn: Connection,
     results: dict[int, Result] = {}
     with _transaction(services, definition, conn) as team:
         types = column_types(team, definition)
+        busy = held_elsewhere(team, definition, [r["key"] for r in claimed], types)
+        results.update({r["id"]: (LOCKED, None) for r in claimed if r["key"] in busy})
         rendered: dict[str, str | None] = {}
         for outcome in ("solved", "failed"):
-            rows = [r for r in claimed if r["outcome"] == outcome]
+            rows = [r for r in claimed if r["outcome"] == outcome and r["key"] not in busy]
             if rows:
                 _write_group(team, definition, outcome, rows, types, rendered, results)
     return results
@@ -167,8 +175,11 @@ def _settle(services: Services, definition: SourceDef, conn: Connection, claimed
     by_state: dict[str, list[int]] = {}
     refused: dict[int, str] = {}
     models: dict[str, int] | None = None
+    locked = [row["id"] for row in claimed if results[row["id"]][0] == LOCKED]
     for row in claimed:
         result, detail = results[row["id"]]
+        if result == LOCKED:
+            continue
         if result == REFUSED:
             refused[row["id"]] = detail if isinstance(detail, str) else "refused"
             continue
@@ -189,6 +200,9 @@ def _settle(services: Services, definition: SourceDef, conn: Connection, claimed
     report.changed = len(by_state.get(outbox.CHANGED, []))
     report.refused = len(refused)
     report.unwritable = outbox.refuse(conn, refused, services.settings.writeback_attempts)
+    if locked:
+        outbox.retry_later(conn, locked, ROW_LOCKED)
+        report.retrying = len(locked)
     return report
 
 
@@ -227,6 +241,8 @@ def _log(definition: SourceDef, report: Drained) -> None:
     if report.refused:
         log.warning("source %s: %d write-back(s) refused by its table (%d now unwritable)", definition.name,
                     report.refused, report.unwritable)
+    if report.retrying:
+        log.warning("source %s: %d write-back(s) wait: %s", definition.name, report.retrying, ROW_LOCKED)
 
 
 def drain(services: Services) -> Drained:

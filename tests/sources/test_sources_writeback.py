@@ -267,6 +267,33 @@ def test_an_answer_the_team_writes_into_a_row_while_its_call_runs_is_never_overw
     assert json.loads(out)["sources"][0]["conflicts"] == 3
 
 
+def test_a_row_the_team_holds_locked_waits_alone_and_the_rest_of_its_batch_is_written(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: the team held one row ``FOR UPDATE`` for 150 s; every write-back of its batch
+    (another row never locked among them) waited on it, seven lock timeouts in a row. Now the
+    rows another transaction holds are skipped (``SKIP LOCKED``) and tried again later, saying
+    why; the others are written at once."""
+    legacy.add(6)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 6
+    with legacy.engine.connect() as holder:
+        holder.exec_driver_sql(f"SELECT 1 FROM {legacy.table} WHERE id = 3 FOR UPDATE")  # held until rolled back
+        drained = drain(svc)
+        assert (drained.written, drained.retrying) == (5, 1)
+        with svc.engine.connect() as conn:
+            waiting = conn.execute(sa.select(source_outbox.c.state, source_outbox.c.last_error)).all()
+        assert [tuple(w) for w in waiting] == [("waiting", "its row is locked by another transaction "
+                                                           "(FOR UPDATE, or an UPDATE not yet committed)")]
+        holder.rollback()
+    assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved'") == 5
+    deadline = time.monotonic() + 30
+    while legacy.count("SELECT count(*) FROM prompts WHERE id = 3 AND status = 'solved'") == 0:
+        assert time.monotonic() < deadline, "the locked row was never written once let go"
+        drain(svc)  # its back-off: a second
+        time.sleep(0.1)
+
+
 def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 3 (and 7): a row re-opened by the team (set back to match ``where``)
