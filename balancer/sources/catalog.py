@@ -237,6 +237,8 @@ WHERE c.oid = to_regclass(CASE WHEN %(schema)s IS NULL THEN quote_ident(%(table)
                                ELSE quote_ident(%(schema)s) || '.' || quote_ident(%(table)s) END)
 """
 _COLUMNS = "SELECT attname, attnum FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped"
+#: A table that other tables inherit from (a partitioned table's partitions are relkind 'p' parents, not these).
+_CHILDREN = "SELECT 1 FROM pg_inherits WHERE inhparent = %s LIMIT 1"
 
 
 #: PostgreSQL's type oid of ``boolean``.
@@ -326,6 +328,14 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
         relation = conn.exec_driver_sql(_RELATION, {"schema": schema, "table": table}).first()
         if relation is None or relation.relkind not in ("r", "p", "v", "m", "f"):
             raise SourceFileError(f"sources.{name}: no table {printable(definition.table, 130)} in its database")
+        if relation.relkind == "f":
+            raise SourceFileError(f"sources.{name}: {printable(definition.table, 130)} is a foreign table: its key cannot "
+                                  "be proven unique here, and one write-back could change several rows (declare the "
+                                  "remote table itself, its URL in database_url_env)")
+        if relation.relkind == "r" and conn.exec_driver_sql(_CHILDREN, (relation.oid,)).first() is not None:
+            raise SourceFileError(f"sources.{name}: {printable(definition.table, 130)} has tables that inherit from it: "
+                                  "its key is unique in it alone, not across them, and one write-back could change a "
+                                  "row in each (declare each table alone, or a partitioned table)")
         columns = {r.attname: r.attnum for r in conn.exec_driver_sql(_COLUMNS, (relation.oid,))}
         for role, column in definition.columns.items():
             if column not in columns:

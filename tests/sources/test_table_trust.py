@@ -222,6 +222,31 @@ def test_a_view_is_a_source_only_when_its_key_is_a_unique_column_of_the_one_tabl
     assert _import(tmp_path, capsys, "v", f"{legacy.schema}.plain")[0] == 0
 
 
+def test_a_table_others_inherit_from_or_a_foreign_table_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                   capsys) -> None:  # noqa: ANN001
+    """A probe: one task wrote two rows, in a parent table and in a child holding the same key
+    (its primary key is the parent's alone), and in a foreign table over a table with the key
+    twice. Both are refused at import; a partitioned table, whose key is unique across its
+    partitions, is not."""
+    columns = "id bigint, body text NOT NULL, status text, answer text, solved_by text, error text, priority int"
+    legacy.execute(f"CREATE TABLE parent ({columns}, PRIMARY KEY (id)); CREATE TABLE child (PRIMARY KEY (id)) INHERITS (parent);"
+                   f"CREATE TABLE parted ({columns}, PRIMARY KEY (id)) PARTITION BY RANGE (id);"
+                   "CREATE TABLE parted_all PARTITION OF parted FOR VALUES FROM (MINVALUE) TO (MAXVALUE)")
+    code, _, err = _import(tmp_path, capsys, "p", f"{legacy.schema}.parent")
+    assert code == 2 and "has tables that inherit from it" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _import(tmp_path, capsys, "c", f"{legacy.schema}.child")
+    assert code == 0, err  # a child alone: its own rows
+    assert _import(tmp_path, capsys, "d", f"{legacy.schema}.parted")[0] == 0
+    try:
+        legacy.execute("CREATE EXTENSION IF NOT EXISTS postgres_fdw")
+    except sa.exc.DBAPIError as exc:
+        pytest.skip(f"postgres_fdw cannot be created here: {exc.orig}")
+    legacy.execute("CREATE SERVER IF NOT EXISTS balancer_test_loop FOREIGN DATA WRAPPER postgres_fdw;"
+                   f"CREATE FOREIGN TABLE far ({columns}) SERVER balancer_test_loop")
+    code, _, err = _import(tmp_path, capsys, "f", f"{legacy.schema}.far")
+    assert code == 2 and "is a foreign table" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_source_on_balancer_s_own_tables_is_refused(svc: Services, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 4: a source declared on balancer's own ``tasks`` table was accepted
     (47 tasks became 94 in 21 s). Balancer's own tables and views are refused at import."""
