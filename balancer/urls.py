@@ -14,8 +14,9 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,31}$")
 POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg2")
 
 
-def normalize_database_url(url: str) -> str:
-    """Map plain ``postgresql://`` URLs to the psycopg2 driver.
+def normalize_database_url(url: str, variable: str = "BALANCER_DATABASE_URL") -> str:
+    """Map plain ``postgresql://`` URLs to the psycopg2 driver (``variable``: where the URL
+    came from, named by the error for any other URL).
 
     SQLAlchemy 2.1 maps a bare ``postgresql://`` to psycopg 3, which is not a
     dependency here.
@@ -28,7 +29,7 @@ def normalize_database_url(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in POSTGRES_SCHEMES:
         raise ConfigError(
-            f"BALANCER_DATABASE_URL must be a postgresql:// URL, got {mask_url(url)!r}"
+            f"{variable} must be a postgresql:// URL, got {mask_url(url)!r}"
         )
     return f"postgresql+psycopg2://{rest}"
 

@@ -15,7 +15,7 @@ from balancer.errors import ConfigError, ServiceUnavailable, printable
 from balancer.settings import Settings
 from balancer.sources.definition import SourceDef
 from balancer.storage.db import cached_engine
-from balancer.urls import mask_url, scrub
+from balancer.urls import mask_url, normalize_database_url, scrub
 
 
 def team_url(definition: SourceDef, own_url: str) -> str:
@@ -26,6 +26,7 @@ def team_url(definition: SourceDef, own_url: str) -> str:
     if not url:
         raise ConfigError(f"source {definition.name}: the environment variable {definition.database_url_env} "
                           "(its database URL) is not set")
+    normalize_database_url(url, definition.database_url_env)  # another scheme: the error names this variable
     return url
 
 

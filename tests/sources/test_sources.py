@@ -88,6 +88,16 @@ def test_a_hostile_source_definition_is_one_line_exit_2_and_stores_nothing(
     assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'unsolved'") == 0  # untouched, still there
 
 
+def test_a_source_url_of_another_database_names_its_own_variable(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                  capsys, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A probe: a MySQL URL in the source's variable was refused as "BALANCER_DATABASE_URL must be
+    a postgresql:// URL", a variable that was right."""
+    monkeypatch.setenv("LEGACY_DATABASE_URL", "mysql://u@db.example/team")
+    code, _, err = import_legacy(tmp_path, capsys, legacy.table)
+    assert code == 2 and "LEGACY_DATABASE_URL must be a postgresql:// URL, got 'mysql://***@db.example/team'" in err, err
+    assert "BALANCER_DATABASE_URL" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_source_naming_a_model_with_no_quota_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
                                                           capsys) -> None:  # noqa: ANN001
     """As ``submit`` refuses a task for an unknown model: the source's rows would never be tasks
