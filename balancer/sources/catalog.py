@@ -341,6 +341,10 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
             if column not in columns:
                 raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}"
                                       + did_you_mean(column, columns))
+        if conn.exec_driver_sql(_KEY_TYPE, (relation.oid, definition.prompt)).one()[0] == "bytea":
+            raise SourceFileError(f"sources.{name}: prompt column {definition.prompt!r} is bytea: its text would be "
+                                  "its bytes in hex, not the prompt (a view that decodes it, convert_from(...), can be "
+                                  "the source)")
         if definition.cursor and relation.relkind != "v" and not conn.exec_driver_sql(
                 _KEY_TYPE, (relation.oid, definition.cursor)).one()[1]:
             raise SourceFileError(f"sources.{name}: cursor column {definition.cursor!r} of {definition.table} may be "

@@ -222,7 +222,7 @@ def test_a_view_is_a_source_only_when_its_key_is_a_unique_column_of_the_one_tabl
     assert _import(tmp_path, capsys, "v", f"{legacy.schema}.plain")[0] == 0
 
 
-def test_a_table_others_inherit_from_or_a_foreign_table_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
+def test_a_bytea_prompt_a_table_others_inherit_from_or_a_foreign_table_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
                                                                    capsys) -> None:  # noqa: ANN001
     """A probe: one task wrote two rows, in a parent table and in a child holding the same key
     (its primary key is the parent's alone), and in a foreign table over a table with the key
@@ -232,6 +232,10 @@ def test_a_table_others_inherit_from_or_a_foreign_table_is_refused(svc: Services
     legacy.execute(f"CREATE TABLE parent ({columns}, PRIMARY KEY (id)); CREATE TABLE child (PRIMARY KEY (id)) INHERITS (parent);"
                    f"CREATE TABLE parted ({columns}, PRIMARY KEY (id)) PARTITION BY RANGE (id);"
                    "CREATE TABLE parted_all PARTITION OF parted FOR VALUES FROM (MINVALUE) TO (MAXVALUE)")
+    legacy.execute("CREATE TABLE raw (id bigint PRIMARY KEY, body bytea NOT NULL, status text, answer text, "
+                   "solved_by text, error text, priority int)")
+    code, _, err = _import(tmp_path, capsys, "r", f"{legacy.schema}.raw")  # its prompts went out as hex
+    assert code == 2 and "prompt column 'body' is bytea" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = _import(tmp_path, capsys, "p", f"{legacy.schema}.parent")
     assert code == 2 and "has tables that inherit from it" in err and len(err.strip().splitlines()) == 1, err
     code, _, err = _import(tmp_path, capsys, "c", f"{legacy.schema}.child")
