@@ -29,14 +29,15 @@ from sqlalchemy.engine import Connection, Engine
 
 from balancer.backlog.intake import TaskRow
 from balancer.services import Services
+from balancer.sources.batchwrite import column_types
 from balancer.sources.catalog import TimeLimits, team_connection
 from balancer.sources.definition import SourceDef
 from balancer.sources.read_errors import clear_read_error, note_read_error
 from balancer.sources.reask import ask_reopened
 from balancer.sources.rows import after_read, after_rescan, rows_to_tasks
-from balancer.sources.schema import sources
+from balancer.sources.schema import source_rejects, sources
 from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
-from balancer.sources.window import Window, count_null_keys, read_window
+from balancer.sources.window import Window, count_null_keys, read_window, still_work
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
             _insert(services, definition, prepared(window), start, Cursor(position, rescan), True, report)
             if rescan is None:  # the rescan went round the table: count its rows with no key again
                 set_null_keys(services.engine, definition.name, count_null_keys(team, definition, limits))
+                forget_gone_rejects(services.engine, definition, team, limits)
             report.reasked += ask_reopened(services, definition, team, [r[0] for r in window.rows])
     return report
 
@@ -159,6 +161,29 @@ def record_rejects(conn: Connection, source: str, refused: list[tuple[str, str]]
         return []
     return [tuple(r) for r in conn.execute(_RECORD, {"source": source, "keys": [k[:MAX_RECORDED_KEY] for k, _ in refused],
                                                      "reasons": [reason for _, reason in refused]})]
+
+
+#: How many recorded rows that are not tasks one round of the rescan looks up again.
+RECHECKED_REJECTS = 10_000
+
+
+def forget_gone_rejects(engine: Engine, definition: SourceDef, team: Connection, limits: TimeLimits) -> int:
+    """Once a round of the rescan: the rows recorded as not tasks that are gone, or no longer
+    match ``where``, are no longer counted (a row that is a task now is forgotten as it is
+    inserted, :func:`record_rejects`). Returns how many were forgotten."""
+    with engine.connect() as conn:
+        recorded = list(conn.execute(sa.select(source_rejects.c.key).where(
+            source_rejects.c.source == definition.name, sa.func.length(source_rejects.c.key) < MAX_RECORDED_KEY)
+            .limit(RECHECKED_REJECTS)).scalars())
+    if not recorded:
+        return 0
+    key_type = column_types(team, definition)[definition.key]
+    team.rollback()  # the catalog read's transaction: still_work opens its own
+    gone = sorted(set(recorded) - still_work(team, definition, recorded, key_type, limits))
+    if gone:
+        with engine.begin() as conn:
+            conn.execute(_FORGET, {"source": definition.name, "keys": gone})
+    return len(gone)
 
 
 def set_null_keys(engine: Engine, source: str, count: int) -> None:

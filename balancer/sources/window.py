@@ -174,3 +174,14 @@ def count_null_keys(conn: Connection, definition: SourceDef, limits: TimeLimits 
         table=_table(definition), cond=_where(definition), key=sql.Identifier(definition.key))
     with read_only(conn, limits or TimeLimits()):
         return int(conn.exec_driver_sql(_render(conn, query)).scalar_one())
+
+
+def still_work(conn: Connection, definition: SourceDef, keys: list[str], key_type: str,
+               limits: TimeLimits | None = None) -> set[str]:
+    """Of ``keys`` (as text), those whose row is there and matches ``where`` now, found through
+    the key's index (``key_type``: its type as the catalog names it), in a READ ONLY transaction."""
+    query = sql.SQL("SELECT CAST({key} AS text) FROM {table} WHERE {key} IN "
+                    "(SELECT CAST(k AS {kind}) FROM unnest(CAST(%s AS text[])) AS k) AND {cond}").format(
+        key=sql.Identifier(definition.key), table=_table(definition), kind=sql.SQL(key_type), cond=_where(definition))
+    with read_only(conn, limits or TimeLimits()):
+        return {key for (key,) in conn.exec_driver_sql(_render(conn, query), (keys,))}

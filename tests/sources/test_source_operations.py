@@ -246,6 +246,28 @@ def test_rows_with_a_null_key_or_an_empty_prompt_are_counted_with_their_reason(s
     assert "keyed: 3\n(NULL key 2, empty prompt 1)" in page, page
 
 
+def test_a_row_not_a_task_that_is_deleted_or_stops_matching_where_is_no_longer_counted(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: ``rows not tasks 2 (empty prompt 2)`` stayed after the team deleted both rows, and
+    rows set to match ``where`` no more stayed counted too. Once a round of the rescan, the rows
+    recorded are looked up again: those gone or not matching are forgotten, the others kept."""
+    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
+                   "INSERT INTO keyed (k, body) VALUES ('a', 'first'), ('b', ''), ('c', '   '), ('d', ' ')")
+    path = tmp_path / "keyed.toml"
+    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
+    assert run(capsys, "source", "import", str(path))[0] == 0
+    recorded = sa.select(sa.text("key FROM source_rejects WHERE source = 'keyed' ORDER BY key"))
+    ingest_twice(svc)
+    with svc.engine.connect() as conn:
+        assert list(conn.execute(recorded).scalars()) == ["b", "c", "d"]
+    legacy.execute("DELETE FROM keyed WHERE k = 'b'; UPDATE keyed SET status = 'skipped' WHERE k = 'c'")
+    ingest_twice(svc)  # the second read's rescan goes round the table
+    with svc.engine.connect() as conn:
+        assert list(conn.execute(recorded).scalars()) == ["d"]
+    code, out, _ = run(capsys, "source", "list")
+    assert code == 0 and "rows not tasks 1 (empty prompt 1)" in out, out
+
+
 def top_sources_text(svc: Services) -> str:
     """``balancer top``'s table of sources, as it draws it."""
     from rich.console import Console
