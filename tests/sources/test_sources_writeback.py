@@ -249,7 +249,8 @@ def test_an_answer_the_team_writes_into_a_row_while_its_call_runs_is_never_overw
     or an error) into a row whose call was running, leaving its status; the fence read only
     ``where`` and the prompt, and balancer's answer replaced theirs. Now the columns a write-back
     sets are part of the fence: those rows are not overwritten (counted so), the others are
-    written, and a retried task still replaces its own written failure."""
+    written (a retried task still replaces its own written failure:
+    tests/sources/test_source_operations.py::test_retry_of_a_failed_source_task_writes_its_new_answer_back)."""
     legacy.add(6)
     assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
     ingest_sources(svc)
