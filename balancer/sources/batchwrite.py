@@ -33,10 +33,22 @@ WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped
 """
 
 
+class ColumnsGone(LookupError):
+    """A column the source names is no longer in its table (renamed or dropped since the import)."""
+
+
 def column_types(conn: Connection, definition: SourceDef) -> dict[str, str]:
-    """The source's columns and their types, as the team's catalog names them now."""
+    """The source's columns and their types, as the team's catalog names them now;
+    :class:`ColumnsGone` when the table or one of them is gone."""
     name = _render(conn, _table(definition))
-    return {column: kind for column, kind in conn.exec_driver_sql(_TYPES, (name,))}
+    types = {column: kind for column, kind in conn.exec_driver_sql(_TYPES, (name,))}
+    gone = [f"{column} ({role})" for role, column in definition.columns.items() if column not in types]
+    if not types:
+        raise ColumnsGone(f"table {definition.table} is gone (renamed or dropped since the source's import)")
+    if gone:
+        raise ColumnsGone(f"column(s) {', '.join(gone)} of {definition.table} are gone (renamed or dropped since "
+                          "the source's import)")
+    return types
 
 
 def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> sql.Composable | None:

@@ -295,6 +295,22 @@ def test_a_row_the_team_holds_locked_waits_alone_and_the_rest_of_its_batch_is_wr
         time.sleep(0.1)
 
 
+def test_a_column_renamed_after_the_import_is_named_in_the_write_back_error(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: with the answer column renamed, every write-back failed with the error text
+    ``'answer'`` (a KeyError's), shown as "will retry: 'answer'". It names the column now."""
+    legacy.add(2)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 2
+    legacy.execute("ALTER TABLE prompts RENAME COLUMN answer TO answer_text")
+    assert drain(svc).retrying == 2
+    with svc.engine.connect() as conn:
+        errors = set(conn.execute(sa.select(source_outbox.c.last_error)).scalars())
+    assert errors == {f"column(s) answer (answer) of {legacy.table} are gone (renamed or dropped since the "
+                      "source's import)"}, errors
+
+
 def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 3 (and 7): a row re-opened by the team (set back to match ``where``)
