@@ -33,6 +33,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
     from balancer.sources.catalog import check_source, poll_note, team_connection
     from balancer.sources.definition import SourceFileError, parse_source_file
+    from balancer.sources.read_errors import clear_read_errors
     from balancer.sources.store import import_sources
     from balancer.storage.audit import default_actor
 
@@ -57,6 +58,8 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
             notes.append(poll_note(conn, definition))  # a poll that cannot use an index (issue 38 finding 11)
     summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run,
                              relations=relations)
+    if not dry_run:
+        clear_read_errors(svc.redis, svc.settings.namespace, summary.removed)
     echo_changes(summary, f"{len(definitions)} source(s)", name, dry_run, replace)
     for note in notes:
         if note:
@@ -93,7 +96,7 @@ def source_list(as_json: bool) -> None:
         weighted = weights(conn)
     rows = source_status(svc.engine)
     budgets = read_standings(svc)
-    unreadable = read_errors(svc.redis, svc.settings.namespace)  # its last read's error, as status shows it
+    unreadable = read_errors(svc.redis, svc.settings.namespace, definitions)  # its last read's error, as status shows it
     others = sorted((budgets.keys() | weighted.keys()) - definitions.keys())  # JSONL and inbox sources
     if as_json:
         listed = [{**definitions[r.name].as_dict(), **r.as_dict(),
@@ -170,10 +173,13 @@ def budget_line(b) -> str:  # noqa: ANN001 - a costs.budget.Standing
 def source_remove(name: str, cancel: bool, by: str | None) -> None:
     """Stop reading NAME (its tasks stay; its table is not touched). Refused, with the counts, while
     it has tasks not ended or write-backs waiting, unless --cancel; importing it again resumes them."""
+    from balancer.sources.read_errors import clear_read_errors
     from balancer.sources.store import remove_source
     from balancer.storage.audit import default_actor
 
-    done = remove_source(migrated().engine, name, by=by or default_actor(), cancel=cancel)
+    svc = migrated()
+    done = remove_source(svc.engine, name, by=by or default_actor(), cancel=cancel)
+    clear_read_errors(svc.redis, svc.settings.namespace, [name])
     if not done:
         click.echo(f"{printable(name)}: removed")
         return

@@ -23,6 +23,7 @@ from balancer.admission.live import ModelLive
 from balancer.costs.budget import Standing
 from balancer.health.reasons import Health, ModelFacts, SourceFacts, assess
 from balancer.sources.read_errors import read_errors
+from balancer.sources.reads import Writebacks
 
 #: How long a failed call is remembered when nothing answers or fails after it.
 FAILURE_TTL_S = 3600
@@ -101,32 +102,31 @@ def model_facts(view: Mapping[str, ModelLive], counters: Mapping[str, Mapping[st
     return facts
 
 
-def source_facts(budgets: Mapping[str, Standing],
-                 unwritable: Mapping[str, tuple[int, str | None]] | None = None,
+def source_facts(budgets: Mapping[str, Standing], writebacks: Mapping[str, Writebacks] | None = None,
                  read_errors: Mapping[str, str] | None = None) -> list[SourceFacts]:
-    """Each source's facts: its budgets' standing, its write-backs left unwritable (how
-    many, the latest one's error: :func:`balancer.sources.reads.unwritable_by_source`), and
-    its table's last failed read (:func:`balancer.sources.read_errors.read_errors`)."""
-    unwritable, read_errors = unwritable or {}, read_errors or {}
+    """Each source's facts: its budgets' standing, its write-backs in trouble (each declared
+    source's: :func:`balancer.sources.reads.writebacks_by_source`), and its table's last failed
+    read (:func:`balancer.sources.read_errors.read_errors`)."""
+    writebacks, read_errors = writebacks or {}, read_errors or {}
     facts = []
-    for name in sorted(budgets.keys() | unwritable.keys() | read_errors.keys()):
+    for name in sorted(budgets.keys() | writebacks.keys() | read_errors.keys()):
         st = budgets.get(name)
-        count, error = unwritable.get(name, (0, None))
+        w = writebacks.get(name, Writebacks())
         facts.append(SourceFacts(
             name, over_budget=None if st is None else "money" if st.money_spent else "tokens" if st.tokens_spent else None,
-            unwritable=count, unwritable_error=error, read_error=read_errors.get(name)))
+            unwritable=w.unwritable, unwritable_error=w.unwritable_error, read_error=read_errors.get(name)))
     return facts
 
 
 def read_health(client: redis.Redis, namespace: str, view: Mapping[str, ModelLive],
                 counters: Mapping[str, Mapping[str, int]], budgets: Mapping[str, Standing], unfinished: int, *,
-                consumers: bool = False, unwritable: Mapping[str, tuple[int, str | None]] | None = None) -> Health:
+                consumers: bool = False, writebacks: Mapping[str, Writebacks]) -> Health:
     """One look's reasons (:func:`balancer.health.reasons.assess`). With ``consumers``
     (``BALANCER_CONSUMERS_REQUIRED``: the dispatcher sends nothing to a model no worker
     consumes), each model's live consumer count from the view, so one with none says so.
-    ``unwritable``: each source's write-backs left unwritable, and the latest one's error; each
-    source table's last failed read comes from Redis."""
+    ``writebacks``: every declared source, with its write-backs in trouble; each one's table's
+    last failed read comes from Redis (of a name it does not hold, a source removed: not said)."""
     failures = read_failures(client, namespace, sorted(view))
     counts = {name: m.consumers for name, m in view.items()} if consumers else None
-    sources = source_facts(budgets, unwritable, read_errors(client, namespace))
+    sources = source_facts(budgets, writebacks, read_errors(client, namespace, writebacks.keys()))
     return assess(model_facts(view, counters, failures, counts), sources, unfinished)

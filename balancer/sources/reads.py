@@ -1,7 +1,7 @@
 """What ``status``, ``top``, ``source list``, the metrics exporter and the dispatcher read per
 source: each source table's tasks by state, write-backs and cursor lag
 (:func:`source_status`), rows of work that are not tasks (:func:`not_tasks_by_source`),
-write-backs left unwritable (:func:`unwritable_by_source`), every budget per day set
+every declared source's write-backs in trouble (:func:`writebacks_by_source`), every budget per day set
 (:func:`budgets`), and whether any task carries a source (:func:`has_tasks`). SQL text, run
 on an engine, a connection or ``status``'s snapshot (:mod:`balancer.storage.rows`)."""
 
@@ -89,15 +89,25 @@ def source_status(db: RowSource) -> list[SourceStatus]:
             not_tasks in fetch(db, _SOURCE_STATUS)]
 
 
-_UNWRITABLE = """
-SELECT source, count(*), (array_agg(last_error ORDER BY id DESC))[1] FROM source_outbox
-WHERE state = 'unwritable' GROUP BY source ORDER BY source
+@dataclass(frozen=True)
+class Writebacks:
+    """A declared source's write-backs in trouble (:mod:`balancer.sources.outbox`)."""
+
+    unwritable: int = 0  # refused by its table until they were left unwritable
+    unwritable_error: str | None = None  # the latest of those's error
+
+
+_WRITEBACKS = """
+SELECT s.name, count(o.id), (array_agg(o.last_error ORDER BY o.id DESC) FILTER (WHERE o.id IS NOT NULL))[1]
+FROM sources s LEFT JOIN source_outbox o ON o.source = s.name AND o.state = 'unwritable'
+GROUP BY s.name ORDER BY s.name
 """
 
 
-def unwritable_by_source(db: RowSource) -> dict[str, tuple[int, str | None]]:
-    """Each source with write-backs left unwritable: how many, and the latest one's error."""
-    return {source: (int(n), error) for source, n, error in fetch(db, _UNWRITABLE)}
+def writebacks_by_source(db: RowSource) -> dict[str, Writebacks]:
+    """Every declared source (and no other name: a source removed is no longer one), with its
+    write-backs left unwritable: how many, and the latest one's error."""
+    return {source: Writebacks(int(n), error) for source, n, error in fetch(db, _WRITEBACKS)}
 
 
 def not_read_to_end(db: RowSource) -> list[str]:

@@ -45,7 +45,7 @@ from balancer.health.reasons import REASONS, kinds
 from balancer.httpguard import READ_TIMEOUT_S, HostNames, host_name
 from balancer.services import Services
 from balancer.sources.metrics import add_source_metrics, source_families
-from balancer.sources.reads import unwritable_by_source
+from balancer.sources.reads import writebacks_by_source
 from balancer.views.summary import estimate_band
 
 #: Outcomes of a call, as ``balancer_model_calls_total{outcome}`` counts them.
@@ -186,7 +186,7 @@ class BalancerCollector(Collector):
         quotas = svc.quotas.all()  # once: the budgets' prices and the spend's
         standings = read_standings(svc, quotas=quotas)  # once: the ETA's held sources and the per-source budgets
         health = read_health(svc.redis, svc.settings.namespace, view, per_model, standings, left.unfinished,
-                             consumers=svc.settings.consumers_required, unwritable=unwritable_by_source(svc.engine))
+                             consumers=svc.settings.consumers_required, writebacks=writebacks_by_source(svc.engine))
         drain = estimate_band(svc, view, left, held(standings), health.stopped_models)  # as status reads it
         for name in view:
             present = {r.kind for r in health.models.get(name, [])}

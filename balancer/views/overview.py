@@ -20,7 +20,7 @@ from balancer.health.facts import read_health
 from balancer.health.reasons import Health
 from balancer.quotas.rows import all_quotas
 from balancer.snapshot import ReadServices
-from balancer.sources.reads import not_read_to_end, unwritable_by_source
+from balancer.sources.reads import not_read_to_end, writebacks_by_source
 from balancer.views.eta import Forecast
 from balancer.views.summary import ModelSummary, read
 
@@ -48,7 +48,7 @@ def read_overview(services: ReadServices) -> Overview:
     view = services.core.live()
     counters, _ = services.core.counters()
     health = read_health(services.redis, services.settings.namespace, view, counters, budgets, left.unfinished,
-                         consumers=services.settings.consumers_required, unwritable=unwritable_by_source(db))
+                         consumers=services.settings.consumers_required, writebacks=writebacks_by_source(db))
     # A model stopped until something changes (no worker, backend down) is no capacity: the ETA leaves it out.
     counts, rows, counters, drain = read(services, held(budgets), left, view, counters, health.stopped_models)
     return Overview(counts, rows, counters, drain, budgets, spend_so_far(db, quotas), projected_cost(db, quotas, left),

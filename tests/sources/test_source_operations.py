@@ -311,3 +311,37 @@ def test_an_undecodable_prompt_fails_its_row_alone(service_urls, tmp_path: Path,
             assert "rows not tasks 1 (prompt is not valid UTF-8 text 1)" in out, out
         finally:
             team.dispose()
+
+
+def test_a_removed_source_s_read_error_is_said_no_more(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                      capsys) -> None:  # noqa: ANN001
+    """A tester dropped the team's table mid-run (`status`: "table unreadable"), then removed the
+    source with --cancel: `status` and `top` still said its read error and left "the rows of source
+    crm (its table could not be read)" out of the eta, even after a restart (its Redis entry was
+    never cleared, and the displays took every name in it for a source). The removal clears it, and
+    a read error is said only of a source still declared (a read that failed as it was removed
+    notes its error after the removal)."""
+    import json
+
+    from balancer.sources.ingest import ingest_logged, quota_bursts
+    from balancer.sources.read_errors import note_read_error
+    from balancer.sources.store import all_sources
+    from balancer.views.overview import read_overview
+
+    legacy.add(3)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    legacy.execute("DROP TABLE prompts CASCADE")
+    with svc.engine.connect() as conn:
+        [definition] = all_sources(conn)
+    assert ingest_logged(svc, definition, quota_bursts(svc)) is None
+    code, out, _ = run(capsys, "status", "--json")
+    assert code == 0 and [r["kind"] for r in json.loads(out)["health"]["sources"]["crm"]] == ["unreadable"], out
+    assert run(capsys, "source", "remove", "crm", "--cancel")[0] == 0
+    for _ in range(2):
+        code, out, _ = run(capsys, "status", "--json")
+        assert code == 0 and json.loads(out)["health"]["sources"] == {}, out
+        code, out, _ = run(capsys, "status")
+        assert code == 0 and "table unreadable" not in out and "could not be read" not in out, out
+        assert read_overview(svc).health.sources == {}  # top's, the console's and the metrics' look
+        note_read_error(svc.redis, svc.settings.namespace, "crm", 'relation "crm" does not exist')
