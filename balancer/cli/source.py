@@ -126,8 +126,10 @@ def source_line(r) -> str:  # noqa: ANN001 - a storage.source_reads.SourceStatus
     """One source's counts, as ``status`` and ``source list`` print them."""
     lag = "never read to its end" if r.lag_s is None else f"{r.lag_s:g} s"
     unwritable = f" (last: {r.unwritable_error})" if r.unwritable and r.unwritable_error else ""
+    failing = (f" ({r.writebacks_failing} failing, retried; last: {r.writebacks_failing_error})"
+               if r.writebacks_failing else "")
     return printable(f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
-                     f"write-backs waiting {r.writebacks_waiting}, not overwritten {r.conflicts}, "
+                     f"write-backs waiting {r.writebacks_waiting}{failing}, not overwritten {r.conflicts}, "
                      f"prompt changed (asked again) {r.changed}, unwritable {r.unwritable}{unwritable}, "
                      f"cursor lag {lag}{not_tasks_text(r.not_tasks)}", limit=800)
 

@@ -79,7 +79,8 @@ def tasks_list(limit: int, as_json: bool, **given: Any) -> None:
 @click.argument("task_id", type=int)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def tasks_show(task_id: int, as_json: bool) -> None:
-    """One task: prompt preview, status, model, attempts, errors and timings."""
+    """One task: prompt preview, status, model, attempts, errors and timings; an ended task of a
+    source table, where its write-back stands."""
     from balancer.backlog.operations import get_task
 
     svc = _migrated()
@@ -95,6 +96,12 @@ def tasks_show(task_id: int, as_json: bool) -> None:
         o = read_overview(svc)
         data["waits_on"] = waits_on(data["allowed_models"], data["source"], o.rows,
                                     {name: o.health.model_text(name) for name in o.health.models}, held(o.budgets))
+    from balancer.sources.outbox import task_writeback
+
+    with svc.engine.connect() as conn:
+        writeback = task_writeback(conn, task_id)  # an ended task of a source table: where its write-back stands
+    if writeback is not None:
+        data["writeback"] = writeback.as_dict()
     if as_json:
         click.echo(json.dumps(data, default=str, indent=2))
         return
@@ -104,6 +111,8 @@ def tasks_show(task_id: int, as_json: bool) -> None:
         click.echo(f"{key:>18}: {printable(_shown(data[key]), 300)}")
     for line in data.get("waits_on", []):
         click.echo(f"{'waits on':>18}: {printable(line, 300)}")
+    if writeback is not None:
+        click.echo(f"{'write-back':>18}: {printable(writeback.text(), 400)}")
     click.echo(f"{'prompt':>18}: {printable(data['prompt'], 200)}")
     if data["answer"] is not None:
         click.echo(f"{'answer':>18}: {printable(data['answer'], 200)}")

@@ -114,7 +114,8 @@ def source_facts(budgets: Mapping[str, Standing], writebacks: Mapping[str, Write
         w = writebacks.get(name, Writebacks())
         facts.append(SourceFacts(
             name, over_budget=None if st is None else "money" if st.money_spent else "tokens" if st.tokens_spent else None,
-            unwritable=w.unwritable, unwritable_error=w.unwritable_error, read_error=read_errors.get(name)))
+            unwritable=w.unwritable, unwritable_error=w.unwritable_error, writeback_failing=w.failing,
+            writeback_failing_error=w.failing_error, read_error=read_errors.get(name)))
     return facts
 
 

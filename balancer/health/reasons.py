@@ -8,8 +8,9 @@ the same reasons. A new kind of trouble is one entry of :data:`REASONS`, one
 fact, and one line in the function that reads it.
 
 A fact that a process does not record yet stays at its "not known" default
-(None) and yields no reason: a source's ``read_error`` and ``unwritable`` (its
-table's last read error, the write-backs its table refused). ``consumers`` (the
+(None) and yields no reason: a source's ``read_error``, ``unwritable`` and
+``writeback_failing`` (its table's last read error, the write-backs its table
+refused, those that failed and wait their next try). ``consumers`` (the
 worker processes consuming a model's queue, a live record each:
 :mod:`balancer.calls.consumers`) is known where the dispatcher requires one
 (``BALANCER_CONSUMERS_REQUIRED``), else None.
@@ -41,6 +42,8 @@ REASONS: dict[str, tuple[str, bool, str]] = {
     "unreadable": ("the source's table could not be read", True, "source"),
     "over_budget": ("the source's budget per day is spent: none of its tasks is called until the next UTC day", True, "source"),
     "unwritable": ("the source's table refused write-backs until they were left unwritable", False, "source"),
+    "writeback_failing": ("the source's write-backs failed (its table refused them, or could not be written) "
+                          "and are retried", False, "source"),
 }
 
 
@@ -54,7 +57,7 @@ def kinds(scope: str) -> tuple[str, ...]:
     """The reasons a ``model`` or a ``source`` may have.
 
     >>> kinds("source")
-    ('unreadable', 'over_budget', 'unwritable')
+    ('unreadable', 'over_budget', 'unwritable', 'writeback_failing')
     """
     return tuple(k for k, (_, _, s) in REASONS.items() if s == scope)
 
@@ -92,6 +95,8 @@ class SourceFacts:
     over_budget: str | None = None  # its budget per day that is spent ("money", "tokens"); None: none spent
     unwritable: int | None = None  # write-backs its table refused until they were left unwritable; None: not known
     unwritable_error: str | None = None  # the latest of those's error
+    writeback_failing: int | None = None  # write-backs waiting after a failed try, retried; None: not known
+    writeback_failing_error: str | None = None  # the latest of those's error
 
 
 def _seconds(s: float) -> str:
@@ -142,6 +147,8 @@ def source_reasons(s: SourceFacts) -> list[Reason]:
     ...     print(r.text)
     over its money budget per day: none of its tasks is called until the next UTC day
     3 write-back(s) refused by its table: balancer source unwritable team
+    >>> [r.text for r in source_reasons(SourceFacts("t4", writeback_failing=6, writeback_failing_error="permission denied"))]
+    ['6 write-back(s) failing, retried: permission denied']
     """
     reasons = []
     if s.read_error:
@@ -153,6 +160,9 @@ def source_reasons(s: SourceFacts) -> list[Reason]:
         error = f" (last: {s.unwritable_error})" if s.unwritable_error else ""
         reasons.append(Reason("unwritable", f"{s.unwritable} write-back(s) refused by its table{error}: "
                                             f"balancer source unwritable {s.name}"))
+    if s.writeback_failing:
+        reasons.append(Reason("writeback_failing", f"{s.writeback_failing} write-back(s) failing, retried: "
+                                                   f"{s.writeback_failing_error or 'no error recorded'}"))
     return reasons
 
 

@@ -18,10 +18,16 @@ A row of ``source_outbox`` is in one state:
 
 A row written back is deleted. The back-off of a failed try is 2 ** tries seconds,
 the exponent capped so that it never overflows, at most :data:`MAX_BACKOFF_S`.
+
+``balancer tasks show`` says where an ended table task's write-back stands
+(:func:`task_writeback`): the state of the outbox row its last end queued, or
+written when that row is gone.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -35,6 +41,8 @@ from balancer.storage.schema import source_changes, tasks
 
 WAITING, CONFLICT, CHANGED, WRITTEN, UNWRITABLE, DROPPED = (
     "waiting", "conflict", "changed", "written", "unwritable", "dropped")
+#: ``tasks show``: no write-back of the task, for its source is no longer declared (removed).
+NO_SOURCE = "no source"
 #: The states that keep a task from being asked again when its row is read matching ``where``.
 KEEPS_TASK = (WAITING, WRITTEN, UNWRITABLE, DROPPED)
 #: The longest wait before a failed write-back is tried again.
@@ -135,3 +143,68 @@ def settle_unwritable(engine: Engine, source: str, action: str, *, by: str) -> i
             audit.record(conn, source_changes, source, by=by, action=f"{action} unwritable",
                          old={"unwritable": len(ids)}, new={"task_ids": sorted(ids)})
     return len(ids)
+
+
+# -- one task's write-back, as ``balancer tasks show`` says it ------------------------------
+
+@dataclass(frozen=True)
+class TaskWriteback:
+    """Where one ended table task's write-back stands: a state above (:data:`WRITTEN` also once
+    its outbox row is gone, written), or :data:`NO_SOURCE`; a waiting one's tries and last error."""
+
+    state: str
+    attempts: int = 0
+    last_error: str | None = None
+    next_attempt_at: datetime | None = None
+
+    def text(self) -> str:
+        """For a person.
+
+        >>> TaskWriteback(WAITING, 2, "permission denied for table t4").text()
+        'waiting: failed 2 time(s), retried; last: permission denied for table t4'
+        >>> TaskWriteback(WAITING).text(), TaskWriteback(WRITTEN).text()
+        ('waiting to be written', 'written')
+        """
+        if self.state == WAITING and self.attempts:
+            return f"waiting: failed {self.attempts} time(s), retried; last: {self.last_error or 'no error recorded'}"
+        if self.state == UNWRITABLE:
+            return f"unwritable: its table refused it; last: {self.last_error or 'no error recorded'}"
+        return _SAID[self.state]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "attempts": self.attempts, "last_error": self.last_error,
+                "next_attempt_at": self.next_attempt_at, "text": self.text()}
+
+
+_SAID = {
+    WAITING: "waiting to be written",
+    CONFLICT: "not overwritten: its row no longer matched where (someone else changed or answered it, or it is gone)",
+    CHANGED: "not written: its row's prompt changed since it was read (asked again with the new prompt)",
+    WRITTEN: "written",
+    DROPPED: "dropped by an operator: never written",
+    NO_SOURCE: "none: its source is no longer declared",
+}
+
+#: An ended table task's outbox row of its last end. Its end's trigger queues it in the transaction
+#: that ends it, so not before the task last started or was solved; a row of an earlier end (kept as
+#: conflict, changed, written or dropped when the task was asked again or retried, both of which
+#: clear ``started_at`` and ``solved_at``: :data:`balancer.backlog.operations._RETRY`) is older.
+_TASK_WRITEBACK = sa.text("""
+SELECT EXISTS (SELECT 1 FROM sources WHERE name = t.source) AS declared, o.state, o.attempts, o.last_error,
+       o.next_attempt_at
+FROM tasks t
+LEFT JOIN LATERAL (SELECT state, attempts, last_error, next_attempt_at FROM source_outbox
+                   WHERE task_id = t.id AND created_at >= coalesce(t.solved_at, t.started_at, '-infinity')
+                   ORDER BY id DESC LIMIT 1) o ON true
+WHERE t.id = :id AND t.from_table AND t.key IS NOT NULL AND t.status IN ('solved', 'failed')
+""")
+
+
+def task_writeback(conn: Connection, task_id: int) -> TaskWriteback | None:
+    """Where the write-back of task ``task_id`` stands; None: it is no ended task of a source table."""
+    row = conn.execute(_TASK_WRITEBACK, {"id": task_id}).first()
+    if row is None:
+        return None
+    if row.state is not None:
+        return TaskWriteback(row.state, int(row.attempts), row.last_error, row.next_attempt_at)
+    return TaskWriteback(WRITTEN if row.declared else NO_SOURCE)

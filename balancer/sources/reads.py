@@ -29,6 +29,8 @@ class SourceStatus:
     changed: int = 0  # not overwritten: the row's prompt changed since it was read (asked again)
     unwritable: int = 0  # refused by the table BALANCER_WRITEBACK_ATTEMPTS times (balancer.sources.outbox)
     unwritable_error: str | None = None  # the latest unwritable write-back's error
+    writebacks_failing: int = 0  # of those waiting, the ones that failed at least once (retried after a back-off)
+    writebacks_failing_error: str | None = None  # the latest of those's error
     #: rows of work that are not tasks, by reason (an empty or undecodable prompt, no model
     #: configured, a NULL key ...), each recorded before the cursor moved past it
     not_tasks: dict[str, int] = field(default_factory=dict)
@@ -48,12 +50,23 @@ LEFT JOIN (SELECT source, jsonb_object_agg(reason, n) AS reasons
            GROUP BY source) r ON r.source = s.name
 """
 
-#: Per declared source, by name: its tasks by state, its write-backs waiting and refused, its
+#: A write-back that failed at least once and waits its next try (:func:`balancer.sources.outbox.retry_later`,
+#: and a refusal not yet the last: :func:`balancer.sources.outbox.refuse`).
+_FAILING = "state = 'waiting' AND attempts > 0"
+
+#: Of one source's outbox rows (grouped by ``source``): its write-backs in trouble, each kind's latest error.
+_IN_TROUBLE = f"""count(*) FILTER (WHERE state = 'unwritable') AS unwritable,
+       (array_agg(last_error ORDER BY id DESC) FILTER (WHERE state = 'unwritable'))[1] AS unwritable_error,
+       count(*) FILTER (WHERE {_FAILING}) AS failing,
+       (array_agg(last_error ORDER BY id DESC) FILTER (WHERE {_FAILING}))[1] AS failing_error"""
+
+#: Per declared source, by name: its tasks by state, its write-backs waiting, failing and refused, its
 #: rows ingested and the seconds since it was last read to its end, its rows not tasks.
 _SOURCE_STATUS = f"""
 SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
        coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at),
-       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error, n.not_tasks
+       coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error, coalesce(o.failing, 0), o.failing_error,
+       n.not_tasks
 FROM sources s
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
                   count(*) FILTER (WHERE status IN {sql_list(IN_FLIGHT)}) AS in_flight,
@@ -62,8 +75,7 @@ LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
                   count(*) FILTER (WHERE state = 'conflict') AS conflicts,
                   count(*) FILTER (WHERE state = 'changed') AS changed,
-                  count(*) FILTER (WHERE state = 'unwritable') AS unwritable,
-                  (array_agg(last_error ORDER BY id DESC) FILTER (WHERE state = 'unwritable'))[1] AS unwritable_error
+                  {_IN_TROUBLE}
            FROM source_outbox GROUP BY source) o ON o.source = s.name
 LEFT JOIN ({_NOT_TASKS}) n ON n.name = s.name
 ORDER BY s.name
@@ -81,12 +93,12 @@ def _reasons(not_tasks: dict[str, Any] | None) -> dict[str, int]:
 
 
 def source_status(db: RowSource) -> list[SourceStatus]:
-    """Per declared source: its tasks by state, write-backs waiting and refused, the cursor's lag."""
+    """Per declared source: its tasks by state, write-backs waiting, failing and refused, the cursor's lag."""
     return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(waiting), int(conflicts),
                          int(ingested), None if lag is None else round(float(lag), 1), int(changed), int(unwritable),
-                         error, _reasons(not_tasks))
-            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable, error,
-            not_tasks in fetch(db, _SOURCE_STATUS)]
+                         unwritable_error, int(failing), failing_error, _reasons(not_tasks))
+            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable,
+            unwritable_error, failing, failing_error, not_tasks in fetch(db, _SOURCE_STATUS)]
 
 
 @dataclass(frozen=True)
@@ -95,19 +107,24 @@ class Writebacks:
 
     unwritable: int = 0  # refused by its table until they were left unwritable
     unwritable_error: str | None = None  # the latest of those's error
+    failing: int = 0  # waiting after at least one failed try: retried after a back-off
+    failing_error: str | None = None  # the latest of those's error
 
 
-_WRITEBACKS = """
-SELECT s.name, count(o.id), (array_agg(o.last_error ORDER BY o.id DESC) FILTER (WHERE o.id IS NOT NULL))[1]
-FROM sources s LEFT JOIN source_outbox o ON o.source = s.name AND o.state = 'unwritable'
-GROUP BY s.name ORDER BY s.name
-"""
+_WRITEBACKS = f"""
+SELECT s.name, coalesce(o.unwritable, 0), o.unwritable_error, coalesce(o.failing, 0), o.failing_error
+FROM sources s
+LEFT JOIN (SELECT source, {_IN_TROUBLE} FROM source_outbox WHERE state IN ('unwritable', 'waiting') GROUP BY source) o
+       ON o.source = s.name
+ORDER BY s.name
+"""  # noqa: S608 - constant fragments, not input
 
 
 def writebacks_by_source(db: RowSource) -> dict[str, Writebacks]:
     """Every declared source (and no other name: a source removed is no longer one), with its
-    write-backs left unwritable: how many, and the latest one's error."""
-    return {source: Writebacks(int(n), error) for source, n, error in fetch(db, _WRITEBACKS)}
+    write-backs in trouble: left unwritable, and failing (retried); how many, each kind's latest error."""
+    return {source: Writebacks(int(unwritable), unwritable_error, int(failing), failing_error)
+            for source, unwritable, unwritable_error, failing, failing_error in fetch(db, _WRITEBACKS)}
 
 
 def not_read_to_end(db: RowSource) -> list[str]:

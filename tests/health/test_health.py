@@ -31,6 +31,7 @@ CASES: dict[str, ModelFacts | SourceFacts] = {
     "unreadable": SourceFacts("s", read_error="relation \"legacy\" does not exist"),
     "over_budget": SourceFacts("s", over_budget="money"),
     "unwritable": SourceFacts("s", unwritable=2),
+    "writeback_failing": SourceFacts("s", writeback_failing=3, writeback_failing_error="permission denied"),
 }
 
 

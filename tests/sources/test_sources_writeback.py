@@ -448,3 +448,66 @@ def test_a_latin1_table_refuses_an_emoji_alone_and_its_accented_prompts_are_not_
             assert "latin" in error.lower()
         finally:
             team.dispose()
+
+
+def test_write_backs_that_keep_failing_are_said_in_status_source_list_and_tasks_show(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A tester renamed the team's answer column mid-run (or revoked UPDATE): every write-back
+    failed and was retried, and only the dispatcher's log said so (`status`: "eta: done", no
+    health line; `source list`: "write-backs waiting 4", no reason). Now the source's health says
+    how many fail and the last error (`status`, its --json, `top`), `source list` says the error
+    beside them, and `tasks show` of an ended table task says where its write-back stands: waiting
+    (failed n times, the last error), written, not overwritten; after its row was re-opened and
+    asked again, the new end's (not the first end's "not overwritten")."""
+    from balancer.sources.ingest import ingest_source, quota_bursts
+    from balancer.sources.store import all_sources
+    from balancer.views.overview import read_overview
+
+    legacy.add(4)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 4
+    with svc.engine.connect() as conn:
+        ids = dict(conn.execute(sa.select(tasks.c.key, tasks.c.id).where(tasks.c.source == "crm")).all())
+    legacy.execute("ALTER TABLE prompts RENAME COLUMN answer TO reply")
+    assert drain(svc).retrying == 4
+    code, out, _ = run(capsys, "status", "--json")
+    [reason] = json.loads(out)["health"]["sources"]["crm"]
+    assert reason["kind"] == "writeback_failing" and reason["text"].startswith("4 write-back(s) failing, retried: "), out
+    assert "answer" in reason["text"], reason  # (the column's name: the error is the write-back's own)
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "health source crm: 4 write-back(s) failing, retried: " in out, out
+    assert [r.kind for r in read_overview(svc).health.sources["crm"]] == ["writeback_failing"]  # top's look
+    code, out, _ = run(capsys, "source", "list")
+    assert code == 0 and "write-backs waiting 4 (4 failing, retried; last: " in out, out
+    code, out, _ = run(capsys, "tasks", "show", str(ids["1"]))
+    assert code == 0 and "write-back: waiting: failed 1 time(s), retried; last: " in out, out
+    code, out, _ = run(capsys, "tasks", "show", str(ids["1"]), "--json")
+    shown = json.loads(out)["writeback"]
+    assert (shown["state"], shown["attempts"]) == ("waiting", 1) and "answer" in shown["last_error"], shown
+
+    legacy.execute("ALTER TABLE prompts RENAME COLUMN reply TO answer; UPDATE prompts SET status = 'done' WHERE id = 2")
+    with svc.engine.begin() as conn:  # the back-off over
+        conn.execute(sa.update(source_outbox).values(next_attempt_at=sa.func.now()))
+    drained = drain(svc)
+    assert (drained.written, drained.conflicts) == (3, 1)
+    code, out, _ = run(capsys, "status", "--json")
+    assert "crm" not in json.loads(out)["health"]["sources"], out
+    code, out, _ = run(capsys, "tasks", "show", str(ids["1"]))
+    assert "write-back: written" in out, out
+    code, out, _ = run(capsys, "tasks", "show", str(ids["2"]), "--json")
+    assert json.loads(out)["writeback"]["state"] == "conflict"
+    code, out, _ = run(capsys, "tasks", "show", str(ids["2"]))
+    assert "write-back: not overwritten: " in out, out
+
+    legacy.execute("UPDATE prompts SET status = 'unsolved' WHERE id = 2")  # re-opened: asked again, written
+    with svc.engine.connect() as conn:
+        [definition] = all_sources(conn)
+    for _ in range(2):  # the second read's rescan goes round the table
+        ingest_source(svc, definition, quota_bursts(svc))
+    with svc.engine.begin() as conn:  # solved as the solve path does (solved_at set)
+        assert conn.execute(sa.update(tasks).where(tasks.c.status == "pending").values(
+            status="solved", answer="again", model="a", solved_at=sa.func.now())).rowcount == 1
+    assert drain(svc).written == 1
+    code, out, _ = run(capsys, "tasks", "show", str(ids["2"]), "--json")
+    assert json.loads(out)["writeback"]["state"] == "written", out

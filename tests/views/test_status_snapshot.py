@@ -59,8 +59,9 @@ def backlog(svc) -> None:  # noqa: ANN001
                              "deadline = now() - interval '1 minute' WHERE id = :id"), {"id": ids[11]})
         conn.execute(sa.text("UPDATE tasks SET status = 'failed', error = 'no' WHERE id = :id"), {"id": ids[12]})
         conn.execute(sa.text("INSERT INTO sources (name, definition, ingested) VALUES ('crm', '{}', 33)"))
-        conn.execute(sa.text("INSERT INTO source_outbox (task_id, source, outcome, state) "
-                             "VALUES (:a, 'crm', 'solved', 'waiting'), (:b, 'crm', 'solved', 'conflict')"),
+        conn.execute(sa.text("INSERT INTO source_outbox (task_id, source, outcome, state, attempts, last_error) "
+                             "VALUES (:a, 'crm', 'solved', 'waiting', 1, 'permission denied'), "
+                             "(:b, 'crm', 'solved', 'conflict', 0, NULL)"),
                      {"a": ids[0], "b": ids[1]})
         set_budget(conn, Budget("crm", 0.0), by="test")  # 0: spent however the day turns
         set_budget(conn, Budget("web", None, 10**6), by="test")
@@ -93,7 +94,8 @@ def test_status_reads_the_same_on_its_snapshot_as_on_the_engine(svc) -> None:  #
     assert on_engine["sources"][0] | {"lag_s": None} == {
         "name": "crm", "pending": 17, "in_flight": 1, "solved": 11, "failed": 1, "writebacks_waiting": 1,
         "conflicts": 1, "ingested": 33, "lag_s": None, "changed": 0, "not_tasks": {}, "unwritable": 0,
-        "unwritable_error": None}
+        "unwritable_error": None, "writebacks_failing": 1, "writebacks_failing_error": "permission denied"}
+    assert [r["kind"] for r in on_engine["health"]["sources"]["crm"]] == ["over_budget", "writeback_failing"]
     assert {b["source"]: b["over"] for b in on_engine["budgets"]} == {"crm": True, "web": False}
     assert [m["name"] for m in on_engine["models"]] == ["m", "n"]
 
