@@ -233,13 +233,13 @@ def _source_table(sources: list, weights: dict[str, int], budgets: dict, default
     from balancer.cli.source import budget_line, not_tasks_count
 
     table = Table(title="sources")
-    for i, col in enumerate(("source", "pending", "in flight", "solved", "failed", "weight", "budget per day",
-                             "rows not tasks")):
-        table.add_column(col, justify="left" if i in (0, 6, 7) else "right", no_wrap=i == 0)
-    counts = {s.name: [str(n) for n in (s.pending, s.in_flight, s.solved, s.failed)] for s in sources}
+    for i, col in enumerate(("source", "pending", "in flight", "solved", "failed", "cancelled", "weight",
+                             "budget per day", "rows not tasks")):
+        table.add_column(col, justify="left" if i in (0, 7, 8) else "right", no_wrap=i == 0)
+    counts = {s.name: [str(n) for n in (s.pending, s.in_flight, s.solved, s.failed, s.cancelled)] for s in sources}
     not_tasks = {s.name: printable(not_tasks_count(s.not_tasks), limit=400) for s in sources}
     for name in sorted(counts.keys() | budgets.keys()):
-        table.add_row(printable(name), *counts.get(name, ["-"] * 4), str(weights.get(name, default_weight)),
+        table.add_row(printable(name), *counts.get(name, ["-"] * 5), str(weights.get(name, default_weight)),
                       printable(budget_line(budgets[name]), limit=400) if name in budgets else "-",
                       not_tasks.get(name, "-"))
     return table

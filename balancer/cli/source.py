@@ -129,7 +129,7 @@ def source_line(r) -> str:  # noqa: ANN001 - a storage.source_reads.SourceStatus
     failing = (f" ({r.writebacks_failing} failing, retried; last: {r.writebacks_failing_error})"
                if r.writebacks_failing else "")
     return printable(f"pending {r.pending}, in flight {r.in_flight}, solved {r.solved}, failed {r.failed}, "
-                     f"write-backs waiting {r.writebacks_waiting}{failing}, not overwritten {r.conflicts}, "
+                     f"cancelled {r.cancelled}, write-backs waiting {r.writebacks_waiting}{failing}, not overwritten {r.conflicts}, "
                      f"prompt changed (asked again) {r.changed}, unwritable {r.unwritable}{unwritable}, "
                      f"cursor lag {lag}{not_tasks_text(r.not_tasks)}", limit=800)
 

@@ -17,7 +17,7 @@ def source_families() -> dict[str, Any]:
     source = ["source"]
     return {
         "balancer_source_tasks": GaugeMetricFamily(
-            "balancer_source_tasks", "A source table's tasks by state (pending, in_flight, solved, failed)",
+            "balancer_source_tasks", "A source table's tasks by state (pending, in_flight, solved, failed, cancelled)",
             labels=["source", "state"]),
         "balancer_source_writebacks_waiting": GaugeMetricFamily(
             "balancer_source_writebacks_waiting", "Ended tasks not yet written back to their rows", labels=source),
@@ -52,7 +52,7 @@ def add_source_metrics(families: dict[str, Any], engine: Engine, budgets: Mappin
         families["balancer_source_spent_tokens_today"].add_metric([name], b.tokens)
     families["balancer_tasks_reused"].add_metric([], reused_count(engine))
     for s in source_status(engine):
-        for state in ("pending", "in_flight", "solved", "failed"):
+        for state in ("pending", "in_flight", "solved", "failed", "cancelled"):
             families["balancer_source_tasks"].add_metric([s.name, state], getattr(s, state))
         families["balancer_source_writebacks_waiting"].add_metric([s.name], s.writebacks_waiting)
         families["balancer_source_not_overwritten"].add_metric([s.name], s.conflicts)

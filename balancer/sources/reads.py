@@ -22,6 +22,7 @@ class SourceStatus:
     in_flight: int
     solved: int
     failed: int
+    cancelled: int  # taken out by an operator (``tasks cancel``, ``source remove --cancel``): its row stays as it was
     writebacks_waiting: int
     conflicts: int  # not overwritten: the row no longer matched where
     ingested: int
@@ -64,13 +65,14 @@ _IN_TROUBLE = f"""count(*) FILTER (WHERE state = 'unwritable') AS unwritable,
 #: rows ingested and the seconds since it was last read to its end, its rows not tasks.
 _SOURCE_STATUS = f"""
 SELECT s.name, coalesce(t.pending, 0), coalesce(t.in_flight, 0), coalesce(t.solved, 0), coalesce(t.failed, 0),
-       coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at),
+       coalesce(t.cancelled, 0), coalesce(o.waiting, 0), coalesce(o.conflicts, 0), s.ingested, extract(epoch FROM now() - s.caught_up_at),
        coalesce(o.changed, 0), coalesce(o.unwritable, 0), o.unwritable_error, coalesce(o.failing, 0), o.failing_error,
        n.not_tasks
 FROM sources s
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE status = 'pending') AS pending,
                   count(*) FILTER (WHERE status IN {sql_list(IN_FLIGHT)}) AS in_flight,
-                  count(*) FILTER (WHERE status = 'solved') AS solved, count(*) FILTER (WHERE status = 'failed') AS failed
+                  count(*) FILTER (WHERE status = 'solved') AS solved, count(*) FILTER (WHERE status = 'failed') AS failed,
+                  count(*) FILTER (WHERE status = 'cancelled') AS cancelled
            FROM tasks WHERE source IN (SELECT name FROM sources) GROUP BY source) t ON t.source = s.name
 LEFT JOIN (SELECT source, count(*) FILTER (WHERE state = 'waiting') AS waiting,
                   count(*) FILTER (WHERE state = 'conflict') AS conflicts,
@@ -93,11 +95,11 @@ def _reasons(not_tasks: dict[str, Any] | None) -> dict[str, int]:
 
 
 def source_status(db: RowSource) -> list[SourceStatus]:
-    """Per declared source: its tasks by state, write-backs waiting, failing and refused, the cursor's lag."""
-    return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(waiting), int(conflicts),
-                         int(ingested), None if lag is None else round(float(lag), 1), int(changed), int(unwritable),
-                         unwritable_error, int(failing), failing_error, _reasons(not_tasks))
-            for name, pending, in_flight, solved, failed, waiting, conflicts, ingested, lag, changed, unwritable,
+    """Per declared source: its tasks by state (cancelled too), write-backs waiting, failing and refused, the cursor's lag."""
+    return [SourceStatus(name, int(pending), int(in_flight), int(solved), int(failed), int(cancelled), int(waiting),
+                         int(conflicts), int(ingested), None if lag is None else round(float(lag), 1), int(changed),
+                         int(unwritable), unwritable_error, int(failing), failing_error, _reasons(not_tasks))
+            for name, pending, in_flight, solved, failed, cancelled, waiting, conflicts, ingested, lag, changed, unwritable,
             unwritable_error, failing, failing_error, not_tasks in fetch(db, _SOURCE_STATUS)]
 
 

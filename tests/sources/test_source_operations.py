@@ -4,6 +4,7 @@ team's table in a database the tests create and drop (tests/legacy.py)."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -345,3 +346,35 @@ def test_a_removed_source_s_read_error_is_said_no_more(svc: Services, legacy: Le
         assert code == 0 and "table unreadable" not in out and "could not be read" not in out, out
         assert read_overview(svc).health.sources == {}  # top's, the console's and the metrics' look
         note_read_error(svc.redis, svc.settings.namespace, "crm", 'relation "crm" does not exist')
+
+
+
+def cancelled_rows(svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """Four rows of source crm, their tasks cancelled; row 1's failure was written back before its
+    task was retried, then cancelled."""
+    legacy.add(4)
+    assert import_legacy(tmp_path, capsys, legacy.table)[0] == 0
+    ingest_sources(svc)
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.key == "1").values(status="failed", error="backend said no"))
+    assert drain(svc).written == 1
+    assert run(capsys, "tasks", "retry", "--source", "crm", "--yes")[1].startswith("retried 1 task(s)")
+    code, out, _ = run(capsys, "tasks", "cancel", "--source", "crm", "--status", "pending", "--yes")
+    assert code == 0 and out.startswith("cancelled 4 task(s)"), out
+
+
+def test_cancelled_table_tasks_are_counted_per_source(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                      capsys) -> None:  # noqa: ANN001
+    """A tester cancelled a table source's pending tasks: their rows stayed as they were, for ever,
+    and nothing said why (`source list`: "pending 0, in flight 0, solved 0, failed 0"). The
+    cancelled tasks are counted per source: `source list`, `status`, its --json, `top`."""
+    cancelled_rows(svc, legacy, tmp_path, capsys)
+    code, out, _ = run(capsys, "source", "list")
+    assert code == 0 and "pending 0, in flight 0, solved 0, failed 0, cancelled 4, " in out, out
+    code, out, _ = run(capsys, "status")
+    assert code == 0 and "source crm: pending 0, in flight 0, solved 0, failed 0, cancelled 4, " in out, out
+    code, out, _ = run(capsys, "status", "--json")
+    assert code == 0 and json.loads(out)["sources"][0]["cancelled"] == 4
+    top = top_sources_text(svc)
+    assert "cancelled" in top and [line.replace("│", " ").split()[1:6] for line in top.splitlines() if "crm" in line] == [
+        ["0", "0", "0", "0", "4"]], top

@@ -92,7 +92,7 @@ def test_status_reads_the_same_on_its_snapshot_as_on_the_engine(svc) -> None:  #
     assert on_engine["projected"]["by_model"]["m"] > 0 and on_engine["projected"]["unpriced_tokens"]["n"] > 0
     assert [s["name"] for s in on_engine["sources"]] == ["crm"]
     assert on_engine["sources"][0] | {"lag_s": None} == {
-        "name": "crm", "pending": 17, "in_flight": 1, "solved": 11, "failed": 1, "writebacks_waiting": 1,
+        "name": "crm", "pending": 17, "in_flight": 1, "solved": 11, "failed": 1, "cancelled": 0, "writebacks_waiting": 1,
         "conflicts": 1, "ingested": 33, "lag_s": None, "changed": 0, "not_tasks": {}, "unwritable": 0,
         "unwritable_error": None, "writebacks_failing": 1, "writebacks_failing_error": "permission denied"}
     assert [r["kind"] for r in on_engine["health"]["sources"]["crm"]] == ["over_budget", "writeback_failing"]
