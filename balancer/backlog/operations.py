@@ -1,12 +1,14 @@
-"""What an operator does to the backlog: list, show, retry failed tasks, cancel pending ones.
+"""What an operator does to the backlog: list, show, retry failed (or cancelled) tasks, cancel pending ones.
 
-Safe while the pipeline runs. ``retry`` changes only ``failed`` tasks and
-``cancel`` only ``pending`` ones, each in one UPDATE whose WHERE holds that
-status, so a task a worker holds (``ready``, ``queued`` or ``running``) is never changed
-whatever the filter says, and a task that a dispatcher takes meanwhile is
-simply not matched. Every applied retry or cancel is audited in
-``task_operations`` (who, when, the filter, the task ids), as quota changes
-are in ``quota_changes``.
+Safe while the pipeline runs. ``retry`` changes only ``failed`` tasks (``cancelled``
+ones when asked: ``--status cancelled``; a cancel otherwise stands) and ``cancel``
+only ``pending`` ones, each in one UPDATE whose WHERE holds that status, so a task a
+worker holds (``ready``, ``queued`` or ``running``) is never changed whatever the
+filter says, and a task that a dispatcher takes meanwhile is simply not matched.
+A cancelled task of a source table leaves its row as it was, never asked again
+(its key is a task): its retry is how the row is asked again. Every applied retry
+or cancel is audited in ``task_operations`` (who, when, the filter, the task ids),
+as quota changes are in ``quota_changes``.
 """
 
 from __future__ import annotations
@@ -108,16 +110,21 @@ _RETRY = dict(status="pending", attempts=0, rate_limited=0, error=None, model=No
               hedge_admission_id=None, hedge_model=None, avoid_model=None, not_before=None, deadline=None,
               answer=None, queued_at=None, started_at=None, solved_at=None, hedges=0,
               # A declared source's task: what its failure wrote to its row, which the new end's
-              # write-back may replace (issue 38 finding 7; balancer.sources.catalog).
+              # write-back may replace (issue 38 finding 7; balancer.sources.catalog). A cancelled
+              # task wrote nothing: it keeps what it held when it last went back to pending.
               source_replaces=sa.case(
+                  (tasks.c.status == "cancelled", tasks.c.source_replaces),
                   (sa.and_(tasks.c.key.is_not(None), sa.exists().where(_sources.c.name == tasks.c.source)),
                    sa.func.jsonb_build_object("error", tasks.c.error)), else_=sa.null()))
 
+#: The statuses each action changes; the first is the one it changes when the filter names none.
+ACTS_ON = {"retry": ("failed", "cancelled"), "cancel": ("pending",)}
 
-def retry_failed(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> list[int]:
-    """Failed tasks matching ``flt`` back to pending with their attempts reset (if ``apply``).
-    Returns the ids (that were, or would be, retried)."""
-    return _act(engine, "retry", "failed", flt, _RETRY, by=by, apply=apply)
+
+def retry_failed_or_cancelled(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> list[int]:
+    """Failed tasks matching ``flt`` (cancelled ones, with ``status="cancelled"``) back to pending
+    with their attempts reset (if ``apply``). Returns the ids (that were, or would be, retried)."""
+    return _act(engine, "retry", flt, _RETRY, by=by, apply=apply)
 
 
 def still_too_large(engine: Engine, ids: Sequence[int], bursts: Mapping[str, int]) -> int:
@@ -134,15 +141,15 @@ def still_too_large(engine: Engine, ids: Sequence[int], bursts: Mapping[str, int
 
 def cancel_pending(engine: Engine, flt: TaskFilter, *, by: str, apply: bool) -> list[int]:
     """Pending tasks matching ``flt`` out of the backlog, as ``cancelled`` (if ``apply``)."""
-    return _act(engine, "cancel", "pending", flt, {"status": "cancelled", "error": f"cancelled by {by}"},
-                by=by, apply=apply)
+    return _act(engine, "cancel", flt, {"status": "cancelled", "error": f"cancelled by {by}"}, by=by, apply=apply)
 
 
-def _act(engine: Engine, action: str, acts_on: str, flt: TaskFilter, values: dict[str, Any], *, by: str,
-         apply: bool) -> list[int]:
-    if flt.status not in (None, acts_on):
-        raise BalancerError(f"{action} acts on {acts_on} tasks only: --status {flt.status} would change nothing")
-    where = [tasks.c.status == acts_on, *flt.clauses()]
+def _act(engine: Engine, action: str, flt: TaskFilter, values: dict[str, Any], *, by: str, apply: bool) -> list[int]:
+    acts_on = ACTS_ON[action]
+    if flt.status not in (None, *acts_on):
+        raise BalancerError(f"{action} acts on {' or '.join(acts_on)} tasks only: --status {flt.status} would change "
+                            "nothing")
+    where = [tasks.c.status == (flt.status or acts_on[0]), *flt.clauses()]
     with engine.begin() as conn:
         if not apply:
             return list(conn.execute(sa.select(tasks.c.id).where(*where).order_by(tasks.c.id)).scalars())

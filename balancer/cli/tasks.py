@@ -144,7 +144,7 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
     from balancer.storage.audit import default_actor
 
     flt = _filter(**given)
-    act = operations.retry_failed if verb == "retry" else operations.cancel_pending
+    act = operations.retry_failed_or_cancelled if verb == "retry" else operations.cancel_pending
     svc = _migrated()
     ids = act(svc.engine, flt, by=by or default_actor(), apply=yes)
     if not ids:
@@ -165,25 +165,26 @@ def _act(verb: str, done: str, yes: bool, by: str | None, given: dict[str, Any])
         _ask_for_dispatch()
 
 
-def changing(status: str) -> Any:
-    """The options of a command that changes only tasks of one ``status``: the filters, --yes and --by."""
+def changing(statuses: str) -> Any:
+    """The options of a command that changes only tasks of the ``statuses`` said: the filters, --yes and --by."""
     def options(command: Any) -> Any:
         command = click.option("--by", help="Who acts (default: the OS user), for the audit.")(command)
         command = click.option("--yes", is_flag=True,
                                help="Apply (without it: a dry run that lists what would change).")(command)
-        return filters(command, f"{status} (the only status it changes)")
+        return filters(command, statuses)
     return options
 
 
 @tasks.command("retry")
-@changing("failed")
+@changing("failed (default) or cancelled")
 def tasks_retry(yes: bool, by: str | None, **given: Any) -> None:
-    """Failed tasks back to pending, attempts reset."""
+    """Failed tasks back to pending, attempts reset; cancelled ones instead when the status
+    given is cancelled (how a cancelled task's row in a source table is asked again)."""
     _act("retry", "retried", yes, by, given)
 
 
 @tasks.command("cancel")
-@changing("pending")
+@changing("pending (the only status it changes)")
 def tasks_cancel(yes: bool, by: str | None, **given: Any) -> None:
     """Pending tasks out of the backlog (status cancelled)."""
     _act("cancel", "cancelled", yes, by, given)

@@ -280,7 +280,7 @@ def create_app(services: Services, *, token: str | None = None, sample_interval:
 
 def _act(action: str) -> Any:
     if action == "retry":
-        return operations.retry_failed
+        return operations.retry_failed_or_cancelled
     if action == "cancel":
         return operations.cancel_pending
     raise BalancerError(f"unknown action {action!r}: retry or cancel")

@@ -70,7 +70,7 @@ def test_list_and_show_filter_by_status_model_and_source(backlog, capsys: pytest
 
 @pytest.mark.parametrize("argv, message", [
     (["tasks", "list", "--status", "bogus"], "unknown status 'bogus'"),
-    (["tasks", "retry", "--status", "running", "--yes"], "retry acts on failed tasks only"),
+    (["tasks", "retry", "--status", "running", "--yes"], "retry acts on failed or cancelled tasks only"),
     (["tasks", "cancel", "--status", "running", "--yes"], "cancel acts on pending tasks only"),
     (["tasks", "list", "--created-after", "2026-01-02", "--created-before", "2026-01-01"], "--created-after"),
     (["tasks", "list", "--created-after", "yesterday"], "--created-after"),

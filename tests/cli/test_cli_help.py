@@ -14,14 +14,15 @@ def test_the_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"balancer {version('balancer')}"
 
 
-@pytest.mark.parametrize(("command", "status"), [("retry", "failed"), ("cancel", "pending")])
-def test_a_change_command_offers_only_the_status_it_changes(command: str, status: str,
+@pytest.mark.parametrize(("command", "statuses"), [("retry", "failed (default) or cancelled"),
+                                                    ("cancel", "pending (the only status it changes)")])
+def test_a_change_command_offers_only_the_status_it_changes(command: str, statuses: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    """`tasks retry` changes only failed tasks and `tasks cancel` only pending ones: their --status
-    help names that one (before: all seven, six of which are refused)."""
+    """`tasks retry` changes only failed tasks (cancelled ones when asked) and `tasks cancel` only
+    pending ones: their --status help names those (before: all seven, most of which are refused)."""
     assert main(["tasks", command, "--help"]) == 0
     status_help = next(line for line in capsys.readouterr().out.splitlines() if "--status" in line)
-    assert status_help.split("--status TEXT", 1)[1].strip() == f"{status} (the only status it changes)"
+    assert status_help.split("--status TEXT", 1)[1].strip() == statuses
 
 
 def test_quota_list_help_says_what_each_column_is(capsys: pytest.CaptureFixture[str]) -> None:

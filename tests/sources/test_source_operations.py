@@ -378,3 +378,28 @@ def test_cancelled_table_tasks_are_counted_per_source(svc: Services, legacy: Leg
     top = top_sources_text(svc)
     assert "cancelled" in top and [line.replace("│", " ").split()[1:6] for line in top.splitlines() if "crm" in line] == [
         ["0", "0", "0", "0", "4"]], top
+
+
+def test_a_retry_of_cancelled_table_tasks_asks_their_rows_again(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                capsys) -> None:  # noqa: ANN001
+    """A tester's `tasks retry --status cancelled` of a table source's cancelled tasks said "retry
+    acts on failed tasks only", and nothing else asks such a row again (its key is a task). It now
+    sends them back to pending as a failed task's retry does (audited; a plain retry still takes
+    the failed ones only, a cancel stands); answered, every row is written back, row 1 included,
+    whose failure was written before its task was retried and cancelled."""
+    cancelled_rows(svc, legacy, tmp_path, capsys)
+    code, out, _ = run(capsys, "tasks", "retry", "--source", "crm", "--yes")
+    assert code == 0 and out.startswith("retried 0 task(s)"), out
+    code, out, _ = run(capsys, "tasks", "retry", "--source", "crm", "--status", "cancelled")
+    assert code == 0 and out.startswith("would retry 4 task(s)"), out
+    code, out, _ = run(capsys, "tasks", "retry", "--source", "crm", "--status", "cancelled", "--yes", "--by", "ops")
+    assert code == 0 and out.startswith("retried 4 task(s)"), out
+    assert counted(svc, tasks.c.source == "crm", tasks.c.status == "pending") == 4
+    with svc.engine.connect() as conn:
+        audit = conn.execute(sa.select(task_operations.c.done_by, task_operations.c.filter)
+                             .where(task_operations.c.action == "retry").order_by(task_operations.c.id.desc())).first()
+    assert audit is not None and audit.done_by == "ops" and audit.filter["status"] == "cancelled"
+    assert solve_pending(svc) == 4
+    drained = drain(svc)
+    assert (drained.written, drained.conflicts) == (4, 0)
+    assert legacy.count(SOLVED) == 4
