@@ -24,7 +24,6 @@ from balancer.dispatch.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.dispatch.lost import LostMessages
 from balancer.dispatch.trigger import clear_requests, request_dispatch
 from balancer.pipeline.app import app
-from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources.polling import SourceReadLoop
 from balancer.sources.writeback import WritebackLoop
@@ -98,14 +97,15 @@ def dispatch_task(from_beat: bool = False) -> dict:
     while _asked.is_set() and _one_run.acquire(blocking=False):
         try:
             _asked.clear()
-            report = _dispatch_once(svc)
+            report = _dispatch_once()
             admitted, failed = admitted + report.admitted, failed + report.failed
         finally:
             _one_run.release()
     return {"admitted": admitted, "failed": failed}
 
 
-def _dispatch_once(svc: Services) -> DispatchReport:
+def _dispatch_once() -> DispatchReport:
+    svc = runtime.services()
     clear_requests(svc.redis, svc.settings.namespace)
     lost_messages.check(svc)  # before the round, which dispatches the tasks it returns
     report = dispatch(svc, publish)
