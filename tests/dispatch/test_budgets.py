@@ -374,7 +374,7 @@ def test_top_shows_each_source_with_its_tasks_weight_and_budget(svc) -> None:  #
                           env={**os.environ, "COLUMNS": "200"})  # wide enough that no budget cell wraps
     assert done.returncode == 0, done.stderr
     rows = {cells[0]: cells[1:] for line in done.stdout.splitlines()
-            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 8}
-    assert rows["crm"] == ["2", "1", "2", "1", "3", "3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD today)",
-                           "0"]
-    assert rows["web"] == ["-", "-", "-", "-", "1", "100 tokens per day; spent 0 of 100 tokens today", "-"]
+            if len(cells := [c.strip() for c in line.strip("│ ").split("│")]) == 9}
+    assert rows["crm"] == ["2", "1", "2", "1", "0", "3", "3.50 USD per day; waiting: budget spent (4.00 of 3.50 USD "
+                           "today)", "0"]
+    assert rows["web"] == ["-", "-", "-", "-", "-", "1", "100 tokens per day; spent 0 of 100 tokens today", "-"]
