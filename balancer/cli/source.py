@@ -24,6 +24,34 @@ source.add_command(set_command)
 source.add_command(unwritable_command)
 
 
+@source.command("rows")
+@click.argument("name")
+@click.option("--limit", default=200, show_default=True, type=click.IntRange(1, 1_000_000), help="At most this many rows.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def source_rows(name: str, limit: int, as_json: bool) -> None:
+    """The rows of source NAME that hold no answer from balancer, by their key, and why: not a task
+    (its reason), cancelled, or a write-back waiting after a failed try, not overwritten or
+    unwritable (the counts of `source list`, row by row)."""
+    import sqlalchemy as sa
+
+    from balancer.sources.schema import sources
+    from balancer.sources.unanswered import unanswered
+
+    svc = migrated()
+    with svc.engine.connect() as conn:
+        if conn.execute(sa.select(sources.c.name).where(sources.c.name == name)).first() is None:
+            raise BalancerError(f"no source {printable(name, 80)!r} (balancer source list)")
+    rows = unanswered(svc.engine, name, limit)
+    if as_json:
+        click.echo(json.dumps([r.as_dict() for r in rows]))
+        return
+    for r in rows:
+        task = f" (balancer task {r.task_id})" if r.task_id is not None else ""
+        click.echo(printable(f"key {r.key}{task}: {r.why}", limit=600))
+    more = " (--limit reached: there may be more)" if len(rows) == limit else ""
+    click.echo(printable(f"{name}: {len(rows)} row(s) without balancer's answer{more}"))
+
+
 @source.command("import")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--replace", is_flag=True, help="Also remove the sources FILE does not list.")

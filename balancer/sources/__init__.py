@@ -14,7 +14,7 @@ each ended task back to its own row.
 * ``removal`` — what removing a source does to its tasks and write-backs
 * ``tables`` — what a source's table is at import, whatever its spelling
 * ``teamdb`` — the team's database: its engine, a connection within the source's time limits
-* ``catalog`` — the SQL balancer runs on the team's table: checks at import, the guarded and fenced write-back of one row
+* ``catalog`` — the SQL balancer runs on the team's table: checks at import, the guarded and fenced write-back of one row, the fence
 * ``window`` — a poll's read: one window of rows in the source's order (its cost the rows it examines)
 * ``batchwrite`` — that write-back for a batch in one statement
 * ``inbox`` — the inbox: every ``*.jsonl`` file in ``BALANCER_INBOX`` becomes tasks, once
@@ -27,5 +27,6 @@ each ended task back to its own row.
 * ``weights`` — every source's share (weight) of the dispatch window, with its audit
 * ``budgets`` — setting a source's budget per day, with its audit
 * ``reads`` — per-source status, for ``status``, ``top``, the console and the dispatcher
+* ``unanswered`` — the rows holding no answer from balancer, by key and why (``source rows``)
 * ``metrics`` — the sources' Prometheus metrics, added to ``balancer metrics``' families
 """

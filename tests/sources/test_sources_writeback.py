@@ -311,6 +311,33 @@ def test_a_column_renamed_after_the_import_is_named_in_the_write_back_error(
                       "source's import)"}, errors
 
 
+def test_source_rows_names_each_row_without_an_answer_and_why(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                              capsys) -> None:  # noqa: ANN001
+    """A probe: status and source list count the rows that are not tasks, not overwritten or
+    waiting, but nothing named them. ``source rows NAME`` lists each by its key, with its reason."""
+    legacy.add(4)
+    legacy.execute("INSERT INTO prompts (id, body) VALUES (100, '   ')")
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(tasks).where(tasks.c.key == "2").values(status="cancelled"))
+    assert solve_pending(svc) == 3
+    legacy.execute("UPDATE prompts SET status = 'closed by hand' WHERE id = 3")
+    assert drain(svc).conflicts == 1
+    code, out, _ = run(capsys, "source", "rows", "crm")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "key 100: not a task: empty prompt", out
+    assert lines[1].startswith("key 2 (balancer task ") and "cancelled by an operator: `balancer tasks retry " \
+        "--status cancelled --source crm` asks it again" in lines[1], out
+    assert lines[2].startswith("key 3 (balancer task ") and "write-back not overwritten" in lines[2], out
+    assert lines[3:] == ["crm: 3 row(s) without balancer's answer"], out
+    code, out, _ = run(capsys, "source", "rows", "crm", "--json", "--limit", "1")
+    assert code == 0 and [r["key"] for r in json.loads(out)] == ["100"]
+    code, _, err = run(capsys, "source", "rows", "nope")
+    assert code == 2 and err == "error: no source 'nope' (balancer source list)\n"
+
+
 def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 3 (and 7): a row re-opened by the team (set back to match ``where``)

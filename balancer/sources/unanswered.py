@@ -1,0 +1,57 @@
+"""``balancer source rows NAME``: the rows of a source's table that hold no answer from balancer,
+each by its key, and why: not a task (its reason, :mod:`balancer.sources.ingest`), cancelled
+(by an operator), or its task ended but its write-back is waiting, was not overwritten, or was
+refused until left unwritable (:mod:`balancer.sources.outbox`). The counts ``source list`` and
+``status`` show, row by row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from balancer.sources.outbox import CONFLICT, UNWRITABLE, WAITING, TaskWriteback
+
+#: How a cancelled task's row may be asked again.
+CANCELLED = "cancelled by an operator: `balancer tasks retry --status cancelled --source {source}` asks it again"
+
+#: Each ended task's outbox row of its last end (as :func:`balancer.sources.outbox.task_writeback`
+#: reads one) in a state that leaves its row without balancer's answer.
+_ENDED = sa.text("""
+SELECT DISTINCT ON (t.id) t.key, t.id AS task_id, o.state, o.attempts, o.last_error, o.next_attempt_at
+FROM source_outbox o JOIN tasks t ON t.id = o.task_id
+WHERE o.source = :source AND t.status IN ('solved', 'failed')
+  AND o.created_at >= coalesce(t.solved_at, t.started_at, '-infinity')
+ORDER BY t.id, o.id DESC
+""")
+_SHOWN = (WAITING, CONFLICT, UNWRITABLE)
+
+
+@dataclass(frozen=True)
+class Unanswered:
+    key: str
+    why: str
+    task_id: int | None = None  # balancer's task, when the row is one
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "why": self.why, "task_id": self.task_id}
+
+
+def unanswered(engine: Engine, source: str, limit: int) -> list[Unanswered]:
+    """Up to ``limit`` of ``source``'s rows without balancer's answer: not tasks, then cancelled,
+    then write-backs not written (waiting after a failed try, not overwritten, unwritable)."""
+    with engine.connect() as conn:
+        rejected = conn.execute(sa.text("SELECT key, reason FROM source_rejects WHERE source = :source ORDER BY key "
+                                        "LIMIT :limit"), {"source": source, "limit": limit}).all()
+        cancelled = conn.execute(sa.text("SELECT key, id FROM tasks WHERE source = :source AND from_table AND "
+                                         "status = 'cancelled' ORDER BY id LIMIT :limit"),
+                                 {"source": source, "limit": limit}).all()
+        ended = [r for r in conn.execute(_ENDED, {"source": source})
+                 if r.state in _SHOWN and (r.state != WAITING or r.attempts > 0)][:limit]
+    rows = [Unanswered(key, f"not a task: {reason}") for key, reason in rejected]
+    rows += [Unanswered(key, CANCELLED.format(source=source), task_id) for key, task_id in cancelled]
+    rows += [Unanswered(r.key, "write-back " + TaskWriteback(r.state, int(r.attempts), r.last_error,
+                                                             r.next_attempt_at).text(), r.task_id) for r in ended]
+    return rows[:limit]
