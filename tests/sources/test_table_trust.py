@@ -222,14 +222,14 @@ def test_a_view_is_a_source_only_when_its_key_is_a_unique_column_of_the_one_tabl
     assert _import(tmp_path, capsys, "v", f"{legacy.schema}.plain")[0] == 0
 
 
-def test_a_bytea_prompt_a_table_others_inherit_from_or_a_foreign_table_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
+def test_a_bytea_prompt_or_a_table_others_inherit_from_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
                                                                    capsys) -> None:  # noqa: ANN001
     """A probe: one task wrote two rows, in a parent table and in a child holding the same key
-    (its primary key is the parent's alone), and in a foreign table over a table with the key
-    twice. Both are refused at import; a partitioned table, whose key is unique across its
-    partitions, is not."""
+    (its primary key is the parent's alone): refused at import; a partitioned table, whose key is
+    unique across its partitions, is not. A bytea prompt went out as hex: refused."""
     columns = "id bigint, body text NOT NULL, status text, answer text, solved_by text, error text, priority int"
-    legacy.execute(f"CREATE TABLE parent ({columns}, PRIMARY KEY (id)); CREATE TABLE child (PRIMARY KEY (id)) INHERITS (parent);"
+    legacy.execute(f"CREATE TABLE parent ({columns}, PRIMARY KEY (id));"
+                   "CREATE TABLE child (PRIMARY KEY (id)) INHERITS (parent);"
                    f"CREATE TABLE parted ({columns}, PRIMARY KEY (id)) PARTITION BY RANGE (id);"
                    "CREATE TABLE parted_all PARTITION OF parted FOR VALUES FROM (MINVALUE) TO (MAXVALUE)")
     legacy.execute("CREATE TABLE raw (id bigint PRIMARY KEY, body bytea NOT NULL, status text, answer text, "
@@ -241,6 +241,13 @@ def test_a_bytea_prompt_a_table_others_inherit_from_or_a_foreign_table_is_refuse
     code, _, err = _import(tmp_path, capsys, "c", f"{legacy.schema}.child")
     assert code == 0, err  # a child alone: its own rows
     assert _import(tmp_path, capsys, "d", f"{legacy.schema}.parted")[0] == 0
+
+
+def test_a_foreign_table_is_refused(svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: a foreign table over a table holding its key twice; one task wrote both rows. Its key's
+    uniqueness cannot be seen here: refused at import. (Skipped where ``postgres_fdw`` is missing,
+    as on the embedded PostgreSQL.)"""
+    columns = "id bigint, body text NOT NULL, status text, answer text, solved_by text, error text, priority int"
     try:
         legacy.execute("CREATE EXTENSION IF NOT EXISTS postgres_fdw")
     except sa.exc.DBAPIError as exc:
