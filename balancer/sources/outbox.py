@@ -189,17 +189,15 @@ _SAID = {
 #: that ends it, so not before the task last started or was solved; a row of an earlier end (kept as
 #: conflict, changed, written or dropped when the task was asked again or retried, both of which
 #: clear ``started_at`` and ``solved_at``: :data:`balancer.backlog.operations._RETRY`) is older.
-#: That rule in SQL, for an outbox row ``o`` of a task ``t``.
-OF_LAST_END = "o.created_at >= coalesce(t.solved_at, t.started_at, '-infinity')"
-_TASK_WRITEBACK = sa.text(f"""
+_TASK_WRITEBACK = sa.text("""
 SELECT EXISTS (SELECT 1 FROM sources WHERE name = t.source) AS declared, o.state, o.attempts, o.last_error,
        o.next_attempt_at
 FROM tasks t
-LEFT JOIN LATERAL (SELECT state, attempts, last_error, next_attempt_at FROM source_outbox o
-                   WHERE o.task_id = t.id AND {OF_LAST_END}
-                   ORDER BY o.id DESC LIMIT 1) o ON true
+LEFT JOIN LATERAL (SELECT state, attempts, last_error, next_attempt_at FROM source_outbox
+                   WHERE task_id = t.id AND created_at >= coalesce(t.solved_at, t.started_at, '-infinity')
+                   ORDER BY id DESC LIMIT 1) o ON true
 WHERE t.id = :id AND t.from_table AND t.key IS NOT NULL AND t.status IN ('solved', 'failed')
-""")  # noqa: S608 - OF_LAST_END is a constant, not input
+""")
 
 
 def task_writeback(conn: Connection, task_id: int) -> TaskWriteback | None:

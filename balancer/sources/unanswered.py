@@ -12,19 +12,20 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from balancer.sources.outbox import CONFLICT, OF_LAST_END, UNWRITABLE, WAITING, TaskWriteback
+from balancer.sources.outbox import CONFLICT, UNWRITABLE, WAITING, TaskWriteback
 
 #: How a cancelled task's row may be asked again.
 CANCELLED = "cancelled by an operator: `balancer tasks retry --status cancelled --source {source}` asks it again"
 
 #: Each ended task's outbox row of its last end (as :func:`balancer.sources.outbox.task_writeback`
 #: reads one) in a state that leaves its row without balancer's answer.
-_ENDED = sa.text(f"""
+_ENDED = sa.text("""
 SELECT DISTINCT ON (t.id) t.key, t.id AS task_id, o.state, o.attempts, o.last_error, o.next_attempt_at
 FROM source_outbox o JOIN tasks t ON t.id = o.task_id
-WHERE o.source = :source AND t.status IN ('solved', 'failed') AND {OF_LAST_END}
+WHERE o.source = :source AND t.status IN ('solved', 'failed')
+  AND o.created_at >= coalesce(t.solved_at, t.started_at, '-infinity')
 ORDER BY t.id, o.id DESC
-""")  # noqa: S608 - OF_LAST_END is a constant, not input
+""")
 _SHOWN = (WAITING, CONFLICT, UNWRITABLE)
 
 
