@@ -126,10 +126,11 @@ def counted_since(old: dict, new: dict, model: str, *fields: str) -> float:
 
 
 def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (), not_yet_read: Sequence[str] = (),
-               after_the_end: int = 0) -> str:
+               after_the_end: int = 0, unwritten: Sequence[str] = ()) -> str:
     """The ETA, its band, and what it leaves out: pending tasks whose source's budget is spent, or that no
     enabled model may take, the rows of the ``unread`` sources (their table could not be read) and of the
-    ``not_yet_read`` ones (readable, never read to the end of their table: some rows are not tasks yet);
+    ``not_yet_read`` ones (readable, never read to the end of their table: some rows are not tasks yet),
+    and the answers of the ``unwritten`` sources (their write-backs fail and are retried);
     ``blocked`` (why nothing can run: :func:`balancer.health.reasons.blocked`) instead of a number.
 
     >>> from balancer.views.eta import Forecast
@@ -147,6 +148,8 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
     'nothing else to run; the rows of source questions (its table could not be read), not in the eta'
     >>> drain_text(Forecast(0.0, 0.0, 0.0), not_yet_read=["questions"])   # a source imported, not read yet
     'nothing else to run; the rows of source questions (not read to its end yet), not in the eta'
+    >>> drain_text(Forecast(0.0, 0.0, 0.0), unwritten=["crm"])   # not "done": the team's table lacks answers
+    'nothing else to run; the answers of source crm wait to be written back (failing, retried: see its health)'
     >>> drain_text(Forecast(0.0, 0.0, 0.0), after_the_end=2)   # calls_after_the_end: why a model still shows calls
     "done; 2 call(s) of finished tasks still run at the backend (a hedge's loser runs to its end; its slot frees then)"
     """
@@ -158,8 +161,11 @@ def drain_text(drain: Any, blocked: str | None = None, unread: Sequence[str] = (
         ([f"{unplaced} pending task(s) may take only models removed, disabled or stopped (health)"] if unplaced else []) + \
         [f"the rows of source {name} (its table could not be read)" for name in unread] + \
         [f"the rows of source {name} (not read to its end yet)" for name in not_yet_read]
-    text = "nothing else to run" if aside and eta is not None and eta <= 0 else eta_text(eta) + band_text(drain)
+    text = "nothing else to run" if (aside or unwritten) and eta is not None and eta <= 0 \
+        else eta_text(eta) + band_text(drain)
     text += "".join(f"; {said}, not in the eta" for said in aside)
+    text += "".join(f"; the answers of source {name} wait to be written back (failing, retried: see its health)"
+                    for name in unwritten)
     if after_the_end:
         from balancer.views.summary import after_the_end_text
 
@@ -282,7 +288,8 @@ def top(interval: float, count: int | None) -> None:
         rates = {r.name: (counted_since(old, counters, r.name, "tokens_estimated"),
                           counted_since(old, counters, r.name, "solved", "transient", "failed")) for r in rows}
         sources = source_status(svc.engine)
-        eta = drain_text(drain, o.health.blocked, o.health.unread_sources, o.not_read, calls_after_the_end(counts, rows))
+        eta = drain_text(drain, o.health.blocked, o.health.unread_sources, o.not_read, calls_after_the_end(counts, rows),
+                         o.health.writeback_failing_sources)
         counted = Text("  ".join(f"{k}: {v}" for k, v in counts.items()) + f"  eta: {eta}")
         money = [Text(spend_text(o.spent)), Text(projection_text(o.projected))]
         with svc.engine.connect() as conn:

@@ -102,7 +102,8 @@ def status(as_json: bool) -> None:
     from balancer.costs.cost import projection_text, spend_text
     from balancer.views.summary import calls_after_the_end
 
-    eta = drain_text(s.drain, s.health.blocked, s.health.unread_sources, s.not_read, calls_after_the_end(s.counts, s.rows))
+    eta = drain_text(s.drain, s.health.blocked, s.health.unread_sources, s.not_read, calls_after_the_end(s.counts, s.rows),
+                     s.health.writeback_failing_sources)
     click.echo("  ".join(f"{k}: {v}" for k, v in s.counts.items()) + (f"  reused: {s.reused}" if s.reused else "")
                + f"  eta: {eta}")
     for line in health_lines(s.health):

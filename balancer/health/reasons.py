@@ -224,6 +224,16 @@ class Health:
         """The sources whose table could not be read: their rows are in no count and no ETA."""
         return sorted(name for name, rs in self.sources.items() if any(r.kind == "unreadable" for r in rs))
 
+    @property
+    def writeback_failing_sources(self) -> list[str]:
+        """The sources whose answers wait to be written back after failed tries: no task is
+        left to run, yet their table does not hold those answers.
+
+        >>> assess([], [SourceFacts("t", writeback_failing=2), SourceFacts("u")], 0).writeback_failing_sources
+        ['t']
+        """
+        return sorted(name for name, rs in self.sources.items() if any(r.kind == "writeback_failing" for r in rs))
+
     def model_text(self, name: str) -> str:
         """A model's reasons in one cell ('' when it has none)."""
         return "; ".join(r.text for r in self.models.get(name, []))

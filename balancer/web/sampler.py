@@ -71,6 +71,14 @@ class Sample:
         """Tasks not finished: pending, ready, queued or running."""
         return sum(self.counts.get(s, 0) for s in UNFINISHED)
 
+    @property
+    def nothing_else_to_run(self) -> bool:
+        """No task left to run, yet not "done": pending tasks wait on a budget or on models that
+        cannot take them, a source's rows are unread, or its answers are not written back."""
+        aside = (self.waiting or self.unplaced or self.not_read or self.health.unread_sources
+                 or self.health.writeback_failing_sources)
+        return bool(aside) and self.eta_s is not None and self.eta_s <= 0
+
 
 def per_minute(new: Sample, old: Sample, model: str, *fields: str) -> float:
     """How fast ``fields`` of ``model``'s counters grew between two samples, per minute.

@@ -482,7 +482,8 @@ def test_write_backs_that_keep_failing_are_said_in_status_source_list_and_tasks_
     """A tester renamed the team's answer column mid-run (or revoked UPDATE): every write-back
     failed and was retried, and only the dispatcher's log said so (`status`: "eta: done", no
     health line; `source list`: "write-backs waiting 4", no reason). Now the source's health says
-    how many fail and the last error (`status`, its --json, `top`), `source list` says the error
+    how many fail and the last error (`status`, its --json, `top`), the ETA is no longer "done"
+    until they are written, `source list` says the error
     beside them, and `tasks show` of an ended table task says where its write-back stands: waiting
     (failed n times, the last error), written, not overwritten; after its row was re-opened and
     asked again, the new end's (not the first end's "not overwritten")."""
@@ -504,6 +505,7 @@ def test_write_backs_that_keep_failing_are_said_in_status_source_list_and_tasks_
     assert "answer" in reason["text"], reason  # (the column's name: the error is the write-back's own)
     code, out, _ = run(capsys, "status")
     assert code == 0 and "health source crm: 4 write-back(s) failing, retried: " in out, out
+    assert "eta: nothing else to run; the answers of source crm wait to be written back (failing" in out, out
     assert [r.kind for r in read_overview(svc).health.sources["crm"]] == ["writeback_failing"]  # top's look
     code, out, _ = run(capsys, "source", "list")
     assert code == 0 and "write-backs waiting 4 (4 failing, retried; last: " in out, out
@@ -520,6 +522,8 @@ def test_write_backs_that_keep_failing_are_said_in_status_source_list_and_tasks_
     assert (drained.written, drained.conflicts) == (3, 1)
     code, out, _ = run(capsys, "status", "--json")
     assert "crm" not in json.loads(out)["health"]["sources"], out
+    code, out, _ = run(capsys, "status")
+    assert "eta: done" in out, out
     code, out, _ = run(capsys, "tasks", "show", str(ids["1"]))
     assert "write-back: written" in out, out
     code, out, _ = run(capsys, "tasks", "show", str(ids["2"]), "--json")
