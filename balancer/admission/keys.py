@@ -36,6 +36,8 @@ WINDOW_INFIX = ":window:"
 SYSTEM_STATS = ":stats"
 DISPATCH_REQUESTED = ":dispatch:requested"
 DISPATCH_TIMER = ":dispatch:timer"
+DISPATCH_ASKED = ":dispatch:asked"
+DISPATCH_RUNNING = ":dispatch:running"
 CANCEL_CHANNEL = ":cancel"
 CANCELLED_INFIX = ":cancelled:"
 BEAT_SEEN = ":beat:seen"
@@ -136,6 +138,12 @@ def dispatch_flags(namespace: str) -> tuple[str, str]:
     """(dispatch requested now, delayed dispatch timer): see :mod:`balancer.dispatch.trigger`."""
     t = tag(namespace)
     return t + DISPATCH_REQUESTED, t + DISPATCH_TIMER
+
+
+def dispatch_round(namespace: str) -> tuple[str, str]:
+    """(a run asked for, the run that holds the round): see :func:`balancer.dispatch.trigger.run_alone`."""
+    t = tag(namespace)
+    return t + DISPATCH_ASKED, t + DISPATCH_RUNNING
 
 
 def beat_seen(namespace: str) -> str:

@@ -14,12 +14,23 @@ a countdown that is never longer than one dispatch tick, far below the broker
 visibility timeout. A request due sooner than the one on its way is sent too,
 and its flag takes the sooner expiry: a round slow start asks for in 60 ms is
 not held back by a token wait's 900 ms.
+
+One dispatch run at a time, across every dispatcher process and thread
+(:func:`run_alone`). Two runs side by side lost a request: a run asked for by
+a slot freed during another run found the pending rows that run held
+(``SKIP LOCKED``) and ended with nothing, while the other, planning on a view
+read before the slot freed, left them pending; both had cleared the request
+flag, so the task waited for the next tick with the slot idle. A run asked
+for while another holds the round is left to the holder, which runs again
+once it ends; no thread waits for it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import redis
 
@@ -38,6 +49,27 @@ redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
 return 1
 """
 _SOONER_SHA = hashlib.sha1(_SOONER.encode(), usedforsecurity=False).hexdigest()
+
+#: How long a run holds the round (ms), renewed at each run: above a round's length (tens of ms;
+#: a round slower than this lets a second run beside it, as before), and all that a dispatcher
+#: killed mid-run holds the others back.
+ROUND_HOLD_MS = 3_000
+
+# KEYS: asked, running; ARGV: this run's token, hold ms, op. 'ask': record an ask, then take the
+# round if free; 'next': let go of it, then take it again if a run was asked for meanwhile;
+# 'drop': let go of it. Taking it clears the ask (the run taking it covers it). 1 if taken.
+_ROUND = """
+if ARGV[3] ~= 'ask' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+if ARGV[3] == 'drop' then return 0 end
+if ARGV[3] == 'ask' then redis.call('SET', KEYS[1], '1', 'PX', ARGV[2]) end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+_ROUND_SHA = hashlib.sha1(_ROUND.encode(), usedforsecurity=False).hexdigest()
+
+T = TypeVar("T")
 
 
 def request_dispatch(
@@ -58,13 +90,37 @@ def request_dispatch(
 
 
 def _sooner(client: redis.Redis, timer_key: str, delay_ms: int) -> bool:
-    """Run the flag script by its digest (loaded on first use: a script cached per client kept
+    return _script(client, _SOONER, _SOONER_SHA, [timer_key], [delay_ms, SOONER_MS])
+
+
+def _script(client: redis.Redis, source: str, sha: str, keys_: Sequence[str], args: Sequence[str | int]) -> bool:
+    """Run a script by its digest (loaded on first use: a script cached per client kept
     up to eight clients, and their connection pools, alive)."""
-    args = (1, timer_key, delay_ms, SOONER_MS)
     try:
-        return bool(client.evalsha(_SOONER_SHA, *args))
+        return bool(client.evalsha(sha, len(keys_), *keys_, *args))
     except redis.exceptions.NoScriptError:
-        return bool(client.eval(_SOONER, *args))
+        return bool(client.eval(source, len(keys_), *keys_, *args))
+
+
+def run_alone(client: redis.Redis, namespace: str, run: Callable[[], T]) -> list[T]:
+    """Ask for a run, and call ``run`` unless another run (of any process) holds the round: it is
+    then left to that one, which runs again once it ends. Returns what each run here returned
+    (none: left to another)."""
+    keys_, token = keys.dispatch_round(namespace), uuid.uuid4().hex
+
+    def round_(op: str) -> bool:
+        return _script(client, _ROUND, _ROUND_SHA, keys_, [token, ROUND_HOLD_MS, op])
+
+    done: list[T] = []
+    taken = round_("ask")
+    while taken:
+        try:
+            done.append(run())
+        except BaseException:
+            round_("drop")
+            raise
+        taken = round_("next")
+    return done
 
 
 def clear_requests(client: redis.Redis, namespace: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from balancer.calls.solver import SolveMessage, solve_chain
 from balancer.dispatch.dispatcher import Assignment, DispatchReport, dispatch
 from balancer.dispatch.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.dispatch.lost import LostMessages
-from balancer.dispatch.trigger import clear_requests, request_dispatch
+from balancer.dispatch.trigger import clear_requests, request_dispatch, run_alone
 from balancer.pipeline.app import app
 from balancer.settings import Settings
 from balancer.sources.polling import SourceReadLoop
@@ -76,32 +75,13 @@ def trigger_dispatch(delay_ms: int = 0) -> bool:
     )
 
 
-#: One dispatch run at a time in this process, and none asked for lost. The dispatcher runs two
-#: control tasks at once (``-c 2``, threads): a run asked for by a slot freed during another run
-#: started beside it, found the pending rows that run held (``SKIP LOCKED``) and ended with nothing,
-#: while the other, planning on a view read before the slot freed, left them pending; both had
-#: cleared the request flag, so the task waited for the next tick with the slot idle. Now a run
-#: asked for while one runs is left to that one, which runs again once it ends.
-_one_run = threading.Lock()
-_asked = threading.Event()
-
-
 @app.task(name=keys.DISPATCH_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
         mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
-    admitted = failed = 0
-    _asked.set()
-    # Checked after each release: an ask that came while the lock was held is run by its holder.
-    while _asked.is_set() and _one_run.acquire(blocking=False):
-        try:
-            _asked.clear()
-            report = _dispatch_once()
-            admitted, failed = admitted + report.admitted, failed + report.failed
-        finally:
-            _one_run.release()
-    return {"admitted": admitted, "failed": failed}
+    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once)  # or left to the run that holds the round
+    return {"admitted": sum(r.admitted for r in reports), "failed": sum(r.failed for r in reports)}
 
 
 def _dispatch_once() -> DispatchReport:

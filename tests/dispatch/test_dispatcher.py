@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -301,13 +303,15 @@ def test_a_run_that_finds_nothing_pending_asks_for_no_round_for_slow_start(svc: 
 
 def test_a_dispatch_asked_for_during_another_run_is_not_lost_to_the_rows_that_run_holds(
         svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The dispatcher runs two control tasks at once (``-c 2``, threads). A run (A) holds the pending
-    rows it claimed, planned on a live view in which "x" was full; meanwhile x's call ends, its worker
-    asks for a dispatch, and that run (B), on the other thread, finds x free but the rows locked
-    (``SKIP LOCKED``) and ends with nothing. A then admits nothing on its old view. Each run clears the
-    request flag as it starts, so nothing asked for another: the task waited for the next tick
-    (30 s in the reconnection test, whose beat is absent) while x stood idle. Now B leaves its run
-    to A, which runs again once it ends."""
+    """A dispatcher runs two control tasks at once (``-c 2``, threads), and production.md allows a
+    second dispatcher. A run (A) holds the pending rows it claimed, planned on a live view in which
+    "x" was full; meanwhile x's call ends, its worker asks for a dispatch, and that run (B), on the
+    other thread or in the other dispatcher, finds x free but the rows locked (``SKIP LOCKED``) and
+    ends with nothing. A then admits nothing on its old view. Each run clears the request flag as it
+    starts, so nothing asked for another: the task waited for the next tick (30 s in the
+    reconnection test, whose beat is absent) while x stood idle. Now B leaves its run to A, which
+    runs again once it ends. B here is another process: a lock of A's process alone (the first
+    fix) let it run."""
     from balancer.admission.values import Candidate
     from balancer.dispatch import fairness
     from balancer.pipeline import tasks as pipeline_tasks
@@ -342,10 +346,10 @@ def test_a_dispatch_asked_for_during_another_run_is_not_lost_to_the_rows_that_ru
     try:
         assert claimed.wait(10)
         svc.core.release(call.admission_id)  # x's call ends: its worker asks for a dispatch, run B
-        run_b = threading.Thread(target=pipeline_tasks.dispatch_task.run, name="run-b")
-        run_b.start()
-        run_b.join(10)
-        assert not run_b.is_alive()  # B leaves its run to A, holding no thread of the pool meanwhile
+        run_b = subprocess.run([sys.executable, "-c", "from balancer.pipeline.tasks import dispatch_task; "
+                                "print(dispatch_task.run())"], capture_output=True, text=True, timeout=60)
+        # B leaves its run to A at once, holding no thread of its pool meanwhile.
+        assert run_b.stdout.strip() == "{'admitted': 0, 'failed': 0}", run_b.stdout + run_b.stderr
     finally:
         go_on.set()
         run_a.join(10)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import redis
 
 from balancer.admission import keys
-from balancer.dispatch.trigger import clear_requests, request_dispatch
+from balancer.dispatch.trigger import ROUND_HOLD_MS, clear_requests, request_dispatch, run_alone
 
 
 def test_one_request_per_burst_until_a_run_clears_the_flag(redis_client: redis.Redis, namespace: str) -> None:
@@ -59,3 +63,50 @@ def test_the_flag_script_is_sent_whole_to_a_redis_that_has_not_cached_it(redis_c
     assert request_dispatch(client, namespace, sent.append, delay_ms=300) and sent == [0.3]
     assert not request_dispatch(client, namespace, sent.append, delay_ms=300)  # the flag it set holds the next
     assert 0 < redis_client.pttl(keys.dispatch_flags(namespace)[1]) <= 300
+
+
+def test_a_run_asked_for_while_another_holds_the_round_is_run_by_the_holder_once_it_ends(
+        redis_client: redis.Redis, redis_url: str, namespace: str) -> None:
+    """Two dispatch runs side by side lost a request (the second found the first's rows locked and
+    ended with nothing): the second is left to the first, which runs again; no thread waits."""
+    holding, go_on, runs = threading.Event(), threading.Event(), []
+
+    def first() -> str:
+        runs.append("first")
+        if len(runs) == 1:
+            holding.set()
+            go_on.wait(10)
+        return "ran"
+
+    holder = threading.Thread(target=lambda: runs.append(run_alone(redis_client, namespace, first)))
+    holder.start()
+    try:
+        assert holding.wait(10)
+        other = redis.Redis.from_url(redis_url)  # as another dispatcher process's client
+        assert run_alone(other, namespace, lambda: runs.append("second")) == []  # left to the holder, at once
+        assert run_alone(other, namespace, lambda: runs.append("third")) == []  # asks coalesce
+        other.close()
+    finally:
+        go_on.set()
+        holder.join(10)
+    assert runs == ["first", "first", ["ran", "ran"]]  # once for it, once for the two asked meanwhile
+    assert not any(redis_client.exists(k) for k in keys.dispatch_round(namespace))  # nothing held, nothing asked
+
+
+def test_a_run_that_raises_lets_go_of_the_round_and_a_dead_holders_hold_expires(
+        redis_client: redis.Redis, namespace: str) -> None:
+    def fails() -> None:
+        raise RuntimeError("PostgreSQL went away")
+
+    with pytest.raises(RuntimeError):
+        run_alone(redis_client, namespace, fails)
+    assert run_alone(redis_client, namespace, lambda: "ran") == ["ran"]
+
+    asked, running = keys.dispatch_round(namespace)
+    redis_client.set(running, "a dispatcher killed mid-run", px=300)  # ROUND_HOLD_MS, shortened
+    assert run_alone(redis_client, namespace, lambda: "ran") == []
+    deadline = time.monotonic() + 10
+    while not (done := run_alone(redis_client, namespace, lambda: "ran")):
+        assert time.monotonic() < deadline, "the dead holder's round was never free again"
+        time.sleep(0.05)
+    assert done == ["ran"] and 0 < ROUND_HOLD_MS <= 3_000
