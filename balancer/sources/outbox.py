@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection, Engine
 
 from balancer.errors import BalancerError
-from balancer.sources.schema import source_outbox
+from balancer.sources.schema import source_outbox, sources
 from balancer.storage import audit
 from balancer.storage.schema import source_changes, tasks
 
@@ -185,19 +185,34 @@ _SAID = {
     NO_SOURCE: "none: its source is no longer declared",
 }
 
-#: An ended table task's outbox row of its last end. Its end's trigger queues it in the transaction
-#: that ends it, so not before the task last started or was solved; a row of an earlier end (kept as
-#: conflict, changed, written or dropped when the task was asked again or retried, both of which
-#: clear ``started_at`` and ``solved_at``: :data:`balancer.backlog.operations._RETRY`) is older.
-_TASK_WRITEBACK = sa.text("""
-SELECT EXISTS (SELECT 1 FROM sources WHERE name = t.source) AS declared, o.state, o.attempts, o.last_error,
-       o.next_attempt_at
-FROM tasks t
-LEFT JOIN LATERAL (SELECT state, attempts, last_error, next_attempt_at FROM source_outbox
-                   WHERE task_id = t.id AND created_at >= coalesce(t.solved_at, t.started_at, '-infinity')
-                   ORDER BY id DESC LIMIT 1) o ON true
-WHERE t.id = :id AND t.from_table AND t.key IS NOT NULL AND t.status IN ('solved', 'failed')
-""")
+#: The statuses a task ends in with a write-back queued (by the ``tasks_finished`` trigger).
+ENDED_WITH_WRITEBACK = ("solved", "failed")
+
+
+def of_last_end(outbox: sa.FromClause, task: sa.FromClause) -> sa.ColumnElement[bool]:
+    """Whether an outbox row is the one its task's last end queued, or later. The end's trigger queues
+    it in the transaction that ends the task, so not before the task last started or was solved; a
+    row of an earlier end (kept as conflict, changed, written or dropped when the task was asked
+    again or retried, both of which clear ``started_at`` and ``solved_at``:
+    :data:`balancer.backlog.operations._RETRY`) is older."""
+    never = sa.cast(sa.literal("-infinity"), sa.DateTime(timezone=True))
+    return outbox.c.created_at >= sa.func.coalesce(task.c.solved_at, task.c.started_at, never)
+
+
+def _task_writeback() -> sa.Select:
+    t = tasks.alias("t")
+    o = (sa.select(source_outbox.c.state, source_outbox.c.attempts, source_outbox.c.last_error,
+                   source_outbox.c.next_attempt_at)
+         .where(source_outbox.c.task_id == t.c.id, of_last_end(source_outbox, t))
+         .order_by(source_outbox.c.id.desc()).limit(1).lateral("o"))
+    declared = sa.exists().where(sources.c.name == t.c.source).label("declared")
+    return (sa.select(declared, o.c.state, o.c.attempts, o.c.last_error, o.c.next_attempt_at)
+            .select_from(t.outerjoin(o, sa.true()))
+            .where(t.c.id == sa.bindparam("id"), t.c.from_table, t.c.key.is_not(None),
+                   t.c.status.in_(ENDED_WITH_WRITEBACK)))
+
+
+_TASK_WRITEBACK = _task_writeback()
 
 
 def task_writeback(conn: Connection, task_id: int) -> TaskWriteback | None:

@@ -12,20 +12,21 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from balancer.sources.outbox import CONFLICT, UNWRITABLE, WAITING, TaskWriteback
+from balancer.sources.outbox import CONFLICT, ENDED_WITH_WRITEBACK, UNWRITABLE, WAITING, TaskWriteback, of_last_end
+from balancer.sources.schema import source_outbox
+from balancer.storage.schema import tasks
 
 #: How a cancelled task's row may be asked again.
 CANCELLED = "cancelled by an operator: `balancer tasks retry --status cancelled --source {source}` asks it again"
 
 #: Each ended task's outbox row of its last end (as :func:`balancer.sources.outbox.task_writeback`
-#: reads one) in a state that leaves its row without balancer's answer.
-_ENDED = sa.text("""
-SELECT DISTINCT ON (t.id) t.key, t.id AS task_id, o.state, o.attempts, o.last_error, o.next_attempt_at
-FROM source_outbox o JOIN tasks t ON t.id = o.task_id
-WHERE o.source = :source AND t.status IN ('solved', 'failed')
-  AND o.created_at >= coalesce(t.solved_at, t.started_at, '-infinity')
-ORDER BY t.id, o.id DESC
-""")
+#: reads one), to keep those in a state that leaves its row without balancer's answer.
+_ENDED = (sa.select(tasks.c.key, tasks.c.id.label("task_id"), source_outbox.c.state, source_outbox.c.attempts,
+                    source_outbox.c.last_error, source_outbox.c.next_attempt_at)
+          .select_from(source_outbox.join(tasks, tasks.c.id == source_outbox.c.task_id))
+          .where(source_outbox.c.source == sa.bindparam("source"), tasks.c.status.in_(ENDED_WITH_WRITEBACK),
+                 of_last_end(source_outbox, tasks))
+          .distinct(tasks.c.id).order_by(tasks.c.id, source_outbox.c.id.desc()))
 _SHOWN = (WAITING, CONFLICT, UNWRITABLE)
 
 
