@@ -13,6 +13,11 @@ A view has no index, so its key is unique only through the table it reads:
 a view is accepted when it reads one table, its plan is a plain scan of it
 (no join, union, DISTINCT or aggregate: each view row is one table row), and
 its key is a column of that table with a unique index of its own.
+
+The ``solved`` and ``failed`` values a source writes into its status column
+are checked against that column (:func:`check_status_values`): its type, its
+length and the CHECK constraints on it alone, evaluated on the value in a
+SELECT, as its UPDATE would, without writing anything.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from psycopg2 import sql
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from balancer.errors import printable
 from balancer.sources.definition import SourceDef, SourceFileError
+from balancer.sources.teamdb import describe
+from balancer.sources.window import _render
 
 # The relations each of ``oids`` reads: itself, or for a view (or a materialized
 # view), what its rewrite rule depends on, recursively; a partition as its root.
@@ -130,3 +138,40 @@ def check_view_key(conn: Connection, definition: SourceDef, view_sql: str, bases
 def key_is_unique(conn: Connection, oid: int, attnum: int) -> bool:
     """Whether column ``attnum`` of relation ``oid`` has a unique index of its own."""
     return conn.exec_driver_sql(_UNIQUE, (oid, attnum)).first() is not None
+
+
+_COLUMN_TYPE = "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s"
+# The CHECK constraints of a table on one column alone, as SQL over that column.
+_COLUMN_CHECKS = """
+SELECT c.conname, pg_get_expr(c.conbin, c.conrelid) FROM pg_constraint c
+JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]
+WHERE c.conrelid = %s AND c.contype = 'c' AND cardinality(c.conkey) = 1 AND a.attname = %s ORDER BY c.conname
+"""
+
+
+def check_status_values(conn: Connection, definition: SourceDef, oid: int) -> None:
+    """The ``solved`` and ``failed`` values fit the status column of table ``oid``: they cast to its
+    type (a domain's checks with it), are no longer than it, and no CHECK on that column alone is
+    false for them. :class:`SourceFileError` otherwise: every write-back of that outcome would be
+    refused, each row left unwritable. A CHECK over several columns is left to the write-back."""
+    column = definition.columns.get("status")
+    if column is None:
+        return
+    type_ = conn.exec_driver_sql(_COLUMN_TYPE, (oid, column)).scalar_one()
+    checks = conn.exec_driver_sql(_COLUMN_CHECKS, (oid, column)).all()
+    for outcome, value in (("solved", definition.solved), ("failed", definition.failed)):
+        as_stored = sql.SQL("SELECT length(CAST(CAST(%s AS {}) AS text))").format(sql.SQL(type_))
+        where = f"sources.{definition.name}: {outcome} = {printable(value, 60)!r} for status column {column!r} ({type_})"
+        try:
+            with conn.begin_nested():
+                length = conn.exec_driver_sql(_render(conn, as_stored), (value,)).scalar_one()
+        except DBAPIError as exc:
+            raise SourceFileError(f"{where}: {describe(definition, exc)}") from None
+        if type_.startswith("character") and length < len(value.rstrip(" ")):
+            raise SourceFileError(f"{where}: longer than the column holds (set {outcome} to a shorter value)")
+        for name, check in checks:
+            holds = sql.SQL("SELECT ({}) IS NOT FALSE FROM (SELECT CAST(%s AS {}) AS {}) AS balancer_check").format(
+                sql.SQL(check), sql.SQL(type_), sql.Identifier(column))
+            if not conn.exec_driver_sql(_render(conn, holds), (value,)).scalar_one():
+                raise SourceFileError(f"{where}: refused by its table's CHECK {name}: {printable(check, 200)} "
+                                      f"(set {outcome} to a value it allows)")

@@ -59,7 +59,8 @@ HOSTILE = {
     "misspelled field": ('prompt = "body"\npromt = "body"', "unknown field(s): promt (did you mean 'prompt'?)"),
     "missing table": ('table = "public.nope"', "no table public.nope"),
     "key not unique": ('key = "priority"', "is not unique"),
-    "status value not storable": ('status = "priority"\npriority = "id"', "write-back of a solved task would fail"),
+    "status value not storable": ('status = "priority"\npriority = "id"',
+                                  "solved = 'solved' for status column 'priority' (integer): invalid input syntax"),
     # A probe: an answer written into the team's prompt, its key, or a column another role sets.
     "answer into the prompt": ('answer = "body"', "answer and prompt name one column, 'body'"),
     "answer into the key": ('answer = "id"', "answer and key name one column, 'id'"),

@@ -315,3 +315,42 @@ def test_a_source_row_over_the_prompt_limit_is_refused_with_its_reason_unread(
         recorded = dict(conn.exec_driver_sql("SELECT key, reason FROM source_rejects WHERE source = 'crm'").all())
     assert recorded == {k: "prompt is 10,485,760 bytes, more than BALANCER_MAX_PROMPT_BYTES (1,048,576)"
                         for k in ("10", "11", "12")}
+
+
+def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                              capsys) -> None:  # noqa: ANN001
+    """A probe: ``solved = "finished"`` against a CHECK that allows 'solved' only was imported (exit 0);
+    every write-back then failed, each row left unwritable. The solved and failed values are checked
+    at import against the status column: its type, its length, a domain's checks and every CHECK on
+    that column alone (evaluated in a SELECT: nothing is written)."""
+    rest = "id bigint PRIMARY KEY, body text NOT NULL, answer text, solved_by text, error text, priority int"
+    legacy.execute(f"CREATE TABLE checked ({rest}, status text CONSTRAINT known_status "
+                   "CHECK (status IN ('unsolved', 'solved', 'failed')));"
+                   f"CREATE TABLE short ({rest}, status varchar(8));"
+                   f"CREATE TABLE numbered ({rest}, status int);"
+                   "CREATE DOMAIN state AS text CHECK (VALUE <> 'finished');"
+                   f"CREATE TABLE domained ({rest}, status state);"
+                   f"CREATE TABLE paired ({rest}, status text, CHECK (status <> 'finished' OR answer IS NOT NULL))")
+
+    def imported(table: str, solved: str, where: str = "status = 'unsolved'") -> tuple[int, str]:
+        text = SOURCE_FILE.format(name=table, env='database_url_env = "LEGACY_DATABASE_URL"\n',
+                                  table=f"{legacy.schema}.{table}", batch=10)
+        text = text.replace("where = \"status = 'unsolved'\"", f"where = \"{where}\"") + f'solved = "{solved}"\n'
+        path = tmp_path / f"{table}.toml"
+        path.write_text(text)
+        code, _, err = run(capsys, "source", "import", str(path))
+        assert code == 0 or len(err.strip().splitlines()) == 1, err
+        return code, err
+
+    code, err = imported("checked", "finished")
+    assert code == 2 and "solved = 'finished' for status column 'status' (text): refused by its table's CHECK " \
+                         "known_status" in err, err
+    code, err = imported("short", "completed")
+    assert code == 2 and "longer than the column holds" in err, err
+    code, err = imported("numbered", "done", where="status = 0")
+    assert code == 2 and "solved = 'done' for status column 'status' (integer): invalid input syntax" in err, err
+    code, err = imported("domained", "finished")
+    assert code == 2 and ".state): value for domain " in err and "violates check constraint" in err, err
+    assert imported("paired", "finished")[0] == 0  # a CHECK over two columns: left to the write-back
+    assert imported("checked", "solved")[0] == 0
+    assert imported("short", "resolved")[0] == 0  # eight characters: it fits
