@@ -21,12 +21,15 @@ CANCELLED = "cancelled by an operator: `balancer tasks retry --status cancelled 
 
 #: Each ended task's outbox row of its last end (as :func:`balancer.sources.outbox.task_writeback`
 #: reads one), to keep those in a state that leaves its row without balancer's answer.
-_ENDED = (sa.select(tasks.c.key, tasks.c.id.label("task_id"), source_outbox.c.state, source_outbox.c.attempts,
-                    source_outbox.c.last_error, source_outbox.c.next_attempt_at)
-          .select_from(source_outbox.join(tasks, tasks.c.id == source_outbox.c.task_id))
-          .where(source_outbox.c.source == sa.bindparam("source"), tasks.c.status.in_(ENDED_WITH_WRITEBACK),
-                 of_last_end(source_outbox, tasks))
-          .distinct(tasks.c.id).order_by(tasks.c.id, source_outbox.c.id.desc()))
+_LAST_FIRST = (sa.select(tasks.c.key, tasks.c.id.label("task_id"), source_outbox.c.state, source_outbox.c.attempts,
+                         source_outbox.c.last_error, source_outbox.c.next_attempt_at,
+                         sa.func.row_number().over(partition_by=tasks.c.id, order_by=source_outbox.c.id.desc())
+                         .label("nth"))
+               .select_from(source_outbox.join(tasks, tasks.c.id == source_outbox.c.task_id))
+               .where(source_outbox.c.source == sa.bindparam("source"), tasks.c.status.in_(ENDED_WITH_WRITEBACK),
+                      of_last_end(source_outbox, tasks))
+               .subquery("o"))
+_ENDED = sa.select(_LAST_FIRST).where(_LAST_FIRST.c.nth == 1).order_by(_LAST_FIRST.c.task_id)
 _SHOWN = (WAITING, CONFLICT, UNWRITABLE)
 
 
