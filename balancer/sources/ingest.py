@@ -136,7 +136,12 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
             if rescan is None:  # the rescan went round the table: count its rows with no key again
                 set_null_keys(services.engine, definition.name, count_null_keys(team, definition, limits))
                 forget_gone_rejects(services.engine, definition, team, limits)
-            report.reasked += ask_reopened(services, definition, team, [r[0] for r in window.rows])
+            asked, refused = ask_reopened(services, definition, team, [r[0] for r in window.rows])
+            report.reasked += len(asked)
+            if asked or refused:  # said once, and in `source rows`, not at every rescan
+                with services.engine.begin() as conn:
+                    for key, reason in record_rejects(conn, definition.name, refused, asked):
+                        log.warning("source %s: row %.80r re-opened, not asked again: %s", definition.name, key, reason)
     return report
 
 

@@ -36,6 +36,8 @@ from balancer.sources.schema import source_outbox
 from balancer.storage.schema import tasks
 
 log = logging.getLogger(__name__)
+#: Why a re-opened row's task was not asked again when it was retried or cancelled meanwhile.
+NO_LONGER_ENDED = "it is no longer ended"
 
 _ENDED = ("solved", "failed")
 _NOT_REUSED = sa.text("UPDATE tasks SET reused_from = NULL WHERE id = :id AND reused_from IS NOT NULL")
@@ -64,27 +66,30 @@ def ask_again(conn: Connection, definition: SourceDef, task: Mapping[str, Any], 
         **RETRY_VALUES, prompt=prompt, source_fingerprint=row_now.fence, estimated_tokens=row.estimated_tokens,
         prompt_tokens=None, completion_tokens=None, updated_at=sa.func.now())).rowcount
     if not moved:
-        return "it is no longer ended"
+        return NO_LONGER_ENDED
     conn.execute(_NOT_REUSED, {"id": task["task_id"]})  # (tasks.reused_from is not in the Core table)
     return None
 
 
-def ask_reopened(services: Services, definition: SourceDef, team: Connection, keys: Sequence[str]) -> int:
+def ask_reopened(services: Services, definition: SourceDef, team: Connection,
+                 keys: Sequence[str]) -> tuple[list[str], list[tuple[str, str]]]:
     """Of the rows just read matching ``where`` (``keys``), those whose task was written back
     (or not overwritten) and whose row still matches ``where`` when read again: asked again.
-    Returns how many."""
+    Returns their keys, and those of the rows whose new prompt is no task, with its reason (the
+    caller records them: :func:`balancer.sources.ingest.record_rejects`)."""
     if not keys:
-        return 0
+        return [], []
     with services.engine.connect() as conn:
         ended = conn.execute(
             sa.select(tasks.c.id.label("task_id"), tasks.c.key, tasks.c.priority, tasks.c.max_tokens)
             .where(tasks.c.source == definition.name, tasks.c.key.in_(list(keys)), tasks.c.status.in_(_ENDED),
                    ~_kept())).mappings().all()
     if not ended:
-        return 0
+        return [], []
     models = {q.name: q.burst for q in services.quotas.all()}
     limits = TimeLimits.of(services.settings)
-    asked = 0
+    asked: list[str] = []
+    refused: list[tuple[str, str]] = []
     for task in ended:
         row_now = read_one(team, definition, task["key"], limits)  # after its write-back was seen done: not a stale read
         if row_now is None:
@@ -93,9 +98,11 @@ def ask_reopened(services: Services, definition: SourceDef, team: Connection, ke
             why = ask_again(conn, definition, dict(task), row_now, models, services.settings.max_prompt_bytes,
                             checked=True)
         if why is None:
-            asked += 1
+            asked.append(task["key"])
+        elif why == NO_LONGER_ENDED:  # retried or cancelled meanwhile: nothing to say of its row
+            log.info("source %s: row %.80r re-opened, not asked again: %s", definition.name, task["key"], why)
         else:
-            log.warning("source %s: row %.80r re-opened, not asked again: %s", definition.name, task["key"], why)
+            refused.append((task["key"], why))
     if asked:
-        log.info("source %s: %d re-opened row(s) asked again", definition.name, asked)
-    return asked
+        log.info("source %s: %d re-opened row(s) asked again", definition.name, len(asked))
+    return asked, refused

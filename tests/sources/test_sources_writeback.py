@@ -6,6 +6,7 @@ PostgreSQL: the team's table in a throwaway database (or schema) per test."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -366,6 +367,45 @@ def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         time.sleep(0.1)
         ingest_sources(svc)
     assert counts(svc.engine, "SELECT count(*) FROM tasks WHERE status <> 'solved'") == 0
+
+
+def test_a_reopened_row_whose_prompt_is_no_task_is_said_once_and_named_in_source_rows(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys, caplog) -> None:  # noqa: ANN001
+    """A probe: a written row the team re-opened with an empty prompt was not asked again (right),
+    but the warning came at every rescan, and nothing else said it. Now it is a row that is not a
+    task (`source rows`, the not-tasks counts), said once, and asked again once its prompt is one."""
+    legacy.add(3)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 3
+    assert drain(svc).written == 3
+    legacy.execute("UPDATE prompts SET status = 'unsolved', answer = NULL, body = '' WHERE id = 2")
+
+    def rows() -> list[dict]:
+        code, out, _ = run(capsys, "source", "rows", "crm", "--json")
+        assert code == 0, out
+        return json.loads(out)
+
+    with caplog.at_level(logging.WARNING, logger="balancer.sources"):
+        deadline = time.monotonic() + 30
+        while not rows():
+            assert time.monotonic() < deadline, "the re-opened row was never read again"
+            time.sleep(0.1)  # poll_seconds
+            ingest_sources(svc)
+        for _ in range(4):  # read again at each rescan: said once
+            time.sleep(0.1)
+            ingest_sources(svc)
+    said = [r.getMessage() for r in caplog.records if "row '2'" in r.getMessage()]
+    assert said == ["source crm: row '2' is not a task: empty prompt"], said  # the read's own record, once
+    assert [(r["key"], r["why"]) for r in rows()] == [("2", "not a task: empty prompt")]
+
+    legacy.execute("UPDATE prompts SET body = 'fixed' WHERE id = 2")
+    deadline = time.monotonic() + 30
+    while counts(svc.engine, "SELECT count(*) FROM tasks WHERE status = 'pending'") == 0:
+        assert time.monotonic() < deadline, "the fixed row was never asked again"
+        time.sleep(0.1)
+        ingest_sources(svc)
+    assert rows() == []  # a task again: no longer counted as not one
 
 
 # -- deliverable 4: the unwritable ones, shown and settled ---------------------------------------------
