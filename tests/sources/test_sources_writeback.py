@@ -339,17 +339,23 @@ def test_source_rows_names_each_row_without_an_answer_and_why(svc: Services, leg
     assert code == 2 and err == "error: no source 'nope' (balancer source list)\n"
 
 
+def written_then_reopened(svc: Services, legacy: Legacy, tmp_path: Path, capsys, rows: int,  # noqa: ANN001
+                          body: str) -> None:
+    """``rows`` rows answered and written back; then the team re-opens row 2 with the prompt ``body`` (SQL)."""
+    legacy.add(rows)
+    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == rows
+    assert drain(svc).written == rows
+    legacy.execute(f"UPDATE prompts SET status = 'unsolved', answer = NULL, body = {body} WHERE id = 2")
+
+
 def test_a_row_the_team_reopens_after_it_was_written_is_asked_again(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 3 (and 7): a row re-opened by the team (set back to match ``where``)
     after its answer was written was never asked again. The read behind the cursor finds it,
     reads it once more, and asks it again with its prompt as it is now."""
-    legacy.add(5)
-    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
-    ingest_sources(svc)
-    assert solve_pending(svc) == 5
-    assert drain(svc).written == 5
-    legacy.execute("UPDATE prompts SET status = 'unsolved', answer = NULL, body = 'try again' WHERE id = 2")
+    written_then_reopened(svc, legacy, tmp_path, capsys, 5, body="'try again'")
     deadline = time.monotonic() + 30
     while counts(svc.engine, "SELECT count(*) FROM tasks WHERE status = 'pending'") == 0 and time.monotonic() < deadline:
         time.sleep(0.1)  # poll_seconds
@@ -374,12 +380,7 @@ def test_a_reopened_row_whose_prompt_is_no_task_is_said_once_and_named_in_source
     """A probe: a written row the team re-opened with an empty prompt was not asked again (right),
     but the warning came at every rescan, and nothing else said it. Now it is a row that is not a
     task (`source rows`, the not-tasks counts), said once, and asked again once its prompt is one."""
-    legacy.add(3)
-    assert import_legacy(tmp_path, capsys, legacy.table, batch=100)[0] == 0
-    ingest_sources(svc)
-    assert solve_pending(svc) == 3
-    assert drain(svc).written == 3
-    legacy.execute("UPDATE prompts SET status = 'unsolved', answer = NULL, body = '' WHERE id = 2")
+    written_then_reopened(svc, legacy, tmp_path, capsys, 3, body="''")
 
     def rows() -> list[dict]:
         code, out, _ = run(capsys, "source", "rows", "crm", "--json")
