@@ -21,6 +21,9 @@ def source_families() -> dict[str, Any]:
             labels=["source", "state"]),
         "balancer_source_writebacks_waiting": GaugeMetricFamily(
             "balancer_source_writebacks_waiting", "Ended tasks not yet written back to their rows", labels=source),
+        "balancer_source_writebacks_failing": GaugeMetricFamily(
+            "balancer_source_writebacks_failing", "Of the write-backs waiting, those that failed at least once "
+            "(the table refused them, or could not be written), retried after a back-off", labels=source),
         "balancer_source_not_overwritten": GaugeMetricFamily(
             "balancer_source_not_overwritten", "Write-backs refused: the row no longer matched where "
             "(someone else changed it)", labels=source),
@@ -55,6 +58,7 @@ def add_source_metrics(families: dict[str, Any], engine: Engine, budgets: Mappin
         for state in ("pending", "in_flight", "solved", "failed", "cancelled"):
             families["balancer_source_tasks"].add_metric([s.name, state], getattr(s, state))
         families["balancer_source_writebacks_waiting"].add_metric([s.name], s.writebacks_waiting)
+        families["balancer_source_writebacks_failing"].add_metric([s.name], s.writebacks_failing)
         families["balancer_source_not_overwritten"].add_metric([s.name], s.conflicts)
         families["balancer_source_changed"].add_metric([s.name], s.changed)
         families["balancer_source_unwritable"].add_metric([s.name], s.unwritable)

@@ -339,6 +339,18 @@ def test_source_rows_names_each_row_without_an_answer_and_why(svc: Services, leg
     assert code == 2 and err == "error: no source 'nope' (balancer source list)\n"
 
 
+def scrape(svc: Services) -> str:
+    """What ``balancer metrics`` serves now, in Prometheus' text format."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from balancer.views.metrics import BalancerCollector
+
+    registry = CollectorRegistry()
+    registry.register(BalancerCollector(svc))
+    return generate_latest(registry).decode()
+
+
 def written_then_reopened(svc: Services, legacy: Legacy, tmp_path: Path, capsys, rows: int,  # noqa: ANN001
                           body: str) -> None:
     """``rows`` rows answered and written back; then the team re-opens row 2 with the prompt ``body`` (SQL)."""
@@ -417,12 +429,8 @@ def test_unwritable_write_backs_are_shown_per_source_with_their_error_and_writte
     error, in ``status``, ``top`` and the console (the source's health), and the metrics;
     ``balancer source unwritable NAME`` lists them, ``--retry`` writes them once the cause is
     fixed, ``--drop`` gives them up; both audited."""
-    from prometheus_client import generate_latest
-    from prometheus_client.registry import CollectorRegistry
-
     from balancer.cli.pipeline import health_lines
     from balancer.storage.schema import source_changes
-    from balancer.views.metrics import BalancerCollector
     from balancer.views.overview import read_overview
     from balancer.web.sampler import take_sample
 
@@ -449,9 +457,7 @@ def test_unwritable_write_backs_are_shown_per_source_with_their_error_and_writte
     assert "2 write-back(s) refused by its table" in line and "no_three_nor_seven" in line
     why = take_sample(svc).health.sources["crm"]  # the console's Sources page
     assert [r.kind for r in why] == ["unwritable"] and "no_three_nor_seven" in why[0].text
-    registry = CollectorRegistry()
-    registry.register(BalancerCollector(svc))
-    text = generate_latest(registry).decode()
+    text = scrape(svc)
     assert 'balancer_source_unwritable{source="crm"} 2.0' in text
     assert 'balancer_source_health{reason="unwritable",source="crm"} 1.0' in text
 
@@ -548,6 +554,7 @@ def test_write_backs_that_keep_failing_are_said_in_status_source_list_and_tasks_
     assert code == 0 and "health source crm: 4 write-back(s) failing, retried: " in out, out
     assert "eta: nothing else to run; the answers of source crm wait to be written back (failing" in out, out
     assert [r.kind for r in read_overview(svc).health.sources["crm"]] == ["writeback_failing"]  # top's look
+    assert 'balancer_source_writebacks_failing{source="crm"} 4.0' in scrape(svc)
     code, out, _ = run(capsys, "source", "list")
     assert code == 0 and "write-backs waiting 4 (4 failing, retried; last: " in out, out
     code, out, _ = run(capsys, "tasks", "show", str(ids["1"]))
