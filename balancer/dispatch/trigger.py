@@ -27,6 +27,7 @@ once it ends; no thread waits for it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import uuid
 from collections.abc import Callable, Sequence
@@ -54,14 +55,18 @@ _SOONER_SHA = hashlib.sha1(_SOONER.encode(), usedforsecurity=False).hexdigest()
 #: a round slower than this lets a second run beside it, as before), and all that a dispatcher
 #: killed mid-run holds the others back.
 ROUND_HOLD_MS = 3_000
+#: How long an ask waits for the round (ms): longer than any run, so that it outlives a hold that
+#: lapsed, a run that raised or a holder killed (the next run, a tick's at the latest, takes it).
+#: One left behind costs one run more.
+ASK_TTL_MS = 60_000
 
-# KEYS: asked, running; ARGV: this run's token, hold ms, op. 'ask': record an ask, then take the
-# round if free; 'next': let go of it, then take it again if a run was asked for meanwhile;
-# 'drop': let go of it. Taking it clears the ask (the run taking it covers it). 1 if taken.
+# KEYS: asked, running; ARGV: this run's token, hold ms, op, ask ms. 'ask': record an ask, then
+# take the round if free; 'next': let go of it, then take it again if a run was asked for
+# meanwhile; 'drop': let go of it. Taking it clears the ask (the run taking it covers it). 1 if taken.
 _ROUND = """
 if ARGV[3] ~= 'ask' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 if ARGV[3] == 'drop' then return 0 end
-if ARGV[3] == 'ask' then redis.call('SET', KEYS[1], '1', 'PX', ARGV[2]) end
+if ARGV[3] == 'ask' then redis.call('SET', KEYS[1], '1', 'PX', ARGV[4]) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
@@ -109,7 +114,7 @@ def run_alone(client: redis.Redis, namespace: str, run: Callable[[], T]) -> list
     keys_, token = keys.dispatch_round(namespace), uuid.uuid4().hex
 
     def round_(op: str) -> bool:
-        return _script(client, _ROUND, _ROUND_SHA, keys_, [token, ROUND_HOLD_MS, op])
+        return _script(client, _ROUND, _ROUND_SHA, keys_, [token, ROUND_HOLD_MS, op, ASK_TTL_MS])
 
     done: list[T] = []
     taken = round_("ask")
@@ -117,9 +122,13 @@ def run_alone(client: redis.Redis, namespace: str, run: Callable[[], T]) -> list
         try:
             done.append(run())
         except BaseException:
-            round_("drop")
+            with contextlib.suppress(redis.RedisError):  # the run's own error is the one to see; the hold lapses
+                round_("drop")
             raise
-        taken = round_("next")
+        try:
+            taken = round_("next")
+        except redis.RedisError:  # the hold lapses by itself; an ask left waits for the next run
+            break
     return done
 
 

@@ -110,3 +110,34 @@ def test_a_run_that_raises_lets_go_of_the_round_and_a_dead_holders_hold_expires(
         assert time.monotonic() < deadline, "the dead holder's round was never free again"
         time.sleep(0.05)
     assert done == ["ran"] and 0 < ROUND_HOLD_MS <= 3_000
+
+
+def test_an_ask_outlives_a_hold_that_lapsed_during_a_long_run(
+        redis_client: redis.Redis, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: the ask expired with the hold, so a run longer than the hold lost the ask made
+    during it, and nothing ran for it until the next tick. The ask now waits longer than any run."""
+    from balancer.dispatch import trigger
+
+    monkeypatch.setattr(trigger, "ROUND_HOLD_MS", 300)
+    holding, go_on, runs = threading.Event(), threading.Event(), []
+
+    def long_run() -> None:
+        runs.append("run")
+        if len(runs) == 1:
+            holding.set()
+            go_on.wait(10)
+
+    holder = threading.Thread(target=run_alone, args=(redis_client, namespace, long_run))
+    holder.start()
+    try:
+        assert holding.wait(10)
+        assert run_alone(redis_client, namespace, lambda: runs.append("asker")) == []  # left to the holder
+        _, running = keys.dispatch_round(namespace)
+        deadline = time.monotonic() + 10
+        while redis_client.exists(running):  # the hold lapses while the run goes on
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        go_on.set()
+        holder.join(10)
+    assert runs == ["run", "run"]
