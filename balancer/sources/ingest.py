@@ -160,8 +160,8 @@ MAX_RECORDED_KEY = 200
 def record_rejects(conn: Connection, source: str, refused: list[tuple[str, str]], taken: list[str]) -> list[tuple]:
     """In the batch's transaction: each row that is not a task, with its reason (``source_rejects``);
     a row that is a task now (the team fixed it) is no longer counted. The rows newly recorded."""
-    if taken:  # one array bound, not a list of thousands of parameters
-        conn.execute(_FORGET, {"source": source, "keys": taken})
+    if taken:  # one array bound, not a list of thousands of parameters; each key as it was recorded
+        conn.execute(_FORGET, {"source": source, "keys": [k[:MAX_RECORDED_KEY] for k in taken]})
     if not refused:
         return []
     return [tuple(r) for r in conn.execute(_RECORD, {"source": source, "keys": [k[:MAX_RECORDED_KEY] for k, _ in refused],

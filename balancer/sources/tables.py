@@ -140,38 +140,58 @@ def key_is_unique(conn: Connection, oid: int, attnum: int) -> bool:
     return conn.exec_driver_sql(_UNIQUE, (oid, attnum)).first() is not None
 
 
-_COLUMN_TYPE = "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = %s AND attname = %s"
+# The column's type as SQL, and its category ('S': a string type, or a domain over one).
+_COLUMN_TYPE = """
+SELECT format_type(a.atttypid, a.atttypmod), t.typcategory FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+WHERE a.attrelid = %s AND a.attname = %s
+"""
 # The CHECK constraints of a table on one column alone, as SQL over that column.
 _COLUMN_CHECKS = """
 SELECT c.conname, pg_get_expr(c.conbin, c.conrelid) FROM pg_constraint c
 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]
 WHERE c.conrelid = %s AND c.contype = 'c' AND cardinality(c.conkey) = 1 AND a.attname = %s ORDER BY c.conname
 """
+#: SQLSTATE of a write tried in a READ ONLY transaction: a CHECK whose function writes.
+_READ_ONLY = "25006"
+
+
+def _catalog_sql(text: str) -> sql.Composable:
+    """SQL text from the catalog (a type, a CHECK's expression), its ``%`` kept from psycopg2's parameters."""
+    return sql.SQL(text.replace("%", "%%"))
 
 
 def check_status_values(conn: Connection, definition: SourceDef, oid: int) -> None:
     """The ``solved`` and ``failed`` values fit the status column of table ``oid``: they cast to its
     type (a domain's checks with it), are no longer than it, and no CHECK on that column alone is
-    false for them. :class:`SourceFileError` otherwise: every write-back of that outcome would be
-    refused, each row left unwritable. A CHECK over several columns is left to the write-back."""
+    false for them or fails on them. :class:`SourceFileError` otherwise: every write-back of that
+    outcome would be refused, each row left unwritable. A CHECK over several columns is left to the
+    write-back, as is one that writes (this runs read-only)."""
     column = definition.columns.get("status")
     if column is None:
         return
-    type_ = conn.exec_driver_sql(_COLUMN_TYPE, (oid, column)).scalar_one()
+    type_, category = conn.exec_driver_sql(_COLUMN_TYPE, (oid, column)).one()
     checks = conn.exec_driver_sql(_COLUMN_CHECKS, (oid, column)).all()
     for outcome, value in (("solved", definition.solved), ("failed", definition.failed)):
-        as_stored = sql.SQL("SELECT length(CAST(CAST(%s AS {}) AS text))").format(sql.SQL(type_))
         where = f"sources.{definition.name}: {outcome} = {printable(value, 60)!r} for status column {column!r} ({type_})"
-        try:
-            with conn.begin_nested():
-                length = conn.exec_driver_sql(_render(conn, as_stored), (value,)).scalar_one()
-        except DBAPIError as exc:
-            raise SourceFileError(f"{where}: {describe(definition, exc)}") from None
-        if type_.startswith("character") and length < len(value.rstrip(" ")):
+        as_stored = sql.SQL("SELECT length(CAST(CAST(%s AS {}) AS text))").format(_catalog_sql(type_))
+        length = _evaluate(conn, definition, as_stored, value, where)
+        if category == "S" and length is not None and length < len(value.rstrip(" ")):  # an explicit cast truncates
             raise SourceFileError(f"{where}: longer than the column holds (set {outcome} to a shorter value)")
         for name, check in checks:
             holds = sql.SQL("SELECT ({}) IS NOT FALSE FROM (SELECT CAST(%s AS {}) AS {}) AS balancer_check").format(
-                sql.SQL(check), sql.SQL(type_), sql.Identifier(column))
-            if not conn.exec_driver_sql(_render(conn, holds), (value,)).scalar_one():
+                _catalog_sql(check), _catalog_sql(type_), sql.Identifier(column))
+            if _evaluate(conn, definition, holds, value, f"{where}: its table's CHECK {name}") is False:
                 raise SourceFileError(f"{where}: refused by its table's CHECK {name}: {printable(check, 200)} "
                                       f"(set {outcome} to a value it allows)")
+
+
+def _evaluate(conn: Connection, definition: SourceDef, query: sql.Composable, value: str, where: str) -> Any:
+    """``query``'s one value with ``value`` bound; an error is :class:`SourceFileError` (None: the
+    query tried to write, which the write-back may do)."""
+    try:
+        with conn.begin_nested():
+            return conn.exec_driver_sql(_render(conn, query), (value,)).scalar_one()
+    except DBAPIError as exc:
+        if getattr(exc.orig, "pgcode", None) == _READ_ONLY:
+            return None
+        raise SourceFileError(f"{where}: {describe(definition, exc)}") from None

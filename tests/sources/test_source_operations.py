@@ -269,6 +269,27 @@ def test_a_row_not_a_task_that_is_deleted_or_stops_matching_where_is_no_longer_c
     assert code == 0 and "rows not tasks 1 (empty prompt 1)" in out, out
 
 
+def test_a_row_with_a_long_key_recorded_as_not_a_task_is_forgotten_once_it_is_one(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A review: a key is recorded with its first 200 characters, but a row that became a task was
+    forgotten by its whole key, so a longer key stayed counted as not a task for good."""
+    key = "k" * 230
+    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
+                   f"INSERT INTO keyed (k, body) VALUES ('{key}', '')")
+    path = tmp_path / "keyed.toml"
+    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
+    assert run(capsys, "source", "import", str(path))[0] == 0
+    recorded = sa.select(sa.text("key FROM source_rejects WHERE source = 'keyed'"))
+    ingest_twice(svc)
+    with svc.engine.connect() as conn:
+        assert list(conn.execute(recorded).scalars()) == [key[:200]]
+    legacy.execute(f"UPDATE keyed SET body = 'a prompt now' WHERE k = '{key}'")
+    ingest_twice(svc)  # the rescan reads it again: a task now
+    with svc.engine.connect() as conn:
+        assert list(conn.execute(sa.select(tasks.c.key).where(tasks.c.source == "keyed")).scalars()) == [key]
+        assert list(conn.execute(recorded).scalars()) == []
+
+
 def top_sources_text(svc: Services) -> str:
     """``balancer top``'s table of sources, as it draws it."""
     from rich.console import Console

@@ -330,7 +330,13 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
                    f"CREATE TABLE numbered ({rest}, status int);"
                    "CREATE DOMAIN state AS text CHECK (VALUE <> 'finished');"
                    f"CREATE TABLE domained ({rest}, status state);"
-                   f"CREATE TABLE paired ({rest}, status text, CHECK (status <> 'finished' OR answer IS NOT NULL))")
+                   f"CREATE TABLE paired ({rest}, status text, CHECK (status <> 'finished' OR answer IS NOT NULL));"
+                   # A review: a % in a CHECK crashed the import; a CHECK that fails, or a domain over
+                   # varchar(8), went through.
+                   f"CREATE TABLE liked ({rest}, status text CHECK (status LIKE 'un%%' OR length(status) %% 2 = 0));"  # %% for %
+                   f"CREATE TABLE casting ({rest}, status text CHECK (status::int >= 0 OR status = 'unsolved'));"
+                   "CREATE DOMAIN short_state AS varchar(8);"
+                   f"CREATE TABLE short_domain ({rest}, status short_state)")
 
     def imported(table: str, solved: str, where: str = "status = 'unsolved'") -> tuple[int, str]:
         text = SOURCE_FILE.format(name=table, env='database_url_env = "LEGACY_DATABASE_URL"\n',
@@ -352,5 +358,13 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
     code, err = imported("domained", "finished")
     assert code == 2 and ".state): value for domain " in err and "violates check constraint" in err, err
     assert imported("paired", "finished")[0] == 0  # a CHECK over two columns: left to the write-back
+    code, err = imported("liked", "solved")  # 'solved' and 'failed': six letters each, even: allowed
+    assert code == 0, err
+    code, err = imported("liked", "finished1")
+    assert code == 2 and "refused by its table's CHECK liked_status_check" in err, err
+    code, err = imported("casting", "solved")
+    assert code == 2 and "its table's CHECK casting_status_check: invalid input syntax for type integer" in err, err
+    code, err = imported("short_domain", "completed")
+    assert code == 2 and "longer than the column holds" in err, err
     assert imported("checked", "solved")[0] == 0
     assert imported("short", "resolved")[0] == 0  # eight characters: it fits
