@@ -204,18 +204,23 @@ status = "status"
 """
 
 
+def keyed_source(legacy: Legacy, tmp_path: Path, capsys, rows: str) -> None:  # noqa: ANN001
+    """The team's table ``keyed`` (a text key that may be NULL) holding ``rows`` (``(k, body)`` values),
+    imported as source keyed."""
+    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
+                   f"INSERT INTO keyed (k, body) VALUES {rows}")
+    path = tmp_path / "keyed.toml"
+    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
+    assert run(capsys, "source", "import", str(path))[0] == 0
+
+
 def test_rows_with_a_null_key_or_an_empty_prompt_are_counted_with_their_reason(svc: Services, legacy: Legacy,
                                                                              tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Issue 38 finding 7: rows with a NULL key were never ingested, silently (and sent the cursor
     back to the start). They are counted per source with their reason, beside the rows that are
     not tasks for another reason (recorded before the cursor moves past them), in ``source list``,
     ``status``, ``top``, the metrics and the console's Sources page; the other rows are tasks."""
-    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
-                   "INSERT INTO keyed (k, body) VALUES ('a', 'first'), (NULL, 'no key'), (NULL, 'none either'), "
-                   "('b', 'second'), ('c', '   ')")
-    path = tmp_path / "keyed.toml"
-    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
-    assert run(capsys, "source", "import", str(path))[0] == 0
+    keyed_source(legacy, tmp_path, capsys, "('a', 'first'), (NULL, 'no key'), (NULL, 'none either'), ('b', 'second'), ('c', '   ')")
     ingest_twice(svc)
     with svc.engine.connect() as conn:
         assert sorted(conn.execute(sa.select(tasks.c.key).where(tasks.c.source == "keyed")).scalars()) == ["a", "b"]
@@ -252,11 +257,7 @@ def test_a_row_not_a_task_that_is_deleted_or_stops_matching_where_is_no_longer_c
     """A probe: ``rows not tasks 2 (empty prompt 2)`` stayed after the team deleted both rows, and
     rows set to match ``where`` no more stayed counted too. Once a round of the rescan, the rows
     recorded are looked up again: those gone or not matching are forgotten, the others kept."""
-    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
-                   "INSERT INTO keyed (k, body) VALUES ('a', 'first'), ('b', ''), ('c', '   '), ('d', ' ')")
-    path = tmp_path / "keyed.toml"
-    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
-    assert run(capsys, "source", "import", str(path))[0] == 0
+    keyed_source(legacy, tmp_path, capsys, "('a', 'first'), ('b', ''), ('c', '   '), ('d', ' ')")
     recorded = sa.select(sa.text("key FROM source_rejects WHERE source = 'keyed' ORDER BY key"))
     ingest_twice(svc)
     with svc.engine.connect() as conn:
@@ -274,11 +275,7 @@ def test_a_row_with_a_long_key_recorded_as_not_a_task_is_forgotten_once_it_is_on
     """A review: a key is recorded with its first 200 characters, but a row that became a task was
     forgotten by its whole key, so a longer key stayed counted as not a task for good."""
     key = "k" * 230
-    legacy.execute("CREATE TABLE keyed (k text UNIQUE, body text, status text NOT NULL DEFAULT 'unsolved', answer text);"
-                   f"INSERT INTO keyed (k, body) VALUES ('{key}', '')")
-    path = tmp_path / "keyed.toml"
-    path.write_text(KEYED_SOURCE.format(table=f"{legacy.schema}.keyed"))
-    assert run(capsys, "source", "import", str(path))[0] == 0
+    keyed_source(legacy, tmp_path, capsys, f"('{key}', '')")
     recorded = sa.select(sa.text("key FROM source_rejects WHERE source = 'keyed'"))
     ingest_twice(svc)
     with svc.engine.connect() as conn:
