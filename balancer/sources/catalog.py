@@ -33,7 +33,7 @@ from sqlalchemy.exc import DBAPIError
 
 from balancer.errors import did_you_mean, printable
 from balancer.sources.definition import SourceDef, SourceFileError
-from balancer.sources.tables import base_tables, check_status_values, check_view_key, identities, key_is_unique
+from balancer.sources.tables import base_tables, check_status_values, check_view_key, identities, key_is_unique, view_column
 
 # The team's database, imported from here by the rest of the room.
 from balancer.sources.teamdb import TimeLimits, describe, read_only, team_connection, team_engine, team_url  # noqa: F401
@@ -365,8 +365,12 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
             raise SourceFileError(f"sources.{name}: where is not a condition on {definition.table}: "
                                   f"{describe(definition, exc)}") from None
         _check_condition(conn, definition)
-        if relation.relkind in ("r", "p"):  # a view's UPDATE reaches its table's constraints through it
-            check_status_values(conn, definition, relation.oid)
+        status = definition.columns.get("status")
+        if relation.relkind in ("r", "p"):
+            check_status_values(conn, definition, relation.oid, status)
+        elif relation.relkind == "v" and status is not None:  # its UPDATE meets its one table's constraints
+            check_status_values(conn, definition, bases[0], view_column(conn, _render(conn, sql.SQL(
+                "SELECT {} FROM {}").format(sql.Identifier(status), _table(definition)))))
     with conn.begin() as transaction:  # EXPLAIN plans the UPDATE, never runs it; rolled back all the same
         for outcome in ("solved", "failed"):
             query = writeback_query(definition, outcome)

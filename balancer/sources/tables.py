@@ -117,6 +117,13 @@ def _plan_key_column(plan: dict[str, Any]) -> str | None:
     return column[1:-1].replace('""', '"') if column.startswith('"') else column
 
 
+def view_column(conn: Connection, view_sql: str) -> str | None:
+    """The table column a view's one-column SELECT (``view_sql``) reads, as its plan shows it; None if the
+    plan is not one plain scan or the column is computed."""
+    plan = conn.exec_driver_sql("EXPLAIN (VERBOSE, FORMAT JSON) " + view_sql).scalar_one()
+    return _plan_key_column((plan[0] if isinstance(plan, list) else plan)["Plan"])
+
+
 def check_view_key(conn: Connection, definition: SourceDef, view_sql: str, bases: list[int]) -> None:
     """A view's key is unique: it reads one table, its plan is a plain scan of it, and its
     key is a column of that table with a unique index of its own. :class:`SourceFileError` otherwise."""
@@ -125,8 +132,7 @@ def check_view_key(conn: Connection, definition: SourceDef, view_sql: str, bases
         raise SourceFileError(f"sources.{name}: view {table} reads {len(bases)} tables, so its key "
                               f"{definition.key!r} cannot be shown unique: declare the table itself")
     [base] = bases
-    plan = conn.exec_driver_sql("EXPLAIN (VERBOSE, FORMAT JSON) " + view_sql).scalar_one()
-    column = _plan_key_column((plan[0] if isinstance(plan, list) else plan)["Plan"])
+    column = view_column(conn, view_sql)
     attnum = None if column is None else conn.exec_driver_sql(_ATTNUM, (base, column)).scalar()
     if attnum is None or conn.exec_driver_sql(_UNIQUE, (base, attnum)).first() is None:
         under = conn.exec_driver_sql(_NAME, (base,)).scalar_one()
@@ -160,19 +166,20 @@ def _catalog_sql(text: str) -> sql.Composable:
     return sql.SQL(text.replace("%", "%%"))
 
 
-def check_status_values(conn: Connection, definition: SourceDef, oid: int) -> None:
-    """The ``solved`` and ``failed`` values fit the status column of table ``oid``: they cast to its
+def check_status_values(conn: Connection, definition: SourceDef, oid: int, column: str | None) -> None:
+    """The ``solved`` and ``failed`` values fit the status column (``column`` of table ``oid``: the
+    source's own, or the one its view reads; None: none to check): they cast to its
     type (a domain's checks with it), are no longer than it, and no CHECK on that column alone is
     false for them or fails on them. :class:`SourceFileError` otherwise: every write-back of that
     outcome would be refused, each row left unwritable. A CHECK over several columns is left to the
     write-back, as is one that writes (this runs read-only)."""
-    column = definition.columns.get("status")
     if column is None:
         return
     type_, category = conn.exec_driver_sql(_COLUMN_TYPE, (oid, column)).one()
     checks = conn.exec_driver_sql(_COLUMN_CHECKS, (oid, column)).all()
     for outcome, value in (("solved", definition.solved), ("failed", definition.failed)):
-        where = f"sources.{definition.name}: {outcome} = {printable(value, 60)!r} for status column {column!r} ({type_})"
+        where = (f"sources.{definition.name}: {outcome} = {printable(value, 60)!r} for status column "
+                 f"{definition.columns['status']!r} ({type_})")
         as_stored = sql.SQL("SELECT length(CAST(CAST(%s AS {}) AS text))").format(_catalog_sql(type_))
         length = _evaluate(conn, definition, as_stored, value, where)
         if category == "S" and length is not None and length < len(value.rstrip(" ")):  # an explicit cast truncates

@@ -338,10 +338,11 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
                    "CREATE DOMAIN short_state AS varchar(8);"
                    f"CREATE TABLE short_domain ({rest}, status short_state)")
 
-    def imported(table: str, solved: str, where: str = "status = 'unsolved'") -> tuple[int, str]:
+    def imported(table: str, solved: str, where: str = "status = 'unsolved'", status: str = "status") -> tuple[int, str]:
         text = SOURCE_FILE.format(name=table, env='database_url_env = "LEGACY_DATABASE_URL"\n',
                                   table=f"{legacy.schema}.{table}", batch=10)
         text = text.replace("where = \"status = 'unsolved'\"", f"where = \"{where}\"") + f'solved = "{solved}"\n'
+        text = text.replace('status = "status"', f'status = "{status}"')
         path = tmp_path / f"{table}.toml"
         path.write_text(text)
         code, _, err = run(capsys, "source", "import", str(path))
@@ -368,3 +369,7 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
     assert code == 2 and "longer than the column holds" in err, err
     assert imported("checked", "solved")[0] == 0
     assert imported("short", "resolved")[0] == 0  # eight characters: it fits
+    legacy.execute("CREATE VIEW open_checked AS SELECT id, body, answer, solved_by, error, priority, status AS state "
+                   "FROM checked")  # a view: the CHECK of the table it updates, on the column its own reads
+    code, err = imported("open_checked", "finished", where="state = 'unsolved'", status="state")
+    assert code == 2 and "for status column 'state' (text): refused by its table's CHECK known_status" in err, err
