@@ -410,6 +410,9 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
         listed = [name for name, in browser.rows("table.models td.name", "")]
         assert sorted(listed) == sorted(models)
         lines = prompt_lines(800, models)
+        # Calls held 2 s each until the page has seen them: at this time scale the whole run took a
+        # few seconds, and a loaded CI run's console sampled none of it in flight ({0} in 90 s).
+        httpx.post(f"{p.backend_url}/admin/faults", json={"hang": {"*": 2.0}}, timeout=5).raise_for_status()
         ids = p.submit([{**line, "source": ("crm", "etl", "nightly")[i % 3]} for i, line in enumerate(lines)])
         # Two different sums, one of them calls in flight: the live poll replaced the fragment. (Three
         # were asked for once, and a CI run beside the chaos runs saw two in 90 s: {0, 4}.)
@@ -422,6 +425,7 @@ def test_models_page_shows_every_model_and_in_flight_changes_during_a_run(browse
                 seen.add(sum(int(s.text) for s in browser.find_all("span.in-flight")))
             except WebDriverError as exc:  # the poll swapped the fragment while it was read: read again
                 assert exc.error == "stale element reference", exc
+        httpx.post(f"{p.backend_url}/admin/faults", json={}, timeout=5).raise_for_status()  # the rest at full speed
         assert len(listed) == len(models)
         shoot(browser, "models")
         for page in ("drain", "sources"):
