@@ -216,17 +216,27 @@ def inspect(conn: Connection, definition: SourceDef, outcome: str, task: dict[st
 #: SQLSTATE classes of an error one row's write causes (its value refused: a data exception,
 #: a constraint, a trigger's RAISE, a view's check option): that row fails alone. Any other
 #: error (connection, lock or statement timeout, privileges, a table or column gone) is the
-#: table's or the database's, transient: the whole batch is tried again, without limit.
+#: table's or the database's, transient: the whole batch is tried again, without limit; but
+#: for :data:`ROW_OR_TABLE`, whose rows fail alone when others are written without it.
 _ROW_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "P0")
+
+
+#: An SQLSTATE one row's write may cause (a row-level security policy's WITH CHECK, a trigger
+#: raising it) as well as the table (UPDATE revoked): told apart by whether other rows are written.
+ROW_OR_TABLE = ("42501",)
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    code = getattr(getattr(exc, "orig", exc), "pgcode", None)
+    return code if isinstance(code, str) else None
 
 
 def refused_by_row(exc: BaseException) -> bool:
     """Whether ``exc`` is a refusal of one row's values rather than a transient failure: an
     SQLSTATE of :data:`_ROW_CLASSES`, or a value the connection's encoding (the table's
     database's) cannot encode, which the driver refuses before sending it."""
-    cause = getattr(exc, "orig", exc)
-    code = getattr(cause, "pgcode", None)
-    return isinstance(cause, UnicodeError) or (isinstance(code, str) and code[:2] in _ROW_CLASSES)
+    code = sqlstate(exc)
+    return isinstance(getattr(exc, "orig", exc), UnicodeError) or (code is not None and code[:2] in _ROW_CLASSES)
 
 
 # -- checks at import ------------------------------------------------------------------

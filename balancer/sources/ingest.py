@@ -30,14 +30,15 @@ from sqlalchemy.engine import Connection, Engine
 from balancer.backlog.intake import TaskRow
 from balancer.services import Services
 from balancer.sources.batchwrite import column_types
-from balancer.sources.catalog import TimeLimits, team_connection
+from balancer.sources.catalog import TimeLimits, read_only, team_connection
 from balancer.sources.definition import SourceDef
 from balancer.sources.read_errors import clear_read_error, note_read_error
 from balancer.sources.reask import ask_reopened
 from balancer.sources.rows import after_read, after_rescan, rows_to_tasks
 from balancer.sources.schema import source_rejects, sources
-from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor
-from balancer.sources.window import Window, count_null_keys, read_window, still_work
+from balancer.sources.store import Cursor, advance, all_sources, insert_source_tasks, read_cursor, recorded_relations
+from balancer.sources.tables import check_same_table
+from balancer.sources.window import Window, _render, _table, count_null_keys, read_window, still_work
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +103,13 @@ def ingest_source(services: Services, definition: SourceDef, models: dict[str, i
         return prepared(read_window(team, definition, position, None, definition.batch, limits,
                                     services.settings.max_prompt_bytes))
 
+    with services.engine.connect() as conn:
+        recorded = recorded_relations(conn, definition.name)
     # The executor's exit waits for a read ahead before the team's connection closes.
     with team_connection(definition, services.engine, limits) as team, \
             ThreadPoolExecutor(1, thread_name_prefix=f"source-read-ahead-{definition.name}") as reader:
+        with read_only(team, limits):
+            check_same_table(team, definition, _render(team, _table(definition)), recorded)
         ahead: tuple[str | None, Future[Read]] | None = None
         while True:
             with services.engine.connect() as conn:

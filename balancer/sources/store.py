@@ -248,6 +248,11 @@ class Cursor:
     rescan: str | None
 
 
+def recorded_relations(conn: Connection, name: str) -> list[str]:
+    """The tables source ``name``'s import found its table reads (:func:`balancer.sources.tables.identities`)."""
+    return list(conn.execute(sa.select(sources.c.relations).where(sources.c.name == name)).scalar() or [])
+
+
 def read_cursor(conn: Connection, name: str) -> Cursor | None:
     row = conn.execute(sa.select(sources.c.position, sources.c.rescan).where(sources.c.name == name)).first()
     return None if row is None else Cursor(row.position, row.rescan)

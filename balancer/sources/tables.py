@@ -23,6 +23,7 @@ SELECT, as its UPDATE would, without writing anything.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from psycopg2 import sql
@@ -86,6 +87,30 @@ def identities(conn: Connection, oids: list[int]) -> list[str]:
     """Tables of this database as ``SYSTEM:DATABASE:OID``."""
     database = _database(conn)
     return sorted(f"{database}:{oid}" for oid in oids)
+
+
+class TableReplaced(LookupError):
+    """The source's table name reads other tables than at its import (dropped and created again,
+    restored from a dump): nothing it was checked for holds of them until it is imported again."""
+
+
+_REGCLASS = "SELECT CAST(to_regclass(%s) AS oid)"
+
+
+def check_same_table(conn: Connection, definition: SourceDef, table_sql: str, recorded: Sequence[str]) -> None:
+    """The tables ``table_sql`` (the source's table, quoted) reads now are those its import recorded
+    (``recorded``, as :func:`identities` writes them), compared by database and table oid (a server
+    reached at another address is the same server). :class:`TableReplaced` otherwise; nothing to
+    compare when the import recorded none, or the name reads nothing now (said as gone elsewhere)."""
+    oid = conn.exec_driver_sql(_REGCLASS, (table_sql,)).scalar_one()
+    if not recorded or oid is None:
+        return
+    database = conn.exec_driver_sql(_DATABASE).scalar_one()
+    now = {f"{database}:{base}" for base in base_tables(conn, [int(oid)])[int(oid)]}
+    if now != {":".join(r.rsplit(":", 2)[-2:]) for r in recorded}:
+        raise TableReplaced(f"table {printable(definition.table, 130)} is not the table the source's import checked "
+                            "(dropped and created again, or restored, since): nothing is read from it or written to "
+                            f"it until `balancer source import` checks it again")
 
 
 def own_relations(conn: Connection, names: list[str]) -> dict[str, str]:

@@ -60,20 +60,25 @@ from balancer.sources import outbox
 from balancer.sources.batchwrite import column_types, held_elsewhere, write_many
 from balancer.sources.catalog import (
     NOTHING,
+    ROW_OR_TABLE,
     WRITTEN,
     WRITTEN_MATCHING,
     RowRead,
     TimeLimits,
+    _render,
+    _table,
     describe,
     fingerprint,
     inspect,
     prompt_part,
     refused_by_row,
+    sqlstate,
     team_connection,
 )
 from balancer.sources.definition import SourceDef
 from balancer.sources.reask import ask_again
-from balancer.sources.store import all_sources
+from balancer.sources.store import all_sources, recorded_relations
+from balancer.sources.tables import check_same_table
 
 log = logging.getLogger(__name__)
 
@@ -116,22 +121,53 @@ def _why_missed(conn: Connection, definition: SourceDef, row: dict[str, Any]) ->
 
 
 def _write_group(conn: Connection, definition: SourceDef, outcome: str, rows: list[dict], types: dict[str, str],
-                 rendered: dict[str, str | None], results: dict[int, Result]) -> None:
+                 rendered: dict[str, str | None], results: dict[int, Result], *, others_written: bool = False) -> None:
     """``rows`` (all ending as ``outcome``) in one statement, in a savepoint; a value the table
-    refuses: each half again, down to the row refused alone with its error."""
+    refuses: each half again, down to the row refused alone with its error. An error that may be one
+    row's or the table's (:data:`~balancer.sources.catalog.ROW_OR_TABLE`) is the rows' when a half of them is written without
+    it (``others_written``), and the table's, raised, when neither half is."""
     try:
         with conn.begin_nested():
             written = write_many(conn, definition, outcome, rows, types, rendered)
     except _WRITE_ERRORS as exc:
-        if not refused_by_row(exc):
-            raise
-        if len(rows) == 1:
+        rows_error = refused_by_row(exc) or (others_written and sqlstate(exc) in ROW_OR_TABLE)
+        if rows_error and len(rows) == 1:
             results[rows[0]["id"]] = (REFUSED, describe(definition, exc))
             return
+        if not rows_error and (sqlstate(exc) not in ROW_OR_TABLE or len(rows) == 1):
+            raise
         half = len(rows) // 2
-        _write_group(conn, definition, outcome, rows[:half], types, rendered, results)
-        _write_group(conn, definition, outcome, rows[half:], types, rendered, results)
+        if rows_error:
+            _write_group(conn, definition, outcome, rows[:half], types, rendered, results, others_written=others_written)
+            _write_group(conn, definition, outcome, rows[half:], types, rendered, results, others_written=others_written)
+            return
+        halves = (rows[:half], rows[half:])
+        failed = [part for part in halves if not _written_alone(conn, definition, outcome, part, types, rendered, results)]
+        if len(failed) == len(halves):
+            raise  # every row meets it: the table's (UPDATE revoked), retried after the back-off
+        for part in failed:
+            _write_group(conn, definition, outcome, part, types, rendered, results, others_written=True)
         return
+    _record(conn, definition, rows, written, results)
+
+
+def _written_alone(conn: Connection, definition: SourceDef, outcome: str, rows: list[dict], types: dict[str, str],
+                   rendered: dict[str, str | None], results: dict[int, Result]) -> bool:
+    """``rows`` written as :func:`_write_group` writes them, but False, nothing written, on an
+    error that is not a row's by its class."""
+    try:
+        _write_group(conn, definition, outcome, rows, types, rendered, results)
+    except _WRITE_ERRORS as exc:
+        if refused_by_row(exc):
+            raise
+        return False
+    return True
+
+
+def _record(conn: Connection, definition: SourceDef, rows: list[dict], written: dict[int, bool] | None,
+            results: dict[int, Result]) -> None:
+    """Each row's result after its group's statement: written (still matching ``where`` or not),
+    nothing to write, or why its guarded write matched nothing."""
     for i, row in enumerate(rows):
         if written is None:
             results[row["id"]] = (NOTHING, None)
@@ -157,7 +193,10 @@ def _write_batch(services: Services, definition: SourceDef, conn: Connection,
     """Write ``claimed`` back in one transaction: one statement per outcome, a refused row alone."""
     results: dict[int, Result] = {}
     with _transaction(services, definition, conn) as team:
+        # A deferred constraint refuses its row at the row's statement, in its savepoint, not at COMMIT.
+        team.exec_driver_sql("SET CONSTRAINTS ALL IMMEDIATE")
         types = column_types(team, definition)
+        check_same_table(team, definition, _render(team, _table(definition)), recorded_relations(conn, definition.name))
         busy = held_elsewhere(team, definition, [r["key"] for r in claimed], types)
         results.update({r["id"]: (LOCKED, None) for r in claimed if r["key"] in busy})
         rendered: dict[str, str | None] = {}

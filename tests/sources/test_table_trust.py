@@ -373,3 +373,73 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
                    "FROM checked")  # a view: the CHECK of the table it updates, on the column its own reads
     code, err = imported("open_checked", "finished", where="state = 'unsolved'", status="state")
     assert code == 2 and "for status column 'state' (text): refused by its table's CHECK known_status" in err, err
+
+
+def test_a_table_dropped_and_created_again_is_neither_read_nor_written_until_imported_again(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: the team's table dropped and created again under its name, its key no longer unique
+    (three rows with id 2): one task's write-back wrote all three, and its rows were read, though
+    nothing was checked of the new table. Now each read and each write-back compares the tables the
+    name reads with those its import recorded: both stop, saying why, until it is imported again."""
+    columns = "body text NOT NULL, status text NOT NULL DEFAULT 'unsolved', answer text, solved_by text, error text, " \
+              "priority int"
+    legacy.execute(f"CREATE TABLE redone (id bigint PRIMARY KEY, {columns});"
+                   "INSERT INTO redone (id, body) VALUES (1, 'q1'), (2, 'q2'), (3, 'q3')")
+    assert _import(tmp_path, capsys, "redone", f"{legacy.schema}.redone")[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 3
+    legacy.execute(f"DROP TABLE redone; CREATE TABLE redone (id bigint, {columns});"
+                   "INSERT INTO redone (id, body) VALUES (1, 'q1'), (2, 'q2'), (2, 'q2'), (2, 'q2'), (3, 'q3'), (4, 'q4')")
+    drained = drain(svc)
+    assert (drained.written, drained.retrying) == (0, 3), drained
+    assert legacy.count("SELECT count(*) FROM redone WHERE answer IS NOT NULL") == 0
+    code, out, _ = run(capsys, "status")
+    assert "is not the table the source's import checked" in out, out  # the write-backs' health line
+    with svc.engine.begin() as conn:
+        conn.execute(sa.update(sources).values(read_at=None))  # due again
+    ingest_sources(svc)
+    with svc.engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(tasks).where(tasks.c.key == "4")).scalar_one() == 0
+    code, out, _ = run(capsys, "status")
+    assert "table unreadable: table" in out and "balancer source import" in out, out
+    code, _, err = _import(tmp_path, capsys, "redone", f"{legacy.schema}.redone")
+    assert code == 2 and "is not unique" in err, err  # imported again, it is checked: refused
+
+
+def test_a_row_refused_by_a_privilege_check_or_a_deferred_trigger_fails_alone(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: one row refused with an SQLSTATE of no row's class (a row-level security policy's
+    WITH CHECK, or a trigger, raising insufficient_privilege) kept its whole batch waiting for ever,
+    and so did a deferred constraint trigger refusing one row at COMMIT. Now such a row fails alone
+    when the others are written without it; an error every row meets stays the table's (retried)."""
+    columns = "id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved', answer text, " \
+              "solved_by text, error text, priority int"
+    legacy.execute(
+        f"CREATE TABLE guarded ({columns}); CREATE TABLE deferred ({columns}); CREATE TABLE shut ({columns});"
+        "INSERT INTO guarded (id, body) SELECT g, 'q' || g FROM generate_series(1, 4) g;"
+        "INSERT INTO deferred (id, body) SELECT g, 'q' || g FROM generate_series(1, 4) g;"
+        "INSERT INTO shut (id, body) SELECT g, 'q' || g FROM generate_series(1, 4) g;"
+        "CREATE FUNCTION refuse_two() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.id = 2 THEN "
+        "RAISE EXCEPTION 'not yours' USING ERRCODE = 'insufficient_privilege'; END IF; RETURN NEW; END $$;"
+        "CREATE TRIGGER refuse BEFORE UPDATE ON guarded FOR EACH ROW EXECUTE FUNCTION refuse_two();"
+        "CREATE FUNCTION refuse_three() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.id = 3 THEN "
+        "RAISE EXCEPTION 'audit says no' USING ERRCODE = 'check_violation'; END IF; RETURN NEW; END $$;"
+        "CREATE CONSTRAINT TRIGGER audit AFTER UPDATE ON deferred DEFERRABLE INITIALLY DEFERRED "
+        "FOR EACH ROW EXECUTE FUNCTION refuse_three();"
+        "CREATE FUNCTION refuse_all() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "RAISE EXCEPTION 'read only for now' USING ERRCODE = 'insufficient_privilege'; END $$;"
+        "CREATE TRIGGER refuse BEFORE UPDATE ON shut FOR EACH ROW EXECUTE FUNCTION refuse_all()")
+    for table in ("guarded", "deferred", "shut"):
+        assert _import(tmp_path, capsys, table, f"{legacy.schema}.{table}")[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 12
+    drained = drain(svc)
+    assert (drained.written, drained.refused, drained.retrying) == (6, 2, 4), drained
+    assert legacy.count("SELECT count(*) FROM guarded WHERE status = 'solved'") == 3
+    assert legacy.count("SELECT count(*) FROM deferred WHERE status = 'solved'") == 3
+    code, out, _ = run(capsys, "source", "rows", "guarded")
+    assert "write-back waiting: failed 1 time(s), retried; last: not yours" in out, out
+    code, out, _ = run(capsys, "source", "rows", "deferred")
+    assert "audit says no" in out, out
+    code, out, _ = run(capsys, "status")
+    assert "source shut: 4 write-back(s) failing, retried: read only for now" in out, out
