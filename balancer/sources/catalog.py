@@ -33,7 +33,15 @@ from sqlalchemy.exc import DBAPIError
 
 from balancer.errors import did_you_mean, printable
 from balancer.sources.definition import SourceDef, SourceFileError
-from balancer.sources.tables import base_tables, check_status_values, check_view_key, identities, key_is_unique, view_column
+from balancer.sources.tables import (
+    base_tables,
+    check_column_types,
+    check_status_values,
+    check_view_key,
+    identities,
+    key_is_unique,
+    view_column,
+)
 
 # The team's database, imported from here by the rest of the room.
 from balancer.sources.teamdb import TimeLimits, describe, read_only, team_connection, team_engine, team_url  # noqa: F401
@@ -351,14 +359,7 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
             if column not in columns:
                 raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}"
                                       + did_you_mean(column, columns))
-        if conn.exec_driver_sql(_KEY_TYPE, (relation.oid, definition.prompt)).one()[0] == "bytea":
-            raise SourceFileError(f"sources.{name}: prompt column {definition.prompt!r} is bytea: its text would be "
-                                  "its bytes in hex, not the prompt (a view that decodes it, convert_from(...), can be "
-                                  "the source)")
-        if definition.cursor and relation.relkind != "v" and not conn.exec_driver_sql(
-                _KEY_TYPE, (relation.oid, definition.cursor)).one()[1]:
-            raise SourceFileError(f"sources.{name}: cursor column {definition.cursor!r} of {definition.table} may be "
-                                  "NULL (a row with a NULL there would never be read): give a NOT NULL column")
+        check_column_types(conn, definition, relation.oid, relation.relkind)
         if relation.relkind in ("r", "p", "m") and not key_is_unique(conn, relation.oid, columns[definition.key]):
             raise SourceFileError(f"sources.{name}: key column {definition.key!r} of {definition.table} is not unique "
                                   "(give a column with a primary key or a unique index of its own)")

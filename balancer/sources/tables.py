@@ -171,10 +171,11 @@ def key_is_unique(conn: Connection, oid: int, attnum: int) -> bool:
     return conn.exec_driver_sql(_UNIQUE, (oid, attnum)).first() is not None
 
 
-# The column's type as SQL, and its category ('S': a string type, or a domain over one).
-_COLUMN_TYPE = """
-SELECT format_type(a.atttypid, a.atttypmod), t.typcategory FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
-WHERE a.attrelid = %s AND a.attname = %s
+# A column's type as SQL, whether it is NOT NULL, its type's type ('c': composite) and category
+# ('S': a string type, or a domain over one).
+_COLUMN = """
+SELECT format_type(a.atttypid, a.atttypmod), a.attnotnull, t.typtype, t.typcategory
+FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid WHERE a.attrelid = %s AND a.attname = %s
 """
 # The CHECK constraints of a table on one column alone, as SQL over that column.
 _COLUMN_CHECKS = """
@@ -191,6 +192,31 @@ def _catalog_sql(text: str) -> sql.Composable:
     return sql.SQL(text.replace("%", "%%"))
 
 
+def check_column_types(conn: Connection, definition: SourceDef, oid: int, relkind: str) -> None:
+    """Columns of table ``oid`` whose type the source cannot use: a bytea prompt (its text is hex), a
+    cursor column that may be NULL (such a row is never read), a key or cursor of a composite type (a
+    position is bound as text, which a composite does not take: every read would fail).
+    :class:`SourceFileError` in one line."""
+    name, table = definition.name, printable(definition.table, 130)
+
+    def column(col: str) -> Any:
+        return conn.exec_driver_sql(_COLUMN, (oid, col)).one()
+
+    if column(definition.prompt)[0] == "bytea":
+        raise SourceFileError(f"sources.{name}: prompt column {definition.prompt!r} is bytea: its text would be "
+                              "its bytes in hex, not the prompt (a view that decodes it, convert_from(...), can be "
+                              "the source)")
+    if definition.cursor and relkind != "v" and not column(definition.cursor)[1]:
+        raise SourceFileError(f"sources.{name}: cursor column {definition.cursor!r} of {table} may be "
+                              "NULL (a row with a NULL there would never be read): give a NOT NULL column")
+    for col in definition.order:
+        kind, _, typtype, _ = column(col)
+        if typtype == "c":
+            raise SourceFileError(f"sources.{name}: column {col!r} of {table}, which orders its reads, is of the "
+                                  f"composite type {printable(kind, 60)}: a read's position cannot be bound to it "
+                                  "(a view giving the key as text, or its fields as columns, can be the source)")
+
+
 def check_status_values(conn: Connection, definition: SourceDef, oid: int, column: str | None) -> None:
     """The ``solved`` and ``failed`` values fit the status column (``column`` of table ``oid``: the
     source's own, or the one its view reads; None: none to check): they cast to its
@@ -200,15 +226,18 @@ def check_status_values(conn: Connection, definition: SourceDef, oid: int, colum
     write-back, as is one that writes (this runs read-only)."""
     if column is None:
         return
-    type_, category = conn.exec_driver_sql(_COLUMN_TYPE, (oid, column)).one()
+    type_, _, _, category = conn.exec_driver_sql(_COLUMN, (oid, column)).one()
     checks = conn.exec_driver_sql(_COLUMN_CHECKS, (oid, column)).all()
     for outcome, value in (("solved", definition.solved), ("failed", definition.failed)):
         where = (f"sources.{definition.name}: {outcome} = {printable(value, 60)!r} for status column "
                  f"{definition.columns['status']!r} ({type_})")
-        as_stored = sql.SQL("SELECT length(CAST(CAST(%s AS {}) AS text))").format(_catalog_sql(type_))
-        length = _evaluate(conn, definition, as_stored, value, where)
-        if category == "S" and length is not None and length < len(value.rstrip(" ")):  # an explicit cast truncates
-            raise SourceFileError(f"{where}: longer than the column holds (set {outcome} to a shorter value)")
+        as_stored = sql.SQL("SELECT CAST(CAST(%s AS {}) AS text)").format(_catalog_sql(type_))
+        stored = _evaluate(conn, definition, as_stored, value, where)
+        # An explicit cast cuts a string to the column's length; another type may spell it otherwise
+        # ('02' as 2, JSON's spacing): a retried task's write-back finds its failure by that text.
+        if stored is not None and stored != (value.rstrip(" ") if category == "S" else value):
+            raise SourceFileError(f"{where}: the column stores it as {printable(stored, 60)!r} (set {outcome} to a "
+                                  "value the column keeps as it is written)")
         for name, check in checks:
             holds = sql.SQL("SELECT ({}) IS NOT FALSE FROM (SELECT CAST(%s AS {}) AS {}) AS balancer_check").format(
                 _catalog_sql(check), _catalog_sql(type_), sql.Identifier(column))

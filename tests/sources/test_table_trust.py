@@ -336,7 +336,8 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
                    f"CREATE TABLE liked ({rest}, status text CHECK (status LIKE 'un%%' OR length(status) %% 2 = 0));"  # %% for %
                    f"CREATE TABLE casting ({rest}, status text CHECK (status::int >= 0 OR status = 'unsolved'));"
                    "CREATE DOMAIN short_state AS varchar(8);"
-                   f"CREATE TABLE short_domain ({rest}, status short_state)")
+                   f"CREATE TABLE short_domain ({rest}, status short_state);"
+                   f"CREATE TABLE jsoned ({rest}, status jsonb)")
 
     def imported(table: str, solved: str, where: str = "status = 'unsolved'", status: str = "status") -> tuple[int, str]:
         text = SOURCE_FILE.format(name=table, env='database_url_env = "LEGACY_DATABASE_URL"\n',
@@ -353,7 +354,7 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
     assert code == 2 and "solved = 'finished' for status column 'status' (text): refused by its table's CHECK " \
                          "known_status" in err, err
     code, err = imported("short", "completed")
-    assert code == 2 and "longer than the column holds" in err, err
+    assert code == 2 and "the column stores it as 'complete'" in err, err
     code, err = imported("numbered", "done", where="status = 0")
     assert code == 2 and "solved = 'done' for status column 'status' (integer): invalid input syntax" in err, err
     code, err = imported("domained", "finished")
@@ -366,7 +367,13 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
     code, err = imported("casting", "solved")
     assert code == 2 and "its table's CHECK casting_status_check: invalid input syntax for type integer" in err, err
     code, err = imported("short_domain", "completed")
-    assert code == 2 and "longer than the column holds" in err, err
+    assert code == 2 and "the column stores it as 'complete'" in err, err
+    code, err = imported("numbered", "02", where="status = 0")  # a retried task's failure is found by its text
+    assert code == 2 and "the column stores it as '2'" in err, err
+    code, err = imported("jsoned", '{\\"s\\":\\"solved\\"}', where="status IS NULL")
+    assert code == 2 and 'the column stores it as \'{"s": "solved"}\'' in err, err
+    code, err = imported("numbered", "2", where="status = 0")  # solved fits now; failed is checked too
+    assert code == 2 and "failed = 'failed' for status column 'status' (integer): invalid input syntax" in err, err
     assert imported("checked", "solved")[0] == 0
     assert imported("short", "resolved")[0] == 0  # eight characters: it fits
     legacy.execute("CREATE VIEW open_checked AS SELECT id, body, answer, solved_by, error, priority, status AS state "
@@ -443,3 +450,14 @@ def test_a_row_refused_by_a_privilege_check_or_a_deferred_trigger_fails_alone(
     assert "audit says no" in out, out
     code, out, _ = run(capsys, "status")
     assert "source shut: 4 write-back(s) failing, retried: read only for now" in out, out
+
+
+def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                        capsys) -> None:  # noqa: ANN001
+    """A probe: a key of a composite type was imported (exit 0), then every read failed ("input of
+    anonymous composite types is not implemented": a read's position is bound as text)."""
+    legacy.execute("CREATE TYPE pair AS (a int, b text); CREATE TABLE comp (id pair PRIMARY KEY, body text NOT NULL, "
+                   "status text, answer text, solved_by text, error text, priority int)")
+    code, _, err = _import(tmp_path, capsys, "comp", f"{legacy.schema}.comp")
+    assert code == 2 and "which orders its reads, is of the composite type" in err, err
+    assert len(err.strip().splitlines()) == 1
