@@ -59,10 +59,11 @@ def source_rows(name: str, limit: int, as_json: bool) -> None:
 @click.option("--by", help="Who made the change (default: the OS user), for the audit.")
 def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
-    from balancer.sources.catalog import check_source, poll_note, team_connection
+    from balancer.sources.catalog import check_source, poll_note, read_only, team_connection
     from balancer.sources.definition import SourceFileError, parse_source_file
     from balancer.sources.read_errors import clear_read_errors
     from balancer.sources.store import import_sources
+    from balancer.sources.tables import check_option_note
     from balancer.storage.audit import default_actor
 
     name, definitions = read_declared(file, parse_source_file)
@@ -84,6 +85,8 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
             except SourceFileError as exc:  # FILE's mistake: named as read_declared names its own
                 raise SourceFileError(f"{name}: {exc}") from None
             notes.append(poll_note(conn, definition))  # a poll that cannot use an index (issue 38 finding 11)
+            with read_only(conn):
+                notes.append(check_option_note(conn, definition))  # a view that may refuse each write-back
     summary = import_sources(svc.engine, definitions, by=by or default_actor(), replace=replace, dry_run=dry_run,
                              relations=relations)
     if not dry_run:

@@ -33,7 +33,7 @@ from sqlalchemy.exc import DBAPIError
 from balancer.errors import printable
 from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.sources.teamdb import describe
-from balancer.sources.window import _render
+from balancer.sources.window import _render, _table
 
 # The relations each of ``oids`` reads: itself, or for a view (or a materialized
 # view), what its rewrite rule depends on, recursively; a partition as its root.
@@ -179,10 +179,20 @@ FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid WHERE a.attrelid = %s A
 """
 # The CHECK constraints of a table on one column alone, as SQL over that column.
 _COLUMN_CHECKS = """
-SELECT c.conname, pg_get_expr(c.conbin, c.conrelid) FROM pg_constraint c
+SELECT 'CHECK ' || c.conname, pg_get_expr(c.conbin, c.conrelid) FROM pg_constraint c
 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]
 WHERE c.conrelid = %s AND c.contype = 'c' AND cardinality(c.conkey) = 1 AND a.attname = %s ORDER BY c.conname
 """
+# A partition's constraint when its partitioned table is partitioned by the status column alone:
+# a write-back may move its row out, which PostgreSQL refuses on the partition itself.
+_PARTITION_BY_STATUS = """
+SELECT 'partition constraint', pg_get_partition_constraintdef(c.oid)
+FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid JOIN pg_partitioned_table p ON p.partrelid = i.inhparent
+JOIN pg_class root ON root.oid = p.partrelid AND NOT root.relispartition
+JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
+WHERE c.oid = %s AND c.relispartition AND p.partnatts = 1 AND a.attname = %s
+"""
+_OPTIONS = "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)"
 #: SQLSTATE of a write tried in a READ ONLY transaction: a CHECK whose function writes.
 _READ_ONLY = "25006"
 
@@ -217,6 +227,18 @@ def check_column_types(conn: Connection, definition: SourceDef, oid: int, relkin
                                   "(a view giving the key as text, or its fields as columns, can be the source)")
 
 
+def check_option_note(conn: Connection, definition: SourceDef) -> str | None:
+    """A note for the import of a view WITH CHECK OPTION: a written row must still be one of its
+    rows, so if its condition reads a column a write-back sets (the status, say), each write-back
+    is refused and left unwritable. None: not such a view."""
+    options = conn.exec_driver_sql(_OPTIONS, (_render(conn, _table(definition)),)).scalar()
+    if not any(str(o).startswith("check_option=") for o in options or ()):
+        return None
+    return (f"note: sources.{definition.name}: view {printable(definition.table, 130)} has WITH CHECK OPTION: a "
+            "written row must still be one of its rows, so if its condition reads a column the write-back sets, "
+            "each write-back is refused and left unwritable (declare its table, or the view without the option)")
+
+
 def check_status_values(conn: Connection, definition: SourceDef, oid: int, column: str | None) -> None:
     """The ``solved`` and ``failed`` values fit the status column (``column`` of table ``oid``: the
     source's own, or the one its view reads; None: none to check): they cast to its
@@ -227,7 +249,8 @@ def check_status_values(conn: Connection, definition: SourceDef, oid: int, colum
     if column is None:
         return
     type_, _, _, category = conn.exec_driver_sql(_COLUMN, (oid, column)).one()
-    checks = conn.exec_driver_sql(_COLUMN_CHECKS, (oid, column)).all()
+    checks = [*conn.exec_driver_sql(_COLUMN_CHECKS, (oid, column)), *conn.exec_driver_sql(_PARTITION_BY_STATUS,
+                                                                                           (oid, column))]
     for outcome, value in (("solved", definition.solved), ("failed", definition.failed)):
         where = (f"sources.{definition.name}: {outcome} = {printable(value, 60)!r} for status column "
                  f"{definition.columns['status']!r} ({type_})")
@@ -241,9 +264,10 @@ def check_status_values(conn: Connection, definition: SourceDef, oid: int, colum
         for name, check in checks:
             holds = sql.SQL("SELECT ({}) IS NOT FALSE FROM (SELECT CAST(%s AS {}) AS {}) AS balancer_check").format(
                 _catalog_sql(check), _catalog_sql(type_), sql.Identifier(column))
-            if _evaluate(conn, definition, holds, value, f"{where}: its table's CHECK {name}") is False:
-                raise SourceFileError(f"{where}: refused by its table's CHECK {name}: {printable(check, 200)} "
-                                      f"(set {outcome} to a value it allows)")
+            if _evaluate(conn, definition, holds, value, f"{where}: its table's {name}") is False:
+                hint = ("declare its partitioned table, in which a row may move" if name == "partition constraint"
+                        else f"set {outcome} to a value it allows")
+                raise SourceFileError(f"{where}: refused by its table's {name}: {printable(check, 200)} ({hint})")
 
 
 def _evaluate(conn: Connection, definition: SourceDef, query: sql.Composable, value: str, where: str) -> Any:

@@ -213,13 +213,18 @@ def test_a_view_is_a_source_only_when_its_key_is_a_unique_column_of_the_one_tabl
                    f"CREATE VIEW twice AS SELECT {columns} FROM prompts UNION ALL SELECT {columns} FROM prompts;"
                    f"CREATE VIEW renamed AS SELECT priority AS id, body, status, answer, solved_by, error, priority "
                    f"FROM prompts;"
-                   f"CREATE VIEW plain AS SELECT {columns} FROM prompts WHERE body <> ''")
+                   f"CREATE VIEW plain AS SELECT {columns} FROM prompts WHERE body <> '';"
+                   f"CREATE VIEW open_only AS SELECT {columns} FROM prompts WHERE status = 'unsolved' WITH CHECK OPTION")
     for view, message in (("doubled", "reads 2 tables"), ("twice", "is not a column of"),
                           ("renamed", "is not a column of")):
         code, _, err = _import(tmp_path, capsys, "v", f"{legacy.schema}.{view}")
         assert code == 2 and message in err, (view, err)
         assert len(err.strip().splitlines()) == 1
-    assert _import(tmp_path, capsys, "v", f"{legacy.schema}.plain")[0] == 0
+    code, out, _ = _import(tmp_path, capsys, "v", f"{legacy.schema}.plain")
+    assert code == 0 and "WITH CHECK OPTION" not in out
+    # A probe: a view WITH CHECK OPTION over the open rows refused each write-back (unwritable): said at import.
+    code, out, _ = _import(tmp_path, capsys, "v", f"{legacy.schema}.open_only")  # (its table is source v's)
+    assert code == 0 and "note: sources.v: view" in out and "has WITH CHECK OPTION: a written row must" in out, out
 
 
 def test_a_bytea_prompt_or_a_table_others_inherit_from_is_refused(svc: Services, legacy: Legacy, tmp_path: Path,
@@ -337,7 +342,12 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
                    f"CREATE TABLE casting ({rest}, status text CHECK (status::int >= 0 OR status = 'unsolved'));"
                    "CREATE DOMAIN short_state AS varchar(8);"
                    f"CREATE TABLE short_domain ({rest}, status short_state);"
-                   f"CREATE TABLE jsoned ({rest}, status jsonb)")
+                   f"CREATE TABLE jsoned ({rest}, status jsonb);"
+                   # A probe: a partition by status as the source, then each write-back violated its constraint.
+                   "CREATE TABLE parted (id bigint, body text NOT NULL, answer text, solved_by text, error text, "
+                   "priority int, status text NOT NULL) PARTITION BY LIST (status);"
+                   "CREATE TABLE parted_open PARTITION OF parted (PRIMARY KEY (id)) FOR VALUES IN ('unsolved');"
+                   "CREATE TABLE parted_done PARTITION OF parted FOR VALUES IN ('solved', 'failed')")
 
     def imported(table: str, solved: str, where: str = "status = 'unsolved'", status: str = "status") -> tuple[int, str]:
         text = SOURCE_FILE.format(name=table, env='database_url_env = "LEGACY_DATABASE_URL"\n',
@@ -372,6 +382,8 @@ def test_a_status_value_the_table_refuses_is_refused_at_import(svc: Services, le
     assert code == 2 and "the column stores it as '2'" in err, err
     code, err = imported("jsoned", '{\\"s\\":\\"solved\\"}', where="status IS NULL")
     assert code == 2 and 'the column stores it as \'{"s": "solved"}\'' in err, err
+    code, err = imported("parted_open", "solved")
+    assert code == 2 and "refused by its table's partition constraint: " in err and "declare its partitioned" in err, err
     code, err = imported("numbered", "2", where="status = 0")  # solved fits now; failed is checked too
     assert code == 2 and "failed = 'failed' for status column 'status' (integer): invalid input syntax" in err, err
     assert imported("checked", "solved")[0] == 0
