@@ -35,8 +35,8 @@ from balancer.errors import did_you_mean, printable
 from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.sources.tables import (
     base_tables,
-    check_column_types,
     check_status_values,
+    check_usable,
     check_view_key,
     identities,
     key_is_unique,
@@ -359,7 +359,7 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
             if column not in columns:
                 raise SourceFileError(f"sources.{name}: no column {column!r} ({role}) in {definition.table}"
                                       + did_you_mean(column, columns))
-        check_column_types(conn, definition, relation.oid, relation.relkind)
+        check_usable(conn, definition, relation.oid, relation.relkind)
         if relation.relkind in ("r", "p", "m") and not key_is_unique(conn, relation.oid, columns[definition.key]):
             raise SourceFileError(f"sources.{name}: key column {definition.key!r} of {definition.table} is not unique "
                                   "(give a column with a primary key or a unique index of its own)")

@@ -202,12 +202,21 @@ def _catalog_sql(text: str) -> sql.Composable:
     return sql.SQL(text.replace("%", "%%"))
 
 
-def check_column_types(conn: Connection, definition: SourceDef, oid: int, relkind: str) -> None:
-    """Columns of table ``oid`` whose type the source cannot use: a bytea prompt (its text is hex), a
-    cursor column that may be NULL (such a row is never read), a key or cursor of a composite type (a
-    position is bound as text, which a composite does not take: every read would fail).
+# A rule that does a table's UPDATE instead (ev_type '2': UPDATE).
+_UPDATE_INSTEAD = "SELECT rulename FROM pg_rewrite WHERE ev_class = %s AND ev_type = '2' AND is_instead LIMIT 1"
+
+
+def check_usable(conn: Connection, definition: SourceDef, oid: int, relkind: str) -> None:
+    """What of table ``oid`` the source cannot use: a bytea prompt (its text is hex), a cursor column
+    that may be NULL (such a row is never read), a key or cursor of a composite type (a position is
+    bound as text, which a composite does not take: every read would fail), a rule doing a table's
+    UPDATE instead (a write-back would land elsewhere, its row left as it was).
     :class:`SourceFileError` in one line."""
     name, table = definition.name, printable(definition.table, 130)
+    if relkind in ("r", "p") and (rule := conn.exec_driver_sql(_UPDATE_INSTEAD, (oid,)).scalar()) is not None:
+        raise SourceFileError(f"sources.{name}: table {table} has the rule {printable(rule, 60)!r} doing its UPDATE "
+                              "instead: a write-back would land elsewhere, its row left as it was (declare the table "
+                              "the rule writes to, or drop the rule)")
 
     def column(col: str) -> Any:
         return conn.exec_driver_sql(_COLUMN, (oid, col)).one()

@@ -473,3 +473,17 @@ def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: L
     code, _, err = _import(tmp_path, capsys, "comp", f"{legacy.schema}.comp")
     assert code == 2 and "which orders its reads, is of the composite type" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_table_whose_update_a_rule_does_instead_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                      capsys) -> None:  # noqa: ANN001
+    """A probe: an unconditional DO INSTEAD rule with RETURNING sent each write-back to another table,
+    counted as written, while the row kept matching ``where``, no one told."""
+    columns = "id bigint PRIMARY KEY, body text NOT NULL, status text, answer text, solved_by text, error text, priority int"
+    legacy.execute(f"CREATE TABLE asked ({columns}); CREATE TABLE elsewhere ({columns});"
+                   "CREATE RULE redirect AS ON UPDATE TO asked DO INSTEAD UPDATE elsewhere SET answer = NEW.answer, "
+                   "status = NEW.status WHERE elsewhere.id = OLD.id RETURNING elsewhere.*")
+    code, _, err = _import(tmp_path, capsys, "asked", f"{legacy.schema}.asked")
+    assert code == 2 and "has the rule 'redirect' doing its UPDATE instead" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert _import(tmp_path, capsys, "elsewhere", f"{legacy.schema}.elsewhere")[0] == 0
