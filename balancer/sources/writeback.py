@@ -89,7 +89,8 @@ _WRITE_ERRORS = (DBAPIError, UnicodeError)
 #: (``locked``: another transaction holds its row; tried again later).
 CONFLICT, CHANGED, REFUSED, LOCKED = "conflict", "changed", "refused", "locked"
 #: The error a write-back waiting on a row another transaction holds shows.
-ROW_LOCKED = "its row is locked by another transaction (FOR UPDATE, or an UPDATE not yet committed)"
+ROW_LOCKED = ("its row could not be locked: another transaction holds it (FOR UPDATE, or an UPDATE not yet "
+              "committed), or a row-level security policy hides it from UPDATE")
 #: One row's write-back: what it came to, and the table's error (refused) or the row now (changed).
 Result = tuple[str, str | RowRead | None]
 

@@ -17,7 +17,7 @@ from balancer.services import Services
 from balancer.sources.ingest import ingest_sources
 from balancer.sources.read_errors import read_errors
 from balancer.sources.schema import source_outbox, sources
-from balancer.sources.writeback import drain
+from balancer.sources.writeback import ROW_LOCKED, drain
 from balancer.storage.schema import tasks
 from tests import legacy as legacy_fixtures
 from tests.legacy import (
@@ -285,8 +285,8 @@ def test_a_row_the_team_holds_locked_waits_alone_and_the_rest_of_its_batch_is_wr
         assert (drained.written, drained.retrying) == (5, 1)
         with svc.engine.connect() as conn:
             waiting = conn.execute(sa.select(source_outbox.c.state, source_outbox.c.last_error)).all()
-        assert [tuple(w) for w in waiting] == [("waiting", "its row is locked by another transaction "
-                                                           "(FOR UPDATE, or an UPDATE not yet committed)")]
+        assert [tuple(w) for w in waiting] == [("waiting", ROW_LOCKED)]
+        assert ROW_LOCKED.startswith("its row could not be locked: another transaction holds it")
         holder.rollback()
     assert legacy.count("SELECT count(*) FROM prompts WHERE status = 'solved'") == 5
     deadline = time.monotonic() + 30
