@@ -53,18 +53,23 @@ _SOONER_SHA = hashlib.sha1(_SOONER.encode(), usedforsecurity=False).hexdigest()
 
 #: How long a run holds the round (ms), renewed at each run: above a round's length (tens of ms;
 #: a round slower than this lets a second run beside it, as before), and all that a dispatcher
-#: killed mid-run holds the others back.
-ROUND_HOLD_MS = 3_000
+#: killed mid-run holds the others back (a probe killing the holder every few seconds lost about
+#: this much each time: docs/benchmark-history.md).
+ROUND_HOLD_MS = 1_000
 #: How long an ask waits for the round (ms): longer than any run, so that it outlives a hold that
 #: lapsed, a run that raised or a holder killed (the next run, a tick's at the latest, takes it).
 #: One left behind costs one run more.
 ASK_TTL_MS = 60_000
 
-# KEYS: asked, running; ARGV: this run's token, hold ms, op, ask ms. 'ask': record an ask, then
-# take the round if free; 'next': let go of it, then take it again if a run was asked for
-# meanwhile; 'drop': let go of it. Taking it clears the ask (the run taking it covers it). 1 if taken.
+# KEYS: asked, running; ARGV: the token of the take this call may make, hold ms, op, ask ms, the
+# token of the take it ends (next, drop). 'ask': record an ask, then take the round if free;
+# 'next': let go of the round, then take it again if a run was asked for meanwhile; 'drop': let
+# go of it. Taking it clears the ask (the run taking it covers it). 1 if taken. Applied twice (a
+# reply lost, the command retried), a call that took the round says so again.
 _ROUND = """
-if ARGV[3] ~= 'ask' and redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+local running = redis.call('GET', KEYS[2])
+if ARGV[3] ~= 'drop' and running == ARGV[1] then return 1 end
+if ARGV[3] ~= 'ask' and running == ARGV[5] then redis.call('DEL', KEYS[2]) end
 if ARGV[3] == 'drop' then return 0 end
 if ARGV[3] == 'ask' then redis.call('SET', KEYS[1], '1', 'PX', ARGV[4]) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
@@ -107,26 +112,30 @@ def _script(client: redis.Redis, source: str, sha: str, keys_: Sequence[str], ar
         return bool(client.eval(source, len(keys_), *keys_, *args))
 
 
+def take_round(client: redis.Redis, namespace: str, op: str, token: str, ending: str = "") -> bool:
+    """One step of :func:`run_alone` (the ``_ROUND`` script): ``op`` with the take ``token`` may
+    make and the take ``ending`` it ends."""
+    return _script(client, _ROUND, _ROUND_SHA, keys.dispatch_round(namespace),
+                   [token, ROUND_HOLD_MS, op, ASK_TTL_MS, ending])
+
+
 def run_alone(client: redis.Redis, namespace: str, run: Callable[[], T]) -> list[T]:
     """Ask for a run, and call ``run`` unless another run (of any process) holds the round: it is
     then left to that one, which runs again once it ends. Returns what each run here returned
     (none: left to another)."""
-    keys_, token = keys.dispatch_round(namespace), uuid.uuid4().hex
-
-    def round_(op: str) -> bool:
-        return _script(client, _ROUND, _ROUND_SHA, keys_, [token, ROUND_HOLD_MS, op, ASK_TTL_MS])
-
     done: list[T] = []
-    taken = round_("ask")
+    token = uuid.uuid4().hex
+    taken = take_round(client, namespace, "ask", token)
     while taken:
         try:
             done.append(run())
         except BaseException:
             with contextlib.suppress(redis.RedisError):  # the run's own error is the one to see; the hold lapses
-                round_("drop")
+                take_round(client, namespace, "drop", uuid.uuid4().hex, token)
             raise
+        token, ending = uuid.uuid4().hex, token
         try:
-            taken = round_("next")
+            taken = take_round(client, namespace, "next", token, ending)
         except redis.RedisError:  # the hold lapses by itself; an ask left waits for the next run
             break
     return done

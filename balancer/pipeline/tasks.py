@@ -80,7 +80,9 @@ def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
         mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
-    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once)  # or left to the run that holds the round
+    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once)
+    if not reports:  # left to the run holding the round, which runs again for it; should its process have
+        clear_requests(svc.redis, svc.settings.namespace)  # died, the next ask is sent, not held back by this one's
     return {"admitted": sum(r.admitted for r in reports), "failed": sum(r.failed for r in reports)}
 
 

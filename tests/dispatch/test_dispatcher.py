@@ -354,3 +354,20 @@ def test_a_dispatch_asked_for_during_another_run_is_not_lost_to_the_rows_that_ru
         go_on.set()
         run_a.join(10)
     assert [a.task_id for a in sent] == [task_id] and sent[0].model == "x", (statuses(svc), asked)
+
+
+def test_a_dispatch_left_to_the_holder_of_the_round_lets_the_next_ask_through(
+        svc: Services, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe, beat stopped: a dispatcher killed holding the round; the next dispatch asked for was
+    left to it and kept the request flag, so the fallback tick's asks were held back behind that flag
+    for its 2 s after the hold lapsed (5-8 s with no dispatch). A run left to a holder clears it."""
+    from balancer.admission import keys
+    from balancer.pipeline import tasks as pipeline_tasks
+
+    monkeypatch.setattr(pipeline_tasks.runtime, "services", lambda: svc)
+    namespace = svc.settings.namespace
+    _, running = keys.dispatch_round(namespace)
+    svc.redis.set(running, "a dispatcher killed mid-run", px=10_000)
+    svc.redis.set(keys.dispatch_flags(namespace)[0], "1", px=2_000)  # the ask that sent this run
+    assert pipeline_tasks.dispatch_task.run() == {"admitted": 0, "failed": 0}  # left to the (dead) holder
+    assert not svc.redis.exists(keys.dispatch_flags(namespace)[0])  # the next ask is sent
