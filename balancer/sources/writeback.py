@@ -68,6 +68,7 @@ from balancer.sources.catalog import (
     _render,
     _table,
     describe,
+    fence,
     fingerprint,
     inspect,
     prompt_part,
@@ -89,6 +90,8 @@ _WRITE_ERRORS = (DBAPIError, UnicodeError)
 #: (``locked``: another transaction holds its row; tried again later).
 CONFLICT, CHANGED, REFUSED, LOCKED = "conflict", "changed", "refused", "locked"
 #: The error a write-back waiting on a row another transaction holds shows.
+SKIPPED = ("its table skipped the update of a row as it was read (a BEFORE UPDATE trigger returning NULL, a rule, "
+           "or a row-level security policy)")
 ROW_LOCKED = ("its row could not be locked: another transaction holds it (FOR UPDATE, or an UPDATE not yet "
               "committed), or a row-level security policy hides it from UPDATE")
 #: One row's write-back: what it came to, and the table's error (refused) or the row now (changed).
@@ -111,10 +114,13 @@ class Drained:
 
 def _why_missed(conn: Connection, definition: SourceDef, row: dict[str, Any]) -> Result:
     """A row whose guarded write matched nothing: written before a crash, changed (the row now),
-    or a conflict (it no longer matches ``where``, or its written columns changed: someone else's)."""
+    skipped by its table (the row as it was read, which the guard matches), or a conflict (it no
+    longer matches ``where``, or its written columns changed: someone else's)."""
     now = inspect(conn, definition, row["outcome"], row)
     if now is not None and now.holds:
         return WRITTEN, None  # written before a crash, its outbox row not yet removed
+    if now is not None and now.matches and now.prompt is not None and row["fingerprint"] == fence(now.prompt, now.held):
+        return REFUSED, SKIPPED
     if (now is not None and now.matches and now.prompt is not None
             and fingerprint(now.prompt) != prompt_part(row["fingerprint"])):
         return CHANGED, RowRead(now.prompt, now.held)

@@ -487,3 +487,25 @@ def test_a_table_whose_update_a_rule_does_instead_is_refused_at_import(svc: Serv
     assert code == 2 and "has the rule 'redirect' doing its UPDATE instead" in err, err
     assert len(err.strip().splitlines()) == 1
     assert _import(tmp_path, capsys, "elsewhere", f"{legacy.schema}.elsewhere")[0] == 0
+
+
+def test_a_write_back_the_table_skips_is_said_so_not_taken_for_someone_elses_change(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: a BEFORE UPDATE trigger returning NULL for one row made its write-back "not
+    overwritten: its row no longer matched where (someone else changed or answered it)", though no
+    one had. A row as it was read that the write-back still missed was skipped by its table: said
+    so, and tried again until it is left unwritable."""
+    columns = "id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT 'unsolved', answer text, " \
+              "solved_by text, error text, priority int"
+    legacy.execute(f"CREATE TABLE skipping ({columns}); INSERT INTO skipping (id, body) SELECT g, 'q' || g "
+                   "FROM generate_series(1, 3) g;"
+                   "CREATE FUNCTION skip_two() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN IF NEW.id = 2 THEN "
+                   "RETURN NULL; END IF; RETURN NEW; END $$;"
+                   "CREATE TRIGGER skip BEFORE UPDATE ON skipping FOR EACH ROW EXECUTE FUNCTION skip_two()")
+    assert _import(tmp_path, capsys, "skipping", f"{legacy.schema}.skipping")[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 3
+    drained = drain(svc)
+    assert (drained.written, drained.conflicts, drained.refused) == (2, 0, 1), drained
+    code, out, _ = run(capsys, "source", "rows", "skipping")
+    assert "its table skipped the update of a row as it was read (a BEFORE UPDATE trigger returning NULL" in out, out
