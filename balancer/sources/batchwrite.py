@@ -51,6 +51,27 @@ def column_types(conn: Connection, definition: SourceDef) -> dict[str, str]:
     return types
 
 
+class PrivilegesMissing(LookupError):
+    """Balancer's role lacks a privilege a write-back needs on the source's table (revoked since the import)."""
+
+
+# The columns of ARRAY (%s) on which the role lacks privilege %s of table %s.
+_MISSING = "SELECT c FROM unnest(CAST(%s AS text[])) AS c WHERE NOT has_column_privilege(to_regclass(%s), c, %s)"
+
+
+def check_privileges(conn: Connection, definition: SourceDef) -> None:
+    """Balancer's role may UPDATE the columns a write-back sets and SELECT those its guard reads;
+    :class:`PrivilegesMissing` otherwise: the table's error, every write-back waits (a privilege
+    refused with these held is a row's: a row-level security policy, a trigger)."""
+    name = _render(conn, _table(definition))
+    written = sorted({col for outcome in ("solved", "failed") for _, col in _sets(definition, outcome)})
+    for privilege, columns in (("UPDATE", written), ("SELECT", sorted({definition.key, definition.prompt, *written}))):
+        missing = [col for (col,) in conn.exec_driver_sql(_MISSING, (columns, name, privilege))]
+        if missing:
+            raise PrivilegesMissing(f"balancer's role may not {privilege} column(s) {', '.join(missing)} of "
+                                    f"{definition.table} (a privilege revoked since the source's import)")
+
+
 def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> sql.Composable | None:
     """The UPDATE of many rows ending as ``outcome``; it returns each written row's index
     and whether, written, it still matches ``where``. None: nothing to write."""

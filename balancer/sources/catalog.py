@@ -224,14 +224,14 @@ def inspect(conn: Connection, definition: SourceDef, outcome: str, task: dict[st
 #: SQLSTATE classes of an error one row's write causes (its value refused: a data exception,
 #: a constraint, a trigger's RAISE, a view's check option): that row fails alone. Any other
 #: error (connection, lock or statement timeout, privileges, a table or column gone) is the
-#: table's or the database's, transient: the whole batch is tried again, without limit; but
-#: for :data:`ROW_OR_TABLE`, whose rows fail alone when others are written without it.
+#: table's or the database's, transient: the whole batch is tried again, without limit
+#: (:data:`INSUFFICIENT_PRIVILEGE` is a row's once the privileges are found held).
 _ROW_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "P0")
 
 
-#: An SQLSTATE one row's write may cause (a row-level security policy's WITH CHECK, a trigger
-#: raising it) as well as the table (UPDATE revoked): told apart by whether other rows are written.
-ROW_OR_TABLE = ("42501",)
+#: A privilege refused: the table's when balancer's role lacks one (checked before each batch:
+#: :func:`balancer.sources.batchwrite.check_privileges`), else one row's (an RLS policy, a trigger).
+INSUFFICIENT_PRIVILEGE = "42501"
 
 
 def sqlstate(exc: BaseException) -> str | None:

@@ -191,6 +191,7 @@ FROM pg_class c JOIN pg_inherits i ON i.inhrelid = c.oid JOIN pg_partitioned_tab
 JOIN pg_class root ON root.oid = p.partrelid AND NOT root.relispartition
 JOIN pg_attribute a ON a.attrelid = p.partrelid AND a.attnum = p.partattrs[0]
 WHERE c.oid = %s AND c.relispartition AND p.partnatts = 1 AND a.attname = %s
+  AND pg_get_partition_constraintdef(c.oid) IS NOT NULL
 """
 _OPTIONS = "SELECT reloptions FROM pg_class WHERE oid = to_regclass(%s)"
 #: SQLSTATE of a write tried in a READ ONLY transaction: a CHECK whose function writes.

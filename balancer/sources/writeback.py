@@ -57,10 +57,10 @@ from balancer.admission import keys
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources import outbox
-from balancer.sources.batchwrite import column_types, held_elsewhere, write_many
+from balancer.sources.batchwrite import check_privileges, column_types, held_elsewhere, write_many
 from balancer.sources.catalog import (
+    INSUFFICIENT_PRIVILEGE,
     NOTHING,
-    ROW_OR_TABLE,
     WRITTEN,
     WRITTEN_MATCHING,
     RowRead,
@@ -128,47 +128,24 @@ def _why_missed(conn: Connection, definition: SourceDef, row: dict[str, Any]) ->
 
 
 def _write_group(conn: Connection, definition: SourceDef, outcome: str, rows: list[dict], types: dict[str, str],
-                 rendered: dict[str, str | None], results: dict[int, Result], *, others_written: bool = False) -> None:
+                 rendered: dict[str, str | None], results: dict[int, Result]) -> None:
     """``rows`` (all ending as ``outcome``) in one statement, in a savepoint; a value the table
-    refuses: each half again, down to the row refused alone with its error. An error that may be one
-    row's or the table's (:data:`~balancer.sources.catalog.ROW_OR_TABLE`) is the rows' when a half of them is written without
-    it (``others_written``), and the table's, raised, when neither half is."""
+    refuses (:func:`refused_by_row`, or a privilege refused with every privilege held: a row-level
+    security policy, a trigger): each half again, down to the row refused alone with its error."""
     try:
         with conn.begin_nested():
             written = write_many(conn, definition, outcome, rows, types, rendered)
     except _WRITE_ERRORS as exc:
-        rows_error = refused_by_row(exc) or (others_written and sqlstate(exc) in ROW_OR_TABLE)
-        if rows_error and len(rows) == 1:
+        if not (refused_by_row(exc) or sqlstate(exc) == INSUFFICIENT_PRIVILEGE):
+            raise
+        if len(rows) == 1:
             results[rows[0]["id"]] = (REFUSED, describe(definition, exc))
             return
-        if not rows_error and (sqlstate(exc) not in ROW_OR_TABLE or len(rows) == 1):
-            raise
         half = len(rows) // 2
-        if rows_error:
-            _write_group(conn, definition, outcome, rows[:half], types, rendered, results, others_written=others_written)
-            _write_group(conn, definition, outcome, rows[half:], types, rendered, results, others_written=others_written)
-            return
-        halves = (rows[:half], rows[half:])
-        failed = [part for part in halves if not _written_alone(conn, definition, outcome, part, types, rendered, results)]
-        if len(failed) == len(halves):
-            raise  # every row meets it: the table's (UPDATE revoked), retried after the back-off
-        for part in failed:
-            _write_group(conn, definition, outcome, part, types, rendered, results, others_written=True)
+        _write_group(conn, definition, outcome, rows[:half], types, rendered, results)
+        _write_group(conn, definition, outcome, rows[half:], types, rendered, results)
         return
     _record(conn, definition, rows, written, results)
-
-
-def _written_alone(conn: Connection, definition: SourceDef, outcome: str, rows: list[dict], types: dict[str, str],
-                   rendered: dict[str, str | None], results: dict[int, Result]) -> bool:
-    """``rows`` written as :func:`_write_group` writes them, but False, nothing written, on an
-    error that is not a row's by its class."""
-    try:
-        _write_group(conn, definition, outcome, rows, types, rendered, results)
-    except _WRITE_ERRORS as exc:
-        if refused_by_row(exc):
-            raise
-        return False
-    return True
 
 
 def _record(conn: Connection, definition: SourceDef, rows: list[dict], written: dict[int, bool] | None,
@@ -204,6 +181,7 @@ def _write_batch(services: Services, definition: SourceDef, conn: Connection,
         team.exec_driver_sql("SET CONSTRAINTS ALL IMMEDIATE")
         types = column_types(team, definition)
         check_same_table(team, definition, _render(team, _table(definition)), recorded_relations(conn, definition.name))
+        check_privileges(team, definition)  # a privilege refused later is then a row's (RLS, a trigger)
         busy = held_elsewhere(team, definition, [r["key"] for r in claimed], types)
         results.update({r["id"]: (LOCKED, None) for r in claimed if r["key"] in busy})
         rendered: dict[str, str | None] = {}
