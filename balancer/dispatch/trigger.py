@@ -4,9 +4,9 @@ A freed slot whose finish took no next call from its model's ready list,
 or a ready list that ran below one task per slot, wants a dispatch *now*
 (so do ``balancer submit``, and a sweep or an ingest that made tasks
 pending). A Redis ``SET NX PX`` flag coalesces these requests: only the
-first request in a burst sends a message, and the dispatch run clears the
-flag when it starts, so a slot that frees during a run triggers the next
-one. The flag expires by itself, so a lost message cannot block triggers
+first request in a burst sends a message, and the dispatch task clears the
+flag as it asks for the round (:func:`run_alone`), so a slot that frees
+during a run triggers the next one. The flag expires by itself, so a lost message cannot block triggers
 for long.
 
 Delayed requests ("a model's tokens refill in 300 ms") use a second flag and
@@ -61,20 +61,25 @@ ROUND_HOLD_MS = 1_000
 #: One left behind costs one run more.
 ASK_TTL_MS = 60_000
 
-# KEYS: asked, running; ARGV: the token of the take this call may make, hold ms, op, ask ms, the
-# token of the take it ends (next, drop). 'ask': record an ask, then take the round if free;
-# 'next': let go of the round, then take it again if a run was asked for meanwhile; 'drop': let
-# go of it. Taking it clears the ask (the run taking it covers it). 1 if taken. Applied twice (a
-# reply lost, the command retried), a call that took the round says so again.
+# KEYS: asked, running, the request flag; ARGV: the token of the take this call may make, hold ms,
+# op, ask ms, the token of the take it ends (next, drop). 'ask': record an ask and clear the request
+# flag (the message is here: a request from now on sends another, which a holder that died leaves to
+# it), then take the round if free; 'next': let go of the round, then take it again if a run was
+# asked for meanwhile; 'drop': let go of it. Taking it clears the ask and the request flag (the run
+# taking it covers them). 1 if taken. Applied twice (a reply lost, the command retried), a call
+# that took the round says so again.
 _ROUND = """
 local running = redis.call('GET', KEYS[2])
 if ARGV[3] ~= 'drop' and running == ARGV[1] then return 1 end
 if ARGV[3] ~= 'ask' and running == ARGV[5] then redis.call('DEL', KEYS[2]) end
 if ARGV[3] == 'drop' then return 0 end
-if ARGV[3] == 'ask' then redis.call('SET', KEYS[1], '1', 'PX', ARGV[4]) end
+if ARGV[3] == 'ask' then
+  redis.call('SET', KEYS[1], '1', 'PX', ARGV[4])
+  redis.call('DEL', KEYS[3])
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[3])
 return 1
 """
 _ROUND_SHA = hashlib.sha1(_ROUND.encode(), usedforsecurity=False).hexdigest()
@@ -115,7 +120,7 @@ def _script(client: redis.Redis, source: str, sha: str, keys_: Sequence[str], ar
 def take_round(client: redis.Redis, namespace: str, op: str, token: str, ending: str = "") -> bool:
     """One step of :func:`run_alone` (the ``_ROUND`` script): ``op`` with the take ``token`` may
     make and the take ``ending`` it ends."""
-    return _script(client, _ROUND, _ROUND_SHA, keys.dispatch_round(namespace),
+    return _script(client, _ROUND, _ROUND_SHA, [*keys.dispatch_round(namespace), keys.dispatch_flags(namespace)[0]],
                    [token, ROUND_HOLD_MS, op, ASK_TTL_MS, ending])
 
 

@@ -80,15 +80,12 @@ def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
         mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
-    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once)
-    if not reports:  # left to the run holding the round, which runs again for it; should its process have
-        clear_requests(svc.redis, svc.settings.namespace)  # died, the next ask is sent, not held back by this one's
+    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once)  # clears the request flag as it asks
     return {"admitted": sum(r.admitted for r in reports), "failed": sum(r.failed for r in reports)}
 
 
 def _dispatch_once() -> DispatchReport:
     svc = runtime.services()
-    clear_requests(svc.redis, svc.settings.namespace)
     lost_messages.check(svc)  # before the round, which dispatches the tasks it returns
     report = dispatch(svc, publish)
     if report.retry_in_ms is not None and report.retry_in_ms < svc.settings.dispatch_tick * 1000:

@@ -9,14 +9,14 @@ import pytest
 import redis
 
 from balancer.admission import keys
-from balancer.dispatch.trigger import ROUND_HOLD_MS, clear_requests, request_dispatch, run_alone, take_round
+from balancer.dispatch.trigger import ROUND_HOLD_MS, request_dispatch, run_alone, take_round
 
 
 def test_one_request_per_burst_until_a_run_clears_the_flag(redis_client: redis.Redis, namespace: str) -> None:
     sent: list[float] = []
     assert request_dispatch(redis_client, namespace, sent.append)
     assert not request_dispatch(redis_client, namespace, sent.append)  # one already on its way
-    clear_requests(redis_client, namespace)  # a dispatch run starts
+    assert take_round(redis_client, namespace, "ask", "t1")  # the message's dispatch task asks for the round
     assert request_dispatch(redis_client, namespace, sent.append)
     assert sent == [0.0, 0.0]
     assert redis_client.pttl(keys.dispatch_flags(namespace)[0]) > 0  # it expires by itself if the message is lost
