@@ -21,7 +21,7 @@ from balancer.calls.solver import SolveMessage, solve_chain
 from balancer.dispatch.dispatcher import Assignment, DispatchReport, dispatch
 from balancer.dispatch.fallback import FallbackTicks, Tick, mark_beat_seen
 from balancer.dispatch.lost import LostMessages
-from balancer.dispatch.trigger import clear_requests, request_dispatch, run_alone
+from balancer.dispatch.trigger import LocalRound, clear_requests, request_dispatch, run_alone
 from balancer.pipeline.app import app
 from balancer.settings import Settings
 from balancer.sources.polling import SourceReadLoop
@@ -75,12 +75,16 @@ def trigger_dispatch(delay_ms: int = 0) -> bool:
     )
 
 
+#: This process's share of the round: the dispatcher runs two control tasks at once (``-c 2``, threads).
+_local_round = LocalRound()
+
+
 @app.task(name=keys.DISPATCH_TASK, send_events=False)  # a tick: not in a monitor's task list (Flower)
 def dispatch_task(from_beat: bool = False) -> dict:
     svc = runtime.services()
     if from_beat:
         mark_beat_seen(svc.redis, svc.settings.namespace, svc.settings.dispatch_tick)
-    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once)  # clears the request flag as it asks
+    reports = run_alone(svc.redis, svc.settings.namespace, _dispatch_once, _local_round)  # clears the request flag
     return {"admitted": sum(r.admitted for r in reports), "failed": sum(r.failed for r in reports)}
 
 
