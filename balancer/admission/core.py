@@ -158,7 +158,7 @@ class AdmissionCore:
         if a == b"toolarge" and candidate is not None:
             return Rejected(rejection_reason(candidate.estimated_tokens, int(b)))
         wanted = ",".join(sorted(candidate.allowed)) if candidate and candidate.allowed else ""
-        return Rejected(f"no such model: {wanted}" if wanted else "no models configured")
+        return Rejected.no_such_model(wanted)
 
     # -- operations ------------------------------------------------------------
     def admit(self, candidates: Sequence[Candidate], *, consumed_only: bool = False) -> list[Decision]:

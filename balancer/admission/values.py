@@ -62,6 +62,26 @@ class Rejected:
 
     reason: str
 
+    @classmethod
+    def no_such_model(cls, wanted: str) -> Rejected:
+        """No model of ``wanted`` (comma-separated names; empty: any model) exists."""
+        return cls(NO_SUCH_MODEL + wanted if wanted else NO_MODELS)
+
+    @property
+    def no_model(self) -> bool:
+        """Rejected because no model it asked for exists now: removed since the caller looked
+        (a dispatch round plans on a view read before it admits), not the task's own fault.
+
+        >>> Rejected.no_such_model("a").no_model, Rejected("estimated 9 tokens > bucket 5").no_model
+        (True, False)
+        """
+        return self.reason.startswith(NO_SUCH_MODEL) or self.reason == NO_MODELS
+
+
+#: The reasons of a :class:`Rejected` whose models do not exist (the Lua and the reference model's).
+NO_SUCH_MODEL = "no such model: "
+NO_MODELS = "no models configured"
+
 
 Decision = Admitted | NotNow | Rejected
 

@@ -245,8 +245,10 @@ def dispatch(services: Services, publish: Publisher, *, window: int | None = Non
             for task, decision in zip(pending, decisions, strict=True):
                 if isinstance(decision, Admitted):
                     admitted.append(Assignment(task.id, decision.model, decision.admission_id, task.estimated_tokens))
-                elif isinstance(decision, Rejected):
+                elif isinstance(decision, Rejected) and not decision.no_model:
                     failed.append((task.id, decision.reason))
+                elif isinstance(decision, Rejected):  # its planned model removed since the view: the next round replans it
+                    report.waiting += 1
                 elif isinstance(decision, NotNow):
                     report.waiting += 1
                     report.retry_within(decision.wait_ms)

@@ -96,7 +96,7 @@ class ReferenceCore(Signals):
             pool = names if cand.allowed is None else [n for n in names if n in cand.allowed]
             if not pool:
                 wanted = ",".join(sorted(cand.allowed)) if cand.allowed else ""
-                decisions.append(Rejected(f"no such model: {wanted}" if wanted else "no models configured"))
+                decisions.append(Rejected.no_such_model(wanted))
                 continue
             largest = max(self.models[n].quota.burst for n in pool)
             if est > largest:
@@ -168,7 +168,7 @@ class ReferenceCore(Signals):
         """
         self._require_state()
         if model not in self.models:
-            return Rejected(f"no such model: {model}")
+            return Rejected.no_such_model(model)
         self._refill(model, now)
         self._purge(model, now)
         quota = self.models[model].quota
