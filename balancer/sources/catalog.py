@@ -34,6 +34,7 @@ from sqlalchemy.exc import DBAPIError
 from balancer.errors import did_you_mean, printable
 from balancer.sources.definition import SourceDef, SourceFileError
 from balancer.sources.tables import (
+    _COLUMN,
     base_tables,
     check_status_values,
     check_usable,
@@ -306,7 +307,6 @@ NOTE_FROM_ROWS = 10_000
 #: Key types whose new values grow (a serial, a sequence's default, a time): new rows land past the cursor.
 _GROWING = ("smallint", "integer", "bigint", "numeric", "date", "timestamp without time zone",
             "timestamp with time zone")
-_KEY_TYPE = "SELECT format_type(atttypid, atttypmod), attnotnull FROM pg_attribute WHERE attrelid = %s AND attname = %s"
 _ROWS = "SELECT reltuples FROM pg_class WHERE oid = %s"
 
 
@@ -322,7 +322,7 @@ def poll_note(conn: Connection, definition: SourceDef) -> str | None:
         relation = conn.exec_driver_sql(_RELATION, {"schema": schema, "table": table}).first()
         if relation is None:
             return None
-        kind, _ = conn.exec_driver_sql(_KEY_TYPE, (relation.oid, definition.key)).one()
+        kind, *_ = conn.exec_driver_sql(_COLUMN, (relation.oid, definition.key)).one()
         rows = float(conn.exec_driver_sql(_ROWS, (relation.oid,)).scalar() or 0)
     if kind in _GROWING or rows < NOTE_FROM_ROWS:
         return None

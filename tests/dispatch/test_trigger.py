@@ -65,19 +65,28 @@ def test_the_flag_script_is_sent_whole_to_a_redis_that_has_not_cached_it(redis_c
     assert 0 < redis_client.pttl(keys.dispatch_flags(namespace)[1]) <= 300
 
 
+class HeldRun:
+    """A run that holds the round at its first call until ``go_on`` is set (``holding`` says it
+    holds it); every call's name goes to ``runs``."""
+
+    def __init__(self, name: str, result: str | None = None) -> None:
+        self.name, self.result = name, result
+        self.holding, self.go_on, self.runs = threading.Event(), threading.Event(), []
+
+    def __call__(self) -> str | None:
+        self.runs.append(self.name)
+        if len(self.runs) == 1:
+            self.holding.set()
+            self.go_on.wait(10)
+        return self.result
+
+
 def test_a_run_asked_for_while_another_holds_the_round_is_run_by_the_holder_once_it_ends(
         redis_client: redis.Redis, redis_url: str, namespace: str) -> None:
     """Two dispatch runs side by side lost a request (the second found the first's rows locked and
     ended with nothing): the second is left to the first, which runs again; no thread waits."""
-    holding, go_on, runs = threading.Event(), threading.Event(), []
-
-    def first() -> str:
-        runs.append("first")
-        if len(runs) == 1:
-            holding.set()
-            go_on.wait(10)
-        return "ran"
-
+    first = HeldRun("first", "ran")
+    holding, go_on, runs = first.holding, first.go_on, first.runs
     holder = threading.Thread(target=lambda: runs.append(run_alone(redis_client, namespace, first)))
     holder.start()
     try:
@@ -119,14 +128,8 @@ def test_an_ask_outlives_a_hold_that_lapsed_during_a_long_run(
     from balancer.dispatch import trigger
 
     monkeypatch.setattr(trigger, "ROUND_HOLD_MS", 300)
-    holding, go_on, runs = threading.Event(), threading.Event(), []
-
-    def long_run() -> None:
-        runs.append("run")
-        if len(runs) == 1:
-            holding.set()
-            go_on.wait(10)
-
+    long_run = HeldRun("run")
+    holding, go_on, runs = long_run.holding, long_run.go_on, long_run.runs
     holder = threading.Thread(target=run_alone, args=(redis_client, namespace, long_run))
     holder.start()
     try:
@@ -166,14 +169,8 @@ def test_a_run_asked_for_in_the_holders_own_process_costs_no_redis_round_trip(
     steps: list[str] = []
     original = trigger.take_round
     monkeypatch.setattr(trigger, "take_round", lambda *args, **kw: steps.append(args[2]) or original(*args, **kw))
-    local, holding, go_on, runs = trigger.LocalRound(), threading.Event(), threading.Event(), []
-
-    def first() -> None:
-        runs.append("run")
-        if len(runs) == 1:
-            holding.set()
-            go_on.wait(10)
-
+    local, first = trigger.LocalRound(), HeldRun("run")
+    holding, go_on, runs = first.holding, first.go_on, first.runs
     holder = threading.Thread(target=run_alone, args=(redis_client, namespace, first, local))
     holder.start()
     try:
