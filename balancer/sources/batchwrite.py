@@ -20,8 +20,9 @@ from typing import Any
 
 from psycopg2 import sql
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
-from balancer.sources.catalog import _render, _replaces, _sets, _table, _where, guard
+from balancer.sources.catalog import INSUFFICIENT_PRIVILEGE, _render, _replaces, _sets, _table, _where, guard, sqlstate
 from balancer.sources.definition import SourceDef
 
 #: Each column's type by its catalog name, without its length or precision (``pg_catalog.varchar``,
@@ -60,7 +61,7 @@ _MISSING = "SELECT c FROM unnest(CAST(%s AS text[])) AS c WHERE NOT has_column_p
 
 
 def check_privileges(conn: Connection, definition: SourceDef) -> None:
-    """Balancer's role may UPDATE the columns a write-back sets and SELECT those its guard reads;
+    """Balancer's role may UPDATE the columns a write-back sets and SELECT those its guard and ``where`` read;
     :class:`PrivilegesMissing` otherwise: the table's error, every write-back waits (a privilege
     refused with these held is a row's: a row-level security policy, a trigger)."""
     name = _render(conn, _table(definition))
@@ -70,6 +71,16 @@ def check_privileges(conn: Connection, definition: SourceDef) -> None:
         if missing:
             raise PrivilegesMissing(f"balancer's role may not {privilege} column(s) {', '.join(missing)} of "
                                     f"{definition.table} (a privilege revoked since the source's import)")
+    # ``where`` is the team's SQL: the columns it reads are known only to PostgreSQL, which checks
+    # them as it starts a statement, before (and without) reading a row.
+    try:  # no savepoint: a refusal ends the batch's transaction anyway
+        conn.exec_driver_sql(_render(conn, sql.SQL("SELECT 1 FROM {} WHERE false AND {}").format(
+            _table(definition), _where(definition))))
+    except DBAPIError as exc:
+        if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+            raise
+        raise PrivilegesMissing(f"balancer's role may not read what the source's where reads in {definition.table} "
+                                f"({str(exc.orig).strip().splitlines()[0]})") from None
 
 
 def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> sql.Composable | None:

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from balancer.services import Services
 from balancer.sources.ingest import ingest_sources
-from balancer.sources.schema import sources
+from balancer.sources.schema import source_outbox, sources
 from balancer.sources.writeback import drain
 from balancer.storage.schema import tasks
 from tests import legacy as legacy_fixtures
@@ -465,22 +465,52 @@ def test_a_row_refused_by_a_privilege_check_or_a_deferred_trigger_fails_alone(
     assert "audit says no" in out, out
 
     # A role that may UPDATE the answer alone: the table's error, said, every row waiting (not refused one by one).
+    legacy.execute(f"CREATE TABLE shut ({columns}); INSERT INTO shut (id, body) SELECT g, 'q' || g FROM generate_series(1, 4) g")
+    out = _four_wait_as_role(svc, legacy, tmp_path, capsys, monkeypatch, "shut", "GRANT SELECT ON shut TO {role}; "
+                             "GRANT UPDATE (answer) ON shut TO {role}")
+    assert "source shut: 4 write-back(s) failing, retried: balancer's role may not UPDATE column(s) error, " \
+           "solved_by, status of" in out, out
+
+
+def _four_wait_as_role(svc: Services, legacy: Legacy, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+                       table: str, grants: str, **fields: str) -> str:
+    """Import ``table`` (4 rows) as source ``table``, answer its rows, and write them back as a role
+    holding ``grants`` alone: all 4 wait (none written or refused). `balancer status`'s output; the
+    team's own URL again after."""
     role = "balancer_test_" + legacy.schema.removeprefix("legacy_")
-    legacy.execute(f"CREATE TABLE shut ({columns}); INSERT INTO shut (id, body) SELECT g, 'q' || g "
-                   f"FROM generate_series(1, 4) g; CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA {legacy.schema} "
-                   f"TO {role}; GRANT SELECT ON shut TO {role}; GRANT UPDATE (answer) ON shut TO {role}")
+    legacy.execute(f"CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA {legacy.schema} TO {role}; "
+                   + grants.format(role=role))
     try:
-        assert _import(tmp_path, capsys, "shut", f"{legacy.schema}.shut")[0] == 0
+        assert _import(tmp_path, capsys, table, f"{legacy.schema}.{table}", **fields)[0] == 0
         ingest_sources(svc)
         assert solve_pending(svc) == 4
         monkeypatch.setenv("LEGACY_DATABASE_URL", legacy.engine.url.set(username=role).render_as_string(False))
         drained = drain(svc)
         assert (drained.written, drained.refused, drained.retrying) == (0, 0, 4), drained
-        code, out, _ = run(capsys, "status")
-        assert "source shut: 4 write-back(s) failing, retried: balancer's role may not UPDATE column(s) error, " \
-               "solved_by, status of" in out, out
+        return run(capsys, "status")[1]
     finally:
+        monkeypatch.setenv("LEGACY_DATABASE_URL", legacy.engine.url.render_as_string(False))
         legacy.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
+
+
+def test_a_privilege_only_where_needs_is_the_tables_error(svc: Services, legacy: Legacy, tmp_path: Path, capsys,  # noqa: ANN001
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The privilege check named the columns a write-back sets and those its guard reads, not those
+    only ``where`` reads: a role that may not SELECT one had every row refused alone, as if each
+    row's value were wrong. It is the table's error: every row waits, saying so."""
+    legacy.execute("CREATE TABLE narrow (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                   "'unsolved', answer text, solved_by text, error text, priority int, tenant text);"
+                   "INSERT INTO narrow (id, body) SELECT g, 'q' || g FROM generate_series(1, 4) g")
+    out = _four_wait_as_role(svc, legacy, tmp_path, capsys, monkeypatch, "narrow",
+                             "GRANT SELECT (id, body, status, answer, solved_by, error, priority) ON narrow TO {role}; "
+                             "GRANT UPDATE (status, answer, solved_by, error) ON narrow TO {role}",
+                             where="\"status = 'unsolved' AND coalesce(tenant, '') NOT LIKE 'x%'\"")
+    assert "source narrow: 4 write-back(s) failing, retried: balancer's role may not read what the source's " \
+           "where reads in" in out, out
+    with svc.engine.begin() as conn:  # skip the back-off
+        conn.execute(sa.update(source_outbox).where(source_outbox.c.source == "narrow")
+                     .values(next_attempt_at=sa.func.now()))
+    assert drain(svc).written == 4  # as the team's role; the where's % reaches PostgreSQL as written
 
 
 def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
