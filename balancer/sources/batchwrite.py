@@ -22,15 +22,23 @@ from psycopg2 import sql
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
+from balancer.errors import printable
 from balancer.sources.catalog import INSUFFICIENT_PRIVILEGE, _render, _replaces, _sets, _table, _where, guard, sqlstate
 from balancer.sources.definition import SourceDef
 
 #: Each column's type by its catalog name, without its length or precision (``pg_catalog.varchar``,
-#: not ``(20)``; ``pg_catalog.bpchar``, not ``character``, which a cast would read as ``character(1)``).
+#: not ``(20)``; ``pg_catalog.bpchar``, not ``character``, which a cast would read as ``character(1)``);
+#: a domain's base type (a cast to a domain over ``varchar(20)`` cuts a value to 20 characters,
+#: where the column's own assignment refuses it; the domain's checks hold at the assignment).
 _TYPES = """
-SELECT a.attname, quote_ident(n.nspname) || '.' || quote_ident(t.typname)
-FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid JOIN pg_namespace n ON n.oid = t.typnamespace
-WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped
+WITH RECURSIVE typed(attname, typid) AS (
+  SELECT a.attname, a.atttypid FROM pg_attribute a
+  WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped
+  UNION ALL
+  SELECT typed.attname, t.typbasetype FROM typed JOIN pg_type t ON t.oid = typed.typid WHERE t.typtype = 'd')
+SELECT typed.attname, quote_ident(n.nspname) || '.' || quote_ident(t.typname)
+FROM typed JOIN pg_type t ON t.oid = typed.typid JOIN pg_namespace n ON n.oid = t.typnamespace
+WHERE t.typtype <> 'd'
 """
 
 
@@ -108,6 +116,11 @@ def batch_query(definition: SourceDef, outcome: str, types: dict[str, str]) -> s
         guard=guard(definition, sql.SQL("balancer_v.balancer_fp"), replaces))
 
 
+class KeyNotUnique(LookupError):
+    """A write-back's key matched several rows of the source's table: one row's refusal (its key's
+    unique index or primary key dropped since the import), its statement undone."""
+
+
 def held_elsewhere(conn: Connection, definition: SourceDef, keys: list[str], types: dict[str, str]) -> set[str]:
     """Lock the rows of ``keys`` for the caller's transaction, those no other transaction holds
     (``SKIP LOCKED``), and return the keys of the rows another one holds: their write-backs wait
@@ -141,4 +154,11 @@ def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: lis
                for role, _ in _sets(definition, outcome)]
     params = (*columns, [t["key"] for t in tasks], [t.get("fingerprint") for t in tasks], list(range(len(tasks))),
               [t.get("replaces") is not None for t in tasks], [(t.get("replaces") or {}).get("error") for t in tasks])
-    return {int(i): bool(matches) for i, matches in conn.exec_driver_sql(text, params)}
+    written: dict[int, bool] = {}
+    for i, matches in conn.exec_driver_sql(text, params):
+        if int(i) in written:  # raised inside the caller's savepoint: both rows' writes are undone
+            raise KeyNotUnique(f"key {printable(str(tasks[int(i)]['key']), 100)} matches several rows of "
+                               f"{printable(definition.table, 130)}: its key is no longer unique (a unique index "
+                               "dropped since the source's import)")
+        written[int(i)] = bool(matches)
+    return written

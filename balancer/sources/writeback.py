@@ -57,7 +57,7 @@ from balancer.admission import keys
 from balancer.services import Services
 from balancer.settings import Settings
 from balancer.sources import outbox
-from balancer.sources.batchwrite import check_privileges, column_types, held_elsewhere, write_many
+from balancer.sources.batchwrite import KeyNotUnique, check_privileges, column_types, held_elsewhere, write_many
 from balancer.sources.catalog import (
     INSUFFICIENT_PRIVILEGE,
     NOTHING,
@@ -131,12 +131,13 @@ def _write_group(conn: Connection, definition: SourceDef, outcome: str, rows: li
                  rendered: dict[str, str | None], results: dict[int, Result]) -> None:
     """``rows`` (all ending as ``outcome``) in one statement, in a savepoint; a value the table
     refuses (:func:`refused_by_row`, or a privilege refused with every privilege held: a row-level
-    security policy, a trigger): each half again, down to the row refused alone with its error."""
+    security policy, a trigger; or a key that matched several rows): each half again, down to the
+    row refused alone with its error."""
     try:
         with conn.begin_nested():
             written = write_many(conn, definition, outcome, rows, types, rendered)
-    except _WRITE_ERRORS as exc:
-        if not (refused_by_row(exc) or sqlstate(exc) == INSUFFICIENT_PRIVILEGE):
+    except (*_WRITE_ERRORS, KeyNotUnique) as exc:
+        if not (isinstance(exc, KeyNotUnique) or refused_by_row(exc) or sqlstate(exc) == INSUFFICIENT_PRIVILEGE):
             raise
         if len(rows) == 1:
             results[rows[0]["id"]] = (REFUSED, describe(definition, exc))

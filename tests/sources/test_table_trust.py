@@ -513,6 +513,45 @@ def test_a_privilege_only_where_needs_is_the_tables_error(svc: Services, legacy:
     assert drain(svc).written == 4  # as the team's role; the where's % reaches PostgreSQL as written
 
 
+def test_a_key_no_longer_unique_refuses_its_row_and_writes_neither(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                                   capsys) -> None:  # noqa: ANN001
+    """A probe: the key's primary key dropped after the import and a second row of key 3 inserted
+    with the same prompt: the one task of key 3 wrote its answer into both rows (4 rows written,
+    5 changed). Now that write is undone and refused alone, saying why; the other rows are written."""
+    legacy.execute("CREATE TABLE dup (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                   "'unsolved', answer text, solved_by text, error text, priority int);"
+                   "INSERT INTO dup (id, body) SELECT g, 'q' || g FROM generate_series(1, 4) g")
+    assert _import(tmp_path, capsys, "dup", f"{legacy.schema}.dup")[0] == 0
+    legacy.execute("ALTER TABLE dup DROP CONSTRAINT dup_pkey; INSERT INTO dup (id, body) VALUES (3, 'q3')")
+    ingest_sources(svc)
+    assert solve_pending(svc) == 4
+    drained = drain(svc)
+    assert (drained.written, drained.refused) == (3, 1), drained
+    assert legacy.count("SELECT count(*) FROM dup WHERE answer IS NOT NULL") == 3
+    assert legacy.count("SELECT count(*) FROM dup WHERE id = 3 AND answer IS NULL") == 2
+    code, out, _ = run(capsys, "source", "rows", "dup")
+    assert "key 3 (balancer task" in out and "matches several rows of" in out, out
+
+
+def test_an_answer_too_long_for_a_domain_over_varchar_is_refused_not_cut(svc: Services, legacy: Legacy,
+                                                                        tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: an answer column of a domain over ``varchar(20)`` had its answer cut to 20 characters
+    and counted written (the write-back cast to the domain, which cuts); a plain ``varchar(20)``
+    refused it. Now both refuse it; the domain's CHECK still holds."""
+    legacy.execute("CREATE DOMAIN short_text AS varchar(20) CHECK (VALUE <> 'answer to q2');"
+                   "CREATE TABLE dom (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                   "'unsolved', answer short_text, solved_by text, error text, priority int);"
+                   "INSERT INTO dom (id, body) VALUES (1, 'a prompt long enough to overflow'), (2, 'q2'), (3, 'q3')")
+    assert _import(tmp_path, capsys, "dom", f"{legacy.schema}.dom")[0] == 0
+    ingest_sources(svc)
+    assert solve_pending(svc) == 3
+    drained = drain(svc)
+    assert (drained.written, drained.refused) == (1, 2), drained
+    assert legacy.count("SELECT count(*) FROM dom WHERE answer IS NOT NULL") == 1
+    code, out, _ = run(capsys, "source", "rows", "dom")
+    assert "value too long for type character varying(20)" in out and "violates check constraint" in out, out
+
+
 def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
                                                         capsys) -> None:  # noqa: ANN001
     """A probe: a key of a composite type was imported (exit 0), then every read failed ("input of
