@@ -34,7 +34,7 @@ def team_engine(definition: SourceDef, own: Engine) -> Engine:
     """An engine on the source's database (``own`` when it is balancer's)."""
     if definition.database_url_env is None:
         return own
-    return cached_engine(team_url(definition, ""), pool_size=2)
+    return cached_engine(team_url(definition, ""), pool_size=2, variable=definition.database_url_env)
 
 
 def describe(definition: SourceDef, exc: BaseException) -> str:

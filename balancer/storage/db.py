@@ -12,10 +12,12 @@ from balancer.storage.dbapi import connect_args, describe_connect_error
 from balancer.urls import mask_url, normalize_database_url, scrub
 
 
-def make_engine(url: str, pool_size: int = Settings.db_pool_size, **kwargs: object) -> Engine:
+def make_engine(url: str, pool_size: int = Settings.db_pool_size, *, variable: str = "BALANCER_DATABASE_URL",
+                **kwargs: object) -> Engine:
     """An engine for ``url`` (plain ``postgresql://`` accepted), using psycopg2,
-    that opens at most ``pool_size`` connections and keeps them open."""
-    url = normalize_database_url(url)
+    that opens at most ``pool_size`` connections and keeps them open (``variable``: where
+    the URL came from, named by the error for a malformed one)."""
+    url = normalize_database_url(url, variable)
     try:
         # Worker processes run many threads; each holds a connection only for one
         # statement, so a few connections serve them all, and a thread finding
@@ -35,13 +37,14 @@ def make_engine(url: str, pool_size: int = Settings.db_pool_size, **kwargs: obje
                    "connect_args": connect_args(own_options), **kwargs}
         return sa.create_engine(url, **options)
     except (sa.exc.ArgumentError, ValueError) as exc:
-        raise ConfigError(f"BALANCER_DATABASE_URL is malformed ({mask_url(url)}): {scrub(str(exc), url)}") from None
+        raise ConfigError(f"{variable} is malformed ({mask_url(url)}): {scrub(str(exc), url)}") from None
 
 
 _ENGINES: dict[str, Engine] = {}
 
 
-def cached_engine(url: str, *, pre_ping: bool = True, pool_size: int = Settings.db_pool_size) -> Engine:
+def cached_engine(url: str, *, pre_ping: bool = True, pool_size: int = Settings.db_pool_size,
+                  variable: str = "BALANCER_DATABASE_URL") -> Engine:
     """One engine (one connection pool) per URL per process.
 
     ``pre_ping=False`` saves a round trip per checkout; for callers that retry
@@ -50,7 +53,7 @@ def cached_engine(url: str, *, pre_ping: bool = True, pool_size: int = Settings.
     """
     key = f"{url}#ping={pre_ping}#pool={pool_size}"
     if key not in _ENGINES:
-        _ENGINES[key] = make_engine(url, pool_size, pool_pre_ping=pre_ping)
+        _ENGINES[key] = make_engine(url, pool_size, variable=variable, pool_pre_ping=pre_ping)
     return _ENGINES[key]
 
 

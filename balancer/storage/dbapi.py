@@ -25,12 +25,17 @@ def connect_args(own_options: str) -> dict[str, Any]:
     ``search_path``) kept in front. connect_timeout: a server that accepts but never
     answers fails in 5 s, not never. TCP keepalives: a connection whose server vanished
     (no RST) is found dead in about 25 s. statement_timeout: no query of ours runs for a minute.
+    What a database's or role's own settings must not change in what we read and write (a
+    team's database may be anyone's): UTF-8 text whatever the database's encoding (a SQL_ASCII
+    database's bytes are UTF-8 to us, not ASCII), and a float's text exact (a key of type
+    ``float8`` read back as the row it names, whatever ``extra_float_digits`` the database sets).
 
     >>> connect_args("-csearch_path=s")["options"]
-    '-csearch_path=s -c statement_timeout=60000'
+    '-csearch_path=s -c statement_timeout=60000 -c extra_float_digits=3'
     """
     return {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-            "keepalives_count": 3, "options": f"{own_options} -c statement_timeout=60000".strip()}
+            "keepalives_count": 3, "client_encoding": "UTF8",
+            "options": f"{own_options} -c statement_timeout=60000 -c extra_float_digits=3".strip()}
 
 
 #: libpq's words for a server that is down, starting or out of reach (not a bad

@@ -332,6 +332,69 @@ def test_an_undecodable_prompt_fails_its_row_alone(service_urls, tmp_path: Path,
             team.dispose()
 
 
+def _team_table(url: str, statement: str) -> None:
+    team = sa.create_engine(url)
+    try:
+        with team.begin() as conn:
+            conn.exec_driver_sql(statement)
+    finally:
+        team.dispose()
+
+
+def _read_solved_written(svc: Services, tmp_path: Path, capsys, rows: int, answer: str) -> None:  # noqa: ANN001
+    """Import table ``prompts`` of ``LEGACY_DATABASE_URL`` a row a read, read it to its end, answer
+    every row with ``answer`` and write them back: each row one task, each written, none taken for
+    changed or refused."""
+    from balancer.sources.ingest import ingest_source, quota_bursts
+    from balancer.sources.store import all_sources
+
+    assert import_legacy(tmp_path, capsys, "prompts", batch=1)[0] == 0
+    with svc.engine.connect() as conn:
+        [definition] = all_sources(conn)
+    for _ in range(rows):  # not waiting for poll_seconds
+        ingest_source(svc, definition, quota_bursts(svc))
+    assert solve_pending(svc, answer) == rows
+    drained = drain(svc)
+    assert (drained.written, drained.refused, drained.changed, drained.conflicts) == (rows, 0, 0, 0), drained
+
+
+def test_a_sql_ascii_table_s_utf8_key_and_answer_are_read_and_written(service_urls, tmp_path: Path, capsys,  # noqa: ANN001
+                                                                       monkeypatch, svc: Services) -> None:
+    """A probe: a SQL_ASCII database was read through the driver's ASCII codec. A key ``clé``
+    stopped the source's reads for good (the cursor stayed before it; 'z' was never read) and an
+    answer ``réponse`` was refused ("'ascii' codec can't encode"). Its bytes are UTF-8 to us."""
+    with legacy_database(service_urls[1], encoding="SQL_ASCII") as url:
+        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+        _team_table(url, "CREATE TABLE prompts (id text PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                         "'unsolved', answer text, solved_by text, error text, priority int);"
+                         "INSERT INTO prompts (id, body) VALUES ('a', 'one'), "
+                         "(convert_from('\\x636cc3a9'::bytea, 'SQL_ASCII'), 'two'), ('z', 'three')")
+        _read_solved_written(svc, tmp_path, capsys, 3, "réponse")
+        team = sa.create_engine(url)
+        try:
+            with team.connect() as conn:
+                assert conn.exec_driver_sql("SELECT count(*) FROM prompts WHERE convert_to(answer, 'SQL_ASCII') "
+                                            "= '\\x72c3a9706f6e7365'::bytea").scalar_one() == 3
+        finally:
+            team.dispose()
+
+
+def test_a_float_key_is_read_exactly_whatever_the_database_s_extra_float_digits(
+        service_urls, tmp_path: Path, capsys, monkeypatch, svc: Services) -> None:  # noqa: ANN001
+    """A probe: a database set to ``extra_float_digits = 0`` printed float8 keys in 15 digits, so
+    a key read back named another row: the cursor stood still before 1.0000000000000002 (never
+    read after it) and 0.1 + 0.2's write-back was taken for a row someone else changed."""
+    with legacy_database(service_urls[1]) as url:
+        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+        database = sa.engine.make_url(url).database
+        _team_table(url, f'ALTER DATABASE "{database}" SET extra_float_digits = 0;'
+                         "CREATE TABLE prompts (id float8 PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                         "'unsolved', answer text, solved_by text, error text, priority int);"
+                         "INSERT INTO prompts (id, body) VALUES (0.1::float8 + 0.2::float8, 'a'), "
+                         "(1.0000000000000002, 'b'), (1.0000000000000004, 'c'), (2, 'd')")
+        _read_solved_written(svc, tmp_path, capsys, 4, "answer")
+
+
 def test_a_removed_source_s_read_error_is_said_no_more(svc: Services, legacy: Legacy, tmp_path: Path,
                                                       capsys) -> None:  # noqa: ANN001
     """A tester dropped the team's table mid-run (`status`: "table unreadable"), then removed the

@@ -552,6 +552,16 @@ def test_an_answer_too_long_for_a_domain_over_varchar_is_refused_not_cut(svc: Se
     assert "value too long for type character varying(20)" in out and "violates check constraint" in out, out
 
 
+def test_a_malformed_team_url_is_named_by_its_own_variable(svc: Services, legacy: Legacy, tmp_path: Path, capsys,  # noqa: ANN001
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe: a source's malformed URL (an unclosed IPv6 bracket) was said to be
+    BALANCER_DATABASE_URL's, which was fine."""
+    monkeypatch.setenv("LEGACY_DATABASE_URL", "postgresql://postgres@[::1:5432/team")
+    code, _, err = _import(tmp_path, capsys, "bad_url", "prompts")
+    assert code == 2 and err.startswith("error: LEGACY_DATABASE_URL is malformed"), err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
                                                         capsys) -> None:  # noqa: ANN001
     """A probe: a key of a composite type was imported (exit 0), then every read failed ("input of
