@@ -1,6 +1,6 @@
 """A batch of write-backs in one statement on the team's table.
 
-The same guarded, fenced UPDATE as :func:`balancer.sources.catalog.write_back`
+The same guarded, fenced UPDATE as :func:`balancer.sources.catalog.writeback_query`
 (its condition: :func:`balancer.sources.catalog.guard`),
 for many rows at once: their values arrive as arrays (``unnest``), each cast
 to its column's type as the catalog names it (without a length: a value too

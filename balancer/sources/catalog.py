@@ -174,26 +174,10 @@ def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) 
             + ([replaces is not None, *failed] if failed else []))
 
 
-#: What :func:`write_back` did: ``written``; ``written_matching`` (written, and the row still
+#: What a row's write-back did: ``written``; ``written_matching`` (written, and the row still
 #: matches ``where``: a re-read would take it for re-opened); ``missed`` (the guard matched no
 #: row: changed, or gone); ``nothing`` (the source writes nothing back for this outcome).
 WRITTEN, WRITTEN_MATCHING, MISSED, NOTHING = "written", "written_matching", "missed", "nothing"
-
-
-def write_back(conn: Connection, definition: SourceDef, outcome: str, task: dict[str, Any],
-               rendered: dict[str, str | None] | None = None) -> str:
-    """Write one task's end to its row in the caller's transaction (one of the values above).
-    ``task``: its key, answer, model, error and fingerprint. ``rendered`` keeps each
-    outcome's statement text across the calls of one batch."""
-    rendered = {} if rendered is None else rendered
-    if outcome not in rendered:
-        query = writeback_query(definition, outcome)
-        rendered[outcome] = None if query is None else _render(conn, query)
-    text = rendered[outcome]
-    if text is None:
-        return NOTHING
-    row = conn.exec_driver_sql(text, tuple(writeback_values(definition, outcome, task))).first()
-    return MISSED if row is None else WRITTEN_MATCHING if row[0] else WRITTEN
 
 
 @dataclass(frozen=True)
@@ -268,8 +252,11 @@ CONDITION_TIMEOUT_S = 5
 
 #: A function called in a plan's text (EXPLAIN VERBOSE deparses each call as ``name(`` or ``"name"(``).
 _CALLED = re.compile(r'"((?:[^"]|"")+)"\s*\(|([A-Za-z_][A-Za-z0-9_$]*)\s*\(')
-#: Of those names, the ones a volatile function has (``set_config``, ``random``, a function declared without STABLE).
-_VOLATILE = "SELECT DISTINCT proname FROM pg_proc WHERE proname = ANY(%s) AND provolatile = 'v' ORDER BY 1"
+#: Of those names, the ones a volatile function has (``set_config``, ``random``, a function declared without
+#: STABLE); and the operators in the plan that call one (an operator hides its function's name).
+_VOLATILE = ("SELECT proname FROM pg_proc WHERE proname = ANY(%s) AND provolatile = 'v' UNION SELECT 'operator ' || "
+             "oprname FROM pg_operator JOIN pg_proc ON pg_proc.oid = oprcode WHERE provolatile = 'v' AND strpos(%s, oprname) > 0 "
+             "ORDER BY 1")
 
 
 def _check_condition(conn: Connection, definition: SourceDef) -> None:
@@ -295,7 +282,7 @@ def _check_condition(conn: Connection, definition: SourceDef) -> None:
         raise SourceFileError(f"sources.{definition.name}: where is not one boolean condition")
     plan = "\n".join(line for (line,) in conn.exec_driver_sql("EXPLAIN (VERBOSE, COSTS OFF) " + _render(conn, query), (1,)))
     called = sorted({quoted.replace('""', '"') if quoted else bare for quoted, bare in _CALLED.findall(plan)})
-    volatile = [name for (name,) in conn.exec_driver_sql(_VOLATILE, (called,))]
+    volatile = [name for (name,) in conn.exec_driver_sql(_VOLATILE, (called, plan))]
     if volatile:
         raise SourceFileError(f"sources.{definition.name}: where calls {', '.join(printable(v, 63) for v in volatile)}, "
                               "a volatile function: a condition may call only stable and immutable ones (a volatile "

@@ -215,7 +215,8 @@ def test_a_write_back_committed_before_a_crash_is_not_written_again(svc: Service
                                                                      capsys) -> None:  # noqa: ANN001
     """The team's database committed the write, balancer died before removing the
     outbox row: the retry finds the row already holding the answer, writes nothing."""
-    from balancer.sources.catalog import team_connection, write_back
+    from balancer.sources.batchwrite import column_types, write_many
+    from balancer.sources.catalog import team_connection
     from balancer.sources.store import all_sources
 
     legacy.add(3)
@@ -228,7 +229,7 @@ def test_a_write_back_committed_before_a_crash_is_not_written_again(svc: Service
                                            tasks.c.source_fingerprint.label("fingerprint"))
                                  .where(tasks.c.key == "2")).one()._mapping)
     with team_connection(definition, svc.engine) as team, team.begin():  # the write that committed before the crash
-        assert write_back(team, definition, "solved", task) == "written"
+        assert write_many(team, definition, "solved", [task], column_types(team, definition), {}) == {0: False}
     drained = drain(svc)
     assert (drained.written, drained.conflicts) == (3, 0)
     assert legacy.count("SELECT count(*) FROM writes") == 3

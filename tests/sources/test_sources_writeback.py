@@ -58,6 +58,8 @@ ESCAPING = "status = 'unsolved') OR (status = 'unsolved'"
     # A probe: on balancer's own database this sent balancer's next statements to the team's schema.
     ("status = 'unsolved' AND set_config('search_path', 'x', false) IS NOT NULL", "where calls set_config, a volatile"),
     ('"random"() < 2', "where calls random, a volatile"),
+    # A probe: an operator hid its volatile function from the plan's names.
+    ("status OPERATOR({schema}.===) 'unsolved'", "where calls operator ===, a volatile"),
 ])
 def test_a_where_that_leaves_its_parentheses_or_is_not_one_side_effect_free_condition_is_refused_at_import(
         svc: Services, legacy: Legacy, tmp_path: Path, capsys, where: str, message: str) -> None:  # noqa: ANN001
@@ -66,6 +68,9 @@ def test_a_where_that_leaves_its_parentheses_or_is_not_one_side_effect_free_cond
     ``source import`` in one line, as is a where whose parentheses only balance when a
     string literal is misread, and one with a side effect."""
     legacy.add(3)
+    legacy.execute("CREATE FUNCTION same(a text, b text) RETURNS boolean LANGUAGE plpgsql VOLATILE AS "
+                   "'BEGIN RETURN a = b; END';"
+                   "CREATE OPERATOR === (FUNCTION = same, LEFTARG = text, RIGHTARG = text)")
     path = source_file(tmp_path, legacy.table, where=json.dumps(where.format(schema=legacy.schema)))
     code, _, err = run(capsys, "source", "import", str(path))
     assert code == 2 and message in err, err
