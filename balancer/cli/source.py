@@ -59,6 +59,7 @@ def source_rows(name: str, limit: int, as_json: bool) -> None:
 @click.option("--by", help="Who made the change (default: the OS user), for the audit.")
 def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> None:
     """Create or update the sources in FILE (TOML), each checked against its table's catalog first."""
+    from balancer.sources.batchwrite import check_writable
     from balancer.sources.catalog import check_source, poll_note, read_only, team_connection
     from balancer.sources.definition import SourceFileError, parse_source_file
     from balancer.sources.read_errors import clear_read_errors
@@ -82,6 +83,7 @@ def source_import(file: Path, replace: bool, dry_run: bool, by: str | None) -> N
         with team_connection(definition, svc.engine) as conn:
             try:
                 relations[definition.name] = check_source(conn, definition)
+                check_writable(conn, definition)
             except SourceFileError as exc:  # FILE's mistake: named as read_declared names its own
                 raise SourceFileError(f"{name}: {exc}") from None
             notes.append(poll_note(conn, definition))  # a poll that cannot use an index (issue 38 finding 11)

@@ -1,8 +1,7 @@
 """A batch of write-backs in one statement on the team's table.
 
-The same guarded, fenced UPDATE as :func:`balancer.sources.catalog.writeback_query`
-(its condition: :func:`balancer.sources.catalog.guard`),
-for many rows at once: their values arrive as arrays (``unnest``), each cast
+The guarded, fenced UPDATE of the rows of a batch (its condition:
+:func:`balancer.sources.catalog.guard`), many rows at once: their values arrive as arrays (``unnest``), each cast
 to its column's type as the catalog names it (without a length: a value too
 long for a ``varchar(n)`` is refused by the column, never cut), and the
 statement returns which rows it wrote and whether each, written, still matches
@@ -24,7 +23,8 @@ from sqlalchemy.exc import DBAPIError
 
 from balancer.errors import printable
 from balancer.sources.catalog import INSUFFICIENT_PRIVILEGE, _render, _replaces, _sets, _table, _where, guard, sqlstate
-from balancer.sources.definition import SourceDef
+from balancer.sources.definition import SourceDef, SourceFileError
+from balancer.sources.teamdb import describe
 
 #: Each column's type by its catalog name, without its length or precision (``pg_catalog.varchar``,
 #: not ``(20)``; ``pg_catalog.bpchar``, not ``character``, which a cast would read as ``character(1)``);
@@ -148,17 +148,41 @@ def write_many(conn: Connection, definition: SourceDef, outcome: str, tasks: lis
     text = rendered[outcome]
     if text is None:
         return None
-    value = {"answer": "answer", "model": "model", "error": "error"}
-    status = definition.solved if outcome == "solved" else definition.failed
-    columns = [[status for _ in tasks] if role == "status" else [t.get(value[role]) for t in tasks]
-               for role, _ in _sets(definition, outcome)]
-    params = (*columns, [t["key"] for t in tasks], [t.get("fingerprint") for t in tasks], list(range(len(tasks))),
-              [t.get("replaces") is not None for t in tasks], [(t.get("replaces") or {}).get("error") for t in tasks])
     written: dict[int, bool] = {}
-    for i, matches in conn.exec_driver_sql(text, params):
+    for i, matches in conn.exec_driver_sql(text, _parameters(definition, outcome, tasks)):
         if int(i) in written:  # raised inside the caller's savepoint: both rows' writes are undone
             raise KeyNotUnique(f"key {printable(str(tasks[int(i)]['key']), 100)} matches several rows of "
                                f"{printable(definition.table, 130)}: its key is no longer unique (a unique index "
                                "dropped since the source's import)")
         written[int(i)] = bool(matches)
     return written
+
+
+def _parameters(definition: SourceDef, outcome: str, tasks: list[dict[str, Any]]) -> tuple[list[Any], ...]:
+    """The arrays :func:`batch_query` binds for ``tasks``, in its order."""
+    value = {"answer": "answer", "model": "model", "error": "error"}
+    status = definition.solved if outcome == "solved" else definition.failed
+    columns = [[status for _ in tasks] if role == "status" else [t.get(value[role]) for t in tasks]
+               for role, _ in _sets(definition, outcome)]
+    return (*columns, [t["key"] for t in tasks], [t.get("fingerprint") for t in tasks], list(range(len(tasks))),
+            [t.get("replaces") is not None for t in tasks], [(t.get("replaces") or {}).get("error") for t in tasks])
+
+
+def check_writable(conn: Connection, definition: SourceDef) -> None:
+    """At import, after :func:`balancer.sources.catalog.check_source`: each outcome's write-back,
+    the very statement a batch runs, planned on the table (EXPLAIN: never run, and rolled back
+    all the same); :class:`SourceFileError` if PostgreSQL refuses it (a type that does not cast,
+    a ``where`` naming a column ambiguously beside the statement's own)."""
+    with conn.begin() as transaction:
+        types = column_types(conn, definition)
+        for outcome in ("solved", "failed"):
+            query = batch_query(definition, outcome, types)
+            if query is None:
+                continue
+            try:
+                with conn.begin_nested():
+                    conn.exec_driver_sql("EXPLAIN " + _render(conn, query), _parameters(definition, outcome, []))
+            except DBAPIError as exc:
+                raise SourceFileError(f"sources.{definition.name}: the write-back of a {outcome} task would fail: "
+                                      f"{describe(definition, exc)}") from None
+        transaction.rollback()

@@ -129,49 +129,23 @@ def guard(definition: SourceDef, task_fence: sql.Composable, replaces: sql.Compo
         prompt=_fingerprint(definition), first=part.format(task_fence, separator, sql.Literal(1)))
 
 
-def writeback_query(definition: SourceDef, outcome: str) -> sql.Composable | None:
-    """The guarded UPDATE of one row: it changes the row only while the row still
-    matches ``where`` and its prompt and written columns are still the ones read (the
-    fence, :func:`guard`: someone else's change is never overwritten). It returns whether
-    the row, written, still matches ``where``. None: nothing to write."""
-    sets = _sets(definition, outcome)
-    if not sets:
-        return None
-    assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(col)) for _, col in sets)
-    return sql.SQL("UPDATE {table} SET {sets} FROM (SELECT CAST(%s AS text) AS balancer_fp) AS balancer_f "
-                   "WHERE {key} = %s AND {guard} RETURNING coalesce({cond}, false)").format(
-        table=_table(definition), sets=assignments, key=sql.Identifier(definition.key), cond=_where(definition),
-        guard=guard(definition, sql.SQL("balancer_f.balancer_fp"), _replaces(definition)))
-
-
-_PARAMETER = sql.SQL("%s")
-
-
-def _replaces(definition: SourceDef, flag: sql.Composable = _PARAMETER,
-              values: dict[str, sql.Composable] | None = None) -> sql.Composable:
+def _replaces(definition: SourceDef, flag: sql.Composable, values: dict[str, sql.Composable]) -> sql.Composable:
     """The guard's other way in, for a task ``tasks retry`` sent back after its failure was
     written: the row still holds exactly that failure (balancer's own write, nobody else's).
-    ``flag``: whether the task has one; ``values``: each failed column's value (default: bound
-    parameters, :func:`writeback_values`'s; the batch write passes its own columns)."""
+    ``flag``: whether the task has one; ``values``: each failed column's value."""
     failed = _sets(definition, "failed")
     if not failed:
         return sql.SQL("false")
-    given = values or {}
     return sql.SQL("({} AND {})").format(flag, sql.SQL(" AND ").join(
-        sql.SQL("CAST({} AS text) IS NOT DISTINCT FROM {}").format(sql.Identifier(col), given.get(role, _PARAMETER))
+        sql.SQL("CAST({} AS text) IS NOT DISTINCT FROM {}").format(sql.Identifier(col), values[role])
         for role, col in failed))
 
 
-def writeback_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
-    """The values :func:`writeback_query` binds, in its order: the columns set, the fence
-    (``task["fingerprint"]``), the key, the failure a retried task may replace (``task["replaces"]``)."""
+def written_values(definition: SourceDef, outcome: str, task: dict[str, Any]) -> list[Any]:
+    """What a write-back of ``task`` ending as ``outcome`` sets, column by column (:func:`_sets`' order)."""
     value = {"answer": task.get("answer"), "model": task.get("model"), "error": task.get("error"),
              "status": definition.solved if outcome == "solved" else definition.failed}
-    replaces = task.get("replaces")
-    failure = {"status": definition.failed, "error": replaces.get("error") if replaces else None}
-    failed = [failure[role] for role, _ in _sets(definition, "failed")]
-    return ([value[role] for role, _ in _sets(definition, outcome)] + [task.get("fingerprint"), task["key"]]
-            + ([replaces is not None, *failed] if failed else []))
+    return [value[role] for role, _ in _sets(definition, outcome)]
 
 
 #: What a row's write-back did: ``written``; ``written_matching`` (written, and the row still
@@ -201,7 +175,7 @@ def inspect(conn: Connection, definition: SourceDef, outcome: str, task: dict[st
     row = conn.exec_driver_sql(_render(conn, query), (task["key"],)).first()
     if row is None:
         return None
-    wanted = writeback_values(definition, outcome, task)[:len(sets)]
+    wanted = written_values(definition, outcome, task)
     holds = [None if v is None else str(v) for v in row[3:]] == [None if v is None else str(v) for v in wanted]
     return RowNow(bool(row[0]), row[2], holds, row[1])
 
@@ -369,19 +343,5 @@ def check_source(conn: Connection, definition: SourceDef) -> list[str]:
         elif relation.relkind == "v" and status is not None:  # its UPDATE meets its one table's constraints
             check_status_values(conn, definition, bases[0], view_column(conn, _render(conn, sql.SQL(
                 "SELECT {} FROM {}").format(sql.Identifier(status), _table(definition)))))
-    with conn.begin() as transaction:  # EXPLAIN plans the UPDATE, never runs it; rolled back all the same
-        for outcome in ("solved", "failed"):
-            query = writeback_query(definition, outcome)
-            if query is None:
-                continue
-            values = writeback_values(definition, outcome, {"key": None, "answer": "", "model": "", "error": "",
-                                                            "fingerprint": ""})
-            try:
-                with conn.begin_nested():
-                    conn.exec_driver_sql("EXPLAIN " + _render(conn, query), tuple(values))
-            except DBAPIError as exc:
-                raise SourceFileError(f"sources.{name}: the write-back of a {outcome} task would fail: "
-                                      f"{describe(definition, exc)}") from None
-        transaction.rollback()
     return relations
 

@@ -562,6 +562,20 @@ def test_a_malformed_team_url_is_named_by_its_own_variable(svc: Services, legacy
     assert len(err.strip().splitlines()) == 1
 
 
+def test_the_import_plans_the_write_back_a_batch_runs(svc: Services, legacy: Legacy, tmp_path: Path,
+                                                     capsys) -> None:  # noqa: ANN001
+    """A probe: a team's column named like one of the batch statement's own (``balancer_i``) in
+    ``where`` passed the import, which planned a one-row statement no write-back runs; every
+    write-back then failed for ever ("column reference is ambiguous"). The import plans the
+    batch's statement, and says so in one line."""
+    legacy.execute("CREATE TABLE clash (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL DEFAULT "
+                   "'unsolved', answer text, solved_by text, error text, priority int, balancer_i int DEFAULT 0)")
+    code, _, err = _import(tmp_path, capsys, "clash", f"{legacy.schema}.clash",
+                           where="\"status = 'unsolved' AND balancer_i = 0\"")
+    assert code == 2 and "the write-back of a solved task would fail" in err and "ambiguous" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
                                                         capsys) -> None:  # noqa: ANN001
     """A probe: a key of a composite type was imported (exit 0), then every read failed ("input of
