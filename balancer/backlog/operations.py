@@ -103,8 +103,9 @@ def get_task(engine: Engine, task_id: int) -> Any:
 #: balancer.sources' tables, as far as a retry reads them (storage sits below the sources room).
 _sources = sa.table("sources", sa.column("name", sa.Text))
 _outbox = sa.table("source_outbox", sa.column("task_id", sa.BigInteger), sa.column("state", sa.Text))
-#: A retried source task's write-backs still to do of its failure: dropped, its new end is written instead.
-_FAILURE_UNWRITTEN = ("waiting", "unwritable")
+#: A retried source task's write-backs of its failure still to do, or with nothing to do (``unrecorded``:
+#: kept only so that its row is not asked again): dropped, its new end is written instead.
+_FAILURE_UNWRITTEN = ("waiting", "unwritable", "unrecorded")
 
 _RETRY = dict(status="pending", attempts=0, rate_limited=0, error=None, model=None, admission_id=None,
               hedge_admission_id=None, hedge_model=None, avoid_model=None, not_before=None, deadline=None,

@@ -31,7 +31,7 @@ source.add_command(unwritable_command)
 def source_rows(name: str, limit: int, as_json: bool) -> None:
     """The rows of source NAME that hold no answer from balancer, by their key, and why: not a task
     (its reason), cancelled, or a write-back waiting after a failed try, not overwritten or
-    unwritable (the counts of `source list`, row by row)."""
+    unwritable (the counts of `source list`, row by row), or a failed task with no column to write."""
     import sqlalchemy as sa
 
     from balancer.sources.schema import sources

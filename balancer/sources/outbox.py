@@ -10,6 +10,9 @@ A row of ``source_outbox`` is in one state:
   (:mod:`balancer.sources.reask`), whose end queues a new outbox row;
 - ``written``: written, but the written row still matches ``where`` (so a re-read
   would take it for re-opened): kept, so that it is not asked again;
+- ``unrecorded``: a failure its source declares no column for (no ``status``, no
+  ``error``): nothing written, its row left as it was, still matching ``where``: kept,
+  as a ``written`` one is, so that it is not asked again (``balancer tasks retry`` asks it);
 - ``unwritable``: the team's table refused it ``BALANCER_WRITEBACK_ATTEMPTS`` times
   (a CHECK, a value too long, a character its encoding lacks), ``last_error`` says
   why; ``balancer source unwritable NAME --retry`` writes it again, ``--drop`` gives up;
@@ -39,12 +42,12 @@ from balancer.sources.schema import source_outbox, sources
 from balancer.storage import audit
 from balancer.storage.schema import source_changes, tasks
 
-WAITING, CONFLICT, CHANGED, WRITTEN, UNWRITABLE, DROPPED = (
-    "waiting", "conflict", "changed", "written", "unwritable", "dropped")
+WAITING, CONFLICT, CHANGED, WRITTEN, UNRECORDED, UNWRITABLE, DROPPED = (
+    "waiting", "conflict", "changed", "written", "unrecorded", "unwritable", "dropped")
 #: ``tasks show``: no write-back of the task, for its source is no longer declared (removed).
 NO_SOURCE = "no source"
 #: The states that keep a task from being asked again when its row is read matching ``where``.
-KEEPS_TASK = (WAITING, WRITTEN, UNWRITABLE, DROPPED)
+KEEPS_TASK = (WAITING, WRITTEN, UNRECORDED, UNWRITABLE, DROPPED)
 #: The longest wait before a failed write-back is tried again.
 MAX_BACKOFF_S = 60
 #: 2 ** this is past MAX_BACKOFF_S: the exponent never grows beyond it.
@@ -181,6 +184,8 @@ _SAID = {
     CONFLICT: "not overwritten: its row no longer matched where (someone else changed or answered it, or it is gone)",
     CHANGED: "not written: its row's prompt changed since it was read (asked again with the new prompt)",
     WRITTEN: "written",
+    UNRECORDED: ("none: its source declares no column for a failure (no status, no error): its row is left as it "
+                 "was, not asked again (`balancer tasks retry` asks it again)"),
     DROPPED: "dropped by an operator: never written",
     NO_SOURCE: "none: its source is no longer declared",
 }

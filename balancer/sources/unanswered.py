@@ -1,7 +1,8 @@
 """``balancer source rows NAME``: the rows of a source's table that hold no answer from balancer,
 each by its key, and why: not a task (its reason, :mod:`balancer.sources.ingest`), cancelled
 (by an operator), or its task ended but its write-back is waiting, was not overwritten, or was
-refused until left unwritable (:mod:`balancer.sources.outbox`). The counts ``source list`` and
+refused until left unwritable, or its task failed and its source has no column for a failure
+(:mod:`balancer.sources.outbox`). The counts ``source list`` and
 ``status`` show, row by row."""
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from balancer.sources.outbox import CONFLICT, ENDED_WITH_WRITEBACK, UNWRITABLE, WAITING, TaskWriteback, of_last_end
+from balancer.sources.outbox import (
+    CONFLICT,
+    ENDED_WITH_WRITEBACK,
+    UNRECORDED,
+    UNWRITABLE,
+    WAITING,
+    TaskWriteback,
+    of_last_end,
+)
 from balancer.sources.schema import source_outbox
 from balancer.storage.schema import tasks
 
@@ -21,8 +30,8 @@ CANCELLED = "cancelled by an operator: `balancer tasks retry --status cancelled 
 
 #: Each ended task's outbox row of its last end (as :func:`balancer.sources.outbox.task_writeback`
 #: reads one), to keep those in a state that leaves its row without balancer's answer.
-_LAST_FIRST = (sa.select(tasks.c.key, tasks.c.id.label("task_id"), source_outbox.c.state, source_outbox.c.attempts,
-                         source_outbox.c.last_error, source_outbox.c.next_attempt_at,
+_LAST_FIRST = (sa.select(tasks.c.key, tasks.c.id.label("task_id"), tasks.c.error, source_outbox.c.state,
+                         source_outbox.c.attempts, source_outbox.c.last_error, source_outbox.c.next_attempt_at,
                          sa.func.row_number().over(partition_by=tasks.c.id, order_by=source_outbox.c.id.desc())
                          .label("nth"))
                .select_from(source_outbox.join(tasks, tasks.c.id == source_outbox.c.task_id))
@@ -30,7 +39,7 @@ _LAST_FIRST = (sa.select(tasks.c.key, tasks.c.id.label("task_id"), source_outbox
                       of_last_end(source_outbox, tasks))
                .subquery("o"))
 _ENDED = sa.select(_LAST_FIRST).where(_LAST_FIRST.c.nth == 1).order_by(_LAST_FIRST.c.task_id)
-_SHOWN = (WAITING, CONFLICT, UNWRITABLE)
+_SHOWN = (WAITING, CONFLICT, UNWRITABLE, UNRECORDED)
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,8 @@ class Unanswered:
 
 def unanswered(engine: Engine, source: str, limit: int) -> list[Unanswered]:
     """Up to ``limit`` of ``source``'s rows without balancer's answer: not tasks, then cancelled,
-    then write-backs not written (waiting after a failed try, not overwritten, unwritable)."""
+    then write-backs not written (waiting after a failed try, not overwritten, unwritable, a failure
+    with no column to write)."""
     with engine.connect() as conn:
         rejected = conn.execute(sa.text("SELECT key, reason FROM source_rejects WHERE source = :source ORDER BY key "
                                         "LIMIT :limit"), {"source": source, "limit": limit}).all()
@@ -56,6 +66,7 @@ def unanswered(engine: Engine, source: str, limit: int) -> list[Unanswered]:
                  if r.state in _SHOWN and (r.state != WAITING or r.attempts > 0)][:limit]
     rows = [Unanswered(key, f"not a task: {reason}") for key, reason in rejected]
     rows += [Unanswered(key, CANCELLED.format(source=source), task_id) for key, task_id in cancelled]
-    rows += [Unanswered(r.key, "write-back " + TaskWriteback(r.state, int(r.attempts), r.last_error,
-                                                             r.next_attempt_at).text(), r.task_id) for r in ended]
+    rows += [Unanswered(r.key, (f"task failed: {r.error or 'no error recorded'}; " if r.state == UNRECORDED else "")
+                        + "write-back " + TaskWriteback(r.state, int(r.attempts), r.last_error,
+                                                        r.next_attempt_at).text(), r.task_id) for r in ended]
     return rows[:limit]

@@ -10,7 +10,10 @@ someone else changed meanwhile is never overwritten. Its outbox row becomes a
 ``conflict`` (the row no longer matches ``where``, or someone wrote into its
 answer, model, error or status column), or ``changed`` (its prompt changed and it still matches: its task is
 asked again with the new prompt, :mod:`balancer.sources.reask`); both are
-counted in ``balancer status``.
+counted in ``balancer status``. A failure the source declares no column for
+(no ``status``, no ``error``) writes nothing: its outbox row is kept as
+``unrecorded``, as a written row still matching ``where`` is kept, so that the
+row is not asked again.
 
 Each row alone: a batch is written in one transaction, one statement per
 outcome (:mod:`balancer.sources.batchwrite`); when the team's table refuses a
@@ -105,6 +108,7 @@ class Drained:
     changed: int = 0  # not overwritten: its prompt changed; asked again
     refused: int = 0  # refused by the team's table this time (tried again, or left unwritable)
     unwritable: int = 0  # of those, left unwritable
+    unrecorded: int = 0  # failures the source declares no column for: nothing written, kept (not asked again)
     retrying: int = 0  # a transient failure: tried again later
 
     def add(self, other: Drained) -> None:
@@ -215,14 +219,15 @@ def _settle(services: Services, definition: SourceDef, conn: Connection, claimed
                 log.warning("source %s: row %.80r changed since it was read, not asked again: %s", definition.name,
                             row["key"], why)
                 result = CONFLICT
-        state = {WRITTEN: "deleted", NOTHING: "deleted", WRITTEN_MATCHING: outbox.WRITTEN, CONFLICT: outbox.CONFLICT,
-                 CHANGED: outbox.CHANGED}[result]
+        state = {WRITTEN: "deleted", NOTHING: outbox.UNRECORDED, WRITTEN_MATCHING: outbox.WRITTEN,
+                 CONFLICT: outbox.CONFLICT, CHANGED: outbox.CHANGED}[result]
         by_state.setdefault(state, []).append(row["id"])
     for state, ids in by_state.items():
         outbox.mark(conn, ids, state)
     report.written = len(by_state.get("deleted", [])) + len(by_state.get(outbox.WRITTEN, []))
     report.conflicts = len(by_state.get(outbox.CONFLICT, []))
     report.changed = len(by_state.get(outbox.CHANGED, []))
+    report.unrecorded = len(by_state.get(outbox.UNRECORDED, []))
     report.refused = len(refused)
     report.unwritable = outbox.refuse(conn, refused, services.settings.writeback_attempts)
     if locked:
@@ -263,6 +268,9 @@ def _log(definition: SourceDef, report: Drained) -> None:
     if report.changed:
         log.warning("source %s: %d row(s) whose prompt changed since it was read, not overwritten: asked again",
                     definition.name, report.changed)
+    if report.unrecorded:
+        log.info("source %s: %d failed task(s) not written back: it declares no status or error column",
+                 definition.name, report.unrecorded)
     if report.refused:
         log.warning("source %s: %d write-back(s) refused by its table (%d now unwritable)", definition.name,
                     report.refused, report.unwritable)

@@ -170,9 +170,12 @@ def test_only_the_rows_a_source_ingested_are_written_back(svc: Services, tmp_pat
 # -- finding 4: one table is one source ------------------------------------------------------
 
 def _import(tmp_path: Path, capsys, name: str, table: str, *, env: bool = True,  # noqa: ANN001
-            **fields: str) -> tuple[int, str, str]:
+            without: tuple[str, ...] = (), **fields: str) -> tuple[int, str, str]:
+    """SOURCE_FILE's source ``name`` on ``table``, with ``fields`` in place of its own and the
+    optional fields ``without`` left out."""
     text = SOURCE_FILE.format(name=name, env='database_url_env = "LEGACY_DATABASE_URL"\n' if env else "",
                               table=table, batch=10)
+    text = "\n".join(line for line in text.splitlines() if not line.startswith(tuple(f"{k} = " for k in without)))
     for key, value in fields.items():
         text = "\n".join(f"{key} = {value}" if line.startswith(f"{key} = ") else line for line in text.splitlines())
     path = tmp_path / f"{name}.toml"
@@ -621,3 +624,42 @@ def test_a_write_back_the_table_skips_is_said_so_not_taken_for_someone_elses_cha
     assert (drained.written, drained.conflicts, drained.refused) == (2, 0, 1), drained
     code, out, _ = run(capsys, "source", "rows", "skipping")
     assert "its table skipped the update of a row as it was read (a BEFORE UPDATE trigger returning NULL" in out, out
+
+
+def test_a_failure_its_source_has_no_column_for_is_not_asked_again_and_is_named_in_source_rows(
+        svc: Services, legacy: Legacy, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A probe: with no ``status`` and no ``error`` column (both optional) and ``where = "answer IS
+    NULL"``, a failed task had nothing to write; its outbox row was deleted as if written (drain
+    counted it written), so the rescan found its row still matching ``where``, took it for
+    re-opened and asked it again, attempts reset, for ever, said nowhere. Its outbox row is kept
+    now, as a written row's that still matches ``where`` is: the row is left as it was, not asked
+    again, named by ``source rows`` with the task's error; ``tasks retry`` asks it again."""
+    legacy.execute("CREATE TABLE bare (id bigint PRIMARY KEY, body text NOT NULL, answer text, solved_by text, "
+                   "priority int); INSERT INTO bare (id, body) VALUES (1, 'one'), (2, 'two')")
+    code, _, err = _import(tmp_path, capsys, "bare", f"{legacy.schema}.bare", without=("status", "error"),
+                           where='"answer IS NULL"')
+    assert code == 0, err
+    ingest_sources(svc)
+    assert solve_pending(svc, limit=1) == 1
+    with svc.engine.begin() as conn:
+        failed = conn.execute(sa.update(tasks).where(tasks.c.status == "pending").values(
+            status="failed", error="context length exceeded (permanent)", attempts=3).returning(tasks.c.id)).scalar_one()
+    drained = drain(svc)
+    assert drained.written == 1, drained  # the failure: nothing written, not counted written
+    assert drained.unrecorded == 1, drained
+    for _ in range(4):  # the rescan reads row 2 again and again, still matching where
+        time.sleep(0.15)  # poll_seconds
+        ingest_sources(svc)
+        assert drain(svc).written == 0
+    with svc.engine.connect() as conn:
+        task = conn.execute(sa.select(tasks.c.status, tasks.c.attempts).where(tasks.c.id == failed)).one()
+    assert tuple(task) == ("failed", 3)  # not asked again
+    assert legacy.count("SELECT count(*) FROM bare WHERE answer IS NULL") == 1  # nothing written to row 2
+    code, out, _ = run(capsys, "source", "rows", "bare")
+    assert code == 0 and out.splitlines()[-1] == "bare: 1 row(s) without balancer's answer", out
+    assert out.startswith(f"key 2 (balancer task {failed}): task failed: context length exceeded (permanent); "
+                          "write-back none: its source declares no column for a failure"), out
+    assert run(capsys, "tasks", "retry", "--source", "bare", "--yes")[0] == 0  # asked again when asked to
+    assert solve_pending(svc) == 1
+    assert drain(svc).written == 1
+    assert legacy.count("SELECT count(*) FROM bare WHERE answer = 'answer to two'") == 1
