@@ -168,12 +168,19 @@ def _parameters(definition: SourceDef, outcome: str, tasks: list[dict[str, Any]]
             [t.get("replaces") is not None for t in tasks], [(t.get("replaces") or {}).get("error") for t in tasks])
 
 
+_READ_ONLY = "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'"
+
+
 def check_writable(conn: Connection, definition: SourceDef) -> None:
     """At import, after :func:`balancer.sources.catalog.check_source`: each outcome's write-back,
     the very statement a batch runs, planned on the table (EXPLAIN: never run, and rolled back
     all the same); :class:`SourceFileError` if PostgreSQL refuses it (a type that does not cast,
-    a ``where`` naming a column ambiguously beside the statement's own)."""
+    a ``where`` naming a column ambiguously beside the statement's own), or if the database
+    takes no write at all."""
     with conn.begin() as transaction:
+        if conn.exec_driver_sql(_READ_ONLY).scalar_one():
+            raise SourceFileError(f"sources.{definition.name}: its database is read only (a standby, or "
+                                  "default_transaction_read_only): no answer could be written back")
         types = column_types(conn, definition)
         for outcome in ("solved", "failed"):
             query = batch_query(definition, outcome, types)

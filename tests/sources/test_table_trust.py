@@ -579,6 +579,26 @@ def test_the_import_plans_the_write_back_a_batch_runs(svc: Services, legacy: Leg
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_read_only_database_is_refused_at_import(svc: Services, service_urls, tmp_path: Path, capsys,  # noqa: ANN001
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A probe: a source on a read-only database (a standby's URL, or one set
+    ``default_transaction_read_only``) was imported, and its write-backs then waited for ever."""
+    with legacy_fixtures.legacy_database(service_urls[1]) as url:
+        monkeypatch.setenv("LEGACY_DATABASE_URL", url)
+        team = sa.create_engine(url)
+        try:
+            with team.begin() as conn:
+                conn.exec_driver_sql("CREATE TABLE ro (id bigint PRIMARY KEY, body text NOT NULL, status text NOT NULL "
+                                     "DEFAULT 'unsolved', answer text, solved_by text, error text, priority int);"
+                                     f'ALTER DATABASE "{sa.engine.make_url(url).database}" '
+                                     "SET default_transaction_read_only = on")
+        finally:
+            team.dispose()
+        code, _, err = _import(tmp_path, capsys, "ro", "ro")
+        assert code == 2 and "its database is read only" in err, err
+        assert len(err.strip().splitlines()) == 1
+
+
 def test_a_key_of_a_composite_type_is_refused_at_import(svc: Services, legacy: Legacy, tmp_path: Path,
                                                         capsys) -> None:  # noqa: ANN001
     """A probe: a key of a composite type was imported (exit 0), then every read failed ("input of
